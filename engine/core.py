@@ -1,0 +1,217 @@
+"""`EngineCore`: the synchronous, sans-IO heart of the engine.
+
+`add_request` / `abort_requests` between steps, `step()` to advance every scheduled request by
+one forward pass. No threads, no sockets, no awaits: the actor layer wraps it with I/O, and tests
+drive it directly.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+from dataclasses import dataclass
+
+import torch
+
+from triollm.engine.block_manager import BlockManager
+from triollm.engine.config import EngineConfig
+from triollm.engine.model_runner import ModelRunner
+from triollm.engine.models.llama import load_model
+from triollm.engine.request import EngineCoreOutput, EngineCoreRequest, Request, RequestStatus
+from triollm.engine.scheduler import Scheduler
+from triollm.kernels import KVCache, allocate_kv_cache
+
+__all__ = ["EngineCore", "EngineCoreStats"]
+
+log = logging.getLogger("triollm")
+
+_DEFAULT_CPU_KV_FRACTION = 0.2
+_DEFAULT_CPU_KV_MAX = 2 << 30
+
+
+@dataclass(frozen=True)
+class EngineCoreStats:
+    num_running: int
+    num_waiting: int
+    num_blocks: int
+    num_free_blocks: int
+    num_cached_blocks: int
+    kv_cache_usage: float
+    prefix_cache_hit_rate: float
+    num_preemptions: int
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        if config.num_threads is not None:
+            torch.set_num_threads(config.num_threads)
+        if config.seed is not None:
+            torch.manual_seed(config.seed)
+        mc = config.model
+        self.model = load_model(mc, config.device)
+        self.num_blocks = self._num_kv_blocks()
+        bs = config.cache.block_size
+        if self.num_blocks * bs < mc.max_model_len and config.cache.num_kv_blocks is None:
+            raise ValueError(
+                f"max_model_len: {mc.max_model_len} tokens do not fit in the KV cache "
+                f"({self.num_blocks} blocks x {bs} = {self.num_blocks * bs} tokens); "
+                "raise kv_cache_memory_bytes or lower max_model_len"
+            )
+        kv = allocate_kv_cache(
+            mc.num_layers, self.num_blocks, bs, mc.num_kv_heads, mc.head_dim, mc.dtype, config.device
+        )
+        self.block_manager = BlockManager(self.num_blocks, bs, config.cache.enable_prefix_caching)
+        self.scheduler = Scheduler(config.scheduler, self.block_manager, mc.max_model_len)
+        self.runner = ModelRunner(self.model, kv, config.device)
+        self.requests: dict[str, Request] = {}
+        log.info(
+            "KV cache: %d blocks of %d tokens (%d tokens, %.1f MiB) for %s on %s",
+            self.num_blocks,
+            bs,
+            self.num_blocks * bs,
+            self.num_blocks * self._bytes_per_block() / 2**20,
+            mc.path.name,
+            config.device,
+        )
+
+    # ------------------------------------------------------------------ sizing
+
+    def _bytes_per_block(self) -> int:
+        mc = self.config.model
+        return KVCache.bytes_per_block(
+            mc.num_layers, mc.num_kv_heads, mc.head_dim, self.config.cache.block_size, mc.dtype
+        )
+
+    def _num_kv_blocks(self) -> int:
+        cache = self.config.cache
+        if cache.num_kv_blocks is not None:
+            return cache.num_kv_blocks
+        budget = cache.kv_cache_memory_bytes
+        if budget is None:
+            budget = _default_kv_budget(self.config.device)
+        blocks = budget // self._bytes_per_block()
+        # More blocks than every sequence at full length could use would only waste memory.
+        useful = self.config.scheduler.max_num_seqs * math.ceil(
+            self.config.model.max_model_len / cache.block_size
+        )
+        blocks = min(blocks, useful + 1)
+        if blocks <= 0:
+            raise ValueError(
+                f"kv_cache_memory_bytes: {budget} bytes hold no KV block "
+                f"(one block needs {self._bytes_per_block()} bytes)"
+            )
+        return int(blocks)
+
+    # ------------------------------------------------------------------ requests
+
+    def add_request(self, request: EngineCoreRequest) -> None:
+        """Queue a request. Raises ValueError (and changes nothing) if it is invalid."""
+        mc = self.config.model
+        rid = request.request_id
+        if rid in self.requests:
+            raise ValueError(f"request_id: {rid!r} is already running")
+        ids = request.prompt_token_ids
+        if not ids:
+            raise ValueError("prompt: the prompt is empty")
+        if len(ids) >= mc.max_model_len:
+            raise ValueError(
+                f"prompt: {len(ids)} tokens leave no room to generate within "
+                f"max_model_len ({mc.max_model_len})"
+            )
+        if min(ids) < 0 or max(ids) >= mc.vocab_size:
+            raise ValueError(f"prompt_token_ids: token ids must be in [0, {mc.vocab_size})")
+        room = mc.max_model_len - len(ids)
+        max_tokens = request.sampling_params.max_tokens
+        req = Request(request, room if max_tokens is None else min(max_tokens, room))
+        self.requests[rid] = req
+        self.scheduler.add_request(req)
+
+    def abort_requests(self, request_ids: list[str] | str) -> None:
+        """Finish the requests now and free their blocks; unknown ids are ignored."""
+        if isinstance(request_ids, str):
+            request_ids = [request_ids]
+        for rid in request_ids:
+            req = self.requests.pop(rid, None)
+            if req is not None:
+                self.scheduler.finish(req, RequestStatus.FINISHED_ABORTED)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def reset_prefix_cache(self) -> bool:
+        return self.block_manager.reset_prefix_cache()
+
+    # ------------------------------------------------------------------ the step
+
+    def step(self) -> list[EngineCoreOutput]:
+        """Run one scheduled batch; return the outputs of the requests that advanced."""
+        if not self.scheduler.has_unfinished_requests():
+            return []
+        sched = self.scheduler.schedule()
+        if not sched.scheduled:
+            return []
+        result = self.runner.execute(sched.scheduled)
+        outputs: list[EngineCoreOutput] = []
+        for item in sched.scheduled:
+            self.scheduler.advance(item)
+            req = item.request
+            prompt_lps = result.prompt_logprobs.get(req.request_id)
+            if not item.samples:
+                if prompt_lps is not None:
+                    outputs.append(EngineCoreOutput(req.request_id, [], new_prompt_logprobs=prompt_lps))
+                continue
+            token = result.sampled[req.request_id]
+            req.append_output_token(token)
+            status = self.scheduler.check_stop(req, token)
+            if status is not None:
+                self.scheduler.finish(req, status)
+                del self.requests[req.request_id]
+            outputs.append(
+                EngineCoreOutput(
+                    req.request_id,
+                    [token],
+                    finish_reason=req.finish_reason,
+                    stop_reason=req.stop_reason,
+                    new_logprobs=result.logprobs.get(req.request_id),
+                    new_prompt_logprobs=prompt_lps,
+                    num_cached_tokens=max(req.num_cached_tokens, 0),
+                )
+            )
+        return outputs
+
+    def statistics(self) -> EngineCoreStats:
+        b = self.block_manager.statistics()
+        s = self.scheduler.statistics()
+        return EngineCoreStats(
+            num_running=s.num_running,
+            num_waiting=s.num_waiting,
+            num_blocks=b.num_blocks,
+            num_free_blocks=b.num_free_blocks,
+            num_cached_blocks=b.num_cached_blocks,
+            kv_cache_usage=b.usage,
+            prefix_cache_hit_rate=b.prefix_cache_hit_rate,
+            num_preemptions=s.num_preemptions,
+        )
+
+    def check_integrity(self) -> None:
+        self.block_manager.check_integrity(self.scheduler.live_requests())
+
+
+def _default_kv_budget(device: str) -> int:
+    if device == "cuda":
+        free, _ = torch.cuda.mem_get_info()
+        return int(free * 0.8)
+    return int(min(_available_memory() * _DEFAULT_CPU_KV_FRACTION, _DEFAULT_CPU_KV_MAX))
+
+
+def _available_memory() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")

@@ -1,0 +1,138 @@
+"""The model runner: turns a scheduler decision into one forward pass and sampled tokens.
+
+It flattens the scheduled requests into one token batch (decodes first, then prefill chunks),
+computes where each token's K/V goes (`slot = block_id * block_size + offset`), runs the model,
+computes logits only where needed (the last token of each sampling request, plus every prompt
+position of requests that asked for prompt logprobs) and calls the sampler.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from triollm.engine.models.llama import AttentionMetadata, LlamaForCausalLM, PrefillChunk
+from triollm.engine.request import Logprobs
+from triollm.engine.sampler import Sampler, SamplingRow, gather_logprobs
+from triollm.engine.scheduler import ScheduledRequest
+from triollm.kernels import KVCache
+
+__all__ = ["ModelRunner", "RunnerOutput"]
+
+
+@dataclass
+class RunnerOutput:
+    # Per sampling request id: the sampled token, and its logprobs row (or None).
+    sampled: dict[str, int]
+    logprobs: dict[str, Logprobs]
+    prompt_logprobs: dict[str, Logprobs]
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaForCausalLM, kv_cache: KVCache, device: torch.device | str) -> None:
+        self.model = model
+        self.kv = kv_cache
+        self.device = torch.device(device)
+        self.sampler = Sampler()
+        self.block_size = kv_cache.block_size
+
+    @torch.inference_mode()
+    def execute(self, scheduled: list[ScheduledRequest]) -> RunnerOutput:
+        decodes = [s for s in scheduled if s.num_new_tokens == 1]
+        prefills = [s for s in scheduled if s.num_new_tokens > 1]
+        order = decodes + prefills
+        input_ids, positions, meta = self._prepare(decodes, prefills)
+        hidden = self.model(input_ids, positions, meta, self.kv)
+
+        # Flat index of each request's last fed token.
+        ends: list[int] = []
+        total = 0
+        for s in order:
+            total += s.num_new_tokens
+            ends.append(total - 1)
+        samplers = [i for i, s in enumerate(order) if s.samples]
+        out = RunnerOutput({}, {}, {})
+        if samplers:
+            idx = torch.tensor([ends[i] for i in samplers], device=self.device)
+            logits = self.model.compute_logits(hidden.index_select(0, idx))
+            rows = [_sampling_row(order[i]) for i in samplers]
+            result = self.sampler(logits, rows)
+            for j, i in enumerate(samplers):
+                rid = order[i].request.request_id
+                out.sampled[rid] = result.token_ids[j]
+                if result.logprobs is not None and order[i].request.sampling_params.logprobs is not None:
+                    lp = result.logprobs
+                    out.logprobs[rid] = Logprobs([lp.token_ids[j]], [lp.logprobs[j]], [lp.ranks[j]])
+        for i, s in enumerate(order):
+            k = s.request.sampling_params.prompt_logprobs
+            if k is not None:
+                rows_lp = self._prompt_logprobs(hidden, ends[i] - s.num_new_tokens + 1, s, k)
+                if rows_lp is not None:
+                    out.prompt_logprobs[s.request.request_id] = rows_lp
+        return out
+
+    def _prepare(
+        self, decodes: list[ScheduledRequest], prefills: list[ScheduledRequest]
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        bs = self.block_size
+        ids: list[int] = []
+        pos: list[int] = []
+        slots: list[int] = []
+        for s in decodes:
+            req = s.request
+            p = s.num_computed_tokens
+            ids.append(req.all_token_ids[p])
+            pos.append(p)
+            slots.append(req.block_ids[p // bs] * bs + p % bs)
+        meta = AttentionMetadata(slot_mapping=torch.empty(0), num_decodes=len(decodes))
+        if decodes:
+            width = max(len(s.request.block_ids) for s in decodes)
+            table = [s.request.block_ids + [0] * (width - len(s.request.block_ids)) for s in decodes]
+            meta.decode_block_tables = torch.tensor(table, dtype=torch.long, device=self.device)
+            meta.decode_context_lens = torch.tensor(
+                [s.num_computed_tokens + 1 for s in decodes], dtype=torch.long, device=self.device
+            )
+        for s in prefills:
+            req, c, n = s.request, s.num_computed_tokens, s.num_new_tokens
+            start = len(ids)
+            ids.extend(req.all_token_ids[c : c + n])
+            pos.extend(range(c, c + n))
+            used = -(-(c + n) // bs)
+            blocks = req.block_ids[:used]
+            slots.extend(blocks[p // bs] * bs + p % bs for p in range(c, c + n))
+            meta.prefills.append(
+                PrefillChunk(start, n, c, torch.tensor(blocks, dtype=torch.long, device=self.device))
+            )
+        meta.slot_mapping = torch.tensor(slots, dtype=torch.long, device=self.device)
+        input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
+        positions = torch.tensor(pos, dtype=torch.long, device=self.device)
+        return input_ids, positions, meta
+
+    def _prompt_logprobs(
+        self, hidden: torch.Tensor, start: int, s: ScheduledRequest, k: int
+    ) -> Logprobs | None:
+        """Rows for the prompt tokens predicted by this chunk's positions."""
+        req = s.request
+        c, n = s.num_computed_tokens, s.num_new_tokens
+        last = min(c + n, req.num_prompt_tokens - 1)  # position P-1 predicts the first output
+        if last <= c:
+            return None
+        logits = self.model.compute_logits(hidden[start : start + last - c])
+        logprobs = torch.log_softmax(logits, dim=-1)
+        targets = torch.tensor(req.prompt_token_ids[c + 1 : last + 1], device=self.device)
+        k = logprobs.shape[-1] if k < 0 else k
+        ids, lps, ranks = gather_logprobs(logprobs, targets, k)
+        return Logprobs(ids.tolist(), lps.tolist(), ranks.tolist())
+
+
+def _sampling_row(s: ScheduledRequest) -> SamplingRow:
+    req = s.request
+    return SamplingRow(
+        params=req.sampling_params,
+        prompt_token_ids=req.prompt_token_ids,
+        output_token_ids=req.output_token_ids,
+        generator=req.generator,
+        eos_token_ids=req.eos_token_ids,
+        bad_words_token_ids=req.bad_words_token_ids,
+    )

@@ -1,0 +1,220 @@
+"""Llama-family decoders (Llama 2/3, SmolLM2, Mistral, Qwen2) over a paged KV cache.
+
+One flat batch per step: the tokens of every scheduled sequence are concatenated (`[T]`), the
+linear layers run over all of them at once, and only attention splits the batch: decode tokens
+(one per sequence, placed first) go through one batched paged-decode call; each prefill chunk
+gets its own causal attention call. Q/K/V and gate/up projections are fused into one matmul each
+at load time (fewer, larger matmuls are faster on CPU and GPU alike).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors import safe_open
+from torch import nn
+
+from triollm.engine.config import ModelConfig
+from triollm.kernels import (
+    KVCache,
+    apply_rotary,
+    paged_decode_attention,
+    prefill_attention,
+    rms_norm,
+    rotary_cos_sin,
+    write_kv,
+)
+
+__all__ = ["AttentionMetadata", "LlamaForCausalLM", "PrefillChunk", "load_model"]
+
+
+@dataclass
+class PrefillChunk:
+    start: int  # index of the chunk's first token in the flat batch
+    length: int
+    num_context: int  # tokens of this sequence already in the cache before this chunk
+    block_ids: torch.Tensor  # the sequence's blocks covering num_context + length tokens
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [T] int64: where each token's K/V is written
+    num_decodes: int = 0  # the first num_decodes tokens are single-token decodes
+    decode_block_tables: torch.Tensor | None = None  # [D, max_blocks] int64
+    decode_context_lens: torch.Tensor | None = None  # [D] int64, the new token included
+    prefills: list[PrefillChunk] = field(default_factory=list)
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        qkv_out = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
+        self.qkv_proj = nn.Linear(cfg.hidden_size, qkv_out, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=False)
+        self.scale = cfg.head_dim**-0.5
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        meta: AttentionMetadata,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+    ) -> torch.Tensor:
+        t = x.shape[0]
+        h, kvh, hd = self.num_heads, self.num_kv_heads, self.head_dim
+        q, k, v = self.qkv_proj(x).split([h * hd, kvh * hd, kvh * hd], dim=-1)
+        q = apply_rotary(q.view(t, h, hd), cos, sin)
+        k = apply_rotary(k.view(t, kvh, hd), cos, sin)
+        v = v.view(t, kvh, hd)
+        write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+        if meta.num_decodes == t:
+            assert meta.decode_block_tables is not None and meta.decode_context_lens is not None
+            out = paged_decode_attention(
+                q, k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, self.scale
+            )
+        else:
+            out = torch.empty_like(q)
+            d = meta.num_decodes
+            if d:
+                assert meta.decode_block_tables is not None and meta.decode_context_lens is not None
+                out[:d] = paged_decode_attention(
+                    q[:d], k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, self.scale
+                )
+            for c in meta.prefills:
+                s, e = c.start, c.start + c.length
+                out[s:e] = prefill_attention(
+                    q[s:e], k[s:e], v[s:e], k_cache, v_cache, c.block_ids, c.num_context, self.scale
+                )
+        return self.o_proj(out.view(t, h * hd))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.intermediate = cfg.intermediate_size
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.eps = cfg.rms_norm_eps
+        self.self_attn = LlamaAttention(cfg)
+        self.mlp = LlamaMLP(cfg)
+        self.input_layernorm = nn.Parameter(torch.ones(cfg.hidden_size))
+        self.post_attention_layernorm = nn.Parameter(torch.ones(cfg.hidden_size))
+
+    def forward(self, x, cos, sin, meta, k_cache, v_cache):  # type: ignore[no-untyped-def]
+        x = x + self.self_attn(rms_norm(x, self.input_layernorm, self.eps), cos, sin, meta, k_cache, v_cache)
+        return x + self.mlp(rms_norm(x, self.post_attention_layernorm, self.eps))
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.norm = nn.Parameter(torch.ones(cfg.hidden_size))
+        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        cos, sin = rotary_cos_sin(cfg.head_dim, cfg.max_model_len, cfg.rope_theta, cfg.rope_scaling)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, kv: KVCache) -> torch.Tensor:
+        """Hidden states `[T, hidden]` (final norm applied) for the flat batch."""
+        x = self.embed_tokens(input_ids)
+        cos = self.rope_cos.index_select(0, positions).to(x.dtype)
+        sin = self.rope_sin.index_select(0, positions).to(x.dtype)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, meta, kv.k[i], kv.v[i])
+        return rms_norm(x, self.norm, self.cfg.rms_norm_eps)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight).float()
+
+
+# ---------------------------------------------------------------------------------- loading
+
+
+def _checkpoint_files(path: Path) -> list[Path]:
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return [path / s for s in shards]
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"model: no *.safetensors weights in {path}")
+    return files
+
+
+_FUSED = {
+    "self_attn.q_proj": ("self_attn.qkv_proj", 0),
+    "self_attn.k_proj": ("self_attn.qkv_proj", 1),
+    "self_attn.v_proj": ("self_attn.qkv_proj", 2),
+    "mlp.gate_proj": ("mlp.gate_up_proj", 0),
+    "mlp.up_proj": ("mlp.gate_up_proj", 1),
+}
+
+
+def _target(name: str) -> tuple[str, int | None]:
+    """Map a Hugging Face tensor name to (our parameter name, shard index within a fused one)."""
+    if name.startswith("model."):
+        name = name[len("model.") :]
+    if name.endswith("layernorm.weight") or name == "norm.weight":
+        return name[: -len(".weight")], None
+    for hf, (ours, shard) in _FUSED.items():
+        if f".{hf}." in name:
+            return name.replace(hf, ours), shard
+    return name, None
+
+
+def load_model(cfg: ModelConfig, device: str | torch.device = "cpu") -> LlamaForCausalLM:
+    with torch.device("meta"):
+        model = LlamaForCausalLM(cfg)
+    params = dict(model.named_parameters())
+    pieces: dict[str, dict[int, torch.Tensor]] = {}
+    loaded: dict[str, torch.Tensor] = {}
+    for file in _checkpoint_files(cfg.path):
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
+                if "rotary_emb" in name:
+                    continue
+                if name == "lm_head.weight" and cfg.tie_word_embeddings:
+                    continue
+                target, shard = _target(name)
+                if target not in params:
+                    raise ValueError(f"model: unexpected tensor {name!r} in {file.name}")
+                tensor = f.get_tensor(name).to(cfg.dtype)
+                if shard is None:
+                    loaded[target] = tensor
+                else:
+                    pieces.setdefault(target, {})[shard] = tensor
+    for target, parts in pieces.items():
+        loaded[target] = torch.cat([parts[i] for i in sorted(parts)], dim=0)
+    missing = sorted(set(params) - set(loaded))
+    if missing:
+        raise ValueError(f"model: checkpoint in {cfg.path} lacks tensors: {', '.join(missing[:5])}")
+    for name, tensor in loaded.items():
+        if tuple(params[name].shape) != tuple(tensor.shape):
+            raise ValueError(
+                f"model: tensor {name} has shape {tuple(tensor.shape)}, expected {tuple(params[name].shape)}"
+            )
+    model.load_state_dict(loaded, strict=False, assign=True)
+    cos, sin = rotary_cos_sin(cfg.head_dim, cfg.max_model_len, cfg.rope_theta, cfg.rope_scaling)
+    model.rope_cos, model.rope_sin = cos, sin
+    model.requires_grad_(False)
+    return model.to(device).eval()

@@ -1,0 +1,192 @@
+"""The scheduler: which requests advance this step, and by how many tokens.
+
+One rule covers prefill and decode (as in vLLM v1): a request has `num_tokens` (prompt plus
+output) and `num_computed_tokens` with KV in the cache; a step schedules up to
+`num_tokens - num_computed_tokens` of them within the step's token budget. A request whose
+computed tokens reach its length samples one new token at the end of the step.
+
+Each step:
+1. Running requests, in order, get their tokens (a decode needs 1; a chunked prefill the rest
+   of its prompt, cut to the budget). When KV blocks run out, the lowest-priority running request
+   (the latest, under FCFS) is preempted: its blocks are freed, its computed tokens forgotten, and
+   it goes back to the front of the waiting queue to be recomputed later (its generated tokens
+   are kept, so under greedy decoding it completes with the same tokens).
+2. If nothing was preempted, waiting requests are admitted in order (FCFS, or by `priority`
+   then arrival) while the budget, `max_num_seqs` and the free blocks allow; a new request
+   first takes its longest cached prefix from the prefix cache.
+
+Finishing (EOS, stop token, length) and aborts free blocks at once.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from triollm.engine.block_manager import BlockManager
+from triollm.engine.config import SchedulerConfig
+from triollm.engine.request import Request, RequestStatus
+
+__all__ = ["ScheduledRequest", "Scheduler", "SchedulerOutput", "SchedulerStats"]
+
+
+@dataclass(slots=True)
+class ScheduledRequest:
+    request: Request
+    num_new_tokens: int
+    # Tokens [num_computed, num_computed + num_new_tokens) are fed this step.
+    num_computed_tokens: int
+
+    @property
+    def samples(self) -> bool:
+        """Whether this step ends with a new token sampled for the request."""
+        return self.num_computed_tokens + self.num_new_tokens == self.request.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest]
+    preempted: list[Request]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+
+@dataclass(frozen=True)
+class SchedulerStats:
+    num_running: int
+    num_waiting: int
+    num_preemptions: int
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager, max_model_len: int) -> None:
+        self.config = config
+        self.blocks = block_manager
+        self.max_model_len = max_model_len
+        self.waiting: list[Request] = []  # kept sorted by _order
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+
+    # ---------------------------------------------------------------- queue management
+
+    @staticmethod
+    def _order(req: Request) -> tuple[int, float]:
+        return (req.priority, req.arrival_time)
+
+    def add_request(self, request: Request) -> None:
+        request.status = RequestStatus.WAITING
+        bisect.insort(self.waiting, request, key=self._order)
+
+    def finish(self, request: Request, status: RequestStatus) -> None:
+        """End a running or waiting request now and free its blocks."""
+        assert status.finished
+        if request.status == RequestStatus.RUNNING:
+            self.running.remove(request)
+        elif not request.status.finished:
+            self.waiting.remove(request)
+        request.status = status
+        self.blocks.free(request)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.running or self.waiting)
+
+    def live_requests(self) -> Iterable[Request]:
+        return [*self.running, *self.waiting]
+
+    def statistics(self) -> SchedulerStats:
+        return SchedulerStats(len(self.running), len(self.waiting), self.num_preemptions)
+
+    # ---------------------------------------------------------------- the step
+
+    def schedule(self) -> SchedulerOutput:
+        budget = self.config.max_num_batched_tokens
+        scheduled: list[ScheduledRequest] = []
+        preempted: list[Request] = []
+        # Copy: preemption removes from self.running while we walk it.
+        for req in list(self.running):
+            if req.status != RequestStatus.RUNNING or budget == 0:
+                continue
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            while not self.blocks.allocate(req, self.blocks.blocks_needed(req, n)):
+                victim = self._pick_victim()
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is req:
+                    break
+            if req.status != RequestStatus.RUNNING:
+                continue
+            scheduled.append(ScheduledRequest(req, n, req.num_computed_tokens))
+            budget -= n
+        # Drop entries of requests preempted after they were scheduled this step.
+        scheduled = [s for s in scheduled if s.request.status == RequestStatus.RUNNING]
+        if not preempted:
+            budget = self._admit_waiting(budget, scheduled)
+        return SchedulerOutput(scheduled, preempted)
+
+    def _admit_waiting(self, budget: int, scheduled: list[ScheduledRequest]) -> int:
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            req = self.waiting[0]
+            fresh = not req.block_ids
+            if fresh:
+                cached = self.blocks.match_prefix(req)
+                req.num_computed_tokens = cached
+                if req.num_cached_tokens < 0:
+                    req.num_cached_tokens = cached
+            n = req.num_tokens - req.num_computed_tokens
+            if n > budget and not self.config.enable_chunked_prefill:
+                self._undo_admission(req, fresh)
+                break
+            n = min(n, budget)
+            if not self.blocks.allocate(req, self.blocks.blocks_needed(req, n)):
+                self._undo_admission(req, fresh)
+                break
+            self.waiting.pop(0)
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            scheduled.append(ScheduledRequest(req, n, req.num_computed_tokens))
+            budget -= n
+        return budget
+
+    def _undo_admission(self, req: Request, fresh: bool) -> None:
+        if fresh:
+            self.blocks.free(req)
+            req.num_computed_tokens = 0
+
+    def _pick_victim(self) -> Request:
+        # The running request that would be admitted last: lowest priority, latest arrival.
+        return max(self.running, key=self._order)
+
+    def _preempt(self, req: Request) -> None:
+        self.running.remove(req)
+        self.blocks.free(req)
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        req.status = RequestStatus.PREEMPTED
+        # Front of its priority class: it arrived before anything still waiting there.
+        bisect.insort(self.waiting, req, key=self._order)
+
+    # ---------------------------------------------------------------- after the forward pass
+
+    def advance(self, item: ScheduledRequest) -> None:
+        """Mark the scheduled tokens computed (call for every scheduled request after the
+        forward pass, before appending the sampled token)."""
+        req = item.request
+        req.num_computed_tokens = item.num_computed_tokens + item.num_new_tokens
+        self.blocks.cache_full_blocks(req)
+
+    def check_stop(self, req: Request, token_id: int) -> RequestStatus | None:
+        """After token_id was appended to req: the finished status, or None to go on."""
+        params = req.sampling_params
+        if req.num_output_tokens >= params.min_tokens:
+            if not params.ignore_eos and token_id in req.eos_token_ids:
+                return RequestStatus.FINISHED_STOPPED
+            if params.stop_token_ids and token_id in params.stop_token_ids:
+                req.stop_reason = token_id
+                return RequestStatus.FINISHED_STOPPED
+        if req.num_output_tokens >= req.max_tokens or req.num_tokens >= self.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None

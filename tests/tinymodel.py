@@ -1,0 +1,132 @@
+"""Tiny random Hugging Face-format checkpoints built on the fly for fast tests.
+
+`make_tiny_model(path, ...)` writes config.json, model.safetensors, tokenizer.json,
+tokenizer_config.json (with a ChatML template) and generation_config.json. The tokenizer is a
+byte-level BPE trained in milliseconds on a small corpus, so it round-trips any text.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+CHATML = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content']"
+    " + '<|im_end|>\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+CORPUS = [
+    "The capital of France is Paris. The capital of Germany is Berlin.",
+    "Once upon a time there was a little robot who liked to count: one, two, three, four.",
+    "def add(a, b):\n    return a + b\n\nprint(add(1, 2))",
+    "Héllo wörld! Ça va? Naïve café, résumé. 日本語 テキスト 😀🎉",
+    "The quick brown fox jumps over the lazy dog. " * 3,
+]
+
+
+def build_tokenizer(vocab_size: int = 384) -> Tokenizer:
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIALS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(CORPUS * 4, trainer=trainer)
+    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    return tok
+
+
+def make_tiny_model(
+    path: Path,
+    *,
+    seed: int = 0,
+    hidden_size: int = 64,
+    num_layers: int = 2,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    intermediate_size: int = 128,
+    tie_word_embeddings: bool = False,
+    attention_bias: bool = False,
+    architecture: str = "LlamaForCausalLM",
+    max_position_embeddings: int = 512,
+    rope_scaling: dict | None = None,
+    generation_config: dict | None = None,
+) -> Path:
+    path.mkdir(parents=True, exist_ok=True)
+    tok = build_tokenizer()
+    vocab = tok.get_vocab_size()
+    eos_id = tok.token_to_id("<|endoftext|>")
+    tok.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "bos_token": None,
+                "eos_token": "<|endoftext|>",
+                "add_bos_token": False,
+                "chat_template": CHATML,
+                "model_max_length": max_position_embeddings,
+            }
+        )
+    )
+    head_dim = hidden_size // num_heads
+    config = {
+        "architectures": [architecture],
+        "model_type": {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2"}[architecture],
+        "hidden_size": hidden_size,
+        "intermediate_size": intermediate_size,
+        "num_hidden_layers": num_layers,
+        "num_attention_heads": num_heads,
+        "num_key_value_heads": num_kv_heads,
+        "head_dim": head_dim,
+        "vocab_size": vocab,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0,
+        "rope_scaling": rope_scaling,
+        "max_position_embeddings": max_position_embeddings,
+        "tie_word_embeddings": tie_word_embeddings,
+        "attention_bias": attention_bias,
+        "hidden_act": "silu",
+        "bos_token_id": None,
+        "eos_token_id": eos_id,
+        "torch_dtype": "float32",
+    }
+    if architecture == "Qwen2ForCausalLM":
+        config.pop("attention_bias")  # qwen2 always has qkv bias
+    (path / "config.json").write_text(json.dumps(config))
+    (path / "generation_config.json").write_text(
+        json.dumps({"eos_token_id": eos_id, **(generation_config or {})})
+    )
+    g = torch.Generator().manual_seed(seed)
+
+    def rnd(*shape: int, scale: float = 0.08) -> torch.Tensor:
+        return (torch.randn(*shape, generator=g) * scale).contiguous()
+
+    w: dict[str, torch.Tensor] = {"model.embed_tokens.weight": rnd(vocab, hidden_size, scale=0.5)}
+    q_out, kv_out = num_heads * head_dim, num_kv_heads * head_dim
+    for i in range(num_layers):
+        p = f"model.layers.{i}."
+        w[p + "input_layernorm.weight"] = 1 + rnd(hidden_size, scale=0.1)
+        w[p + "post_attention_layernorm.weight"] = 1 + rnd(hidden_size, scale=0.1)
+        w[p + "self_attn.q_proj.weight"] = rnd(q_out, hidden_size, scale=0.2)
+        w[p + "self_attn.k_proj.weight"] = rnd(kv_out, hidden_size, scale=0.2)
+        w[p + "self_attn.v_proj.weight"] = rnd(kv_out, hidden_size, scale=0.2)
+        w[p + "self_attn.o_proj.weight"] = rnd(hidden_size, q_out, scale=0.2)
+        if attention_bias or architecture == "Qwen2ForCausalLM":
+            w[p + "self_attn.q_proj.bias"] = rnd(q_out, scale=0.1)
+            w[p + "self_attn.k_proj.bias"] = rnd(kv_out, scale=0.1)
+            w[p + "self_attn.v_proj.bias"] = rnd(kv_out, scale=0.1)
+        w[p + "mlp.gate_proj.weight"] = rnd(intermediate_size, hidden_size, scale=0.2)
+        w[p + "mlp.up_proj.weight"] = rnd(intermediate_size, hidden_size, scale=0.2)
+        w[p + "mlp.down_proj.weight"] = rnd(hidden_size, intermediate_size, scale=0.2)
+    w["model.norm.weight"] = 1 + rnd(hidden_size, scale=0.1)
+    if not tie_word_embeddings:
+        w["lm_head.weight"] = rnd(vocab, hidden_size, scale=0.5)
+    save_file(w, str(path / "model.safetensors"), metadata={"format": "pt"})
+    return path
