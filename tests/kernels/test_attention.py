@@ -1,0 +1,75 @@
+"""The paged attention functions against plain dense attention."""
+
+from __future__ import annotations
+
+import torch
+
+from triollm.kernels import allocate_kv_cache, paged_decode_attention, prefill_attention, write_kv
+from triollm.kernels.norm import rms_norm
+from triollm.kernels.rotary import apply_rotary, rotary_cos_sin
+
+
+def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offset: int) -> torch.Tensor:
+    """q [n, H, d] at positions offset..offset+n-1; k, v [L, kvh, d] for positions 0..L-1."""
+    group = q.shape[1] // k.shape[1]
+    k = k.repeat_interleave(group, dim=1)
+    v = v.repeat_interleave(group, dim=1)
+    scores = torch.einsum("nhd,lhd->hnl", q, k) / q.shape[-1] ** 0.5
+    n, length = q.shape[0], k.shape[0]
+    allowed = torch.arange(length)[None, :] <= (torch.arange(n)[:, None] + offset)
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    return torch.einsum("hnl,lhd->nhd", scores.softmax(-1), v)
+
+
+def fill(kc: torch.Tensor, vc: torch.Tensor, blocks: list[int], k: torch.Tensor, v: torch.Tensor, bs: int) -> None:
+    slots = torch.tensor([blocks[p // bs] * bs + p % bs for p in range(k.shape[0])])
+    write_kv(kc, vc, k, v, slots)
+
+
+def test_paged_decode_matches_dense() -> None:
+    g = torch.Generator().manual_seed(0)
+    bs, kvh, h, d = 4, 2, 6, 8
+    cache = allocate_kv_cache(1, 16, bs, kvh, d, torch.float32, "cpu")
+    kc, vc = cache.k[0], cache.v[0]
+    lens = [1, 7, 13]
+    tables = [[5], [2, 9], [0, 3, 11, 15]]
+    ks = [torch.randn(n, kvh, d, generator=g) for n in lens]
+    vs = [torch.randn(n, kvh, d, generator=g) for n in lens]
+    for t, k, v in zip(tables, ks, vs):
+        fill(kc, vc, t, k, v, bs)
+    q = torch.randn(len(lens), h, d, generator=g)
+    width = max(map(len, tables))
+    table = torch.tensor([t + [0] * (width - len(t)) for t in tables])
+    out = paged_decode_attention(q, kc, vc, table, torch.tensor(lens), d**-0.5)
+    for i, n in enumerate(lens):
+        ref = dense_attention(q[i : i + 1], ks[i], vs[i], offset=n - 1)
+        torch.testing.assert_close(out[i : i + 1], ref, rtol=1e-5, atol=1e-5)
+
+
+def test_prefill_with_and_without_context_matches_dense() -> None:
+    g = torch.Generator().manual_seed(1)
+    bs, kvh, h, d = 4, 1, 4, 8
+    cache = allocate_kv_cache(1, 8, bs, kvh, d, torch.float32, "cpu")
+    kc, vc = cache.k[0], cache.v[0]
+    blocks = [6, 1, 4]
+    k = torch.randn(11, kvh, d, generator=g)
+    v = torch.randn(11, kvh, d, generator=g)
+    q = torch.randn(11, h, d, generator=g)
+    fill(kc, vc, blocks, k, v, bs)
+    full = prefill_attention(q, k, v, kc, vc, torch.tensor(blocks), 0, d**-0.5)
+    torch.testing.assert_close(full, dense_attention(q, k, v, 0), rtol=1e-5, atol=1e-5)
+    # The last 5 tokens as a chunk over 6 tokens of context read back from the cache.
+    tail = prefill_attention(q[6:], k[6:], v[6:], kc, vc, torch.tensor(blocks), 6, d**-0.5)
+    torch.testing.assert_close(tail, dense_attention(q[6:], k, v, 6), rtol=1e-5, atol=1e-5)
+
+
+def test_rotary_preserves_norm_and_rms_norm() -> None:
+    cos, sin = rotary_cos_sin(8, 32, 10000.0)
+    x = torch.randn(5, 2, 8)
+    pos = torch.tensor([0, 3, 7, 8, 31])
+    y = apply_rotary(x, cos[pos], sin[pos])
+    torch.testing.assert_close(y.norm(dim=-1), x.norm(dim=-1))
+    torch.testing.assert_close(y[0], x[0])  # position 0 is the identity
+    w = torch.rand(8)
+    z = rms_norm(x, w, 1e-6)
+    torch.testing.assert_close(z, w * x / x.pow(2).mean(-1, keepdim=True).add(1e-6).sqrt())
