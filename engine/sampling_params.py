@@ -1,19 +1,42 @@
-"""Sampling parameters with vLLM's field names and defaults.
+"""Sampling parameters with vLLM's field names, defaults and validation rules.
 
-(Field declarations written first as the shared contract; validation lands with the sampler.)
+Design: `SamplingParams` stays a msgspec Struct so it crosses process boundaries unchanged.
+`__post_init__` validates and normalises in place; msgspec runs it on construction *and* on
+decode, so an invalid payload fails as `msgspec.ValidationError` (a `ValueError` subclass).
+Normalisation is idempotent (decode(encode(p)) == p): `top_k=-1` -> 0, a `stop` string ->
+`[stop]`, `stop`/`stop_token_ids` None -> [], `logit_bias` keys -> int and values clamped to
+[-100, 100], greedy (`temperature < 1e-5`) resets top_p/top_k/min_p to their no-op values.
+Checks that need the vocabulary size live in `verify_token_ids`, called by the input processor.
 """
 
 from __future__ import annotations
 
+import copy
 import enum
+import math
+from typing import Any
 
 import msgspec
+
+__all__ = ["SAMPLING_EPS", "RequestOutputKind", "SamplingParams", "SamplingType"]
+
+# Temperatures below this are greedy sampling.
+SAMPLING_EPS = 1e-5
+_LOGIT_BIAS_LIMIT = 100.0
+# generation_config.json names that differ from ours.
+_DEFAULT_ALIASES = {"max_new_tokens": "max_tokens"}
 
 
 class RequestOutputKind(enum.IntEnum):
     CUMULATIVE = 0  # every output carries everything generated so far
     DELTA = 1  # every output carries only what is new since the last one
     FINAL_ONLY = 2  # one output when the request finishes
+
+
+class SamplingType(enum.IntEnum):
+    GREEDY = 0
+    RANDOM = 1
+    RANDOM_SEED = 2
 
 
 class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True, dict=True):
@@ -41,3 +64,182 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True, dict=True
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
+
+    def __post_init__(self) -> None:
+        self._verify_penalties()
+        self._verify_sampling()
+        self._verify_lengths()
+        self._verify_logprobs()
+        self._normalize_stop()
+        self._normalize_token_lists()
+        if self.temperature < SAMPLING_EPS:  # greedy: the truncation knobs are moot
+            self.top_p, self.top_k, self.min_p = 1.0, 0, 0.0
+
+    # ----------------------------------------------------------------- validation
+
+    def _verify_penalties(self) -> None:
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = _number(name, getattr(self, name))
+            if not -2.0 <= value <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2], got {value}")
+            setattr(self, name, value)
+        self.repetition_penalty = _number("repetition_penalty", self.repetition_penalty)
+        if not 0.0 < self.repetition_penalty < math.inf:
+            raise ValueError(
+                f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty}"
+            )
+
+    def _verify_sampling(self) -> None:
+        self.temperature = _number("temperature", self.temperature)
+        if not 0.0 <= self.temperature < math.inf:
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
+        self.top_p = _number("top_p", self.top_p)
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if _integer("top_k", self.top_k) < -1:
+            raise ValueError(f"top_k must be -1 or >= 0 (0 and -1 disable it), got {self.top_k}")
+        self.top_k = max(self.top_k, 0)
+        self.min_p = _number("min_p", self.min_p)
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        if self.seed is not None:
+            _integer("seed", self.seed)
+
+    def _verify_lengths(self) -> None:
+        if _integer("n", self.n) < 1:
+            raise ValueError(f"n must be >= 1, got {self.n}")
+        if self.max_tokens is not None and _integer("max_tokens", self.max_tokens) < 1:
+            raise ValueError(f"max_tokens must be None or >= 1, got {self.max_tokens}")
+        if _integer("min_tokens", self.min_tokens) < 0:
+            raise ValueError(f"min_tokens must be >= 0, got {self.min_tokens}")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(
+                f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}"
+            )
+
+    def _verify_logprobs(self) -> None:
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and _integer(name, value) < -1:
+                raise ValueError(f"{name} must be None, -1 (whole vocabulary) or >= 0, got {value}")
+
+    def _normalize_stop(self) -> None:
+        stop = [] if self.stop is None else [self.stop] if isinstance(self.stop, str) else self.stop
+        if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
+            raise ValueError(f"stop must be a non-empty string or a list of them, got {stop!r}")
+        if stop and not self.detokenize:
+            raise ValueError("stop strings need detokenize=True")
+        self.stop = stop
+        if self.bad_words is not None and not (
+            isinstance(self.bad_words, list) and all(isinstance(w, str) for w in self.bad_words)
+        ):
+            raise ValueError(f"bad_words must be a list of strings, got {self.bad_words!r}")
+
+    def _normalize_token_lists(self) -> None:
+        self.stop_token_ids = _int_list("stop_token_ids", self.stop_token_ids or [])
+        if self.allowed_token_ids is not None:
+            self.allowed_token_ids = _int_list("allowed_token_ids", self.allowed_token_ids)
+            if not self.allowed_token_ids:
+                raise ValueError("allowed_token_ids must be None or a non-empty list of token ids")
+        if self.logit_bias is not None:
+            self.logit_bias = _normalize_logit_bias(self.logit_bias)
+
+    def verify_token_ids(self, vocab_size: int) -> None:
+        """Raise ValueError unless every token id in the params lies in [0, vocab_size)."""
+        fields: dict[str, list[int]] = {
+            "stop_token_ids": list(self.stop_token_ids or []),
+            "allowed_token_ids": self.allowed_token_ids or [],
+            "logit_bias": list(self.logit_bias or {}),
+        }
+        for name, ids in fields.items():
+            bad = [t for t in ids if not 0 <= t < vocab_size]
+            if bad:
+                raise ValueError(f"{name} token ids must be in [0, {vocab_size}), got {bad[:8]}")
+
+    # ----------------------------------------------------------------- properties
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature < SAMPLING_EPS
+
+    @property
+    def sampling_type(self) -> SamplingType:
+        if self.is_greedy:
+            return SamplingType.GREEDY
+        return SamplingType.RANDOM if self.seed is None else SamplingType.RANDOM_SEED
+
+    # ----------------------------------------------------------------- constructors
+
+    def clone(self) -> SamplingParams:
+        """A deep copy (lists and dicts are not shared)."""
+        return copy.deepcopy(self)
+
+    @classmethod
+    def from_optional(cls, **kwargs: Any) -> SamplingParams:
+        """Like vLLM's: arguments passed as None take the field's default.
+
+        `max_tokens` is the exception: None there means "no limit" and is kept; leave the
+        argument out to get the default (16).
+        """
+        args = {k: v for k, v in kwargs.items() if v is not None or k == "max_tokens"}
+        return cls(**args)
+
+    @classmethod
+    def with_defaults(cls, defaults: dict[str, Any], **overrides: Any) -> SamplingParams:
+        """Params where fields absent from `overrides` take the model's `defaults`.
+
+        `defaults` is typically generation_config.json: unknown keys and None values are
+        ignored, and `max_new_tokens` maps to `max_tokens`. `overrides` are taken literally
+        (an explicit None is a value, e.g. `max_tokens=None` means no limit).
+        """
+        fields = set(cls.__struct_fields__)
+        merged: dict[str, Any] = {}
+        for key, value in defaults.items():
+            name = _DEFAULT_ALIASES.get(key, key)
+            if name in fields and value is not None:
+                merged[name] = value
+        merged.update(overrides)
+        return cls(**merged)
+
+
+def _number(name: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ValueError(f"{name} must be a number, got {value!r}")
+    return float(value)
+
+
+def _integer(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name} must be an int, got {value!r}")
+    return value
+
+
+def _int_list(name: str, values: Any) -> list[int]:
+    if not isinstance(values, list | tuple):
+        raise ValueError(f"{name} must be a list of token ids, got {values!r}")
+    return [_integer(name, v) for v in values]
+
+
+def _normalize_logit_bias(bias: Any) -> dict[int, float]:
+    if not isinstance(bias, dict):
+        raise ValueError(f"logit_bias must be a dict of token id -> bias, got {bias!r}")
+    out: dict[int, float] = {}
+    for key, value in bias.items():
+        token = _token_key(key)
+        number = _number("logit_bias", value)
+        if math.isnan(number):
+            raise ValueError(f"logit_bias values must be in [-100, 100], got {number}")
+        out[token] = min(max(number, -_LOGIT_BIAS_LIMIT), _LOGIT_BIAS_LIMIT)
+    return out
+
+
+def _token_key(key: Any) -> int:
+    """A logit_bias key: an int, or a string holding one (JSON object keys are strings)."""
+    if isinstance(key, int) and not isinstance(key, bool):
+        return key
+    if isinstance(key, str):
+        try:
+            return int(key)
+        except ValueError:
+            pass
+    raise ValueError(f"logit_bias keys must be token ids (ints), got {key!r}")

@@ -1,0 +1,279 @@
+"""Batched sampling: one call turns a step's logits [N, V] into N tokens (plus logprobs).
+
+Order (vLLM v1): logprobs come from the *raw* logits (log_softmax before any processing). Then
+the logit processors: allowed_token_ids mask, bad words, min_tokens (bans EOS and
+stop_token_ids — EOS even with ignore_eos, as vLLM does), logit_bias, penalties (repetition over
+prompt+output, then frequency/presence over output). Greedy rows take the argmax; random rows
+go through temperature, top-k, top-p, min-p and the exponential race argmax(p / q),
+q ~ Exponential(1). Seeded rows draw q from their own generator (size V, so their result does
+not depend on the rest of the batch); unseeded rows share one draw from the global RNG.
+
+Every processor runs only on the rows that need it, gathered by index, so the common batch
+(greedy or plain temperature) costs a handful of tensor ops. Everything is fp32.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from triollm.engine.request import Logprobs
+from triollm.engine.sampling_params import SamplingParams
+
+__all__ = ["Sampler", "SamplerOutput", "SamplingRow", "gather_logprobs", "process_logits"]
+
+_NEG_INF = float("-inf")
+_TINY = torch.finfo(torch.float32).tiny
+
+
+@dataclass
+class SamplingRow:
+    """One sequence being sampled this step."""
+
+    params: SamplingParams
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    generator: torch.Generator | None  # set only when params.seed is not None
+    eos_token_ids: list[int]
+    bad_words_token_ids: list[list[int]]
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: list[int]  # the sampled token per row
+    # Per row: [sampled, top-k...] with k = that row's params.logprobs (-1: the whole vocab).
+    # Rows that did not ask get empty lists and rank 0. None when no row asked.
+    logprobs: Logprobs | None
+
+
+def gather_logprobs(
+    logprobs: torch.Tensor, token_ids: torch.Tensor, k: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """logprobs [N, V], token_ids [N] -> (ids [N, 1+k], lps [N, 1+k], ranks [N]).
+
+    Column 0 is the given token, then the top-k most likely first; rank = 1 + the number of
+    tokens with a strictly greater logprob.
+    """
+    token_ids = token_ids.long().unsqueeze(-1)
+    token_lps = logprobs.gather(-1, token_ids)
+    ranks = (logprobs > token_lps).sum(-1) + 1
+    if k <= 0:
+        return token_ids, token_lps, ranks
+    top_lps, top_ids = logprobs.topk(k, dim=-1)
+    return torch.cat([token_ids, top_ids], 1), torch.cat([token_lps, top_lps], 1), ranks
+
+
+def _num_logprobs(params: SamplingParams, vocab_size: int) -> int | None:
+    k = params.logprobs
+    return vocab_size if k == -1 else k
+
+
+class Sampler:
+    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
+        if logits.dim() != 2 or logits.shape[0] != len(rows):
+            raise ValueError(f"logits must be [len(rows)={len(rows)}, V], got {logits.shape}")
+        logits = logits.float()
+        vocab = logits.shape[1]
+        ks = [_num_logprobs(r.params, vocab) for r in rows]
+        raw_logprobs = None if all(k is None for k in ks) else logits.log_softmax(-1)
+        logits = process_logits(logits, rows)
+        token_ids = self._sample(logits, rows)
+        output = None if raw_logprobs is None else _logprobs_output(raw_logprobs, token_ids, ks)
+        return SamplerOutput(token_ids=token_ids.tolist(), logprobs=output)
+
+    def _sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        greedy = [r.params.is_greedy for r in rows]
+        if all(greedy):
+            return logits.argmax(-1)
+        if not any(greedy):
+            return _random_sample(logits, rows)
+        token_ids = logits.argmax(-1)
+        idx = [i for i, g in enumerate(greedy) if not g]
+        token_ids[idx] = _random_sample(logits[idx], [rows[i] for i in idx])
+        return token_ids
+
+
+def _logprobs_output(
+    raw_logprobs: torch.Tensor, token_ids: torch.Tensor, ks: list[int | None]
+) -> Logprobs:
+    max_k = max(k or 0 for k in ks)
+    ids_t, lps_t, ranks_t = gather_logprobs(raw_logprobs, token_ids, max_k)
+    ids, lps, ranks = ids_t.tolist(), lps_t.tolist(), ranks_t.tolist()
+    out = Logprobs(token_ids=[], logprobs=[], ranks=[])
+    for i, k in enumerate(ks):
+        width = 0 if k is None else 1 + k
+        out.token_ids.append(ids[i][:width])
+        out.logprobs.append(lps[i][:width])
+        out.ranks.append(0 if k is None else ranks[i])
+    return out
+
+
+# --------------------------------------------------------------------------- logit processors
+
+_RowFn = Callable[[SamplingRow], bool]
+
+
+def _rows_where(rows: list[SamplingRow], pred: _RowFn) -> list[int]:
+    return [i for i, r in enumerate(rows) if pred(r)]
+
+
+def _needs_penalties(r: SamplingRow) -> bool:
+    p = r.params
+    return p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 or p.repetition_penalty != 1.0
+
+
+def _in_min_tokens(r: SamplingRow) -> bool:
+    return len(r.output_token_ids) < r.params.min_tokens
+
+
+def process_logits(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """The logits after every row's processors; never modifies `logits` in place."""
+    allowed = _rows_where(rows, lambda r: r.params.allowed_token_ids is not None)
+    banned = _banned_pairs(rows)
+    biased = _rows_where(rows, lambda r: bool(r.params.logit_bias))
+    penalized = _rows_where(rows, _needs_penalties)
+    if not (allowed or banned[0] or biased or penalized):
+        return logits
+    logits = logits.clone()
+    if allowed:
+        _apply_allowed(logits, rows, allowed)
+    if banned[0]:
+        logits[banned] = _NEG_INF
+    if biased:
+        _apply_logit_bias(logits, rows, biased)
+    if penalized:
+        logits[penalized] = _penalize(logits[penalized], [rows[i] for i in penalized])
+    return logits
+
+
+def _apply_allowed(logits: torch.Tensor, rows: list[SamplingRow], idx: list[int]) -> None:
+    mask = torch.ones(len(idx), logits.shape[1], dtype=torch.bool)
+    ids = [rows[i].params.allowed_token_ids or [] for i in idx]
+    sub = torch.tensor([j for j, a in enumerate(ids) for _ in a], dtype=torch.long)
+    mask[sub, torch.tensor(list(itertools.chain.from_iterable(ids)), dtype=torch.long)] = False
+    logits[idx] = logits[idx].masked_fill(mask, _NEG_INF)
+
+
+def _banned_pairs(rows: list[SamplingRow]) -> tuple[list[int], list[int]]:
+    """(row, token) pairs set to -inf: bad words and, below min_tokens, EOS/stop tokens."""
+    row_idx: list[int] = []
+    tok_idx: list[int] = []
+    for i, r in enumerate(rows):
+        toks = _bad_word_bans(r) if r.bad_words_token_ids else []
+        if _in_min_tokens(r):
+            toks += r.eos_token_ids + list(r.params.stop_token_ids or [])
+        row_idx += [i] * len(toks)
+        tok_idx += toks
+    return row_idx, tok_idx
+
+
+def _bad_word_bans(r: SamplingRow) -> list[int]:
+    """Ban a bad word's last token when the output ends with the rest of it."""
+    out = r.output_token_ids
+    bans = []
+    for word in r.bad_words_token_ids:
+        prefix = len(word) - 1
+        if prefix > len(out):
+            continue
+        if prefix == 0 or out[-prefix:] == word[:-1]:
+            bans.append(word[-1])
+    return bans
+
+
+def _apply_logit_bias(logits: torch.Tensor, rows: list[SamplingRow], idx: list[int]) -> None:
+    row_idx, tok_idx, values = [], [], []
+    for i in idx:
+        bias = rows[i].params.logit_bias or {}
+        row_idx += [i] * len(bias)
+        tok_idx += list(bias)
+        values += list(bias.values())
+    logits.index_put_(
+        (torch.tensor(row_idx), torch.tensor(tok_idx)), torch.tensor(values), accumulate=True
+    )
+
+
+def _token_presence(token_lists: list[list[int]], vocab: int) -> torch.Tensor:
+    """Counts [len(token_lists), vocab] of each token in each list (fp32)."""
+    counts = torch.zeros(len(token_lists), vocab)
+    rows = torch.tensor([i for i, t in enumerate(token_lists) for _ in t], dtype=torch.long)
+    toks = torch.tensor(list(itertools.chain.from_iterable(token_lists)), dtype=torch.long)
+    counts.index_put_((rows, toks), torch.ones(len(toks)), accumulate=True)
+    return counts
+
+
+def _penalize(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    vocab = logits.shape[1]
+    output_counts = _token_presence([r.output_token_ids for r in rows], vocab)
+    rep = torch.tensor([r.params.repetition_penalty for r in rows]).unsqueeze(1)
+    if bool((rep != 1.0).any()):
+        seen = _token_presence([r.prompt_token_ids for r in rows], vocab) + output_counts > 0
+        penalized = torch.where(logits > 0, logits / rep, logits * rep)
+        logits = torch.where(seen, penalized, logits)
+    freq = torch.tensor([r.params.frequency_penalty for r in rows]).unsqueeze(1)
+    pres = torch.tensor([r.params.presence_penalty for r in rows]).unsqueeze(1)
+    return logits - freq * output_counts - pres * (output_counts > 0).float()
+
+
+# --------------------------------------------------------------------------- random sampling
+
+
+def _random_sample(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    temps = [r.params.temperature for r in rows]
+    if any(t != 1.0 for t in temps):
+        logits = logits / torch.tensor(temps).unsqueeze(1)
+    truncate = _rows_where(rows, lambda r: r.params.top_k > 0 or r.params.top_p < 1.0)
+    if truncate:
+        logits = logits.clone()
+        logits[truncate] = _top_k_top_p(logits[truncate], [rows[i] for i in truncate])
+    probs = logits.softmax(-1)
+    min_p = _rows_where(rows, lambda r: r.params.min_p > 0.0)
+    if min_p:
+        probs[min_p] = _min_p(probs[min_p], [rows[i].params.min_p for i in min_p])
+    return (probs / _exponential_noise(probs, rows)).argmax(-1)
+
+
+def _top_k_top_p(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """Keep each row's top-k logits (exactly k, ties broken arbitrarily), then the smallest
+    most-likely-first prefix of those whose renormalised mass reaches top_p; the rest -> -inf.
+
+    When every row has a top-k, only the max-k largest are sorted (topk), not the vocabulary.
+    """
+    vocab = logits.shape[1]
+    ks = [r.params.top_k if r.params.top_k > 0 else vocab for r in rows]
+    width = min(max(ks), vocab)
+    if width < vocab:
+        values, order = logits.topk(width, -1)
+    else:
+        values, order = logits.sort(-1, descending=True)
+    position = torch.arange(width)
+    values = values.masked_fill(position >= torch.tensor(ks).unsqueeze(1), _NEG_INF)
+    ps = torch.tensor([r.params.top_p for r in rows]).unsqueeze(1)
+    if bool((ps < 1.0).any()):
+        probs = values.softmax(-1)
+        mass_before = probs.cumsum(-1) - probs  # the first token always has 0 < p
+        values = values.masked_fill((mass_before >= ps) & (ps < 1.0), _NEG_INF)
+    return torch.full_like(logits, _NEG_INF).scatter_(1, order, values)
+
+
+def _min_p(probs: torch.Tensor, min_ps: list[float]) -> torch.Tensor:
+    threshold = probs.amax(-1, keepdim=True) * torch.tensor(min_ps).unsqueeze(1)
+    return probs.masked_fill(probs < threshold, 0.0)
+
+
+def _exponential_noise(probs: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """q ~ Exponential(1) (as -log U) per element: one global draw for the unseeded rows, one
+    per seeded row from its own generator. Clamped away from 0 so p / q never is 0 / 0."""
+    q = torch.empty_like(probs)
+    unseeded = [i for i, r in enumerate(rows) if r.generator is None]
+    if len(unseeded) == len(rows):
+        q.uniform_()
+    else:
+        if unseeded:
+            q[unseeded] = torch.rand(len(unseeded), probs.shape[1])
+        for i, r in enumerate(rows):
+            if r.generator is not None:
+                q[i].uniform_(generator=r.generator)
+    return q.log_().neg_().clamp_min_(_TINY)
