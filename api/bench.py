@@ -1,0 +1,198 @@
+"""`triollm bench throughput | latency`: the offline yardsticks.
+
+throughput: the community offline workload (as nano-vllm and mini-sglang use it): random
+token-id prompts, input and output lengths uniform in [min, max], `ignore_eos`, seed 0; and a
+text-prompt workload. `--compare-hf` runs Hugging Face transformers' batched `generate` on the
+same prompts, model and dtype in the same process, one after the other, and prints the ratio.
+
+latency: batch-1 decode time per token against the memory-bandwidth floor (weight bytes /
+measured copy bandwidth).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+TEXT_TOPICS = [
+    "a lighthouse keeper", "the history of bread", "how rainbows form", "a robot learning to paint",
+    "the rules of chess", "why the sky is blue", "a journey to Mars", "the life of a honeybee",
+]
+
+
+def add_bench_parser(sub: Any, add_engine_args: Callable[..., None]) -> None:
+    bench = sub.add_parser("bench", help="benchmarks (throughput, latency)")
+    kinds = bench.add_subparsers(dest="bench", required=True)
+    tp = kinds.add_parser("throughput", help="offline throughput on random token prompts and text prompts")
+    tp.add_argument("--num-prompts", type=int, default=64, help="(default: %(default)s)")
+    tp.add_argument("--min-input-len", type=int, default=32, help="(default: %(default)s)")
+    tp.add_argument("--max-input-len", type=int, default=256, help="(default: %(default)s)")
+    tp.add_argument("--min-output-len", type=int, default=32, help="(default: %(default)s)")
+    tp.add_argument("--max-output-len", type=int, default=256, help="(default: %(default)s)")
+    tp.add_argument("--workload", choices=["random", "text", "both"], default="both", help="(default: %(default)s)")
+    tp.add_argument("--compare-hf", action="store_true", help="also run transformers' batched generate")
+    tp.add_argument("--output-json", default=None, help="write the results here")
+    add_engine_args(tp)
+    tp.set_defaults(func=run_throughput)
+    lat = kinds.add_parser("latency", help="batch-1 decode latency vs the memory-bandwidth floor")
+    lat.add_argument("--input-len", type=int, default=32, help="(default: %(default)s)")
+    lat.add_argument("--output-len", type=int, default=128, help="(default: %(default)s)")
+    add_engine_args(lat)
+    lat.set_defaults(func=run_latency)
+
+
+def random_workload(ns: argparse.Namespace, vocab: int) -> list[tuple[list[int], int]]:
+    rng = random.Random(0)
+    top = min(vocab, 10000)
+    return [
+        (
+            [rng.randrange(top) for _ in range(rng.randint(ns.min_input_len, ns.max_input_len))],
+            rng.randint(ns.min_output_len, ns.max_output_len),
+        )
+        for _ in range(ns.num_prompts)
+    ]
+
+
+def text_workload(ns: argparse.Namespace, tokenizer: Any) -> list[tuple[list[int], int]]:
+    rng = random.Random(0)
+    out = []
+    for i in range(ns.num_prompts):
+        msg = [{"role": "user", "content": f"Write a short story about {TEXT_TOPICS[i % len(TEXT_TOPICS)]}."}]
+        out.append((tokenizer.encode_chat(msg), rng.randint(ns.min_output_len, ns.max_output_len)))
+    return out
+
+
+def _run_triollm(engine: Any, work: list[tuple[list[int], int]]) -> dict[str, float]:
+    from triollm.engine.sampling_params import SamplingParams
+
+    prompts = [{"prompt_token_ids": ids} for ids, _ in work]
+    params = [SamplingParams(max_tokens=n, ignore_eos=True, temperature=0.0, detokenize=True) for _, n in work]
+    start = time.perf_counter()
+    outs = engine.generate(prompts, params)
+    elapsed = time.perf_counter() - start
+    gen = sum(len(o.outputs[0].token_ids) for o in outs)
+    assert gen == sum(n for _, n in work), "ignore_eos run produced the wrong token count"
+    return _summary(elapsed, len(work), sum(len(ids) for ids, _ in work), gen)
+
+
+def _run_hf(path: str, work: list[tuple[list[int], int]], pad_id: int) -> dict[str, float]:
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    width = max(len(ids) for ids, _ in work)
+    ids = torch.tensor([[pad_id] * (width - len(p)) + p for p, _ in work])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p, _ in work])
+    longest = max(n for _, n in work)
+    start = time.perf_counter()
+    with torch.inference_mode():
+        model.generate(
+            input_ids=ids, attention_mask=mask, max_new_tokens=longest, min_new_tokens=longest,
+            do_sample=False, pad_token_id=pad_id,
+        )
+    elapsed = time.perf_counter() - start
+    # Useful tokens are what each request asked for; the batch pads every row to the longest.
+    res = _summary(elapsed, len(work), sum(len(p) for p, _ in work), sum(n for _, n in work))
+    res["padded_output_tokens_per_s"] = len(work) * longest / elapsed
+    return res
+
+
+def _summary(elapsed: float, n: int, prompt_tokens: int, gen_tokens: int) -> dict[str, float]:
+    return {
+        "elapsed_s": elapsed,
+        "requests_per_s": n / elapsed,
+        "output_tokens_per_s": gen_tokens / elapsed,
+        "total_tokens_per_s": (prompt_tokens + gen_tokens) / elapsed,
+        "prompt_tokens": prompt_tokens,
+        "output_tokens": gen_tokens,
+    }
+
+
+def _print(name: str, res: dict[str, float]) -> None:
+    print(
+        f"{name:<24} {res['requests_per_s']:7.2f} req/s  {res['output_tokens_per_s']:8.1f} output tok/s  "
+        f"{res['total_tokens_per_s']:8.1f} total tok/s  ({res['elapsed_s']:.1f} s)"
+    )
+
+
+def run_throughput(ns: argparse.Namespace) -> int:
+    from triollm.api.cli import engine_args_from
+    from triollm.engine.sync_engine import SyncEngine
+
+    args = engine_args_from(ns)
+    if args.num_threads:
+        torch.set_num_threads(args.num_threads)
+    engine = SyncEngine.from_engine_args(args)
+    print(f"model {engine.config.model.path} dtype {engine.config.model.dtype} threads {torch.get_num_threads()}")
+    results: dict[str, Any] = {}
+    loads = {"random": random_workload(ns, engine.config.model.vocab_size)}
+    if ns.workload in ("text", "both"):
+        loads["text"] = text_workload(ns, engine.tokenizer)
+    if ns.workload == "text":
+        del loads["random"]
+    _run_triollm(engine, loads[next(iter(loads))][:4])  # warm-up
+    for name, work in loads.items():
+        results[f"triollm/{name}"] = res = _run_triollm(engine, work)
+        _print(f"triollm {name}", res)
+    if ns.compare_hf:
+        del engine
+        pad = 0
+        for name, work in loads.items():
+            results[f"hf/{name}"] = res = _run_hf(str(args.create_engine_config().model.path), work, pad)
+            _print(f"transformers {name}", res)
+            ratio = results[f"triollm/{name}"]["output_tokens_per_s"] / res["output_tokens_per_s"]
+            results[f"ratio/{name}"] = ratio
+            print(f"{'ratio ' + name:<24} {ratio:.2f}x output tokens/s (triollm / transformers)")
+    if ns.output_json:
+        with open(ns.output_json, "w") as f:
+            json.dump(results, f, indent=2)
+    return 0
+
+
+def measure_bandwidth(nbytes: int = 512 << 20, repeats: int = 5) -> float:
+    """Copy bandwidth in bytes/s (read + write counted) on preallocated buffers."""
+    src = torch.ones(nbytes // 4)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        dst.copy_(src)
+        best = min(best, time.perf_counter() - t)
+    return 2 * nbytes / best
+
+
+def run_latency(ns: argparse.Namespace) -> int:
+    from triollm.api.cli import engine_args_from
+    from triollm.engine.sampling_params import SamplingParams
+    from triollm.engine.sync_engine import SyncEngine
+
+    args = engine_args_from(ns)
+    if args.num_threads:
+        torch.set_num_threads(args.num_threads)
+    engine = SyncEngine.from_engine_args(args)
+    rng = random.Random(0)
+    prompt = {"prompt_token_ids": [rng.randrange(1000) for _ in range(ns.input_len)]}
+    params = SamplingParams(max_tokens=ns.output_len, ignore_eos=True, temperature=0.0)
+    engine.generate([prompt], SamplingParams(max_tokens=4, ignore_eos=True, temperature=0.0))
+    engine.add_request(prompt, params)
+    times = []
+    t = time.perf_counter()
+    for _ in engine.run():
+        now = time.perf_counter()
+        times.append(now - t)
+        t = now
+    decode = sorted(times[1:])
+    per_token = decode[len(decode) // 2]
+    weight_bytes = sum(p.numel() * p.element_size() for p in engine.core.model.parameters())
+    bw = measure_bandwidth()
+    floor = weight_bytes / bw
+    print(f"weights {weight_bytes / 1e6:.0f} MB, copy bandwidth {bw / 1e9:.1f} GB/s, floor {floor * 1e3:.1f} ms/token")
+    print(f"TTFT {times[0] * 1e3:.1f} ms, decode median {per_token * 1e3:.1f} ms/token "
+          f"({1 / per_token:.1f} tok/s), {per_token / floor:.2f}x the floor")
+    return 0

@@ -1,0 +1,119 @@
+"""The `triollm` command line: `generate`, `chat`, `bench`.
+
+Engine flags are generated from the `EngineArgs` dataclass (vLLM's names, `--max-model-len`
+for `max_model_len`), so the CLI, `LLM(**kwargs)` and the server share one schema.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import sys
+from collections.abc import Sequence
+
+from triollm.engine.config import EngineArgs
+
+DEFAULT_PROMPTS = [
+    "The capital of France is",
+    "Hello, my name is",
+    "The three primary colors are",
+    "def fibonacci(n):",
+]
+
+_TYPES = {"int": int, "float": float, "str": str}
+
+
+def add_engine_args(parser: argparse.ArgumentParser, *, skip: Sequence[str] = ()) -> None:
+    group = parser.add_argument_group("engine")
+    for f in dataclasses.fields(EngineArgs):
+        if f.name in skip:
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        type_name = str(f.type).split("|")[0].strip()
+        if type_name == "bool":
+            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help="(default: %(default)s)")
+        else:
+            group.add_argument(flag, type=_TYPES[type_name], default=f.default, help="(default: %(default)s)")
+
+
+def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
+    names = {f.name for f in dataclasses.fields(EngineArgs)}
+    return EngineArgs(**{k: v for k, v in vars(ns).items() if k in names})
+
+
+def _sampling_flags(parser: argparse.ArgumentParser, max_tokens: int) -> None:
+    parser.add_argument("--max-tokens", type=int, default=max_tokens, help="(default: %(default)s)")
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default: %(default)s)")
+    parser.add_argument("--top-p", type=float, default=1.0, help="(default: %(default)s)")
+    parser.add_argument("--top-k", type=int, default=0, help="0 disables (default: %(default)s)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="triollm", description="LLM inference on structured concurrency.")
+    parser.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"], help="(default: %(default)s)")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="complete prompts (default: a few example prompts)")
+    gen.add_argument("prompts", nargs="*", help="prompts to complete")
+    _sampling_flags(gen, 32)
+    add_engine_args(gen)
+
+    chat = sub.add_parser("chat", help="answer one chat message with the model's chat template")
+    chat.add_argument("message", nargs="?", default="What is the capital of France?")
+    chat.add_argument("--system", default=None, help="an optional system message")
+    _sampling_flags(chat, 128)
+    add_engine_args(chat)
+
+    from triollm.api.bench import add_bench_parser
+
+    add_bench_parser(sub, add_engine_args)
+    return parser
+
+
+def _params(ns: argparse.Namespace):  # type: ignore[no-untyped-def]
+    from triollm.engine.sampling_params import SamplingParams
+
+    return SamplingParams(
+        max_tokens=ns.max_tokens, temperature=ns.temperature, top_p=ns.top_p, top_k=ns.top_k, seed=ns.seed
+    )
+
+
+def cmd_generate(ns: argparse.Namespace) -> int:
+    from triollm.engine.sync_engine import SyncEngine
+
+    engine = SyncEngine.from_engine_args(engine_args_from(ns))
+    prompts = ns.prompts or DEFAULT_PROMPTS
+    for out in engine.generate(prompts, _params(ns)):
+        print(f"{out.prompt!r} -> {out.outputs[0].text!r}")
+    return 0
+
+
+def cmd_chat(ns: argparse.Namespace) -> int:
+    from triollm.engine.sync_engine import SyncEngine
+
+    engine = SyncEngine.from_engine_args(engine_args_from(ns))
+    messages = [{"role": "system", "content": ns.system}] if ns.system else []
+    messages.append({"role": "user", "content": ns.message})
+    ids = engine.tokenizer.encode_chat(messages, add_generation_prompt=True)
+    out = engine.generate([{"prompt_token_ids": ids}], _params(ns))[0]
+    print(out.outputs[0].text)
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ns = build_parser().parse_args(argv)
+    logging.basicConfig(level=ns.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    try:
+        if ns.command == "generate":
+            return cmd_generate(ns)
+        if ns.command == "chat":
+            return cmd_chat(ns)
+        return int(ns.func(ns))
+    except ValueError as exc:
+        print(f"triollm: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

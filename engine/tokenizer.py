@@ -1,0 +1,362 @@
+"""`Tokenizer`: a Hugging Face tokenizer directory served by the `tokenizers` library alone.
+
+Design: transformers is not needed at run time. `tokenizer.json` gives the model, normalizer,
+pre-tokenizer, decoder and post-processor; `tokenizer_config.json` gives the special-token names,
+`add_bos_token`/`add_eos_token` and the chat template (a `chat_template.jinja` file next to it
+wins, as in transformers). Chat templates render in a sandboxed jinja2 environment configured
+like transformers' (`trim_blocks`, `lstrip_blocks`, `loopcontrols`, `tojson`, `raise_exception`,
+`strftime_now`, and a pass-through `{% generation %}` tag).
+
+BOS handling: some checkpoints add BOS in tokenizer.json's post-processor, others only say
+`add_bos_token: true` in tokenizer_config.json (transformers' slow-tokenizer path). `encode`
+adds it in the second case only, so it is never doubled by us. `encode_chat` encodes a rendered
+template without special tokens and prepends BOS only when the tokenizer adds one and the
+template did not already emit it: exactly one BOS either way.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Mapping, Sequence
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import jinja2
+import jinja2.ext
+from jinja2 import nodes
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer as HFTokenizer
+
+__all__ = ["ChatMessage", "Tokenizer"]
+
+ChatMessage = Mapping[str, Any]
+_SPECIAL_NAMES = ("bos_token", "eos_token", "unk_token", "pad_token")
+
+
+class Tokenizer:
+    """Encode, decode and chat-template rendering for one model."""
+
+    def __init__(
+        self,
+        backend: HFTokenizer,
+        *,
+        special_tokens: Mapping[str, str | None] | None = None,
+        add_bos_token: bool | None = None,
+        add_eos_token: bool = False,
+        chat_template: str | None = None,
+    ) -> None:
+        self.backend = backend
+        self.chat_template = chat_template
+        names = dict(special_tokens or {})
+        self._special_tokens: dict[str, str] = {k: v for k, v in names.items() if v is not None}
+        self.bos_token_id = self._token_id(self._special_tokens.get("bos_token"))
+        self.eos_token_id = self._token_id(self._special_tokens.get("eos_token"))
+        # What tokenizer.json's post-processor already adds around a single sequence.
+        added = backend.encode("", add_special_tokens=True).ids
+        self._post_adds_bos = self.bos_token_id is not None and added[:1] == [self.bos_token_id]
+        self._post_adds_eos = self.eos_token_id is not None and added[-1:] == [self.eos_token_id]
+        self._extra_bos = (
+            bool(add_bos_token) and self.bos_token_id is not None and not self._post_adds_bos
+        )
+        self._extra_eos = (
+            add_eos_token and self.eos_token_id is not None and not self._post_adds_eos
+        )
+        self._template_cache: dict[str, jinja2.Template] = {}
+
+    # ------------------------------------------------------------------ loading
+
+    @classmethod
+    def from_pretrained(cls, path: Path | str, chat_template: str | None = None) -> Tokenizer:
+        """Load `path/tokenizer.json` (+ tokenizer_config.json, chat_template.jinja).
+
+        `chat_template` overrides the directory's template; it may be the template itself or
+        the path of a file holding it (like vLLM's `--chat-template`).
+        """
+        path = Path(path)
+        tok_file = path / "tokenizer.json"
+        if not tok_file.is_file():
+            raise ValueError(
+                f"tokenizer: {path} has no tokenizer.json (only fast tokenizers are supported)"
+            )
+        backend = HFTokenizer.from_file(str(tok_file))
+        config = _read_json(path / "tokenizer_config.json")
+        specials = {name: _token_content(config.get(name)) for name in _SPECIAL_NAMES}
+        template = _resolve_template(path, config, chat_template)
+        return cls(
+            backend,
+            special_tokens=specials,
+            add_bos_token=config.get("add_bos_token"),
+            add_eos_token=bool(config.get("add_eos_token", False)),
+            chat_template=template,
+        )
+
+    def _token_id(self, token: str | None) -> int | None:
+        return None if token is None else self.backend.token_to_id(token)
+
+    # ------------------------------------------------------------------ properties
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of tokens including added ones (may be below the model's embedding rows)."""
+        return int(self.backend.get_vocab_size(with_added_tokens=True))
+
+    @property
+    def bos_token(self) -> str | None:
+        return self._special_tokens.get("bos_token")
+
+    @property
+    def eos_token(self) -> str | None:
+        return self._special_tokens.get("eos_token")
+
+    @property
+    def all_special_ids(self) -> list[int]:
+        ids = {i for i, tok in self.backend.get_added_tokens_decoder().items() if tok.special}
+        for token in self._special_tokens.values():
+            token_id = self._token_id(token)
+            if token_id is not None:
+                ids.add(token_id)
+        return sorted(ids)
+
+    @property
+    def adds_bos_token(self) -> bool:
+        """Whether `encode(..., add_special_tokens=True)` starts with BOS."""
+        return self._post_adds_bos or self._extra_bos
+
+    # ------------------------------------------------------------------ encode / decode
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        ids: list[int] = self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+        if add_special_tokens and self._extra_bos:
+            ids.insert(0, self.bos_token_id)  # type: ignore[arg-type]
+        if add_special_tokens and self._extra_eos:
+            ids.append(self.eos_token_id)  # type: ignore[arg-type]
+        return ids
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return str(self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens))
+
+    def convert_ids_to_tokens(self, ids: Sequence[int]) -> list[str | None]:
+        return [self.backend.id_to_token(i) for i in ids]
+
+    # ------------------------------------------------------------------ chat
+
+    def apply_chat_template(
+        self,
+        messages: Sequence[ChatMessage],
+        *,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        chat_template: str | None = None,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        **template_kwargs: Any,
+    ) -> str:
+        """Render `messages` with the chat template (transformers' semantics).
+
+        With `continue_final_message` no generation prompt is added and the text is cut right
+        after the final message's content, so the model continues that message.
+        """
+        source = chat_template or self.chat_template
+        if source is None:
+            raise ValueError(
+                "chat_template: this tokenizer has no chat template; pass chat_template= "
+                "(or --chat-template) or use a plain-text prompt"
+            )
+        chat = [_normalize_message(i, m) for i, m in enumerate(messages)]
+        if continue_final_message and not chat:
+            raise ValueError("continue_final_message: needs at least one message")
+        context: dict[str, Any] = {**self._special_tokens, **template_kwargs}
+        context.update(
+            messages=chat,
+            add_generation_prompt=add_generation_prompt and not continue_final_message,
+        )
+        if tools is not None:
+            context["tools"] = list(tools)
+        try:
+            rendered = self._compile(source).render(**context)
+        except jinja2.TemplateError as e:
+            raise ValueError(f"chat_template: rendering failed: {e}") from e
+        if continue_final_message:
+            rendered = _cut_after_final(rendered, chat[-1].get("content"))
+        return rendered
+
+    def encode_chat(
+        self,
+        messages: Sequence[ChatMessage],
+        *,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        chat_template: str | None = None,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        **template_kwargs: Any,
+    ) -> list[int]:
+        """Render and tokenize a chat; the result starts with at most one BOS."""
+        text = self.apply_chat_template(
+            messages,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
+            chat_template=chat_template,
+            tools=tools,
+            **template_kwargs,
+        )
+        ids = self.encode(text, add_special_tokens=False)
+        bos = self.bos_token_id
+        if self.adds_bos_token and bos is not None and ids[:1] != [bos]:
+            ids.insert(0, bos)
+        return ids
+
+    def _compile(self, source: str) -> jinja2.Template:
+        template = self._template_cache.get(source)
+        if template is None:
+            template = _jinja_env().from_string(source)
+            self._template_cache[source] = template
+        return template
+
+
+# ---------------------------------------------------------------------------------------------
+# tokenizer_config.json helpers
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        return {}
+    data = json.loads(path.read_text(encoding="utf-8"))
+    if not isinstance(data, dict):
+        raise ValueError(f"tokenizer: {path.name} must hold a JSON object")
+    return data
+
+
+def _token_content(value: Any) -> str | None:
+    """A special token as tokenizer_config.json writes it: a string, {"content": ...} or null."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, dict) and isinstance(value.get("content"), str):
+        return str(value["content"])
+    return None
+
+
+def _resolve_template(path: Path, config: Mapping[str, Any], override: str | None) -> str | None:
+    if override is not None:
+        return _template_arg(override)
+    jinja_file = path / "chat_template.jinja"
+    if jinja_file.is_file():
+        return jinja_file.read_text(encoding="utf-8")
+    return _config_template(config.get("chat_template"))
+
+
+def _template_arg(value: str) -> str:
+    """`value` is a template, or the path of a file holding one."""
+    if "{" not in value and "\n" not in value:
+        candidate = Path(value)
+        if candidate.is_file():
+            return candidate.read_text(encoding="utf-8")
+        raise ValueError(
+            f"chat_template: {value!r} is neither a jinja template nor a readable file"
+        )
+    return value
+
+
+def _config_template(value: Any) -> str | None:
+    """tokenizer_config.json's chat_template: a string, or a list of {name, template}."""
+    if value is None or isinstance(value, str):
+        return value
+    if isinstance(value, list):
+        named = {t.get("name"): t.get("template") for t in value if isinstance(t, dict)}
+        chosen = named.get("default", next(iter(named.values()), None))
+        return chosen if isinstance(chosen, str) else None
+    raise ValueError(
+        f"chat_template: expected a string or a list of templates, got {type(value).__name__}"
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# chat template rendering
+
+
+def _normalize_message(index: int, message: ChatMessage) -> dict[str, Any]:
+    """A plain dict copy whose content is a string when it was a list of text parts."""
+    if not isinstance(message, Mapping):
+        raise ValueError(f"messages[{index}]: must be a mapping with 'role' and 'content'")
+    out = dict(message)
+    content = out.get("content")
+    if isinstance(content, list):
+        out["content"] = "\n".join(_part_text(index, part) for part in content)
+    return out
+
+
+def _part_text(index: int, part: Any) -> str:
+    if isinstance(part, str):
+        return part
+    if (
+        isinstance(part, Mapping)
+        and part.get("type", "text") == "text"
+        and isinstance(part.get("text"), str)
+    ):
+        return str(part["text"])
+    kind = part.get("type") if isinstance(part, Mapping) else type(part).__name__
+    raise ValueError(
+        f"messages[{index}].content: part type {kind!r} is not supported (text parts only)"
+    )
+
+
+def _cut_after_final(rendered: str, content: Any) -> str:
+    """transformers' continue_final_message: drop what the template put after the last content."""
+    if not isinstance(content, str):
+        raise ValueError(
+            "continue_final_message: the final message has no text content to continue"
+        )
+    stripped = content.strip()
+    loc = rendered.rfind(stripped)
+    if loc < 0:
+        raise ValueError(
+            "continue_final_message: the final message does not appear in the rendered chat "
+            "(the chat template changes it)"
+        )
+    if rendered[loc : loc + len(content.lstrip())] == content:
+        return rendered[: loc + len(content.lstrip())]
+    return rendered[: loc + len(stripped)]
+
+
+class _GenerationTag(jinja2.ext.Extension):
+    """`{% generation %}...{% endgeneration %}` (transformers' assistant-mask marker): renders its body."""
+
+    tags = {"generation"}
+
+    def parse(self, parser: Any) -> list[nodes.Node]:
+        next(parser.stream)
+        body: list[nodes.Node] = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return body
+
+
+def _raise_exception(message: str) -> None:
+    raise jinja2.TemplateError(message)
+
+
+def _tojson(
+    value: Any,
+    ensure_ascii: bool = False,
+    indent: int | None = None,
+    separators: Any = None,
+    sort_keys: bool = False,
+) -> str:
+    # Jinja's built-in tojson HTML-escapes; chat templates expect plain JSON.
+    return json.dumps(
+        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
+
+
+def _jinja_env() -> jinja2.Environment:
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, jinja2.ext.loopcontrols]
+    )
+    env.filters["tojson"] = _tojson
+    helpers: dict[str, Callable[..., Any]] = {
+        "raise_exception": _raise_exception,
+        "strftime_now": _strftime_now,
+    }
+    env.globals.update(helpers)
+    return env
