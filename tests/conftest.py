@@ -9,7 +9,6 @@ from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
-
 from tinymodel import make_tiny_model  # noqa: E402
 
 torch.set_num_threads(1)

@@ -129,9 +129,10 @@ class LlamaForCausalLM(nn.Module):
         self.layers = nn.ModuleList(LlamaDecoderLayer(cfg) for _ in range(cfg.num_layers))
         self.norm = nn.Parameter(torch.ones(cfg.hidden_size))
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        cos, sin = rotary_cos_sin(cfg.head_dim, cfg.max_model_len, cfg.rope_theta, cfg.rope_scaling)
-        self.register_buffer("rope_cos", cos, persistent=False)
-        self.register_buffer("rope_sin", sin, persistent=False)
+        # Plain attributes (not buffers): computed, never loaded; moved in load_model.
+        self.rope_cos, self.rope_sin = rotary_cos_sin(
+            cfg.head_dim, cfg.max_model_len, cfg.rope_theta, cfg.rope_scaling
+        )
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, kv: KVCache) -> torch.Tensor:
         """Hidden states `[T, hidden]` (final norm applied) for the flat batch."""
@@ -215,6 +216,6 @@ def load_model(cfg: ModelConfig, device: str | torch.device = "cpu") -> LlamaFor
             )
     model.load_state_dict(loaded, strict=False, assign=True)
     cos, sin = rotary_cos_sin(cfg.head_dim, cfg.max_model_len, cfg.rope_theta, cfg.rope_scaling)
-    model.rope_cos, model.rope_sin = cos, sin
+    model.rope_cos, model.rope_sin = cos.to(device), sin.to(device)
     model.requires_grad_(False)
     return model.to(device).eval()

@@ -46,7 +46,7 @@ def hf_greedy(path: Path, prompts: list[list[int]]) -> list[tuple[list[int], lis
                 pad_token_id=0,
             )
             tokens = out.sequences[0, len(ids) :].tolist()
-            lps = [torch.log_softmax(l[0].float(), -1)[t].item() for l, t in zip(out.logits, tokens)]
+            lps = [torch.log_softmax(lg[0].float(), -1)[t].item() for lg, t in zip(out.logits, tokens)]
             results.append((tokens, lps))
     return results
 
