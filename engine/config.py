@@ -164,6 +164,7 @@ class EngineConfig:
     device: str
     seed: int
     num_threads: int | None
+    inject_fault_at_step: int | None = None
 
 
 @dataclass
@@ -185,6 +186,13 @@ class EngineArgs:
     device: str = "auto"
     num_threads: int | None = None
     cache_dir: str | None = None  # where imported (GGUF) models are cached
+    # --- the actor layer (AsyncLLM / LLM)
+    multiprocess: bool | None = None  # engine core in a child process; None: $TRIOLLM_MULTIPROCESS, else True
+    output_chunk_size: int = 128  # RequestOutputs built per chunk before yielding to the event loop
+    max_logprobs: int = 20
+    zmq_address: str = "ipc"  # "ipc" (a socket file in a private temp dir) or "tcp://HOST" (ports chosen freely)
+    # --- test-only fault injection: the forward pass raises at this step (1-based)
+    inject_fault_at_step: int | None = None
 
     def create_engine_config(self) -> EngineConfig:
         from triollm.engine.model_files import resolve_model
@@ -203,6 +211,11 @@ class EngineArgs:
             _positive("num_gpu_blocks_override", self.num_gpu_blocks_override)
         if self.num_threads is not None:
             _positive("num_threads", self.num_threads)
+        _positive("output_chunk_size", self.output_chunk_size)
+        if not isinstance(self.max_logprobs, int) or self.max_logprobs < 0:
+            raise ValueError(f"max_logprobs: must be a non-negative integer, got {self.max_logprobs!r}")
+        if self.zmq_address != "ipc" and not self.zmq_address.startswith("tcp://"):
+            raise ValueError(f"zmq_address: {self.zmq_address!r} is not 'ipc' or 'tcp://HOST'")
         path = resolve_model(self.model, Path(self.cache_dir) if self.cache_dir else None)
         model = ModelConfig.from_pretrained(path, self.dtype, self.max_model_len, device)
         budget = self.max_num_batched_tokens
@@ -230,6 +243,7 @@ class EngineArgs:
             device=device,
             seed=self.seed,
             num_threads=self.num_threads,
+            inject_fault_at_step=self.inject_fault_at_step,
         )
 
     @classmethod

@@ -66,6 +66,7 @@ class EngineCore:
         self.scheduler = Scheduler(config.scheduler, self.block_manager, mc.max_model_len)
         self.runner = ModelRunner(self.model, kv, config.device)
         self.requests: dict[str, Request] = {}
+        self.num_steps = 0
         log.info(
             "KV cache: %d blocks of %d tokens (%d tokens, %.1f MiB) for %s on %s",
             self.num_blocks,
@@ -152,6 +153,9 @@ class EngineCore:
         sched = self.scheduler.schedule()
         if not sched.scheduled:
             return []
+        self.num_steps += 1
+        if self.num_steps == self.config.inject_fault_at_step:
+            raise RuntimeError(f"injected fault in the forward pass at step {self.num_steps}")
         result = self.runner.execute(sched.scheduled)
         outputs: list[EngineCoreOutput] = []
         for item in sched.scheduled:

@@ -1,0 +1,123 @@
+"""The engine-core loop: the one place `EngineCore` is driven, in-process or in a child process.
+
+It owns the core. Between steps it drains every queued input without waiting (adds, aborts,
+utility calls), then runs `step()` in a worker thread so the event loop stays free for the
+transport's actors; with nothing to do it waits on the input stream (no polling). One output
+message per step. A `Shutdown` message or the end of the input stream ends it cleanly.
+
+A bad request is answered with `RequestError` and the loop goes on. An exception in a step is the
+engine's death: `EngineDead` (with the traceback) is sent, and the exception propagates so a
+child process exits non-zero. Callers that must not raise (the in-process transport) catch it.
+"""
+
+from __future__ import annotations
+
+import logging
+import traceback
+
+import anyio
+from anyio.abc import ObjectReceiveStream, ObjectSendStream
+
+from triollm.actors.messages import (
+    AbortRequests,
+    AddRequest,
+    CoreInput,
+    CoreOutput,
+    EngineDead,
+    OutputBatch,
+    RequestError,
+    Shutdown,
+    StepStats,
+    UtilityCall,
+    UtilityOp,
+    UtilityResult,
+)
+from triollm.engine.core import EngineCore
+
+__all__ = ["serve_engine_core", "step_stats"]
+
+log = logging.getLogger("triollm")
+
+
+def step_stats(core: EngineCore) -> StepStats:
+    s = core.statistics()
+    return StepStats(
+        s.num_running,
+        s.num_waiting,
+        s.num_blocks,
+        s.num_free_blocks,
+        s.num_cached_blocks,
+        s.prefix_cache_hit_rate,
+        s.num_preemptions,
+    )
+
+
+async def serve_engine_core(
+    core: EngineCore,
+    inputs: ObjectReceiveStream[CoreInput],
+    outputs: ObjectSendStream[CoreOutput],
+) -> None:
+    async with inputs, outputs:
+        while True:
+            if core.has_unfinished_requests():
+                try:
+                    msg = inputs.receive_nowait()
+                except anyio.WouldBlock:
+                    await _step(core, outputs)
+                    continue
+                except anyio.EndOfStream:
+                    return
+            else:
+                try:
+                    msg = await inputs.receive()
+                except anyio.EndOfStream:
+                    return
+            if isinstance(msg, Shutdown):
+                return
+            reply = _apply(core, msg)
+            if reply is not None:
+                await outputs.send(reply)
+
+
+async def _step(core: EngineCore, outputs: ObjectSendStream[CoreOutput]) -> None:
+    try:
+        result = await anyio.to_thread.run_sync(core.step)
+    except Exception as exc:
+        log.error("engine core failed: %r", exc)
+        with anyio.CancelScope(shield=True), anyio.move_on_after(1):
+            await outputs.send(EngineDead(f"engine core failed: {exc!r}", traceback.format_exc()))
+        raise
+    if result:
+        await outputs.send(OutputBatch.from_outputs(result, step_stats(core)))
+
+
+def _apply(core: EngineCore, msg: CoreInput) -> CoreOutput | None:
+    match msg:
+        case AddRequest(request=req):
+            try:
+                core.add_request(req)
+            except ValueError as exc:
+                return RequestError(req.request_id, str(exc))
+            except Exception as exc:  # unexpected, but confined to this request
+                log.exception("request %s failed", req.request_id)
+                core.abort_requests([req.request_id])
+                return RequestError(req.request_id, repr(exc), kind=type(exc).__name__)
+        case AbortRequests(request_ids=ids):
+            core.abort_requests(ids)
+        case UtilityCall(call_id=cid, op=op):
+            try:
+                return UtilityResult(cid, _utility(core, op))
+            except Exception as exc:
+                return UtilityResult(cid, None, error=f"{type(exc).__name__}: {exc}")
+    return None
+
+
+def _utility(core: EngineCore, op: UtilityOp) -> StepStats | bool:
+    match op:
+        case UtilityOp.STATISTICS:
+            return step_stats(core)
+        case UtilityOp.RESET_PREFIX_CACHE:
+            return core.reset_prefix_cache()
+        case UtilityOp.CHECK_INTEGRITY:
+            core.check_integrity()
+            return True

@@ -1,0 +1,102 @@
+"""Connecting the frontend to an engine core: in this process, or in a child over ZMQ.
+
+Both ways give the frontend the same thing, a `CoreClient`: what the engine measured at start-up
+(`Ready`), a send stream for `CoreInput` messages and a receive stream of `CoreOutput`
+messages. The choice is a value (`multiprocess`), not a class hierarchy.
+
+- In-process: `EngineCore` is built in a worker thread and driven by `serve_engine_core` in a
+  task of this event loop (each step in a worker thread).
+- Multiprocess: see `actors/process.py`.
+
+The input stream is unbounded on purpose: adds are bounded by the callers waiting for them, and
+an abort must be sendable synchronously from a `finally` block of a cancelled consumer.
+The output stream ends after `EngineDead`, or when the core stops after `Shutdown`.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+
+import anyio
+from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
+
+from triollm.actors.core_loop import serve_engine_core
+from triollm.actors.messages import CoreInput, CoreOutput, Ready, Shutdown
+from triollm.engine.config import EngineArgs, EngineConfig
+from triollm.engine.core import EngineCore
+
+__all__ = ["OUTPUT_BUFFER", "SHUTDOWN_GRACE_S", "CoreClient", "multiprocess_default", "open_core_client"]
+
+OUTPUT_BUFFER = 64  # engine steps in flight towards the output actor
+SHUTDOWN_GRACE_S = 5.0
+
+
+@dataclass
+class CoreClient:
+    ready: Ready
+    inputs: MemoryObjectSendStream[CoreInput]
+    outputs: MemoryObjectReceiveStream[CoreOutput]
+    pid: int | None = None  # the engine-core child, when there is one
+
+
+def multiprocess_default(value: bool | None) -> bool:
+    """The configured value, else $TRIOLLM_MULTIPROCESS (0/1), else True. Read once per engine."""
+    if value is not None:
+        return value
+    env = os.environ.get("TRIOLLM_MULTIPROCESS")
+    if env is None or env == "":
+        return True
+    if env not in ("0", "1"):
+        raise ValueError(f"TRIOLLM_MULTIPROCESS: {env!r} is not 0 or 1")
+    return env == "1"
+
+
+@asynccontextmanager
+async def open_core_client(config: EngineConfig, args: EngineArgs) -> AsyncIterator[CoreClient]:
+    if multiprocess_default(args.multiprocess):
+        from triollm.actors.process import open_process_core
+
+        async with open_process_core(config, args) as client:
+            yield client
+    else:
+        async with _open_in_process(config) as client:
+            yield client
+
+
+@asynccontextmanager
+async def _open_in_process(config: EngineConfig) -> AsyncIterator[CoreClient]:
+    core = await anyio.to_thread.run_sync(EngineCore, config)
+    in_send, in_recv = anyio.create_memory_object_stream[CoreInput](math.inf)
+    out_send, out_recv = anyio.create_memory_object_stream[CoreOutput](OUTPUT_BUFFER)
+    ready = Ready(core.num_blocks, config.cache.block_size, config.model.max_model_len, config.model.vocab_size)
+
+    done = anyio.Event()
+
+    async def run() -> None:
+        try:
+            await serve_engine_core(core, in_recv, out_send)
+        except Exception:  # EngineDead was sent; the frontend turns it into EngineDeadError
+            pass
+        finally:
+            done.set()
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(run)
+        try:
+            yield CoreClient(ready, in_send, out_recv)
+        finally:
+            # Ask the loop to stop after its current step (it closes out_send when it does);
+            # if it cannot within the grace period (say, blocked on a full output stream that
+            # nobody reads any more), cancel it.
+            try:
+                in_send.send_nowait(Shutdown())
+            except (anyio.ClosedResourceError, anyio.BrokenResourceError):
+                pass
+            in_send.close()
+            with anyio.CancelScope(shield=True), anyio.move_on_after(SHUTDOWN_GRACE_S):
+                await done.wait()
+            tg.cancel_scope.cancel()
