@@ -430,6 +430,11 @@ class OutputProcessor:
         parent = self._parents.get(request_id)
         return [] if parent is None else [c.core_id for c in parent.children if not c.finished]
 
+    def parent_id(self, core_id: str) -> str | None:
+        """The user request id of an unfinished core request."""
+        child = self._children.get(core_id)
+        return None if child is None else child.parent.request_id
+
     # ------------------------------------------------------------------ the per-step path
 
     def process_outputs(self, outputs: Sequence[EngineCoreOutput]) -> ProcessedOutputs:

@@ -1,0 +1,379 @@
+"""`AsyncLLM`: vLLM's async entry point as a small actor system on one anyio task group.
+
+```
+generate() ──(validate, tokenize: the input side, in the caller's task)──▶ core inputs stream
+                                                                                  │
+                       engine core (in-process task, or child process over ZMQ: transport.py)
+                                                                                  │
+per-request collectors ◀── output actor (detokenize, stop strings, RequestOutputs, ◀──┘
+   (one per request)        in chunks of output_chunk_size with a checkpoint between)
+```
+
+Ownership: `async with AsyncLLM.from_engine_args(args) as llm:` (or `await llm.start()` ...
+`await llm.shutdown()` from the same task) owns a task group holding the core client and the
+output actor. Actors never raise into that task group: the engine's death is caught by the
+output actor, broadcast once as `EngineDeadError` to every collector (the data path), and
+recorded in `errored`; new requests then fail at once.
+
+A consumer may stop any way it likes (cancellation, `aclose()`, `break`, GeneratorExit): the
+generator's `finally` aborts the request exactly once, synchronously (the core's input stream
+is unbounded, so the abort never has to wait, even inside a cancelled scope).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+import traceback
+from collections.abc import AsyncGenerator, Iterable
+from contextlib import AsyncExitStack
+from typing import Any
+
+import anyio
+import anyio.lowlevel
+from anyio.abc import TaskGroup, TaskStatus
+
+from triollm.actors.collector import RequestCollector
+from triollm.actors.errors import EngineDeadError, EngineGenerateError
+from triollm.actors.messages import (
+    AbortRequests,
+    AddRequest,
+    CoreInput,
+    EngineDead,
+    OutputBatch,
+    RequestError,
+    StepStats,
+    UtilityCall,
+    UtilityOp,
+    UtilityResult,
+)
+from triollm.actors.transport import CoreClient, open_core_client
+from triollm.engine.config import EngineArgs, EngineConfig, ModelConfig
+from triollm.engine.outputs import RequestOutput
+from triollm.engine.processing import InputProcessor, OutputProcessor, PromptType
+from triollm.engine.sampling_params import SamplingParams
+from triollm.engine.tokenizer import Tokenizer
+
+__all__ = ["AsyncEngineArgs", "AsyncLLM"]
+
+log = logging.getLogger("triollm")
+
+# Prompts longer than this (characters or token ids) are processed in a worker thread.
+_LARGE_PROMPT = 8192
+
+
+class AsyncEngineArgs(EngineArgs):
+    """vLLM's name for the engine arguments of `AsyncLLM` (the same fields)."""
+
+
+class AsyncLLM:
+    def __init__(self, args: EngineArgs, *, chat_template: str | None = None) -> None:
+        self.args = args
+        self._chat_template = chat_template
+        self._stack: AsyncExitStack | None = None
+        self._client: CoreClient | None = None
+        self._collectors: dict[str, RequestCollector] = {}
+        self._utility: dict[int, tuple[anyio.Event, list[UtilityResult]]] = {}
+        self._call_ids = itertools.count()
+        self._request_ids = itertools.count()
+        self._dead: EngineDeadError | None = None
+        self._stopping = False
+        self._idle = anyio.Event()
+        self._idle.set()
+        self.last_stats: StepStats | None = None
+        self.config: EngineConfig | None = None
+        self.tokenizer: Tokenizer | None = None
+
+    # ------------------------------------------------------------------ construction
+
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs, **kwargs: Any) -> AsyncLLM:
+        """Build (not start): use it as `async with AsyncLLM.from_engine_args(args) as llm:`."""
+        return cls(args, **kwargs)
+
+    @classmethod
+    def from_config(cls, args: EngineArgs, **kwargs: Any) -> AsyncLLM:
+        return cls(args, **kwargs)
+
+    async def __aenter__(self) -> AsyncLLM:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.shutdown()
+
+    async def start(self) -> None:
+        """Start the engine (load the model, start the core, start the actors)."""
+        if self._stack is not None:
+            raise RuntimeError("AsyncLLM is already started")
+        stack = AsyncExitStack()
+        try:
+            self.config = config = await anyio.to_thread.run_sync(self.args.create_engine_config)
+            self.tokenizer = await anyio.to_thread.run_sync(
+                Tokenizer.from_pretrained, config.model.path, self._chat_template
+            )
+            self._input = InputProcessor(config.model, self.tokenizer, max_logprobs=self.args.max_logprobs)
+            self._output = OutputProcessor(self.tokenizer)
+            tg: TaskGroup = await stack.enter_async_context(anyio.create_task_group())
+            self._client = await stack.enter_async_context(open_core_client(config, self.args))
+            await tg.start(self._output_actor)
+        except BaseException:
+            # No shield around aclose(): the stack holds a task group entered outside it, and
+            # cancel scopes must be left in LIFO order. The transport shields its own teardown.
+            await stack.aclose()
+            raise
+        self._stack = stack
+
+    async def shutdown(self, timeout: float = 0.0) -> None:  # noqa: ASYNC109 (vLLM's signature)
+        """Stop accepting requests, let in-flight ones finish for up to `timeout` seconds, abort
+        the rest (their streams end with finish_reason "abort"), stop the engine. Idempotent."""
+        stack, self._stack = self._stack, None
+        if stack is None:
+            return
+        self._stopping = True
+        try:
+            if timeout > 0:
+                with anyio.move_on_after(timeout):
+                    await self._idle.wait()
+            self.abort(list(self._collectors))
+        finally:
+            await stack.aclose()  # not shielded: see start()
+            self._client = None
+        if self._dead is not None:
+            log.warning("engine was dead at shutdown: %s", self._dead)
+
+    # ------------------------------------------------------------------ state
+
+    @property
+    def is_running(self) -> bool:
+        return self._client is not None and self._dead is None and not self._stopping
+
+    @property
+    def errored(self) -> bool:
+        return self._dead is not None
+
+    @property
+    def dead_error(self) -> EngineDeadError | None:
+        return self._dead
+
+    async def check_health(self) -> None:
+        if self._dead is not None:
+            raise self._dead
+        self._require_running()
+
+    def get_tokenizer(self) -> Tokenizer:
+        self._require_running()
+        assert self.tokenizer is not None
+        return self.tokenizer
+
+    def get_model_config(self) -> ModelConfig:
+        self._require_running()
+        assert self.config is not None
+        return self.config.model
+
+    @property
+    def num_unfinished_requests(self) -> int:
+        return len(self._collectors)
+
+    def _require_running(self) -> None:
+        if self._dead is not None:
+            raise self._dead
+        if self._client is None or self._stopping:
+            raise RuntimeError(
+                "AsyncLLM is not running: use `async with AsyncLLM.from_engine_args(args) as llm:` "
+                "(or `await llm.start()` ... `await llm.shutdown()`)"
+            )
+
+    # ------------------------------------------------------------------ requests
+
+    async def generate(
+        self,
+        prompt: PromptType,
+        sampling_params: SamplingParams | None = None,
+        request_id: str | None = None,
+        *,
+        priority: int = 0,
+    ) -> AsyncGenerator[RequestOutput, None]:
+        """Stream the outputs of one request. Wrap it in `contextlib.aclosing` so that leaving
+        early aborts the request at once rather than when the generator is collected."""
+        rid, collector = await self._add_request(prompt, sampling_params, request_id, priority)
+        try:
+            while True:
+                out = await collector.get()
+                yield out
+                if out.finished:
+                    return
+        finally:
+            self._release(rid, collector)
+
+    async def _add_request(
+        self, prompt: PromptType, params: SamplingParams | None, request_id: str | None, priority: int
+    ) -> tuple[str, RequestCollector]:
+        self._require_running()
+        rid = request_id if request_id is not None else f"req-{next(self._request_ids)}"
+        if rid in self._collectors:
+            raise ValueError(f"request_id: {rid!r} is already in use by an unfinished request")
+        assert self.config is not None
+        if params is None:
+            params = SamplingParams(**self.config.model.generation_defaults)
+        collector = RequestCollector(params.output_kind)
+        self._collectors[rid] = collector  # reserve the id before any await
+        self._idle = anyio.Event() if self._idle.is_set() else self._idle
+        try:
+            if _is_large(prompt):
+                processed = await anyio.to_thread.run_sync(
+                    lambda: self._input.process(prompt, params, rid, arrival_time=time.monotonic(), priority=priority)
+                )
+                self._require_running()
+            else:
+                processed = self._input.process(prompt, params, rid, arrival_time=time.monotonic(), priority=priority)
+            self._output.add_request(processed)
+            for core_req in processed.core_requests:
+                self._send(AddRequest(core_req))
+        except BaseException:
+            self._drop(rid)
+            raise
+        return rid, collector
+
+    def _release(self, rid: str, collector: RequestCollector) -> None:
+        """The consumer is gone: abort the request unless it ended."""
+        if self._collectors.get(rid) is not collector:
+            return
+        if not collector.finished:
+            self._abort_one(rid)
+        self._drop(rid)
+
+    def _drop(self, rid: str) -> None:
+        self._collectors.pop(rid, None)
+        if not self._collectors:
+            self._idle.set()
+
+    def abort(self, request_id: str | Iterable[str]) -> None:
+        """Abort requests; their streams end normally with finish_reason "abort"."""
+        ids = [request_id] if isinstance(request_id, str) else list(request_id)
+        for rid in ids:
+            collector = self._collectors.get(rid)
+            for out in self._abort_one(rid):
+                if collector is not None:
+                    collector.put(out)
+
+    def _abort_one(self, rid: str) -> list[RequestOutput]:
+        core_ids = self._output.unfinished_core_ids(rid)
+        outs = self._output.abort_requests([rid])
+        if core_ids and self._dead is None:
+            self._send(AbortRequests(core_ids), quiet=True)
+        return outs
+
+    def _send(self, msg: CoreInput, quiet: bool = False) -> None:
+        assert self._client is not None
+        try:
+            self._client.inputs.send_nowait(msg)
+        except (anyio.ClosedResourceError, anyio.BrokenResourceError):
+            if not quiet:
+                raise self._dead or EngineDeadError("the engine core is not accepting requests") from None
+
+    # ------------------------------------------------------------------ utilities
+
+    async def _call(self, op: UtilityOp) -> StepStats | bool | None:
+        self._require_running()
+        cid = next(self._call_ids)
+        done, slot = anyio.Event(), []
+        self._utility[cid] = (done, slot)
+        try:
+            self._send(UtilityCall(cid, op))
+            await done.wait()
+        finally:
+            self._utility.pop(cid, None)
+        if not slot:
+            raise self._dead or EngineDeadError("the engine core stopped")
+        if slot[0].error is not None:
+            raise RuntimeError(slot[0].error)
+        return slot[0].result
+
+    async def get_engine_stats(self) -> StepStats:
+        """Fresh statistics from the engine core (running, waiting, KV blocks, prefix cache)."""
+        result = await self._call(UtilityOp.STATISTICS)
+        assert isinstance(result, StepStats)
+        return result
+
+    async def reset_prefix_cache(self) -> bool:
+        return bool(await self._call(UtilityOp.RESET_PREFIX_CACHE))
+
+    async def check_integrity(self) -> None:
+        """Run the KV block manager's integrity check in the engine core (raises if broken)."""
+        await self._call(UtilityOp.CHECK_INTEGRITY)
+
+    # ------------------------------------------------------------------ the output actor
+
+    async def _output_actor(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+        assert self._client is not None
+        outputs = self._client.outputs
+        task_status.started()
+        try:
+            async with outputs:
+                async for msg in outputs:
+                    match msg:
+                        case OutputBatch():
+                            await self._on_batch(msg)
+                        case RequestError():
+                            self._on_request_error(msg)
+                        case UtilityResult(call_id=cid):
+                            waiter = self._utility.get(cid)
+                            if waiter is not None:
+                                waiter[1].append(msg)
+                                waiter[0].set()
+                        case EngineDead(message=message, traceback=tb):
+                            self._die(EngineDeadError(f"{message}\n{tb}".rstrip()))
+                            return
+                        case _:
+                            log.warning("unexpected message from the engine core: %r", msg)
+            if not self._stopping:
+                self._die(EngineDeadError("the engine core stopped unexpectedly"))
+        except Exception as exc:  # a bug here must not hang the requests: it kills the engine
+            log.exception("output actor failed")
+            self._die(EngineDeadError(f"output processing failed: {exc!r}\n{traceback.format_exc()}"))
+        finally:
+            for done, _ in self._utility.values():
+                done.set()
+
+    async def _on_batch(self, batch: OutputBatch) -> None:
+        if batch.stats is not None:
+            self.last_stats = batch.stats
+        outputs = batch.to_outputs()
+        size = self.args.output_chunk_size
+        for start in range(0, len(outputs), size):
+            if start:
+                await anyio.lowlevel.checkpoint()
+            processed = self._output.process_outputs(outputs[start : start + size])
+            for out in processed.request_outputs:
+                collector = self._collectors.get(out.request_id)
+                if collector is not None:
+                    collector.put(out)
+            if processed.reqs_to_abort:
+                self._send(AbortRequests(processed.reqs_to_abort), quiet=True)
+
+    def _on_request_error(self, msg: RequestError) -> None:
+        rid = self._output.parent_id(msg.request_id) or msg.request_id
+        collector = self._collectors.get(rid)
+        self._abort_one(rid)  # the other children of an n>1 request, and local state
+        if collector is not None:
+            error: Exception = (
+                ValueError(msg.message) if msg.kind == "ValueError" else EngineGenerateError(msg.message)
+            )
+            collector.put_error(error)
+
+    def _die(self, error: EngineDeadError) -> None:
+        if self._dead is not None:
+            return
+        self._dead = error
+        log.error("engine core died: %s", error)
+        for collector in self._collectors.values():
+            collector.put_error(error)
+
+
+def _is_large(prompt: PromptType) -> bool:
+    if isinstance(prompt, str):
+        return len(prompt) > _LARGE_PROMPT
+    value = prompt.get("prompt") or prompt.get("prompt_token_ids") or ()
+    return len(value) > _LARGE_PROMPT
