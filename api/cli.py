@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import logging
 import sys
 from collections.abc import Sequence
@@ -20,6 +21,14 @@ DEFAULT_PROMPTS = [
     "The three primary colors are",
     "def fibonacci(n):",
 ]
+
+def _json_value(text: str) -> object:
+    """A flag holding a structured value: an int, or a JSON object (e.g. compilation config)."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"expected an int or a JSON object, got {text!r}") from exc
+
 
 _TYPES = {"int": int, "float": float, "str": str}
 
@@ -34,7 +43,8 @@ def add_engine_args(parser: argparse.ArgumentParser, *, skip: Sequence[str] = ()
         if type_name == "bool":
             group.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help="(default: %(default)s)")
         else:
-            group.add_argument(flag, type=_TYPES[type_name], default=f.default, help="(default: %(default)s)")
+            kind = _TYPES.get(type_name, _json_value)
+            group.add_argument(flag, type=kind, default=f.default, help="(default: %(default)s)")
 
 
 def engine_args_from(ns: argparse.Namespace) -> EngineArgs:

@@ -20,6 +20,7 @@ import torch
 
 __all__ = [
     "CacheConfig",
+    "CompilationConfig",
     "EngineArgs",
     "EngineConfig",
     "ModelConfig",
@@ -167,6 +168,47 @@ class EngineConfig:
     inject_fault_at_step: int | None = None
 
 
+@dataclass(frozen=True)
+class CompilationConfig:
+    """How the model is compiled (GPU path: torch.compile and CUDA graphs). On CPU, eager
+    execution measured faster, so level 0 is the default and the only level used there."""
+
+    level: int = 0
+    use_cudagraph: bool = True
+    cudagraph_capture_sizes: tuple[int, ...] | None = None
+
+    def __post_init__(self) -> None:
+        if self.level not in (0, 1, 2, 3):
+            raise ValueError(f"compilation_config.level: {self.level!r} is not one of 0, 1, 2, 3")
+
+    @classmethod
+    def coerce(cls, value: CompilationConfig | int | dict[str, Any] | None) -> CompilationConfig:
+        """An int is the level; a dict must hold only this config's fields."""
+        if value is None:
+            return cls()
+        if isinstance(value, cls):
+            return value
+        if isinstance(value, bool) or not isinstance(value, (int, dict)):
+            raise ValueError(
+                f"compilation_config: expected an int level, a dict or a CompilationConfig, got {type(value).__name__}"
+            )
+        if isinstance(value, int):
+            return cls(level=value)
+        known = {f.name for f in dataclasses.fields(cls)}
+        for key in value:
+            if key not in known:
+                raise ValueError(
+                    f"compilation_config: unknown key {key!r}; allowed keys: {', '.join(sorted(known))}"
+                )
+        kwargs = dict(value)
+        if kwargs.get("cudagraph_capture_sizes") is not None:
+            kwargs["cudagraph_capture_sizes"] = tuple(kwargs["cudagraph_capture_sizes"])
+        return cls(**kwargs)
+
+
+RUNNERS = ("auto", "generate")
+
+
 @dataclass
 class EngineArgs:
     """Every user-settable engine knob, with vLLM's names. `create_engine_config()` validates."""
@@ -183,6 +225,10 @@ class EngineArgs:
     kv_cache_memory_bytes: int | None = None
     num_gpu_blocks_override: int | None = None
     seed: int = 0
+    runner: str = "auto"
+    tensor_parallel_size: int = 1
+    data_parallel_size: int = 1
+    compilation_config: CompilationConfig | int | dict | None = None
     device: str = "auto"
     num_threads: int | None = None
     cache_dir: str | None = None  # where imported (GGUF) models are cached
@@ -193,6 +239,25 @@ class EngineArgs:
     zmq_address: str = "ipc"  # "ipc" (a socket file in a private temp dir) or "tcp://HOST" (ports chosen freely)
     # --- test-only fault injection: the forward pass raises at this step (1-based)
     inject_fault_at_step: int | None = None
+
+    def __post_init__(self) -> None:
+        # Normalised once, here: every way of building EngineArgs sees the same values.
+        self.compilation_config = CompilationConfig.coerce(self.compilation_config)
+        if self.runner not in RUNNERS:
+            raise ValueError(
+                f"runner: {self.runner!r} is not supported; triollm runs generative models: "
+                'use runner="generate" (or "auto")'
+            )
+        if self.data_parallel_size != 1:
+            raise ValueError(
+                f"data_parallel_size: {self.data_parallel_size} is not supported in one engine; "
+                "for data parallelism run one engine per replica (e.g. one `triollm serve` per "
+                "port) behind a load balancer"
+            )
+        if self.tensor_parallel_size != 1:
+            raise ValueError(
+                f"tensor_parallel_size: {self.tensor_parallel_size} is not supported (1 only)"
+            )
 
     def create_engine_config(self) -> EngineConfig:
         from triollm.engine.model_files import resolve_model
