@@ -9,6 +9,8 @@ the engine's death from `get()`, not by being cancelled.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import anyio
 
 from triollm.engine.outputs import CompletionOutput, RequestOutput
@@ -24,6 +26,8 @@ class RequestCollector:
         self._error: BaseException | None = None
         self._ready = anyio.Event()
         self.finished = False  # a finished output or an error was delivered to the consumer
+        # Called on every put: lets one task wait for any of many collectors (LLMEngine.step).
+        self.on_ready: Callable[[], None] | None = None
 
     def put(self, output: RequestOutput) -> None:
         if self._output is None or not self._delta:
@@ -31,11 +35,15 @@ class RequestCollector:
         else:
             _merge(self._output, output)
         self._ready.set()
+        if self.on_ready is not None:
+            self.on_ready()
 
     def put_error(self, error: BaseException) -> None:
         if self._error is None:
             self._error = error
         self._ready.set()
+        if self.on_ready is not None:
+            self.on_ready()
 
     def get_nowait(self) -> RequestOutput | None:
         """The waiting output, or None. Raises the pending error once outputs are drained."""

@@ -69,8 +69,8 @@ def build_parser() -> argparse.ArgumentParser:
     _sampling_flags(gen, 32)
     add_engine_args(gen)
 
-    chat = sub.add_parser("chat", help="answer one chat message with the model's chat template")
-    chat.add_argument("message", nargs="?", default="What is the capital of France?")
+    chat = sub.add_parser("chat", help="chat with the model (one message, or interactive without one)")
+    chat.add_argument("message", nargs="?", default=None, help="answer this message and exit")
     chat.add_argument("--system", default=None, help="an optional system message")
     _sampling_flags(chat, 128)
     add_engine_args(chat)
@@ -89,26 +89,44 @@ def _params(ns: argparse.Namespace):  # type: ignore[no-untyped-def]
     )
 
 
-def cmd_generate(ns: argparse.Namespace) -> int:
-    from triollm.engine.sync_engine import SyncEngine
+def _llm(ns: argparse.Namespace):  # type: ignore[no-untyped-def]
+    from triollm.actors.llm import LLM
 
-    engine = SyncEngine.from_engine_args(engine_args_from(ns))
-    prompts = ns.prompts or DEFAULT_PROMPTS
-    for out in engine.generate(prompts, _params(ns)):
-        print(f"{out.prompt!r} -> {out.outputs[0].text!r}")
+    return LLM.from_engine_args(engine_args_from(ns))
+
+
+def cmd_generate(ns: argparse.Namespace) -> int:
+    with _llm(ns) as llm:
+        prompts = ns.prompts or DEFAULT_PROMPTS
+        for out in llm.generate(prompts, _params(ns), use_tqdm=False):
+            print(f"{out.prompt!r} -> {out.outputs[0].text!r}")
     return 0
 
 
 def cmd_chat(ns: argparse.Namespace) -> int:
-    from triollm.engine.sync_engine import SyncEngine
-
-    engine = SyncEngine.from_engine_args(engine_args_from(ns))
-    messages = [{"role": "system", "content": ns.system}] if ns.system else []
-    messages.append({"role": "user", "content": ns.message})
-    ids = engine.tokenizer.encode_chat(messages, add_generation_prompt=True)
-    out = engine.generate([{"prompt_token_ids": ids}], _params(ns))[0]
-    print(out.outputs[0].text)
-    return 0
+    """One message answered, or (no message) an interactive conversation until EOF / "exit"."""
+    with _llm(ns) as llm:
+        conversation = [{"role": "system", "content": ns.system}] if ns.system else []
+        interactive = ns.message is None
+        while True:
+            if interactive:
+                try:
+                    message = input("> ")
+                except EOFError:
+                    print()
+                    return 0
+                if message.strip() in ("exit", "quit"):
+                    return 0
+                if not message.strip():
+                    continue
+            else:
+                message = ns.message
+            conversation.append({"role": "user", "content": message})
+            reply = llm.chat(conversation, _params(ns), use_tqdm=False)[0].outputs[0].text
+            print(reply)
+            conversation.append({"role": "assistant", "content": reply})
+            if not interactive:
+                return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
