@@ -42,6 +42,7 @@ class SyncEngine:
     ) -> str:
         rid = request_id if request_id is not None else str(next(self._ids))
         processed = self.input.process(prompt, params, rid, arrival_time=time.monotonic(), priority=priority)
+        self.output.add_request(processed)  # first: it rejects a duplicate user request id
         added: list[str] = []
         try:
             for core_req in processed.core_requests:
@@ -49,8 +50,8 @@ class SyncEngine:
                 added.append(core_req.request_id)
         except BaseException:
             self.core.abort_requests(added)
+            self.output.abort_requests([rid])
             raise
-        self.output.add_request(processed)
         return rid
 
     def abort(self, request_ids: Sequence[str]) -> list[RequestOutput]:
