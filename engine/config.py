@@ -166,6 +166,7 @@ class EngineConfig:
     seed: int
     num_threads: int | None
     inject_fault_at_step: int | None = None
+    load_format: str = "auto"
 
 
 @dataclass(frozen=True)
@@ -215,6 +216,8 @@ class EngineArgs:
 
     model: str | None = None  # None: the bundled SmolLM2-135M-Instruct
     tokenizer: str | None = None
+    # "auto": load the weights; "scripted": no weights, tokens replayed (pipeline benchmarks)
+    load_format: str = "auto"
     dtype: str = "auto"
     max_model_len: int | None = None
     max_num_seqs: int = 128
@@ -277,6 +280,8 @@ class EngineArgs:
         if self.num_threads is not None:
             _positive("num_threads", self.num_threads)
         _positive("output_chunk_size", self.output_chunk_size)
+        if self.load_format not in ("auto", "scripted"):
+            raise ValueError(f"load_format: {self.load_format!r} is not one of auto, scripted")
         if not isinstance(self.max_logprobs, int) or self.max_logprobs < 0:
             raise ValueError(f"max_logprobs: must be a non-negative integer, got {self.max_logprobs!r}")
         if self.zmq_address != "ipc" and not self.zmq_address.startswith("tcp://"):
@@ -309,6 +314,7 @@ class EngineArgs:
             seed=self.seed,
             num_threads=self.num_threads,
             inject_fault_at_step=self.inject_fault_at_step,
+            load_format=self.load_format,
         )
 
     @classmethod

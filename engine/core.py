@@ -20,6 +20,7 @@ from triollm.engine.model_runner import ModelRunner
 from triollm.engine.models.llama import load_model
 from triollm.engine.request import EngineCoreOutput, EngineCoreRequest, Request, RequestStatus
 from triollm.engine.scheduler import Scheduler
+from triollm.engine.scripted_runner import ScriptedRunner
 from triollm.kernels import KVCache, allocate_kv_cache
 
 __all__ = ["EngineCore", "EngineCoreStats"]
@@ -50,7 +51,8 @@ class EngineCore:
         if config.seed is not None:
             torch.manual_seed(config.seed)
         mc = config.model
-        self.model = load_model(mc, config.device)
+        scripted = config.load_format == "scripted"
+        self.model = None if scripted else load_model(mc, config.device)
         self.num_blocks = self._num_kv_blocks()
         bs = config.cache.block_size
         if self.num_blocks * bs < mc.max_model_len and config.cache.num_kv_blocks is None:
@@ -59,12 +61,16 @@ class EngineCore:
                 f"({self.num_blocks} blocks x {bs} = {self.num_blocks * bs} tokens); "
                 "raise kv_cache_memory_bytes or lower max_model_len"
             )
-        kv = allocate_kv_cache(
-            mc.num_layers, self.num_blocks, bs, mc.num_kv_heads, mc.head_dim, mc.dtype, config.device
-        )
         self.block_manager = BlockManager(self.num_blocks, bs, config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.block_manager, mc.max_model_len)
-        self.runner = ModelRunner(self.model, kv, config.device)
+        self.runner: ModelRunner | ScriptedRunner
+        if self.model is None:
+            self.runner = ScriptedRunner(mc.vocab_size)
+        else:
+            kv = allocate_kv_cache(
+                mc.num_layers, self.num_blocks, bs, mc.num_kv_heads, mc.head_dim, mc.dtype, config.device
+            )
+            self.runner = ModelRunner(self.model, kv, config.device)
         self.requests: dict[str, Request] = {}
         self.num_steps = 0
         log.info(
