@@ -79,6 +79,7 @@ class AsyncLLM:
         self._call_ids = itertools.count()
         self._request_ids = itertools.count()
         self._dead: EngineDeadError | None = None
+        self._dead_event = anyio.Event()
         self._stopping = False
         self._idle = anyio.Event()
         self._idle.set()
@@ -159,6 +160,16 @@ class AsyncLLM:
     def dead_error(self) -> EngineDeadError | None:
         return self._dead
 
+    async def wait_errored(self) -> EngineDeadError:
+        """Wait until the engine dies; return the error every request saw."""
+        await self._dead_event.wait()
+        assert self._dead is not None
+        return self._dead
+
+    async def wait_idle(self) -> None:
+        """Wait until no request is in flight."""
+        await self._idle.wait()
+
     async def check_health(self) -> None:
         if self._dead is not None:
             raise self._dead
@@ -177,6 +188,9 @@ class AsyncLLM:
     @property
     def num_unfinished_requests(self) -> int:
         return len(self._collectors)
+
+    def unfinished_request_ids(self) -> list[str]:
+        return list(self._collectors)
 
     def _require_running(self) -> None:
         if self._dead is not None:
@@ -369,6 +383,7 @@ class AsyncLLM:
         if self._dead is not None:
             return
         self._dead = error
+        self._dead_event.set()
         log.error("engine core died: %s", error)
         for collector in self._collectors.values():
             collector.put_error(error)

@@ -10,6 +10,7 @@ import argparse
 import dataclasses
 import json
 import logging
+import os
 import sys
 from collections.abc import Sequence
 
@@ -52,6 +53,10 @@ def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
     return EngineArgs(**{k: v for k, v in vars(ns).items() if k in names})
 
 
+def _log_flag(parser: argparse.ArgumentParser, default: str) -> None:
+    parser.add_argument("--log-level", default=default, choices=["debug", "info", "warning", "error"], help="(default: %(default)s)")
+
+
 def _sampling_flags(parser: argparse.ArgumentParser, max_tokens: int) -> None:
     parser.add_argument("--max-tokens", type=int, default=max_tokens, help="(default: %(default)s)")
     parser.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default: %(default)s)")
@@ -61,10 +66,25 @@ def _sampling_flags(parser: argparse.ArgumentParser, max_tokens: int) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="triollm", description="LLM inference on structured concurrency.")
-    parser.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"], help="(default: %(default)s)")
     sub = parser.add_subparsers(dest="command", required=True)
 
+    serve = sub.add_parser("serve", help="the OpenAI-compatible HTTP server (default model: the bundled SmolLM2)")
+    serve.add_argument("model_tag", nargs="?", default=None, metavar="MODEL", help="a local HF directory or .gguf file")
+    serve.add_argument("--host", default="127.0.0.1", help="(default: %(default)s)")
+    serve.add_argument("--port", type=int, default=8000, help="0 picks a free port (default: %(default)s)")
+    serve.add_argument("--served-model-name", nargs="+", default=None, help="names clients use in `model` (default: the model argument)")
+    serve.add_argument("--api-key", default=os.environ.get("TRIOLLM_API_KEY"), help="require `Authorization: Bearer KEY` on /v1/* (default: $TRIOLLM_API_KEY)")
+    serve.add_argument("--allowed-origins", default=None, help='CORS origins, a JSON list or comma-separated, e.g. \'["*"]\' (default: no CORS)')
+    serve.add_argument("--shutdown-timeout", type=float, default=0.0, help="seconds in-flight requests get on SIGINT/SIGTERM before they are aborted (default: %(default)s)")
+    serve.add_argument("--response-role", default="assistant", help="(default: %(default)s)")
+    serve.add_argument("--chat-template", default=None, help="a Jinja chat template, or a file holding one (default: the model's)")
+    serve.add_argument("--disable-log-requests", action="store_true", help="(default: %(default)s)")
+    serve.add_argument("--worker", choices=["trio", "asyncio"], default="trio", help="the event loop Hypercorn runs on (default: %(default)s)")
+    _log_flag(serve, "info")
+    add_engine_args(serve)
+
     gen = sub.add_parser("generate", help="complete prompts (default: a few example prompts)")
+    _log_flag(gen, "warning")
     gen.add_argument("prompts", nargs="*", help="prompts to complete")
     _sampling_flags(gen, 32)
     add_engine_args(gen)
@@ -72,6 +92,7 @@ def build_parser() -> argparse.ArgumentParser:
     chat = sub.add_parser("chat", help="chat with the model (one message, or interactive without one)")
     chat.add_argument("message", nargs="?", default=None, help="answer this message and exit")
     chat.add_argument("--system", default=None, help="an optional system message")
+    _log_flag(chat, "warning")
     _sampling_flags(chat, 128)
     add_engine_args(chat)
 
@@ -129,10 +150,41 @@ def cmd_chat(ns: argparse.Namespace) -> int:
                 return 0
 
 
+def _origins(value: str | None) -> tuple[str, ...]:
+    if not value:
+        return ()
+    if value.lstrip().startswith("["):
+        return tuple(json.loads(value))
+    return tuple(v.strip() for v in value.split(",") if v.strip())
+
+
+def cmd_serve(ns: argparse.Namespace) -> int:
+    from triollm.api.server import ServeOptions, run_server
+    from triollm.api.state import ServerSettings
+
+    if ns.model_tag is not None:
+        ns.model = ns.model_tag
+    args = engine_args_from(ns)
+    names = tuple(ns.served_model_name or ([ns.model] if ns.model else ["SmolLM2-135M-Instruct"]))
+    settings = ServerSettings(
+        served_model_names=names,
+        api_key=ns.api_key or None,
+        allowed_origins=_origins(ns.allowed_origins),
+        response_role=ns.response_role,
+        chat_template=ns.chat_template,
+        max_logprobs=args.max_logprobs,
+        disable_log_requests=ns.disable_log_requests,
+    )
+    options = ServeOptions(ns.host, ns.port, settings, ns.shutdown_timeout, ns.worker)
+    return run_server(args, options)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     ns = build_parser().parse_args(argv)
-    logging.basicConfig(level=ns.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=getattr(ns, "log_level", "warning").upper(), format="%(levelname)s %(name)s: %(message)s")
     try:
+        if ns.command == "serve":
+            return cmd_serve(ns)
         if ns.command == "generate":
             return cmd_generate(ns)
         if ns.command == "chat":

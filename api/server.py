@@ -1,0 +1,163 @@
+"""`triollm serve`: the OpenAI-compatible app on Hypercorn, with a lifecycle the app drives.
+
+    bind the port ──▶ start AsyncLLM ──▶ log the URL ──▶ serve until a stop reason
+                                                            │
+            SIGINT / SIGTERM, or the engine's death ────────┘
+                                                            ▼
+    refuse new requests (503) ──▶ let in-flight ones finish for up to --shutdown-timeout s
+    ──▶ abort the rest (streams end with finish_reason "abort") ──▶ Hypercorn stops
+    ──▶ the engine shuts down (child process gone) ──▶ exit 0 (1 if the engine died)
+
+The port is bound before the model loads, so a taken port fails at once and early clients wait
+in the listen backlog. Hypercorn's own graceful timeout is only a backstop: the app ends every
+stream itself (Hypercorn's asyncio worker did not exit while an SSE stream stayed open).
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import socket
+from dataclasses import dataclass
+
+import anyio
+from anyio.abc import TaskStatus
+
+from triollm.actors.async_llm import AsyncLLM
+from triollm.api.state import ServerSettings, ServerState
+from triollm.engine.config import EngineArgs
+
+__all__ = ["ServeOptions", "run_server", "serve"]
+
+log = logging.getLogger("triollm")
+
+_HYPERCORN_GRACE_S = 3.0
+
+
+@dataclass(frozen=True)
+class ServeOptions:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    settings: ServerSettings | None = None  # None: served under the model's directory name
+    shutdown_timeout: float = 0.0
+    worker: str = "trio"
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise OSError(f"cannot bind {host}:{port}: {exc.strerror}") from exc
+    sock.listen(1024)
+    sock.set_inheritable(True)
+    return sock
+
+
+def run_server(engine_args: EngineArgs, options: ServeOptions) -> int:
+    """Bind, serve until stopped, return the process exit code."""
+    if options.worker not in ("trio", "asyncio"):
+        raise ValueError(f"worker: {options.worker!r} is not one of trio, asyncio")
+    sock = bind_socket(options.host, options.port)
+    try:
+        return anyio.run(serve, engine_args, options, sock, backend=options.worker)
+    finally:
+        sock.close()
+
+
+async def serve(
+    engine_args: EngineArgs,
+    options: ServeOptions,
+    sock: socket.socket,
+    *,
+    task_status: TaskStatus[str] = anyio.TASK_STATUS_IGNORED,
+) -> int:
+    from triollm.api.app import build_app
+
+    settings = options.settings
+    chat_template = settings.chat_template if settings else None
+    async with AsyncLLM.from_engine_args(engine_args, chat_template=chat_template) as llm:
+        if settings is None or not settings.served_model_names:
+            name = engine_args.model or "SmolLM2-135M-Instruct"
+            base = settings or ServerSettings(served_model_names=(name,))
+            settings = ServerSettings(**{**base.__dict__, "served_model_names": (name,)})
+        state = ServerState(llm, settings)
+        _attach_metrics(state)
+        app = build_app(state)
+        config = _hypercorn_config(sock)
+        host, port = sock.getsockname()[:2]
+        url = f"http://{host}:{port}"
+        stop = anyio.Event()
+        died = False
+
+        async def watch_engine() -> None:
+            nonlocal died
+            await llm.wait_errored()
+            died = True
+            stop.set()
+
+        async def shutdown_trigger() -> None:
+            await stop.wait()
+            await _drain(state, options.shutdown_timeout)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(_watch_signals, stop)
+            tg.start_soon(watch_engine)
+            log.warning("triollm: serving %s on %s (ready)", ", ".join(settings.served_model_names), url)
+            task_status.started(url)
+            await _hypercorn_serve(app, config, shutdown_trigger)
+            tg.cancel_scope.cancel()
+        log.warning("triollm: shutting down%s", " after the engine died" if died else "")
+    return 1 if died else 0
+
+
+async def _drain(state: ServerState, grace_s: float) -> None:
+    """Refuse new requests; give in-flight ones `grace_s` seconds; abort the rest."""
+    state.accepting = False
+    llm = state.llm
+    if grace_s > 0 and not llm.errored:
+        with anyio.move_on_after(grace_s):
+            await llm.wait_idle()
+    if not llm.errored and llm.num_unfinished_requests:
+        log.warning("aborting %d in-flight requests", llm.num_unfinished_requests)
+        llm.abort(llm.unfinished_request_ids())
+
+
+async def _watch_signals(stop: anyio.Event) -> None:
+    with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        async for signum in signals:
+            log.warning("received %s", signal.Signals(signum).name)
+            stop.set()
+
+
+def _hypercorn_config(sock: socket.socket):  # type: ignore[no-untyped-def]
+    from hypercorn.config import Config
+
+    config = Config()
+    config.bind = [f"fd://{sock.fileno()}"]
+    config.graceful_timeout = _HYPERCORN_GRACE_S
+    config.accesslog = None
+    config.errorlog = logging.getLogger("hypercorn.error")
+    config.keep_alive_timeout = 30
+    return config
+
+
+async def _hypercorn_serve(app, config, shutdown_trigger) -> None:  # type: ignore[no-untyped-def]
+    import sniffio
+
+    if sniffio.current_async_library() == "trio":
+        from hypercorn.trio import serve as hypercorn_serve
+    else:
+        from hypercorn.asyncio import serve as hypercorn_serve  # type: ignore[assignment]
+    await hypercorn_serve(app, config, shutdown_trigger=shutdown_trigger)
+
+
+def _attach_metrics(state: ServerState) -> None:
+    try:
+        from triollm.api.metrics import Metrics
+    except ImportError:
+        return
+    state.metrics = Metrics(state)
