@@ -45,6 +45,11 @@ def add_bench_parser(sub: Any, add_engine_args: Callable[..., None]) -> None:
     lat.add_argument("--output-len", type=int, default=128, help="(default: %(default)s)")
     add_engine_args(lat)
     lat.set_defaults(func=run_latency)
+    from triollm.api.bench_pipeline import add_pipeline_parser
+    from triollm.api.bench_serve import add_serve_bench_parser
+
+    add_pipeline_parser(kinds, add_engine_args)
+    add_serve_bench_parser(kinds, add_engine_args)
 
 
 def random_workload(ns: argparse.Namespace, vocab: int) -> list[tuple[list[int], int]]:

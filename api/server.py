@@ -16,6 +16,7 @@ stream itself (Hypercorn's asyncio worker did not exit while an SSE stream staye
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import socket
 from dataclasses import dataclass
@@ -137,7 +138,8 @@ def _hypercorn_config(sock: socket.socket):  # type: ignore[no-untyped-def]
     from hypercorn.config import Config
 
     config = Config()
-    config.bind = [f"fd://{sock.fileno()}"]
+    # A duplicate: Hypercorn closes the descriptor it is given when it stops; ours stays ours.
+    config.bind = [f"fd://{os.dup(sock.fileno())}"]
     config.graceful_timeout = _HYPERCORN_GRACE_S
     config.accesslog = None
     config.errorlog = logging.getLogger("hypercorn.error")

@@ -1,0 +1,144 @@
+"""api.metrics: the scrape text from a fake server state and a few request timers."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+from starlette.applications import Starlette
+
+from triollm.actors.messages import StepStats
+from triollm.api.metrics import Metrics
+from triollm.api.state import ServerSettings
+
+
+def _state(stats: StepStats | None, names: tuple[str, ...] = ("tiny", "alias"), **llm: object) -> SimpleNamespace:
+    return SimpleNamespace(llm=SimpleNamespace(last_stats=stats, **llm), settings=ServerSettings(served_model_names=names))
+
+
+def _samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    out = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
+def _get(samples: dict, name: str, **labels: str) -> float:
+    return samples[(name, tuple(sorted({"model_name": "tiny", **labels}.items())))]
+
+
+STATS = StepStats(
+    num_running=3, num_waiting=2, num_blocks=100, num_free_blocks=75, num_cached_blocks=10,
+    prefix_cache_hit_rate=0.5, num_preemptions=4,
+)
+
+
+def test_engine_gauges_from_last_stats() -> None:
+    m = Metrics(_state(STATS))
+    s = _samples(m.render().decode())
+    assert _get(s, "triollm:num_requests_running") == 3
+    assert _get(s, "triollm:num_requests_waiting") == 2
+    assert _get(s, "triollm:kv_cache_usage_perc") == pytest.approx(0.25)
+    assert _get(s, "triollm:prefix_cache_hit_rate") == 0.5
+    assert _get(s, "triollm:num_preemptions_total") == 4
+    # Read at scrape time: a new step's stats show up in the next scrape.
+    m.state.llm.last_stats = StepStats(0, 0, 100, 100, 0, 0.0, 5)
+    s = _samples(m.render().decode())
+    assert _get(s, "triollm:num_requests_running") == 0
+    assert _get(s, "triollm:kv_cache_usage_perc") == 0
+    assert _get(s, "triollm:num_preemptions_total") == 5
+
+
+def test_no_stats_yet_reads_zero() -> None:
+    s = _samples(Metrics(_state(None)).render().decode())
+    assert _get(s, "triollm:num_requests_running") == 0
+    assert _get(s, "triollm:kv_cache_usage_perc") == 0
+
+
+def test_request_timers() -> None:
+    m = Metrics(_state(STATS))
+    t = m.request_started("tiny", now=10.0)
+    t.on_tokens(0, now=10.1)  # nothing new: ignored
+    t.on_tokens(1, now=10.5)  # TTFT 0.5
+    t.on_tokens(1, now=10.6)  # ITL 0.1
+    t.on_tokens(2, now=10.8)  # a merged chunk: two observations of 0.1
+    t.finished("length", prompt_tokens=7, completion_tokens=4, now=11.0)
+    t.finished("stop", 7, 4, now=12.0)  # a second call is ignored
+    u = m.request_started("alias", now=0.0)  # the label is per served name
+    u.on_tokens(3, now=2.0)  # TTFT 2.0; the other two tokens came with the first: no ITL
+    u.finished("stop", prompt_tokens=5, completion_tokens=3, now=2.0)
+    v = m.request_started("not-served", now=0.0)  # recorded under the first served name
+    v.finished(None, prompt_tokens=2, completion_tokens=0, now=0.25)
+
+    s = _samples(m.render().decode())
+    assert _get(s, "triollm:time_to_first_token_seconds_count") == 1
+    assert _get(s, "triollm:time_to_first_token_seconds_sum") == pytest.approx(0.5)
+    assert _get(s, "triollm:time_to_first_token_seconds_bucket", le="0.5") == 1
+    assert _get(s, "triollm:time_to_first_token_seconds_bucket", le="0.25") == 0
+    assert _get(s, "triollm:inter_token_latency_seconds_count") == 3
+    assert _get(s, "triollm:inter_token_latency_seconds_sum") == pytest.approx(0.3)
+    assert _get(s, "triollm:request_time_per_output_token_seconds_sum") == pytest.approx(0.3 / 3)
+    assert _get(s, "triollm:e2e_request_latency_seconds_count") == 2
+    assert _get(s, "triollm:e2e_request_latency_seconds_sum") == pytest.approx(1.25)
+    assert _get(s, "triollm:prompt_tokens_total") == 9
+    assert _get(s, "triollm:generation_tokens_total") == 4
+    assert _get(s, "triollm:request_success_total", finished_reason="length") == 1
+    assert _get(s, "triollm:request_success_total", finished_reason="abort") == 1
+    assert _get(s, "triollm:request_success_total", finished_reason="stop") == 0  # present from the start
+
+    a = {"model_name": "alias"}
+    assert s[("triollm:time_to_first_token_seconds_sum", tuple(sorted(a.items())))] == pytest.approx(2.0)
+    assert s[("triollm:inter_token_latency_seconds_count", tuple(sorted(a.items())))] == 0
+    assert s[("triollm:generation_tokens_total", tuple(sorted(a.items())))] == 3
+    assert s[("triollm:request_success_total", (("finished_reason", "stop"), ("model_name", "alias")))] == 1
+
+
+def test_two_instances_do_not_clash() -> None:
+    a, b = Metrics(_state(STATS)), Metrics(_state(None))
+    ta = a.request_started("tiny", now=0.0)
+    ta.on_tokens(1, now=1.0)
+    ta.finished("stop", 1, 1, now=1.0)
+    sa, sb = _samples(a.render().decode()), _samples(b.render().decode())
+    assert _get(sa, "triollm:request_success_total", finished_reason="stop") == 1
+    assert _get(sb, "triollm:time_to_first_token_seconds_count") == 0
+    assert _get(sa, "triollm:num_requests_running") == 3
+    assert _get(sb, "triollm:num_requests_running") == 0
+
+
+@pytest.mark.anyio
+async def test_endpoint_fetches_fresh_stats() -> None:
+    calls = []
+
+    async def get_engine_stats() -> StepStats:
+        calls.append(1)
+        return StepStats(9, 1, 10, 1, 0, 0.25, 0)
+
+    m = Metrics(_state(STATS, get_engine_stats=get_engine_stats, errored=False))
+    app = Starlette(routes=[m.route()])
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as client:
+        r = await client.get("/metrics")
+    assert r.status_code == 200
+    assert r.headers["content-type"].startswith("text/plain; version=")
+    s = _samples(r.text)
+    assert calls == [1]
+    assert _get(s, "triollm:num_requests_running") == 9
+    assert _get(s, "triollm:kv_cache_usage_perc") == pytest.approx(0.9)
+    assert m.current_stats() is STATS  # the fresh stats served that scrape only
+
+
+@pytest.mark.anyio
+async def test_endpoint_falls_back_when_the_engine_is_dead() -> None:
+    async def get_engine_stats() -> StepStats:
+        raise RuntimeError("engine dead")
+
+    m = Metrics(_state(STATS, get_engine_stats=get_engine_stats, errored=False))
+    r = await m.endpoint(None)  # type: ignore[arg-type]
+    assert _get(_samples(r.body.decode()), "triollm:num_requests_running") == 3
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "trio"
