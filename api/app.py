@@ -1,0 +1,246 @@
+"""The Starlette app of the OpenAI-compatible server: `build_app(state)`.
+
+Every endpoint is wrapped so that no exception escapes it: whatever goes wrong with one request
+becomes an OpenAI error body (see openai_errors.py) and never disturbs the others. Generation
+endpoints return a `GenerationResponse` (sse.py) that watches for the client's disconnect.
+"""
+
+from __future__ import annotations
+
+import hmac
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import msgspec
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import BaseRoute, Route
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+import triollm
+from triollm.actors.async_llm import AsyncLLM
+from triollm.api.openai_errors import APIError, bad_request, from_exception
+from triollm.api.openapi import openapi_document
+from triollm.api.protocol import (
+    DetokenizeRequest,
+    DetokenizeResponse,
+    ModelCard,
+    ModelList,
+    TokenizeChatRequest,
+    TokenizeCompletionRequest,
+    TokenizeResponse,
+    VersionResponse,
+    decode_request,
+)
+from triollm.api.serving_chat import create_chat_completion
+from triollm.api.serving_common import (
+    maybe_in_thread,
+    read_body,
+    render_chat,
+    resolve_chat_template,
+    resolve_model,
+)
+from triollm.api.serving_completions import create_completion
+from triollm.api.state import ServerState
+from triollm.engine.config import ModelConfig
+
+__all__ = ["build_app"]
+
+Endpoint = Callable[[Request], Awaitable[Response]]
+
+
+def build_app(state: ServerState) -> Starlette:
+    settings = state.settings
+    if not settings.served_model_names:
+        raise ValueError("served_model_names: at least one name is needed")
+    api = _Endpoints(state)
+    routes: list[BaseRoute] = [
+        Route("/v1/completions", api.guard(api.completions), methods=["POST"]),
+        Route("/v1/chat/completions", api.guard(api.chat), methods=["POST"]),
+        Route("/v1/models", api.guard(api.models), methods=["GET"]),
+        Route("/health", api.guard(api.health), methods=["GET"]),
+        Route("/version", api.guard(api.version), methods=["GET"]),
+        Route("/tokenize", api.guard(api.tokenize), methods=["POST"]),
+        Route("/detokenize", api.guard(api.detokenize), methods=["POST"]),
+        Route("/openapi.json", api.guard(api.openapi), methods=["GET"]),
+    ]
+    # ---------------------------------------------------------------- /metrics (api/metrics.py)
+    metrics = _metrics_route(state)
+    if metrics is not None:
+        routes.append(metrics)
+        api.extra_paths.append("/metrics")
+    # ------------------------------------------------------------------------------------------
+    middleware: list[Middleware] = []
+    if settings.allowed_origins:  # outermost: preflight requests never need the API key
+        middleware.append(
+            Middleware(
+                CORSMiddleware,
+                allow_origins=list(settings.allowed_origins),
+                allow_methods=["*"],
+                allow_headers=["*"],
+            )
+        )
+    if settings.api_key:
+        middleware.append(Middleware(APIKeyMiddleware, api_key=settings.api_key))
+    app = Starlette(
+        routes=routes,
+        middleware=middleware,
+        exception_handlers={HTTPException: _http_exception},
+    )
+    app.state.server = state
+    return app
+
+
+def _metrics_route(state: ServerState) -> BaseRoute | None:
+    """`state.metrics.endpoint` if the metrics object has one, else api.metrics' route."""
+    if state.metrics is None:
+        return None
+    endpoint = getattr(state.metrics, "endpoint", None)
+    if callable(endpoint):
+        return Route("/metrics", endpoint, methods=["GET"])
+    try:
+        from triollm.api.metrics import metrics_route  # type: ignore[attr-defined,unused-ignore]
+    except ImportError:
+        return None
+    route = metrics_route(state) if callable(metrics_route) else metrics_route
+    return route if isinstance(route, BaseRoute) else None
+
+
+class APIKeyMiddleware:
+    """`Authorization: Bearer <key>` on /v1/* (constant-time compare); other paths are open."""
+
+    def __init__(self, app: ASGIApp, api_key: str) -> None:
+        self.app = app
+        self.key = api_key.encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        path: str = scope.get("path", "")
+        if scope["type"] == "http" and (path == "/v1" or path.startswith("/v1/")):
+            header = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
+            scheme, _, token = header.partition(b" ")
+            ok = hmac.compare_digest(token.strip(), self.key)
+            if not (ok and scheme.lower() == b"bearer"):
+                error = APIError(
+                    401, "Invalid or missing API key (expected `Authorization: Bearer <key>`)"
+                )
+                error.headers["WWW-Authenticate"] = "Bearer"
+                await error.response()(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+async def _http_exception(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, HTTPException)
+    error = APIError(exc.status_code, str(exc.detail))
+    error.headers.update(exc.headers or {})
+    return error.response()
+
+
+def _json(obj: Any, status: int = 200) -> Response:
+    return Response(msgspec.json.encode(obj), status_code=status, media_type="application/json")
+
+
+class _Endpoints:
+    def __init__(self, state: ServerState) -> None:
+        self.state = state
+        self.llm: AsyncLLM = state.llm
+        self.created = int(time.time())
+        self.chat_template = resolve_chat_template(state.settings.chat_template)
+        self.extra_paths: list[str] = []
+        self._openapi: bytes | None = None
+
+    def guard(self, fn: Endpoint) -> Endpoint:
+        async def endpoint(request: Request) -> Response:
+            try:
+                return await fn(request)
+            except Exception as exc:
+                return from_exception(exc, engine_running=self.llm.is_running).response()
+
+        endpoint.__name__ = fn.__name__
+        return endpoint
+
+    def _model_config(self) -> ModelConfig:
+        config = self.llm.config
+        return config.model if config is not None else self.llm.get_model_config()
+
+    async def completions(self, request: Request) -> Response:
+        return await create_completion(self.state, request)
+
+    async def chat(self, request: Request) -> Response:
+        return await create_chat_completion(self.state, request, self.chat_template)
+
+    async def models(self, request: Request) -> Response:
+        config = self._model_config()
+        cards = [
+            ModelCard(
+                id=name,
+                created=self.created,
+                root=str(config.path),
+                max_model_len=config.max_model_len,
+            )
+            for name in self.state.settings.served_model_names
+        ]
+        return _json(ModelList(data=cards))
+
+    async def health(self, request: Request) -> Response:
+        if self.llm.errored:
+            raise from_exception(self.llm.dead_error or RuntimeError("engine dead"))
+        return Response(status_code=200)
+
+    async def version(self, request: Request) -> Response:
+        return _json(VersionResponse(triollm.__version__))
+
+    async def tokenize(self, request: Request) -> Response:
+        body = await read_body(request)
+        keys = msgspec.json.decode(body, type=dict[str, msgspec.Raw])
+        tokenizer = self.llm.get_tokenizer()
+        req: TokenizeChatRequest | TokenizeCompletionRequest
+        if "messages" in keys:
+            req = decode_request(body, TokenizeChatRequest)
+            resolve_model(self.state, req.model)
+            _, ids = await render_chat(
+                tokenizer,
+                req.messages,
+                template=self.chat_template,
+                add_generation_prompt=req.add_generation_prompt,
+                continue_final_message=req.continue_final_message,
+                template_kwargs=req.chat_template_kwargs,
+                add_special_tokens=req.add_special_tokens,
+            )
+        else:
+            req = decode_request(body, TokenizeCompletionRequest)
+            resolve_model(self.state, req.model)
+            text, special = req.prompt, req.add_special_tokens
+            ids = await maybe_in_thread(lambda: tokenizer.encode(text, special), len(text))
+        strs = tokenizer.convert_ids_to_tokens(ids) if req.return_token_strs else None
+        return _json(TokenizeResponse(len(ids), self._model_config().max_model_len, ids, strs))
+
+    async def detokenize(self, request: Request) -> Response:
+        req = decode_request(await read_body(request), DetokenizeRequest)
+        resolve_model(self.state, req.model)
+        tokenizer = self.llm.get_tokenizer()
+        vocab = self._model_config().vocab_size
+        bad = [t for t in req.tokens if not 0 <= t < vocab]
+        if bad:
+            raise bad_request(f"tokens: token ids must be in [0, {vocab}), got {bad[:8]}", "tokens")
+        ids = req.tokens
+        text = await maybe_in_thread(
+            lambda: tokenizer.decode(ids, skip_special_tokens=False), len(ids)
+        )
+        return _json(DetokenizeResponse(text))
+
+    async def openapi(self, request: Request) -> Response:
+        if self._openapi is None:
+            doc = openapi_document(
+                title="triollm OpenAI-compatible API",
+                version=triollm.__version__,
+                api_key=bool(self.state.settings.api_key),
+                extra_paths=self.extra_paths,
+            )
+            self._openapi = msgspec.json.encode(doc)
+        return Response(self._openapi, media_type="application/json")

@@ -1,0 +1,126 @@
+"""OpenAI-shaped errors: `{"error": {"message", "type", "param", "code"}}` (vLLM's ErrorResponse).
+
+Every failure a request can meet is turned into an `APIError` by `from_exception`: malformed
+JSON and wrong types (msgspec, whose message names the field path), invalid values (the
+engine's `ValueError`s, whose messages start with the field name) -> 400; a dead engine -> 503;
+anything unexpected -> 500 with a log line (the client gets no traceback).
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from http import HTTPStatus
+
+import msgspec
+from starlette.responses import Response
+
+from triollm.actors.errors import EngineDeadError, EngineGenerateError
+
+__all__ = [
+    "APIError",
+    "ErrorInfo",
+    "ErrorResponse",
+    "bad_request",
+    "from_exception",
+    "service_unavailable",
+]
+
+log = logging.getLogger("triollm.api")
+
+_TYPES = {
+    400: "BadRequestError",
+    401: "AuthenticationError",
+    404: "NotFoundError",
+    405: "MethodNotAllowedError",
+    413: "RequestTooLargeError",
+    500: "InternalServerError",
+    503: "ServiceUnavailableError",
+}
+# "prompt: ...", "temperature must ...", "messages[0].content: ..." -> the field it names.
+_PARAM_PREFIX = re.compile(r"^([a-z_][a-z0-9_]*(?:\[\d+\])?(?:\.[a-z_][a-z0-9_]*)*)(?=[: ])")
+# msgspec: "Expected `int`, got `str` - at `$.max_tokens`"; "Object missing required field `x`".
+_MSGSPEC_PATH = re.compile(r"- at `\$\.?([^`]*)`$")
+_MSGSPEC_MISSING = re.compile(r"missing required field `([^`]+)`")
+
+
+class ErrorInfo(msgspec.Struct):
+    message: str
+    type: str
+    param: str | None
+    code: int
+
+
+class ErrorResponse(msgspec.Struct):
+    error: ErrorInfo
+
+
+class APIError(Exception):
+    """An error with its HTTP status, rendered as the OpenAI error body."""
+
+    def __init__(
+        self, status: int, message: str, param: str | None = None, type: str | None = None
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.type = (
+            type or _TYPES.get(status) or HTTPStatus(status).phrase.replace(" ", "") + "Error"
+        )
+        self.headers: dict[str, str] = {}
+
+    def to_struct(self) -> ErrorResponse:
+        return ErrorResponse(ErrorInfo(self.message, self.type, self.param, self.status))
+
+    def body(self) -> bytes:
+        return msgspec.json.encode(self.to_struct())
+
+    def response(self) -> Response:
+        return Response(
+            self.body(),
+            status_code=self.status,
+            media_type="application/json",
+            headers=self.headers,
+        )
+
+
+def bad_request(message: str, param: str | None = None) -> APIError:
+    return APIError(400, message, param if param is not None else _param_of(message))
+
+
+def service_unavailable(message: str) -> APIError:
+    return APIError(503, message)
+
+
+def from_exception(exc: BaseException, *, engine_running: bool = True) -> APIError:
+    """The client-facing error for `exc`. `engine_running` False turns the engine's "not
+    running" RuntimeError (a request that raced with shutdown) into a 503."""
+    if isinstance(exc, APIError):
+        return exc
+    if isinstance(exc, EngineDeadError):
+        first_line = (str(exc).strip().splitlines() or ["the engine core died"])[0]
+        return service_unavailable(f"The engine is dead: {first_line}")
+    if isinstance(exc, msgspec.ValidationError):
+        return bad_request(str(exc), _msgspec_param(str(exc)))
+    if isinstance(exc, msgspec.DecodeError):
+        return bad_request(f"Invalid JSON body: {exc}", None)
+    if isinstance(exc, ValueError):
+        return bad_request(str(exc))
+    if isinstance(exc, RuntimeError) and not engine_running:
+        return service_unavailable("The server is shutting down")
+    if isinstance(exc, EngineGenerateError):
+        log.error("request failed in the engine: %s", exc)
+        return APIError(500, f"The request failed in the engine: {exc}")
+    log.error("unexpected error while serving a request", exc_info=exc)
+    return APIError(500, f"Internal server error ({type(exc).__name__}); see the server log")
+
+
+def _param_of(message: str) -> str | None:
+    match = _PARAM_PREFIX.match(message)
+    return match.group(1) if match else None
+
+
+def _msgspec_param(message: str) -> str | None:
+    match = _MSGSPEC_PATH.search(message) or _MSGSPEC_MISSING.search(message)
+    return (match.group(1) or None) if match else None

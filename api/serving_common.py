@@ -1,0 +1,277 @@
+"""What the completion, chat and tokenize handlers share: availability and model checks,
+body reading, sampling-parameter building, logprob helpers and chat rendering."""
+
+from __future__ import annotations
+
+import math
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any, TypeVar
+
+import anyio
+from starlette.requests import ClientDisconnect, Request
+
+from triollm.api.openai_errors import APIError, bad_request, service_unavailable
+from triollm.api.protocol import ChatMessage, LogprobInfo, PromptLogprobsOut, SamplingFields
+from triollm.api.state import ServerState
+from triollm.engine.outputs import Logprob, PromptLogprobs
+from triollm.engine.sampling_params import RequestOutputKind, SamplingParams
+from triollm.engine.tokenizer import Tokenizer
+
+__all__ = [
+    "MAX_BODY_BYTES",
+    "build_sampling_params",
+    "check_available",
+    "check_logprobs",
+    "chat_token_ids",
+    "clamp_logprob",
+    "read_body",
+    "render_chat",
+    "request_id_base",
+    "resolve_chat_template",
+    "resolve_model",
+    "start_timer",
+    "stream_flags",
+]
+
+MAX_BODY_BYTES = 64 * 1024 * 1024
+# Above this many characters, prompt rendering/tokenizing moves to a worker thread.
+LARGE_TEXT = 8192
+# Optional sampling fields passed to SamplingParams only when the request sets them (otherwise
+# the model's generation_config.json default, else SamplingParams' own default, applies).
+_OPTIONAL_FIELDS = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+    "seed",
+    "stop",
+    "stop_token_ids",
+    "logit_bias",
+    "allowed_token_ids",
+    "bad_words",
+)
+# chat_template_kwargs may not override what the request sets through its own fields.
+_RESERVED_TEMPLATE_KWARGS = frozenset(
+    {"messages", "add_generation_prompt", "continue_final_message", "chat_template", "tools"}
+)
+R = TypeVar("R")
+
+
+def check_available(state: ServerState) -> None:
+    """503 when the engine is dead or the server is shutting down."""
+    llm = state.llm
+    dead = llm.dead_error
+    if dead is not None:
+        first_line = (str(dead).strip().splitlines() or ["the engine core died"])[0]
+        raise service_unavailable(f"The engine is dead: {first_line}")
+    if not state.accepting or not llm.is_running:
+        raise service_unavailable("The server is shutting down and accepts no new requests")
+
+
+async def read_body(request: Request, limit: int | None = None) -> bytes:
+    limit = MAX_BODY_BYTES if limit is None else limit
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise APIError(413, f"Request body too large: {declared} bytes (limit {limit})")
+    chunks: list[bytes] = []
+    size = 0
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise APIError(413, f"Request body too large: over {limit} bytes")
+            chunks.append(chunk)
+    except ClientDisconnect:
+        raise bad_request("The client disconnected while sending the request") from None
+    return b"".join(chunks)
+
+
+def resolve_model(state: ServerState, name: str | None) -> str:
+    names = state.settings.served_model_names
+    if name is None or name == "":
+        return names[0]
+    if name not in names:
+        raise APIError(404, f"The model `{name}` does not exist.", "model")
+    return name
+
+
+def request_id_base(request: Request, request_id: str | None) -> str:
+    return request_id or request.headers.get("x-request-id") or uuid.uuid4().hex
+
+
+def start_timer(state: ServerState, model: str) -> Any:
+    """The metrics' per-request timer (`state.metrics.request_started`), or None."""
+    request_started = getattr(state.metrics, "request_started", None)
+    return request_started(model) if callable(request_started) else None
+
+
+def output_kind(stream: bool, timer: Any) -> RequestOutputKind:
+    """DELTA when streaming or timing tokens (TTFT/ITL); otherwise one final output."""
+    return RequestOutputKind.DELTA if stream or timer is not None else RequestOutputKind.FINAL_ONLY
+
+
+def created_now() -> int:
+    return int(time.time())
+
+
+def stream_flags(req: SamplingFields) -> tuple[bool, bool, bool]:
+    """(stream, include_usage, continuous_usage_stats)."""
+    stream = bool(req.stream)
+    options = req.stream_options
+    if options is None:
+        return stream, False, False
+    if not stream:
+        raise bad_request(
+            "Stream options can only be defined when `stream=True`.", "stream_options"
+        )
+    include_usage = bool(options.include_usage)
+    # vLLM: usage on every chunk only together with the final usage chunk.
+    return stream, include_usage, include_usage and bool(options.continuous_usage_stats)
+
+
+def check_logprobs(state: ServerState, name: str, value: int | None) -> None:
+    limit = state.settings.max_logprobs
+    if value is not None and 0 <= limit < value:
+        raise bad_request(f"{name}: {value} exceeds max_logprobs ({limit})", name)
+
+
+def build_sampling_params(
+    req: SamplingFields,
+    defaults: dict[str, Any],
+    *,
+    max_tokens: int | None,
+    logprobs: int | None,
+    kind: RequestOutputKind,
+    prompt_logprobs: int | None = None,
+) -> SamplingParams:
+    """SamplingParams from the request (ValueError naming the field when a value is invalid)."""
+    overrides: dict[str, Any] = {
+        name: getattr(req, name) for name in _OPTIONAL_FIELDS if getattr(req, name) is not None
+    }
+    overrides.update(
+        n=req.n,
+        max_tokens=max_tokens,
+        min_tokens=req.min_tokens,
+        ignore_eos=req.ignore_eos,
+        logprobs=logprobs,
+        prompt_logprobs=prompt_logprobs if prompt_logprobs is not None else req.prompt_logprobs,
+        skip_special_tokens=req.skip_special_tokens,
+        spaces_between_special_tokens=req.spaces_between_special_tokens,
+        include_stop_str_in_output=req.include_stop_str_in_output,
+        output_kind=kind,
+    )
+    return SamplingParams.with_defaults(defaults, **overrides)
+
+
+def clamp_logprob(value: float) -> float:
+    """JSON has no -inf (nor NaN): vLLM sends -9999.0 for them."""
+    return value if value > -9999.0 and not math.isnan(value) else -9999.0
+
+
+def prompt_logprobs_out(rows: PromptLogprobs | None) -> PromptLogprobsOut | None:
+    if rows is None:
+        return None
+    return [
+        None
+        if row is None
+        else {
+            t: LogprobInfo(clamp_logprob(lp.logprob), lp.rank, lp.decoded_token)
+            for t, lp in row.items()
+        }
+        for row in rows
+    ]
+
+
+def token_text(row: dict[int, Logprob] | None, token_id: int, tokenizer: Tokenizer) -> str:
+    entry = None if row is None else row.get(token_id)
+    if entry is not None and entry.decoded_token is not None:
+        return entry.decoded_token
+    return tokenizer.decode([token_id], skip_special_tokens=False)
+
+
+# ------------------------------------------------------------------------------ chat
+
+
+def resolve_chat_template(value: str | None) -> str | None:
+    """settings.chat_template: the template itself or a file holding it (vLLM's flag)."""
+    if value is None or "{" in value or "\n" in value:
+        return value
+    path = Path(value)
+    if path.is_file():
+        return path.read_text(encoding="utf-8")
+    return value
+
+
+def chat_token_ids(tokenizer: Tokenizer, text: str) -> list[int]:
+    """A rendered chat's token ids: no special tokens added, one BOS when the tokenizer adds
+    one and the template did not emit it (the same ids as `Tokenizer.encode_chat`)."""
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    bos = tokenizer.bos_token_id
+    if tokenizer.adds_bos_token and bos is not None and ids[:1] != [bos]:
+        ids.insert(0, bos)
+    return ids
+
+
+async def render_chat(
+    tokenizer: Tokenizer,
+    messages: Sequence[ChatMessage],
+    *,
+    template: str | None,
+    add_generation_prompt: bool,
+    continue_final_message: bool,
+    template_kwargs: dict[str, Any] | None,
+    add_special_tokens: bool = False,
+) -> tuple[str, list[int]]:
+    """Render the chat template and tokenize it (in a worker thread for large chats)."""
+    if not messages:
+        raise bad_request("messages: must contain at least one message", "messages")
+    if continue_final_message and add_generation_prompt:
+        raise bad_request(
+            "continue_final_message: cannot be true together with add_generation_prompt "
+            "(set add_generation_prompt to false)",
+            "continue_final_message",
+        )
+    kwargs = dict(template_kwargs or {})
+    reserved = sorted(_RESERVED_TEMPLATE_KWARGS & kwargs.keys())
+    if reserved:
+        raise bad_request(
+            f"chat_template_kwargs: may not set {reserved} (use the request fields)",
+            "chat_template_kwargs",
+        )
+    dicts = [m.to_dict() for m in messages]
+
+    def work() -> tuple[str, list[int]]:
+        text = tokenizer.apply_chat_template(
+            dicts,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
+            chat_template=template,
+            **kwargs,
+        )
+        if add_special_tokens:
+            return text, tokenizer.encode(text, add_special_tokens=True)
+        return text, chat_token_ids(tokenizer, text)
+
+    return await maybe_in_thread(work, _chat_size(messages))
+
+
+async def maybe_in_thread(fn: Callable[[], R], size: int) -> R:
+    if size > LARGE_TEXT:
+        return await anyio.to_thread.run_sync(fn)
+    return fn()
+
+
+def _chat_size(messages: Sequence[ChatMessage]) -> int:
+    total = 0
+    for m in messages:
+        if isinstance(m.content, str):
+            total += len(m.content)
+        elif m.content is not None:
+            total += sum(len(p.text or "") for p in m.content)
+    return total

@@ -1,0 +1,271 @@
+"""`POST /v1/completions`: prompts in, `text_completion` objects (or SSE chunks) out.
+
+Choice index = prompt index × n + sample index; usage sums over prompts (each prompt's tokens
+counted once, however large n). `logprobs` uses the legacy completions format: per token the
+sampled token's logprob and a dict of up to `logprobs + 1` entries (the sampled token first,
+then the top ones, as vLLM/OpenAI); `text_offset` counts characters from the start of the
+returned text (the echoed prompt included). With `echo` and `logprobs`, the prompt's logprobs
+are computed too (vLLM sets prompt_logprobs = logprobs) and lead the list, the first prompt
+token having `null` entries.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import Response
+
+from triollm.api.openai_errors import bad_request
+from triollm.api.protocol import (
+    CompletionChoice,
+    CompletionLogProbs,
+    CompletionRequest,
+    CompletionResponse,
+    CompletionStreamChoice,
+    CompletionStreamResponse,
+    UsageInfo,
+    decode_request,
+)
+from triollm.api.serving_common import (
+    build_sampling_params,
+    check_available,
+    check_logprobs,
+    clamp_logprob,
+    created_now,
+    output_kind,
+    prompt_logprobs_out,
+    read_body,
+    request_id_base,
+    resolve_model,
+    start_timer,
+    stream_flags,
+    token_text,
+)
+from triollm.api.sse import GenerationResponse, Job
+from triollm.api.state import ServerState
+from triollm.engine.outputs import CompletionOutput, PromptLogprobs, RequestOutput, SampleLogprobs
+from triollm.engine.processing import PromptType
+from triollm.engine.tokenizer import Tokenizer
+
+__all__ = ["create_completion"]
+
+log = logging.getLogger("triollm.api")
+_PROMPT_FORMS = (
+    "prompt: must be a string, a list of strings, a list of token ids or a list of token-id lists"
+)
+
+
+async def create_completion(state: ServerState, request: Request) -> Response:
+    check_available(state)
+    req = decode_request(await read_body(request), CompletionRequest)
+    model = resolve_model(state, req.model)
+    timer = start_timer(state, model)
+    stream, include_usage, continuous = stream_flags(req)
+    if req.suffix:
+        raise bad_request("suffix: is not supported", "suffix")
+    if req.best_of is not None and req.best_of != req.n:
+        raise bad_request("best_of: only best_of == n is supported", "best_of")
+    check_logprobs(state, "logprobs", req.logprobs)
+    check_logprobs(state, "prompt_logprobs", req.prompt_logprobs)
+    prompts = normalize_prompts(req.prompt)
+    llm = state.llm
+    defaults = llm.get_model_config().generation_defaults
+    prompt_logprobs = req.prompt_logprobs
+    if prompt_logprobs is None and req.echo and req.logprobs is not None:
+        prompt_logprobs = req.logprobs
+    params = build_sampling_params(
+        req,
+        defaults,
+        max_tokens=req.max_tokens,
+        logprobs=req.logprobs,
+        prompt_logprobs=prompt_logprobs,
+        kind=output_kind(stream, timer),
+    )
+    response_id = f"cmpl-{request_id_base(request, req.request_id)}"
+    jobs = [
+        Job(p, params if i == 0 else params.clone(), f"{response_id}-{i}", req.priority)
+        for i, p in enumerate(prompts)
+    ]
+    if not state.settings.disable_log_requests:
+        log.info("Received request %s: %d prompt(s), params: %r", response_id, len(jobs), params)
+    formatter = CompletionFormatter(
+        response_id=response_id,
+        model=model,
+        n=req.n,
+        num_prompts=len(prompts),
+        echo=bool(req.echo),
+        logprobs=req.logprobs,
+        include_usage=include_usage,
+        continuous_usage=continuous,
+        tokenizer=llm.get_tokenizer(),
+    )
+    return GenerationResponse(llm, jobs, formatter, stream=stream, label=response_id, timer=timer)
+
+
+def normalize_prompts(prompt: str | list[Any]) -> list[PromptType]:
+    if isinstance(prompt, str):
+        return [prompt]
+    if not prompt:
+        raise bad_request("prompt: must not be empty", "prompt")
+    if all(isinstance(p, str) for p in prompt):
+        return list(prompt)
+    if all(isinstance(p, int) for p in prompt):
+        return [{"prompt_token_ids": prompt}]
+    if all(isinstance(p, list) for p in prompt):
+        return [{"prompt_token_ids": p} for p in prompt]
+    raise bad_request(_PROMPT_FORMS + ", not a mix", "prompt")
+
+
+class CompletionFormatter:
+    def __init__(
+        self,
+        *,
+        response_id: str,
+        model: str,
+        n: int,
+        num_prompts: int,
+        echo: bool,
+        logprobs: int | None,
+        include_usage: bool,
+        continuous_usage: bool,
+        tokenizer: Tokenizer,
+    ) -> None:
+        self.id = response_id
+        self.created = created_now()
+        self.model = model
+        self.n = n
+        self.echo = echo
+        self.logprobs = logprobs
+        self.include_usage = include_usage
+        self.continuous_usage = continuous_usage
+        self.tokenizer = tokenizer
+        choices = num_prompts * n
+        self.prompt_tokens = [0] * num_prompts
+        self.prompt_rows: list[PromptLogprobs] = [[] for _ in range(num_prompts)]
+        self.completion_tokens = [0] * choices
+        self.offsets = [0] * choices  # text_offset of the choice's next token
+        self.started = [False] * choices  # the echoed prompt went out
+        self.finished = [False] * choices
+
+    # ------------------------------------------------------------------ streaming
+
+    def stream_start(self) -> list[Any]:
+        return []
+
+    def stream_output(self, index: int, output: RequestOutput) -> list[Any]:
+        self.prompt_tokens[index] = len(output.prompt_token_ids)
+        if output.prompt_logprobs:
+            self.prompt_rows[index].extend(output.prompt_logprobs)
+        chunks: list[Any] = []
+        for c in output.outputs:
+            i = index * self.n + c.index
+            if self.finished[i]:
+                continue
+            self.completion_tokens[i] += len(c.token_ids)
+            if not (c.text or c.token_ids or c.finish_reason is not None):
+                continue  # prefill progress, nothing to say yet
+            first = not self.started[i]
+            self.started[i] = True
+            text, logprobs = self._choice_text(i, index, output, c, self.prompt_rows[index], first)
+            self.finished[i] = c.finish_reason is not None
+            usage = self._usage_of(index, i) if self.continuous_usage else None
+            choice = CompletionStreamChoice(i, text, logprobs, c.finish_reason, c.stop_reason)
+            chunks.append(self._chunk([choice], usage))
+        return chunks
+
+    def stream_end(self) -> list[Any]:
+        if not self.include_usage:
+            return []
+        return [self._chunk([], self._total_usage())]
+
+    def _chunk(self, choices: list[CompletionStreamChoice], usage: UsageInfo | None) -> Any:
+        return CompletionStreamResponse(
+            self.id, "text_completion", self.created, self.model, choices, usage
+        )
+
+    def _usage_of(self, prompt: int, choice: int) -> UsageInfo:
+        p, c = self.prompt_tokens[prompt], self.completion_tokens[choice]
+        return UsageInfo(p, c, p + c)
+
+    def _total_usage(self) -> UsageInfo:
+        p, c = sum(self.prompt_tokens), sum(self.completion_tokens)
+        return UsageInfo(p, c, p + c)
+
+    # ------------------------------------------------------------------ non-streaming
+
+    def final(self, outputs: list[RequestOutput]) -> CompletionResponse:
+        choices: list[CompletionChoice] = []
+        for index, output in enumerate(outputs):
+            self.prompt_tokens[index] = len(output.prompt_token_ids)
+            rows = output.prompt_logprobs or []
+            prompt_lps = prompt_logprobs_out(output.prompt_logprobs)
+            for c in sorted(output.outputs, key=lambda c: c.index):
+                i = index * self.n + c.index
+                self.completion_tokens[i] = len(c.token_ids)
+                text, logprobs = self._choice_text(i, index, output, c, rows, True)
+                choices.append(
+                    CompletionChoice(i, text, logprobs, c.finish_reason, c.stop_reason, prompt_lps)
+                )
+        return CompletionResponse(
+            id=self.id,
+            created=self.created,
+            model=self.model,
+            choices=choices,
+            usage=self._total_usage(),
+        )
+
+    # ------------------------------------------------------------------ text and logprobs
+
+    def _choice_text(
+        self,
+        i: int,
+        index: int,
+        output: RequestOutput,
+        c: CompletionOutput,
+        prompt_rows: PromptLogprobs,
+        first: bool,
+    ) -> tuple[str, CompletionLogProbs | None]:
+        text = c.text
+        logprobs = None if self.logprobs is None else CompletionLogProbs([], [], [], [])
+        if first and self.echo:
+            prompt_ids = output.prompt_token_ids
+            prompt_text = output.prompt
+            if prompt_text is None:
+                prompt_text = self.tokenizer.decode(prompt_ids, skip_special_tokens=False)
+            text = prompt_text + text
+            if logprobs is not None:
+                self._add_logprobs(logprobs, i, prompt_ids, prompt_rows)
+        if logprobs is not None:
+            self._add_logprobs(logprobs, i, c.token_ids, c.logprobs)
+        return text, logprobs
+
+    def _add_logprobs(
+        self,
+        into: CompletionLogProbs,
+        i: int,
+        token_ids: list[int],
+        rows: SampleLogprobs | PromptLogprobs | None,
+    ) -> None:
+        assert self.logprobs is not None
+        top_n = self.logprobs
+        for k, token_id in enumerate(token_ids):
+            row = rows[k] if rows is not None and k < len(rows) else None
+            token = token_text(row, token_id, self.tokenizer)
+            entry = None if row is None else row.get(token_id)
+            into.tokens.append(token)
+            into.text_offset.append(self.offsets[i])
+            self.offsets[i] += len(token)
+            if row is None or entry is None:
+                into.token_logprobs.append(None)
+                into.top_logprobs.append(None)
+                continue
+            into.token_logprobs.append(clamp_logprob(entry.logprob))
+            into.top_logprobs.append(
+                {
+                    token_text(row, t, self.tokenizer): clamp_logprob(lp.logprob)
+                    for rank, (t, lp) in enumerate(row.items())
+                    if rank <= top_n
+                }
+            )

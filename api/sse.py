@@ -1,0 +1,318 @@
+"""Running a generation request as an ASGI response (streaming as SSE, or one JSON body).
+
+`GenerationResponse.__call__` owns one task group for the whole request:
+
+```
+disconnect watcher ── receive() until http.disconnect ──▶ cancels the task group
+producer per prompt ── aclosing(llm.generate(...)) ──▶ memory stream ──▶ this task:
+                                                       formats and sends (one ASGI message
+                                                       per wake-up: queued outputs coalesce)
+```
+
+Cancelling the group (client gone, response sent, error) closes every generator, and
+`AsyncLLM.generate`'s `finally` aborts its request in the engine at once. Nothing raises out of
+`__call__`: errors before the response started are sent as an OpenAI error body with the
+right status; after an SSE stream started, as a `data: {"error": ...}` event then `[DONE]`.
+
+Streaming waits for every prompt's first output before sending the headers, so a request the
+engine rejects (prompt too long, token ids outside the vocabulary, a dead engine) gets a 400 /
+503 status rather than a 200 stream carrying an error.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from contextlib import aclosing
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import anyio
+import msgspec
+from anyio import CancelScope
+from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
+from starlette.responses import Response
+from starlette.types import Message, Receive, Scope, Send
+
+from triollm.actors.async_llm import AsyncLLM
+from triollm.api.openai_errors import APIError, from_exception
+from triollm.engine.outputs import RequestOutput
+from triollm.engine.processing import PromptType
+from triollm.engine.sampling_params import SamplingParams
+
+__all__ = ["DONE", "Formatter", "GenerationResponse", "Job", "sse_event"]
+
+log = logging.getLogger("triollm.api")
+
+DONE = b"data: [DONE]\n\n"
+_encoder = msgspec.json.Encoder()
+_SSE_HEADERS = [
+    (b"content-type", b"text/event-stream; charset=utf-8"),
+    (b"cache-control", b"no-cache"),
+    (b"x-accel-buffering", b"no"),
+]
+_JSON_HEADERS = [(b"content-type", b"application/json")]
+
+
+def sse_event(obj: Any) -> bytes:
+    return b"data: " + _encoder.encode(obj) + b"\n\n"
+
+
+@dataclass(frozen=True)
+class Job:
+    """One `llm.generate` call: one prompt of the request."""
+
+    prompt: PromptType
+    params: SamplingParams
+    request_id: str
+    priority: int = 0
+
+
+class Formatter(Protocol):
+    """Turns engine outputs into response objects; one per request (it keeps counts)."""
+
+    def stream_start(self) -> list[Any]: ...
+
+    def stream_output(self, index: int, output: RequestOutput) -> list[Any]: ...
+
+    def stream_end(self) -> list[Any]: ...
+
+    def final(self, outputs: list[RequestOutput]) -> Any: ...
+
+
+@dataclass
+class _Item:
+    index: int
+    output: RequestOutput | None = None
+    error: BaseException | None = None
+
+
+class _Output:
+    """The ASGI send side; a send failing with OSError (client gone) cancels the request."""
+
+    def __init__(self, send: Send, scope: CancelScope) -> None:
+        self._send = send
+        self._scope = scope
+        self.started = False  # headers sent
+        self.complete = False  # the last body message sent (or the client is gone)
+
+    async def _message(self, message: Message) -> None:
+        if self.complete:
+            return
+        try:
+            await self._send(message)
+        except OSError:
+            self.complete = True
+            self._scope.cancel()
+
+    async def json(
+        self, status: int, body: bytes, headers: Sequence[tuple[bytes, bytes]] = ()
+    ) -> None:
+        self.started = True
+        await self._message(
+            {"type": "http.response.start", "status": status, "headers": [*_JSON_HEADERS, *headers]}
+        )
+        await self._message({"type": "http.response.body", "body": body, "more_body": False})
+        self.complete = True
+
+    async def start_stream(self) -> None:
+        self.started = True
+        await self._message({"type": "http.response.start", "status": 200, "headers": _SSE_HEADERS})
+
+    async def events(self, data: bytes) -> None:
+        if data:
+            await self._message({"type": "http.response.body", "body": data, "more_body": True})
+
+    async def end_stream(self, data: bytes = b"") -> None:
+        await self._message({"type": "http.response.body", "body": data + DONE, "more_body": False})
+        self.complete = True
+
+    async def fail(self, error: APIError) -> None:
+        if not self.started:
+            headers = [(k.encode(), v.encode()) for k, v in error.headers.items()]
+            await self.json(error.status, error.body(), headers)
+        else:
+            await self.end_stream(sse_event(error.to_struct()))
+
+
+class GenerationResponse(Response):
+    def __init__(
+        self,
+        llm: AsyncLLM,
+        jobs: Sequence[Job],
+        formatter: Formatter,
+        *,
+        stream: bool,
+        label: str,
+        timer: Any = None,
+    ) -> None:
+        """`timer`: a metrics `RequestTimer` (on_tokens / finished) or None."""
+        super().__init__()
+        self.llm = llm
+        self.jobs = list(jobs)
+        self.formatter = formatter
+        self.stream = stream
+        self.label = label
+        self.timer = timer
+        self._prompt_tokens: dict[int, int] = {}
+        self._completion_tokens = 0
+        self._finish_reason: str | None = None  # the first choice's, for the metrics
+        self._finished_choices = 0
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        async with anyio.create_task_group() as tg:
+            out = _Output(send, tg.cancel_scope)
+            tg.start_soon(self._watch_disconnect, receive, out, tg.cancel_scope)
+            tx, rx = anyio.create_memory_object_stream[_Item](max(1, len(self.jobs)))
+            async with tx:
+                for index, job in enumerate(self.jobs):
+                    tg.start_soon(self._produce, index, job, tx.clone())
+            with rx:
+                try:
+                    if self.stream:
+                        await self._stream(rx, out)
+                    else:
+                        await self._respond(rx, out)
+                except Exception as exc:  # a bug in formatting: still answer the client
+                    await out.fail(self._error(exc))
+                finally:
+                    self._record_finish()
+            tg.cancel_scope.cancel()
+
+    def _observe(self, item: _Item) -> None:
+        """Token counts and finish reasons for the metrics timer."""
+        output = item.output
+        assert output is not None
+        self._prompt_tokens[item.index] = len(output.prompt_token_ids)
+        new = 0
+        for c in output.outputs:
+            new += len(c.token_ids)
+            if c.finish_reason is not None:
+                self._finished_choices += 1  # once per choice (DELTA and FINAL_ONLY alike)
+                if self._finish_reason is None or (item.index == 0 and c.index == 0):
+                    self._finish_reason = c.finish_reason
+        self._completion_tokens += new
+        if self.timer is not None and new:
+            self.timer.on_tokens(new, time.perf_counter())
+
+    def _record_finish(self) -> None:
+        """Once per request that the engine admitted (a rejected one is not a finished request)."""
+        if self.timer is None or not self._prompt_tokens:
+            return
+        finished = self._finished_choices >= sum(job.params.n for job in self.jobs)
+        self.timer.finished(
+            self._finish_reason if finished else "abort",
+            sum(self._prompt_tokens.values()),
+            self._completion_tokens,
+            time.perf_counter(),
+        )
+
+    def _error(self, exc: BaseException) -> APIError:
+        return from_exception(exc, engine_running=self.llm.is_running)
+
+    async def _watch_disconnect(self, receive: Receive, out: _Output, scope: CancelScope) -> None:
+        try:
+            while (await receive())["type"] != "http.disconnect":
+                pass
+        except Exception as exc:  # a server that raises instead: the client is gone all the same
+            log.debug("%s: receive() failed: %r", self.label, exc)
+        if not out.complete:
+            log.info("%s: client disconnected; aborting the request", self.label)
+        scope.cancel()
+
+    async def _produce(self, index: int, job: Job, tx: MemoryObjectSendStream[_Item]) -> None:
+        async with tx:
+            try:
+                generator = self.llm.generate(
+                    job.prompt, job.params, job.request_id, priority=job.priority
+                )
+                async with aclosing(generator) as outputs:
+                    async for output in outputs:
+                        await tx.send(_Item(index, output))
+            except (anyio.BrokenResourceError, anyio.ClosedResourceError):
+                return  # the consumer is gone; the generator was closed (request aborted)
+            except Exception as exc:
+                try:
+                    await tx.send(_Item(index, error=exc))
+                except (anyio.BrokenResourceError, anyio.ClosedResourceError):
+                    pass
+
+    async def _respond(self, rx: MemoryObjectReceiveStream[_Item], out: _Output) -> None:
+        merged: dict[int, RequestOutput] = {}
+        async for item in rx:
+            if item.error is not None:
+                await out.fail(self._error(item.error))
+                return
+            assert item.output is not None
+            self._observe(item)
+            previous = merged.get(item.index)
+            merged[item.index] = item.output if previous is None else _merge(previous, item.output)
+        outputs = [merged[i] for i in range(len(self.jobs))]
+        await out.json(200, _encoder.encode(self.formatter.final(outputs)))
+
+    async def _stream(self, rx: MemoryObjectReceiveStream[_Item], out: _Output) -> None:
+        fmt = self.formatter
+        waiting = set(range(len(self.jobs)))
+        first: list[_Item] = []
+        while waiting:  # every prompt admitted (first output) before the headers go out
+            item = await rx.receive()
+            if item.error is not None:
+                await out.fail(self._error(item.error))
+                return
+            self._observe(item)
+            first.append(item)
+            waiting.discard(item.index)
+        await out.start_stream()
+        chunks = fmt.stream_start()
+        for item in first:
+            assert item.output is not None
+            chunks.extend(fmt.stream_output(item.index, item.output))
+        await out.events(b"".join(map(sse_event, chunks)))
+        while True:
+            try:
+                batch = [await rx.receive()]
+            except anyio.EndOfStream:
+                break
+            while True:  # coalesce what queued up while we were sending
+                try:
+                    batch.append(rx.receive_nowait())
+                except (anyio.WouldBlock, anyio.EndOfStream):
+                    break
+            chunks = []
+            for item in batch:
+                if item.error is not None:
+                    await out.events(b"".join(map(sse_event, chunks)))
+                    await out.fail(self._error(item.error))
+                    return
+                self._observe(item)
+                assert item.output is not None
+                chunks.extend(fmt.stream_output(item.index, item.output))
+            await out.events(b"".join(map(sse_event, chunks)))
+        await out.end_stream(b"".join(map(sse_event, fmt.stream_end())))
+
+
+def _merge(into: RequestOutput, new: RequestOutput) -> RequestOutput:
+    """Append a DELTA output to the ones before it (non-streaming with a metrics timer). The
+    lists in a DELTA output are fresh copies owned by this consumer: extending them is safe."""
+    by_index = {c.index: c for c in into.outputs}
+    for c in new.outputs:
+        old = by_index.get(c.index)
+        if old is None:
+            into.outputs.append(c)
+            by_index[c.index] = c
+            continue
+        old.text += c.text
+        old.token_ids.extend(c.token_ids)
+        if c.logprobs is not None:
+            if old.logprobs is None:
+                old.logprobs = list(c.logprobs)
+            else:
+                old.logprobs.extend(c.logprobs)
+        old.cumulative_logprob = c.cumulative_logprob
+        old.finish_reason = c.finish_reason
+        old.stop_reason = c.stop_reason
+    if new.prompt_logprobs:
+        into.prompt_logprobs = [*(into.prompt_logprobs or []), *new.prompt_logprobs]
+    into.finished = new.finished
+    return into
