@@ -43,7 +43,9 @@ def test_percentile_matches_numpy() -> None:
     assert percentile([], 50) == 0.0
 
 
-def _chunk(text: str, completion_tokens: int | None = None, prompt_tokens: int = 3) -> dict[str, Any]:
+def _chunk(
+    text: str, completion_tokens: int | None = None, prompt_tokens: int = 3
+) -> dict[str, Any]:
     out: dict[str, Any] = {"choices": [{"index": 0, "text": text, "finish_reason": None}]}
     if completion_tokens is not None:
         out["usage"] = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens}
@@ -69,7 +71,9 @@ def test_continuous_usage_counts_tokens_per_chunk() -> None:
 
 def test_without_continuous_usage_a_chunk_with_text_is_one_token() -> None:
     acc = StreamAccumulator(start=0.0, prompt_len=4)
-    acc.feed({"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]}, 0.1)  # chat role chunk
+    acc.feed(
+        {"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]}, 0.1
+    )  # chat role chunk
     acc.feed({"choices": [{"index": 0, "delta": {"content": "x"}}]}, 0.2)
     acc.feed({"choices": [{"index": 0, "delta": {"content": "yz"}}]}, 0.5)
     acc.feed({"choices": [{"index": 0, "delta": {}, "finish_reason": "length"}]}, 0.5)
@@ -105,7 +109,9 @@ def test_summarize_known_timings() -> None:
     assert s["p99_ttft_ms"] == pytest.approx(float(np.percentile([100, 300, 200], 99)))
     assert s["mean_itl_ms"] == pytest.approx(1e3 * (0.4 + 0.4) / 6)  # per token, pooled
     assert s["median_itl_ms"] == pytest.approx(100.0)
-    assert s["mean_tpot_ms"] == pytest.approx(1e3 * (0.4 / 4 + 0.4 / 2) / 2)  # 1-token requests have none
+    assert s["mean_tpot_ms"] == pytest.approx(
+        1e3 * (0.4 / 4 + 0.4 / 2) / 2
+    )  # 1-token requests have none
     assert s["mean_e2el_ms"] == pytest.approx(1e3 * 1.4 / 3)
     assert s["errors"] == ["", "", "", "HTTP 503: busy"]
 
@@ -134,11 +140,13 @@ class FakeServer:
         self.fail_next = 0
 
     def app(self) -> Starlette:
-        return Starlette(routes=[
-            Route("/v1/models", self.models),
-            Route("/v1/completions", self.generate, methods=["POST"]),
-            Route("/v1/chat/completions", self.generate, methods=["POST"]),
-        ])
+        return Starlette(
+            routes=[
+                Route("/v1/models", self.models),
+                Route("/v1/completions", self.generate, methods=["POST"]),
+                Route("/v1/chat/completions", self.generate, methods=["POST"]),
+            ]
+        )
 
     async def models(self, request: Request) -> JSONResponse:
         return JSONResponse({"object": "list", "data": [{"id": "fake-model", "object": "model"}]})
@@ -148,7 +156,9 @@ class FakeServer:
         self.bodies.append(body)
         if self.fail_next:
             self.fail_next -= 1
-            return JSONResponse({"error": {"message": "busy", "type": "ServiceUnavailableError", "code": 503}}, 503)
+            return JSONResponse(
+                {"error": {"message": "busy", "type": "ServiceUnavailableError", "code": 503}}, 503
+            )
         chat = request.url.path.endswith("chat/completions")
         n = body["max_tokens"]
         prompt = body["messages"][0]["content"].split() if chat else body["prompt"]
@@ -196,9 +206,13 @@ def fake_server() -> Iterator[tuple[str, FakeServer]]:
     stop = threading.Event()
 
     async def main() -> None:
-        await serve(server.app(), config, shutdown_trigger=lambda: anyio.to_thread.run_sync(stop.wait))
+        await serve(
+            server.app(), config, shutdown_trigger=lambda: anyio.to_thread.run_sync(stop.wait)
+        )
 
-    thread = threading.Thread(target=anyio.run, args=(main,), kwargs={"backend": "trio"}, daemon=True)
+    thread = threading.Thread(
+        target=anyio.run, args=(main,), kwargs={"backend": "trio"}, daemon=True
+    )
     thread.start()
     url = f"http://127.0.0.1:{sock.getsockname()[1]}"
     deadline = time.monotonic() + 10
@@ -220,20 +234,31 @@ def fake_server() -> Iterator[tuple[str, FakeServer]]:
 def test_run_against_fake_server(fake_server: tuple[str, FakeServer], backend: str) -> None:
     url, server = fake_server
     server.bodies.clear()
-    opts = ServeBenchOptions(base_url=url + "/v1/", num_prompts=6, input_len=(4, 8), output_len=(3, 7), max_concurrency=3)
+    opts = ServeBenchOptions(
+        base_url=url + "/v1/", num_prompts=6, input_len=(4, 8), output_len=(3, 7), max_concurrency=3
+    )
     res = anyio.run(run_benchmark, opts, backend=backend)
     work = make_workload(6, (4, 8), (3, 7))
     assert res["model"] == "fake-model"
     assert res["completed"] == 6 and res["failed"] == 0
-    assert res["total_output_tokens"] == res["expected_output_tokens"] == sum(r.output_len for r in work)
+    assert (
+        res["total_output_tokens"]
+        == res["expected_output_tokens"]
+        == sum(r.output_len for r in work)
+    )
     assert res["total_input_tokens"] == sum(r.prompt_len for r in work)
     # The warm-up request, then the workload, in order of arrival (all at once, 3 at a time).
     first, *bodies = server.bodies
     assert first["max_tokens"] == min(work[0].output_len, 4)
     assert sorted(b["max_tokens"] for b in bodies) == sorted(r.output_len for r in work)
     assert all(b["ignore_eos"] and b["stream"] and b["model"] == "fake-model" for b in bodies)
-    assert sorted(map(tuple, (b["prompt"] for b in bodies))) == sorted(tuple(r.prompt) for r in work)
-    assert all(b["stream_options"] == {"include_usage": True, "continuous_usage_stats": True} for b in bodies)
+    assert sorted(map(tuple, (b["prompt"] for b in bodies))) == sorted(
+        tuple(r.prompt) for r in work
+    )
+    assert all(
+        b["stream_options"] == {"include_usage": True, "continuous_usage_stats": True}
+        for b in bodies
+    )
     # Timings: TTFT >= the server's delay; a merged 2-token chunk is two ITLs of STEP_S / 2.
     assert min(res["ttfts"]) >= TTFT_S * 0.9
     assert STEP_S / 2 * 0.9 <= res["median_itl_ms"] / 1e3 < STEP_S * 5
@@ -246,8 +271,15 @@ def test_chat_poisson_and_failures(fake_server: tuple[str, FakeServer]) -> None:
     server.bodies.clear()
     server.fail_next = 2  # the first two workload requests (no warm-up) get 503
     opts = ServeBenchOptions(
-        base_url=url, endpoint="chat", model="fake-model", num_prompts=5, input_len=(3, 3), output_len=(2, 2),
-        request_rate=200.0, warmup=False, continuous_usage=False,
+        base_url=url,
+        endpoint="chat",
+        model="fake-model",
+        num_prompts=5,
+        input_len=(3, 3),
+        output_len=(2, 2),
+        request_rate=200.0,
+        warmup=False,
+        continuous_usage=False,
     )
     res = anyio.run(run_benchmark, opts)
     assert res["completed"] == 3 and res["failed"] == 2
@@ -256,18 +288,35 @@ def test_chat_poisson_and_failures(fake_server: tuple[str, FakeServer]) -> None:
     assert all(len(b["messages"][0]["content"].split()) == 3 for b in server.bodies)
     assert all("continuous_usage_stats" not in b["stream_options"] for b in server.bodies)
     with pytest.raises(ValueError, match="text prompts"):
-        anyio.run(run_benchmark, ServeBenchOptions(base_url=url, endpoint="chat", prompt_kind="ids"))
+        anyio.run(
+            run_benchmark, ServeBenchOptions(base_url=url, endpoint="chat", prompt_kind="ids")
+        )
 
 
-def test_cli_writes_the_result_file(fake_server: tuple[str, FakeServer], tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_cli_writes_the_result_file(
+    fake_server: tuple[str, FakeServer], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     url, _ = fake_server
     parser = argparse.ArgumentParser(prog="triollm bench")
     add_serve_bench_parser(parser.add_subparsers(dest="bench"), lambda *a, **k: None)
     out = tmp_path / "res.json"
-    ns = parser.parse_args([
-        "serve", "--base-url", url, "--num-prompts", "4", "--input-len", "5", "--output-len", "2-3",
-        "--request-rate", "inf", "--result-file", str(out),
-    ])
+    ns = parser.parse_args(
+        [
+            "serve",
+            "--base-url",
+            url,
+            "--num-prompts",
+            "4",
+            "--input-len",
+            "5",
+            "--output-len",
+            "2-3",
+            "--request-rate",
+            "inf",
+            "--result-file",
+            str(out),
+        ]
+    )
     assert ns.input_len == (5, 5) and ns.output_len == (2, 3) and math.isinf(ns.request_rate)
     assert ns.func(ns) == 0
     res = json.loads(out.read_text())

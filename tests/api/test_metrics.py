@@ -14,8 +14,13 @@ from triollm.api.metrics import Metrics
 from triollm.api.state import ServerSettings
 
 
-def _state(stats: StepStats | None, names: tuple[str, ...] = ("tiny", "alias"), **llm: object) -> SimpleNamespace:
-    return SimpleNamespace(llm=SimpleNamespace(last_stats=stats, **llm), settings=ServerSettings(served_model_names=names))
+def _state(
+    stats: StepStats | None, names: tuple[str, ...] = ("tiny", "alias"), **llm: object
+) -> SimpleNamespace:
+    return SimpleNamespace(
+        llm=SimpleNamespace(last_stats=stats, **llm),
+        settings=ServerSettings(served_model_names=names),
+    )
 
 
 def _samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
@@ -31,8 +36,13 @@ def _get(samples: dict, name: str, **labels: str) -> float:
 
 
 STATS = StepStats(
-    num_running=3, num_waiting=2, num_blocks=100, num_free_blocks=75, num_cached_blocks=10,
-    prefix_cache_hit_rate=0.5, num_preemptions=4,
+    num_running=3,
+    num_waiting=2,
+    num_blocks=100,
+    num_free_blocks=75,
+    num_cached_blocks=10,
+    prefix_cache_hit_rate=0.5,
+    num_preemptions=4,
 )
 
 
@@ -87,13 +97,20 @@ def test_request_timers() -> None:
     assert _get(s, "triollm:generation_tokens_total") == 4
     assert _get(s, "triollm:request_success_total", finished_reason="length") == 1
     assert _get(s, "triollm:request_success_total", finished_reason="abort") == 1
-    assert _get(s, "triollm:request_success_total", finished_reason="stop") == 0  # present from the start
+    assert (
+        _get(s, "triollm:request_success_total", finished_reason="stop") == 0
+    )  # present from the start
 
     a = {"model_name": "alias"}
-    assert s[("triollm:time_to_first_token_seconds_sum", tuple(sorted(a.items())))] == pytest.approx(2.0)
+    assert s[
+        ("triollm:time_to_first_token_seconds_sum", tuple(sorted(a.items())))
+    ] == pytest.approx(2.0)
     assert s[("triollm:inter_token_latency_seconds_count", tuple(sorted(a.items())))] == 0
     assert s[("triollm:generation_tokens_total", tuple(sorted(a.items())))] == 3
-    assert s[("triollm:request_success_total", (("finished_reason", "stop"), ("model_name", "alias")))] == 1
+    assert (
+        s[("triollm:request_success_total", (("finished_reason", "stop"), ("model_name", "alias")))]
+        == 1
+    )
 
 
 def test_two_instances_do_not_clash() -> None:
@@ -118,7 +135,9 @@ async def test_endpoint_fetches_fresh_stats() -> None:
 
     m = Metrics(_state(STATS, get_engine_stats=get_engine_stats, errored=False))
     app = Starlette(routes=[m.route()])
-    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as client:
+    async with httpx.AsyncClient(
+        transport=httpx.ASGITransport(app=app), base_url="http://t"
+    ) as client:
         r = await client.get("/metrics")
     assert r.status_code == 200
     assert r.headers["content-type"].startswith("text/plain; version=")
