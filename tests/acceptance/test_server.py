@@ -1,0 +1,265 @@
+"""The real `triollm serve` in a subprocess, driven with the official `openai` client and httpx."""
+
+from __future__ import annotations
+
+import random
+import signal
+import subprocess
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import anyio
+import httpx
+import openai
+import psutil
+import pytest
+from server import Server, run_server, wait_idle
+
+MODEL = "tiny"
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir: Path) -> Iterator[Server]:
+    with run_server(tiny_model_dir, "--served-model-name", MODEL, "alias") as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def client(server: Server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+
+
+def test_completions_with_the_openai_client(client: openai.OpenAI) -> None:
+    out = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=8, temperature=0)
+    assert out.choices[0].finish_reason in ("stop", "length")
+    assert out.usage is not None and out.usage.completion_tokens == len(out.choices[0].text) * 0 + out.usage.completion_tokens
+    assert out.usage.total_tokens == out.usage.prompt_tokens + out.usage.completion_tokens
+    streamed = client.completions.create(
+        model=MODEL, prompt="The capital of France is", max_tokens=8, temperature=0, stream=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = list(streamed)
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == out.choices[0].text
+    assert sum(1 for c in chunks if c.choices and c.choices[0].finish_reason) == 1
+    assert chunks[-1].choices == [] and chunks[-1].usage is not None
+    assert chunks[-1].usage.completion_tokens == out.usage.completion_tokens
+
+
+def test_chat_streaming_equals_non_streaming(client: openai.OpenAI) -> None:
+    msgs = [{"role": "user", "content": "Say something."}]
+    full = client.chat.completions.create(model="alias", messages=msgs, max_tokens=12, temperature=0)  # type: ignore[arg-type]
+    chunks = list(client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=12, temperature=0, stream=True))  # type: ignore[arg-type]
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == full.choices[0].message.content
+    assert sum(1 for c in chunks if c.choices and c.choices[0].finish_reason) == 1
+
+
+def test_n_seed_logprobs_echo(client: openai.OpenAI) -> None:
+    out = client.completions.create(model=MODEL, prompt="Once upon", max_tokens=10, n=3, seed=7, temperature=1.0)
+    texts = [c.text for c in sorted(out.choices, key=lambda c: c.index)]
+    assert len(set(texts)) == 3
+    again = client.completions.create(model=MODEL, prompt="Once upon", max_tokens=10, n=3, seed=7, temperature=1.0)
+    assert [c.text for c in sorted(again.choices, key=lambda c: c.index)] == texts
+    for k in (0, 5):
+        lp = client.completions.create(model=MODEL, prompt="Hi", max_tokens=4, logprobs=k, temperature=0).choices[0].logprobs
+        assert lp is not None and len(lp.tokens or []) == 4
+        assert all(len(top) <= k + 1 and len(top) >= min(k, 1) for top in lp.top_logprobs or [])
+    echo = client.completions.create(model=MODEL, prompt="Hello there", max_tokens=3, echo=True, temperature=0)
+    assert echo.choices[0].text.startswith("Hello there")
+
+
+def test_errors_then_a_normal_request(client: openai.OpenAI, server: Server) -> None:
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(model=MODEL, prompt="x " * 400, max_tokens=4)
+    assert "256" in str(err.value)
+    with pytest.raises(openai.BadRequestError, match="top_p"):
+        client.completions.create(model=MODEL, prompt="x", max_tokens=4, top_p=5)
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="nope", prompt="x", max_tokens=4)
+    r = httpx.post(f"{server.url}/v1/completions", content=b"{not json", headers={"content-type": "application/json"})
+    assert r.status_code == 400 and set(r.json()["error"]) == {"message", "type", "param", "code"}
+    assert client.completions.create(model=MODEL, prompt="ok", max_tokens=2).choices[0].text is not None
+
+
+def test_other_routes(server: Server) -> None:
+    assert httpx.get(f"{server.url}/health").status_code == 200
+    assert httpx.get(f"{server.url}/version").json()["version"]
+    assert [m["id"] for m in httpx.get(f"{server.url}/v1/models").json()["data"]] == [MODEL, "alias"]
+    toks = httpx.post(f"{server.url}/tokenize", json={"model": MODEL, "prompt": "Hello world"}).json()
+    assert toks["count"] == len(toks["tokens"]) and toks["max_model_len"] == 256
+    text = httpx.post(f"{server.url}/detokenize", json={"model": MODEL, "tokens": toks["tokens"]}).json()["prompt"]
+    assert text == "Hello world"
+    metrics = httpx.get(f"{server.url}/metrics").text
+    assert "triollm:num_requests_running" in metrics and "triollm:time_to_first_token_seconds" in metrics
+    assert "/v1/chat/completions" in httpx.get(f"{server.url}/openapi.json").json()["paths"]
+
+
+def test_schemathesis_finds_no_5xx(server: Server) -> None:
+    """Fuzz every operation of /openapi.json against the live server: no 5xx, no hang."""
+    import schemathesis
+    from hypothesis import HealthCheck, given, settings
+
+    schema = schemathesis.openapi.from_url(f"{server.url}/openapi.json")
+    failures: list[tuple[str, str, int, str]] = []
+    for result in schema.get_all_operations():
+        operation = result.ok()
+
+        @settings(max_examples=20, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+        @given(case=operation.as_strategy())
+        def check(case) -> None:  # type: ignore[no-untyped-def]
+            response = case.call(base_url=server.url, timeout=10)
+            if response.status_code >= 500:
+                failures.append((case.method, case.path, response.status_code, response.text[:200]))
+
+        check()
+    assert not failures, failures
+    wait_idle(server.url)
+
+
+def test_many_streams_with_disconnects(server: Server) -> None:
+    """200 concurrent streams, a third of them leaving early; /health stays fast."""
+    health_times: list[float] = []
+    rng = random.Random(0)
+    leave_after = {i: rng.randint(1, 6) for i in range(200) if i % 3 == 0}
+
+    async def stream(client: httpx.AsyncClient, i: int) -> None:
+        body = {"model": MODEL, "prompt": f"story {i}", "max_tokens": 16, "stream": True, "ignore_eos": True}
+        async with client.stream("POST", "/v1/completions", json=body) as r:
+            assert r.status_code == 200
+            events = 0
+            async for line in r.aiter_lines():
+                if line.startswith("data: "):
+                    events += 1
+                    if i in leave_after and events >= leave_after[i]:
+                        return  # disconnect mid-stream
+            assert events >= 2
+
+    def probe(done: threading.Event) -> None:
+        # Its own thread and connection, so the 200 client streams' event loop does not delay it.
+        with httpx.Client(base_url=server.url, timeout=10) as prober:
+            prober.get("/health")  # connect outside the measurement
+            while not done.is_set():
+                t = time.perf_counter()
+                assert prober.get("/health").status_code == 200
+                health_times.append(time.perf_counter() - t)
+                time.sleep(0.05)
+
+    async def main() -> None:
+        limits = httpx.Limits(max_connections=300, max_keepalive_connections=300)
+        async with httpx.AsyncClient(base_url=server.url, limits=limits, timeout=60) as client:
+            async with anyio.create_task_group() as streams:
+                for i in range(200):
+                    streams.start_soon(stream, client, i)
+
+    done = threading.Event()
+    prober = threading.Thread(target=probe, args=(done,))
+    prober.start()
+    try:
+        anyio.run(main)
+    finally:
+        done.set()
+        prober.join()
+    wait_idle(server.url)
+    assert health_times and max(health_times) < 0.1, max(health_times)
+
+
+def test_api_key_enforced(tiny_model_dir: Path) -> None:
+    with run_server(tiny_model_dir, "--api-key", "sekrit") as srv:
+        assert httpx.get(f"{srv.url}/v1/models").status_code == 401
+        assert httpx.get(f"{srv.url}/v1/models", headers={"Authorization": "Bearer wrong"}).status_code == 401
+        assert httpx.get(f"{srv.url}/v1/models", headers={"Authorization": "Bearer sekrit"}).status_code == 200
+        assert httpx.get(f"{srv.url}/health").status_code == 200
+
+
+def _load(url: str, n: int, max_tokens: int, results: list[object]) -> threading.Thread:
+    def run() -> None:
+        def one() -> None:
+            try:
+                r = httpx.post(
+                    f"{url}/v1/completions",
+                    json={"model": "m", "prompt": "load", "max_tokens": max_tokens, "ignore_eos": True},
+                    timeout=60,
+                )
+                results.append(r.json()["choices"][0]["finish_reason"] if r.status_code == 200 else r.status_code)
+            except httpx.HTTPError as exc:
+                results.append(exc)
+
+        threads = [threading.Thread(target=one) for _ in range(n)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    return thread
+
+
+def _wait_running(url: str, n: int, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if f"triollm:num_requests_running{{model_name=\"m\"}} {float(n)}" in httpx.get(f"{url}/metrics").text:
+            return
+        text = httpx.get(f"{url}/metrics").text
+        for line in text.splitlines():
+            if line.startswith("triollm:num_requests_running") and float(line.rsplit(" ", 1)[1]) >= n:
+                return
+        time.sleep(0.02)
+    raise AssertionError("load did not start")
+
+
+def test_sigterm_with_zero_timeout_aborts_and_exits(tiny_model_dir: Path) -> None:
+    with run_server(tiny_model_dir, "--served-model-name", "m", "--shutdown-timeout", "0", "--max-num-seqs", "8") as srv:
+        results: list[object] = []
+        load = _load(srv.url, 8, 200, results)
+        _wait_running(srv.url, 1)
+        children = srv.engine_children
+        t = time.monotonic()
+        srv.signal(signal.SIGTERM)
+        assert srv.wait(10) == 0
+        assert time.monotonic() - t < 5
+        load.join(10)
+        assert results and all(r in ("abort", "length") for r in results), results
+        assert "abort" in results
+        assert not [c for c in children if c.is_running() and c.status() != psutil.STATUS_ZOMBIE]
+
+
+def test_sigterm_with_timeout_lets_requests_finish(tiny_model_dir: Path) -> None:
+    with run_server(tiny_model_dir, "--served-model-name", "m", "--shutdown-timeout", "10") as srv:
+        results: list[object] = []
+        load = _load(srv.url, 4, 60, results)
+        _wait_running(srv.url, 1)
+        srv.signal(signal.SIGTERM)
+        time.sleep(0.2)
+        refused = httpx.post(f"{srv.url}/v1/completions", json={"model": "m", "prompt": "new", "max_tokens": 2})
+        assert refused.status_code == 503
+        load.join(30)
+        assert results == ["length"] * 4, results
+        assert srv.wait(10) == 0
+
+
+def test_engine_child_killed_gives_503_and_exit(tiny_model_dir: Path) -> None:
+    with run_server(tiny_model_dir, "--served-model-name", "m", "--multiprocess") as srv:
+        children = srv.engine_children
+        assert children, "no engine-core child process"
+        for child in children:
+            child.kill()
+        deadline = time.monotonic() + 5
+        status = None
+        while time.monotonic() < deadline:
+            try:
+                status = httpx.get(f"{srv.url}/health", timeout=1).status_code
+            except httpx.HTTPError:
+                break  # already exited
+            if status == 503:
+                break
+            time.sleep(0.05)
+        try:
+            code = srv.wait(15)
+        except subprocess.TimeoutExpired:
+            pytest.fail("server did not exit after the engine died")
+        assert code != 0
+        assert not [c for c in children if c.is_running() and c.status() != psutil.STATUS_ZOMBIE]
