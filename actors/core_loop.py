@@ -16,7 +16,8 @@ import logging
 import traceback
 
 import anyio
-from anyio.abc import ObjectReceiveStream, ObjectSendStream
+from anyio.abc import ObjectSendStream
+from anyio.streams.memory import MemoryObjectReceiveStream
 
 from triollm.actors.messages import (
     AbortRequests,
@@ -54,16 +55,19 @@ def step_stats(core: EngineCore) -> StepStats:
 
 async def serve_engine_core(
     core: EngineCore,
-    inputs: ObjectReceiveStream[CoreInput],
+    inputs: MemoryObjectReceiveStream[CoreInput],
     outputs: ObjectSendStream[CoreOutput],
 ) -> None:
     async with inputs, outputs:
+        stuck = False  # the last step scheduled nothing: wait for input rather than spin
         while True:
-            if core.has_unfinished_requests():
+            if core.has_unfinished_requests() and not stuck:
                 try:
                     msg = inputs.receive_nowait()
                 except anyio.WouldBlock:
+                    before = core.num_steps
                     await _step(core, outputs)
+                    stuck = core.num_steps == before
                     continue
                 except anyio.EndOfStream:
                     return
@@ -74,6 +78,7 @@ async def serve_engine_core(
                     return
             if isinstance(msg, Shutdown):
                 return
+            stuck = False
             reply = _apply(core, msg)
             if reply is not None:
                 await outputs.send(reply)

@@ -129,6 +129,11 @@ class EngineCore:
             )
         if min(ids) < 0 or max(ids) >= mc.vocab_size:
             raise ValueError(f"prompt_token_ids: token ids must be in [0, {mc.vocab_size})")
+        capacity = self.num_blocks * self.config.cache.block_size
+        if len(ids) >= capacity:
+            raise ValueError(
+                f"prompt: {len(ids)} tokens do not fit in the KV cache ({capacity} tokens)"
+            )
         room = mc.max_model_len - len(ids)
         max_tokens = request.sampling_params.max_tokens
         req = Request(request, room if max_tokens is None else min(max_tokens, room))

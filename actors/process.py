@@ -1,0 +1,452 @@
+"""The engine core in a child process, linked to the frontend by ZMQ.
+
+Parent side: `open_process_core(config, args)` yields the same `CoreClient` as the in-process
+transport. Child side: `python -m triollm.actors.process SPEC` (`main()` below).
+
+```
+parent                                              child (`python -m triollm.actors.process`)
+client.inputs ─▶ pump_to_socket ─▶ PUSH ══ipc/tcp══▶ PULL ─▶ pump_from_socket ─▶ serve_engine_core
+client.outputs ◀─ output actor ◀── PULL ◀═ipc/tcp═══ PUSH ◀─ pump_to_socket ◀──┘   (steps in a thread)
+                   (+ watcher on proc.wait())
+stderr pipe ─▶ forwarded to our stderr (tail kept)   stdin pipe ─▶ watchdog: EOF = the parent is gone
+```
+
+Start-up is a handshake on the output socket: the child sends `Ready` (what it measured) or
+`StartupError` (message and traceback), and the parent raises `EngineStartupError` for the
+latter, or when the child exits first (exit code and the tail of its stderr), or when the
+handshake is not one of those. The parent binds, the child connects, so the child never needs
+a free port or a path of its own.
+
+Failure and shutdown, decided by structure rather than flags:
+
+- The output actor runs the socket pump and a watcher on `proc.wait()` side by side. If the
+  child forwards `EngineDead` (an exception in a step, with the traceback), that message ends
+  the stream. If the child exits without one, the watcher waits briefly for its last words, then
+  puts its own `EngineDead` (exit code or signal, and the tail of the child's stderr) and the
+  stream ends.
+- Teardown (shielded, bounded) first cancels the output actor's scope, so the exit it is about
+  to cause is not reported as a death; then `Shutdown` → wait → SIGTERM → wait → SIGKILL →
+  wait → close the sockets and the ZMQ context → remove the ipc directory.
+- The child exits when its stdin reaches EOF, which happens when the parent dies in any way
+  (SIGKILL included), since only the parent holds the pipe's write end. Rejected: `PR_SET_PDEATHSIG`
+  (fires when the *thread* that spawned the child exits, and trio spawns from worker threads)
+  and `multiprocessing` (blocking start, re-imported `__main__`, pickled arguments).
+- The child ignores SIGINT: a Ctrl-C in a terminal reaches the whole process group, and the
+  parent decides how the engine stops (it may want to drain first).
+
+The child runs on trio: its worker threads are daemon threads, so a child whose parent died
+mid-load exits at once instead of waiting for the load to finish (anyio's asyncio workers are
+not daemon threads); steps per second measured the same on both backends. Torch runs
+`num_threads` intra-op threads, by default one core fewer than torch would use (at least one):
+the frontend (tokenizing, detokenizing, HTTP) needs a core of its own, and OpenMP threads lose
+badly when a core is oversubscribed. On the 2-core development machine (busy with other work),
+2 threads were no faster than 1 for one sequence and up to 30% slower for a batch of 16.
+"""
+
+from __future__ import annotations
+
+import codecs
+import dataclasses
+import gc
+import logging
+import math
+import os
+import signal
+import sys
+import traceback
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager, contextmanager
+from subprocess import DEVNULL, PIPE
+from typing import Any
+
+import anyio
+import msgspec
+import zmq
+from anyio.abc import ByteReceiveStream, Process
+from anyio.streams.memory import MemoryObjectSendStream
+
+from triollm.actors import zmq_io
+from triollm.actors.messages import (
+    CoreInput,
+    CoreOutput,
+    EngineDead,
+    Ready,
+    Shutdown,
+    StartupError,
+    input_decoder,
+    output_decoder,
+)
+from triollm.actors.transport import OUTPUT_BUFFER, SHUTDOWN_GRACE_S, CoreClient
+from triollm.engine.config import EngineArgs, EngineConfig
+
+if sys.version_info < (3, 11):
+    from exceptiongroup import BaseExceptionGroup
+
+__all__ = ["EngineStartupError", "default_num_threads", "main", "open_process_core"]
+
+log = logging.getLogger("triollm")
+
+CHILD_BACKEND = "trio"
+TERM_GRACE_S = 2.0  # after SIGTERM
+KILL_WAIT_S = 5.0  # after SIGKILL (only a process stuck in the kernel takes longer)
+LAST_WORDS_S = 0.5  # a child that exited by itself: time for its last message to arrive
+FLUSH_S = 2.0  # child: time to hand its last messages to the parent
+STDERR_TAIL_CHARS = 4000
+
+
+class EngineStartupError(RuntimeError):
+    """The engine-core process could not start. The message names the cause; `child_traceback`
+    holds the child's traceback (or the tail of its stderr), also shown by `str()`."""
+
+    def __init__(self, message: str, child_traceback: str = "") -> None:
+        super().__init__(message)
+        self.message = message
+        self.child_traceback = child_traceback
+
+    def __str__(self) -> str:
+        if not self.child_traceback:
+            return self.message
+        return f"{self.message}\n\n--- engine core process ---\n{self.child_traceback.rstrip()}"
+
+
+class _ChildSpec(msgspec.Struct):
+    """Everything the child needs, JSON-encoded as its only argument."""
+
+    args: dict[str, Any]  # EngineArgs fields (model already resolved to a directory)
+    inputs: str  # address of the parent's PUSH socket (the child connects a PULL)
+    outputs: str  # address of the parent's PULL socket (the child connects a PUSH)
+    log_level: int = logging.WARNING
+
+
+_encoder = msgspec.msgpack.Encoder()
+
+
+# ====================================================================== parent
+
+
+@asynccontextmanager
+async def open_process_core(config: EngineConfig, args: EngineArgs) -> AsyncIterator[CoreClient]:
+    """Start an engine-core child process and link it; see the module docstring.
+
+    Raises `EngineStartupError` if the child cannot start. The yielded client's output stream
+    ends after `EngineDead` (the child failed or died) or when the context exits.
+    """
+    ends = zmq_io.Endpoints.bind(args.zmq_address)
+    try:
+        proc = await anyio.open_process(
+            _child_command(config, args, ends), stdin=PIPE, stdout=DEVNULL, stderr=PIPE
+        )
+        try:
+            with _unwrap_single_error():
+                async with anyio.create_task_group() as tg:
+                    stderr = _StderrTail()
+                    assert proc.stderr is not None
+                    tg.start_soon(stderr.forward, proc.stderr)
+                    ready = await _handshake(ends.outputs, proc, stderr)
+
+                    in_send, in_recv = anyio.create_memory_object_stream[CoreInput](math.inf)
+                    out_send, out_recv = anyio.create_memory_object_stream[CoreOutput](
+                        OUTPUT_BUFFER
+                    )
+                    own_in = in_send.clone()  # Shutdown goes through, whatever the user did
+                    tg.start_soon(zmq_io.pump_to_socket, ends.inputs, in_recv, _encoder.encode)
+                    output_scope = anyio.CancelScope()
+                    tg.start_soon(_output_actor, output_scope, ends.outputs, out_send, proc, stderr)
+                    try:
+                        yield CoreClient(ready, in_send, out_recv, proc.pid)
+                    finally:
+                        with anyio.CancelScope(shield=True):
+                            output_scope.cancel()  # the exit we are about to cause is no death
+                            with own_in:
+                                try:
+                                    own_in.send_nowait(Shutdown())
+                                except (anyio.ClosedResourceError, anyio.BrokenResourceError):
+                                    pass
+                            in_send.close()
+                            await _stop(proc, SHUTDOWN_GRACE_S)
+                            with anyio.move_on_after(0.5):
+                                await stderr.eof.wait()  # its last lines
+                            tg.cancel_scope.cancel()
+        finally:
+            with anyio.CancelScope(shield=True):
+                await _stop(proc, 0)  # already done unless start-up failed
+                with anyio.move_on_after(1):
+                    await proc.aclose()
+            code = proc.returncode
+            if code is not None:
+                level = logging.DEBUG if code == 0 else logging.WARNING
+                log.log(level, "engine core process %d %s", proc.pid, _describe_exit(code))
+    finally:
+        ends.close()
+
+
+def _child_command(config: EngineConfig, args: EngineArgs, ends: zmq_io.Endpoints) -> list[str]:
+    # Only EngineArgs' own fields (`args` may be a subclass such as AsyncEngineArgs).
+    child_args = {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineArgs)}
+    child_args.update(model=str(config.model.path), multiprocess=False)
+    spec = _ChildSpec(
+        msgspec.to_builtins(child_args),
+        ends.input_address,
+        ends.output_address,
+        log.getEffectiveLevel(),
+    )
+    return [sys.executable, "-m", "triollm.actors.process", msgspec.json.encode(spec).decode()]
+
+
+async def _handshake(sock: zmq.Socket[Any], proc: Process, stderr: _StderrTail) -> Ready:
+    data: bytes | None = None
+    exit_code: int | None = None
+    async with anyio.create_task_group() as tg:
+
+        async def watch() -> None:
+            nonlocal exit_code
+            exit_code = await proc.wait()
+            await anyio.sleep(LAST_WORDS_S)  # a StartupError sent just before exiting
+            tg.cancel_scope.cancel()
+
+        tg.start_soon(watch)
+        data = await zmq_io.recv(sock)
+        tg.cancel_scope.cancel()
+    if data is None:
+        with anyio.move_on_after(1):
+            await stderr.eof.wait()
+        assert exit_code is not None
+        raise EngineStartupError(
+            f"the engine core process {_describe_exit(exit_code)} before it was ready",
+            stderr.text or "(nothing on stderr)",
+        )
+    try:
+        msg = output_decoder.decode(data)
+    except msgspec.DecodeError as exc:
+        raise EngineStartupError(
+            f"the engine core process sent an unreadable handshake: {exc}"
+        ) from None
+    match msg:
+        case Ready():
+            return msg
+        case StartupError(message=message, traceback=tb):
+            raise EngineStartupError(f"the engine core failed to start: {message}", tb)
+    raise EngineStartupError(f"the engine core process sent {type(msg).__name__} before Ready")
+
+
+async def _output_actor(
+    scope: anyio.CancelScope,
+    sock: zmq.Socket[Any],
+    out_send: MemoryObjectSendStream[CoreOutput],
+    proc: Process,
+    stderr: _StderrTail,
+) -> None:
+    """Socket → `out_send`, and the child's death → `EngineDead`. Ends the stream when done."""
+    with scope, out_send:
+        exit_code: int | None = None
+        async with anyio.create_task_group() as tg:
+
+            async def watch() -> None:
+                nonlocal exit_code
+                exit_code = await proc.wait()
+                if exit_code >= 0:  # it exited by itself: let its last message arrive
+                    await anyio.sleep(LAST_WORDS_S)
+                tg.cancel_scope.cancel()
+
+            tg.start_soon(watch)
+            try:
+                # Until the child says EngineDead, or nobody reads the stream any more.
+                await zmq_io.pump_from_socket(
+                    sock, out_send.clone(), output_decoder.decode, until=_is_dead
+                )
+            except msgspec.DecodeError as exc:
+                await out_send.send(EngineDead(f"unreadable message from the engine core: {exc}"))
+            tg.cancel_scope.cancel()
+            return
+        # Only reached when the watcher cancelled the pump: the child died without a word.
+        assert exit_code is not None
+        await out_send.send(
+            EngineDead(f"the engine core process {_describe_exit(exit_code)}", stderr.text)
+        )
+
+
+def _is_dead(msg: CoreOutput) -> bool:
+    return isinstance(msg, EngineDead)
+
+
+def _describe_exit(code: int) -> str:
+    if code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = str(-code)
+        return f"was killed by signal {name}"
+    return f"exited with code {code}"
+
+
+async def _stop(proc: Process, grace_s: float) -> None:
+    """Wait `grace_s` for the process to exit, then SIGTERM, then SIGKILL. Call shielded."""
+    for signal_it, wait_s in (
+        (None, grace_s),
+        (proc.terminate, TERM_GRACE_S),
+        (proc.kill, KILL_WAIT_S),
+    ):
+        if proc.returncode is not None:
+            return
+        if signal_it is not None:
+            log.warning(
+                "engine core process %d did not exit; sending %s", proc.pid, signal_it.__name__
+            )
+            try:
+                signal_it()
+            except ProcessLookupError:
+                pass
+        with anyio.move_on_after(wait_s):
+            await proc.wait()
+    if proc.returncode is None:
+        log.error("engine core process %d did not exit after SIGKILL", proc.pid)
+
+
+class _StderrTail:
+    """Forwards the child's stderr to ours and keeps its last characters for error messages."""
+
+    def __init__(self) -> None:
+        self.text = ""
+        self.eof = anyio.Event()
+
+    async def forward(self, stream: ByteReceiveStream) -> None:
+        decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        try:
+            async for chunk in stream:
+                text = decoder.decode(chunk)
+                self.text = (self.text + text)[-STDERR_TAIL_CHARS:]
+                try:
+                    sys.stderr.write(text)
+                    sys.stderr.flush()
+                except (OSError, ValueError):
+                    pass
+        except (anyio.ClosedResourceError, anyio.BrokenResourceError):
+            pass
+        finally:
+            self.eof.set()
+
+
+@contextmanager
+def _unwrap_single_error() -> Iterator[None]:
+    """Let one exception (the body's, or `EngineStartupError`) out of a task group unwrapped:
+    the actors never raise, so a group holds at most one, and callers catch it by type."""
+    try:
+        yield
+    except BaseExceptionGroup as group:
+        if len(group.exceptions) != 1:
+            raise
+        exc = group.exceptions[0]
+        context, cause, suppress = exc.__context__, exc.__cause__, exc.__suppress_context__
+        try:
+            raise exc  # as it was raised: its own cause and context, not the group's
+        finally:
+            exc.__context__, exc.__cause__, exc.__suppress_context__ = context, cause, suppress
+            del exc, group
+
+
+# ====================================================================== child
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The engine-core process: `python -m triollm.actors.process SPEC_JSON`."""
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) != 1:
+        print(
+            "usage: python -m triollm.actors.process SPEC_JSON (started by the frontend)",
+            file=sys.stderr,
+        )
+        return 2
+    spec = msgspec.json.decode(argv[0], type=_ChildSpec)
+    os.dup2(2, 1)  # nothing reads our stdout: stray prints join stderr, which the parent forwards
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    logging.basicConfig(
+        level=spec.log_level,
+        format=f"(engine core pid {os.getpid()}) %(levelname)s %(name)s: %(message)s",
+    )
+    import torch
+
+    # Before any worker thread exists: threads started later inherit the setting.
+    torch.set_num_threads(spec.args.get("num_threads") or default_num_threads())
+    return anyio.run(_child_main, spec, backend=CHILD_BACKEND)
+
+
+def default_num_threads() -> int:
+    """Torch threads in the engine-core process when `num_threads` is not set: one core for the
+    frontend, the rest for the forward pass."""
+    import torch
+
+    return max(1, torch.get_num_threads() - 1)
+
+
+async def _child_main(spec: _ChildSpec) -> int:
+    ctx: zmq.Context[Any] = zmq.Context()
+    outputs = zmq_io.connect(ctx, zmq.PUSH, spec.outputs)
+    inputs = zmq_io.connect(ctx, zmq.PULL, spec.inputs)
+    parent_alive = False
+    code = 0
+    try:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(_watch_parent, tg.cancel_scope)
+            code = await _run_engine(spec, inputs, outputs)
+            parent_alive = True
+            tg.cancel_scope.cancel()
+    finally:
+        zmq_io.close(inputs)
+        # Deliver what is still queued (Ready, StartupError, EngineDead) unless nobody listens.
+        zmq_io.close(outputs, linger=int(FLUSH_S * 1000) if parent_alive else 0)
+        ctx.term()
+    return code
+
+
+async def _watch_parent(scope: anyio.CancelScope) -> None:
+    """Our stdin is a pipe from the parent that nobody writes to: EOF means the parent is gone."""
+    fd = 0
+    while True:
+        await anyio.wait_readable(fd)
+        if not os.read(fd, 4096):
+            break
+    log.warning("the parent process is gone; the engine core exits")
+    scope.cancel()
+
+
+async def _run_engine(spec: _ChildSpec, inputs: zmq.Socket[Any], outputs: zmq.Socket[Any]) -> int:
+    from triollm.actors.core_loop import serve_engine_core
+    from triollm.engine.core import EngineCore
+
+    try:
+        config = EngineArgs(**spec.args).create_engine_config()
+        core = await anyio.to_thread.run_sync(EngineCore, config, abandon_on_cancel=True)
+    except Exception as exc:
+        message = str(exc) if isinstance(exc, ValueError) else f"{type(exc).__name__}: {exc}"
+        await zmq_io.send(outputs, _encoder.encode(StartupError(message, traceback.format_exc())))
+        return 1
+    gc.collect()
+    gc.freeze()  # the model and torch leave the collector's view: no long GC pauses in the loop
+    ready = Ready(
+        core.num_blocks,
+        config.cache.block_size,
+        config.model.max_model_len,
+        config.model.vocab_size,
+    )
+    await zmq_io.send(outputs, _encoder.encode(ready))
+
+    in_send, in_recv = anyio.create_memory_object_stream[CoreInput](math.inf)
+    out_send, out_recv = anyio.create_memory_object_stream[CoreOutput](OUTPUT_BUFFER)
+    failed = False
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(zmq_io.pump_from_socket, inputs, in_send, input_decoder.decode)
+        async with anyio.create_task_group() as out_tg:
+            out_tg.start_soon(zmq_io.pump_to_socket, outputs, out_recv, _encoder.encode)
+            try:
+                await serve_engine_core(core, in_recv, out_send)
+            except Exception:
+                # serve_engine_core queued EngineDead with the traceback and closed out_send:
+                # the output pump must still flush it, so this must not cancel the pump.
+                failed = True
+            out_tg.cancel_scope.deadline = anyio.current_time() + FLUSH_S
+        tg.cancel_scope.cancel()
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

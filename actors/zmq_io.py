@@ -1,0 +1,245 @@
+"""Awaiting pyzmq sockets from anyio, on trio and on asyncio.
+
+A deliberately small adapter (shared/CONCURRENCY.md has the measurements behind each rule):
+
+- **One owning task per socket, one direction per socket** (PUSH or PULL). The ZMQ file
+  descriptor is shared by every operation on a socket: a `send()` from another task consumes
+  the edge a receiver waits for, and two waiters on one fd raise `BusyResourceError`.
+- **Try first, then wait.** `ZMQ_FD` is edge-triggered and means "the socket's state changed",
+  not "readable". So: try the operation with `NOBLOCK`; on `zmq.Again` read `EVENTS` (which also
+  re-arms the edge); only if the wanted flag is still clear, wait for the fd; repeat. Waiting on
+  the fd first hangs with two messages already queued.
+- **Checkpoints without losing messages.** An operation checks for cancellation before it
+  touches the socket and yields (shielded) after it succeeded, as trio's own primitives do: a busy
+  socket cannot starve the other tasks, and a cancelled receive never drops a message it took.
+  The pumps win the throughput back by draining everything queued after each wake-up.
+- **Closing** is `notify_closing(fd)` then `close(linger=0)`: a task waiting on the socket gets
+  `ClosedResourceError` instead of hanging. Every socket made here has `LINGER=0`, so
+  `Context.term()` never hangs; a sender that must flush its last words passes `linger` to
+  `close()` (bounded).
+
+Rejected: the `zmq-anyio` package (a helper task or more per message, ~2-3x slower here) and
+blocking calls in worker threads (slower, and a blocked thread ignores `fail_after`).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import anyio
+import anyio.lowlevel
+import zmq
+from anyio.abc import ObjectSendStream
+from anyio.streams.memory import MemoryObjectReceiveStream
+
+__all__ = [
+    "Endpoints",
+    "close",
+    "connect",
+    "pump_from_socket",
+    "pump_to_socket",
+    "recv",
+    "send",
+]
+
+T = TypeVar("T")
+
+_CLOSED_ERRNOS = (zmq.ENOTSOCK, zmq.ETERM)
+
+
+def _closed(exc: zmq.ZMQError) -> Exception:
+    if exc.errno in _CLOSED_ERRNOS:
+        return anyio.ClosedResourceError()
+    return exc
+
+
+async def _wait_for(sock: zmq.Socket[Any], flag: int) -> None:
+    """Return once `EVENTS` has `flag`: re-read the flag, and wait on the fd only while clear."""
+    while True:
+        try:
+            if sock.getsockopt(zmq.EVENTS) & flag:  # type: ignore[operator]
+                return
+            fd = sock.FD
+        except zmq.ZMQError as exc:
+            raise _closed(exc) from None
+        await anyio.wait_readable(fd)
+
+
+async def _recv(sock: zmq.Socket[Any]) -> bytes:
+    """One message; no checkpoint when one is already queued (the caller provides it)."""
+    while True:
+        try:
+            return sock.recv(zmq.NOBLOCK)
+        except zmq.Again:
+            await _wait_for(sock, zmq.POLLIN)
+        except zmq.ZMQError as exc:
+            raise _closed(exc) from None
+
+
+async def _send(sock: zmq.Socket[Any], data: bytes) -> None:
+    """Queue one message; no checkpoint when there is room (the caller provides it)."""
+    while True:
+        try:
+            sock.send(data, zmq.NOBLOCK)
+            return
+        except zmq.Again:
+            await _wait_for(sock, zmq.POLLOUT)
+        except zmq.ZMQError as exc:
+            raise _closed(exc) from None
+
+
+async def recv(sock: zmq.Socket[Any]) -> bytes:
+    """Receive one message. Raises `ClosedResourceError` if the socket is (or gets) closed."""
+    await anyio.lowlevel.checkpoint_if_cancelled()
+    data = await _recv(sock)
+    await anyio.lowlevel.cancel_shielded_checkpoint()
+    return data
+
+
+async def send(sock: zmq.Socket[Any], data: bytes) -> None:
+    """Send one message (waits while the high-water mark is reached or no peer is connected)."""
+    await anyio.lowlevel.checkpoint_if_cancelled()
+    await _send(sock, data)
+    await anyio.lowlevel.cancel_shielded_checkpoint()
+
+
+async def pump_to_socket(
+    sock: zmq.Socket[Any], stream: MemoryObjectReceiveStream[T], encode: Callable[[T], bytes]
+) -> None:
+    """Send every message of `stream` to `sock` until the stream ends (then close the stream).
+
+    After each wake-up everything already queued is sent without waiting again: one checkpoint
+    per batch (the stream's `receive()`), not per message.
+    """
+    async with stream:
+        async for msg in stream:
+            await _send(sock, encode(msg))
+            while True:
+                try:
+                    msg = stream.receive_nowait()
+                except (anyio.WouldBlock, anyio.EndOfStream):
+                    break
+                await _send(sock, encode(msg))
+
+
+async def pump_from_socket(
+    sock: zmq.Socket[Any],
+    stream: ObjectSendStream[T],
+    decode: Callable[[bytes], T],
+    *,
+    until: Callable[[T], bool] | None = None,
+) -> T | None:
+    """Decode every message of `sock` into `stream`; close the stream when done.
+
+    Returns the first message for which `until(msg)` is true (after forwarding it), or None
+    when the receiving side of `stream` was closed. A decode error propagates.
+    """
+    async with stream:
+        while True:
+            msg = decode(await _recv(sock))
+            try:
+                await stream.send(msg)  # the checkpoint of this iteration
+            except anyio.BrokenResourceError:
+                return None
+            if until is not None and until(msg):
+                return msg
+
+
+def close(sock: zmq.Socket[Any], linger: int = 0) -> None:
+    """Wake any task waiting on `sock` (with `ClosedResourceError`), then close it.
+
+    Call from the event loop's thread. `linger` (ms) bounds how long queued messages may still
+    be delivered (it makes `Context.term()` wait as long); 0 drops them. Idempotent.
+    """
+    if sock.closed:
+        return
+    anyio.notify_closing(sock.FD)
+    sock.close(linger=linger)
+
+
+def _socket(ctx: zmq.Context[Any], kind: int, ipv6: bool = False) -> zmq.Socket[Any]:
+    sock = ctx.socket(kind)
+    sock.setsockopt(zmq.LINGER, 0)
+    if ipv6:
+        sock.setsockopt(zmq.IPV6, 1)
+    return sock
+
+
+def connect(ctx: zmq.Context[Any], kind: int, address: str) -> zmq.Socket[Any]:
+    """A new socket of `kind` (LINGER=0) connected to `address`."""
+    sock = _socket(ctx, kind, ipv6="[" in address)
+    try:
+        sock.connect(address)
+    except BaseException:
+        sock.close(linger=0)
+        raise
+    return sock
+
+
+@dataclass
+class Endpoints:
+    """The parent's side of an engine-core link: a PUSH socket for inputs and a PULL socket for
+    outputs, both bound, and the addresses the child connects to.
+
+    `address` is "ipc" (socket files in a private temporary directory, removed by `close()`) or
+    "tcp://HOST" (random free ports on HOST, an IP address or an interface; a wildcard host is
+    reached through the loopback address; IPv6 hosts in brackets).
+    """
+
+    ctx: zmq.Context[Any]
+    inputs: zmq.Socket[Any]
+    outputs: zmq.Socket[Any]
+    input_address: str
+    output_address: str
+    tmpdir: str | None = None
+    _closed: bool = field(default=False, repr=False)
+
+    @classmethod
+    def bind(cls, address: str) -> Endpoints:
+        ctx: zmq.Context[Any] = zmq.Context()
+        tmpdir: str | None = None
+        socks: list[zmq.Socket[Any]] = []
+        try:
+            ipv6 = address.startswith("tcp://[")
+            inputs = _socket(ctx, zmq.PUSH, ipv6)
+            socks.append(inputs)
+            outputs = _socket(ctx, zmq.PULL, ipv6)
+            socks.append(outputs)
+            if address == "ipc":
+                tmpdir = tempfile.mkdtemp(prefix="triollm-")
+                in_addr = f"ipc://{os.path.join(tmpdir, 'in.sock')}"
+                out_addr = f"ipc://{os.path.join(tmpdir, 'out.sock')}"
+                inputs.bind(in_addr)
+                outputs.bind(out_addr)
+            elif address.startswith("tcp://"):
+                host = address.removeprefix("tcp://")
+                peer = {"*": "127.0.0.1", "0.0.0.0": "127.0.0.1", "[::]": "[::1]"}.get(host, host)
+                in_addr = f"tcp://{peer}:{inputs.bind_to_random_port(address)}"
+                out_addr = f"tcp://{peer}:{outputs.bind_to_random_port(address)}"
+            else:
+                raise ValueError(f"zmq_address: {address!r} is not 'ipc' or 'tcp://HOST'")
+        except BaseException:
+            for sock in socks:
+                sock.close(linger=0)
+            ctx.term()
+            if tmpdir is not None:
+                shutil.rmtree(tmpdir, ignore_errors=True)
+            raise
+        return cls(ctx, inputs, outputs, in_addr, out_addr, tmpdir)
+
+    def close(self) -> None:
+        """Close both sockets (waking their waiters), the context, and the temporary directory.
+        Call from the event loop's thread. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        close(self.inputs)
+        close(self.outputs)
+        self.ctx.term()
+        if self.tmpdir is not None:
+            shutil.rmtree(self.tmpdir, ignore_errors=True)
