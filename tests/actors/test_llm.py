@@ -1,0 +1,138 @@
+"""The sync `LLM` (blocking portal over AsyncLLM) and the legacy `LLMEngine`, on the tiny model."""
+
+from __future__ import annotations
+
+import _thread
+import threading
+import time
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from triollm import LLM, EngineArgs, LLMEngine, SamplingParams
+from triollm.engine.config import CompilationConfig
+
+GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module", params=["inproc-trio", "multiprocess-asyncio"])
+def llm(request: pytest.FixtureRequest, tiny_model_dir: Path) -> Iterator[LLM]:
+    transport, backend = request.param.split("-")
+    with LLM(str(tiny_model_dir), max_model_len=128, multiprocess=transport == "multiprocess", backend=backend) as engine:
+        yield engine
+
+
+def idle(llm: LLM) -> None:
+    stats = llm._portal.call(llm.llm_engine.get_engine_stats)
+    assert stats.num_running == stats.num_waiting == 0
+    assert stats.num_free_blocks == stats.num_blocks
+    assert llm.llm_engine.num_unfinished_requests == 0
+
+
+def test_order_kept_and_matches_single_requests(llm: LLM) -> None:
+    prompts = ["Hello", "The capital of France is", {"prompt_token_ids": [5, 6, 7]}, "abc"]
+    outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert [o.prompt for o in outs] == ["Hello", "The capital of France is", None, "abc"]
+    for prompt, out in zip(prompts, outs):
+        alone = llm.generate(prompt, GREEDY, use_tqdm=False)[0]
+        assert alone.outputs[0].token_ids == out.outputs[0].token_ids
+        assert len(out.outputs[0].token_ids) == 6 and out.finished
+    idle(llm)
+
+
+def test_params_list_and_priority(llm: LLM) -> None:
+    params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in (1, 2, 3)]
+    outs = llm.generate(["a", "b", "c"], params, use_tqdm=False, priority=[2, 1, 0])
+    assert [len(o.outputs[0].token_ids) for o in outs] == [1, 2, 3]
+    with pytest.raises(ValueError, match="sampling_params: the list has 2 entries for 3 prompts"):
+        llm.generate(["a", "b", "c"], params[:2], use_tqdm=False)
+    with pytest.raises(ValueError, match="priority"):
+        llm.generate(["a"], GREEDY, priority=[1, 2], use_tqdm=False)
+
+
+def test_bad_prompt_in_batch_aborts_the_others(llm: LLM) -> None:
+    with pytest.raises(ValueError, match="must not be empty"):
+        llm.generate("", GREEDY, use_tqdm=False)
+    long = "x " * 300
+    with pytest.raises(ValueError, match="max_model_len"):
+        llm.generate(["fine", "also fine", long], SamplingParams(max_tokens=50, ignore_eos=True), use_tqdm=False)
+    idle(llm)
+    assert len(llm.generate(["next batch"], GREEDY, use_tqdm=False)[0].outputs[0].token_ids) == 6
+
+
+def test_keyboard_interrupt_aborts_the_batch_and_leaves_llm_usable(llm: LLM) -> None:
+    timer = threading.Timer(0.2, _thread.interrupt_main)
+    start = time.monotonic()
+    timer.start()
+    with pytest.raises(KeyboardInterrupt):
+        # Far more work than 0.2 s: 512 requests filling the whole context.
+        llm.generate(["long"] * 512, SamplingParams(max_tokens=None, ignore_eos=True), use_tqdm=False)
+    timer.join()
+    assert time.monotonic() - start < 30
+    idle(llm)  # the aborts ran before generate() returned
+    assert len(llm.generate("after", GREEDY, use_tqdm=False)[0].outputs[0].token_ids) == 6
+
+
+def test_chat_and_tokenizer(llm: LLM) -> None:
+    convs = [[{"role": "user", "content": "hi"}], [{"role": "user", "content": "hello there"}]]
+    outs = llm.chat(convs, GREEDY, use_tqdm=False)
+    assert len(outs) == 2 and outs[0].prompt is not None and "<|im_start|>assistant" in outs[0].prompt
+    one = llm.chat(convs[0], GREEDY, use_tqdm=False)
+    assert one[0].outputs[0].token_ids == outs[0].outputs[0].token_ids
+    assert llm.get_tokenizer().decode(llm.get_tokenizer().encode("round trip")) == "round trip"
+
+
+def test_tqdm_bar_reports_token_rates(llm: LLM, capsys: pytest.CaptureFixture[str]) -> None:
+    llm.generate(["a", "b"], GREEDY, use_tqdm=True)
+    err = capsys.readouterr().err
+    assert "Processed prompts" in err and "output:" in err and "toks/s" in err
+
+
+def test_config_normalisation(tiny_model_dir: Path) -> None:
+    assert EngineArgs(compilation_config=3).compilation_config == CompilationConfig(level=3)
+    assert EngineArgs(compilation_config={"level": 2}).compilation_config == CompilationConfig(level=2)
+    with pytest.raises(ValueError, match="compilation_config: unknown key 'bogus'"):
+        EngineArgs(compilation_config={"bogus": 1})
+    with pytest.raises(ValueError, match="data_parallel_size: 2 .* one engine per replica"):
+        LLM(str(tiny_model_dir), data_parallel_size=2)
+    with pytest.raises(ValueError, match='runner="generate"'):
+        LLM(str(tiny_model_dir), runner="pooling")
+    with pytest.raises(TypeError, match="unexpected keyword arguments: not_a_flag"):
+        LLM(str(tiny_model_dir), not_a_flag=1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with LLM(str(tiny_model_dir), swap_space=4, max_model_len=64, multiprocess=False) as llm:
+            assert llm.args.max_model_len == 64
+    assert any(issubclass(w.category, DeprecationWarning) and "swap_space" in str(w.message) for w in caught)
+
+
+def test_startup_failure_is_clear(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="not found"):
+        LLM(str(tmp_path / "missing"))
+
+
+def test_shutdown_is_idempotent(tiny_model_dir: Path) -> None:
+    llm = LLM(str(tiny_model_dir), max_model_len=64, multiprocess=False)
+    llm.shutdown()
+    llm.shutdown()
+
+
+def test_llm_engine_loop(tiny_model_dir: Path) -> None:
+    with LLMEngine.from_engine_args(EngineArgs(model=str(tiny_model_dir), max_model_len=128)) as engine:
+        engine.add_request("a", "Hello", SamplingParams(max_tokens=5, ignore_eos=True))
+        engine.add_request("b", "World", SamplingParams(max_tokens=9, ignore_eos=True))
+        engine.add_request("c", "Gone", SamplingParams(max_tokens=1000, ignore_eos=True))
+        engine.abort_request("c")
+        final = {}
+        steps = 0
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    final[out.request_id] = out
+            steps += 1
+        assert {k: len(v.outputs[0].token_ids) for k, v in final.items()} == {"a": 5, "b": 9}
+        assert steps >= 2
+        with pytest.raises(ValueError, match="empty"):
+            engine.add_request("d", "", SamplingParams())
