@@ -159,13 +159,13 @@ def _origins(value: str | None) -> tuple[str, ...]:
 
 
 def cmd_serve(ns: argparse.Namespace) -> int:
-    from triollm.api.server import ServeOptions, run_server
+    from triollm.api.server import ServeOptions, default_model_name, run_server
     from triollm.api.state import ServerSettings
 
     if ns.model_tag is not None:
         ns.model = ns.model_tag
     args = engine_args_from(ns)
-    names = tuple(ns.served_model_name or ([ns.model] if ns.model else ["SmolLM2-135M-Instruct"]))
+    names = tuple(ns.served_model_name or [default_model_name(args)])
     settings = ServerSettings(
         served_model_names=names,
         api_key=ns.api_key or None,

@@ -28,7 +28,7 @@ from triollm.actors.async_llm import AsyncLLM
 from triollm.api.state import ServerSettings, ServerState
 from triollm.engine.config import EngineArgs
 
-__all__ = ["ServeOptions", "run_server", "serve"]
+__all__ = ["ServeOptions", "default_model_name", "run_server", "serve"]
 
 log = logging.getLogger("triollm")
 
@@ -42,6 +42,11 @@ class ServeOptions:
     settings: ServerSettings | None = None  # None: served under the model's directory name
     shutdown_timeout: float = 0.0
     worker: str = "trio"
+
+
+def default_model_name(engine_args: EngineArgs) -> str:
+    """What clients put in `model` when no --served-model-name is given: the model argument."""
+    return engine_args.model or "SmolLM2-135M-Instruct"
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
@@ -78,13 +83,8 @@ async def serve(
 ) -> int:
     from triollm.api.app import build_app
 
-    settings = options.settings
-    chat_template = settings.chat_template if settings else None
-    async with AsyncLLM.from_engine_args(engine_args, chat_template=chat_template) as llm:
-        if settings is None or not settings.served_model_names:
-            name = engine_args.model or "SmolLM2-135M-Instruct"
-            base = settings or ServerSettings(served_model_names=(name,))
-            settings = ServerSettings(**{**base.__dict__, "served_model_names": (name,)})
+    settings = options.settings or ServerSettings(served_model_names=(default_model_name(engine_args),))
+    async with AsyncLLM.from_engine_args(engine_args, chat_template=settings.chat_template) as llm:
         state = ServerState(llm, settings)
         _attach_metrics(state)
         app = build_app(state)
