@@ -27,7 +27,7 @@ import itertools
 import logging
 import time
 import traceback
-from collections.abc import AsyncGenerator, Iterable
+from collections.abc import AsyncGenerator, Iterable, Mapping
 from contextlib import AsyncExitStack
 from typing import Any
 
@@ -78,6 +78,7 @@ class AsyncLLM:
         self._utility: dict[int, tuple[anyio.Event, list[UtilityResult]]] = {}
         self._call_ids = itertools.count()
         self._request_ids = itertools.count()
+        self._core_seq = itertools.count()
         self._dead: EngineDeadError | None = None
         self._dead_event = anyio.Event()
         self._stopping = False
@@ -103,12 +104,14 @@ class AsyncLLM:
         return self
 
     async def __aexit__(self, *exc_info: object) -> None:
+        # The engine's death is reported on the data path (every request, `errored`, new
+        # requests) and logged at shutdown; leaving the block does not raise it once more.
         await self.shutdown()
 
     async def start(self) -> None:
         """Start the engine (load the model, start the core, start the actors)."""
-        if self._stack is not None:
-            raise RuntimeError("AsyncLLM is already started")
+        if self._stack is not None or self._stopping:
+            raise RuntimeError("AsyncLLM is already started (or was shut down: create a new one)")
         stack = AsyncExitStack()
         try:
             self.config = config = await anyio.to_thread.run_sync(self.args.create_engine_config)
@@ -139,10 +142,13 @@ class AsyncLLM:
             if timeout > 0:
                 with anyio.move_on_after(timeout):
                     await self._idle.wait()
-            self.abort(list(self._collectors))
         finally:
-            await stack.aclose()  # not shielded: see start()
-            self._client = None
+            # Even when the drain was cancelled: every stream ends (with "abort").
+            self.abort(list(self._collectors))
+            try:
+                await stack.aclose()  # not shielded: see start()
+            finally:
+                self._client = None
         if self._dead is not None:
             log.warning("engine was dead at shutdown: %s", self._dead)
 
@@ -171,8 +177,6 @@ class AsyncLLM:
         await self._idle.wait()
 
     async def check_health(self) -> None:
-        if self._dead is not None:
-            raise self._dead
         self._require_running()
 
     def get_tokenizer(self) -> Tokenizer:
@@ -192,9 +196,14 @@ class AsyncLLM:
     def unfinished_request_ids(self) -> list[str]:
         return list(self._collectors)
 
+    def _dead_error(self) -> EngineDeadError:
+        """A fresh error each time: one shared instance would collect every raiser's traceback."""
+        assert self._dead is not None
+        return EngineDeadError(str(self._dead))
+
     def _require_running(self) -> None:
         if self._dead is not None:
-            raise self._dead
+            raise self._dead_error()
         if self._client is None or self._stopping:
             raise RuntimeError(
                 "AsyncLLM is not running: use `async with AsyncLLM.from_engine_args(args) as llm:` "
@@ -244,6 +253,11 @@ class AsyncLLM:
                 self._require_running()
             else:
                 processed = self._input.process(prompt, params, rid, arrival_time=time.monotonic(), priority=priority)
+            # Core ids are unique per request, so outputs still in flight for an aborted
+            # request can never be credited to a new request that reuses its id.
+            seq = next(self._core_seq)
+            for core_req in processed.core_requests:
+                core_req.request_id = f"{core_req.request_id}#{seq}"
             self._output.add_request(processed)
             for core_req in processed.core_requests:
                 self._send(AddRequest(core_req))
@@ -282,12 +296,15 @@ class AsyncLLM:
         return outs
 
     def _send(self, msg: CoreInput, quiet: bool = False) -> None:
-        assert self._client is not None
         try:
+            if self._client is None:
+                raise anyio.ClosedResourceError
             self._client.inputs.send_nowait(msg)
         except (anyio.ClosedResourceError, anyio.BrokenResourceError):
             if not quiet:
-                raise self._dead or EngineDeadError("the engine core is not accepting requests") from None
+                if self._dead is not None:
+                    raise self._dead_error() from None
+                raise EngineDeadError("the engine core is not accepting requests") from None
 
     # ------------------------------------------------------------------ utilities
 
@@ -302,7 +319,7 @@ class AsyncLLM:
         finally:
             self._utility.pop(cid, None)
         if not slot:
-            raise self._dead or EngineDeadError("the engine core stopped")
+            raise self._dead_error() if self._dead else EngineDeadError("the engine core stopped")
         if slot[0].error is not None:
             raise RuntimeError(slot[0].error)
         return slot[0].result
@@ -386,7 +403,7 @@ class AsyncLLM:
         self._dead_event.set()
         log.error("engine core died: %s", error)
         for collector in self._collectors.values():
-            collector.put_error(error)
+            collector.put_error(EngineDeadError(str(error)))
 
 
 def _freeze_heap() -> None:
@@ -397,8 +414,10 @@ def _freeze_heap() -> None:
     gc.freeze()
 
 
-def _is_large(prompt: PromptType) -> bool:
+def _is_large(prompt: object) -> bool:
     if isinstance(prompt, str):
         return len(prompt) > _LARGE_PROMPT
+    if not isinstance(prompt, Mapping):
+        return False  # the input processor rejects it with a clear ValueError
     value = prompt.get("prompt") or prompt.get("prompt_token_ids") or ()
-    return len(value) > _LARGE_PROMPT
+    return hasattr(value, "__len__") and len(value) > _LARGE_PROMPT

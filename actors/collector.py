@@ -2,7 +2,8 @@
 
 The output actor must never wait for a slow consumer, so `put` never blocks: with DELTA outputs
 it merges the new piece into the one still waiting (so a slow consumer gets several tokens at
-once); with CUMULATIVE or FINAL_ONLY the newer output replaces the older, which it contains.
+once); with CUMULATIVE or FINAL_ONLY the newer completions replace the older ones with the same
+index (with n>1 an output carries only the completions that advanced).
 Errors (`EngineDeadError`, a per-request failure) travel the same path, so a consumer learns of
 the engine's death from `get()`, not by being cancelled.
 """
@@ -30,10 +31,12 @@ class RequestCollector:
         self.on_ready: Callable[[], None] | None = None
 
     def put(self, output: RequestOutput) -> None:
-        if self._output is None or not self._delta:
+        if self._output is None:
             self._output = output
-        else:
+        elif self._delta:
             _merge(self._output, output)
+        else:
+            _replace(self._output, output)
         self._ready.set()
         if self.on_ready is not None:
             self.on_ready()
@@ -77,6 +80,22 @@ def _merge(into: RequestOutput, new: RequestOutput) -> None:
             _merge_completion(old, c)
     if new.prompt_logprobs:
         into.prompt_logprobs = (into.prompt_logprobs or []) + new.prompt_logprobs
+    into.finished = new.finished
+    into.num_cached_tokens = new.num_cached_tokens
+    into.metrics = new.metrics
+
+
+def _replace(into: RequestOutput, new: RequestOutput) -> None:
+    """A newer cumulative output: its completions replace the older ones with the same index
+    (with n>1 an output may carry only the completions that advanced)."""
+    by_index = {c.index: i for i, c in enumerate(into.outputs)}
+    for c in new.outputs:
+        if c.index in by_index:
+            into.outputs[by_index[c.index]] = c
+        else:
+            into.outputs.append(c)
+    into.outputs.sort(key=lambda c: c.index)
+    into.prompt_logprobs = new.prompt_logprobs or into.prompt_logprobs
     into.finished = new.finished
     into.num_cached_tokens = new.num_cached_tokens
     into.metrics = new.metrics

@@ -65,12 +65,14 @@ async def serve_engine_core(
                 try:
                     msg = inputs.receive_nowait()
                 except anyio.WouldBlock:
+                    msg = None
+                except anyio.EndOfStream:
+                    return
+                if msg is None:  # stepping outside the except block keeps tracebacks clean
                     before = core.num_steps
                     await _step(core, outputs)
                     stuck = core.num_steps == before
                     continue
-                except anyio.EndOfStream:
-                    return
             else:
                 try:
                     msg = await inputs.receive()

@@ -89,6 +89,22 @@ def _is_cached_worker(thread: threading.Thread) -> bool:
     return thread.name.startswith(_WORKER_THREAD_PREFIXES)
 
 
+def _native_threads() -> dict[int, str]:
+    """OS threads that are not Python threads (torch pools, ZMQ I/O threads): tid -> name."""
+    python_tids = {t.native_id for t in threading.enumerate()}
+    out: dict[int, str] = {}
+    for name in os.listdir("/proc/self/task"):
+        tid = int(name)
+        if tid in python_tids:
+            continue
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                out[tid] = f.read().strip()
+        except OSError:
+            pass  # exited meanwhile
+    return out
+
+
 def _fd_targets() -> dict[int, str]:
     out: dict[int, str] = {}
     for name in os.listdir("/proc/self/fd"):
@@ -103,7 +119,7 @@ def _fd_targets() -> dict[int, str]:
 class Snapshot:
     children: set[int]
     threads: set[threading.Thread]
-    native_threads: int  # OS threads that are not Python threads (torch pools, ZMQ I/O threads)
+    native_threads: dict[int, str]
     fds: dict[int, str]
 
     @classmethod
@@ -113,7 +129,7 @@ class Snapshot:
         return cls(
             children={c.pid for c in proc.children(recursive=True)},
             threads={t for t in threads if not _is_cached_worker(t)},
-            native_threads=proc.num_threads() - len(threads),
+            native_threads=_native_threads(),
             fds=_fd_targets(),
         )
 
@@ -132,8 +148,11 @@ class Snapshot:
         new_threads = self.threads - before.threads
         if new_threads:
             problems.append(f"threads left behind: {sorted(t.name for t in new_threads)}")
-        if self.native_threads > before.native_threads:
-            problems.append(f"native threads: {before.native_threads} -> {self.native_threads}")
+        new_native = {
+            t: n for t, n in self.native_threads.items() if t not in before.native_threads
+        }
+        if new_native:
+            problems.append(f"native threads left behind (tid: name): {new_native}")
         if len(self.fds) > len(before.fds):
             new = {fd: t for fd, t in self.fds.items() if before.fds.get(fd) != t}
             problems.append(f"file descriptors: {len(before.fds)} -> {len(self.fds)}; new: {new}")
