@@ -4,6 +4,10 @@ It flattens the scheduled requests into one token batch (decodes first, then pre
 computes where each token's K/V goes (`slot = block_id * block_size + offset`), runs the model,
 computes logits only where needed (the last token of each sampling request, plus every prompt
 position of requests that asked for prompt logprobs) and calls the sampler.
+
+Decodes are ordered longest context first, so the decode attention plan (built here once per
+step, shared by every layer) can cut them into groups of similar length; the order of rows is
+the runner's business, results are keyed by request id.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from triollm.engine.request import Logprobs
 from triollm.engine.sampler import Sampler, SamplingRow, gather_logprobs
 from triollm.engine.scheduler import ScheduledRequest
 from triollm.kernels import KVCache
+from triollm.kernels.attention import DecodeWorkspace, plan_decode
 
 __all__ = ["ModelRunner", "RunnerOutput"]
 
@@ -36,10 +41,12 @@ class ModelRunner:
         self.device = torch.device(device)
         self.sampler = Sampler()
         self.block_size = kv_cache.block_size
+        self.decode_workspace = DecodeWorkspace()  # gather buffers, kept across steps
 
     @torch.inference_mode()
     def execute(self, scheduled: list[ScheduledRequest]) -> RunnerOutput:
         decodes = [s for s in scheduled if s.num_new_tokens == 1]
+        decodes.sort(key=lambda s: s.num_computed_tokens, reverse=True)
         prefills = [s for s in scheduled if s.num_new_tokens > 1]
         order = decodes + prefills
         input_ids, positions, meta = self._prepare(decodes, prefills)
@@ -87,12 +94,9 @@ class ModelRunner:
             slots.append(req.block_ids[p // bs] * bs + p % bs)
         meta = AttentionMetadata(slot_mapping=torch.empty(0), num_decodes=len(decodes))
         if decodes:
-            width = max(len(s.request.block_ids) for s in decodes)
-            table = [s.request.block_ids + [0] * (width - len(s.request.block_ids)) for s in decodes]
-            meta.decode_block_tables = torch.tensor(table, dtype=torch.long, device=self.device)
-            meta.decode_context_lens = torch.tensor(
-                [s.num_computed_tokens + 1 for s in decodes], dtype=torch.long, device=self.device
-            )
+            lens = [p + 1 for p in pos]
+            tables = [s.request.block_ids[: -(-n // bs)] for s, n in zip(decodes, lens)]
+            meta.decode_plan = plan_decode(tables, lens, bs, self.device, self.decode_workspace)
         for s in prefills:
             req, c, n = s.request, s.num_computed_tokens, s.num_new_tokens
             start = len(ids)
@@ -100,7 +104,7 @@ class ModelRunner:
             pos.extend(range(c, c + n))
             used = -(-(c + n) // bs)
             blocks = req.block_ids[:used]
-            slots.extend(blocks[p // bs] * bs + p % bs for p in range(c, c + n))
+            slots.extend(_slots(blocks, c, n, bs))
             meta.prefills.append(
                 PrefillChunk(start, n, c, torch.tensor(blocks, dtype=torch.long, device=self.device))
             )
@@ -124,6 +128,18 @@ class ModelRunner:
         k = logprobs.shape[-1] if k < 0 else k
         ids, lps, ranks = gather_logprobs(logprobs, targets, k)
         return Logprobs(ids.tolist(), lps.tolist(), ranks.tolist())
+
+
+def _slots(blocks: list[int], start: int, n: int, bs: int) -> list[int]:
+    """The slots of positions [start, start + n): whole blocks at a time, not token by token."""
+    out: list[int] = []
+    p, end = start, start + n
+    while p < end:
+        base = blocks[p // bs] * bs
+        stop = min(end, (p // bs + 1) * bs)
+        out.extend(range(base + p % bs, base + p % bs + stop - p))
+        p = stop
+    return out
 
 
 def _sampling_row(s: ScheduledRequest) -> SamplingRow:

@@ -2,6 +2,11 @@
 
 `rotary_cos_sin` precomputes cos/sin tables for every position up to `max_len` once; the model
 indexes them by position each step. Supports plain `rope_theta` and Llama 3 frequency scaling.
+
+`apply_rotary` is the reference form. `apply_rotary_signed` is the fast one the model runs: with
+rotate-half's sign folded into the sin table (`sin * rotary_sign`), rotate_half(x) * sin becomes
+x.roll(half) * signed_sin, so Q and K together take three ops (roll, mul, addcmul) instead of
+five per tensor; it agrees with the reference to within fp32 rounding (addcmul fuses).
 """
 
 from __future__ import annotations
@@ -52,3 +57,14 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     x1, x2 = x[..., :half], x[..., half:]
     rotated = torch.cat((-x2, x1), dim=-1)
     return x * cos[:, None, :] + rotated * sin[:, None, :]
+
+
+def rotary_sign(head_dim: int) -> torch.Tensor:
+    """[-1] * (head_dim / 2) + [1] * (head_dim / 2): multiply a sin table by it once."""
+    half = head_dim // 2
+    return torch.cat((torch.full((half,), -1.0), torch.ones(head_dim - half)))
+
+
+def apply_rotary_signed(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """x: [T, heads, head_dim]; cos, signed_sin: broadcastable to x (e.g. [T, 1, head_dim])."""
+    return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, -1), signed_sin)
