@@ -212,9 +212,10 @@ def _wait_running(url: str, n: int, timeout: float = 10.0) -> None:
 
 
 def test_sigterm_with_zero_timeout_aborts_and_exits(tiny_model_dir: Path) -> None:
-    with run_server(tiny_model_dir, "--served-model-name", "m", "--shutdown-timeout", "0", "--max-num-seqs", "8") as srv:
+    # Two at a time, so the eight requests take several seconds: most are cut by the SIGTERM.
+    with run_server(tiny_model_dir, "--served-model-name", "m", "--shutdown-timeout", "0", "--max-num-seqs", "2") as srv:
         results: list[object] = []
-        load = _load(srv.url, 8, 200, results)
+        load = _load(srv.url, 8, 250, results)
         _wait_running(srv.url, 1)
         children = srv.engine_children
         t = time.monotonic()
@@ -228,12 +229,13 @@ def test_sigterm_with_zero_timeout_aborts_and_exits(tiny_model_dir: Path) -> Non
 
 
 def test_sigterm_with_timeout_lets_requests_finish(tiny_model_dir: Path) -> None:
-    with run_server(tiny_model_dir, "--served-model-name", "m", "--shutdown-timeout", "10") as srv:
+    # One at a time, so the drain lasts long enough to see a new request refused.
+    with run_server(tiny_model_dir, "--served-model-name", "m", "--shutdown-timeout", "10", "--max-num-seqs", "1") as srv:
         results: list[object] = []
-        load = _load(srv.url, 4, 60, results)
+        load = _load(srv.url, 4, 250, results)
         _wait_running(srv.url, 1)
         srv.signal(signal.SIGTERM)
-        time.sleep(0.2)
+        time.sleep(0.1)
         refused = httpx.post(f"{srv.url}/v1/completions", json={"model": "m", "prompt": "new", "max_tokens": 2})
         assert refused.status_code == 503
         load.join(30)
