@@ -311,7 +311,8 @@ class AsyncLLM:
     async def _call(self, op: UtilityOp) -> StepStats | bool | None:
         self._require_running()
         cid = next(self._call_ids)
-        done, slot = anyio.Event(), []
+        done = anyio.Event()
+        slot: list[UtilityResult] = []
         self._utility[cid] = (done, slot)
         try:
             self._send(UtilityCall(cid, op))
