@@ -159,8 +159,8 @@ class LLM:
                 chat_template=chat_template,
                 **(chat_template_kwargs or {}),
             )
-            text = tok.apply_chat_template(conv, **kwargs)
-            prompts.append({"prompt": text, "prompt_token_ids": tok.encode_chat(conv, **kwargs)})
+            text = tok.apply_chat_template(conv, **kwargs)  # rendered once: text and ids
+            prompts.append({"prompt": text, "prompt_token_ids": tok.encode_rendered_chat(text)})
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def _params_list(

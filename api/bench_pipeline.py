@@ -98,7 +98,7 @@ def run_pipeline(ns: argparse.Namespace) -> int:
         for backend in ns.backends.split(","):
             args = EngineArgs(
                 **{**vars(base), "load_format": "scripted", "multiprocess": transport == "multiprocess",
-                   "max_num_seqs": max(base.max_num_seqs, ns.streams), "compilation_config": None}
+                   "max_num_seqs": max(base.max_num_seqs, ns.streams)}
             )
             res = anyio.run(_stream_all, args, ns.streams, ns.tokens_per_stream, backend=backend)
             print(

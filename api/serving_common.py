@@ -25,7 +25,6 @@ __all__ = [
     "build_sampling_params",
     "check_available",
     "check_logprobs",
-    "chat_token_ids",
     "clamp_logprob",
     "read_body",
     "render_chat",
@@ -208,16 +207,6 @@ def resolve_chat_template(value: str | None) -> str | None:
     return value
 
 
-def chat_token_ids(tokenizer: Tokenizer, text: str) -> list[int]:
-    """A rendered chat's token ids: no special tokens added, one BOS when the tokenizer adds
-    one and the template did not emit it (the same ids as `Tokenizer.encode_chat`)."""
-    ids = tokenizer.encode(text, add_special_tokens=False)
-    bos = tokenizer.bos_token_id
-    if tokenizer.adds_bos_token and bos is not None and ids[:1] != [bos]:
-        ids.insert(0, bos)
-    return ids
-
-
 async def render_chat(
     tokenizer: Tokenizer,
     messages: Sequence[ChatMessage],
@@ -256,7 +245,7 @@ async def render_chat(
         )
         if add_special_tokens:
             return text, tokenizer.encode(text, add_special_tokens=True)
-        return text, chat_token_ids(tokenizer, text)
+        return text, tokenizer.encode_rendered_chat(text)
 
     return await maybe_in_thread(work, _chat_size(messages))
 

@@ -199,6 +199,11 @@ class Tokenizer:
             tools=tools,
             **template_kwargs,
         )
+        return self.encode_rendered_chat(text)
+
+    def encode_rendered_chat(self, text: str) -> list[int]:
+        """Token ids of an already rendered chat: no special tokens added, except one BOS when
+        the tokenizer adds one and the template did not emit it."""
         ids = self.encode(text, add_special_tokens=False)
         bos = self.bos_token_id
         if self.adds_bos_token and bos is not None and ids[:1] != [bos]:
