@@ -36,6 +36,7 @@ import anyio.lowlevel
 from anyio.abc import TaskGroup, TaskStatus
 
 from triollm.actors.collector import RequestCollector
+from triollm.actors.core_client import CoreClient
 from triollm.actors.errors import EngineDeadError, EngineGenerateError
 from triollm.actors.messages import (
     AbortRequests,
@@ -49,12 +50,12 @@ from triollm.actors.messages import (
     UtilityOp,
     UtilityResult,
 )
-from triollm.actors.transport import CoreClient, open_core_client
+from triollm.actors.transport import open_core_client
 from triollm.engine.config import EngineArgs, EngineConfig, ModelConfig
 from triollm.engine.outputs import RequestOutput
-from triollm.engine.processing import InputProcessor, OutputProcessor, PromptType
+from triollm.engine.processing.processors import InputProcessor, OutputProcessor, PromptType
+from triollm.engine.processing.tokenizer import Tokenizer
 from triollm.engine.sampling_params import SamplingParams
-from triollm.engine.tokenizer import Tokenizer
 
 __all__ = ["AsyncEngineArgs", "AsyncLLM"]
 

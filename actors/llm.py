@@ -31,9 +31,9 @@ from triollm.actors.async_llm import AsyncLLM
 from triollm.actors.collector import RequestCollector
 from triollm.engine.config import EngineArgs
 from triollm.engine.outputs import RequestOutput
-from triollm.engine.processing import PromptType
+from triollm.engine.processing.processors import PromptType
+from triollm.engine.processing.tokenizer import Tokenizer
 from triollm.engine.sampling_params import RequestOutputKind, SamplingParams
-from triollm.engine.tokenizer import Tokenizer
 
 __all__ = ["LLM", "engine_args_from_kwargs"]
 

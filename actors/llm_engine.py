@@ -23,9 +23,9 @@ from triollm.actors.async_llm import AsyncLLM
 from triollm.actors.collector import RequestCollector
 from triollm.engine.config import EngineArgs
 from triollm.engine.outputs import RequestOutput
-from triollm.engine.processing import PromptType
+from triollm.engine.processing.processors import PromptType
+from triollm.engine.processing.tokenizer import Tokenizer
 from triollm.engine.sampling_params import SamplingParams
-from triollm.engine.tokenizer import Tokenizer
 
 __all__ = ["LLMEngine"]
 

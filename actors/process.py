@@ -66,6 +66,7 @@ from anyio.abc import ByteReceiveStream, Process
 from anyio.streams.memory import MemoryObjectSendStream
 
 from triollm.actors import zmq_io
+from triollm.actors.core_client import OUTPUT_BUFFER, SHUTDOWN_GRACE_S, CoreClient
 from triollm.actors.messages import (
     CoreInput,
     CoreOutput,
@@ -76,7 +77,6 @@ from triollm.actors.messages import (
     input_decoder,
     output_decoder,
 )
-from triollm.actors.transport import OUTPUT_BUFFER, SHUTDOWN_GRACE_S, CoreClient
 from triollm.engine.config import EngineArgs, EngineConfig
 
 if sys.version_info < (3, 11):

@@ -19,29 +19,17 @@ import math
 import os
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
 
 import anyio
-from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
+from triollm.actors.core_client import OUTPUT_BUFFER, SHUTDOWN_GRACE_S, CoreClient
 from triollm.actors.core_loop import serve_engine_core
 from triollm.actors.messages import CoreInput, CoreOutput, Ready, Shutdown
+from triollm.actors.process import open_process_core
 from triollm.engine.config import EngineArgs, EngineConfig
 from triollm.engine.core import EngineCore
 
-__all__ = ["OUTPUT_BUFFER", "SHUTDOWN_GRACE_S", "CoreClient", "multiprocess_default", "open_core_client"]
-
-OUTPUT_BUFFER = 64  # engine steps in flight towards the output actor
-SHUTDOWN_GRACE_S = 5.0
-
-
-@dataclass
-class CoreClient:
-    ready: Ready
-    inputs: MemoryObjectSendStream[CoreInput]
-    outputs: MemoryObjectReceiveStream[CoreOutput]
-    pid: int | None = None  # the engine-core child, when there is one
-
+__all__ = ["multiprocess_default", "open_core_client"]
 
 def multiprocess_default(value: bool | None) -> bool:
     """The configured value, else $TRIOLLM_MULTIPROCESS (0/1), else True. Read once per engine."""
@@ -58,8 +46,6 @@ def multiprocess_default(value: bool | None) -> bool:
 @asynccontextmanager
 async def open_core_client(config: EngineConfig, args: EngineArgs) -> AsyncIterator[CoreClient]:
     if multiprocess_default(args.multiprocess):
-        from triollm.actors.process import open_process_core
-
         async with open_process_core(config, args) as client:
             yield client
     else:

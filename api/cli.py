@@ -7,13 +7,13 @@ for `max_model_len`), so the CLI, `LLM(**kwargs)` and the server share one schem
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import logging
 import os
 import sys
 from collections.abc import Sequence
 
+from triollm.api.bench import add_bench_parser
 from triollm.engine.config import EngineArgs
 
 DEFAULT_PROMPTS = [
@@ -22,36 +22,6 @@ DEFAULT_PROMPTS = [
     "The three primary colors are",
     "def fibonacci(n):",
 ]
-
-def _json_value(text: str) -> object:
-    """A flag holding a structured value: an int, or a JSON object (e.g. compilation config)."""
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise argparse.ArgumentTypeError(f"expected an int or a JSON object, got {text!r}") from exc
-
-
-_TYPES = {"int": int, "float": float, "str": str}
-
-
-def add_engine_args(parser: argparse.ArgumentParser, *, skip: Sequence[str] = ()) -> None:
-    group = parser.add_argument_group("engine")
-    for f in dataclasses.fields(EngineArgs):
-        if f.name in skip:
-            continue
-        flag = "--" + f.name.replace("_", "-")
-        type_name = str(f.type).split("|")[0].strip()
-        if type_name == "bool":
-            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help="(default: %(default)s)")
-        else:
-            kind = _TYPES.get(type_name, _json_value)
-            group.add_argument(flag, type=kind, default=f.default, help="(default: %(default)s)")
-
-
-def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
-    names = {f.name for f in dataclasses.fields(EngineArgs)}
-    return EngineArgs(**{k: v for k, v in vars(ns).items() if k in names})
-
 
 def _log_flag(parser: argparse.ArgumentParser, default: str) -> None:
     parser.add_argument("--log-level", default=default, choices=["debug", "info", "warning", "error"], help="(default: %(default)s)")
@@ -81,24 +51,22 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--disable-log-requests", action="store_true", help="(default: %(default)s)")
     serve.add_argument("--worker", choices=["trio", "asyncio"], default="trio", help="the event loop Hypercorn runs on (default: %(default)s)")
     _log_flag(serve, "info")
-    add_engine_args(serve)
+    EngineArgs.add_cli_args(serve)
 
     gen = sub.add_parser("generate", help="complete prompts (default: a few example prompts)")
     _log_flag(gen, "warning")
     gen.add_argument("prompts", nargs="*", help="prompts to complete")
     _sampling_flags(gen, 32)
-    add_engine_args(gen)
+    EngineArgs.add_cli_args(gen)
 
     chat = sub.add_parser("chat", help="chat with the model (one message, or interactive without one)")
     chat.add_argument("message", nargs="?", default=None, help="answer this message and exit")
     chat.add_argument("--system", default=None, help="an optional system message")
     _log_flag(chat, "warning")
     _sampling_flags(chat, 128)
-    add_engine_args(chat)
+    EngineArgs.add_cli_args(chat)
 
-    from triollm.api.bench import add_bench_parser
-
-    add_bench_parser(sub, add_engine_args)
+    add_bench_parser(sub)
     return parser
 
 
@@ -113,7 +81,7 @@ def _params(ns: argparse.Namespace):  # type: ignore[no-untyped-def]
 def _llm(ns: argparse.Namespace):  # type: ignore[no-untyped-def]
     from triollm.actors.llm import LLM
 
-    return LLM.from_engine_args(engine_args_from(ns))
+    return LLM.from_engine_args(EngineArgs.from_cli_args(ns))
 
 
 def cmd_generate(ns: argparse.Namespace) -> int:
@@ -164,7 +132,7 @@ def cmd_serve(ns: argparse.Namespace) -> int:
 
     if ns.model_tag is not None:
         ns.model = ns.model_tag
-    args = engine_args_from(ns)
+    args = EngineArgs.from_cli_args(ns)
     names = tuple(ns.served_model_name or [default_model_name(args)])
     settings = ServerSettings(
         served_model_names=names,

@@ -49,7 +49,7 @@ from triollm.api.serving_common import (
 from triollm.api.sse import GenerationResponse, Job
 from triollm.api.state import ServerState
 from triollm.engine.outputs import RequestOutput, SampleLogprobs
-from triollm.engine.tokenizer import Tokenizer
+from triollm.engine.processing.tokenizer import Tokenizer
 
 __all__ = ["create_chat_completion"]
 

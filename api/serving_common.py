@@ -17,8 +17,8 @@ from triollm.api.openai_errors import APIError, bad_request, service_unavailable
 from triollm.api.protocol import ChatMessage, LogprobInfo, PromptLogprobsOut, SamplingFields
 from triollm.api.state import ServerState
 from triollm.engine.outputs import Logprob, PromptLogprobs
+from triollm.engine.processing.tokenizer import Tokenizer
 from triollm.engine.sampling_params import RequestOutputKind, SamplingParams
-from triollm.engine.tokenizer import Tokenizer
 
 __all__ = [
     "MAX_BODY_BYTES",

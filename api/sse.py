@@ -38,7 +38,7 @@ from starlette.types import Message, Receive, Scope, Send
 from triollm.actors.async_llm import AsyncLLM
 from triollm.api.openai_errors import APIError, from_exception
 from triollm.engine.outputs import RequestOutput
-from triollm.engine.processing import PromptType
+from triollm.engine.processing.processors import PromptType
 from triollm.engine.sampling_params import SamplingParams
 
 __all__ = ["DONE", "Formatter", "GenerationResponse", "Job", "sse_event"]

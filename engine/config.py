@@ -9,14 +9,18 @@ back here.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
-import os
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from triollm.engine.loading.model_config import ModelConfig
+from triollm.engine.loading.model_files import resolve_model
 
 __all__ = [
     "CacheConfig",
@@ -25,122 +29,7 @@ __all__ = [
     "EngineConfig",
     "ModelConfig",
     "SchedulerConfig",
-    "default_cache_dir",
 ]
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-SUPPORTED_ARCHITECTURES = (
-    "LlamaForCausalLM",
-    "MistralForCausalLM",
-    "Qwen2ForCausalLM",
-)
-
-
-def default_cache_dir() -> Path:
-    """Where imported models are cached: `$TRIOLLM_CACHE_DIR`, else `~/.cache/triollm`."""
-    env = os.environ.get("TRIOLLM_CACHE_DIR")
-    if env:
-        return Path(env)
-    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "triollm"
-
-
-@dataclass(frozen=True)
-class ModelConfig:
-    path: Path
-    architecture: str
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    vocab_size: int
-    rms_norm_eps: float
-    rope_theta: float
-    rope_scaling: dict[str, Any] | None
-    max_position_embeddings: int
-    tie_word_embeddings: bool
-    attention_bias: bool
-    max_model_len: int
-    dtype: torch.dtype
-    eos_token_ids: tuple[int, ...]
-    bos_token_id: int | None
-    # Sampling defaults from generation_config.json (vLLM field names), e.g. {"temperature": 0.6}.
-    generation_defaults: dict[str, Any] = field(default_factory=dict)
-
-    @classmethod
-    def from_pretrained(
-        cls, path: Path, dtype: str = "auto", max_model_len: int | None = None, device: str = "cpu"
-    ) -> ModelConfig:
-        cfg_file = path / "config.json"
-        if not cfg_file.is_file():
-            raise ValueError(f"model: {path} has no config.json (expected a Hugging Face-format directory or a .gguf file)")
-        hf = json.loads(cfg_file.read_text())
-        archs = hf.get("architectures") or ["LlamaForCausalLM"]
-        arch = archs[0]
-        if arch not in SUPPORTED_ARCHITECTURES:
-            raise ValueError(
-                f"model: architecture {arch!r} is not supported; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
-            )
-        num_heads = hf["num_attention_heads"]
-        hidden = hf["hidden_size"]
-        max_pos = hf.get("max_position_embeddings", 2048)
-        if max_model_len is None:
-            max_model_len = max_pos
-        elif max_model_len <= 0:
-            raise ValueError(f"max_model_len: must be a positive integer, got {max_model_len}")
-        gen: dict[str, Any] = {}
-        gen_file = path / "generation_config.json"
-        if gen_file.is_file():
-            gen = json.loads(gen_file.read_text())
-        eos: list[int] = []
-        for source in (gen.get("eos_token_id"), hf.get("eos_token_id")):
-            for tok in source if isinstance(source, list) else [source]:
-                if isinstance(tok, int) and tok not in eos:
-                    eos.append(tok)
-        defaults = {
-            k: gen[k]
-            for k in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_new_tokens")
-            if gen.get(k) is not None
-        }
-        if "max_new_tokens" in defaults:
-            defaults["max_tokens"] = defaults.pop("max_new_tokens")
-        if gen.get("do_sample") is False:
-            defaults["temperature"] = 0.0
-        return cls(
-            path=path,
-            architecture=arch,
-            hidden_size=hidden,
-            intermediate_size=hf["intermediate_size"],
-            num_layers=hf["num_hidden_layers"],
-            num_heads=num_heads,
-            num_kv_heads=hf.get("num_key_value_heads") or num_heads,
-            head_dim=hf.get("head_dim") or hidden // num_heads,
-            vocab_size=hf["vocab_size"],
-            rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
-            rope_theta=hf.get("rope_theta", 10000.0),
-            rope_scaling=hf.get("rope_scaling"),
-            max_position_embeddings=max_pos,
-            tie_word_embeddings=hf.get("tie_word_embeddings", False),
-            attention_bias=hf.get("attention_bias", arch == "Qwen2ForCausalLM"),
-            max_model_len=max_model_len,
-            dtype=_resolve_dtype(dtype, hf.get("torch_dtype") or hf.get("dtype"), device),
-            eos_token_ids=tuple(eos),
-            bos_token_id=gen.get("bos_token_id", hf.get("bos_token_id")),
-            generation_defaults=defaults,
-        )
-
-
-def _resolve_dtype(dtype: str, checkpoint_dtype: str | None, device: str) -> torch.dtype:
-    if dtype != "auto":
-        if dtype not in _DTYPES:
-            raise ValueError(f"dtype: {dtype!r} is not one of auto, {', '.join(_DTYPES)}")
-        return _DTYPES[dtype]
-    if device == "cpu":
-        # bf16/fp16 matmuls are several times slower than fp32 on AVX2-only CPUs.
-        return torch.float32
-    return _DTYPES.get(checkpoint_dtype or "", torch.bfloat16)
-
 
 @dataclass(frozen=True)
 class CacheConfig:
@@ -263,8 +152,6 @@ class EngineArgs:
             )
 
     def create_engine_config(self) -> EngineConfig:
-        from triollm.engine.model_files import resolve_model
-
         device = self.device
         if device == "auto":
             device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -320,6 +207,37 @@ class EngineArgs:
     @classmethod
     def field_names(cls) -> list[str]:
         return [f.name for f in dataclasses.fields(cls)]
+
+    @classmethod
+    def add_cli_args(cls, parser: argparse.ArgumentParser, *, skip: Sequence[str] = ()) -> None:
+        """One flag per field (`--max-model-len` for `max_model_len`): the CLI shares the schema."""
+        group = parser.add_argument_group("engine")
+        for f in dataclasses.fields(cls):
+            if f.name in skip:
+                continue
+            flag = "--" + f.name.replace("_", "-")
+            type_name = str(f.type).split("|")[0].strip()
+            if type_name == "bool":
+                group.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help="(default: %(default)s)")
+            else:
+                kind = _CLI_TYPES.get(type_name, _json_value)
+                group.add_argument(flag, type=kind, default=f.default, help="(default: %(default)s)")
+
+    @classmethod
+    def from_cli_args(cls, ns: argparse.Namespace) -> EngineArgs:
+        names = set(cls.field_names())
+        return cls(**{k: v for k, v in vars(ns).items() if k in names})
+
+
+def _json_value(text: str) -> object:
+    """A flag holding a structured value: an int, or a JSON object (e.g. compilation config)."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"expected an int or a JSON object, got {text!r}") from exc
+
+
+_CLI_TYPES = {"int": int, "float": float, "str": str}
 
 
 def _positive(name: str, value: int) -> None:

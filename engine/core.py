@@ -14,13 +14,13 @@ from dataclasses import dataclass
 
 import torch
 
-from triollm.engine.block_manager import BlockManager
 from triollm.engine.config import EngineConfig
-from triollm.engine.model_runner import ModelRunner
-from triollm.engine.models.llama import load_model
+from triollm.engine.execution.model_runner import ModelRunner
+from triollm.engine.execution.models.llama import load_model
+from triollm.engine.execution.scripted_runner import ScriptedRunner
 from triollm.engine.request import EngineCoreOutput, EngineCoreRequest, Request, RequestStatus
-from triollm.engine.scheduler import Scheduler
-from triollm.engine.scripted_runner import ScriptedRunner
+from triollm.engine.scheduling.block_manager import BlockManager
+from triollm.engine.scheduling.scheduler import Scheduler
 from triollm.kernels import KVCache, allocate_kv_cache
 
 __all__ = ["EngineCore", "EngineCoreStats"]

@@ -15,9 +15,9 @@ from typing import Any
 from triollm.engine.config import EngineArgs, EngineConfig
 from triollm.engine.core import EngineCore
 from triollm.engine.outputs import RequestOutput
-from triollm.engine.processing import InputProcessor, OutputProcessor
+from triollm.engine.processing.processors import InputProcessor, OutputProcessor
+from triollm.engine.processing.tokenizer import Tokenizer
 from triollm.engine.sampling_params import RequestOutputKind, SamplingParams
-from triollm.engine.tokenizer import Tokenizer
 
 __all__ = ["SyncEngine"]
 

@@ -23,7 +23,7 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def bundled_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The bundled SmolLM2-135M-Instruct imported from its GGUF into a cache directory."""
-    from triollm.engine.model_files import resolve_model
+    from triollm.engine.loading.model_files import resolve_model
 
     cache = os.environ.get("TRIOLLM_TEST_CACHE_DIR")
     return resolve_model(None, Path(cache) if cache else tmp_path_factory.mktemp("triollm-cache"))

@@ -23,6 +23,7 @@ import psutil
 import pytest
 
 from triollm.actors import process
+from triollm.actors.core_client import SHUTDOWN_GRACE_S, CoreClient
 from triollm.actors.messages import (
     AbortRequests,
     AddRequest,
@@ -36,7 +37,6 @@ from triollm.actors.messages import (
     UtilityResult,
 )
 from triollm.actors.process import EngineStartupError, open_process_core
-from triollm.actors.transport import SHUTDOWN_GRACE_S, CoreClient
 from triollm.engine.config import EngineArgs
 from triollm.engine.request import EngineCoreRequest, FinishReason
 from triollm.engine.sampling_params import SamplingParams

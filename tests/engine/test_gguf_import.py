@@ -21,9 +21,9 @@ from safetensors.torch import load_file
 from tinymodel import CHATML, CORPUS, SPECIALS, make_tiny_model
 from tokenizers import Tokenizer
 
-from triollm.engine import gguf_import, model_files
-from triollm.engine.gguf_import import llama3_rope_scaling
-from triollm.engine.model_files import bundled_gguf_path, resolve_model
+from triollm.engine.loading import gguf_import, model_files
+from triollm.engine.loading.gguf_import import llama3_rope_scaling
+from triollm.engine.loading.model_files import bundled_gguf_path, resolve_model
 
 TEXTS = [
     "Hello, world! The quick brown fox jumps over the lazy dog.",

@@ -10,18 +10,18 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from triollm.engine.config import ModelConfig
-from triollm.engine.detokenizer import StopChecker
+from triollm.engine.loading.model_config import ModelConfig
 from triollm.engine.outputs import RequestOutput
-from triollm.engine.processing import (
+from triollm.engine.processing.detokenizer import StopChecker
+from triollm.engine.processing.processors import (
     InputProcessor,
     OutputProcessor,
     ProcessedOutputs,
     ProcessedRequest,
 )
+from triollm.engine.processing.tokenizer import Tokenizer
 from triollm.engine.request import EngineCoreOutput, FinishReason, Logprobs
 from triollm.engine.sampling_params import RequestOutputKind, SamplingParams
-from triollm.engine.tokenizer import Tokenizer
 
 PROMPT = "The capital of France is"
 TEXT = " Paris, a café 😀 city. The end."

@@ -9,7 +9,7 @@ import msgspec
 import pytest
 import torch
 
-from triollm.engine.sampler import (
+from triollm.engine.execution.sampler import (
     Sampler,
     SamplingRow,
     gather_logprobs,

@@ -9,11 +9,11 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from triollm.engine.block_manager import BlockManager
 from triollm.engine.config import SchedulerConfig
 from triollm.engine.request import EngineCoreRequest, Request, RequestStatus
 from triollm.engine.sampling_params import SamplingParams
-from triollm.engine.scheduler import Scheduler
+from triollm.engine.scheduling.block_manager import BlockManager
+from triollm.engine.scheduling.scheduler import Scheduler
 
 EOS = 99
 

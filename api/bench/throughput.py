@@ -15,10 +15,11 @@ import argparse
 import json
 import random
 import time
-from collections.abc import Callable
 from typing import Any
 
 import torch
+
+from triollm.engine.config import EngineArgs
 
 TEXT_TOPICS = [
     "a lighthouse keeper", "the history of bread", "how rainbows form", "a robot learning to paint",
@@ -26,9 +27,7 @@ TEXT_TOPICS = [
 ]
 
 
-def add_bench_parser(sub: Any, add_engine_args: Callable[..., None]) -> None:
-    bench = sub.add_parser("bench", help="benchmarks (throughput, latency)")
-    kinds = bench.add_subparsers(dest="bench", required=True)
+def add_throughput_parsers(kinds: Any) -> None:
     tp = kinds.add_parser("throughput", help="offline throughput on random token prompts and text prompts")
     tp.add_argument("--num-prompts", type=int, default=64, help="(default: %(default)s)")
     tp.add_argument("--min-input-len", type=int, default=32, help="(default: %(default)s)")
@@ -38,18 +37,13 @@ def add_bench_parser(sub: Any, add_engine_args: Callable[..., None]) -> None:
     tp.add_argument("--workload", choices=["random", "text", "both"], default="both", help="(default: %(default)s)")
     tp.add_argument("--compare-hf", action="store_true", help="also run transformers' batched generate")
     tp.add_argument("--output-json", default=None, help="write the results here")
-    add_engine_args(tp)
+    EngineArgs.add_cli_args(tp)
     tp.set_defaults(func=run_throughput)
     lat = kinds.add_parser("latency", help="batch-1 decode latency vs the memory-bandwidth floor")
     lat.add_argument("--input-len", type=int, default=32, help="(default: %(default)s)")
     lat.add_argument("--output-len", type=int, default=128, help="(default: %(default)s)")
-    add_engine_args(lat)
+    EngineArgs.add_cli_args(lat)
     lat.set_defaults(func=run_latency)
-    from triollm.api.bench_pipeline import add_pipeline_parser
-    from triollm.api.bench_serve import add_serve_bench_parser
-
-    add_pipeline_parser(kinds, add_engine_args)
-    add_serve_bench_parser(kinds, add_engine_args)
 
 
 def random_workload(ns: argparse.Namespace, vocab: int) -> list[tuple[list[int], int]]:
@@ -134,10 +128,9 @@ def _print(name: str, res: dict[str, float]) -> None:
 
 
 def run_throughput(ns: argparse.Namespace) -> int:
-    from triollm.api.cli import engine_args_from
     from triollm.engine.sync_engine import SyncEngine
 
-    args = engine_args_from(ns)
+    args = EngineArgs.from_cli_args(ns)
     if args.num_threads:
         torch.set_num_threads(args.num_threads)
     engine = SyncEngine.from_engine_args(args)
@@ -182,11 +175,10 @@ def measure_bandwidth(nbytes: int = 512 << 20, repeats: int = 5) -> float:
 
 
 def run_latency(ns: argparse.Namespace) -> int:
-    from triollm.api.cli import engine_args_from
     from triollm.engine.sampling_params import SamplingParams
     from triollm.engine.sync_engine import SyncEngine
 
-    args = engine_args_from(ns)
+    args = EngineArgs.from_cli_args(ns)
     if args.num_threads:
         torch.set_num_threads(args.num_threads)
     engine = SyncEngine.from_engine_args(args)

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from safetensors import safe_open
 from torch import nn
 
-from triollm.engine.config import ModelConfig
+from triollm.engine.loading.model_config import ModelConfig
 from triollm.kernels import KVCache, prefill_attention, rms_norm, rotary_cos_sin, write_kv
 from triollm.kernels.attention import DecodePlan, decode_attention
 from triollm.kernels.rotary import apply_rotary_signed, rotary_sign

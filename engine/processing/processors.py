@@ -31,8 +31,7 @@ from typing import Any
 
 import msgspec
 
-from triollm.engine.config import ModelConfig
-from triollm.engine.detokenizer import IncrementalDetokenizer, StopChecker
+from triollm.engine.loading.model_config import ModelConfig
 from triollm.engine.outputs import (
     CompletionOutput,
     Logprob,
@@ -40,9 +39,10 @@ from triollm.engine.outputs import (
     RequestOutput,
     SampleLogprobs,
 )
+from triollm.engine.processing.detokenizer import IncrementalDetokenizer, StopChecker
+from triollm.engine.processing.tokenizer import Tokenizer
 from triollm.engine.request import EngineCoreOutput, EngineCoreRequest, FinishReason, Logprobs
 from triollm.engine.sampling_params import RequestOutputKind, SamplingParams
-from triollm.engine.tokenizer import Tokenizer
 
 __all__ = [
     "InputProcessor",

@@ -8,8 +8,8 @@ manager run exactly as with a real model; only `execute` is replaced. Token i of
 
 from __future__ import annotations
 
-from triollm.engine.model_runner import RunnerOutput
-from triollm.engine.scheduler import ScheduledRequest
+from triollm.engine.execution.model_runner import RunnerOutput
+from triollm.engine.scheduling.scheduler import ScheduledRequest
 
 __all__ = ["ScriptedRunner"]
 

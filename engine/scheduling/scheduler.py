@@ -24,9 +24,9 @@ import bisect
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from triollm.engine.block_manager import BlockManager
 from triollm.engine.config import SchedulerConfig
 from triollm.engine.request import Request, RequestStatus
+from triollm.engine.scheduling.block_manager import BlockManager
 
 __all__ = ["ScheduledRequest", "Scheduler", "SchedulerOutput", "SchedulerStats"]
 

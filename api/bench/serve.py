@@ -27,7 +27,7 @@ import os
 import random
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -74,9 +74,8 @@ def _range(text: str) -> tuple[int, int]:
     return a, b
 
 
-def add_serve_bench_parser(kinds: Any, add_engine_args: Callable[..., None] | None = None) -> None:
-    """Register `bench serve` (a client: it takes no engine flags; the signature matches the
-    other bench modules')."""
+def add_serve_bench_parser(kinds: Any) -> None:
+    """Register `bench serve` (a client: it takes no engine flags)."""
     p = kinds.add_parser("serve", help="online load against an OpenAI-compatible server (TTFT, ITL, throughput)")
     p.add_argument("--base-url", default="http://127.0.0.1:8000", help="the server (a trailing /v1 is fine) (default: %(default)s)")
     p.add_argument("--endpoint", choices=["completions", "chat"], default="completions", help="/v1/completions or /v1/chat/completions (default: %(default)s)")

@@ -1,0 +1,22 @@
+"""What the frontend holds of an engine core, however it runs (see `actors/transport.py`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
+
+from triollm.actors.messages import CoreInput, CoreOutput, Ready
+
+__all__ = ["OUTPUT_BUFFER", "SHUTDOWN_GRACE_S", "CoreClient"]
+
+OUTPUT_BUFFER = 64  # engine steps in flight towards the output actor
+SHUTDOWN_GRACE_S = 5.0
+
+
+@dataclass
+class CoreClient:
+    ready: Ready
+    inputs: MemoryObjectSendStream[CoreInput]
+    outputs: MemoryObjectReceiveStream[CoreOutput]
+    pid: int | None = None  # the engine-core child, when there is one

@@ -1,0 +1,19 @@
+"""`triollm bench`: throughput and latency (offline), pipeline (the actor layer), serve (a client)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from triollm.api.bench.pipeline import add_pipeline_parser
+from triollm.api.bench.serve import add_serve_bench_parser
+from triollm.api.bench.throughput import add_throughput_parsers
+
+__all__ = ["add_bench_parser"]
+
+
+def add_bench_parser(sub: Any) -> None:
+    bench = sub.add_parser("bench", help="benchmarks (throughput, latency, pipeline, serve)")
+    kinds = bench.add_subparsers(dest="bench", required=True)
+    add_throughput_parsers(kinds)
+    add_pipeline_parser(kinds)
+    add_serve_bench_parser(kinds)
