@@ -5,7 +5,7 @@ K and V are `[num_kv_heads, num_blocks, block_size, head_dim]`. Head-major keeps
 blocks contiguous, so the decode gather is one `index_select` over whole blocks and the two
 attention matmuls run batched with the GQA group folded into the query rows. On this CPU that
 was ~3-4x faster than vLLM's `[num_blocks, block_size, kv_heads, head_dim]` layout with a permuted
-matmul (see shared/KERNELS.md). A slot is `block_id * block_size + offset`.
+matmul (measured on the Zen 3 development machine; docs/benchmarks.md). A slot is `block_id * block_size + offset`.
 
 Prefill uses `scaled_dot_product_attention`: with no earlier context (the usual case) directly
 on the new K/V with `is_causal`; with earlier context (chunked prefill, prefix-cache hits) over
@@ -20,7 +20,7 @@ Decode is planned once per step and run by every layer (`plan_decode`, `decode_a
 - The padding mask is built once per step, not per layer; K/V are sliced to the group's longest
   row, so a group whose rows have equal lengths (e.g. batch 1) needs no mask at all.
 - The gathered K/V go into a `DecodeWorkspace` that persists across layers and steps: a fresh
-  tens-of-MB tensor per layer costs page faults (shared/KERNELS.md).
+  tens-of-MB tensor per layer costs page faults.
 """
 
 from __future__ import annotations
