@@ -12,12 +12,12 @@ from triollm.actors.async_llm import AsyncEngineArgs, AsyncLLM
 from triollm.actors.errors import EngineDeadError, EngineGenerateError
 from triollm.actors.llm import LLM
 from triollm.actors.llm_engine import LLMEngine
+from triollm.actors.request_stream import RequestStream
 from triollm.engine.config import EngineArgs
 from triollm.engine.core import EngineCore
 from triollm.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from triollm.engine.request import EngineCoreRequest
 from triollm.engine.sampling_params import RequestOutputKind, SamplingParams
-from triollm.engine.sync_engine import SyncEngine
 
 try:
     __version__: str = _metadata.version("triollm")
@@ -38,7 +38,7 @@ __all__ = [
     "Logprob",
     "RequestOutput",
     "RequestOutputKind",
+    "RequestStream",
     "SamplingParams",
-    "SyncEngine",
     "__version__",
 ]

@@ -1,23 +1,25 @@
 """`AsyncLLM`: vLLM's async entry point as a small actor system on one anyio task group.
 
 ```
-generate() ──(validate, tokenize: the input side, in the caller's task)──▶ core inputs stream
+add_request() ──(validate, tokenize: the input side, in the caller's task)──▶ core inputs stream
                                                                                   │
                        engine core (in-process task, or child process over ZMQ: transport.py)
                                                                                   │
-per-request collectors ◀── output actor (detokenize, stop strings, RequestOutputs, ◀──┘
-   (one per request)        in chunks of output_chunk_size with a checkpoint between)
+RequestStream handles ◀── output actor (detokenize, stop strings, RequestOutputs, ◀──┘
+ (one per request)          in chunks of output_chunk_size with a checkpoint between)
 ```
 
 Ownership: `async with AsyncLLM.from_engine_args(args) as llm:` (or `await llm.start()` ...
 `await llm.shutdown()` from the same task) owns a task group holding the core client and the
 output actor. Actors never raise into that task group: the engine's death is caught by the
-output actor, broadcast once as `EngineDeadError` to every collector (the data path), and
-recorded in `errored`; new requests then fail at once.
+output actor, broadcast once as `EngineDeadError` to every request's stream (the data path),
+and recorded in `errored`; new requests then fail at once.
 
-A consumer may stop any way it likes (cancellation, `aclose()`, `break`, GeneratorExit): the
-generator's `finally` aborts the request exactly once, synchronously (the core's input stream
-is unbounded, so the abort never has to wait, even inside a cancelled scope).
+Requests: `add_request()` returns the request's `RequestStream` (request_stream.py), the one
+public handle every consumer uses; `generate()` is a thin async generator over it. A consumer
+may stop any way it likes (cancellation, `aclose()`, `break`, GeneratorExit): closing the handle
+aborts the request exactly once, synchronously (the core's input stream is unbounded, so the
+abort never has to wait, even inside a cancelled scope).
 """
 
 from __future__ import annotations
@@ -35,7 +37,6 @@ import anyio
 import anyio.lowlevel
 from anyio.abc import TaskGroup, TaskStatus
 
-from triollm.actors.collector import RequestCollector
 from triollm.actors.core_client import CoreClient
 from triollm.actors.errors import EngineDeadError, EngineGenerateError
 from triollm.actors.messages import (
@@ -50,6 +51,7 @@ from triollm.actors.messages import (
     UtilityOp,
     UtilityResult,
 )
+from triollm.actors.request_stream import RequestStream
 from triollm.actors.transport import open_core_client
 from triollm.engine.config import EngineArgs, EngineConfig, ModelConfig
 from triollm.engine.outputs import RequestOutput
@@ -75,7 +77,7 @@ class AsyncLLM:
         self._chat_template = chat_template
         self._stack: AsyncExitStack | None = None
         self._client: CoreClient | None = None
-        self._collectors: dict[str, RequestCollector] = {}
+        self._streams: dict[str, RequestStream] = {}
         self._utility: dict[int, tuple[anyio.Event, list[UtilityResult]]] = {}
         self._call_ids = itertools.count()
         self._request_ids = itertools.count()
@@ -145,7 +147,7 @@ class AsyncLLM:
                     await self._idle.wait()
         finally:
             # Even when the drain was cancelled: every stream ends (with "abort").
-            self.abort(list(self._collectors))
+            self.abort(list(self._streams))
             try:
                 await stack.aclose()  # not shielded: see start()
             finally:
@@ -192,10 +194,10 @@ class AsyncLLM:
 
     @property
     def num_unfinished_requests(self) -> int:
-        return len(self._collectors)
+        return len(self._streams)
 
     def unfinished_request_ids(self) -> list[str]:
-        return list(self._collectors)
+        return list(self._streams)
 
     def _dead_error(self) -> EngineDeadError:
         """A fresh error each time: one shared instance would collect every raiser's traceback."""
@@ -213,6 +215,54 @@ class AsyncLLM:
 
     # ------------------------------------------------------------------ requests
 
+    async def add_request(
+        self,
+        request_id: str,
+        prompt: PromptType,
+        params: SamplingParams | None = None,
+        *,
+        priority: int = 0,
+        arrival_time: float | None = None,
+    ) -> RequestStream:
+        """Validate and tokenize the prompt (in a worker thread when it is large), send the
+        request to the engine and return its `RequestStream`.
+
+        Raises at once, holding nothing: `ValueError` for a bad request or an id already used by
+        an unfinished request, `EngineDeadError` when the engine died, `RuntimeError` when it is
+        not running. Close the stream (`with`, `async with`, `close()`) when done: an unfinished
+        request is aborted then, exactly once.
+        """
+        self._require_running()
+        if request_id in self._streams:
+            raise ValueError(f"request_id: {request_id!r} is already in use by an unfinished request")
+        assert self.config is not None
+        if params is None:
+            params = SamplingParams(**self.config.model.generation_defaults)
+        stream = RequestStream(request_id, params.output_kind, self._release)
+        self._streams[request_id] = stream  # reserve the id before any await
+        self._idle = anyio.Event() if self._idle.is_set() else self._idle
+        arrival = time.monotonic() if arrival_time is None else arrival_time
+        try:
+            if _is_large(prompt):
+                processed = await anyio.to_thread.run_sync(
+                    lambda: self._input.process(prompt, params, request_id, arrival_time=arrival, priority=priority)
+                )
+                self._require_running()
+            else:
+                processed = self._input.process(prompt, params, request_id, arrival_time=arrival, priority=priority)
+            # Core ids are unique per request, so outputs still in flight for an aborted
+            # request can never be credited to a new request that reuses its id.
+            seq = next(self._core_seq)
+            for core_req in processed.core_requests:
+                core_req.request_id = f"{core_req.request_id}#{seq}"
+            self._output.add_request(processed)
+            for core_req in processed.core_requests:
+                self._send(AddRequest(core_req))
+        except BaseException:
+            self._drop(request_id)
+            raise
+        return stream
+
     async def generate(
         self,
         prompt: PromptType,
@@ -223,71 +273,33 @@ class AsyncLLM:
     ) -> AsyncGenerator[RequestOutput, None]:
         """Stream the outputs of one request. Wrap it in `contextlib.aclosing` so that leaving
         early aborts the request at once rather than when the generator is collected."""
-        rid, collector = await self._add_request(prompt, sampling_params, request_id, priority)
-        try:
-            while True:
-                out = await collector.get()
-                yield out
-                if out.finished:
-                    return
-        finally:
-            self._release(rid, collector)
-
-    async def _add_request(
-        self, prompt: PromptType, params: SamplingParams | None, request_id: str | None, priority: int
-    ) -> tuple[str, RequestCollector]:
-        self._require_running()
         rid = request_id if request_id is not None else f"req-{next(self._request_ids)}"
-        if rid in self._collectors:
-            raise ValueError(f"request_id: {rid!r} is already in use by an unfinished request")
-        assert self.config is not None
-        if params is None:
-            params = SamplingParams(**self.config.model.generation_defaults)
-        collector = RequestCollector(params.output_kind)
-        self._collectors[rid] = collector  # reserve the id before any await
-        self._idle = anyio.Event() if self._idle.is_set() else self._idle
-        try:
-            if _is_large(prompt):
-                processed = await anyio.to_thread.run_sync(
-                    lambda: self._input.process(prompt, params, rid, arrival_time=time.monotonic(), priority=priority)
-                )
-                self._require_running()
-            else:
-                processed = self._input.process(prompt, params, rid, arrival_time=time.monotonic(), priority=priority)
-            # Core ids are unique per request, so outputs still in flight for an aborted
-            # request can never be credited to a new request that reuses its id.
-            seq = next(self._core_seq)
-            for core_req in processed.core_requests:
-                core_req.request_id = f"{core_req.request_id}#{seq}"
-            self._output.add_request(processed)
-            for core_req in processed.core_requests:
-                self._send(AddRequest(core_req))
-        except BaseException:
-            self._drop(rid)
-            raise
-        return rid, collector
+        with await self.add_request(rid, prompt, sampling_params, priority=priority) as stream:
+            async for output in stream:
+                yield output
 
-    def _release(self, rid: str, collector: RequestCollector) -> None:
-        """The consumer is gone: abort the request unless it ended."""
-        if self._collectors.get(rid) is not collector:
+    def _release(self, stream: RequestStream) -> None:
+        """The stream's consumer is done with it: abort the request unless it ended."""
+        rid = stream.request_id
+        if self._streams.get(rid) is not stream:
             return
-        if not collector.finished:
+        if not stream.finished:
             self._abort_one(rid)
         self._drop(rid)
 
     def _drop(self, rid: str) -> None:
-        self._collectors.pop(rid, None)
-        if not self._collectors:
+        self._streams.pop(rid, None)
+        if not self._streams:
             self._idle.set()
 
     def abort(self, request_id: str | Iterable[str]) -> None:
         """Abort requests; their streams end normally with finish_reason "abort"."""
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
         for rid in ids:
-            collector = self._collectors.get(rid)
+            stream = self._streams.get(rid)
             for out in self._abort_one(rid):
-                if collector is not None:
-                    collector.put(out)
+                if stream is not None:
+                    stream.put(out)
 
     def _abort_one(self, rid: str) -> list[RequestOutput]:
         core_ids = self._output.unfinished_core_ids(rid)
@@ -382,21 +394,21 @@ class AsyncLLM:
                 await anyio.lowlevel.checkpoint()
             processed = self._output.process_outputs(outputs[start : start + size])
             for out in processed.request_outputs:
-                collector = self._collectors.get(out.request_id)
-                if collector is not None:
-                    collector.put(out)
+                stream = self._streams.get(out.request_id)
+                if stream is not None:
+                    stream.put(out)
             if processed.reqs_to_abort:
                 self._send(AbortRequests(processed.reqs_to_abort), quiet=True)
 
     def _on_request_error(self, msg: RequestError) -> None:
         rid = self._output.parent_id(msg.request_id) or msg.request_id
-        collector = self._collectors.get(rid)
+        stream = self._streams.get(rid)
         self._abort_one(rid)  # the other children of an n>1 request, and local state
-        if collector is not None:
+        if stream is not None:
             error: Exception = (
                 ValueError(msg.message) if msg.kind == "ValueError" else EngineGenerateError(msg.message)
             )
-            collector.put_error(error)
+            stream.put_error(error)
 
     def _die(self, error: EngineDeadError) -> None:
         if self._dead is not None:
@@ -404,8 +416,8 @@ class AsyncLLM:
         self._dead = error
         self._dead_event.set()
         log.error("engine core died: %s", error)
-        for collector in self._collectors.values():
-            collector.put_error(EngineDeadError(str(error)))
+        for stream in self._streams.values():
+            stream.put_error(EngineDeadError(str(error)))
 
 
 def _freeze_heap() -> None:

@@ -28,7 +28,7 @@ import anyio
 from anyio.from_thread import BlockingPortal, start_blocking_portal
 
 from triollm.actors.async_llm import AsyncLLM
-from triollm.actors.collector import RequestCollector
+from triollm.actors.request_stream import RequestStream
 from triollm.engine.config import EngineArgs
 from triollm.engine.outputs import RequestOutput
 from triollm.engine.processing.processors import PromptType
@@ -93,7 +93,8 @@ class LLM:
             self._stack.close()
             raise
         self._portal = portal
-        self._finalizer = weakref.finalize(self, _close_from_other_thread, self._stack, portal)
+        loop_thread = portal.call(threading.get_ident)
+        self._finalizer = weakref.finalize(self, _close_from_other_thread, self._stack, loop_thread)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -153,14 +154,14 @@ class LLM:
         tok = self.get_tokenizer()
         prompts: list[PromptType] = []
         for conv in conversations:
-            kwargs = dict(
+            text, ids = tok.render_chat(
+                conv,
                 add_generation_prompt=add_generation_prompt,
                 continue_final_message=continue_final_message,
                 chat_template=chat_template,
-                **(chat_template_kwargs or {}),
+                chat_template_kwargs=chat_template_kwargs,
             )
-            text = tok.apply_chat_template(conv, **kwargs)  # rendered once: text and ids
-            prompts.append({"prompt": text, "prompt_token_ids": tok.encode_rendered_chat(text)})
+            prompts.append({"prompt": text, "prompt_token_ids": ids})  # rendered once: text and ids
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def _params_list(
@@ -208,41 +209,49 @@ class LLM:
         use_tqdm: bool | Callable[..., Any],
         done: threading.Event,
     ) -> list[RequestOutput]:
+        """Add every request, then gather each one's final output (FINAL_ONLY: one per request).
+        Leaving in any way (a bad request, one failing, Ctrl-C) closes every stream: the
+        unfinished requests are aborted before `done` is set."""
         engine = self._engine
-        added: list[tuple[str, RequestCollector]] = []
         results: list[RequestOutput | None] = [None] * len(prompts)
+        errors: list[BaseException] = []
         try:
-            try:
+            with contextlib.ExitStack() as streams:
+                added: list[RequestStream] = []
                 for prompt, p, prio in zip(prompts, params, priorities):
-                    added.append(await engine._add_request(prompt, p, f"llm-{next(self._ids)}", prio))
-            except BaseException:
-                for rid, collector in added:
-                    engine._release(rid, collector)
-                raise
-            bar = _progress(len(prompts), use_tqdm)
-            async with anyio.create_task_group() as tg:
-                for i, (rid, collector) in enumerate(added):
-                    tg.start_soon(self._collect, i, rid, collector, results, bar)
-            if bar is not None:
-                bar.close()
+                    rid = f"llm-{next(self._ids)}"
+                    added.append(streams.enter_context(await engine.add_request(rid, prompt, p, priority=prio)))
+                bar = _progress(len(prompts), use_tqdm)
+                async with anyio.create_task_group() as tg:
+                    for i, stream in enumerate(added):
+                        tg.start_soon(_collect, i, stream, results, bar, errors, tg.cancel_scope)
+                if bar is not None:
+                    bar.close()
+            if errors:
+                raise errors[0]  # the first request that failed; the others were aborted
             assert all(r is not None for r in results)
             return results  # type: ignore[return-value]
         finally:
             done.set()
 
-    async def _collect(
-        self, i: int, rid: str, collector: RequestCollector, results: list[RequestOutput | None], bar: Any
-    ) -> None:
-        try:
-            while True:
-                out = await collector.get()
-                if out.finished:
-                    results[i] = out
-                    if bar is not None:
-                        bar.record(out)
-                    return
-        finally:
-            self._engine._release(rid, collector)
+
+async def _collect(
+    i: int,
+    stream: RequestStream,
+    results: list[RequestOutput | None],
+    bar: _Bar | None,
+    errors: list[BaseException],
+    scope: anyio.CancelScope,
+) -> None:
+    try:
+        async for out in stream:
+            if out.finished:
+                results[i] = out
+                if bar is not None:
+                    bar.record(out)
+    except Exception as exc:  # one request failed: stop the batch, raise it as itself
+        errors.append(exc)
+        scope.cancel()
 
 
 class _Bar:
@@ -277,8 +286,8 @@ def _progress(total: int, use_tqdm: bool | Callable[..., Any]) -> _Bar | None:
     return _Bar(total, use_tqdm)
 
 
-def _close_from_other_thread(stack: contextlib.ExitStack, portal: BlockingPortal) -> None:
+def _close_from_other_thread(stack: contextlib.ExitStack, loop_thread: int) -> None:
     # Closing from the portal's own loop thread would deadlock (the portal raises RuntimeError).
-    if getattr(portal, "_event_loop_thread_id", None) == threading.get_ident():
+    if loop_thread == threading.get_ident():
         return
     stack.close()

@@ -6,21 +6,40 @@
         for out in engine.step(): ...
 
 A thin shell over `AsyncLLM` behind a blocking portal (the same machinery as `LLM`), so it runs
-over either transport. `step()` waits until at least one request has something new and returns
-every output that is ready.
+over either transport. Each request is an `AsyncLLM.add_request` handle (`RequestStream`).
+
+How `step()` waits for "any of many requests": one forwarder task per request reads its stream
+and sends each output into ONE memory object stream of size 0 that this engine owns; `step()`
+receives one item (waiting if none is ready), then takes whatever other forwarders are already
+waiting to hand theirs over (`receive_nowait`), and returns them. A forwarder blocked on the
+hand-over holds one output while its request's stream keeps merging what comes next (DELTA) or
+keeping the newest (CUMULATIVE / FINAL_ONLY), so `step()` returns at most one output per request,
+as vLLM's does, and the output actor never waits for the script. The forwarders live in a task
+group entered with the `AsyncLLM` in the portal, so `shutdown()` cancels them (closing every
+stream aborts what is unfinished) before the engine stops.
+
+Rejected: a callback on the handle (`on_ready`) waking an event here - it runs foreign code in the
+output actor on every put; and a per-`step()` task per request waiting for any - O(requests)
+tasks spawned on every step.
+
+`abort_request()` closes the request's stream (the abort runs at once, in the portal call) and
+forgets the request: as in vLLM, an aborted request yields no more outputs from `step()`.
 """
 
 from __future__ import annotations
 
 import contextlib
 import itertools
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
 
 import anyio
+from anyio.abc import TaskGroup
 from anyio.from_thread import BlockingPortal, start_blocking_portal
+from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from triollm.actors.async_llm import AsyncLLM
-from triollm.actors.collector import RequestCollector
+from triollm.actors.request_stream import RequestStream
 from triollm.engine.config import EngineArgs
 from triollm.engine.outputs import RequestOutput
 from triollm.engine.processing.processors import PromptType
@@ -35,22 +54,20 @@ class LLMEngine:
         self._stack = contextlib.ExitStack()
         try:
             self._portal: BlockingPortal = self._stack.enter_context(start_blocking_portal(backend))
-            self._engine: AsyncLLM = self._stack.enter_context(
-                self._portal.wrap_async_context_manager(AsyncLLM.from_engine_args(args))
+            self._loop: _Requests = self._stack.enter_context(
+                self._portal.wrap_async_context_manager(_running(args))
             )
         except BaseException:
             self._stack.close()
             raise
-        self._collectors: dict[str, RequestCollector] = {}
         self._ids = itertools.count()
-        self._wake: anyio.Event | None = None
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs, *, backend: str = "trio") -> LLMEngine:
         return cls(args, backend=backend)
 
     def get_tokenizer(self) -> Tokenizer:
-        return self._engine.get_tokenizer()
+        return self._loop.llm.get_tokenizer()
 
     def add_request(
         self,
@@ -61,61 +78,23 @@ class LLMEngine:
         priority: int = 0,
     ) -> str:
         rid = request_id if request_id is not None else f"engine-{next(self._ids)}"
-        if rid in self._collectors:
-            raise ValueError(f"request_id: {rid!r} is already in use by an unfinished request")
-        _, collector = self._portal.call(self._engine._add_request, prompt, params, rid, priority)
-        collector.on_ready = self._notify
-        self._collectors[rid] = collector
+        self._portal.call(self._loop.add, rid, prompt, params, priority)
         return rid
 
     def abort_request(self, request_id: str | Sequence[str]) -> None:
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
-        self._portal.call(self._abort, ids)
-
-    async def _abort(self, ids: list[str]) -> None:
-        for rid in ids:
-            collector = self._collectors.pop(rid, None)
-            if collector is not None:
-                self._engine._release(rid, collector)
+        self._portal.call(self._loop.abort, ids)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self._collectors)
+        return self._loop.num_unfinished() > 0
 
     def get_num_unfinished_requests(self) -> int:
-        return len(self._collectors)
+        return self._loop.num_unfinished()
 
     def step(self) -> list[RequestOutput]:
-        return self._portal.call(self._step)
-
-    def _notify(self) -> None:
-        if self._wake is not None:
-            self._wake.set()
-
-    async def _step(self) -> list[RequestOutput]:
-        while self._collectors:
-            self._wake = anyio.Event()
-            outputs = self._drain()
-            if outputs:
-                return outputs
-            await self._wake.wait()
-        return []
-
-    def _drain(self) -> list[RequestOutput]:
-        outputs: list[RequestOutput] = []
-        for rid, collector in list(self._collectors.items()):
-            try:
-                out = collector.get_nowait()
-            except BaseException:
-                self._collectors.pop(rid)
-                self._engine._release(rid, collector)
-                raise
-            if out is None:
-                continue
-            outputs.append(out)
-            if out.finished:
-                self._collectors.pop(rid)
-                self._engine._release(rid, collector)
-        return outputs
+        """Wait until at least one request has something new; return every output that is ready
+        (at most one per request). A request that failed raises its error here, once."""
+        return self._portal.call(self._loop.step)
 
     def shutdown(self) -> None:
         self._stack.close()
@@ -125,3 +104,101 @@ class LLMEngine:
 
     def __exit__(self, *exc_info: object) -> None:
         self.shutdown()
+
+
+@dataclass(frozen=True)
+class _Ready:
+    stream: RequestStream
+    output: RequestOutput | None = None
+    error: Exception | None = None
+
+
+@contextlib.asynccontextmanager
+async def _running(args: EngineArgs) -> AsyncIterator[_Requests]:
+    async with AsyncLLM.from_engine_args(args) as llm:
+        ready_tx, ready_rx = anyio.create_memory_object_stream[_Ready](0)
+        with ready_tx, ready_rx:
+            async with anyio.create_task_group() as tg:
+                try:
+                    yield _Requests(llm, tg, ready_tx, ready_rx)
+                finally:
+                    tg.cancel_scope.cancel()  # forwarders close their streams: unfinished abort
+
+
+class _Requests:
+    """The engine's requests, touched only in the portal's event loop."""
+
+    def __init__(
+        self,
+        llm: AsyncLLM,
+        tg: TaskGroup,
+        ready_tx: MemoryObjectSendStream[_Ready],
+        ready_rx: MemoryObjectReceiveStream[_Ready],
+    ) -> None:
+        self.llm = llm
+        self._tg = tg
+        self.streams: dict[str, RequestStream] = {}
+        self._ready_tx, self._ready_rx = ready_tx, ready_rx
+        self._error: Exception | None = None  # met while draining a step that had outputs
+
+    def num_unfinished(self) -> int:
+        """Requests whose end `step()` has not returned yet (a failure counts until raised)."""
+        return len(self.streams) + (self._error is not None)
+
+    async def add(
+        self, rid: str, prompt: PromptType, params: SamplingParams | None, priority: int
+    ) -> None:
+        if rid in self.streams:
+            raise ValueError(f"request_id: {rid!r} is already in use by an unfinished request")
+        stream = await self.llm.add_request(rid, prompt, params, priority=priority)
+        self.streams[rid] = stream
+        self._tg.start_soon(self._forward, stream)
+
+    async def abort(self, ids: list[str]) -> None:
+        for rid in ids:
+            stream = self.streams.pop(rid, None)
+            if stream is not None:
+                stream.close()  # aborts now; its forwarder ends, its last output is dropped
+
+    async def _forward(self, stream: RequestStream) -> None:
+        with stream:
+            try:
+                async for output in stream:
+                    await self._ready_tx.send(_Ready(stream, output))
+            except anyio.ClosedResourceError:
+                return  # aborted by abort_request
+            except Exception as exc:
+                await self._ready_tx.send(_Ready(stream, error=exc))
+
+    async def step(self) -> list[RequestOutput]:
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error
+        outputs: list[RequestOutput] = []
+        while self.streams and not outputs:
+            ready = await self._ready_rx.receive()
+            while True:
+                if not self._take(ready, outputs):
+                    break
+                try:
+                    ready = self._ready_rx.receive_nowait()
+                except anyio.WouldBlock:
+                    break
+        return outputs
+
+    def _take(self, ready: _Ready, outputs: list[RequestOutput]) -> bool:
+        """Add a hand-over to this step's outputs; False once an error stops the step."""
+        rid = ready.stream.request_id
+        if self.streams.get(rid) is not ready.stream:
+            return True  # an output of a request aborted meanwhile
+        if ready.error is not None:
+            del self.streams[rid]
+            if not outputs:
+                raise ready.error
+            self._error = ready.error  # raised by the next step, after these outputs
+            return False
+        assert ready.output is not None
+        if ready.output.finished:
+            del self.streams[rid]
+        outputs.append(ready.output)
+        return True

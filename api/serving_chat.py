@@ -2,7 +2,7 @@
 objects (or `chat.completion.chunk` SSE events) out.
 
 Streaming: one role chunk per choice first (delta `{"role": ..., "content": ""}`), then content
-deltas (a chunk may carry several tokens: the collector merges them under load), exactly one
+deltas (a chunk may carry several tokens: the request stream merges them under load), exactly one
 chunk per choice with a finish_reason, then (include_usage) a usage chunk with `choices: []`.
 `top_logprobs` lists the N most likely tokens at each position (by logprob), as OpenAI does.
 """

@@ -1,5 +1,6 @@
 """What the completion, chat and tokenize handlers share: availability and model checks,
-body reading, sampling-parameter building, logprob helpers and chat rendering."""
+body reading, sampling-parameter building, logprob helpers, and the HTTP side of chat
+rendering (the rendering itself is `Tokenizer.render_chat`)."""
 
 from __future__ import annotations
 
@@ -54,10 +55,6 @@ _OPTIONAL_FIELDS = (
     "logit_bias",
     "allowed_token_ids",
     "bad_words",
-)
-# chat_template_kwargs may not override what the request sets through its own fields.
-_RESERVED_TEMPLATE_KWARGS = frozenset(
-    {"messages", "add_generation_prompt", "continue_final_message", "chat_template", "tools"}
 )
 R = TypeVar("R")
 
@@ -217,35 +214,19 @@ async def render_chat(
     template_kwargs: dict[str, Any] | None,
     add_special_tokens: bool = False,
 ) -> tuple[str, list[int]]:
-    """Render the chat template and tokenize it (in a worker thread for large chats)."""
-    if not messages:
-        raise bad_request("messages: must contain at least one message", "messages")
-    if continue_final_message and add_generation_prompt:
-        raise bad_request(
-            "continue_final_message: cannot be true together with add_generation_prompt "
-            "(set add_generation_prompt to false)",
-            "continue_final_message",
-        )
-    kwargs = dict(template_kwargs or {})
-    reserved = sorted(_RESERVED_TEMPLATE_KWARGS & kwargs.keys())
-    if reserved:
-        raise bad_request(
-            f"chat_template_kwargs: may not set {reserved} (use the request fields)",
-            "chat_template_kwargs",
-        )
+    """`Tokenizer.render_chat` for a request's messages, in a worker thread for large chats.
+    Its ValueErrors name the field, so they become 400s with the right `param`."""
     dicts = [m.to_dict() for m in messages]
 
     def work() -> tuple[str, list[int]]:
-        text = tokenizer.apply_chat_template(
+        return tokenizer.render_chat(
             dicts,
             add_generation_prompt=add_generation_prompt,
             continue_final_message=continue_final_message,
             chat_template=template,
-            **kwargs,
+            chat_template_kwargs=template_kwargs,
+            add_special_tokens=add_special_tokens,
         )
-        if add_special_tokens:
-            return text, tokenizer.encode(text, add_special_tokens=True)
-        return text, tokenizer.encode_rendered_chat(text)
 
     return await maybe_in_thread(work, _chat_size(messages))
 

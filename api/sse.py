@@ -4,13 +4,15 @@
 
 ```
 disconnect watcher ── receive() until http.disconnect ──▶ cancels the task group
-producer per prompt ── aclosing(llm.generate(...)) ──▶ memory stream ──▶ this task:
-                                                       formats and sends (one ASGI message
-                                                       per wake-up: queued outputs coalesce)
+producer per prompt ── `with await llm.add_request(...)` ──▶ memory stream ──▶ this task:
+                        (its RequestStream)                  formats and sends (one ASGI message
+                                                             per wake-up: queued outputs coalesce)
 ```
 
-Cancelling the group (client gone, response sent, error) closes every generator, and
-`AsyncLLM.generate`'s `finally` aborts its request in the engine at once. Nothing raises out of
+Cancelling the group (client gone, response sent, error) closes every request's stream, which
+aborts its request in the engine at once (exactly once). While this task is busy sending, a
+producer waits on the memory stream and the request's stream merges the tokens that keep coming
+(DELTA), so one event carries several under load. Nothing raises out of
 `__call__`: errors before the response started are sent as an OpenAI error body with the
 right status; after an SSE stream started, as a `data: {"error": ...}` event then `[DONE]`.
 
@@ -24,7 +26,6 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
-from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -36,6 +37,7 @@ from starlette.responses import Response
 from starlette.types import Message, Receive, Scope, Send
 
 from triollm.actors.async_llm import AsyncLLM
+from triollm.actors.request_stream import merge_output
 from triollm.api.openai_errors import APIError, from_exception
 from triollm.engine.outputs import RequestOutput
 from triollm.engine.processing.processors import PromptType
@@ -61,7 +63,7 @@ def sse_event(obj: Any) -> bytes:
 
 @dataclass(frozen=True)
 class Job:
-    """One `llm.generate` call: one prompt of the request."""
+    """One engine request: one prompt of the HTTP request."""
 
     prompt: PromptType
     params: SamplingParams
@@ -224,14 +226,14 @@ class GenerationResponse(Response):
     async def _produce(self, index: int, job: Job, tx: MemoryObjectSendStream[_Item]) -> None:
         async with tx:
             try:
-                generator = self.llm.generate(
-                    job.prompt, job.params, job.request_id, priority=job.priority
+                stream = await self.llm.add_request(
+                    job.request_id, job.prompt, job.params, priority=job.priority
                 )
-                async with aclosing(generator) as outputs:
-                    async for output in outputs:
+                with stream:
+                    async for output in stream:
                         await tx.send(_Item(index, output))
             except (anyio.BrokenResourceError, anyio.ClosedResourceError):
-                return  # the consumer is gone; the generator was closed (request aborted)
+                return  # the consumer is gone; the stream was closed (request aborted)
             except Exception as exc:
                 try:
                     await tx.send(_Item(index, error=exc))
@@ -247,7 +249,10 @@ class GenerationResponse(Response):
             assert item.output is not None
             self._observe(item)
             previous = merged.get(item.index)
-            merged[item.index] = item.output if previous is None else _merge(previous, item.output)
+            if previous is None:
+                merged[item.index] = item.output
+            else:  # DELTA when a metrics timer wants every token's time
+                merge_output(previous, item.output, self.jobs[item.index].params.output_kind)
         outputs = [merged[i] for i in range(len(self.jobs))]
         await out.json(200, _encoder.encode(self.formatter.final(outputs)))
 
@@ -291,28 +296,3 @@ class GenerationResponse(Response):
             await out.events(b"".join(map(sse_event, chunks)))
         await out.end_stream(b"".join(map(sse_event, fmt.stream_end())))
 
-
-def _merge(into: RequestOutput, new: RequestOutput) -> RequestOutput:
-    """Append a DELTA output to the ones before it (non-streaming with a metrics timer). The
-    lists in a DELTA output are fresh copies owned by this consumer: extending them is safe."""
-    by_index = {c.index: c for c in into.outputs}
-    for c in new.outputs:
-        old = by_index.get(c.index)
-        if old is None:
-            into.outputs.append(c)
-            by_index[c.index] = c
-            continue
-        old.text += c.text
-        old.token_ids.extend(c.token_ids)
-        if c.logprobs is not None:
-            if old.logprobs is None:
-                old.logprobs = list(c.logprobs)
-            else:
-                old.logprobs.extend(c.logprobs)
-        old.cumulative_logprob = c.cumulative_logprob
-        old.finish_reason = c.finish_reason
-        old.stop_reason = c.stop_reason
-    if new.prompt_logprobs:
-        into.prompt_logprobs = [*(into.prompt_logprobs or []), *new.prompt_logprobs]
-    into.finished = new.finished
-    return into

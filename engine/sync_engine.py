@@ -1,8 +1,10 @@
-"""`SyncEngine`: the in-process, single-threaded driver of the engine.
+"""`SyncEngine`: the in-process, single-threaded driver of the engine (not public API).
 
-InputProcessor → EngineCore → OutputProcessor in one loop, no event loop, no threads. The CLI's
-one-shot commands, the benchmarks' "engine alone" baseline and the engine tests use it; the
-actor layer (`AsyncLLM`, `LLM`) wires the same three parts through tasks and streams instead.
+InputProcessor → EngineCore → OutputProcessor in one loop, no event loop, no threads. It is the
+sans-IO harness of the engine: the engine tests drive the core through it without an event loop,
+and the benchmarks use it as the "engine alone" baseline that `LLM`'s overhead is measured
+against. Users run the engine through `LLM`, `AsyncLLM` or `LLMEngine`, which wire the same
+three parts through tasks and streams; this class is not exported from `triollm`.
 """
 
 from __future__ import annotations

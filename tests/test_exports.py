@@ -7,8 +7,8 @@ import subprocess
 import sys
 
 import triollm
-from triollm.actors import async_llm, errors, llm, llm_engine
-from triollm.engine import config, core, outputs, request, sampling_params, sync_engine
+from triollm.actors import async_llm, errors, llm, llm_engine, request_stream
+from triollm.engine import config, core, outputs, request, sampling_params
 
 PUBLIC = [
     "AsyncEngineArgs",
@@ -24,8 +24,8 @@ PUBLIC = [
     "Logprob",
     "RequestOutput",
     "RequestOutputKind",
+    "RequestStream",
     "SamplingParams",
-    "SyncEngine",
     "__version__",
 ]
 
@@ -50,8 +50,8 @@ def test_every_name_resolves_to_its_definition() -> None:
         "Logprob": outputs,
         "RequestOutput": outputs,
         "RequestOutputKind": sampling_params,
+        "RequestStream": request_stream,
         "SamplingParams": sampling_params,
-        "SyncEngine": sync_engine,
     }
     assert set(homes) | {"__version__"} == set(PUBLIC)
     for name, module in homes.items():

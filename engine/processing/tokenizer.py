@@ -9,9 +9,12 @@ like transformers' (`trim_blocks`, `lstrip_blocks`, `loopcontrols`, `tojson`, `r
 
 BOS handling: some checkpoints add BOS in tokenizer.json's post-processor, others only say
 `add_bos_token: true` in tokenizer_config.json (transformers' slow-tokenizer path). `encode`
-adds it in the second case only, so it is never doubled by us. `encode_chat` encodes a rendered
-template without special tokens and prepends BOS only when the tokenizer adds one and the
-template did not already emit it: exactly one BOS either way.
+adds it in the second case only, so it is never doubled by us. A rendered chat is encoded
+without special tokens, with BOS prepended only when the tokenizer adds one and the template did
+not already emit it: exactly one BOS either way.
+
+Chat rendering lives in one place, `render_chat` (checks, template, tokens): `LLM.chat`, the
+server's chat and tokenize endpoints and the CLI's `chat` all go through it.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ import json
 from collections.abc import Callable, Mapping, Sequence
 from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import jinja2
 import jinja2.ext
@@ -28,10 +31,21 @@ from jinja2 import nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
 
-__all__ = ["ChatMessage", "Tokenizer"]
+__all__ = ["ChatMessage", "RenderedChat", "Tokenizer"]
 
 ChatMessage = Mapping[str, Any]
 _SPECIAL_NAMES = ("bos_token", "eos_token", "unk_token", "pad_token")
+# chat_template_kwargs may not override what the caller sets through its own arguments.
+_RESERVED_TEMPLATE_KWARGS = frozenset(
+    {"messages", "add_generation_prompt", "continue_final_message", "chat_template", "tools"}
+)
+
+
+class RenderedChat(NamedTuple):
+    """A chat rendered once: the prompt text and its token ids."""
+
+    text: str
+    token_ids: list[int]
 
 
 class Tokenizer:
@@ -180,6 +194,48 @@ class Tokenizer:
             rendered = _cut_after_final(rendered, chat[-1].get("content"))
         return rendered
 
+    def render_chat(
+        self,
+        messages: Sequence[ChatMessage],
+        *,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        chat_template: str | None = None,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
+        add_special_tokens: bool = False,
+    ) -> RenderedChat:
+        """Render a chat for generation: the one place every caller goes through.
+
+        Checks the request (ValueErrors that name the field), renders the template once, and
+        tokenizes the text: with at most one BOS (see `encode_rendered_chat`), or, with
+        `add_special_tokens`, as `encode(text)` does (the tokenize endpoint's option).
+        """
+        if not messages:
+            raise ValueError("messages: must contain at least one message")
+        if continue_final_message and add_generation_prompt:
+            raise ValueError(
+                "continue_final_message: cannot be true together with add_generation_prompt "
+                "(set add_generation_prompt to false)"
+            )
+        kwargs = dict(chat_template_kwargs or {})
+        reserved = sorted(_RESERVED_TEMPLATE_KWARGS & kwargs.keys())
+        if reserved:
+            raise ValueError(
+                f"chat_template_kwargs: may not set {reserved} (use the arguments of their own)"
+            )
+        text = self.apply_chat_template(
+            messages,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
+            chat_template=chat_template,
+            tools=tools,
+            **kwargs,
+        )
+        if add_special_tokens:
+            return RenderedChat(text, self.encode(text, add_special_tokens=True))
+        return RenderedChat(text, self.encode_rendered_chat(text))
+
     def encode_chat(
         self,
         messages: Sequence[ChatMessage],
@@ -190,16 +246,15 @@ class Tokenizer:
         tools: Sequence[Mapping[str, Any]] | None = None,
         **template_kwargs: Any,
     ) -> list[int]:
-        """Render and tokenize a chat; the result starts with at most one BOS."""
-        text = self.apply_chat_template(
+        """The token ids of `render_chat` (transformers' `apply_chat_template(tokenize=True)`)."""
+        return self.render_chat(
             messages,
-            add_generation_prompt=add_generation_prompt,
+            add_generation_prompt=add_generation_prompt and not continue_final_message,
             continue_final_message=continue_final_message,
             chat_template=chat_template,
             tools=tools,
-            **template_kwargs,
-        )
-        return self.encode_rendered_chat(text)
+            chat_template_kwargs=template_kwargs,
+        ).token_ids
 
     def encode_rendered_chat(self, text: str) -> list[int]:
         """Token ids of an already rendered chat: no special tokens added, except one BOS when

@@ -200,7 +200,7 @@ async def llm(shared_llm: AsyncLLM) -> AsyncIterator[AsyncLLM]:
     await wait_idle(shared_llm)
     yield shared_llm
     # Leave it idle even after a failure, so that one failure does not cascade.
-    shared_llm.abort(list(shared_llm._collectors))
+    shared_llm.abort(shared_llm.unfinished_request_ids())
     await wait_idle(shared_llm)
 
 
