@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from triollm import LLM, EngineArgs, LLMEngine, SamplingParams
+from triollm import LLM, EngineArgs, LLMEngine, RequestOutputKind, SamplingParams
 from triollm.engine.config import CompilationConfig
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
@@ -136,3 +136,39 @@ def test_llm_engine_loop(tiny_model_dir: Path) -> None:
         assert steps >= 2
         with pytest.raises(ValueError, match="empty"):
             engine.add_request("d", "", SamplingParams())
+
+
+def test_llm_engine_step_merges_for_a_slow_script_and_aborts_once(tiny_model_dir: Path) -> None:
+    """DELTA outputs: each step returns at most one output per request, a script that is slow
+    between steps loses no token (the request's stream merged them), and a request aborted
+    mid-flight returns nothing more."""
+    delta = RequestOutputKind.DELTA
+    args = EngineArgs(model=str(tiny_model_dir), max_model_len=128, multiprocess=False)
+    with LLMEngine.from_engine_args(args, backend="asyncio") as engine:
+        for rid, n in (("a", 17), ("b", 30)):
+            engine.add_request(rid, "Hello", SamplingParams(max_tokens=n, ignore_eos=True, output_kind=delta))
+        engine.add_request("gone", "Hi", SamplingParams(max_tokens=100, ignore_eos=True, output_kind=delta))
+        tokens: dict[str, int] = {}
+        finished: set[str] = set()
+        aborted = False
+        while engine.has_unfinished_requests():
+            outs = engine.step()
+            ids = [o.request_id for o in outs]
+            assert len(ids) == len(set(ids)), ids  # at most one output per request per step
+            for o in outs:
+                assert o.request_id not in finished
+                tokens[o.request_id] = tokens.get(o.request_id, 0) + len(o.outputs[0].token_ids)
+                if o.finished:
+                    finished.add(o.request_id)
+            if not aborted and "gone" in tokens:
+                engine.abort_request("gone")
+                aborted = True
+                assert engine.get_num_unfinished_requests() == 2
+            time.sleep(0.02)  # a slow script: several engine steps pass between our steps
+        assert aborted and finished == {"a", "b"}
+        assert (tokens["a"], tokens["b"]) == (17, 30)
+        assert tokens["gone"] < 100
+        assert engine.step() == []
+        engine.add_request("a", "again", SamplingParams(max_tokens=2, ignore_eos=True))  # ids are free
+        while engine.has_unfinished_requests():
+            engine.step()
