@@ -1,7 +1,10 @@
 """The model's side of the configuration, read once from the checkpoint directory.
 
-`ModelConfig.from_pretrained` parses `config.json` / `generation_config.json` as transformers
-reads them, so every field that changes the numbers is honoured or refused at load.
+`ModelConfig.from_pretrained` parses `config.json` of either transformers generation through
+`hf_config.parse_hf_config` (every field that changes the numbers is honoured or refused there,
+with a `ValueError` naming it), decides max_model_len against what the model can serve exactly
+(a sliding window, dynamic RoPE), and reads `generation_config.json` for stop tokens and sampling
+defaults.
 """
 
 from __future__ import annotations
@@ -13,15 +16,15 @@ from typing import Any
 
 import torch
 
-__all__ = ["SUPPORTED_ARCHITECTURES", "ModelConfig"]
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-SUPPORTED_ARCHITECTURES = (
-    "LlamaForCausalLM",
-    "MistralForCausalLM",
-    "Qwen2ForCausalLM",
+from triollm.engine.loading.hf_config import (
+    DTYPES,
+    SUPPORTED_ARCHITECTURES,
+    HfConfig,
+    parse_hf_config,
 )
+from triollm.engine.loading.rope_config import RopeConfig
 
+__all__ = ["SUPPORTED_ARCHITECTURES", "ModelConfig", "RopeConfig"]
 
 @dataclass(frozen=True)
 class ModelConfig:
@@ -35,11 +38,15 @@ class ModelConfig:
     head_dim: int
     vocab_size: int
     rms_norm_eps: float
-    rope_theta: float
-    rope_scaling: dict[str, Any] | None
+    rope: RopeConfig
     max_position_embeddings: int
     tie_word_embeddings: bool
-    attention_bias: bool
+    qkv_bias: bool
+    o_proj_bias: bool
+    mlp_bias: bool
+    # The smallest attention window of any layer (None: full attention). Never smaller than
+    # max_model_len: from_pretrained refuses that, so the full-attention kernels are exact.
+    sliding_window: int | None
     max_model_len: int
     dtype: torch.dtype
     eos_token_ids: tuple[int, ...]
@@ -55,19 +62,8 @@ class ModelConfig:
         if not cfg_file.is_file():
             raise ValueError(f"model: {path} has no config.json (expected a Hugging Face-format directory or a .gguf file)")
         hf = json.loads(cfg_file.read_text())
-        archs = hf.get("architectures") or ["LlamaForCausalLM"]
-        arch = archs[0]
-        if arch not in SUPPORTED_ARCHITECTURES:
-            raise ValueError(
-                f"model: architecture {arch!r} is not supported; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
-            )
-        num_heads = hf["num_attention_heads"]
-        hidden = hf["hidden_size"]
-        max_pos = hf.get("max_position_embeddings", 2048)
-        if max_model_len is None:
-            max_model_len = max_pos
-        elif max_model_len <= 0:
-            raise ValueError(f"max_model_len: must be a positive integer, got {max_model_len}")
+        spec = parse_hf_config(hf)
+        max_model_len = _max_model_len(spec, max_model_len)
         gen: dict[str, Any] = {}
         gen_file = path / "generation_config.json"
         if gen_file.is_file():
@@ -88,34 +84,53 @@ class ModelConfig:
             defaults["temperature"] = 0.0
         return cls(
             path=path,
-            architecture=arch,
-            hidden_size=hidden,
-            intermediate_size=hf["intermediate_size"],
-            num_layers=hf["num_hidden_layers"],
-            num_heads=num_heads,
-            num_kv_heads=hf.get("num_key_value_heads") or num_heads,
-            head_dim=hf.get("head_dim") or hidden // num_heads,
-            vocab_size=hf["vocab_size"],
-            rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
-            rope_theta=hf.get("rope_theta", 10000.0),
-            rope_scaling=hf.get("rope_scaling"),
-            max_position_embeddings=max_pos,
-            tie_word_embeddings=hf.get("tie_word_embeddings", False),
-            attention_bias=hf.get("attention_bias", arch == "Qwen2ForCausalLM"),
+            architecture=spec.architecture,
+            hidden_size=spec.hidden_size,
+            intermediate_size=spec.intermediate_size,
+            num_layers=spec.num_layers,
+            num_heads=spec.num_heads,
+            num_kv_heads=spec.num_kv_heads,
+            head_dim=spec.head_dim,
+            vocab_size=spec.vocab_size,
+            rms_norm_eps=spec.rms_norm_eps,
+            rope=spec.rope,
+            max_position_embeddings=spec.max_position_embeddings,
+            tie_word_embeddings=spec.tie_word_embeddings,
+            qkv_bias=spec.qkv_bias,
+            o_proj_bias=spec.o_proj_bias,
+            mlp_bias=spec.mlp_bias,
+            sliding_window=spec.sliding_window,
             max_model_len=max_model_len,
-            dtype=_resolve_dtype(dtype, hf.get("torch_dtype") or hf.get("dtype"), device),
+            dtype=_resolve_dtype(dtype, spec.checkpoint_dtype, device),
             eos_token_ids=tuple(eos),
             bos_token_id=gen.get("bos_token_id", hf.get("bos_token_id")),
             generation_defaults=defaults,
         )
 
 
-def _resolve_dtype(dtype: str, checkpoint_dtype: str | None, device: str) -> torch.dtype:
+def _max_model_len(spec: HfConfig, requested: int | None) -> int:
+    """The requested length, or the model's own (clamped to its sliding window); refuses what
+    the engine could not serve exactly."""
+    window = spec.sliding_window
+    if requested is None:
+        requested = spec.max_position_embeddings if window is None else min(spec.max_position_embeddings, window)
+    elif requested <= 0:
+        raise ValueError(f"max_model_len: must be a positive integer, got {requested}")
+    if window is not None and requested > window:
+        raise ValueError(
+            f"sliding_window: the model attends over a window of {window} tokens, which triollm's attention "
+            f"does not implement; max_model_len {requested} would exceed it. Use max_model_len <= {window}"
+        )
+    spec.rope.check_max_model_len(requested)
+    return requested
+
+
+def _resolve_dtype(dtype: str, checkpoint_dtype: torch.dtype | None, device: str) -> torch.dtype:
     if dtype != "auto":
-        if dtype not in _DTYPES:
-            raise ValueError(f"dtype: {dtype!r} is not one of auto, {', '.join(_DTYPES)}")
-        return _DTYPES[dtype]
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype: {dtype!r} is not one of auto, {', '.join(DTYPES)}")
+        return DTYPES[dtype]
     if device == "cpu":
         # bf16/fp16 matmuls are several times slower than fp32 on AVX2-only CPUs.
         return torch.float32
-    return _DTYPES.get(checkpoint_dtype or "", torch.bfloat16)
+    return checkpoint_dtype or torch.bfloat16

@@ -26,9 +26,9 @@ from safetensors import safe_open
 from torch import nn
 
 from triollm.engine.loading.model_config import ModelConfig
-from triollm.kernels import KVCache, prefill_attention, rms_norm, rotary_cos_sin, write_kv
+from triollm.kernels import KVCache, prefill_attention, rms_norm, write_kv
 from triollm.kernels.attention import DecodePlan, decode_attention
-from triollm.kernels.rotary import apply_rotary_signed, rotary_sign
+from triollm.kernels.rotary import apply_rotary_signed, rotary_sign, rotary_tables
 
 __all__ = ["AttentionMetadata", "LlamaForCausalLM", "PrefillChunk", "load_model"]
 
@@ -89,8 +89,10 @@ class LlamaAttention(nn.Module):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         qkv_out = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
-        self.qkv_proj = Linear(cfg.hidden_size, qkv_out, bias=cfg.attention_bias)
-        self.o_proj = Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=False)
+        self.qkv_proj = Linear(cfg.hidden_size, qkv_out, bias=cfg.qkv_bias)
+        self.o_proj = Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=cfg.o_proj_bias)
+        # Softmax scale stays head_dim**-0.5 for every RoPE type: YaRN's attention factor is in
+        # the cos/sin tables (it scales q and k), as in transformers' Llama.
         self.scale = cfg.head_dim**-0.5
 
     def forward(
@@ -131,8 +133,8 @@ class LlamaMLP(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.intermediate = cfg.intermediate_size
-        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
@@ -271,5 +273,8 @@ def load_model(cfg: ModelConfig, device: str | torch.device = "cpu") -> LlamaFor
 
 
 def _rope_tables(cfg: ModelConfig) -> tuple[torch.Tensor, torch.Tensor]:
-    cos, sin = rotary_cos_sin(cfg.head_dim, cfg.max_model_len, cfg.rope_theta, cfg.rope_scaling)
+    """cos and signed sin, `[max_model_len, head_dim]` fp32, for the checkpoint's RoPE type
+    (YaRN's attention factor folded into both, as transformers does)."""
+    inv_freq = cfg.rope.inv_freq(cfg.head_dim)
+    cos, sin = rotary_tables(inv_freq, cfg.max_model_len, cfg.rope.attention_factor)
     return cos, sin * rotary_sign(sin.shape[-1])

@@ -1,0 +1,262 @@
+"""The numerics of a Hugging Face config.json (transformers 4.x or 5.x), parsed and checked once.
+
+`parse_hf_config` turns the raw dict into a frozen `HfConfig` holding every field that changes what
+the model computes, read the way transformers' `LlamaConfig` / `MistralConfig` / `Qwen2Config` and
+their modeling files read it, with each architecture's own defaults (a Mistral config without
+`num_key_value_heads` has 8, a Qwen2 one 32; a Mistral without `sliding_window` has a 4096-token
+window). What the engine cannot compute exactly is a `ValueError` naming the field, raised at
+load: an activation other than SiLU, quantised weights, an unsupported RoPE (rope_config.py),
+layer types other than full and sliding attention. Fields that change nothing at inference
+(`attention_dropout`, `initializer_range`, `pretraining_tp`, `use_cache`, `pad_token_id`) are
+ignored, as are fields the architecture's modeling code does not read (`sliding_window` on Llama,
+`attention_bias` / `mlp_bias` on Mistral and Qwen2).
+
+Where the two generations differ in spelling:
+
+| what | transformers 4.x | transformers 5.x |
+| --- | --- | --- |
+| RoPE | `rope_theta`, `rope_scaling` | `rope_parameters` (see rope_config.py) |
+| dtype | `torch_dtype` | `dtype` (wins when both are present) |
+| Qwen2 windows | `use_sliding_window`, `sliding_window`, `max_window_layers` | the same, or `layer_types` |
+
+Sliding windows: Mistral applies `sliding_window` to every layer; Qwen2 only when
+`use_sliding_window` is true, to the layers `layer_types` marks `sliding_attention` (by default
+those from `max_window_layers` on). triollm's attention has no window, so the parsed window is
+only a limit: a window of w tokens changes nothing while no sequence is longer than w (position p
+attends to positions > p - w). `ModelConfig.from_pretrained` clamps its default max_model_len to
+the window and refuses an explicit longer one; implementing windowed attention in the kernels
+was rejected for now (it also needs block eviction in the KV manager to pay off).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from triollm.engine.loading.rope_config import RopeConfig, parse_rope
+
+__all__ = ["DTYPES", "SUPPORTED_ARCHITECTURES", "HfConfig", "checkpoint_dtype", "parse_hf_config"]
+
+
+@dataclass(frozen=True)
+class _Defaults:
+    """One architecture's config-class defaults (transformers 4.x and 5.x agree on these)."""
+
+    model_type: str
+    max_position_embeddings: int
+    num_kv_heads: int | None  # None: as many as query heads
+    qkv_bias: bool | None  # None: `attention_bias` decides
+    has_mlp_bias: bool  # whether `mlp_bias` is read at all
+    sliding_window: int | None
+
+
+_ARCHITECTURES = {
+    "LlamaForCausalLM": _Defaults("llama", 2048, None, None, True, None),
+    "MistralForCausalLM": _Defaults("mistral", 4096 * 32, 8, False, False, 4096),
+    "Qwen2ForCausalLM": _Defaults("qwen2", 32768, 32, True, False, 4096),
+}
+SUPPORTED_ARCHITECTURES = tuple(_ARCHITECTURES)
+_SILU = ("silu", "swish")  # transformers maps both names to SiLU
+_LAYER_TYPES = ("full_attention", "sliding_attention")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class HfConfig:
+    architecture: str
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    rms_norm_eps: float
+    rope: RopeConfig
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    o_proj_bias: bool
+    mlp_bias: bool
+    # The smallest window any layer uses; None: full attention everywhere.
+    sliding_window: int | None
+    checkpoint_dtype: torch.dtype | None  # `dtype` / `torch_dtype`, when given
+
+
+def parse_hf_config(hf: Mapping[str, Any]) -> HfConfig:
+    """The numerics of config.json `hf` (module note); a `ValueError` naming the field if unsupported."""
+    arch = _architecture(hf)
+    d = _ARCHITECTURES[arch]
+    if hf.get("quantization_config"):
+        method = (
+            hf["quantization_config"].get("quant_method", "?")
+            if isinstance(hf["quantization_config"], Mapping)
+            else "?"
+        )
+        raise ValueError(
+            f"quantization_config: quantized checkpoints ({method}) are not supported; use unquantized weights"
+        )
+    act = hf.get("hidden_act", "silu")
+    if act not in _SILU:
+        raise ValueError(f"hidden_act: {act!r} is not supported; supported: silu")
+    hidden = _int(hf, "hidden_size")
+    num_heads = _int(hf, "num_attention_heads")
+    num_layers = _int(hf, "num_hidden_layers")
+    num_kv_heads = _int(hf, "num_key_value_heads", d.num_kv_heads, null=num_heads)
+    if num_heads % num_kv_heads:
+        raise ValueError(
+            f"num_key_value_heads: {num_kv_heads} does not divide num_attention_heads {num_heads}"
+        )
+    head_dim = _int(hf, "head_dim", hidden // num_heads, null=hidden // num_heads)
+    if head_dim % 2:
+        raise ValueError(f"head_dim: RoPE needs an even head_dim, got {head_dim}")
+    max_pos = _int(hf, "max_position_embeddings", d.max_position_embeddings)
+    attention_bias = _bool(hf, "attention_bias", False)
+    return HfConfig(
+        architecture=arch,
+        hidden_size=hidden,
+        intermediate_size=_int(hf, "intermediate_size"),
+        num_layers=num_layers,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        vocab_size=_int(hf, "vocab_size"),
+        rms_norm_eps=_eps(hf),
+        rope=parse_rope(hf, max_pos),
+        max_position_embeddings=max_pos,
+        tie_word_embeddings=_bool(hf, "tie_word_embeddings", False),
+        qkv_bias=attention_bias if d.qkv_bias is None else d.qkv_bias,
+        o_proj_bias=attention_bias if d.qkv_bias is None else False,  # Llama biases o_proj too
+        mlp_bias=_bool(hf, "mlp_bias", False) if d.has_mlp_bias else False,
+        sliding_window=_sliding_window(arch, hf, num_layers),
+        checkpoint_dtype=checkpoint_dtype(hf),
+    )
+
+
+def checkpoint_dtype(hf: Mapping[str, Any]) -> torch.dtype | None:
+    """The weights' dtype from `dtype` (5.x) or `torch_dtype` (4.x); None when neither is set."""
+    for key in ("dtype", "torch_dtype"):
+        value = hf.get(key)
+        if value is None:
+            continue
+        name = str(value).removeprefix("torch.")
+        if name not in DTYPES:
+            raise ValueError(f"{key}: {value!r} is not one of {', '.join(DTYPES)}")
+        return DTYPES[name]
+    return None
+
+
+def _architecture(hf: Mapping[str, Any]) -> str:
+    archs = hf.get("architectures")
+    if archs:
+        if not isinstance(archs, list):
+            raise ValueError(f"architectures: expected a list, got {archs!r}")
+        arch = archs[0]
+    else:  # no architectures: transformers goes by model_type
+        model_type = hf.get("model_type") or "llama"
+        by_type = {d.model_type: a for a, d in _ARCHITECTURES.items()}
+        if model_type not in by_type:
+            raise ValueError(
+                f"model_type: {model_type!r} is not supported; supported: {', '.join(by_type)}"
+            )
+        arch = by_type[model_type]
+    if arch not in _ARCHITECTURES:
+        raise ValueError(
+            f"architectures: {arch!r} is not supported; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+        )
+    return str(arch)
+
+
+def _sliding_window(arch: str, hf: Mapping[str, Any], num_layers: int) -> int | None:
+    d = _ARCHITECTURES[arch]
+    if arch == "MistralForCausalLM":
+        return _window(hf, d.sliding_window)  # every layer; Mistral ignores layer_types
+    if arch != "Qwen2ForCausalLM":
+        return None  # Llama's modeling code has no window
+    window = _window(hf, d.sliding_window) if _bool(hf, "use_sliding_window", False) else None
+    layer_types = hf.get("layer_types")
+    if layer_types is None:
+        first = _int(hf, "max_window_layers", 28, minimum=0)
+        layer_types = [
+            "sliding_attention" if window is not None and i >= first else "full_attention"
+            for i in range(num_layers)
+        ]
+    if not isinstance(layer_types, list) or len(layer_types) != num_layers:
+        raise ValueError(
+            f"layer_types: expected a list of {num_layers} entries (one per layer), got {layer_types!r}"
+        )
+    unknown = sorted({t for t in layer_types if t not in _LAYER_TYPES})
+    if unknown:
+        raise ValueError(
+            f"layer_types: {', '.join(map(repr, unknown))} not supported; supported: {', '.join(_LAYER_TYPES)}"
+        )
+    if "sliding_attention" not in layer_types:
+        return None
+    if window is None:
+        raise ValueError(
+            "layer_types: layers are marked sliding_attention but there is no window "
+            "(use_sliding_window is false or sliding_window is null)"
+        )
+    return window
+
+
+def _window(hf: Mapping[str, Any], default: int | None) -> int | None:
+    if "sliding_window" not in hf:
+        return default
+    value = hf["sliding_window"]
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"sliding_window: expected a positive integer or null, got {value!r}")
+    return value
+
+
+_MISSING: Any = object()
+
+
+def _int(
+    hf: Mapping[str, Any],
+    key: str,
+    default: int | None = _MISSING,
+    *,
+    null: int | None = None,
+    minimum: int = 1,
+) -> int:
+    """hf[key] as an int >= minimum; `default` when absent (required if not given), `null` when null."""
+    if key not in hf:
+        if default is _MISSING:
+            raise ValueError(f"{key}: required in config.json")
+        value = default
+    else:
+        value = hf[key]
+    if value is None:
+        value = null
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{key}: expected an integer >= {minimum}, got {value!r}")
+    return value
+
+
+def _bool(hf: Mapping[str, Any], key: str, default: bool) -> bool:
+    value = hf.get(key)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise ValueError(f"{key}: expected true or false, got {value!r}")
+    return value
+
+
+def _eps(hf: Mapping[str, Any]) -> float:
+    value = hf.get("rms_norm_eps")
+    if value is None:
+        return 1e-6
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int | float)
+        or not (math.isfinite(value) and value > 0)
+    ):
+        raise ValueError(f"rms_norm_eps: expected a positive number, got {value!r}")
+    return float(value)
