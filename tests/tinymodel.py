@@ -130,3 +130,70 @@ def make_tiny_model(
         w["lm_head.weight"] = rnd(vocab, hidden_size, scale=0.5)
     save_file(w, str(path / "model.safetensors"), metadata={"format": "pt"})
     return path
+
+
+def write_tokenizer(path: Path, model_max_length: int = 512) -> int:
+    """The tiny byte-level BPE tokenizer files (as `make_tiny_model` writes them); returns the EOS id."""
+    path.mkdir(parents=True, exist_ok=True)
+    tok = build_tokenizer()
+    tok.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "bos_token": None,
+                "eos_token": "<|endoftext|>",
+                "add_bos_token": False,
+                "chat_template": CHATML,
+                "model_max_length": model_max_length,
+            }
+        )
+    )
+    return tok.token_to_id("<|endoftext|>")
+
+
+def make_transformers_model(path: Path, architecture: str, *, seed: int = 0, **config: object) -> Path:
+    """A tiny random model written by the installed transformers' `save_pretrained` (its own
+    config.json generation: 5.x writes `rope_parameters` and `dtype`), plus the tiny tokenizer.
+
+    `config` overrides the `LlamaConfig` / `MistralConfig` / `Qwen2Config` arguments (hidden 64,
+    2 layers, 4 heads / 2 KV heads, fp32 by default). Weights are redrawn at tinymodel's larger
+    scales so the next-token distributions are peaked and greedy ties do not happen."""
+    import transformers
+
+    eos_id = write_tokenizer(path)
+    config_class = {
+        "LlamaForCausalLM": transformers.LlamaConfig,
+        "MistralForCausalLM": transformers.MistralConfig,
+        "Qwen2ForCausalLM": transformers.Qwen2Config,
+    }[architecture]
+    args: dict[str, object] = {
+        "vocab_size": build_tokenizer().get_vocab_size(),
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 512,
+        "rms_norm_eps": 1e-5,
+        "bos_token_id": None,
+        "eos_token_id": eos_id,
+        "pad_token_id": None,
+        "tie_word_embeddings": False,
+        "dtype": "float32",
+        **config,
+    }
+    cfg = config_class(**args)
+    cfg.architectures = [architecture]
+    model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=g)
+            if name.endswith("norm.weight"):
+                p.copy_(1 + 0.1 * noise)
+            elif name.endswith("bias"):
+                p.copy_(0.1 * noise)
+            else:
+                p.copy_(noise * (0.5 if "embed_tokens" in name or "lm_head" in name else 0.2))
+    model.save_pretrained(path)
+    return path
