@@ -15,6 +15,7 @@ from triollm.actors.llm_engine import LLMEngine
 from triollm.actors.request_stream import RequestStream
 from triollm.engine.config import EngineArgs
 from triollm.engine.core import EngineCore
+from triollm.engine.inputs import TextPrompt, TokensPrompt
 from triollm.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from triollm.engine.request import EngineCoreRequest
 from triollm.engine.sampling_params import RequestOutputKind, SamplingParams
@@ -40,5 +41,7 @@ __all__ = [
     "RequestOutputKind",
     "RequestStream",
     "SamplingParams",
+    "TextPrompt",
+    "TokensPrompt",
     "__version__",
 ]

@@ -8,7 +8,7 @@ import sys
 
 import triollm
 from triollm.actors import async_llm, errors, llm, llm_engine, request_stream
-from triollm.engine import config, core, outputs, request, sampling_params
+from triollm.engine import config, core, inputs, outputs, request, sampling_params
 
 PUBLIC = [
     "AsyncEngineArgs",
@@ -26,6 +26,8 @@ PUBLIC = [
     "RequestOutputKind",
     "RequestStream",
     "SamplingParams",
+    "TextPrompt",
+    "TokensPrompt",
     "__version__",
 ]
 
@@ -52,6 +54,8 @@ def test_every_name_resolves_to_its_definition() -> None:
         "RequestOutputKind": sampling_params,
         "RequestStream": request_stream,
         "SamplingParams": sampling_params,
+        "TextPrompt": inputs,
+        "TokensPrompt": inputs,
     }
     assert set(homes) | {"__version__"} == set(PUBLIC)
     for name, module in homes.items():
