@@ -23,7 +23,7 @@ import json
 from collections.abc import Callable, Mapping, Sequence
 from datetime import datetime
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any, Literal, NamedTuple, overload
 
 import jinja2
 import jinja2.ext
@@ -153,8 +153,91 @@ class Tokenizer:
     def convert_ids_to_tokens(self, ids: Sequence[int]) -> list[str | None]:
         return [self.backend.id_to_token(i) for i in ids]
 
+    # ------------------------------------------------------------------ transformers' surface
+    # What vLLM scripts call on `get_tokenizer()` (a transformers tokenizer there), with
+    # transformers' defaults. Differences: `decode` skips special tokens by default (as vLLM's
+    # detokenizer does) and `all_special_ids` lists every special added token.
+
+    is_fast = True
+
+    def __len__(self) -> int:
+        return self.vocab_size
+
+    def __call__(
+        self, text: str | Sequence[str], add_special_tokens: bool = True
+    ) -> dict[str, Any]:
+        """`{"input_ids": ..., "attention_mask": ...}` for a text, or lists for a batch."""
+        if isinstance(text, str):
+            ids = self.encode(text, add_special_tokens)
+            return {"input_ids": ids, "attention_mask": [1] * len(ids)}
+        batch = [self.encode(t, add_special_tokens) for t in text]
+        return {"input_ids": batch, "attention_mask": [[1] * len(ids) for ids in batch]}
+
+    def batch_decode(
+        self, sequences: Sequence[Sequence[int]], skip_special_tokens: bool = False
+    ) -> list[str]:
+        return [self.decode(ids, skip_special_tokens) for ids in sequences]
+
+    def tokenize(self, text: str, add_special_tokens: bool = False) -> list[str]:
+        """The token strings of `text` (no special tokens added, as in transformers)."""
+        return list(self.backend.encode(text, add_special_tokens=add_special_tokens).tokens)
+
+    @overload
+    def convert_tokens_to_ids(self, tokens: str) -> int | None: ...  # type: ignore[overload-overlap]  # a str is a Sequence[str]: this one wins
+    @overload
+    def convert_tokens_to_ids(self, tokens: Sequence[str]) -> list[int | None]: ...
+    def convert_tokens_to_ids(self, tokens: str | Sequence[str]) -> int | None | list[int | None]:
+        """Unknown tokens map to the unk token's id (None without one), as in transformers."""
+        if isinstance(tokens, str):
+            token_id = self.backend.token_to_id(tokens)
+            return self.unk_token_id if token_id is None else int(token_id)
+        return [self.convert_tokens_to_ids(t) for t in tokens]
+
+    def convert_tokens_to_string(self, tokens: Sequence[str]) -> str:
+        decoder = self.backend.decoder
+        return str(decoder.decode(list(tokens))) if decoder is not None else "".join(tokens)
+
+    def get_vocab(self) -> dict[str, int]:
+        return dict(self.backend.get_vocab(with_added_tokens=True))
+
+    @property
+    def max_token_id(self) -> int:
+        return max(self.backend.get_vocab(with_added_tokens=True).values())
+
+    @property
+    def pad_token(self) -> str | None:
+        return self._special_tokens.get("pad_token")
+
+    @property
+    def pad_token_id(self) -> int | None:
+        return self._token_id(self.pad_token)
+
+    @property
+    def unk_token(self) -> str | None:
+        return self._special_tokens.get("unk_token")
+
+    @property
+    def unk_token_id(self) -> int | None:
+        return self._token_id(self.unk_token)
+
+    @property
+    def special_tokens_map(self) -> dict[str, str]:
+        return dict(self._special_tokens)
+
+    @property
+    def all_special_tokens(self) -> list[str]:
+        return [t for t in self.convert_ids_to_tokens(self.all_special_ids) if t is not None]
+
     # ------------------------------------------------------------------ chat
 
+    @overload
+    def apply_chat_template(
+        self, messages: Sequence[ChatMessage], *, tokenize: Literal[False] = ..., **kwargs: Any
+    ) -> str: ...
+    @overload
+    def apply_chat_template(
+        self, messages: Sequence[ChatMessage], *, tokenize: Literal[True], **kwargs: Any
+    ) -> list[int] | dict[str, list[int]]: ...
     def apply_chat_template(
         self,
         messages: Sequence[ChatMessage],
@@ -163,12 +246,18 @@ class Tokenizer:
         continue_final_message: bool = False,
         chat_template: str | None = None,
         tools: Sequence[Mapping[str, Any]] | None = None,
+        tokenize: bool = False,
+        return_dict: bool = False,
         **template_kwargs: Any,
-    ) -> str:
+    ) -> str | list[int] | dict[str, list[int]]:
         """Render `messages` with the chat template (transformers' semantics).
 
         With `continue_final_message` no generation prompt is added and the text is cut right
         after the final message's content, so the model continues that message.
+
+        `tokenize=True` returns the token ids instead (the text encoded without adding special
+        tokens, as transformers does; `return_dict=True`: `{"input_ids", "attention_mask"}`).
+        Unlike transformers, the defaults are `tokenize=False` and `add_generation_prompt=True`.
         """
         source = chat_template or self.chat_template
         if source is None:
@@ -192,7 +281,10 @@ class Tokenizer:
             raise ValueError(f"chat_template: rendering failed: {e}") from e
         if continue_final_message:
             rendered = _cut_after_final(rendered, chat[-1].get("content"))
-        return rendered
+        if not tokenize:
+            return rendered
+        ids = self.encode(rendered, add_special_tokens=False)
+        return {"input_ids": ids, "attention_mask": [1] * len(ids)} if return_dict else ids
 
     def render_chat(
         self,
