@@ -1,7 +1,9 @@
 """The Starlette app of the OpenAI-compatible server: `build_app(state)`.
 
 Every endpoint is wrapped so that no exception escapes it: whatever goes wrong with one request
-becomes an OpenAI error body (see openai_errors.py) and never disturbs the others. Generation
+becomes an OpenAI error body (see openai_errors.py) and never disturbs the others. A POST body
+must be JSON: another Content-Type (or none) is a 400 before the body is read, with vLLM's
+message ("Unsupported Media Type: Only 'application/json' is allowed"). Generation
 endpoints return a `GenerationResponse` (sse.py) that watches for the client's disconnect.
 """
 
@@ -52,6 +54,9 @@ from triollm.engine.config import ModelConfig
 __all__ = ["build_app"]
 
 Endpoint = Callable[[Request], Awaitable[Response]]
+
+# vLLM's check and answer (its `validate_json_request`: a validation error, so a 400).
+UNSUPPORTED_MEDIA_TYPE = "Unsupported Media Type: Only 'application/json' is allowed"
 
 
 def build_app(state: ServerState) -> Starlette:
@@ -141,6 +146,12 @@ async def _http_exception(request: Request, exc: Exception) -> Response:
     return error.response()
 
 
+def _require_json(request: Request) -> None:
+    content_type = request.headers.get("content-type", "")
+    if content_type.split(";", 1)[0].strip().lower() != "application/json":
+        raise APIError(400, UNSUPPORTED_MEDIA_TYPE)
+
+
 def _json(obj: Any, status: int = 200) -> Response:
     return Response(msgspec.json.encode(obj), status_code=status, media_type="application/json")
 
@@ -157,6 +168,8 @@ class _Endpoints:
     def guard(self, fn: Endpoint) -> Endpoint:
         async def endpoint(request: Request) -> Response:
             try:
+                if request.method == "POST":
+                    _require_json(request)
                 return await fn(request)
             except Exception as exc:
                 return from_exception(exc, engine_running=self.llm.is_running).response()
