@@ -29,9 +29,10 @@ import itertools
 import logging
 import time
 import traceback
-from collections.abc import AsyncGenerator, Iterable, Mapping
+import warnings
+from collections.abc import AsyncGenerator, Awaitable, Callable, Generator, Iterable, Mapping
 from contextlib import AsyncExitStack
-from typing import Any
+from typing import Any, Literal
 
 import anyio
 import anyio.lowlevel
@@ -39,6 +40,7 @@ from anyio.abc import TaskGroup, TaskStatus
 
 from triollm.actors.core_client import CoreClient
 from triollm.actors.errors import EngineDeadError, EngineGenerateError
+from triollm.actors.host import spawn_root_task
 from triollm.actors.messages import (
     AbortRequests,
     AddRequest,
@@ -54,17 +56,74 @@ from triollm.actors.messages import (
 from triollm.actors.request_stream import RequestStream
 from triollm.actors.transport import open_core_client
 from triollm.engine.config import EngineArgs, EngineConfig, ModelConfig
+from triollm.engine.core import EngineCoreFactory
+from triollm.engine.metrics import Counter, Gauge, Metric
 from triollm.engine.outputs import RequestOutput
 from triollm.engine.processing.processors import InputProcessor, OutputProcessor, PromptType
 from triollm.engine.processing.tokenizer import Tokenizer
 from triollm.engine.sampling_params import SamplingParams
 
-__all__ = ["AsyncEngineArgs", "AsyncLLM"]
+__all__ = ["AsyncEngineArgs", "AsyncLLM", "PauseMode", "ShutdownCall"]
 
 log = logging.getLogger("triollm")
 
 # Prompts longer than this (characters or token ids) are processed in a worker thread.
 _LARGE_PROMPT = 8192
+
+SUPPORTED_TASKS: tuple[str, ...] = ("generate",)
+PauseMode = Literal["abort", "wait", "keep"]
+PAUSE_MODES: tuple[str, ...] = ("abort", "wait", "keep")
+
+
+class ShutdownCall:
+    """What `AsyncLLM.shutdown()` returns: the shutdown has begun when the call returns (vLLM's
+    sync form); awaiting it waits until the engine has stopped (the structured form)."""
+
+    def __init__(self, finish: Callable[[float], Awaitable[None]], timeout: float) -> None:
+        self._finish = finish
+        self._timeout = timeout
+
+    def __await__(self) -> Generator[Any, None, None]:
+        return self._finish(self._timeout).__await__()
+
+
+class _EngineHost:
+    """The root task that owns an engine nobody entered (actors/host.py): it enters the engine,
+    reports readiness or the start-up error, and leaves when told to stop or when the event loop
+    ends (the loop cancels its root tasks; the engine's teardown is shielded and bounded)."""
+
+    def __init__(self, llm: AsyncLLM) -> None:
+        self._llm = llm
+        self.ready = anyio.Event()
+        self.done = anyio.Event()
+        self.error: BaseException | None = None
+        self._stop = anyio.Event()
+        self._timeout = 0.0
+        self._task: object | None = None
+
+    def stop(self, timeout: float) -> None:
+        self._timeout = timeout
+        self._stop.set()
+
+    def in_host_task(self) -> bool:
+        return self._task is not None and self._task == anyio.get_current_task().id
+
+    async def run(self) -> None:
+        self._task = anyio.get_current_task().id
+        try:
+            try:
+                await self._llm.start()
+            except Exception as exc:  # reported to whoever waits for the start; never raised here
+                self.error = exc
+                return
+            finally:
+                self.ready.set()
+            try:
+                await self._stop.wait()
+            finally:
+                await self._llm._shutdown(self._timeout)
+        finally:
+            self.done.set()
 
 
 class AsyncEngineArgs(EngineArgs):
@@ -72,9 +131,19 @@ class AsyncEngineArgs(EngineArgs):
 
 
 class AsyncLLM:
-    def __init__(self, args: EngineArgs, *, chat_template: str | None = None) -> None:
+    def __init__(
+        self,
+        args: EngineArgs,
+        *,
+        chat_template: str | None = None,
+        engine_core_factory: EngineCoreFactory | str | None = None,
+    ) -> None:
+        """`engine_core_factory` (tests and benchmarks only): "module:function" or an
+        `EngineCoreFactory` that builds the engine core, in this process or the child."""
         self.args = args
         self._chat_template = chat_template
+        self._core_factory = EngineCoreFactory.coerce(engine_core_factory)
+        self._output_chunk_size = 1
         self._stack: AsyncExitStack | None = None
         self._client: CoreClient | None = None
         self._streams: dict[str, RequestStream] = {}
@@ -88,6 +157,12 @@ class AsyncLLM:
         self._idle = anyio.Event()
         self._idle.set()
         self.last_stats: StepStats | None = None
+        self._host: _EngineHost | None = None  # owns the engine when nobody entered it
+        self._paused = False
+        self._held: list[AddRequest] = []  # added while paused, sent at resume
+        self._num_prompt_tokens = 0
+        self._num_generation_tokens = 0
+        self._log_mark = (time.monotonic(), 0, 0)  # (time, prompt tokens, generation tokens)
         self.config: EngineConfig | None = None
         self.tokenizer: Tokenizer | None = None
 
@@ -119,12 +194,13 @@ class AsyncLLM:
         try:
             self.config = config = await anyio.to_thread.run_sync(self.args.create_engine_config)
             self.tokenizer = await anyio.to_thread.run_sync(
-                Tokenizer.from_pretrained, config.model.path, self._chat_template
+                Tokenizer.from_pretrained, config.tokenizer, self._chat_template
             )
-            self._input = InputProcessor(config.model, self.tokenizer, max_logprobs=self.args.max_logprobs)
+            self._input = InputProcessor(config.model, self.tokenizer, max_logprobs=config.actor.max_logprobs)
+            self._output_chunk_size = config.actor.output_chunk_size
             self._output = OutputProcessor(self.tokenizer)
             tg: TaskGroup = await stack.enter_async_context(anyio.create_task_group())
-            self._client = await stack.enter_async_context(open_core_client(config, self.args))
+            self._client = await stack.enter_async_context(open_core_client(config, self.args, core_factory=self._core_factory))
             await tg.start(self._output_actor)
             _freeze_heap()
         except BaseException:
@@ -134,9 +210,23 @@ class AsyncLLM:
             raise
         self._stack = stack
 
-    async def shutdown(self, timeout: float = 0.0) -> None:  # noqa: ASYNC109 (vLLM's signature)
+    def shutdown(self, timeout: float | None = None) -> ShutdownCall:
         """Stop accepting requests, let in-flight ones finish for up to `timeout` seconds, abort
-        the rest (their streams end with finish_reason "abort"), stop the engine. Idempotent."""
+        the rest (their streams end with finish_reason "abort"), stop the engine. Idempotent.
+
+        Callable as vLLM's `llm.shutdown()`: new requests are refused at once, and an engine that
+        started on first use (no `async with`) is told to stop; its root task tears it down.
+        `await llm.shutdown()` also waits until the engine has stopped (structured code)."""
+        self._stopping = True
+        if self._host is not None:
+            self._host.stop(timeout or 0.0)
+        return ShutdownCall(self._shutdown, timeout or 0.0)
+
+    async def _shutdown(self, timeout: float) -> None:  # noqa: ASYNC109
+        host = self._host
+        if host is not None and not host.in_host_task():
+            await host.done.wait()
+            return
         stack, self._stack = self._stack, None
         if stack is None:
             return
@@ -147,7 +237,7 @@ class AsyncLLM:
                     await self._idle.wait()
         finally:
             # Even when the drain was cancelled: every stream ends (with "abort").
-            self.abort(list(self._streams))
+            self._abort_now(list(self._streams))
             try:
                 await stack.aclose()  # not shielded: see start()
             finally:
@@ -166,6 +256,20 @@ class AsyncLLM:
         return self._dead is not None
 
     @property
+    def is_stopped(self) -> bool:
+        """vLLM's name: the engine no longer serves (shut down, or dead)."""
+        return self._stopping or self._dead is not None
+
+    @property
+    def model_config(self) -> ModelConfig:
+        """The model's configuration (vLLM's attribute); available once the engine started."""
+        return self.get_model_config()
+
+    async def get_supported_tasks(self) -> tuple[str, ...]:
+        await self._ensure_started()
+        return SUPPORTED_TASKS
+
+    @property
     def dead_error(self) -> EngineDeadError | None:
         return self._dead
 
@@ -180,7 +284,31 @@ class AsyncLLM:
         await self._idle.wait()
 
     async def check_health(self) -> None:
-        self._require_running()
+        """Raise `EngineDeadError` if the engine died (vLLM's health check)."""
+        if self._dead is not None:
+            raise self._dead_error()
+        if self._host is None:
+            self._require_running()
+
+    async def do_log_stats(self) -> None:
+        """Log one line of engine statistics (vLLM's periodic stats line): prompt and generation
+        throughput since the last call, running and waiting requests, KV cache usage and the
+        prefix cache hit rate. Does nothing with `disable_log_stats`."""
+        if self.args.disable_log_stats:
+            return
+        stats = await self.get_engine_stats()
+        now = time.monotonic()
+        elapsed = max(now - self._log_mark[0], 1e-9)
+        prompt_rate = (self._num_prompt_tokens - self._log_mark[1]) / elapsed
+        gen_rate = (self._num_generation_tokens - self._log_mark[2]) / elapsed
+        self._log_mark = (now, self._num_prompt_tokens, self._num_generation_tokens)
+        usage = 1.0 - stats.num_free_blocks / stats.num_blocks if stats.num_blocks else 0.0
+        log.info(
+            "Avg prompt throughput: %.1f tokens/s, Avg generation throughput: %.1f tokens/s, "
+            "Running: %d reqs, Waiting: %d reqs, KV cache usage: %.1f%%, Prefix cache hit rate: %.1f%%",
+            prompt_rate, gen_rate, stats.num_running, stats.num_waiting, 100 * usage,
+            100 * stats.prefix_cache_hit_rate,
+        )
 
     def get_tokenizer(self) -> Tokenizer:
         self._require_running()
@@ -188,7 +316,8 @@ class AsyncLLM:
         return self.tokenizer
 
     def get_model_config(self) -> ModelConfig:
-        self._require_running()
+        if self.config is None:
+            self._require_running()  # raises: not started yet
         assert self.config is not None
         return self.config.model
 
@@ -213,6 +342,17 @@ class AsyncLLM:
                 "(or `await llm.start()` ... `await llm.shutdown()`)"
             )
 
+    async def _ensure_started(self) -> None:
+        """Start on first use when nobody entered the engine (vLLM's plain-coroutine style): one
+        root task of the running loop owns it (actors/host.py). Raises the start-up error."""
+        if self._stack is None and self._host is None and not self._stopping and self._dead is None:
+            self._host = _EngineHost(self)
+            spawn_root_task(self._host.run, name="triollm AsyncLLM")
+        if self._host is not None:
+            await self._host.ready.wait()
+            if self._host.error is not None:
+                raise RuntimeError(f"AsyncLLM failed to start: {self._host.error}") from self._host.error
+
     # ------------------------------------------------------------------ requests
 
     async def add_request(
@@ -232,6 +372,7 @@ class AsyncLLM:
         not running. Close the stream (`with`, `async with`, `close()`) when done: an unfinished
         request is aborted then, exactly once.
         """
+        await self._ensure_started()
         self._require_running()
         if request_id in self._streams:
             raise ValueError(f"request_id: {request_id!r} is already in use by an unfinished request")
@@ -257,7 +398,11 @@ class AsyncLLM:
                 core_req.request_id = f"{core_req.request_id}#{seq}"
             self._output.add_request(processed)
             for core_req in processed.core_requests:
-                self._send(AddRequest(core_req))
+                self._num_prompt_tokens += len(core_req.prompt_token_ids)
+                if self._paused:
+                    self._held.append(AddRequest(core_req))
+                else:
+                    self._send(AddRequest(core_req))
         except BaseException:
             self._drop(request_id)
             raise
@@ -292,8 +437,12 @@ class AsyncLLM:
         if not self._streams:
             self._idle.set()
 
-    def abort(self, request_id: str | Iterable[str]) -> None:
-        """Abort requests; their streams end normally with finish_reason "abort"."""
+    async def abort(self, request_id: str | Iterable[str], internal: bool = False) -> None:
+        """Abort requests (vLLM's coroutine); their streams end normally with finish_reason
+        "abort". Unknown or finished ids are ignored. `internal` is accepted for vLLM's signature."""
+        self._abort_now(request_id)
+
+    def _abort_now(self, request_id: str | Iterable[str]) -> None:
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
         for rid in ids:
             stream = self._streams.get(rid)
@@ -322,6 +471,7 @@ class AsyncLLM:
     # ------------------------------------------------------------------ utilities
 
     async def _call(self, op: UtilityOp) -> StepStats | bool | None:
+        await self._ensure_started()
         self._require_running()
         cid = next(self._call_ids)
         done = anyio.Event()
@@ -350,6 +500,77 @@ class AsyncLLM:
     async def check_integrity(self) -> None:
         """Run the KV block manager's integrity check in the engine core (raises if broken)."""
         await self._call(UtilityOp.CHECK_INTEGRITY)
+
+    async def get_metrics(self) -> list[Metric]:
+        """The engine's counters and gauges now (vLLM's `get_metrics()` shapes, the server's
+        `triollm:` names)."""
+        stats = await self.get_engine_stats()
+        usage = 1.0 - stats.num_free_blocks / stats.num_blocks if stats.num_blocks else 0.0
+        return [
+            Gauge("triollm:num_requests_running", value=stats.num_running),
+            Gauge("triollm:num_requests_waiting", value=stats.num_waiting),
+            Gauge("triollm:kv_cache_usage_perc", value=usage),
+            Gauge("triollm:prefix_cache_hit_rate", value=stats.prefix_cache_hit_rate),
+            Counter("triollm:num_preemptions", value=stats.num_preemptions),
+            Counter("triollm:prompt_tokens", value=self._num_prompt_tokens),
+            Counter("triollm:generation_tokens", value=self._num_generation_tokens),
+        ]
+
+    async def pause_generation(
+        self,
+        *,
+        mode: PauseMode = "abort",
+        wait_for_inflight_requests: bool | None = None,
+        clear_cache: bool = True,
+    ) -> None:
+        """Stop generating until `resume_generation()` (vLLM's, e.g. around a weight update).
+
+        New requests are accepted and held in the frontend until resume. In-flight ones:
+        `mode="abort"` aborts them (their streams end with finish_reason "abort"), `"wait"` lets
+        them finish first, `"keep"` freezes them in the engine core (queue place and KV blocks
+        kept) until resume. `clear_cache` then resets the prefix cache (blocks still held by
+        kept requests stay). `wait_for_inflight_requests=True` is the deprecated `mode="wait"`.
+        """
+        if mode not in PAUSE_MODES:
+            raise ValueError(f"mode: {mode!r} is not one of {', '.join(PAUSE_MODES)}")
+        if wait_for_inflight_requests:
+            warnings.warn(
+                "pause_generation(wait_for_inflight_requests=True) is deprecated: use mode=\"wait\"",
+                DeprecationWarning,
+                stacklevel=2,
+            )
+            mode = "wait"
+        await self._ensure_started()
+        self._require_running()
+        inflight = list(self._streams)
+        self._paused = True
+        if mode == "abort":
+            self._abort_now(inflight)
+        elif mode == "wait":
+            for rid in inflight:
+                stream = self._streams.get(rid)
+                if stream is not None:
+                    await stream.wait_finished()
+        else:
+            await self._call(UtilityOp.PAUSE)
+        if clear_cache:
+            await self.reset_prefix_cache()
+
+    async def resume_generation(self) -> None:
+        """Generate again: frozen requests continue and held ones go to the engine core."""
+        await self._ensure_started()
+        self._require_running()
+        if not self._paused:
+            return
+        await self._call(UtilityOp.RESUME)
+        self._paused = False
+        held, self._held = self._held, []
+        for msg in held:
+            if self._output.parent_id(msg.request.request_id) is not None:  # not aborted meanwhile
+                self._send(msg)
+
+    async def is_paused(self) -> bool:
+        return self._paused
 
     # ------------------------------------------------------------------ the output actor
 
@@ -388,11 +609,13 @@ class AsyncLLM:
         if batch.stats is not None:
             self.last_stats = batch.stats
         outputs = batch.to_outputs()
-        size = self.args.output_chunk_size
+        size = self._output_chunk_size
         for start in range(0, len(outputs), size):
             if start:
                 await anyio.lowlevel.checkpoint()
-            processed = self._output.process_outputs(outputs[start : start + size])
+            chunk = outputs[start : start + size]
+            self._num_generation_tokens += sum(len(o.new_token_ids) for o in chunk)
+            processed = self._output.process_outputs(chunk)
             for out in processed.request_outputs:
                 stream = self._streams.get(out.request_id)
                 if stream is not None:

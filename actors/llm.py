@@ -1,15 +1,16 @@
 """`LLM`: vLLM's synchronous entry point, driving an `AsyncLLM` through one blocking portal.
 
-The portal is an event loop in one helper thread (`anyio.from_thread.start_blocking_portal`);
-the `AsyncLLM` is entered inside it with `wrap_async_context_manager`, so its task group lives
-there for the `LLM`'s whole life. Each `generate()` is ONE portal call: all requests are added
-and gathered inside the loop (a round trip costs ~0.2-0.3 ms, too much per token).
+`llm.llm_engine` is an `LLMEngine` (actors/llm_engine.py), which owns the portal - an event loop
+in one helper thread (`anyio.from_thread.start_blocking_portal`) - with the `AsyncLLM` entered
+inside it, so its task group lives there for the `LLM`'s whole life. Each `generate()` is ONE
+portal call: all requests are added and gathered inside the loop (a round trip costs
+~0.2-0.3 ms, too much per token). `enqueue()` / `wait_for_completion()` go through the
+`LLMEngine`'s own `add_request` / `step` loop, as vLLM's do.
 
 Ctrl-C: the caller's thread gets `KeyboardInterrupt` while it waits on the call's future.
 `future.cancel()` returns before the in-loop aborts have run, so the batch task's `finally`
 sets a `threading.Event` and the caller waits on it (bounded) before re-raising; the `LLM`
-stays usable. `shutdown()` is idempotent; a `weakref.finalize` (holding no reference to `self`)
-closes a forgotten `LLM` at interpreter exit as a last resort.
+stays usable. `shutdown()` is idempotent (the `LLMEngine`'s).
 """
 
 from __future__ import annotations
@@ -18,18 +19,17 @@ import contextlib
 import itertools
 import threading
 import time
-import warnings
-import weakref
 from collections.abc import Callable, Sequence
 from concurrent.futures import CancelledError
 from typing import Any
 
 import anyio
-from anyio.from_thread import BlockingPortal, start_blocking_portal
 
-from triollm.actors.async_llm import AsyncLLM
+from triollm.actors.llm_engine import LLMEngine
 from triollm.actors.request_stream import RequestStream
 from triollm.engine.config import EngineArgs
+from triollm.engine.core import EngineCoreFactory
+from triollm.engine.metrics import Metric
 from triollm.engine.outputs import RequestOutput
 from triollm.engine.processing.processors import PromptType
 from triollm.engine.processing.tokenizer import Tokenizer
@@ -37,30 +37,14 @@ from triollm.engine.sampling_params import RequestOutputKind, SamplingParams
 
 __all__ = ["LLM", "engine_args_from_kwargs"]
 
-# Keywords vLLM's LLM accepts that have no effect here (documented, accepted silently).
-_IGNORED = frozenset(
-    {
-        "trust_remote_code", "tokenizer_mode", "skip_tokenizer_init", "revision", "tokenizer_revision",
-        "enforce_eager", "disable_custom_all_reduce", "hf_token", "download_dir", "quantization",
-        "gpu_memory_utilization", "max_seq_len_to_capture", "cpu_offload_gb", "allowed_local_media_path",
-    }
-)
 _ABORT_WAIT_S = 5.0
 
 
 def engine_args_from_kwargs(model: str | None = None, **kwargs: Any) -> EngineArgs:
-    """Map vLLM's `LLM(...)` keywords onto `EngineArgs` (one place for every normalisation)."""
-    if "swap_space" in kwargs:
-        kwargs.pop("swap_space")
-        warnings.warn(
-            "swap_space is deprecated and ignored (preempted requests are recomputed)",
-            DeprecationWarning,
-            stacklevel=3,
-        )
-    for key in _IGNORED & kwargs.keys():
-        kwargs.pop(key)
-    names = set(EngineArgs.field_names())
-    unknown = sorted(set(kwargs) - names)
+    """vLLM's `LLM(...)` keywords -> `EngineArgs`: the same names as `EngineArgs` and the CLI
+    flags, normalised and validated in one place (`EngineArgs`). An unknown keyword is a
+    `TypeError` naming it, as the CLI rejects an unknown flag."""
+    unknown = sorted(set(kwargs) - set(EngineArgs.field_names()))
     if unknown:
         raise TypeError(f"LLM() got unexpected keyword arguments: {', '.join(unknown)}")
     return EngineArgs(model=model, **kwargs)
@@ -69,38 +53,42 @@ def engine_args_from_kwargs(model: str | None = None, **kwargs: Any) -> EngineAr
 class LLM:
     """Offline batch inference: `LLM(model=...).generate(prompts, SamplingParams(...))`."""
 
-    def __init__(self, model: str | None = None, *, backend: str = "trio", **kwargs: Any) -> None:
-        self._start(engine_args_from_kwargs(model, **kwargs), backend)
+    def __init__(
+        self,
+        model: str | None = None,
+        *,
+        backend: str = "trio",
+        engine_core_factory: EngineCoreFactory | str | None = None,
+        **kwargs: Any,
+    ) -> None:
+        """`engine_core_factory` is for tests and benchmarks (see `AsyncLLM`)."""
+        self._start(engine_args_from_kwargs(model, **kwargs), backend, engine_core_factory)
 
     @classmethod
-    def from_engine_args(cls, args: EngineArgs, *, backend: str = "trio") -> LLM:
+    def from_engine_args(
+        cls,
+        args: EngineArgs,
+        *,
+        backend: str = "trio",
+        engine_core_factory: EngineCoreFactory | str | None = None,
+    ) -> LLM:
         self = cls.__new__(cls)
-        self._start(args, backend)
+        self._start(args, backend, engine_core_factory)
         return self
 
-    def _start(self, args: EngineArgs, backend: str) -> None:
-        if backend not in ("trio", "asyncio"):
-            raise ValueError(f"backend: {backend!r} is not one of trio, asyncio")
+    def _start(self, args: EngineArgs, backend: str, core_factory: EngineCoreFactory | str | None) -> None:
         self.args = args
         self._ids = itertools.count()
-        self._stack = contextlib.ExitStack()
-        try:
-            portal: BlockingPortal = self._stack.enter_context(start_blocking_portal(backend))
-            self._engine: AsyncLLM = self._stack.enter_context(
-                portal.wrap_async_context_manager(AsyncLLM.from_engine_args(args))
-            )
-        except BaseException:
-            self._stack.close()
-            raise
-        self._portal = portal
-        loop_thread = portal.call(threading.get_ident)
-        self._finalizer = weakref.finalize(self, _close_from_other_thread, self._stack, loop_thread)
+        self._enqueued: list[str] = []
+        self.llm_engine = LLMEngine(args, backend=backend, engine_core_factory=core_factory)
+        self._portal = self.llm_engine.portal
+        self._engine = self.llm_engine.async_llm
 
     # ------------------------------------------------------------------ lifecycle
 
     def shutdown(self) -> None:
         """Stop the engine and the portal thread. Idempotent."""
-        self._finalizer()
+        self.llm_engine.shutdown()
 
     def __enter__(self) -> LLM:
         return self
@@ -111,12 +99,16 @@ class LLM:
     def get_tokenizer(self) -> Tokenizer:
         return self._engine.get_tokenizer()
 
-    @property
-    def llm_engine(self) -> AsyncLLM:
-        return self._engine
-
     def get_default_sampling_params(self) -> SamplingParams:
         return SamplingParams(**self._engine.get_model_config().generation_defaults)
+
+    def reset_prefix_cache(self) -> bool:
+        """Drop every cached prefix block not held by a running request (True if all were)."""
+        return self.llm_engine.reset_prefix_cache()
+
+    def get_metrics(self) -> list[Metric]:
+        """The engine's counters and gauges now (`triollm.engine.metrics`)."""
+        return self.llm_engine.get_metrics()
 
     # ------------------------------------------------------------------ generation
 
@@ -147,6 +139,74 @@ class LLM:
         chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
         """Generate replies to one conversation or a list of conversations."""
+        prompts = self._render_chats(
+            messages, chat_template, add_generation_prompt, continue_final_message, chat_template_kwargs
+        )
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def enqueue(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        priority: list[int] | None = None,
+        use_tqdm: bool | Callable[..., Any] = False,
+    ) -> list[str]:
+        """Add the prompts without waiting (vLLM's queue API); returns their request ids.
+        `wait_for_completion()` collects the outputs."""
+        prompt_list: list[PromptType] = [prompts] if isinstance(prompts, (str, dict)) else list(prompts)  # type: ignore[list-item]
+        params = self._params_list(sampling_params, len(prompt_list))
+        if priority is not None and len(priority) != len(prompt_list):
+            raise ValueError(f"priority: {len(priority)} values given for {len(prompt_list)} prompts")
+        ids: list[str] = []
+        for i, (prompt, p) in enumerate(zip(prompt_list, params)):
+            rid = self.llm_engine.add_request(f"llm-{next(self._ids)}", prompt, p, priority=priority[i] if priority else 0)
+            ids.append(rid)
+            self._enqueued.append(rid)
+        return ids
+
+    def enqueue_chat(
+        self,
+        messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        chat_template_kwargs: dict[str, Any] | None = None,
+    ) -> list[str]:
+        """`enqueue` for conversations, rendered as `chat()` renders them."""
+        prompts = self._render_chats(
+            messages, chat_template, add_generation_prompt, continue_final_message, chat_template_kwargs
+        )
+        return self.enqueue(prompts, sampling_params)
+
+    def wait_for_completion(self, *, use_tqdm: bool | Callable[..., Any] = True) -> list[RequestOutput]:
+        """Run the engine until every request added through `llm_engine` (`enqueue`, or
+        `llm_engine.add_request`) has finished; the finished outputs, enqueued ones first in
+        enqueue order."""
+        finished: dict[str, RequestOutput] = {}
+        bar = _progress(self.llm_engine.get_num_unfinished_requests(), use_tqdm)
+        while self.llm_engine.has_unfinished_requests():
+            for out in self.llm_engine.step():
+                if out.finished:
+                    finished[out.request_id] = out
+                    if bar is not None:
+                        bar.record(out)
+        if bar is not None:
+            bar.close()
+        ordered = [finished.pop(rid) for rid in self._enqueued if rid in finished]
+        self._enqueued = []
+        return ordered + list(finished.values())
+
+    def _render_chats(
+        self,
+        messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
+        chat_template: str | None,
+        add_generation_prompt: bool,
+        continue_final_message: bool,
+        chat_template_kwargs: dict[str, Any] | None,
+    ) -> list[PromptType]:
         if messages and isinstance(messages[0], dict):
             conversations = [messages]
         else:
@@ -162,7 +222,7 @@ class LLM:
                 chat_template_kwargs=chat_template_kwargs,
             )
             prompts.append({"prompt": text, "prompt_token_ids": ids})  # rendered once: text and ids
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        return prompts
 
     def _params_list(
         self, sampling_params: SamplingParams | Sequence[SamplingParams] | None, n: int
@@ -285,9 +345,3 @@ def _progress(total: int, use_tqdm: bool | Callable[..., Any]) -> _Bar | None:
         return _Bar(total, tqdm)
     return _Bar(total, use_tqdm)
 
-
-def _close_from_other_thread(stack: contextlib.ExitStack, loop_thread: int) -> None:
-    # Closing from the portal's own loop thread would deadlock (the portal raises RuntimeError).
-    if loop_thread == threading.get_ident():
-        return
-    stack.close()

@@ -1,10 +1,14 @@
 """The engine core in a child process, linked to the frontend by ZMQ.
 
 Parent side: `open_process_core(config, args)` yields the same `CoreClient` as the in-process
-transport. Child side: `python -m triollm.actors.process SPEC` (`main()` below).
+transport. Child side: `main()` below, run as `python -c "...main()" SPEC`. SPEC (JSON) holds
+the user's `EngineArgs` fields (those that have an effect: ignored vLLM arguments were warned
+about in the parent and are not sent), the two socket addresses, the log level and, for tests
+and benchmarks only, an `EngineCoreFactory` ("module:function" and its keyword arguments) that
+builds the core in place of `EngineCore(config)`.
 
 ```
-parent                                              child (`python -m triollm.actors.process`)
+parent                                              child (`process.main()`, its own interpreter)
 client.inputs ─▶ pump_to_socket ─▶ PUSH ══ipc/tcp══▶ PULL ─▶ pump_from_socket ─▶ serve_engine_core
 client.outputs ◀─ output actor ◀── PULL ◀═ipc/tcp═══ PUSH ◀─ pump_to_socket ◀──┘   (steps in a thread)
                    (+ watcher on proc.wait())
@@ -78,6 +82,7 @@ from triollm.actors.messages import (
     output_decoder,
 )
 from triollm.engine.config import EngineArgs, EngineConfig
+from triollm.engine.core import EngineCoreFactory
 
 if sys.version_info < (3, 11):
     from exceptiongroup import BaseExceptionGroup
@@ -116,6 +121,7 @@ class _ChildSpec(msgspec.Struct):
     inputs: str  # address of the parent's PUSH socket (the child connects a PULL)
     outputs: str  # address of the parent's PULL socket (the child connects a PUSH)
     log_level: int = logging.WARNING
+    core_factory: EngineCoreFactory | None = None  # tests and benchmarks: builds the core
 
 
 _encoder = msgspec.msgpack.Encoder()
@@ -125,17 +131,18 @@ _encoder = msgspec.msgpack.Encoder()
 
 
 @asynccontextmanager
-async def open_process_core(config: EngineConfig, args: EngineArgs) -> AsyncIterator[CoreClient]:
+async def open_process_core(
+    config: EngineConfig, args: EngineArgs, *, core_factory: EngineCoreFactory | None = None
+) -> AsyncIterator[CoreClient]:
     """Start an engine-core child process and link it; see the module docstring.
 
     Raises `EngineStartupError` if the child cannot start. The yielded client's output stream
     ends after `EngineDead` (the child failed or died) or when the context exits.
     """
-    ends = zmq_io.Endpoints.bind(args.zmq_address)
+    ends = zmq_io.Endpoints.bind(config.actor.zmq_address)
     try:
-        proc = await anyio.open_process(
-            _child_command(config, args, ends), stdin=PIPE, stdout=DEVNULL, stderr=PIPE
-        )
+        command = _child_command(config, args, ends, core_factory)
+        proc = await anyio.open_process(command, stdin=PIPE, stdout=DEVNULL, stderr=PIPE)
         try:
             with _unwrap_single_error():
                 async with anyio.create_task_group() as tg:
@@ -180,17 +187,35 @@ async def open_process_core(config: EngineConfig, args: EngineArgs) -> AsyncIter
         ends.close()
 
 
-def _child_command(config: EngineConfig, args: EngineArgs, ends: zmq_io.Endpoints) -> list[str]:
-    # Only EngineArgs' own fields (`args` may be a subclass such as AsyncEngineArgs).
-    child_args = {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineArgs)}
-    child_args.update(model=str(config.model.path), multiprocess=False)
+def _child_command(
+    config: EngineConfig,
+    args: EngineArgs,
+    ends: zmq_io.Endpoints,
+    core_factory: EngineCoreFactory | None,
+) -> list[str]:
+    # Only EngineArgs' own fields (`args` may be a subclass such as AsyncEngineArgs), and not
+    # those without effect: the parent warned about them, the child would warn again.
+    child_args = {
+        f.name: getattr(args, f.name)
+        for f in dataclasses.fields(EngineArgs)
+        if f.name not in config.ignored_args
+    }
+    child_args.update(
+        model=str(config.model.path), tokenizer=str(config.tokenizer), multiprocess=False
+    )
     spec = _ChildSpec(
         msgspec.to_builtins(child_args),
         ends.input_address,
         ends.output_address,
         log.getEffectiveLevel(),
+        core_factory,
     )
-    return [sys.executable, "-m", "triollm.actors.process", msgspec.json.encode(spec).decode()]
+    # `-c` rather than `-m triollm.actors.process`: importing the package imports this module
+    # (AsyncLLM -> transport -> process), so runpy would run a second copy as __main__ (and warn).
+    return [sys.executable, "-c", _CHILD_MAIN, msgspec.json.encode(spec).decode()]
+
+
+_CHILD_MAIN = "from triollm.actors.process import main; raise SystemExit(main())"
 
 
 async def _handshake(sock: zmq.Socket[Any], proc: Process, stderr: _StderrTail) -> Ready:
@@ -415,7 +440,8 @@ async def _run_engine(spec: _ChildSpec, inputs: zmq.Socket[Any], outputs: zmq.So
 
     try:
         config = EngineArgs(**spec.args).create_engine_config()
-        core = await anyio.to_thread.run_sync(EngineCore, config, abandon_on_cancel=True)
+        build = EngineCore if spec.core_factory is None else spec.core_factory.build
+        core = await anyio.to_thread.run_sync(build, config, abandon_on_cancel=True)
     except Exception as exc:
         message = str(exc) if isinstance(exc, ValueError) else f"{type(exc).__name__}: {exc}"
         await zmq_io.send(outputs, _encoder.encode(StartupError(message, traceback.format_exc())))

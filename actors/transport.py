@@ -2,11 +2,14 @@
 
 Both ways give the frontend the same thing, a `CoreClient`: what the engine measured at start-up
 (`Ready`), a send stream for `CoreInput` messages and a receive stream of `CoreOutput`
-messages. The choice is a value (`multiprocess`), not a class hierarchy.
+messages. The choice is a value (`config.actor.multiprocess`), not a class hierarchy.
 
 - In-process: `EngineCore` is built in a worker thread and driven by `serve_engine_core` in a
   task of this event loop (each step in a worker thread).
 - Multiprocess: see `actors/process.py`.
+
+`core_factory` (tests and benchmarks only) builds the core instead of `EngineCore(config)`: a
+scripted runner, an injected fault. It is plain data, so it crosses to the child process too.
 
 The input stream is unbounded on purpose: adds are bounded by the callers waiting for them, and
 an abort must be sendable synchronously from a `finally` block of a cancelled consumer.
@@ -16,7 +19,6 @@ The output stream ends after `EngineDead`, or when the core stops after `Shutdow
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
@@ -27,35 +29,31 @@ from triollm.actors.core_loop import serve_engine_core
 from triollm.actors.messages import CoreInput, CoreOutput, Ready, Shutdown
 from triollm.actors.process import open_process_core
 from triollm.engine.config import EngineArgs, EngineConfig
-from triollm.engine.core import EngineCore
+from triollm.engine.core import EngineCore, EngineCoreFactory
 
-__all__ = ["multiprocess_default", "open_core_client"]
-
-def multiprocess_default(value: bool | None) -> bool:
-    """The configured value, else $TRIOLLM_MULTIPROCESS (0/1), else True. Read once per engine."""
-    if value is not None:
-        return value
-    env = os.environ.get("TRIOLLM_MULTIPROCESS")
-    if env is None or env == "":
-        return True
-    if env not in ("0", "1"):
-        raise ValueError(f"TRIOLLM_MULTIPROCESS: {env!r} is not 0 or 1")
-    return env == "1"
+__all__ = ["open_core_client"]
 
 
 @asynccontextmanager
-async def open_core_client(config: EngineConfig, args: EngineArgs) -> AsyncIterator[CoreClient]:
-    if multiprocess_default(args.multiprocess):
-        async with open_process_core(config, args) as client:
+async def open_core_client(
+    config: EngineConfig, args: EngineArgs, *, core_factory: EngineCoreFactory | None = None
+) -> AsyncIterator[CoreClient]:
+    """Start the engine core as `config.actor` says. `args` (what the user asked for) is what a
+    child process rebuilds its config from; everything else is read from `config`."""
+    if config.actor.multiprocess:
+        async with open_process_core(config, args, core_factory=core_factory) as client:
             yield client
     else:
-        async with _open_in_process(config) as client:
+        async with _open_in_process(config, core_factory) as client:
             yield client
 
 
 @asynccontextmanager
-async def _open_in_process(config: EngineConfig) -> AsyncIterator[CoreClient]:
-    core = await anyio.to_thread.run_sync(EngineCore, config)
+async def _open_in_process(
+    config: EngineConfig, core_factory: EngineCoreFactory | None
+) -> AsyncIterator[CoreClient]:
+    build = EngineCore if core_factory is None else core_factory.build
+    core = await anyio.to_thread.run_sync(build, config)
     in_send, in_recv = anyio.create_memory_object_stream[CoreInput](math.inf)
     out_send, out_recv = anyio.create_memory_object_stream[CoreOutput](OUTPUT_BUFFER)
     ready = Ready(core.num_blocks, config.cache.block_size, config.model.max_model_len, config.model.vocab_size)

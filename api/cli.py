@@ -1,7 +1,9 @@
 """The `triollm` command line: `generate`, `chat`, `bench`.
 
 Engine flags are generated from the `EngineArgs` dataclass (vLLM's names, `--max-model-len`
-for `max_model_len`), so the CLI, `LLM(**kwargs)` and the server share one schema.
+for `max_model_len`, `--served-model-name` included), so the CLI, `LLM(**kwargs)` and the server
+share one schema: a flag vLLM knows and triollm does not is rejected (exit 2) as an unknown
+keyword is rejected by `LLM(...)`.
 """
 
 from __future__ import annotations
@@ -42,7 +44,6 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("model_tag", nargs="?", default=None, metavar="MODEL", help="a local HF directory or .gguf file")
     serve.add_argument("--host", default="127.0.0.1", help="(default: %(default)s)")
     serve.add_argument("--port", type=int, default=8000, help="0 picks a free port (default: %(default)s)")
-    serve.add_argument("--served-model-name", nargs="+", default=None, help="names clients use in `model` (default: the model argument)")
     serve.add_argument("--api-key", default=os.environ.get("TRIOLLM_API_KEY"), help="require `Authorization: Bearer KEY` on /v1/* (default: $TRIOLLM_API_KEY)")
     serve.add_argument("--allowed-origins", default=None, help='CORS origins, a JSON list or comma-separated, e.g. \'["*"]\' (default: no CORS)')
     serve.add_argument("--shutdown-timeout", type=float, default=0.0, help="seconds in-flight requests get on SIGINT/SIGTERM before they are aborted (default: %(default)s)")
@@ -133,7 +134,8 @@ def cmd_serve(ns: argparse.Namespace) -> int:
     if ns.model_tag is not None:
         ns.model = ns.model_tag
     args = EngineArgs.from_cli_args(ns)
-    names = tuple(ns.served_model_name or [default_model_name(args)])
+    served = args.served_model_name
+    names = tuple([served] if isinstance(served, str) else served or [default_model_name(args)])
     settings = ServerSettings(
         served_model_names=names,
         api_key=ns.api_key or None,

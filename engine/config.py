@@ -1,9 +1,22 @@
 """Configuration: one user-facing schema (`EngineArgs`) validated once into a frozen `EngineConfig`.
 
-`EngineArgs` keeps vLLM's user-facing keyword names so scripts work unchanged. Everything
-derived from the model directory (architecture sizes, EOS ids, generation defaults) lives in
-`ModelConfig`, read once from `config.json` / `generation_config.json`. Sizes the engine measures
-at start-up (the number of KV blocks) are returned by the code that measures them, never written
+`EngineArgs` keeps vLLM's user-facing keyword names so scripts work unchanged, and it is the only
+schema: `LLM(**kwargs)`, `EngineArgs(**kwargs)` and the CLI flags (generated from the fields by
+`add_cli_args`, read back by `from_cli_args`) accept the same names with the same meaning.
+
+- Normalisations happen once, in `__post_init__`: dtype aliases (`half`, `float`, a
+  `torch.dtype`) become canonical names, an int or dict `compilation_config` becomes a
+  `CompilationConfig`, the deprecated `swap_space` warns and is dropped, and values this engine
+  cannot honour (`quantization`, a non-"auto" `kv_cache_dtype`, a `kv_transfer_config`, ...)
+  raise `ValueError` naming the field and the allowed values.
+- vLLM arguments that change nothing here (`trust_remote_code`, `revision`, ...) are accepted so
+  that scripts run; `create_engine_config()` logs one warning per such name per process when it
+  is set to something other than its default (`EngineConfig.ignored_args` records them).
+- Settings of the actor layer (transport, output chunking, the ZMQ address, `max_logprobs`) and
+  the one environment override (`$TRIOLLM_MULTIPROCESS`) are read once into `ActorConfig`.
+
+Everything derived from the model directory lives in `ModelConfig`. Sizes the engine measures at
+start-up (the number of KV blocks) are returned by the code that measures them, never written
 back here.
 """
 
@@ -12,8 +25,11 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import logging
+import os
+import warnings
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +39,7 @@ from triollm.engine.loading.model_config import ModelConfig
 from triollm.engine.loading.model_files import resolve_model
 
 __all__ = [
+    "ActorConfig",
     "CacheConfig",
     "CompilationConfig",
     "EngineArgs",
@@ -31,12 +48,19 @@ __all__ = [
     "SchedulerConfig",
 ]
 
+log = logging.getLogger("triollm")
+
+MULTIPROCESS_ENV = "TRIOLLM_MULTIPROCESS"
+
+
 @dataclass(frozen=True)
 class CacheConfig:
     block_size: int
     enable_prefix_caching: bool
     kv_cache_memory_bytes: int | None  # None: derive from available memory
     num_kv_blocks: int | None  # explicit override (tests force preemption with a few blocks)
+    # CUDA: the fraction of the GPU's memory this engine may use (weights + KV cache), as vLLM.
+    gpu_memory_utilization: float = 0.9
 
 
 @dataclass(frozen=True)
@@ -47,6 +71,16 @@ class SchedulerConfig:
 
 
 @dataclass(frozen=True)
+class ActorConfig:
+    """The frontend (`AsyncLLM`, `LLM`) and its link to the engine core."""
+
+    multiprocess: bool  # the engine core in a child process (resolved: flag, else env, else True)
+    output_chunk_size: int  # RequestOutputs built per chunk before yielding to the event loop
+    zmq_address: str  # "ipc" or "tcp://HOST"
+    max_logprobs: int  # the most logprobs a request may ask for (-1: no limit)
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig
     cache: CacheConfig
@@ -54,8 +88,10 @@ class EngineConfig:
     device: str
     seed: int
     num_threads: int | None
-    inject_fault_at_step: int | None = None
-    load_format: str = "auto"
+    tokenizer: Path  # the tokenizer directory (the model's unless `tokenizer=` named another)
+    actor: ActorConfig
+    # vLLM arguments the user set that have no effect here (each warned about once).
+    ignored_args: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -97,48 +133,123 @@ class CompilationConfig:
 
 
 RUNNERS = ("auto", "generate")
+DTYPES = ("auto", "half", "float16", "bfloat16", "float", "float32")  # vLLM's --dtype choices
+_DTYPE_NAMES = {"half": "float16", "float": "float32"}
+_TORCH_DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
+LOAD_FORMATS = ("auto", "safetensors", "gguf")
+TOKENIZER_MODES = ("auto", "hf", "slow")
+BLOCK_SIZES = (8, 16, 32, 64, 128)
+
+# vLLM arguments that change nothing in this engine: set to a non-default value, each is logged
+# once per process with the reason. (`_SOMETIMES_IGNORED` join them in some cases.)
+IGNORED_ARGS: dict[str, str] = {
+    "trust_remote_code": "no code from a checkpoint is ever run (Llama-family models are built in)",
+    "revision": "models are local directories or .gguf files; nothing is downloaded",
+    "tokenizer_revision": "models are local directories or .gguf files; nothing is downloaded",
+    "download_dir": "nothing is downloaded (imported GGUF files are cached in cache_dir)",
+    "hf_token": "nothing is downloaded",
+    "skip_tokenizer_init": "the tokenizer is always loaded (outputs carry text)",
+    "distributed_executor_backend": "one engine-core process runs the model (tensor_parallel_size 1)",
+    "disable_custom_all_reduce": "there is no all-reduce (tensor_parallel_size 1)",
+    "max_seq_len_to_capture": "no CUDA graphs are captured",
+    "cpu_offload_gb": "weights are not offloaded",
+    "allowed_local_media_path": "prompts are text or token ids only",
+    "renderer_num_workers": "prompts are tokenized in the request's own task (large ones in a "
+    "worker thread); there is no renderer pool",
+}
+_SOMETIMES_IGNORED = {
+    "gpu_memory_utilization": "it sizes the KV cache on CUDA only",
+    "tokenizer_mode": "only fast tokenizers exist here: 'slow' loads the fast one (tokenizer.json)",
+}
+_warned: set[str] = set()
+
+
+def _arg(default: Any, help: str, *, choices: Sequence[Any] | None = None, nargs: str | None = None) -> Any:
+    """A field with its CLI help (and choices): `add_cli_args` turns each field into a flag."""
+    return field(default=default, metadata={"help": help, "choices": choices, "nargs": nargs})
 
 
 @dataclass
 class EngineArgs:
     """Every user-settable engine knob, with vLLM's names. `create_engine_config()` validates."""
 
-    model: str | None = None  # None: the bundled SmolLM2-135M-Instruct
-    tokenizer: str | None = None
-    # "auto": load the weights; "scripted": no weights, tokens replayed (pipeline benchmarks)
-    load_format: str = "auto"
-    dtype: str = "auto"
-    max_model_len: int | None = None
-    max_num_seqs: int = 128
-    max_num_batched_tokens: int | None = None
-    enable_chunked_prefill: bool = True
-    block_size: int = 16
-    enable_prefix_caching: bool = True
-    kv_cache_memory_bytes: int | None = None
-    num_gpu_blocks_override: int | None = None
-    seed: int = 0
-    runner: str = "auto"
-    tensor_parallel_size: int = 1
-    data_parallel_size: int = 1
-    compilation_config: CompilationConfig | int | dict | None = None
-    device: str = "auto"
-    num_threads: int | None = None
-    cache_dir: str | None = None  # where imported (GGUF) models are cached
+    # --- model and tokenizer
+    model: str | None = _arg(None, "a local Hugging Face directory or .gguf file (default: the bundled SmolLM2-135M-Instruct)")
+    served_model_name: str | list[str] | None = _arg(None, "names clients use in `model` (default: the model argument)", nargs="+")
+    tokenizer: str | None = _arg(None, "a tokenizer directory (or .gguf file) other than the model's")
+    tokenizer_mode: str = _arg("auto", "fast tokenizers only: 'slow' loads the fast one", choices=TOKENIZER_MODES)
+    skip_tokenizer_init: bool = _arg(False, "accepted, ignored")
+    trust_remote_code: bool = _arg(False, "accepted, ignored (no checkpoint code runs)")
+    revision: str | None = _arg(None, "accepted, ignored (nothing is downloaded)")
+    tokenizer_revision: str | None = _arg(None, "accepted, ignored (nothing is downloaded)")
+    download_dir: str | None = _arg(None, "accepted, ignored (see --cache-dir)")
+    hf_token: str | None = _arg(None, "accepted, ignored (nothing is downloaded)")
+    load_format: str = _arg("auto", "the weights' format (a .gguf model is imported once)", choices=LOAD_FORMATS)
+    dtype: str | torch.dtype = _arg("auto", "weights and activations: auto (float32 on CPU), half, float16, bfloat16, float, float32", choices=DTYPES)
+    kv_cache_dtype: str = _arg("auto", "the KV cache has the model's dtype", choices=("auto",))
+    quantization: str | None = _arg(None, "not supported (a .gguf model is dequantised on import)")
+    seed: int = _arg(0, "the engine's random seed")
+    max_model_len: int | None = _arg(None, "context length (default: the model's)")
+    max_logprobs: int = _arg(20, "the most logprobs a request may ask for (-1: no limit)")
+    # --- parallelism (one engine; see data_parallel_size's error for replicas)
+    tensor_parallel_size: int = _arg(1, "1 only")
+    pipeline_parallel_size: int = _arg(1, "1 only")
+    data_parallel_size: int = _arg(1, "1 only: run one engine per replica")
+    distributed_executor_backend: str | None = _arg(None, "accepted, ignored")
+    disable_custom_all_reduce: bool = _arg(False, "accepted, ignored")
+    # --- KV cache
+    block_size: int = _arg(16, "tokens per KV block", choices=BLOCK_SIZES)
+    enable_prefix_caching: bool = _arg(True, "reuse the KV blocks of shared prompt prefixes")
+    gpu_memory_utilization: float = _arg(0.9, "CUDA: the fraction of GPU memory for weights and KV cache")
+    kv_cache_memory_bytes: int | None = _arg(None, "the KV cache size (default: from free memory)")
+    num_gpu_blocks_override: int | None = _arg(None, "the number of KV blocks (overrides the sizing)")
+    swap_space: float | None = _arg(None, "deprecated and ignored (preempted requests are recomputed)")
+    cpu_offload_gb: float = _arg(0, "accepted, ignored")
+    # --- scheduling
+    max_num_seqs: int = _arg(128, "the most requests in one batch")
+    max_num_batched_tokens: int | None = _arg(None, "tokens per step (default: 2048, or max_model_len without chunked prefill)")
+    enable_chunked_prefill: bool = _arg(True, "split long prompts across steps")
+    # --- execution
+    runner: str = _arg("auto", "generate only", choices=RUNNERS)
+    device: str = _arg("auto", "auto (cuda if available), cpu or cuda", choices=("auto", "cpu", "cuda"))
+    num_threads: int | None = _arg(None, "torch threads in the engine core (default: all cores but one)")
+    enforce_eager: bool = _arg(False, "accepted (the model always runs eagerly)")
+    max_seq_len_to_capture: int = _arg(8192, "accepted, ignored (no CUDA graphs)")
+    compilation_config: CompilationConfig | int | dict[str, Any] | None = _arg(None, "an int level or a JSON object")
+    disable_log_stats: bool = _arg(False, "accepted (no periodic stats are logged)")
+    allowed_local_media_path: str = _arg("", "accepted, ignored (text only)")
+    renderer_num_workers: int = _arg(1, "accepted, ignored (no renderer pool)")
+    kv_transfer_config: dict[str, Any] | None = _arg(None, "not supported (no KV transfer)")
+    cache_dir: str | None = _arg(None, "where imported .gguf models are cached (default: $TRIOLLM_CACHE_DIR, else ~/.cache/triollm)")
     # --- the actor layer (AsyncLLM / LLM)
-    multiprocess: bool | None = None  # engine core in a child process; None: $TRIOLLM_MULTIPROCESS, else True
-    output_chunk_size: int = 128  # RequestOutputs built per chunk before yielding to the event loop
-    max_logprobs: int = 20
-    zmq_address: str = "ipc"  # "ipc" (a socket file in a private temp dir) or "tcp://HOST" (ports chosen freely)
-    # --- test-only fault injection: the forward pass raises at this step (1-based)
-    inject_fault_at_step: int | None = None
+    multiprocess: bool | None = _arg(None, f"the engine core in a child process (default: ${MULTIPROCESS_ENV}, else true)")
+    output_chunk_size: int = _arg(128, "RequestOutputs built per chunk before yielding to the event loop")
+    zmq_address: str = _arg("ipc", "'ipc' (a socket file in a private temp dir) or 'tcp://HOST' (ports chosen freely)")
 
     def __post_init__(self) -> None:
         # Normalised once, here: every way of building EngineArgs sees the same values.
         self.compilation_config = CompilationConfig.coerce(self.compilation_config)
-        if self.runner not in RUNNERS:
+        self.dtype = _canonical_dtype(self.dtype)
+        if self.swap_space is not None:
+            self.swap_space = None
+            warnings.warn(
+                "swap_space is deprecated and ignored (preempted requests are recomputed)",
+                DeprecationWarning,
+                stacklevel=3,
+            )
+        if self.kv_transfer_config is not None:
             raise ValueError(
-                f"runner: {self.runner!r} is not supported; triollm runs generative models: "
-                'use runner="generate" (or "auto")'
+                "Invalid 'kv_transfer_config' provided: triollm has no KV transfer "
+                "(disaggregated prefill, KV connectors); remove kv_transfer_config"
+            )
+        _one_of("runner", self.runner, RUNNERS, 'triollm runs generative models: use runner="generate" (or "auto")')
+        _one_of("load_format", self.load_format, LOAD_FORMATS)
+        _one_of("tokenizer_mode", self.tokenizer_mode, TOKENIZER_MODES, "only fast tokenizers (tokenizer.json) are supported")
+        _one_of("kv_cache_dtype", self.kv_cache_dtype, ("auto",), "the KV cache has the model's dtype")
+        if self.quantization is not None:
+            raise ValueError(
+                f"quantization: {self.quantization!r} is not supported; allowed: None "
+                "(a .gguf model is dequantised when it is imported)"
             )
         if self.data_parallel_size != 1:
             raise ValueError(
@@ -146,20 +257,21 @@ class EngineArgs:
                 "for data parallelism run one engine per replica (e.g. one `triollm serve` per "
                 "port) behind a load balancer"
             )
-        if self.tensor_parallel_size != 1:
+        for name, size in (("tensor_parallel_size", self.tensor_parallel_size), ("pipeline_parallel_size", self.pipeline_parallel_size)):
+            if size != 1:
+                raise ValueError(f"{name}: {size} is not supported (1 only)")
+        if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(
-                f"tensor_parallel_size: {self.tensor_parallel_size} is not supported (1 only)"
+                f"gpu_memory_utilization: must be in (0, 1], got {self.gpu_memory_utilization!r}"
             )
 
     def create_engine_config(self) -> EngineConfig:
         device = self.device
         if device == "auto":
             device = "cuda" if torch.cuda.is_available() else "cpu"
-        if device not in ("cpu", "cuda"):
-            raise ValueError(f"device: {device!r} is not one of auto, cpu, cuda")
+        _one_of("device", device, ("auto", "cpu", "cuda"))
         _positive("max_num_seqs", self.max_num_seqs)
-        if self.block_size not in (8, 16, 32, 64, 128):
-            raise ValueError(f"block_size: {self.block_size} is not one of 8, 16, 32, 64, 128")
+        _one_of("block_size", self.block_size, BLOCK_SIZES)
         if self.kv_cache_memory_bytes is not None:
             _positive("kv_cache_memory_bytes", self.kv_cache_memory_bytes)
         if self.num_gpu_blocks_override is not None:
@@ -167,14 +279,15 @@ class EngineArgs:
         if self.num_threads is not None:
             _positive("num_threads", self.num_threads)
         _positive("output_chunk_size", self.output_chunk_size)
-        if self.load_format not in ("auto", "scripted"):
-            raise ValueError(f"load_format: {self.load_format!r} is not one of auto, scripted")
-        if not isinstance(self.max_logprobs, int) or self.max_logprobs < 0:
-            raise ValueError(f"max_logprobs: must be a non-negative integer, got {self.max_logprobs!r}")
+        if not isinstance(self.max_logprobs, int) or self.max_logprobs < -1:
+            raise ValueError(f"max_logprobs: must be an integer >= -1, got {self.max_logprobs!r}")
         if self.zmq_address != "ipc" and not self.zmq_address.startswith("tcp://"):
             raise ValueError(f"zmq_address: {self.zmq_address!r} is not 'ipc' or 'tcp://HOST'")
-        path = resolve_model(self.model, Path(self.cache_dir) if self.cache_dir else None)
-        model = ModelConfig.from_pretrained(path, self.dtype, self.max_model_len, device)
+        cache_dir = Path(self.cache_dir) if self.cache_dir else None
+        if self.load_format == "gguf" and not (self.model or "").lower().endswith(".gguf"):
+            raise ValueError(f"load_format: 'gguf' needs a .gguf model file, got model={self.model!r}")
+        path = resolve_model(self.model, cache_dir)
+        model = ModelConfig.from_pretrained(path, str(self.dtype), self.max_model_len, device)
         budget = self.max_num_batched_tokens
         if budget is None:
             budget = 2048 if self.enable_chunked_prefill else max(2048, model.max_model_len)
@@ -184,6 +297,8 @@ class EngineArgs:
                 f"max_num_batched_tokens: {budget} is smaller than max_model_len "
                 f"({model.max_model_len}) with chunked prefill disabled; raise it or enable chunked prefill"
             )
+        ignored = self._ignored_args(device)
+        _warn_ignored(self, ignored)
         return EngineConfig(
             model=model,
             cache=CacheConfig(
@@ -191,6 +306,7 @@ class EngineArgs:
                 enable_prefix_caching=self.enable_prefix_caching,
                 kv_cache_memory_bytes=self.kv_cache_memory_bytes,
                 num_kv_blocks=self.num_gpu_blocks_override,
+                gpu_memory_utilization=self.gpu_memory_utilization,
             ),
             scheduler=SchedulerConfig(
                 max_num_seqs=self.max_num_seqs,
@@ -200,33 +316,111 @@ class EngineArgs:
             device=device,
             seed=self.seed,
             num_threads=self.num_threads,
-            inject_fault_at_step=self.inject_fault_at_step,
-            load_format=self.load_format,
+            tokenizer=_resolve_tokenizer(self.tokenizer, path, cache_dir),
+            actor=ActorConfig(
+                multiprocess=_multiprocess(self.multiprocess),
+                output_chunk_size=self.output_chunk_size,
+                zmq_address=self.zmq_address,
+                max_logprobs=self.max_logprobs,
+            ),
+            ignored_args=ignored,
         )
+
+    def _ignored_args(self, device: str) -> tuple[str, ...]:
+        """The fields set to a non-default value that have no effect on `device`."""
+        defaults = {f.name: f.default for f in dataclasses.fields(EngineArgs)}
+        names = [name for name in IGNORED_ARGS if getattr(self, name) != defaults[name]]
+        if device != "cuda" and self.gpu_memory_utilization != defaults["gpu_memory_utilization"]:
+            names.append("gpu_memory_utilization")
+        if self.tokenizer_mode == "slow":
+            names.append("tokenizer_mode")
+        return tuple(names)
+
+    # ------------------------------------------------------------------ the CLI
 
     @classmethod
     def field_names(cls) -> list[str]:
         return [f.name for f in dataclasses.fields(cls)]
 
     @classmethod
-    def add_cli_args(cls, parser: argparse.ArgumentParser, *, skip: Sequence[str] = ()) -> None:
-        """One flag per field (`--max-model-len` for `max_model_len`): the CLI shares the schema."""
-        group = parser.add_argument_group("engine")
+    def add_cli_args(
+        cls, parser: argparse.ArgumentParser | argparse._ArgumentGroup, *, skip: Sequence[str] = ()
+    ) -> argparse.ArgumentParser | argparse._ArgumentGroup:
+        """One flag per field (`--max-model-len` for `max_model_len`): the CLI shares the schema.
+
+        Takes a parser (the flags go into an "engine" group) or, as vLLM's examples pass it,
+        an argument group; returns what it was given."""
+        group = parser.add_argument_group("engine") if isinstance(parser, argparse.ArgumentParser) else parser
         for f in dataclasses.fields(cls):
             if f.name in skip:
                 continue
             flag = "--" + f.name.replace("_", "-")
+            meta = f.metadata
+            help = f"{meta.get('help', '')} (default: %(default)s)".lstrip()
             type_name = str(f.type).split("|")[0].strip()
             if type_name == "bool":
-                group.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help="(default: %(default)s)")
-            else:
-                kind = _CLI_TYPES.get(type_name, _json_value)
-                group.add_argument(flag, type=kind, default=f.default, help="(default: %(default)s)")
+                group.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=help)
+                continue
+            kind = _CLI_TYPES.get(type_name, _json_value)
+            options: dict[str, Any] = {"type": kind, "default": f.default, "help": help}
+            if meta.get("choices") is not None:
+                options["choices"] = meta["choices"]
+            if meta.get("nargs") is not None:
+                options["nargs"] = meta["nargs"]
+            group.add_argument(flag, **options)
+        return parser
 
     @classmethod
     def from_cli_args(cls, ns: argparse.Namespace) -> EngineArgs:
         names = set(cls.field_names())
         return cls(**{k: v for k, v in vars(ns).items() if k in names})
+
+
+def _canonical_dtype(value: object) -> str:
+    """vLLM's dtype spellings (and a `torch.dtype`) -> auto, float16, bfloat16 or float32."""
+    if isinstance(value, torch.dtype):
+        if value not in _TORCH_DTYPES:
+            raise ValueError(f"dtype: {value} is not one of torch.float16, torch.bfloat16, torch.float32")
+        return _TORCH_DTYPES[value]
+    if not isinstance(value, str) or value.lower() not in DTYPES:
+        raise ValueError(f"dtype: {value!r} is not one of {', '.join(DTYPES)} (or a torch.dtype)")
+    name = value.lower()
+    return _DTYPE_NAMES.get(name, name)
+
+
+def _resolve_tokenizer(tokenizer: str | None, model_path: Path, cache_dir: Path | None) -> Path:
+    if tokenizer is None or tokenizer == "":
+        return model_path
+    path = Path(tokenizer).expanduser()
+    if path.is_file() and path.suffix.lower() == ".gguf":
+        return resolve_model(str(path), cache_dir)  # its tokenizer is rebuilt on import
+    if not (path / "tokenizer.json").is_file():
+        raise ValueError(
+            f"tokenizer: {tokenizer} is not a directory holding tokenizer.json (or a .gguf file); "
+            "only fast tokenizers are supported and nothing is downloaded"
+        )
+    return path
+
+
+def _multiprocess(value: bool | None) -> bool:
+    """The flag, else $TRIOLLM_MULTIPROCESS (0/1), else True."""
+    if value is not None:
+        return value
+    env = os.environ.get(MULTIPROCESS_ENV, "")
+    if env == "":
+        return True
+    if env not in ("0", "1"):
+        raise ValueError(f"{MULTIPROCESS_ENV}: {env!r} is not 0 or 1")
+    return env == "1"
+
+
+def _warn_ignored(args: EngineArgs, names: Sequence[str]) -> None:
+    for name in names:
+        if name in _warned:
+            continue
+        _warned.add(name)
+        reason = IGNORED_ARGS.get(name) or _SOMETIMES_IGNORED[name]
+        log.warning("%s=%r has no effect in triollm and is ignored: %s", name, getattr(args, name), reason)
 
 
 def _json_value(text: str) -> object:
@@ -238,6 +432,12 @@ def _json_value(text: str) -> object:
 
 
 _CLI_TYPES = {"int": int, "float": float, "str": str}
+
+
+def _one_of(name: str, value: object, allowed: Sequence[object], hint: str = "") -> None:
+    if value not in allowed:
+        listed = ", ".join(str(a) for a in allowed)
+        raise ValueError(f"{name}: {value!r} is not supported; allowed: {listed}" + (f" ({hint})" if hint else ""))
 
 
 def _positive(name: str, value: int) -> None:

@@ -3,27 +3,34 @@
 `add_request` / `abort_requests` between steps, `step()` to advance every scheduled request by
 one forward pass. No threads, no sockets, no awaits: the actor layer wraps it with I/O, and tests
 drive it directly.
+
+Tests and benchmarks replace the forward pass by passing a `runner` (a scripted one, or one
+that raises at a given step: `engine/execution/scripted_runner.py`). Where the core runs in
+another process they name a factory instead (`EngineCoreFactory`, "module:function" plus JSON
+keyword arguments), which the actor layer sends to the child: such hooks are no user setting,
+so they are neither `EngineArgs` fields nor CLI flags.
 """
 
 from __future__ import annotations
 
+import importlib
 import logging
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 import torch
 
 from triollm.engine.config import EngineConfig
-from triollm.engine.execution.model_runner import ModelRunner
+from triollm.engine.execution.model_runner import ModelRunner, RunnerOutput
 from triollm.engine.execution.models.llama import load_model
-from triollm.engine.execution.scripted_runner import ScriptedRunner
 from triollm.engine.request import EngineCoreOutput, EngineCoreRequest, Request, RequestStatus
 from triollm.engine.scheduling.block_manager import BlockManager
-from triollm.engine.scheduling.scheduler import Scheduler
+from triollm.engine.scheduling.scheduler import ScheduledRequest, Scheduler
 from triollm.kernels import KVCache, allocate_kv_cache
 
-__all__ = ["EngineCore", "EngineCoreStats"]
+__all__ = ["EngineCore", "EngineCoreFactory", "EngineCoreStats", "Runner"]
 
 log = logging.getLogger("triollm")
 
@@ -43,16 +50,23 @@ class EngineCoreStats:
     num_preemptions: int
 
 
+class Runner(Protocol):
+    """What the core needs of a model runner: one forward pass (and sampling) per step."""
+
+    def execute(self, scheduled: list[ScheduledRequest]) -> RunnerOutput: ...
+
+
 class EngineCore:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, *, runner: Runner | None = None) -> None:
+        """Load the model and size the KV cache; with `runner` (tests, benchmarks) no model is
+        loaded, no KV memory allocated, and `runner` executes every step."""
         self.config = config
         if config.num_threads is not None:
             torch.set_num_threads(config.num_threads)
         if config.seed is not None:
             torch.manual_seed(config.seed)
         mc = config.model
-        scripted = config.load_format == "scripted"
-        self.model = None if scripted else load_model(mc, config.device)
+        self.model = None if runner is not None else load_model(mc, config.device)
         self.num_blocks = self._num_kv_blocks()
         bs = config.cache.block_size
         if self.num_blocks * bs < mc.max_model_len and config.cache.num_kv_blocks is None:
@@ -63,10 +77,11 @@ class EngineCore:
             )
         self.block_manager = BlockManager(self.num_blocks, bs, config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.block_manager, mc.max_model_len)
-        self.runner: ModelRunner | ScriptedRunner
-        if self.model is None:
-            self.runner = ScriptedRunner(mc.vocab_size)
+        self.runner: Runner
+        if runner is not None:
+            self.runner = runner
         else:
+            assert self.model is not None
             kv = allocate_kv_cache(
                 mc.num_layers, self.num_blocks, bs, mc.num_kv_heads, mc.head_dim, mc.dtype, config.device
             )
@@ -97,7 +112,7 @@ class EngineCore:
             return cache.num_kv_blocks
         budget = cache.kv_cache_memory_bytes
         if budget is None:
-            budget = _default_kv_budget(self.config.device)
+            budget = default_kv_budget(self.config.device, cache.gpu_memory_utilization)
         blocks = budget // self._bytes_per_block()
         # More blocks than every sequence at full length could use would only waste memory.
         useful = self.config.scheduler.max_num_seqs * math.ceil(
@@ -165,8 +180,6 @@ class EngineCore:
         if not sched.scheduled:
             return []
         self.num_steps += 1
-        if self.num_steps == self.config.inject_fault_at_step:
-            raise RuntimeError(f"injected fault in the forward pass at step {self.num_steps}")
         result = self.runner.execute(sched.scheduled)
         outputs: list[EngineCoreOutput] = []
         for item in sched.scheduled:
@@ -214,10 +227,62 @@ class EngineCore:
         self.block_manager.check_integrity(self.scheduler.live_requests())
 
 
-def _default_kv_budget(device: str) -> int:
+@dataclass(frozen=True)
+class EngineCoreFactory:
+    """Builds the engine core in place of `EngineCore(config)`: a test or benchmark hook.
+
+    `target` names a function, "package.module:function", called as `function(config, **kwargs)`
+    and returning an `EngineCore`. Both parts are plain data (`kwargs` JSON-able), so the same
+    value builds the core in this process and in the engine-core child process.
+    """
+
+    target: str
+    kwargs: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        module, sep, name = self.target.partition(":")
+        if not (sep and module and name.isidentifier()):
+            raise ValueError(
+                f"engine_core_factory: {self.target!r} is not 'package.module:function'"
+            )
+
+    @classmethod
+    def coerce(cls, value: EngineCoreFactory | str | None) -> EngineCoreFactory | None:
+        """A "module:function" string is a factory without keyword arguments."""
+        if value is None or isinstance(value, cls):
+            return value
+        if isinstance(value, str):
+            return cls(value)
+        raise ValueError(
+            f"engine_core_factory: expected 'module:function' or an EngineCoreFactory, got {type(value).__name__}"
+        )
+
+    def build(self, config: EngineConfig) -> EngineCore:
+        module, _, name = self.target.partition(":")
+        function = getattr(importlib.import_module(module), name)
+        core = function(config, **self.kwargs)
+        if not isinstance(core, EngineCore):
+            raise TypeError(f"engine_core_factory: {self.target} returned {type(core).__name__}, not an EngineCore")
+        return core
+
+
+def default_kv_budget(device: str, gpu_memory_utilization: float) -> int:
+    """KV cache bytes when `kv_cache_memory_bytes` is not set, measured after the model loaded.
+
+    CUDA, as vLLM: this engine may use `gpu_memory_utilization` of the GPU's total memory, and
+    the KV cache gets what of that share the weights (and anything else) left free. CPU: a
+    fifth of the available memory, at most 2 GiB.
+    """
     if device == "cuda":
-        free, _ = torch.cuda.mem_get_info()
-        return int(free * 0.8)
+        free, total = torch.cuda.mem_get_info()
+        budget = int(free - (1.0 - gpu_memory_utilization) * total)
+        if budget <= 0:
+            used = (total - free) / 2**30
+            raise ValueError(
+                f"gpu_memory_utilization: {gpu_memory_utilization} of {total / 2**30:.1f} GiB leaves "
+                f"no room for the KV cache ({used:.1f} GiB are already in use); raise it"
+            )
+        return budget
     return int(min(_available_memory() * _DEFAULT_CPU_KV_FRACTION, _DEFAULT_CPU_KV_MAX))
 
 

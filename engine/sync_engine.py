@@ -29,9 +29,9 @@ PromptType = str | dict[str, Any]
 class SyncEngine:
     def __init__(self, config: EngineConfig, tokenizer: Tokenizer | None = None) -> None:
         self.config = config
-        self.tokenizer = tokenizer or Tokenizer.from_pretrained(config.model.path)
+        self.tokenizer = tokenizer or Tokenizer.from_pretrained(config.tokenizer)
         self.core = EngineCore(config)
-        self.input = InputProcessor(config.model, self.tokenizer)
+        self.input = InputProcessor(config.model, self.tokenizer, max_logprobs=config.actor.max_logprobs)
         self.output = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
 

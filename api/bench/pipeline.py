@@ -1,7 +1,8 @@
 """`triollm bench pipeline`: the actor pipeline alone, and `LLM`'s overhead on the real model.
 
-Part 1 replays scripted tokens in the engine core (`load_format="scripted"`: no forward pass),
-so what is measured is everything around the model: scheduling, the wire (ZMQ + msgspec in the
+Part 1 replays scripted tokens in the engine core (no forward pass: the core is built by the
+`SCRIPTED` factory of engine/execution/scripted_runner.py, passed as `engine_core_factory`, which
+reaches the engine-core child process too), so what is measured is everything around the model: scheduling, the wire (ZMQ + msgspec in the
 multiprocess transport), the output actor (detokenizing, building RequestOutputs), collectors
 and consumers. 256 concurrent DELTA streams, for each transport and event-loop backend; a
 heartbeat task sleeping 1 ms records the longest event-loop stall.
@@ -21,6 +22,7 @@ from typing import Any
 import anyio
 
 from triollm.engine.config import EngineArgs
+from triollm.engine.execution.scripted_runner import SCRIPTED
 from triollm.engine.sampling_params import RequestOutputKind, SamplingParams
 
 
@@ -31,7 +33,7 @@ def add_pipeline_parser(kinds: Any) -> None:
     p.add_argument("--transports", default="inproc,multiprocess", help="(default: %(default)s)")
     p.add_argument("--backends", default="trio,asyncio", help="(default: %(default)s)")
     p.add_argument("--overhead-requests", type=int, default=32, help="real-model requests for the LLM overhead run; 0 skips it (default: %(default)s)")
-    EngineArgs.add_cli_args(p, skip=("multiprocess", "load_format"))
+    EngineArgs.add_cli_args(p, skip=("multiprocess",))
     p.set_defaults(func=run_pipeline)
 
 
@@ -54,7 +56,7 @@ async def _stream_all(args: EngineArgs, streams: int, tokens: int) -> dict[str, 
         async for out in llm.generate({"prompt_token_ids": [10 + i % 100] * 16}, params, f"s{i}"):
             received += len(out.outputs[0].token_ids)
 
-    async with AsyncLLM.from_engine_args(args) as llm:
+    async with AsyncLLM.from_engine_args(args, engine_core_factory=SCRIPTED) as llm:
         async with anyio.create_task_group() as beat:
             beat.start_soon(heartbeat)
             start = time.perf_counter()
@@ -95,7 +97,7 @@ def run_pipeline(ns: argparse.Namespace) -> int:
     for transport in ns.transports.split(","):
         for backend in ns.backends.split(","):
             args = EngineArgs(
-                **{**vars(base), "load_format": "scripted", "multiprocess": transport == "multiprocess",
+                **{**vars(base), "multiprocess": transport == "multiprocess",
                    "max_num_seqs": max(base.max_num_seqs, ns.streams)}
             )
             res = anyio.run(_stream_all, args, ns.streams, ns.tokens_per_stream, backend=backend)

@@ -60,7 +60,7 @@ def make_engine_args(model_dir: Path, transport: str, **overrides: Any) -> Async
 
 @pytest.fixture(scope="module")
 def engine_args(tiny_model_dir: Path, transport: str) -> Callable[..., AsyncEngineArgs]:
-    """A factory for the tiny model on `transport`: `engine_args(inject_fault_at_step=3)`."""
+    """A factory for the tiny model on `transport`: `engine_args(output_chunk_size=1)`."""
 
     def make(**overrides: Any) -> AsyncEngineArgs:
         return make_engine_args(tiny_model_dir, transport, **overrides)

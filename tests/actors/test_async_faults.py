@@ -8,7 +8,8 @@ that ran to its end has exactly its tokens; no core request is aborted twice, an
 finished; after the plan the engine (if alive) has no request left and every KV block free;
 no child process survives the example. Threads and fds are checked once per test (`no_leaks`).
 
-Deaths come from `inject_fault_at_step` (a real exception in the forward pass) and, with the
+Deaths come from `fault_at_step(n)` (an engine-core factory whose forward pass raises at step
+n: a real exception, in this process or in the engine-core child) and, with the
 multiprocess transport, from SIGKILL of the engine process at a step of the plan.
 
 Targeted tests: outputs made before a death reach a lagging consumer before the error; a death
@@ -45,6 +46,7 @@ import triollm.actors.transport as transport_module
 from triollm.actors.async_llm import AsyncEngineArgs, AsyncLLM
 from triollm.actors.errors import EngineDeadError
 from triollm.actors.messages import AbortRequests, AddRequest, CoreInput, OutputBatch, Shutdown
+from triollm.engine.execution.scripted_runner import fault_at_step
 from triollm.engine.outputs import RequestOutput
 from triollm.engine.sampling_params import RequestOutputKind, SamplingParams
 
@@ -232,7 +234,8 @@ async def run_plan(
 ) -> None:
     before = children()
     llm = AsyncLLM.from_engine_args(
-        engine_args(inject_fault_at_step=fault_at, output_chunk_size=chunk)
+        engine_args(output_chunk_size=chunk),
+        engine_core_factory=None if fault_at is None else fault_at_step(fault_at),
     )
     reqs: list[Req] = []
     killed = False
@@ -397,7 +400,9 @@ async def test_outputs_made_before_the_death_are_delivered_before_engine_dead_er
     """A consumer that lags still gets every token produced before the death (merged), then the
     error; and utility calls racing the death return stats or raise EngineDeadError, never hang."""
     fault_at = 6
-    async with AsyncLLM.from_engine_args(engine_args(inject_fault_at_step=fault_at)) as llm:
+    async with AsyncLLM.from_engine_args(
+        engine_args(), engine_core_factory=fault_at_step(fault_at)
+    ) as llm:
         with anyio.fail_after(10):
             async with aclosing(llm.generate(PROMPT, params(100))) as agen:
                 first = await agen.__anext__()
@@ -434,7 +439,7 @@ async def test_a_death_during_a_draining_shutdown_ends_it_promptly(
         finally:
             started[i].set()
 
-    llm = AsyncLLM.from_engine_args(engine_args(inject_fault_at_step=15))
+    llm = AsyncLLM.from_engine_args(engine_args(), engine_core_factory=fault_at_step(15))
     with anyio.fail_after(20):
         async with anyio.create_task_group() as tg:
             await llm.start()
@@ -558,7 +563,9 @@ async def test_every_caller_gets_an_engine_dead_error_with_its_own_short_traceba
         except EngineDeadError as exc:
             record(exc)
 
-    async with AsyncLLM.from_engine_args(inproc_engine_args(inject_fault_at_step=3)) as llm:
+    async with AsyncLLM.from_engine_args(
+        inproc_engine_args(), engine_core_factory=fault_at_step(3)
+    ) as llm:
         with anyio.fail_after(10):
             async with anyio.create_task_group() as tg:
                 for i in range(50):
@@ -578,7 +585,9 @@ async def test_every_caller_gets_an_engine_dead_error_with_its_own_short_traceba
 async def test_the_death_message_shows_only_the_failure_in_the_step(
     inproc_engine_args: Callable[..., AsyncEngineArgs],
 ) -> None:
-    async with AsyncLLM.from_engine_args(inproc_engine_args(inject_fault_at_step=2)) as llm:
+    async with AsyncLLM.from_engine_args(
+        inproc_engine_args(), engine_core_factory=fault_at_step(2)
+    ) as llm:
         with anyio.fail_after(10), pytest.raises(EngineDeadError) as info:
             async with aclosing(llm.generate(PROMPT, params(10))) as agen:
                 async for _ in agen:

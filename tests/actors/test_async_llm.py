@@ -45,6 +45,7 @@ import pytest
 from triollm.actors.async_llm import AsyncEngineArgs, AsyncLLM
 from triollm.actors.errors import EngineDeadError
 from triollm.actors.messages import AbortRequests, AddRequest, CoreInput
+from triollm.engine.execution.scripted_runner import fault_at_step
 from triollm.engine.outputs import RequestOutput
 from triollm.engine.sampling_params import RequestOutputKind, SamplingParams
 
@@ -625,7 +626,7 @@ async def test_a_fault_in_the_forward_pass_fails_every_stream_with_engine_dead_e
 ) -> None:
     if transport == "multiprocess" and fault_step == 1:
         pytest.skip("time: a death before the first output is the same message path in a child")
-    llm = AsyncLLM.from_engine_args(engine_args(inject_fault_at_step=fault_step))
+    llm = AsyncLLM.from_engine_args(engine_args(), engine_core_factory=fault_at_step(fault_step))
     async with llm:
         with anyio.fail_after(5):
             outcomes = await _streams_until_death(llm, 50)

@@ -38,6 +38,8 @@ from triollm.actors.messages import (
 )
 from triollm.actors.process import EngineStartupError, open_process_core
 from triollm.engine.config import EngineArgs
+from triollm.engine.core import EngineCoreFactory
+from triollm.engine.execution.scripted_runner import fault_at_step
 from triollm.engine.request import EngineCoreRequest, FinishReason
 from triollm.engine.sampling_params import SamplingParams
 
@@ -56,8 +58,8 @@ def _args(model: Path, **kw: object) -> EngineArgs:
     return EngineArgs(model=str(model), multiprocess=True, **kw)  # type: ignore[arg-type]
 
 
-def _open(args: EngineArgs):
-    return open_process_core(args.create_engine_config(), args)
+def _open(args: EngineArgs, core_factory: EngineCoreFactory | None = None):
+    return open_process_core(args.create_engine_config(), args, core_factory=core_factory)
 
 
 def _request(rid: str, max_tokens: int = 8, prompt_len: int = 4) -> AddRequest:
@@ -192,7 +194,7 @@ async def test_exception_in_a_step_sends_the_traceback(
     tiny_model_dir: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     caplog.set_level(logging.DEBUG, logger="triollm")
-    async with _open(_args(tiny_model_dir, inject_fault_at_step=2)) as c:
+    async with _open(_args(tiny_model_dir), fault_at_step(2)) as c:
         c.inputs.send_nowait(_request("doomed", max_tokens=10))
         with anyio.fail_after(30):
             msgs = [msg async for msg in c.outputs]

@@ -25,6 +25,7 @@ from triollm.api.app import build_app
 from triollm.api.serving_completions import CompletionFormatter
 from triollm.api.state import ServerSettings, ServerState
 from triollm.engine.config import EngineArgs
+from triollm.engine.execution.scripted_runner import fault_at_step
 
 pytestmark = pytest.mark.anyio
 
@@ -542,9 +543,8 @@ async def test_dead_engine_is_503(tiny_model_dir: Path) -> None:
         model=str(tiny_model_dir),
         max_model_len=MAX_MODEL_LEN,
         multiprocess=False,
-        inject_fault_at_step=1,
     )
-    async with AsyncLLM.from_engine_args(args) as llm:
+    async with AsyncLLM.from_engine_args(args, engine_core_factory=fault_at_step(1)) as llm:
         async with open_client(
             ServerState(llm, ServerSettings(served_model_names=(MODEL,)))
         ) as client:
