@@ -3,7 +3,8 @@
 It owns the core. Between steps it drains every queued input without waiting (adds, aborts,
 utility calls), then runs `step()` in a worker thread so the event loop stays free for the
 transport's actors; with nothing to do it waits on the input stream (no polling). One output
-message per step. A `Shutdown` message or the end of the input stream ends it cleanly.
+message per step. `UtilityOp.PAUSE` stops stepping (requests keep their place and their KV
+blocks; adds and aborts are still applied) until `UtilityOp.RESUME`. A `Shutdown` message or the end of the input stream ends it cleanly.
 
 A bad request is answered with `RequestError` and the loop goes on. An exception in a step is the
 engine's death: `EngineDead` (with the traceback) is sent, and the exception propagates so a
@@ -60,8 +61,9 @@ async def serve_engine_core(
 ) -> None:
     async with inputs, outputs:
         stuck = False  # the last step scheduled nothing: wait for input rather than spin
+        paused = False
         while True:
-            if core.has_unfinished_requests() and not stuck:
+            if core.has_unfinished_requests() and not stuck and not paused:
                 try:
                     msg = inputs.receive_nowait()
                 except anyio.WouldBlock:
@@ -78,8 +80,13 @@ async def serve_engine_core(
                     msg = await inputs.receive()
                 except anyio.EndOfStream:
                     return
-            if isinstance(msg, Shutdown):
-                return
+            match msg:
+                case Shutdown():
+                    return
+                case UtilityCall(call_id=cid, op=UtilityOp.PAUSE | UtilityOp.RESUME as op):
+                    paused = op == UtilityOp.PAUSE
+                    await outputs.send(UtilityResult(cid, True))
+                    continue
             stuck = False
             reply = _apply(core, msg)
             if reply is not None:
@@ -128,3 +135,5 @@ def _utility(core: EngineCore, op: UtilityOp) -> StepStats | bool:
         case UtilityOp.CHECK_INTEGRITY:
             core.check_integrity()
             return True
+        case UtilityOp.PAUSE | UtilityOp.RESUME:
+            raise RuntimeError(f"{op.name} is the loop's own state, not the core's")

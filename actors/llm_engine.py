@@ -5,8 +5,11 @@
     while engine.has_unfinished_requests():
         for out in engine.step(): ...
 
-A thin shell over `AsyncLLM` behind a blocking portal (the same machinery as `LLM`), so it runs
-over either transport. Each request is an `AsyncLLM.add_request` handle (`RequestStream`).
+A thin shell over `AsyncLLM` behind a blocking portal, so it runs over either transport. Each
+request is an `AsyncLLM.add_request` handle (`RequestStream`). `LLM` is built on it: its
+`llm_engine` is one of these, and its batches run in the same portal (`portal`, `async_llm`).
+`shutdown()` is idempotent; a `weakref.finalize` (holding no reference to `self`) closes a
+forgotten engine at interpreter exit as a last resort.
 
 How `step()` waits for "any of many requests": one forwarder task per request reads its stream
 and sends each output into ONE memory object stream of size 0 that this engine owns; `step()`
@@ -30,6 +33,8 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import threading
+import weakref
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 
@@ -41,6 +46,9 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 from triollm.actors.async_llm import AsyncLLM
 from triollm.actors.request_stream import RequestStream
 from triollm.engine.config import EngineArgs
+from triollm.engine.core import EngineCoreFactory
+from triollm.engine.loading.model_config import ModelConfig
+from triollm.engine.metrics import Metric
 from triollm.engine.outputs import RequestOutput
 from triollm.engine.processing.processors import PromptType
 from triollm.engine.processing.tokenizer import Tokenizer
@@ -50,24 +58,54 @@ __all__ = ["LLMEngine"]
 
 
 class LLMEngine:
-    def __init__(self, args: EngineArgs, *, backend: str = "trio") -> None:
+    def __init__(
+        self,
+        args: EngineArgs,
+        *,
+        backend: str = "trio",
+        engine_core_factory: EngineCoreFactory | str | None = None,
+    ) -> None:
+        if backend not in ("trio", "asyncio"):
+            raise ValueError(f"backend: {backend!r} is not one of trio, asyncio")
         self._stack = contextlib.ExitStack()
         try:
-            self._portal: BlockingPortal = self._stack.enter_context(start_blocking_portal(backend))
+            self.portal: BlockingPortal = self._stack.enter_context(start_blocking_portal(backend))
             self._loop: _Requests = self._stack.enter_context(
-                self._portal.wrap_async_context_manager(_running(args))
+                self.portal.wrap_async_context_manager(_running(args, engine_core_factory))
             )
         except BaseException:
             self._stack.close()
             raise
+        self.async_llm: AsyncLLM = self._loop.llm  # lives in the portal's event loop
         self._ids = itertools.count()
+        loop_thread = self.portal.call(threading.get_ident)
+        self._finalizer = weakref.finalize(self, _close_from_other_thread, self._stack, loop_thread)
 
     @classmethod
-    def from_engine_args(cls, args: EngineArgs, *, backend: str = "trio") -> LLMEngine:
-        return cls(args, backend=backend)
+    def from_engine_args(
+        cls,
+        args: EngineArgs,
+        *,
+        backend: str = "trio",
+        engine_core_factory: EngineCoreFactory | str | None = None,
+    ) -> LLMEngine:
+        return cls(args, backend=backend, engine_core_factory=engine_core_factory)
+
+    @property
+    def model_config(self) -> ModelConfig:
+        return self.async_llm.get_model_config()
 
     def get_tokenizer(self) -> Tokenizer:
-        return self._loop.llm.get_tokenizer()
+        return self.async_llm.get_tokenizer()
+
+    def reset_prefix_cache(self) -> bool:
+        return self.portal.call(self.async_llm.reset_prefix_cache)
+
+    def get_metrics(self) -> list[Metric]:
+        return self.portal.call(self.async_llm.get_metrics)
+
+    def do_log_stats(self) -> None:
+        self.portal.call(self.async_llm.do_log_stats)
 
     def add_request(
         self,
@@ -78,12 +116,12 @@ class LLMEngine:
         priority: int = 0,
     ) -> str:
         rid = request_id if request_id is not None else f"engine-{next(self._ids)}"
-        self._portal.call(self._loop.add, rid, prompt, params, priority)
+        self.portal.call(self._loop.add, rid, prompt, params, priority)
         return rid
 
     def abort_request(self, request_id: str | Sequence[str]) -> None:
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
-        self._portal.call(self._loop.abort, ids)
+        self.portal.call(self._loop.abort, ids)
 
     def has_unfinished_requests(self) -> bool:
         return self._loop.num_unfinished() > 0
@@ -94,10 +132,11 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Wait until at least one request has something new; return every output that is ready
         (at most one per request). A request that failed raises its error here, once."""
-        return self._portal.call(self._loop.step)
+        return self.portal.call(self._loop.step)
 
     def shutdown(self) -> None:
-        self._stack.close()
+        """Stop the engine and the portal thread. Idempotent."""
+        self._finalizer()
 
     def __enter__(self) -> LLMEngine:
         return self
@@ -113,9 +152,16 @@ class _Ready:
     error: Exception | None = None
 
 
+def _close_from_other_thread(stack: contextlib.ExitStack, loop_thread: int) -> None:
+    # Closing from the portal's own loop thread would deadlock (the portal raises RuntimeError).
+    if loop_thread == threading.get_ident():
+        return
+    stack.close()
+
+
 @contextlib.asynccontextmanager
-async def _running(args: EngineArgs) -> AsyncIterator[_Requests]:
-    async with AsyncLLM.from_engine_args(args) as llm:
+async def _running(args: EngineArgs, core_factory: EngineCoreFactory | str | None) -> AsyncIterator[_Requests]:
+    async with AsyncLLM.from_engine_args(args, engine_core_factory=core_factory) as llm:
         ready_tx, ready_rx = anyio.create_memory_object_stream[_Ready](0)
         with ready_tx, ready_rx:
             async with anyio.create_task_group() as tg:

@@ -54,6 +54,8 @@ class UtilityOp(enum.IntEnum):
     STATISTICS = 0  # -> EngineStats
     RESET_PREFIX_CACHE = 1  # -> bool
     CHECK_INTEGRITY = 2  # -> True, or the call fails with the assertion text
+    PAUSE = 3  # stop stepping; queued and running requests stay where they are -> True
+    RESUME = 4  # step again -> True
 
 
 class UtilityCall(msgspec.Struct, tag=True, array_like=True):

@@ -62,6 +62,7 @@ class RequestStream:
         self._error: BaseException | None = None
         self._ready = anyio.Event()
         self._finished = False  # the final output or an error was put
+        self._ended = anyio.Event()  # set with _finished
         self._exhausted = False  # the consumer read the final output or the error
 
     def __repr__(self) -> str:
@@ -74,6 +75,10 @@ class RequestStream:
     def finished(self) -> bool:
         """The request has ended: its finished output or its error has arrived (read or not)."""
         return self._finished
+
+    async def wait_finished(self) -> None:
+        """Wait until the request has ended (without reading its outputs)."""
+        await self._ended.wait()
 
     @property
     def closed(self) -> bool:
@@ -92,6 +97,8 @@ class RequestStream:
         else:
             merge_output(self._output, output, self.output_kind)
         self._finished = output.finished
+        if self._finished:
+            self._ended.set()
         self._ready.set()
 
     def put_error(self, error: BaseException) -> None:
@@ -101,6 +108,7 @@ class RequestStream:
             return
         self._error = error
         self._finished = True
+        self._ended.set()
         self._ready.set()
 
     # ------------------------------------------------------------------ consumer side

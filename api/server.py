@@ -124,7 +124,7 @@ async def _drain(state: ServerState, grace_s: float) -> None:
             await llm.wait_idle()
     if not llm.errored and llm.num_unfinished_requests:
         log.warning("aborting %d in-flight requests", llm.num_unfinished_requests)
-        llm.abort(llm.unfinished_request_ids())
+        await llm.abort(llm.unfinished_request_ids())
 
 
 async def _watch_signals(stop: anyio.Event) -> None:

@@ -25,10 +25,10 @@ def llm(request: pytest.FixtureRequest, tiny_model_dir: Path) -> Iterator[LLM]:
 
 
 def idle(llm: LLM) -> None:
-    stats = llm._portal.call(llm.llm_engine.get_engine_stats)
+    stats = llm.llm_engine.portal.call(llm.llm_engine.async_llm.get_engine_stats)
     assert stats.num_running == stats.num_waiting == 0
     assert stats.num_free_blocks == stats.num_blocks
-    assert llm.llm_engine.num_unfinished_requests == 0
+    assert llm.llm_engine.async_llm.num_unfinished_requests == 0
 
 
 def test_order_kept_and_matches_single_requests(llm: LLM) -> None:

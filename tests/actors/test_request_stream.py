@@ -278,7 +278,7 @@ async def _idle(llm: AsyncLLM) -> None:
 async def llm(no_leaks: None, shared_llm: AsyncLLM) -> AsyncIterator[AsyncLLM]:
     await _idle(shared_llm)
     yield shared_llm
-    shared_llm.abort(shared_llm.unfinished_request_ids())
+    await shared_llm.abort(shared_llm.unfinished_request_ids())
     await _idle(shared_llm)
     stats = await shared_llm.get_engine_stats()
     assert stats.num_free_blocks == stats.num_blocks
