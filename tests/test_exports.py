@@ -84,3 +84,39 @@ def test_import_is_light() -> None:
         [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120
     )
     assert result.stdout.strip() == ""
+
+
+# The methods vLLM scripts call, and whether each is awaited there (vLLM's AsyncLLM, LLM and
+# LLMEngine): a coroutine where vLLM's is one, a plain call or a property where vLLM's is.
+ASYNC_LLM_COROUTINES = [
+    "abort", "add_request", "check_health", "do_log_stats", "generate",
+    "get_supported_tasks", "is_paused", "pause_generation", "reset_prefix_cache", "resume_generation",
+]
+ASYNC_LLM_PLAIN = ["from_engine_args", "get_tokenizer", "shutdown"]
+ASYNC_LLM_PROPERTIES = ["dead_error", "errored", "is_running", "is_stopped", "model_config"]
+LLM_METHODS = [
+    "chat", "enqueue", "enqueue_chat", "from_engine_args", "generate", "get_default_sampling_params",
+    "get_metrics", "get_tokenizer", "reset_prefix_cache", "shutdown", "wait_for_completion",
+]
+LLM_ENGINE_METHODS = [
+    "abort_request", "add_request", "do_log_stats", "from_engine_args", "get_metrics",
+    "get_num_unfinished_requests", "get_tokenizer", "has_unfinished_requests", "reset_prefix_cache",
+    "step",
+]
+
+
+def test_vllm_method_surface() -> None:
+    import inspect
+
+    for name in ASYNC_LLM_COROUTINES:
+        fn = getattr(triollm.AsyncLLM, name)
+        assert inspect.iscoroutinefunction(fn) or inspect.isasyncgenfunction(fn), name
+    for name in ASYNC_LLM_PLAIN:
+        fn = getattr(triollm.AsyncLLM, name)
+        assert callable(fn) and not inspect.iscoroutinefunction(fn), name
+    for name in ASYNC_LLM_PROPERTIES:
+        assert isinstance(inspect.getattr_static(triollm.AsyncLLM, name), property), name
+    for cls, names in ((triollm.LLM, LLM_METHODS), (triollm.LLMEngine, LLM_ENGINE_METHODS)):
+        for name in names:
+            fn = getattr(cls, name)
+            assert callable(fn) and not inspect.iscoroutinefunction(fn), (cls.__name__, name)
