@@ -196,9 +196,7 @@ def run_latency(ns: argparse.Namespace) -> int:
     decode = sorted(times[1:])
     per_token = decode[len(decode) // 2]
     model = engine.core.model
-    if model is None:
-        print("latency: this engine runs no model (load_format=scripted); nothing to measure")
-        return 1
+    assert model is not None  # built from EngineArgs: always a real model
     # The bytes a decode step must read: every parameter once (a tied embedding, read as the
     # lm_head, counted once; the rows looked up are negligible).
     weight_bytes = sum(int(p.numel()) * p.element_size() for p in model.parameters())
