@@ -16,17 +16,22 @@ Each step:
    first takes its longest cached prefix from the prefix cache.
 
 Finishing (EOS, stop token, length) and aborts free blocks at once.
+
+The waiting queue (`waiting_queue.py`) keeps that order with O(1) pops and removals, so a burst
+of aborts over a long queue costs O(n), not O(n^2). The running list stays a list: it holds at
+most `max_num_seqs` requests. Per-request token-id sets (EOS, stop token ids) are prepared once
+when the request is created (`Request.sampling_plan`), not rebuilt each step.
 """
 
 from __future__ import annotations
 
-import bisect
 from collections.abc import Iterable
 from dataclasses import dataclass
 
 from triollm.engine.config import SchedulerConfig
 from triollm.engine.request import Request, RequestStatus
 from triollm.engine.scheduling.block_manager import BlockManager
+from triollm.engine.scheduling.waiting_queue import WaitingQueue
 
 __all__ = ["ScheduledRequest", "Scheduler", "SchedulerOutput", "SchedulerStats"]
 
@@ -66,7 +71,7 @@ class Scheduler:
         self.config = config
         self.blocks = block_manager
         self.max_model_len = max_model_len
-        self.waiting: list[Request] = []  # kept sorted by _order
+        self.waiting = WaitingQueue()  # in _order, ties in push order
         self.running: list[Request] = []
         self.num_preemptions = 0
 
@@ -78,7 +83,7 @@ class Scheduler:
 
     def add_request(self, request: Request) -> None:
         request.status = RequestStatus.WAITING
-        bisect.insort(self.waiting, request, key=self._order)
+        self.waiting.push(request)
 
     def finish(self, request: Request, status: RequestStatus) -> None:
         """End a running or waiting request now and free its blocks."""
@@ -128,7 +133,7 @@ class Scheduler:
 
     def _admit_waiting(self, budget: int, scheduled: list[ScheduledRequest]) -> int:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            req = self.waiting[0]
+            req = self.waiting.peek()
             fresh = not req.block_ids
             if fresh:
                 cached = self.blocks.match_prefix(req)
@@ -143,7 +148,7 @@ class Scheduler:
             if not self.blocks.allocate(req, self.blocks.blocks_needed(req, n)):
                 self._undo_admission(req, fresh)
                 break
-            self.waiting.pop(0)
+            self.waiting.pop()
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             scheduled.append(ScheduledRequest(req, n, req.num_computed_tokens))
@@ -167,7 +172,7 @@ class Scheduler:
         self.num_preemptions += 1
         req.status = RequestStatus.PREEMPTED
         # Front of its priority class: it arrived before anything still waiting there.
-        bisect.insort(self.waiting, req, key=self._order)
+        self.waiting.push(req)
 
     # ---------------------------------------------------------------- after the forward pass
 
@@ -180,11 +185,11 @@ class Scheduler:
 
     def check_stop(self, req: Request, token_id: int) -> RequestStatus | None:
         """After token_id was appended to req: the finished status, or None to go on."""
-        params = req.sampling_params
+        params, plan = req.sampling_params, req.sampling_plan
         if req.num_output_tokens >= params.min_tokens:
-            if not params.ignore_eos and token_id in req.eos_token_ids:
+            if not params.ignore_eos and token_id in plan.eos_token_ids:
                 return RequestStatus.FINISHED_STOPPED
-            if params.stop_token_ids and token_id in params.stop_token_ids:
+            if token_id in plan.stop_token_ids:
                 req.stop_reason = token_id
                 return RequestStatus.FINISHED_STOPPED
         if req.num_output_tokens >= req.max_tokens or req.num_tokens >= self.max_model_len:
