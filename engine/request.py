@@ -12,6 +12,7 @@ import enum
 import msgspec
 import torch
 
+from triollm.engine.execution.sampling_plan import SamplingPlan
 from triollm.engine.sampling_params import SamplingParams
 
 __all__ = [
@@ -98,6 +99,10 @@ class Request:
         self.sampling_params = req.sampling_params
         self.eos_token_ids = req.eos_token_ids
         self.bad_words_token_ids = req.bad_words_token_ids
+        # Token-id sets and tensors for the stop checks and the sampler, deduplicated once here.
+        self.sampling_plan = SamplingPlan.prepare(
+            req.sampling_params, req.eos_token_ids, req.bad_words_token_ids
+        )
         self.priority = req.priority
         self.arrival_time = req.arrival_time
         self.max_tokens = max_tokens

@@ -9,17 +9,20 @@ q ~ Exponential(1). Seeded rows draw q from their own generator (size V, so thei
 not depend on the rest of the batch); unseeded rows share one draw from the global RNG.
 
 Every processor runs only on the rows that need it, gathered by index, so the common batch
-(greedy or plain temperature) costs a handful of tensor ops. Everything is fp32.
+(greedy or plain temperature) costs a handful of tensor ops. Everything is fp32. A row's
+token-id lists come prepared (`SamplingPlan`, built once per request): a step does not rebuild
+or deduplicate them.
 """
 
 from __future__ import annotations
 
 import itertools
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import InitVar, dataclass, field
 
 import torch
 
+from triollm.engine.execution.sampling_plan import SamplingPlan
 from triollm.engine.request import Logprobs
 from triollm.engine.sampling_params import SamplingParams
 
@@ -39,6 +42,14 @@ class SamplingRow:
     generator: torch.Generator | None  # set only when params.seed is not None
     eos_token_ids: list[int]
     bad_words_token_ids: list[list[int]]
+    # The request's prepared plan (`Request.sampling_plan`); prepared here when not given.
+    plan: InitVar[SamplingPlan | None] = None
+    prepared: SamplingPlan = field(init=False, repr=False)
+
+    def __post_init__(self, plan: SamplingPlan | None) -> None:
+        if plan is None:
+            plan = SamplingPlan.prepare(self.params, self.eos_token_ids, self.bad_words_token_ids)
+        self.prepared = plan
 
 
 @dataclass
@@ -131,9 +142,9 @@ def _in_min_tokens(r: SamplingRow) -> bool:
 
 def process_logits(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     """The logits after every row's processors; never modifies `logits` in place."""
-    allowed = _rows_where(rows, lambda r: r.params.allowed_token_ids is not None)
+    allowed = _rows_where(rows, lambda r: r.prepared.allowed_token_ids is not None)
     banned = _banned_pairs(rows)
-    biased = _rows_where(rows, lambda r: bool(r.params.logit_bias))
+    biased = _rows_where(rows, lambda r: r.prepared.logit_bias_ids is not None)
     penalized = _rows_where(rows, _needs_penalties)
     if not (allowed or banned[0] or biased or penalized):
         return logits
@@ -151,9 +162,8 @@ def process_logits(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tenso
 
 def _apply_allowed(logits: torch.Tensor, rows: list[SamplingRow], idx: list[int]) -> None:
     mask = torch.ones(len(idx), logits.shape[1], dtype=torch.bool)
-    ids = [rows[i].params.allowed_token_ids or [] for i in idx]
-    sub = torch.tensor([j for j, a in enumerate(ids) for _ in a], dtype=torch.long)
-    mask[sub, torch.tensor(list(itertools.chain.from_iterable(ids)), dtype=torch.long)] = False
+    ids = [_allowed(rows[i]) for i in idx]
+    mask[_row_index(ids), torch.cat(ids)] = False
     logits[idx] = logits[idx].masked_fill(mask, _NEG_INF)
 
 
@@ -162,37 +172,38 @@ def _banned_pairs(rows: list[SamplingRow]) -> tuple[list[int], list[int]]:
     row_idx: list[int] = []
     tok_idx: list[int] = []
     for i, r in enumerate(rows):
-        toks = _bad_word_bans(r) if r.bad_words_token_ids else []
+        plan = r.prepared
+        toks = plan.bad_words.bans(r.output_token_ids) if plan.bad_words is not None else []
         if _in_min_tokens(r):
-            toks += r.eos_token_ids + list(r.params.stop_token_ids or [])
+            toks += plan.min_tokens_bans
         row_idx += [i] * len(toks)
         tok_idx += toks
     return row_idx, tok_idx
 
 
-def _bad_word_bans(r: SamplingRow) -> list[int]:
-    """Ban a bad word's last token when the output ends with the rest of it."""
-    out = r.output_token_ids
-    bans = []
-    for word in r.bad_words_token_ids:
-        prefix = len(word) - 1
-        if prefix > len(out):
-            continue
-        if prefix == 0 or out[-prefix:] == word[:-1]:
-            bans.append(word[-1])
-    return bans
-
-
 def _apply_logit_bias(logits: torch.Tensor, rows: list[SamplingRow], idx: list[int]) -> None:
-    row_idx, tok_idx, values = [], [], []
-    for i in idx:
-        bias = rows[i].params.logit_bias or {}
-        row_idx += [i] * len(bias)
-        tok_idx += list(bias)
-        values += list(bias.values())
-    logits.index_put_(
-        (torch.tensor(row_idx), torch.tensor(tok_idx)), torch.tensor(values), accumulate=True
-    )
+    ids = [_bias(rows[i])[0] for i in idx]
+    values = torch.cat([_bias(rows[i])[1] for i in idx])
+    row_idx = torch.tensor(idx, dtype=torch.long)[_row_index(ids)]
+    logits.index_put_((row_idx, torch.cat(ids)), values, accumulate=True)
+
+
+def _row_index(per_row: list[torch.Tensor]) -> torch.Tensor:
+    """[0, 0, 1, 2, 2, 2, ...]: the position in `per_row` of each element of their concatenation."""
+    counts = torch.tensor([len(t) for t in per_row], dtype=torch.long)
+    return torch.repeat_interleave(torch.arange(len(per_row)), counts)
+
+
+def _allowed(r: SamplingRow) -> torch.Tensor:
+    ids = r.prepared.allowed_token_ids
+    assert ids is not None  # only rows that have them are gathered
+    return ids
+
+
+def _bias(r: SamplingRow) -> tuple[torch.Tensor, torch.Tensor]:
+    ids, values = r.prepared.logit_bias_ids, r.prepared.logit_bias_values
+    assert ids is not None and values is not None  # only rows that have them are gathered
+    return ids, values
 
 
 def _token_presence(token_lists: list[list[int]], vocab: int) -> torch.Tensor:
