@@ -112,7 +112,7 @@ class Request:
         self.num_computed_tokens = 0
         self.num_cached_tokens = -1  # prefix-cache hit at first schedule; -1 = not yet scheduled
         self.block_ids: list[int] = []
-        self.block_hashes: list[int] = []  # chained hashes of the full blocks of all_token_ids
+        self.block_hashes: list[bytes] = []  # chained sha256 of the full blocks of all_token_ids
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
         self.num_preemptions = 0
