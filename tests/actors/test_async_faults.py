@@ -256,7 +256,7 @@ async def run_plan(
                             if what == "cancel":
                                 req.scope.cancel()
                             elif what == "abort":
-                                llm.abort(req.rid)
+                                await llm.abort(req.rid)
                         case Wait("tick", _):
                             await anyio.lowlevel.checkpoint()
                         case Wait("sleep", _):

@@ -201,7 +201,7 @@ async def llm(shared_llm: AsyncLLM) -> AsyncIterator[AsyncLLM]:
     await wait_idle(shared_llm)
     yield shared_llm
     # Leave it idle even after a failure, so that one failure does not cascade.
-    shared_llm.abort(shared_llm.unfinished_request_ids())
+    await shared_llm.abort(shared_llm.unfinished_request_ids())
     await wait_idle(shared_llm)
 
 
@@ -403,9 +403,9 @@ async def test_abort_ends_the_stream_normally_with_finish_reason_abort(
             # for); `other` may or may not have finished by then.
             while (await llm.get_engine_stats()).num_running < n:  # noqa: ASYNC110 - polling
                 await anyio.sleep(0.005)
-            llm.abort(rid)
-            llm.abort(rid)  # a second abort is a no-op
-            llm.abort("no-such-request")  # so is an unknown id
+            await llm.abort(rid)
+            await llm.abort(rid)  # a second abort is a no-op
+            await llm.abort("no-such-request")  # so is an unknown id
     outs = results[rid]
     assert [o.finished for o in outs] == [False] * (len(outs) - 1) + [True]
     got = completions_by_index(outs, kind)
@@ -461,7 +461,7 @@ async def test_id_reused_right_after_an_abort_gets_exactly_its_own_tokens(
                 time.sleep(0.01)  # noqa: ASYNC251 - blocking the loop on purpose
                 if how == "break":
                     break
-                llm.abort("reuse")  # the stream ends with the abort output
+                await llm.abort("reuse")  # the stream ends with the abort output
         outs = await collect(llm, PROMPTS[1], params(10), "reuse")
         counts.append(completions_by_index(outs, DELTA)[0])
     await wait_idle(llm)
@@ -616,7 +616,7 @@ async def _check_dead(llm: AsyncLLM, cause: str) -> None:
         await llm.check_health()
     with raises_at_once(EngineDeadError):
         await llm.get_engine_stats()
-    llm.abort("d0")  # harmless
+    await llm.abort("d0")  # harmless
     assert llm.num_unfinished_requests == 0
 
 

@@ -1,0 +1,24 @@
+"""Every package directory of the source tree is listed in pyproject.toml, so a wheel (not only
+an editable install) carries it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+
+ROOT = Path(__file__).resolve().parent.parent
+SKIP = {"tests", "docs", "build", ".venv", ".git"}
+
+
+def test_every_package_is_listed() -> None:
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    found = {"triollm"}
+    for init in ROOT.rglob("__init__.py"):
+        rel = init.parent.relative_to(ROOT)
+        if rel.parts and (rel.parts[0] in SKIP or rel.parts[0].startswith(".")):
+            continue
+        found.add(".".join(("triollm", *rel.parts)))
+    assert listed == found
