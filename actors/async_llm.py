@@ -217,7 +217,8 @@ class AsyncLLM:
         Callable as vLLM's `llm.shutdown()`: new requests are refused at once, and an engine that
         started on first use (no `async with`) is told to stop; its root task tears it down.
         `await llm.shutdown()` also waits until the engine has stopped (structured code)."""
-        self._stopping = True
+        if self._stack is not None or self._host is not None:  # never started: a no-op
+            self._stopping = True
         if self._host is not None:
             self._host.stop(timeout or 0.0)
         return ShutdownCall(self._shutdown, timeout or 0.0)

@@ -298,7 +298,7 @@ def test_cli_writes_the_result_file(
 ) -> None:
     url, _ = fake_server
     parser = argparse.ArgumentParser(prog="triollm bench")
-    add_serve_bench_parser(parser.add_subparsers(dest="bench"), lambda *a, **k: None)
+    add_serve_bench_parser(parser.add_subparsers(dest="bench"))
     out = tmp_path / "res.json"
     ns = parser.parse_args(
         [
