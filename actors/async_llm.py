@@ -99,7 +99,7 @@ class _EngineHost:
         self.error: BaseException | None = None
         self._stop = anyio.Event()
         self._timeout = 0.0
-        self._task: object | None = None
+        self._task: int | None = None
 
     def stop(self, timeout: float) -> None:
         self._timeout = timeout
@@ -122,6 +122,8 @@ class _EngineHost:
                 await self._stop.wait()
             finally:
                 await self._llm._shutdown(self._timeout)
+        except Exception:  # never into the loop: a root task that raises crashes trio's run
+            log.exception("the engine's root task failed")
         finally:
             self.done.set()
 
