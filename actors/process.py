@@ -29,8 +29,10 @@ Failure and shutdown, decided by structure rather than flags:
   puts its own `EngineDead` (exit code or signal, and the tail of the child's stderr) and the
   stream ends.
 - Teardown (shielded, bounded) first cancels the output actor's scope, so the exit it is about
-  to cause is not reported as a death; then `Shutdown` → wait → SIGTERM → wait → SIGKILL →
-  wait → close the sockets and the ZMQ context → remove the ipc directory.
+  to cause is not reported as a death; then `Shutdown` (on the socket, and `STOP_BYTE` on the
+  child's stdin for when the event loop is ending and has cancelled the socket pump) → wait →
+  SIGTERM → wait → SIGKILL → wait → close the sockets and the ZMQ context → remove the ipc
+  directory.
 - The child exits when its stdin reaches EOF, which happens when the parent dies in any way
   (SIGKILL included), since only the parent holds the pipe's write end. Rejected: `PR_SET_PDEATHSIG`
   (fires when the *thread* that spawned the child exits, and trio spawns from worker threads)
@@ -64,6 +66,7 @@ from subprocess import DEVNULL, PIPE
 from typing import Any
 
 import anyio
+import anyio.lowlevel
 import msgspec
 import zmq
 from anyio.abc import ByteReceiveStream, Process
@@ -97,6 +100,7 @@ KILL_WAIT_S = 5.0  # after SIGKILL (only a process stuck in the kernel takes lon
 LAST_WORDS_S = 0.5  # a child that exited by itself: time for its last message to arrive
 FLUSH_S = 2.0  # child: time to hand its last messages to the parent
 STDERR_TAIL_CHARS = 4000
+STOP_BYTE = b"q"  # parent -> child stdin: stop after the current step (see _request_stop)
 
 
 class EngineStartupError(RuntimeError):
@@ -170,10 +174,14 @@ async def open_process_core(
                                 except (anyio.ClosedResourceError, anyio.BrokenResourceError):
                                     pass
                             in_send.close()
+                            pending = await _absorb_pending_cancellation()
+                            await _request_stop(proc)
                             await _stop(proc, SHUTDOWN_GRACE_S)
                             with anyio.move_on_after(0.5):
                                 await stderr.eof.wait()  # its last lines
                             tg.cancel_scope.cancel()
+                            if pending is not None:
+                                raise pending
         finally:
             with anyio.CancelScope(shield=True):
                 await _stop(proc, 0)  # already done unless start-up failed
@@ -304,6 +312,28 @@ def _describe_exit(code: int) -> str:
     return f"exited with code {code}"
 
 
+async def _absorb_pending_cancellation() -> BaseException | None:
+    """A native asyncio cancellation that was pending when a shielded teardown began (as when
+    `asyncio.run` returns and cancels every task) surfaces at the first await even inside the
+    shield. The teardown is owed anyway: take it here and let the caller re-raise it at the end.
+    (On trio, and with no such cancellation, this is a plain checkpoint.)"""
+    try:
+        await anyio.lowlevel.checkpoint()
+    except anyio.get_cancelled_exc_class() as exc:
+        return exc
+    return None
+
+
+async def _request_stop(proc: Process) -> None:
+    """Ask for an orderly stop on the child's stdin too: the `Shutdown` message needs the socket
+    pump, and a loop that ends (`asyncio.run` returning) cancels every task, the pump included."""
+    assert proc.stdin is not None
+    try:
+        await proc.stdin.send(STOP_BYTE)
+    except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError):
+        pass  # already gone
+
+
 async def _stop(proc: Process, grace_s: float) -> None:
     """Wait `grace_s` for the process to exit, then SIGTERM, then SIGKILL. Call shielded."""
     for signal_it, wait_s in (
@@ -411,8 +441,9 @@ async def _child_main(spec: _ChildSpec) -> int:
     code = 0
     try:
         async with anyio.create_task_group() as tg:
-            tg.start_soon(_watch_parent, tg.cancel_scope)
-            code = await _run_engine(spec, inputs, outputs)
+            stop_requested = anyio.Event()
+            tg.start_soon(_watch_parent, tg.cancel_scope, stop_requested)
+            code = await _run_engine(spec, inputs, outputs, stop_requested)
             parent_alive = True
             tg.cancel_scope.cancel()
     finally:
@@ -423,18 +454,25 @@ async def _child_main(spec: _ChildSpec) -> int:
     return code
 
 
-async def _watch_parent(scope: anyio.CancelScope) -> None:
-    """Our stdin is a pipe from the parent that nobody writes to: EOF means the parent is gone."""
+async def _watch_parent(scope: anyio.CancelScope, stop_requested: anyio.Event) -> None:
+    """Our stdin is a pipe from the parent. `STOP_BYTE` asks for an orderly stop (as `Shutdown`
+    does: the core loop ends after its current step); EOF means the parent is gone."""
     fd = 0
     while True:
         await anyio.wait_readable(fd)
-        if not os.read(fd, 4096):
+        data = os.read(fd, 4096)
+        if not data:
             break
-    log.warning("the parent process is gone; the engine core exits")
+        if STOP_BYTE in data:
+            stop_requested.set()
+    if not stop_requested.is_set():
+        log.warning("the parent process is gone; the engine core exits")
     scope.cancel()
 
 
-async def _run_engine(spec: _ChildSpec, inputs: zmq.Socket[Any], outputs: zmq.Socket[Any]) -> int:
+async def _run_engine(
+    spec: _ChildSpec, inputs: zmq.Socket[Any], outputs: zmq.Socket[Any], stop_requested: anyio.Event
+) -> int:
     from triollm.actors.core_loop import serve_engine_core
     from triollm.engine.core import EngineCore
 
@@ -460,6 +498,7 @@ async def _run_engine(spec: _ChildSpec, inputs: zmq.Socket[Any], outputs: zmq.So
     out_send, out_recv = anyio.create_memory_object_stream[CoreOutput](OUTPUT_BUFFER)
     failed = False
     async with anyio.create_task_group() as tg:
+        tg.start_soon(_shutdown_when_asked, stop_requested, in_send.clone())
         tg.start_soon(zmq_io.pump_from_socket, inputs, in_send, input_decoder.decode)
         async with anyio.create_task_group() as out_tg:
             out_tg.start_soon(zmq_io.pump_to_socket, outputs, out_recv, _encoder.encode)
@@ -472,6 +511,15 @@ async def _run_engine(spec: _ChildSpec, inputs: zmq.Socket[Any], outputs: zmq.So
             out_tg.cancel_scope.deadline = anyio.current_time() + FLUSH_S
         tg.cancel_scope.cancel()
     return 1 if failed else 0
+
+
+async def _shutdown_when_asked(stop_requested: anyio.Event, inputs: MemoryObjectSendStream[CoreInput]) -> None:
+    with inputs:
+        await stop_requested.wait()
+        try:
+            inputs.send_nowait(Shutdown())
+        except (anyio.ClosedResourceError, anyio.BrokenResourceError):
+            pass
 
 
 if __name__ == "__main__":
