@@ -9,7 +9,7 @@ from __future__ import annotations
 import importlib.metadata as _metadata
 
 from triollm.actors.async_llm import AsyncEngineArgs, AsyncLLM
-from triollm.actors.errors import EngineDeadError, EngineGenerateError
+from triollm.actors.errors import EngineBusyError, EngineDeadError, EngineGenerateError
 from triollm.actors.llm import LLM
 from triollm.actors.llm_engine import LLMEngine
 from triollm.actors.request_stream import RequestStream
@@ -30,6 +30,7 @@ __all__ = [
     "AsyncLLM",
     "CompletionOutput",
     "EngineArgs",
+    "EngineBusyError",
     "EngineCore",
     "EngineCoreRequest",
     "EngineDeadError",

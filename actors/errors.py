@@ -1,6 +1,6 @@
 from __future__ import annotations
 
-__all__ = ["EngineDeadError", "EngineGenerateError"]
+__all__ = ["EngineBusyError", "EngineDeadError", "EngineGenerateError"]
 
 
 class EngineDeadError(RuntimeError):
@@ -10,3 +10,13 @@ class EngineDeadError(RuntimeError):
 
 class EngineGenerateError(RuntimeError):
     """One request failed unexpectedly inside the engine; the engine itself goes on."""
+
+
+class EngineBusyError(RuntimeError):
+    """The request was refused because the engine's queue is full (`max_num_queued_reqs` /
+    `max_num_queued_tokens`); nothing was added. Retry later (the server answers HTTP 429 with
+    `Retry-After`)."""
+
+    def __init__(self, message: str, *, retry_after_s: float = 1.0) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s

@@ -44,6 +44,7 @@ __all__ = [
     "CompilationConfig",
     "EngineArgs",
     "EngineConfig",
+    "LimitsConfig",
     "ModelConfig",
     "SchedulerConfig",
 ]
@@ -78,6 +79,24 @@ class ActorConfig:
     output_chunk_size: int  # RequestOutputs built per chunk before yielding to the event loop
     zmq_address: str  # "ipc" or "tcp://HOST"
     max_logprobs: int  # the most logprobs a request may ask for (-1: no limit)
+    # With work pending, no output from the engine core for this long means it is hung: the
+    # engine is declared dead (EngineDeadError everywhere, /health 503). None: never.
+    engine_output_timeout_s: float | None
+
+
+@dataclass(frozen=True)
+class LimitsConfig:
+    """What one request may ask of the server, and how much may wait for the scheduler. A request
+    over a limit fails alone with a `ValueError` naming the field and the setting (HTTP 400); over
+    a queue limit, with `EngineBusyError` (HTTP 429)."""
+
+    max_num_queued_reqs: int | None  # requests admitted but not yet finished, beyond max_num_seqs
+    max_num_queued_tokens: int | None  # prompt tokens of the requests waiting for the scheduler
+    max_stop_strings: int  # `stop` entries per request
+    max_stop_string_len: int  # characters per `stop` entry
+    max_token_list_len: int  # entries of stop_token_ids, allowed_token_ids, bad_words, logit_bias
+    max_prompts_per_request: int  # prompts in one /v1/completions request
+    max_n: int  # `n` (and `best_of`)
 
 
 @dataclass(frozen=True)
@@ -90,6 +109,7 @@ class EngineConfig:
     num_threads: int | None
     tokenizer: Path  # the tokenizer directory (the model's unless `tokenizer=` named another)
     actor: ActorConfig
+    limits: LimitsConfig
     # vLLM arguments the user set that have no effect here (each warned about once).
     ignored_args: tuple[str, ...] = ()
 
@@ -225,6 +245,15 @@ class EngineArgs:
     multiprocess: bool | None = _arg(None, f"the engine core in a child process (default: ${MULTIPROCESS_ENV}, else true)")
     output_chunk_size: int = _arg(128, "RequestOutputs built per chunk before yielding to the event loop")
     zmq_address: str = _arg("ipc", "'ipc' (a socket file in a private temp dir) or 'tcp://HOST' (ports chosen freely)")
+    engine_output_timeout_s: float | None = _arg(60.0, "with work pending, seconds without any output from the engine core before it is declared dead (hung)")
+    # --- request limits and backpressure (a request over a limit fails alone: HTTP 400 / 429)
+    max_num_queued_reqs: int | None = _arg(None, "the most unfinished requests beyond max_num_seqs; more are refused (HTTP 429) (default: no limit)")
+    max_num_queued_tokens: int | None = _arg(None, "the most prompt tokens waiting for the scheduler; more are refused (HTTP 429) (default: no limit)")
+    max_stop_strings: int = _arg(64, "the most `stop` strings per request")
+    max_stop_string_len: int = _arg(1024, "the longest `stop` string, in characters")
+    max_token_list_len: int = _arg(8192, "the most entries in stop_token_ids, allowed_token_ids, bad_words or logit_bias")
+    max_prompts_per_request: int = _arg(1024, "the most prompts in one /v1/completions request")
+    max_n: int = _arg(128, "the largest `n` (parallel samples per request)")
 
     def __post_init__(self) -> None:
         # Normalised once, here: every way of building EngineArgs sees the same values.
@@ -279,6 +308,14 @@ class EngineArgs:
         if self.num_threads is not None:
             _positive("num_threads", self.num_threads)
         _positive("output_chunk_size", self.output_chunk_size)
+        for name in ("max_num_queued_reqs", "max_num_queued_tokens"):
+            if getattr(self, name) is not None:
+                _positive(name, getattr(self, name))
+        for name in ("max_stop_strings", "max_stop_string_len", "max_token_list_len", "max_prompts_per_request", "max_n"):
+            _positive(name, getattr(self, name))
+        timeout = self.engine_output_timeout_s
+        if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0):
+            raise ValueError(f"engine_output_timeout_s: must be a positive number of seconds or None, got {timeout!r}")
         if not isinstance(self.max_logprobs, int) or self.max_logprobs < -1:
             raise ValueError(f"max_logprobs: must be an integer >= -1, got {self.max_logprobs!r}")
         if self.zmq_address != "ipc" and not self.zmq_address.startswith("tcp://"):
@@ -322,6 +359,16 @@ class EngineArgs:
                 output_chunk_size=self.output_chunk_size,
                 zmq_address=self.zmq_address,
                 max_logprobs=self.max_logprobs,
+                engine_output_timeout_s=None if timeout is None else float(timeout),
+            ),
+            limits=LimitsConfig(
+                max_num_queued_reqs=self.max_num_queued_reqs,
+                max_num_queued_tokens=self.max_num_queued_tokens,
+                max_stop_strings=self.max_stop_strings,
+                max_stop_string_len=self.max_stop_string_len,
+                max_token_list_len=self.max_token_list_len,
+                max_prompts_per_request=self.max_prompts_per_request,
+                max_n=self.max_n,
             ),
             ignored_args=ignored,
         )
