@@ -3,7 +3,9 @@
 Every endpoint is wrapped so that no exception escapes it: whatever goes wrong with one request
 becomes an OpenAI error body (see openai_errors.py) and never disturbs the others. A POST body
 must be JSON: another Content-Type (or none) is a 400 before the body is read, with vLLM's
-message ("Unsupported Media Type: Only 'application/json' is allowed"). Generation
+message ("Unsupported Media Type: Only 'application/json' is allowed"). Bodies are read
+incrementally up to a limit (413 above it): `MAX_BODY_BYTES` for generation, the smaller
+`SMALL_BODY_BYTES` for /tokenize and /detokenize. Generation
 endpoints return a `GenerationResponse` (sse.py) that watches for the client's disconnect.
 """
 
@@ -37,10 +39,12 @@ from triollm.api.protocol import (
     TokenizeCompletionRequest,
     TokenizeResponse,
     VersionResponse,
+    decode_json,
     decode_request,
 )
 from triollm.api.serving_chat import create_chat_completion
 from triollm.api.serving_common import (
+    SMALL_BODY_BYTES,
     maybe_in_thread,
     read_body,
     render_chat,
@@ -209,8 +213,8 @@ class _Endpoints:
         return _json(VersionResponse(triollm.__version__))
 
     async def tokenize(self, request: Request) -> Response:
-        body = await read_body(request)
-        keys = msgspec.json.decode(body, type=dict[str, msgspec.Raw])
+        body = await read_body(request, SMALL_BODY_BYTES)
+        keys = decode_json(body, dict[str, msgspec.Raw])
         tokenizer = self.llm.get_tokenizer()
         req: TokenizeChatRequest | TokenizeCompletionRequest
         if "messages" in keys:
@@ -234,7 +238,7 @@ class _Endpoints:
         return _json(TokenizeResponse(len(ids), self._model_config().max_model_len, ids, strs))
 
     async def detokenize(self, request: Request) -> Response:
-        req = decode_request(await read_body(request), DetokenizeRequest)
+        req = decode_request(await read_body(request, SMALL_BODY_BYTES), DetokenizeRequest)
         resolve_model(self.state, req.model)
         tokenizer = self.llm.get_tokenizer()
         vocab = self._model_config().vocab_size

@@ -2,20 +2,22 @@
 
 Every failure a request can meet is turned into an `APIError` by `from_exception`: malformed
 JSON and wrong types (msgspec, whose message names the field path), invalid values (the
-engine's `ValueError`s, whose messages start with the field name) -> 400; a dead engine -> 503;
+engine's `ValueError`s, whose messages start with the field name) and JSON nested too deeply
+-> 400; a full engine queue (`EngineBusyError`) -> 429 with `Retry-After`; a dead engine -> 503;
 anything unexpected -> 500 with a log line (the client gets no traceback).
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import re
 from http import HTTPStatus
 
 import msgspec
 from starlette.responses import Response
 
-from triollm.actors.errors import EngineDeadError, EngineGenerateError
+from triollm.actors.errors import EngineBusyError, EngineDeadError, EngineGenerateError
 
 __all__ = [
     "APIError",
@@ -24,6 +26,7 @@ __all__ = [
     "bad_request",
     "from_exception",
     "service_unavailable",
+    "too_many_requests",
 ]
 
 log = logging.getLogger("triollm.api")
@@ -34,6 +37,7 @@ _TYPES = {
     404: "NotFoundError",
     405: "MethodNotAllowedError",
     413: "RequestTooLargeError",
+    429: "RateLimitError",
     500: "InternalServerError",
     503: "ServiceUnavailableError",
 }
@@ -93,11 +97,21 @@ def service_unavailable(message: str) -> APIError:
     return APIError(503, message)
 
 
+def too_many_requests(message: str, retry_after_s: float) -> APIError:
+    """429 with `Retry-After` in whole seconds (at least 1), as HTTP wants it."""
+    error = APIError(429, message)
+    seconds = math.ceil(retry_after_s) if math.isfinite(retry_after_s) else 1
+    error.headers["Retry-After"] = str(max(1, seconds))
+    return error
+
+
 def from_exception(exc: BaseException, *, engine_running: bool = True) -> APIError:
     """The client-facing error for `exc`. `engine_running` False turns the engine's "not
     running" RuntimeError (a request that raced with shutdown) into a 503."""
     if isinstance(exc, APIError):
         return exc
+    if isinstance(exc, EngineBusyError):
+        return too_many_requests(str(exc), exc.retry_after_s)
     if isinstance(exc, EngineDeadError):
         first_line = (str(exc).strip().splitlines() or ["the engine core died"])[0]
         return service_unavailable(f"The engine is dead: {first_line}")

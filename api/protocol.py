@@ -1,7 +1,8 @@
 """The OpenAI-compatible wire format as msgspec Structs (vLLM's field names and JSON shapes).
 
 Requests: unknown fields are ignored (msgspec's default) and listed in one log line by
-`decode_request`. Optional sampling fields default to None, meaning "the model's
+`decode_request`. JSON nested deeper than msgspec's recursion limit is a `msgspec.DecodeError`
+(a 400), never the parser's `RecursionError` (a 500). Optional sampling fields default to None, meaning "the model's
 generation_config.json default, else OpenAI's". Integers are bounded to int64 so no value
 that passes decoding can overflow a tensor in the engine.
 
@@ -23,6 +24,7 @@ __all__ = [
     "CompletionRequest",
     "CompletionResponse",
     "CompletionStreamResponse",
+    "decode_json",
     "decode_request",
 ]
 
@@ -37,11 +39,19 @@ TokenIds = list[Int64]
 T = TypeVar("T")
 
 
+def decode_json(body: bytes, type_: type[T]) -> T:
+    """`msgspec.json.decode`, with too deep a nesting reported as the malformed JSON it is."""
+    try:
+        return msgspec.json.decode(body, type=type_)
+    except RecursionError:
+        raise msgspec.DecodeError("JSON is nested too deeply") from None
+
+
 def decode_request(body: bytes, type_: type[T]) -> T:
     """Decode a JSON request body; log (once) the top-level fields that were ignored."""
-    request = msgspec.json.decode(body, type=type_)
+    request = decode_json(body, type_)
     known: tuple[str, ...] = getattr(type_, "__struct_fields__", ())
-    keys = msgspec.json.decode(body, type=dict[str, msgspec.Raw])
+    keys = decode_json(body, dict[str, msgspec.Raw])
     unknown = sorted(k for k in keys if k not in known)
     if unknown:  # client-chosen names: bounded, so a request cannot flood the log
         shown = [name[:64] for name in unknown[:16]]

@@ -8,6 +8,7 @@ import math
 import time
 import uuid
 from collections.abc import Callable, Sequence
+from contextlib import aclosing
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -23,6 +24,7 @@ from triollm.engine.sampling_params import RequestOutputKind, SamplingParams
 
 __all__ = [
     "MAX_BODY_BYTES",
+    "SMALL_BODY_BYTES",
     "build_sampling_params",
     "check_available",
     "check_logprobs",
@@ -36,7 +38,11 @@ __all__ = [
     "stream_flags",
 ]
 
+# Request body limits (413 above them), enforced while reading, so an oversized body is never
+# held whole: generation endpoints take long prompts and prompt lists; /tokenize and /detokenize
+# have no business with more than a long document.
 MAX_BODY_BYTES = 64 * 1024 * 1024
+SMALL_BODY_BYTES = 1024 * 1024
 # Above this many characters, prompt rendering/tokenizing moves to a worker thread.
 LARGE_TEXT = 8192
 # Optional sampling fields passed to SamplingParams only when the request sets them (otherwise
@@ -71,6 +77,8 @@ def check_available(state: ServerState) -> None:
 
 
 async def read_body(request: Request, limit: int | None = None) -> bytes:
+    """The body, read chunk by chunk; 413 as soon as it (or its Content-Length) passes `limit`
+    (default `MAX_BODY_BYTES`)."""
     limit = MAX_BODY_BYTES if limit is None else limit
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > limit:
@@ -78,11 +86,12 @@ async def read_body(request: Request, limit: int | None = None) -> bytes:
     chunks: list[bytes] = []
     size = 0
     try:
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > limit:
-                raise APIError(413, f"Request body too large: over {limit} bytes")
-            chunks.append(chunk)
+        async with aclosing(request.stream()) as body:  # closed at once when we stop early
+            async for chunk in body:
+                size += len(chunk)
+                if size > limit:
+                    raise APIError(413, f"Request body too large: over {limit} bytes")
+                chunks.append(chunk)
     except ClientDisconnect:
         raise bad_request("The client disconnected while sending the request") from None
     return b"".join(chunks)

@@ -1,0 +1,153 @@
+"""What one client may cost the server, over HTTP (in process, on asyncio and trio): a full engine
+queue is a 429 with `Retry-After`, over-deep JSON a 400, oversized bodies a 413 read no further
+than the limit, too many prompts a 400 naming the setting."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import anyio
+import httpx
+import pytest
+from test_app import CHAT, GREEDY, assert_error, post
+
+from triollm.actors.async_llm import AsyncLLM
+from triollm.actors.errors import EngineBusyError
+from triollm.api import serving_common
+from triollm.api.app import build_app
+from triollm.api.state import ServerState
+
+pytestmark = pytest.mark.anyio
+
+GENERATION = [
+    ("/v1/completions", {"prompt": "Hello", "max_tokens": 2, **GREEDY}),
+    ("/v1/chat/completions", {"messages": CHAT, "max_tokens": 2, **GREEDY}),
+]
+
+
+def assert_busy(r: httpx.Response, retry_after: str) -> None:
+    error = assert_error(r, 429, "queue is full", param=None)
+    assert error["type"] == "RateLimitError"
+    assert r.headers["retry-after"] == retry_after
+    assert r.headers["content-type"].startswith("application/json")
+
+
+# ------------------------------------------------------------------------------- 429 (busy)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("path, body", GENERATION, ids=["completions", "chat"])
+async def test_engine_busy_is_429_with_retry_after(
+    client: httpx.AsyncClient,
+    llm: AsyncLLM,
+    monkeypatch: pytest.MonkeyPatch,
+    path: str,
+    body: dict[str, Any],
+    stream: bool,
+) -> None:
+    """A fake engine refusal (the real queue limit is below): 429 before any SSE header."""
+
+    async def busy(*args: object, **kwargs: object) -> None:
+        raise EngineBusyError("the engine's queue is full (max_num_queued_reqs=1)", retry_after_s=2.5)
+
+    with monkeypatch.context() as m:
+        m.setattr(llm, "add_request", busy)
+        assert_busy(await post(client, path, {**body, "stream": stream}), "3")
+    r = await post(client, path, {**body, "stream": stream})
+    assert r.status_code == 200, r.text
+
+
+async def test_engine_busy_on_a_later_prompt_aborts_the_earlier_ones(
+    client: httpx.AsyncClient, llm: AsyncLLM, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    real = llm.add_request
+    calls = 0
+
+    async def second_busy(*args: Any, **kwargs: Any) -> Any:
+        nonlocal calls
+        calls += 1
+        if calls == 2:
+            raise EngineBusyError("the engine's queue is full", retry_after_s=0.01)
+        return await real(*args, **kwargs)
+
+    monkeypatch.setattr(llm, "add_request", second_busy)
+    body = {"prompt": ["a", "b", "c"], "max_tokens": 50, "stream": True, **GREEDY}
+    assert_busy(await post(client, "/v1/completions", body), "1")
+    with anyio.fail_after(10):
+        await llm.wait_idle()
+    assert llm.num_unfinished_requests == 0
+
+
+# -------------------------------------------------------------------- malformed and large bodies
+
+
+def asgi_post(path: str) -> dict[str, Any]:
+    return {
+        "type": "http",
+        "asgi": {"version": "3.0", "spec_version": "2.3"},
+        "http_version": "1.1",
+        "method": "POST",
+        "scheme": "http",
+        "path": path,
+        "raw_path": path.encode(),
+        "query_string": b"",
+        "root_path": "",
+        "headers": [(b"content-type", b"application/json"), (b"host", b"testserver")],
+        "client": ("127.0.0.1", 1234),
+        "server": ("testserver", 80),
+    }
+
+
+def nested(depth: int) -> bytes:
+    return b'{"prompt": "hi", "x": ' + b"[" * depth + b"]" * depth + b"}"
+
+
+@pytest.mark.parametrize(
+    "path", ["/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"]
+)
+async def test_deeply_nested_json_is_400(client: httpx.AsyncClient, path: str) -> None:
+    r = await post(client, path, nested(50_000))
+    assert_error(r, 400, "Invalid JSON body", "nested too deeply")
+    body = {"messages": [{"role": "user", "content": "x"}], "chat_template_kwargs": {}}
+    deep = json.dumps(body).encode().replace(b"{}", b'{"a": ' + b"[" * 50_000 + b"]" * 50_000 + b"}")
+    assert_error(await post(client, "/v1/chat/completions", deep), 400, "nested too deeply")
+
+
+@pytest.mark.parametrize("path", ["/tokenize", "/detokenize"])
+async def test_small_body_limit_on_tokenize(
+    client: httpx.AsyncClient, state: ServerState, path: str
+) -> None:
+    limit = serving_common.SMALL_BODY_BYTES
+    assert limit < serving_common.MAX_BODY_BYTES
+    # Declared too large: refused before reading.
+    r = await post(client, path, b" " * (limit + 1))
+    assert_error(r, 413, "too large", str(limit))
+    # Streamed without a length (a 60 MiB body): refused once past the limit, the rest unread.
+    chunk = b" " * 65536
+    received = 0
+    sent: list[dict[str, Any]] = []
+
+    async def receive() -> dict[str, Any]:
+        nonlocal received
+        received += 1
+        return {"type": "http.request", "body": chunk, "more_body": received < 960}
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    with anyio.fail_after(10):
+        await build_app(state)(asgi_post(path), receive, send)
+    assert sent[0]["type"] == "http.response.start" and sent[0]["status"] == 413
+    assert json.loads(sent[1]["body"])["error"]["code"] == 413
+    assert received <= limit // len(chunk) + 1
+    # Just under the limit is read (and tokenized) as usual.
+    prompt = {"prompt": "hi", "pad": " " * (limit - 100)} if path == "/tokenize" else None
+    if prompt is not None:
+        assert (await post(client, path, prompt)).status_code == 200
+
+
+async def test_generation_keeps_the_large_limit(client: httpx.AsyncClient) -> None:
+    prompt = "hi" + " " * (2 * serving_common.SMALL_BODY_BYTES)
+    r = await post(client, "/v1/completions", {"prompt": prompt, "max_tokens": 1})
+    assert_error(r, 400, "max_model_len")  # read and tokenized: too long a prompt, not too large a body
