@@ -41,7 +41,7 @@ import anyio.lowlevel
 from triollm.engine.outputs import CompletionOutput, RequestOutput
 from triollm.engine.sampling_params import RequestOutputKind
 
-__all__ = ["RequestStream", "merge_output"]
+__all__ = ["OutputMerger", "RequestStream", "merge_output"]
 
 
 class RequestStream:
@@ -58,7 +58,7 @@ class RequestStream:
         self.request_id = request_id
         self.output_kind = output_kind
         self._on_close: Callable[[RequestStream], None] | None = on_close
-        self._output: RequestOutput | None = None
+        self._pending = OutputMerger(output_kind)  # outputs not yet read, merged
         self._error: BaseException | None = None
         self._ready = anyio.Event()
         self._finished = False  # the final output or an error was put
@@ -92,10 +92,7 @@ class RequestStream:
         Ignored once the request has ended (the first end, output or error, wins)."""
         if self._finished:
             return
-        if self._output is None:
-            self._output = output
-        else:
-            merge_output(self._output, output, self.output_kind)
+        self._pending.add(output)
         self._finished = output.finished
         if self._finished:
             self._ended.set()
@@ -123,9 +120,8 @@ class RequestStream:
             raise anyio.EndOfStream
         if self.closed:
             raise anyio.ClosedResourceError
-        output = self._output
+        output = self._pending.take()
         if output is not None:
-            self._output = None
             self._ready = anyio.Event()
             if output.finished:
                 self._end()
@@ -169,7 +165,7 @@ class RequestStream:
         (safe in a `finally` of a cancelled task)."""
         on_close, self._on_close = self._on_close, None
         if on_close is not None:
-            self._output = None
+            self._pending.take()
             self._ready.set()  # a task waiting in get() wakes up to ClosedResourceError
             on_close(self)
 
@@ -197,38 +193,85 @@ class RequestStream:
 # ---------------------------------------------------------------------------------- merging
 
 
-def merge_output(into: RequestOutput, new: RequestOutput, kind: RequestOutputKind) -> None:
-    """Fold the newer output `new` of one request into `into` (which the caller owns).
+class OutputMerger:
+    """The outputs of one request folded into one as they arrive, for a consumer that reads
+    later (`add` many, then `take`). DELTA: each completion's new text, tokens and logprobs are
+    appended (the lists of a DELTA output are fresh slices, so extending them is safe).
+    CUMULATIVE / FINAL_ONLY: the newer completions replace the ones with the same index.
 
-    DELTA: append each completion's new text, tokens and logprobs (the lists of a DELTA output
-    are fresh slices, so extending them is safe). CUMULATIVE / FINAL_ONLY: the newer completions
-    replace the ones with the same index. The one place this rule lives: the stream merges while
-    a consumer is slow; the server merges a non-streamed DELTA request into its response.
+    Linear in what arrives, however long the consumer stays away: lists are extended in place
+    and DELTA text pieces are kept in a list and joined once, in `take()`. Rejected: `text +=`
+    at each merge, which copies the whole text every time (quadratic for a client that stops
+    reading, and for a long non-streamed DELTA response).
     """
-    if kind == RequestOutputKind.DELTA:
-        _merge_delta(into, new)
-    else:
-        _replace(into, new)
-    into.finished = new.finished
-    into.num_cached_tokens = new.num_cached_tokens
-    into.metrics = new.metrics
 
+    def __init__(self, kind: RequestOutputKind) -> None:
+        self.kind = kind
+        self._output: RequestOutput | None = None
+        self._texts: dict[int, list[str]] = {}  # completion index -> its text pieces, in order
+        self._own_prompt_logprobs = False  # into.prompt_logprobs is our copy, safe to extend
 
-def _merge_delta(into: RequestOutput, new: RequestOutput) -> None:
-    by_index = {c.index: c for c in into.outputs}
-    for c in new.outputs:
-        old = by_index.get(c.index)
-        if old is None:
-            into.outputs.append(c)
-            by_index[c.index] = c
+    def add(self, new: RequestOutput) -> None:
+        into = self._output
+        if into is None:
+            self._output = new
+            return
+        if self.kind == RequestOutputKind.DELTA:
+            self._merge_delta(into, new)
         else:
+            _replace(into, new)
+        into.finished = new.finished
+        into.num_cached_tokens = new.num_cached_tokens
+        into.metrics = new.metrics
+
+    def take(self) -> RequestOutput | None:
+        """The merged output (None if nothing arrived since the last take); starts afresh."""
+        output, self._output = self._output, None
+        if output is not None and self._texts:
+            for c in output.outputs:
+                pieces = self._texts.get(c.index)
+                if pieces is not None:
+                    c.text = "".join(pieces)
+        self._texts.clear()
+        self._own_prompt_logprobs = False
+        return output
+
+    def _merge_delta(self, into: RequestOutput, new: RequestOutput) -> None:
+        by_index = {c.index: c for c in into.outputs}
+        for c in new.outputs:
+            old = by_index.get(c.index)
+            if old is None:
+                into.outputs.append(c)
+                by_index[c.index] = c
+                continue
+            pieces = self._texts.get(c.index)
+            if pieces is None:
+                self._texts[c.index] = [old.text, c.text]
+            else:
+                pieces.append(c.text)
             _merge_completion(old, c)
-    if new.prompt_logprobs:
-        into.prompt_logprobs = [*(into.prompt_logprobs or []), *new.prompt_logprobs]
+        if new.prompt_logprobs:
+            if not self._own_prompt_logprobs:
+                into.prompt_logprobs = list(into.prompt_logprobs or ())
+                self._own_prompt_logprobs = True
+            assert into.prompt_logprobs is not None
+            into.prompt_logprobs.extend(new.prompt_logprobs)
+
+
+def merge_output(into: RequestOutput, new: RequestOutput, kind: RequestOutputKind) -> None:
+    """Fold the newer output `new` of one request into `into` (which the caller owns), by
+    `OutputMerger`'s rule. For many merges into one output, keep an `OutputMerger` instead: it
+    joins the text once. The one place this rule lives: the stream merges while a consumer is
+    slow; the server merges a non-streamed DELTA request into its response.
+    """
+    merger = OutputMerger(kind)
+    merger.add(into)
+    merger.add(new)
+    merger.take()
 
 
 def _merge_completion(old: CompletionOutput, new: CompletionOutput) -> None:
-    old.text += new.text
+    """Tokens, logprobs and the latest state; the text is the merger's (joined on take)."""
     old.token_ids.extend(new.token_ids)
     if new.logprobs is not None:
         if old.logprobs is None:

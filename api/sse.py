@@ -37,7 +37,7 @@ from starlette.responses import Response
 from starlette.types import Message, Receive, Scope, Send
 
 from triollm.actors.async_llm import AsyncLLM
-from triollm.actors.request_stream import merge_output
+from triollm.actors.request_stream import OutputMerger
 from triollm.api.openai_errors import APIError, from_exception
 from triollm.engine.outputs import RequestOutput
 from triollm.engine.processing.processors import PromptType
@@ -241,19 +241,19 @@ class GenerationResponse(Response):
                     pass
 
     async def _respond(self, rx: MemoryObjectReceiveStream[_Item], out: _Output) -> None:
-        merged: dict[int, RequestOutput] = {}
+        # One output per prompt (several merged: DELTA when a metrics timer wants every token's
+        # time), joined once at the end.
+        merged = [OutputMerger(job.params.output_kind) for job in self.jobs]
         async for item in rx:
             if item.error is not None:
                 await out.fail(self._error(item.error))
                 return
             assert item.output is not None
             self._observe(item)
-            previous = merged.get(item.index)
-            if previous is None:
-                merged[item.index] = item.output
-            else:  # DELTA when a metrics timer wants every token's time
-                merge_output(previous, item.output, self.jobs[item.index].params.output_kind)
-        outputs = [merged[i] for i in range(len(self.jobs))]
+            merged[item.index].add(item.output)
+        outputs = [o for o in (m.take() for m in merged) if o is not None]
+        if len(outputs) != len(self.jobs):
+            raise RuntimeError("a prompt's request ended without an output")
         await out.json(200, _encoder.encode(self.formatter.final(outputs)))
 
     async def _stream(self, rx: MemoryObjectReceiveStream[_Item], out: _Output) -> None:

@@ -14,9 +14,12 @@ from test_app import CHAT, GREEDY, assert_error, post
 
 from triollm.actors.async_llm import AsyncLLM
 from triollm.actors.errors import EngineBusyError
+from triollm.actors.request_stream import OutputMerger, RequestStream, merge_output
 from triollm.api import serving_common
 from triollm.api.app import build_app
 from triollm.api.state import ServerState
+from triollm.engine.outputs import CompletionOutput, Logprob, RequestOutput
+from triollm.engine.sampling_params import RequestOutputKind
 
 pytestmark = pytest.mark.anyio
 
@@ -151,3 +154,75 @@ async def test_generation_keeps_the_large_limit(client: httpx.AsyncClient) -> No
     prompt = "hi" + " " * (2 * serving_common.SMALL_BODY_BYTES)
     r = await post(client, "/v1/completions", {"prompt": prompt, "max_tokens": 1})
     assert_error(r, 400, "max_model_len")  # read and tokenized: too long a prompt, not too large a body
+
+
+# ------------------------------------------------------------------ a consumer that stops reading
+
+
+class CountingStr(str):
+    """Counts the characters that `+` / `+=` copy (and stays a CountingStr)."""
+
+    copied = 0
+
+    def __add__(self, other: str) -> CountingStr:
+        CountingStr.copied += len(self) + len(other)
+        return CountingStr(str.__add__(self, other))
+
+
+class CountingList(list[Any]):
+    """Counts the elements copied out of it by iteration (`[*a, *b]`, `a + b`, `extend(a)`)."""
+
+    copied = 0
+
+    def __iter__(self) -> Any:
+        CountingList.copied += len(self)
+        return super().__iter__()
+
+    def __add__(self, other: Any) -> CountingList:
+        CountingList.copied += len(self) + len(other)
+        return CountingList(list.__add__(self, other))
+
+
+def one_token(i: int, *, finished: bool = False) -> RequestOutput:
+    return RequestOutput(
+        request_id="r",
+        prompt="p",
+        prompt_token_ids=[1],
+        prompt_logprobs=CountingList([None]),
+        outputs=[
+            CompletionOutput(0, CountingStr("x"), CountingList([i]), -1.0, CountingList([{i: Logprob(-1.0)}]))
+        ],
+        finished=finished,
+    )
+
+
+async def test_an_unread_stream_merges_in_linear_work() -> None:
+    """20,000 one-token DELTA outputs put into a stream nobody reads, then read once: the
+    characters and elements copied stay within a small multiple of n (they were ~n²/2)."""
+    n = 20_000
+    CountingStr.copied = CountingList.copied = 0
+    stream = RequestStream("r", RequestOutputKind.DELTA, lambda s: None)
+    for i in range(n):
+        stream.put(one_token(i, finished=i == n - 1))
+    merged = stream.get_nowait()
+    assert merged is not None and merged.finished
+    [c] = merged.outputs
+    assert c.text == "x" * n and c.token_ids == list(range(n))
+    assert c.logprobs is not None and len(c.logprobs) == n
+    assert merged.prompt_logprobs is not None and len(merged.prompt_logprobs) == n
+    assert CountingStr.copied <= 4 * n, CountingStr.copied
+    assert CountingList.copied <= 8 * n, CountingList.copied
+
+
+async def test_merge_output_pairs_and_merger_agree() -> None:
+    """`merge_output` (one merge) and `OutputMerger` (many) apply the same rule."""
+    a = one_token(1)
+    merge_output(a, one_token(2, finished=True), RequestOutputKind.DELTA)
+    merger = OutputMerger(RequestOutputKind.DELTA)
+    merger.add(one_token(1))
+    merger.add(one_token(2, finished=True))
+    b = merger.take()
+    assert b is not None and merger.take() is None
+    for o in (a, b):
+        assert (o.outputs[0].text, o.outputs[0].token_ids, o.finished) == ("xx", [1, 2], True)
+        assert o.prompt_logprobs == [None, None]
