@@ -28,7 +28,6 @@ from triollm.api.protocol import (
     ChatTopLogprob,
     DeltaMessage,
     UsageInfo,
-    decode_request,
 )
 from triollm.api.serving_common import (
     build_sampling_params,
@@ -36,9 +35,9 @@ from triollm.api.serving_common import (
     check_logprobs,
     clamp_logprob,
     created_now,
+    decode_body,
     output_kind,
     prompt_logprobs_out,
-    read_body,
     render_chat,
     request_id_base,
     resolve_model,
@@ -60,7 +59,7 @@ async def create_chat_completion(
     state: ServerState, request: Request, chat_template: str | None
 ) -> Response:
     check_available(state)
-    req = decode_request(await read_body(request), ChatCompletionRequest)
+    req = await decode_body(request, ChatCompletionRequest)
     model = resolve_model(state, req.model)
     timer = start_timer(state, model)
     stream, include_usage, continuous = stream_flags(req)

@@ -16,7 +16,13 @@ import anyio
 from starlette.requests import ClientDisconnect, Request
 
 from triollm.api.openai_errors import APIError, bad_request, service_unavailable
-from triollm.api.protocol import ChatMessage, LogprobInfo, PromptLogprobsOut, SamplingFields
+from triollm.api.protocol import (
+    ChatMessage,
+    LogprobInfo,
+    PromptLogprobsOut,
+    SamplingFields,
+    decode_request,
+)
 from triollm.api.state import ServerState
 from triollm.engine.outputs import Logprob, PromptLogprobs
 from triollm.engine.processing.tokenizer import Tokenizer
@@ -29,6 +35,7 @@ __all__ = [
     "check_available",
     "check_logprobs",
     "clamp_logprob",
+    "decode_body",
     "read_body",
     "render_chat",
     "request_id_base",
@@ -45,6 +52,8 @@ MAX_BODY_BYTES = 64 * 1024 * 1024
 SMALL_BODY_BYTES = 1024 * 1024
 # Above this many characters, prompt rendering/tokenizing moves to a worker thread.
 LARGE_TEXT = 8192
+# Above this many bytes, a request body is decoded in a worker thread.
+LARGE_BODY = 1024 * 1024
 # Optional sampling fields passed to SamplingParams only when the request sets them (otherwise
 # the model's generation_config.json default, else SamplingParams' own default, applies).
 _OPTIONAL_FIELDS = (
@@ -63,6 +72,7 @@ _OPTIONAL_FIELDS = (
     "bad_words",
 )
 R = TypeVar("R")
+T = TypeVar("T")
 
 
 def check_available(state: ServerState) -> None:
@@ -95,6 +105,13 @@ async def read_body(request: Request, limit: int | None = None) -> bytes:
     except ClientDisconnect:
         raise bad_request("The client disconnected while sending the request") from None
     return b"".join(chunks)
+
+
+async def decode_body(request: Request, type_: type[T], limit: int | None = None) -> T:
+    """The request body read (`read_body`) and decoded into `type_`, in a worker thread when
+    it is large, so a big prompt list does not stall every stream while it is parsed."""
+    body = await read_body(request, limit)
+    return await maybe_in_thread(lambda: decode_request(body, type_), len(body), LARGE_BODY)
 
 
 def resolve_model(state: ServerState, name: str | None) -> str:
@@ -240,8 +257,8 @@ async def render_chat(
     return await maybe_in_thread(work, _chat_size(messages))
 
 
-async def maybe_in_thread(fn: Callable[[], R], size: int) -> R:
-    if size > LARGE_TEXT:
+async def maybe_in_thread(fn: Callable[[], R], size: int, threshold: int = LARGE_TEXT) -> R:
+    if size > threshold:
         return await anyio.to_thread.run_sync(fn)
     return fn()
 

@@ -26,7 +26,6 @@ from triollm.api.protocol import (
     CompletionStreamChoice,
     CompletionStreamResponse,
     UsageInfo,
-    decode_request,
 )
 from triollm.api.serving_common import (
     build_sampling_params,
@@ -34,9 +33,9 @@ from triollm.api.serving_common import (
     check_logprobs,
     clamp_logprob,
     created_now,
+    decode_body,
     output_kind,
     prompt_logprobs_out,
-    read_body,
     request_id_base,
     resolve_model,
     start_timer,
@@ -59,7 +58,7 @@ _PROMPT_FORMS = (
 
 async def create_completion(state: ServerState, request: Request) -> Response:
     check_available(state)
-    req = decode_request(await read_body(request), CompletionRequest)
+    req = await decode_body(request, CompletionRequest)
     model = resolve_model(state, req.model)
     timer = start_timer(state, model)
     stream, include_usage, continuous = stream_flags(req)
@@ -70,6 +69,7 @@ async def create_completion(state: ServerState, request: Request) -> Response:
     check_logprobs(state, "logprobs", req.logprobs)
     check_logprobs(state, "prompt_logprobs", req.prompt_logprobs)
     prompts = normalize_prompts(req.prompt)
+    check_num_prompts(state, len(prompts))
     llm = state.llm
     defaults = llm.get_model_config().generation_defaults
     prompt_logprobs = req.prompt_logprobs
@@ -102,6 +102,16 @@ async def create_completion(state: ServerState, request: Request) -> Response:
         tokenizer=llm.get_tokenizer(),
     )
     return GenerationResponse(llm, jobs, formatter, stream=stream, label=response_id, timer=timer)
+
+
+def check_num_prompts(state: ServerState, count: int) -> None:
+    """400 for more prompts than `max_prompts_per_request`, before any is tokenized."""
+    config = state.llm.config
+    limit = config.limits.max_prompts_per_request if config is not None else None
+    if limit is not None and count > limit:
+        raise bad_request(
+            f"prompt: {count} prompts exceed max_prompts_per_request ({limit})", "prompt"
+        )
 
 
 def normalize_prompts(prompt: str | list[Any]) -> list[PromptType]:

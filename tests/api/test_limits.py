@@ -5,19 +5,23 @@ than the limit, too many prompts a 400 naming the setting."""
 from __future__ import annotations
 
 import json
+import threading
+from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import anyio
 import httpx
 import pytest
-from test_app import CHAT, GREEDY, assert_error, post
+from test_app import CHAT, GREEDY, MAX_MODEL_LEN, MODEL, assert_error, open_client, post
 
 from triollm.actors.async_llm import AsyncLLM
 from triollm.actors.errors import EngineBusyError
 from triollm.actors.request_stream import OutputMerger, RequestStream, merge_output
 from triollm.api import serving_common
 from triollm.api.app import build_app
-from triollm.api.state import ServerState
+from triollm.api.state import ServerSettings, ServerState
+from triollm.engine.config import EngineArgs
 from triollm.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from triollm.engine.sampling_params import RequestOutputKind
 
@@ -154,6 +158,68 @@ async def test_generation_keeps_the_large_limit(client: httpx.AsyncClient) -> No
     prompt = "hi" + " " * (2 * serving_common.SMALL_BODY_BYTES)
     r = await post(client, "/v1/completions", {"prompt": prompt, "max_tokens": 1})
     assert_error(r, 400, "max_model_len")  # read and tokenized: too long a prompt, not too large a body
+
+
+# ------------------------------------------------------------------------- prompts per request
+
+
+@pytest.fixture
+async def few_prompts_llm(tiny_model_dir: Path) -> AsyncIterator[AsyncLLM]:
+    args = EngineArgs(
+        model=str(tiny_model_dir),
+        max_model_len=MAX_MODEL_LEN,
+        multiprocess=False,
+        max_prompts_per_request=2,
+    )
+    async with AsyncLLM.from_engine_args(args) as engine:
+        yield engine
+
+
+async def test_too_many_prompts_is_400_before_tokenizing(
+    few_prompts_llm: AsyncLLM, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    llm = few_prompts_llm
+    state = ServerState(llm, ServerSettings(served_model_names=(MODEL,)))
+    added = 0
+    real = llm.add_request
+
+    async def counting(*args: Any, **kwargs: Any) -> Any:
+        nonlocal added
+        added += 1
+        return await real(*args, **kwargs)
+
+    monkeypatch.setattr(llm, "add_request", counting)
+    async with open_client(state) as client:
+        for prompt in (["a", "b", "c"], [[1, 2], [3], [4]]):
+            for stream in (False, True):
+                r = await post(client, "/v1/completions", {"prompt": prompt, "stream": stream})
+                assert_error(r, 400, "max_prompts_per_request (2)", "3 prompts", param="prompt")
+        assert added == 0
+        # At the limit, and one token-id list (one prompt however long): served.
+        for prompt in (["a", "b"], [1, 2, 3, 4]):
+            r = await post(client, "/v1/completions", {"prompt": prompt, "max_tokens": 1, **GREEDY})
+            assert r.status_code == 200, r.text
+
+
+async def test_large_bodies_are_decoded_off_the_event_loop(
+    client: httpx.AsyncClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    threads: list[bool] = []
+    real = serving_common.decode_request
+
+    def recording(body: bytes, type_: Any) -> Any:
+        threads.append(threading.current_thread() is threading.main_thread())
+        return real(body, type_)
+
+    monkeypatch.setattr(serving_common, "decode_request", recording)
+    big = ["word " * 20] * (serving_common.LARGE_BODY // 100)
+    for path, body in [
+        ("/v1/completions", {"prompt": "hi", "max_tokens": 1, **GREEDY}),
+        ("/v1/completions", {"prompt": big, "max_tokens": 1, "stop": ["x"]}),
+        ("/v1/chat/completions", {"messages": CHAT, "max_tokens": 1, "bad_words": big}),
+    ]:
+        await post(client, path, body)
+    assert threads == [True, False, False]
 
 
 # ------------------------------------------------------------------ a consumer that stops reading
