@@ -44,6 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("model_tag", nargs="?", default=None, metavar="MODEL", help="a local HF directory or .gguf file")
     serve.add_argument("--host", default="127.0.0.1", help="(default: %(default)s)")
     serve.add_argument("--port", type=int, default=8000, help="0 picks a free port (default: %(default)s)")
+    serve.add_argument("--backlog", type=int, default=2048, help="the listen backlog: connections the kernel queues before the server accepts them (capped by net.core.somaxconn) (default: %(default)s)")
     serve.add_argument("--api-key", default=os.environ.get("TRIOLLM_API_KEY"), help="require `Authorization: Bearer KEY` on /v1/* (default: $TRIOLLM_API_KEY)")
     serve.add_argument("--allowed-origins", default=None, help='CORS origins, a JSON list or comma-separated, e.g. \'["*"]\' (default: no CORS)')
     serve.add_argument("--shutdown-timeout", type=float, default=0.0, help="seconds in-flight requests get on SIGINT/SIGTERM before they are aborted (default: %(default)s)")
@@ -145,7 +146,7 @@ def cmd_serve(ns: argparse.Namespace) -> int:
         max_logprobs=args.max_logprobs,
         disable_log_requests=ns.disable_log_requests,
     )
-    options = ServeOptions(ns.host, ns.port, settings, ns.shutdown_timeout, ns.worker)
+    options = ServeOptions(ns.host, ns.port, settings, ns.shutdown_timeout, ns.worker, ns.backlog)
     return run_server(args, options)
 
 

@@ -9,7 +9,8 @@
     ──▶ the engine shuts down (child process gone) ──▶ exit 0 (1 if the engine died)
 
 The port is bound before the model loads, so a taken port fails at once and early clients wait
-in the listen backlog. Hypercorn's own graceful timeout is only a backstop: the app ends every
+in the listen backlog (`--backlog`, given to Hypercorn too: it re-listens on the socket, with its
+own default of 100 otherwise, and a burst of connections beyond it is reset). Hypercorn's own graceful timeout is only a backstop: the app ends every
 stream itself (Hypercorn's asyncio worker did not exit while an SSE stream stayed open).
 """
 
@@ -28,11 +29,12 @@ from triollm.actors.async_llm import AsyncLLM
 from triollm.api.state import ServerSettings, ServerState
 from triollm.engine.config import EngineArgs
 
-__all__ = ["ServeOptions", "default_model_name", "run_server", "serve"]
+__all__ = ["DEFAULT_BACKLOG", "ServeOptions", "default_model_name", "run_server", "serve"]
 
 log = logging.getLogger("triollm")
 
 _HYPERCORN_GRACE_S = 3.0
+DEFAULT_BACKLOG = 2048  # the kernel caps it at net.core.somaxconn
 
 
 @dataclass(frozen=True)
@@ -42,6 +44,7 @@ class ServeOptions:
     settings: ServerSettings | None = None  # None: served under the model's directory name
     shutdown_timeout: float = 0.0
     worker: str = "trio"
+    backlog: int = DEFAULT_BACKLOG
 
 
 def default_model_name(engine_args: EngineArgs) -> str:
@@ -49,7 +52,7 @@ def default_model_name(engine_args: EngineArgs) -> str:
     return engine_args.model or "SmolLM2-135M-Instruct"
 
 
-def bind_socket(host: str, port: int) -> socket.socket:
+def bind_socket(host: str, port: int, backlog: int = DEFAULT_BACKLOG) -> socket.socket:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -58,7 +61,7 @@ def bind_socket(host: str, port: int) -> socket.socket:
     except OSError as exc:
         sock.close()
         raise OSError(f"cannot bind {host}:{port}: {exc.strerror}") from exc
-    sock.listen(1024)
+    sock.listen(backlog)
     sock.set_inheritable(True)
     return sock
 
@@ -67,7 +70,9 @@ def run_server(engine_args: EngineArgs, options: ServeOptions) -> int:
     """Bind, serve until stopped, return the process exit code."""
     if options.worker not in ("trio", "asyncio"):
         raise ValueError(f"worker: {options.worker!r} is not one of trio, asyncio")
-    sock = bind_socket(options.host, options.port)
+    if options.backlog < 1:
+        raise ValueError(f"backlog: must be at least 1, got {options.backlog}")
+    sock = bind_socket(options.host, options.port, options.backlog)
     try:
         return anyio.run(serve, engine_args, options, sock, backend=options.worker)
     finally:
@@ -88,7 +93,7 @@ async def serve(
         state = ServerState(llm, settings)
         _attach_metrics(state)
         app = build_app(state)
-        config = _hypercorn_config(sock)
+        config = _hypercorn_config(sock, options.backlog)
         host, port = sock.getsockname()[:2]
         url = f"http://{host}:{port}"
         stop = anyio.Event()
@@ -134,10 +139,11 @@ async def _watch_signals(stop: anyio.Event) -> None:
             stop.set()
 
 
-def _hypercorn_config(sock: socket.socket):  # type: ignore[no-untyped-def]
+def _hypercorn_config(sock: socket.socket, backlog: int = DEFAULT_BACKLOG):  # type: ignore[no-untyped-def]
     from hypercorn.config import Config
 
     config = Config()
+    config.backlog = backlog  # Hypercorn listens again on the socket it is given, with this
     # A duplicate: Hypercorn closes the descriptor it is given when it stops; ours stays ours.
     config.bind = [f"fd://{os.dup(sock.fileno())}"]
     config.graceful_timeout = _HYPERCORN_GRACE_S
@@ -151,10 +157,22 @@ async def _hypercorn_serve(app, config, shutdown_trigger) -> None:  # type: igno
     import sniffio
 
     if sniffio.current_async_library() == "trio":
-        from hypercorn.trio import serve as hypercorn_serve
-    else:
-        from hypercorn.asyncio import serve as hypercorn_serve  # type: ignore[assignment]
-    await hypercorn_serve(app, config, shutdown_trigger=shutdown_trigger)
+        from hypercorn.trio import serve as trio_serve
+
+        await trio_serve(app, config, shutdown_trigger=shutdown_trigger)
+        return
+    import asyncio
+
+    from hypercorn.asyncio import serve as asyncio_serve
+
+    # Hypercorn's asyncio serve() returns with a cancel request of its TaskGroup (the one its
+    # ShutdownError made) still pending on our task; left there, the orderly exit ends in a
+    # CancelledError (exit 1). Withdraw what it added, and only that.
+    task = asyncio.current_task()
+    pending = task.cancelling() if task is not None else 0
+    await asyncio_serve(app, config, shutdown_trigger=shutdown_trigger)
+    while task is not None and task.cancelling() > pending:
+        task.uncancel()
 
 
 def _attach_metrics(state: ServerState) -> None:

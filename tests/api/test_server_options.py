@@ -1,0 +1,71 @@
+"""Server options of `triollm serve` that reach the socket: `--backlog` is the listen backlog of
+our socket and of Hypercorn's (which listens again on it, with 100 unless told)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+from pathlib import Path
+
+import anyio
+import httpx
+import pytest
+from anyio.abc import TaskStatus
+
+from triollm.api.cli import build_parser
+from triollm.api.server import DEFAULT_BACKLOG, ServeOptions, _hypercorn_config, bind_socket, serve
+from triollm.api.state import ServerSettings
+from triollm.engine.config import EngineArgs
+
+pytestmark = pytest.mark.anyio
+
+
+def listen_backlog(port: int) -> int | None:
+    """The backlog of the listening socket on `port` (ss's Send-Q), or None without ss."""
+    ss = shutil.which("ss")
+    if ss is None:
+        return None
+    out = subprocess.run([ss, "-Hltn", f"sport = :{port}"], capture_output=True, text=True, check=True)
+    [line] = out.stdout.strip().splitlines()
+    return int(line.split()[2])
+
+
+def test_backlog_flag() -> None:
+    parser = build_parser()
+    assert parser.parse_args(["serve"]).backlog == DEFAULT_BACKLOG == ServeOptions().backlog
+    assert parser.parse_args(["serve", "--backlog", "4096"]).backlog == 4096
+    assert "--backlog" in parser._subparsers._group_actions[0].choices["serve"].format_help()  # type: ignore[union-attr]
+
+
+def test_bind_and_hypercorn_config_use_the_backlog() -> None:
+    with bind_socket("127.0.0.1", 0, backlog=777) as sock:
+        port = sock.getsockname()[1]
+        assert listen_backlog(port) in (777, None)
+        config = _hypercorn_config(sock, 777)
+        assert config.backlog == 777
+        os.close(int(config.bind[0].removeprefix("fd://")))
+
+
+async def test_serving_keeps_the_backlog(tiny_model_dir: Path) -> None:
+    """Once Hypercorn is serving on the socket, its backlog is still ours (it was 100)."""
+    if shutil.which("ss") is None:
+        pytest.skip("needs ss to read a listening socket's backlog")
+    args = EngineArgs(model=str(tiny_model_dir), max_model_len=64, multiprocess=False)
+    options = ServeOptions(settings=ServerSettings(served_model_names=("m",)), backlog=777)
+    with bind_socket("127.0.0.1", 0, backlog=options.backlog) as sock:
+        port = sock.getsockname()[1]
+        exit_code: list[int] = []
+
+        async def run(*, task_status: TaskStatus[str]) -> None:
+            exit_code.append(await serve(args, options, sock, task_status=task_status))
+
+        with anyio.fail_after(60):
+            async with anyio.create_task_group() as tg:
+                url = await tg.start(run)
+                async with httpx.AsyncClient() as client:
+                    assert (await client.get(f"{url}/health")).status_code == 200
+                assert listen_backlog(port) == 777
+                os.kill(os.getpid(), signal.SIGTERM)  # the server's own signal watcher stops it
+        assert exit_code == [0]
