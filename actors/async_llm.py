@@ -198,11 +198,18 @@ class AsyncLLM:
             self.tokenizer = await anyio.to_thread.run_sync(
                 Tokenizer.from_pretrained, config.tokenizer, self._chat_template
             )
-            self._input = InputProcessor(config.model, self.tokenizer, max_logprobs=config.actor.max_logprobs)
             self._output_chunk_size = config.actor.output_chunk_size
             self._output = OutputProcessor(self.tokenizer)
             tg: TaskGroup = await stack.enter_async_context(anyio.create_task_group())
             self._client = await stack.enter_async_context(open_core_client(config, self.args, core_factory=self._core_factory))
+            ready = self._client.ready
+            self._input = InputProcessor(
+                config.model,
+                self.tokenizer,
+                max_logprobs=config.actor.max_logprobs,
+                limits=config.limits,
+                kv_cache_tokens=ready.num_kv_blocks * ready.block_size,
+            )
             await tg.start(self._output_actor)
             _freeze_heap()
         except BaseException:

@@ -151,7 +151,15 @@ class EngineCore:
             )
         room = mc.max_model_len - len(ids)
         max_tokens = request.sampling_params.max_tokens
-        req = Request(request, room if max_tokens is None else min(max_tokens, room))
+        max_tokens = room if max_tokens is None else min(max_tokens, room)
+        # The last sampled token is never fed back: prompt + max_tokens - 1 KV slots. More than
+        # the cache holds would preempt the request (and block the queue) forever.
+        if len(ids) + max_tokens - 1 > capacity:
+            raise ValueError(
+                f"max_tokens: {max_tokens} tokens after a prompt of {len(ids)} do not fit in the "
+                f"KV cache ({capacity} tokens)"
+            )
+        req = Request(request, max_tokens)
         self.requests[rid] = req
         self.scheduler.add_request(req)
 

@@ -7,6 +7,11 @@ Normalisation is idempotent (decode(encode(p)) == p): `top_k=-1` -> 0, a `stop` 
 `[stop]`, `stop`/`stop_token_ids` None -> [], `logit_bias` keys -> int and values clamped to
 [-100, 100], greedy (`temperature < 1e-5`) resets top_p/top_k/min_p to their no-op values.
 Checks that need the vocabulary size live in `verify_token_ids`, called by the input processor.
+
+Fields are plain attributes, so they can be changed after construction (`sp.n = 0`); the input
+processor calls `validate()` again at submission, so such a value fails that one request with a
+`ValueError` instead of reaching the engine core. Every integer must fit the wire (msgpack:
+[-2**63, 2**64)) and every string must be encodable as UTF-8 (no lone surrogates).
 """
 
 from __future__ import annotations
@@ -18,11 +23,21 @@ from typing import Any
 
 import msgspec
 
-__all__ = ["SAMPLING_EPS", "RequestOutputKind", "SamplingParams", "SamplingType"]
+__all__ = [
+    "SAMPLING_EPS",
+    "RequestOutputKind",
+    "SamplingParams",
+    "SamplingType",
+    "check_utf8",
+    "check_wire_int",
+]
 
 # Temperatures below this are greedy sampling.
 SAMPLING_EPS = 1e-5
 _LOGIT_BIAS_LIMIT = 100.0
+# What msgpack (the wire to the engine-core process) carries: 64-bit signed or unsigned ints.
+_WIRE_INT_MIN = -(2**63)
+_WIRE_INT_MAX = 2**64
 # generation_config.json names that differ from ours.
 _DEFAULT_ALIASES = {"max_new_tokens": "max_tokens"}
 
@@ -66,6 +81,11 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True, dict=True
     bad_words: list[str] | None = None
 
     def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """Check every field (raising `ValueError` naming it) and normalise in place; idempotent.
+        Runs at construction and decode, and again at submission (fields may have been changed)."""
         self._verify_penalties()
         self._verify_sampling()
         self._verify_lengths()
@@ -104,6 +124,9 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True, dict=True
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
         if self.seed is not None:
             _integer("seed", self.seed)
+            # n > 1 children get seeds seed + i: those must fit too.
+            if self.seed + max(_integer("n", self.n), 1) - 1 >= _WIRE_INT_MAX:
+                raise ValueError(f"seed must be below 2**64 - n, got {self.seed}")
 
     def _verify_lengths(self) -> None:
         if _integer("n", self.n) < 1:
@@ -127,6 +150,8 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True, dict=True
         stop = [] if self.stop is None else [self.stop] if isinstance(self.stop, str) else self.stop
         if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
             raise ValueError(f"stop must be a non-empty string or a list of them, got {stop!r}")
+        for s in stop:
+            check_utf8("stop", s)
         if stop and not self.detokenize:
             raise ValueError("stop strings need detokenize=True")
         self.stop = stop
@@ -134,6 +159,8 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True, dict=True
             isinstance(self.bad_words, list) and all(isinstance(w, str) for w in self.bad_words)
         ):
             raise ValueError(f"bad_words must be a list of strings, got {self.bad_words!r}")
+        for word in self.bad_words or ():
+            check_utf8("bad_words", word)
 
     def _normalize_token_lists(self) -> None:
         self.stop_token_ids = _int_list("stop_token_ids", self.stop_token_ids or [])
@@ -211,6 +238,22 @@ def _number(name: str, value: Any) -> float:
 def _integer(name: str, value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise ValueError(f"{name} must be an int, got {value!r}")
+    return check_wire_int(name, value)
+
+
+def check_wire_int(name: str, value: int) -> int:
+    """`value` unless the wire (msgpack, 64-bit integers) cannot carry it: then `ValueError`."""
+    if not _WIRE_INT_MIN <= value < _WIRE_INT_MAX:
+        raise ValueError(f"{name} must be in [-2**63, 2**64) (a 64-bit integer), got {value}")
+    return value
+
+
+def check_utf8(name: str, value: str) -> str:
+    """`value` unless it cannot be encoded as UTF-8 (a lone surrogate): then `ValueError`."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(f"{name} must be valid Unicode text (no lone surrogates): {exc.reason} at {exc.start}") from None
     return value
 
 

@@ -16,6 +16,11 @@ Differences from vLLM, on purpose:
 * max_tokens None or above the room left (max_model_len - prompt length) is clamped to the
   room, as vLLM's `LLM` does (its OpenAI server rejects instead); min_tokens is clamped too.
 * A prompt must leave room for one generated token: at most max_model_len - 1 tokens.
+* The sampling params are validated again at submission (`SamplingParams.validate()`: fields
+  may have been changed after construction), the per-request limits (`LimitsConfig`: stop
+  strings, token lists, `n`) are checked before anything is tokenized, and a request that can
+  never fit the KV cache (prompt + max_tokens, when the core's block count is known) is refused:
+  each a `ValueError` naming the field and the setting.
 * A core output finished with `FinishReason.ERROR` becomes finish_reason "abort" with the
   error text as stop_reason (RequestOutput has no error field; nothing is raised here).
 * DELTA outputs carry prompt_logprobs only when new rows arrived (None otherwise).
@@ -27,7 +32,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
@@ -42,7 +47,15 @@ from triollm.engine.outputs import (
 from triollm.engine.processing.detokenizer import IncrementalDetokenizer, StopChecker
 from triollm.engine.processing.tokenizer import Tokenizer
 from triollm.engine.request import EngineCoreOutput, EngineCoreRequest, FinishReason, Logprobs
-from triollm.engine.sampling_params import RequestOutputKind, SamplingParams
+from triollm.engine.sampling_params import (
+    RequestOutputKind,
+    SamplingParams,
+    check_utf8,
+    check_wire_int,
+)
+
+if TYPE_CHECKING:
+    from triollm.engine.config import LimitsConfig
 
 __all__ = [
     "InputProcessor",
@@ -81,11 +94,21 @@ class ProcessedOutputs:
 
 class InputProcessor:
     def __init__(
-        self, model_config: ModelConfig, tokenizer: Tokenizer, *, max_logprobs: int = 20
+        self,
+        model_config: ModelConfig,
+        tokenizer: Tokenizer,
+        *,
+        max_logprobs: int = 20,
+        limits: LimitsConfig | None = None,
+        kv_cache_tokens: int | None = None,
     ) -> None:
+        """`limits`: the per-request limits (None: none); `kv_cache_tokens`: the KV cache's size
+        in tokens (the core's blocks x block size; None: unknown, not checked)."""
         self.model_config = model_config
         self.tokenizer = tokenizer
         self.max_logprobs = max_logprobs  # -1: no limit
+        self.limits = limits
+        self.kv_cache_tokens = kv_cache_tokens
         eos = [*model_config.eos_token_ids]
         if tokenizer.eos_token_id is not None:
             eos.append(tokenizer.eos_token_id)
@@ -100,9 +123,16 @@ class InputProcessor:
         arrival_time: float | None = None,
         priority: int = 0,
     ) -> ProcessedRequest:
+        check_utf8("request_id", request_id)
+        check_wire_int("priority", priority)
+        if params is None:
+            params = SamplingParams.with_defaults(self.model_config.generation_defaults)
+        params.validate()  # fields may have changed since construction
+        self.check_limits(params)  # before anything is tokenized
         text, token_ids = self._tokenize(prompt)
         self._check_prompt(token_ids)
         params = self._resolve_params(params, len(token_ids))
+        self._check_kv_fit(len(token_ids), params)
         bad_words = self._bad_words_token_ids(params.bad_words or [])
         arrival = time.time() if arrival_time is None else arrival_time
         children = _child_params(params)
@@ -161,9 +191,36 @@ class InputProcessor:
 
     # ------------------------------------------------------------------ params
 
-    def _resolve_params(self, params: SamplingParams | None, prompt_len: int) -> SamplingParams:
-        if params is None:
-            params = SamplingParams.with_defaults(self.model_config.generation_defaults)
+    def check_limits(self, params: SamplingParams) -> None:
+        """Raise `ValueError` naming the field and the setting if `params` asks for more than
+        one request may (`LimitsConfig`). Cheap: lengths only, nothing is tokenized."""
+        limits = self.limits
+        if limits is None:
+            return
+        stop = [params.stop] if isinstance(params.stop, str) else params.stop or []
+        if len(stop) > limits.max_stop_strings:
+            raise ValueError(
+                f"stop: {len(stop)} strings exceed max_stop_strings={limits.max_stop_strings}"
+            )
+        longest = max(map(len, stop), default=0)
+        if longest > limits.max_stop_string_len:
+            raise ValueError(
+                f"stop: a string of {longest} characters exceeds "
+                f"max_stop_string_len={limits.max_stop_string_len}"
+            )
+        for name in ("stop_token_ids", "allowed_token_ids", "bad_words", "logit_bias"):
+            value = getattr(params, name)
+            count = 0 if value is None else len(value)
+            if count > limits.max_token_list_len:
+                raise ValueError(
+                    f"{name}: {count} entries exceed max_token_list_len={limits.max_token_list_len}"
+                )
+        for name in ("n", "best_of"):
+            value = getattr(params, name, None)
+            if value is not None and value > limits.max_n:
+                raise ValueError(f"{name}: {value} exceeds max_n={limits.max_n}")
+
+    def _resolve_params(self, params: SamplingParams, prompt_len: int) -> SamplingParams:
         vocab = self.model_config.vocab_size
         params.verify_token_ids(vocab)
         for name in ("logprobs", "prompt_logprobs"):
@@ -173,7 +230,26 @@ class InputProcessor:
             params = msgspec.structs.replace(
                 params, max_tokens=room, min_tokens=min(params.min_tokens, room)
             )
+        if params.top_k >= vocab:  # the same as no top-k, and within what the sampler handles
+            params = msgspec.structs.replace(params, top_k=0)
         return params
+
+    def _check_kv_fit(self, prompt_len: int, params: SamplingParams) -> None:
+        """A sequence that needs more KV slots than the cache has would preempt itself forever.
+        The last sampled token is never fed back, so prompt + max_tokens - 1 slots suffice."""
+        capacity = self.kv_cache_tokens
+        assert params.max_tokens is not None  # resolved
+        if capacity is None or prompt_len + params.max_tokens - 1 <= capacity:
+            return
+        if prompt_len >= capacity:
+            raise ValueError(
+                f"prompt: {prompt_len} tokens do not fit in the KV cache ({capacity} tokens)"
+            )
+        raise ValueError(
+            f"max_tokens: {params.max_tokens} tokens after a prompt of {prompt_len} need "
+            f"{prompt_len + params.max_tokens - 1} KV cache slots, more than the KV cache's "
+            f"{capacity} tokens; ask for at most {capacity - prompt_len + 1}"
+        )
 
     def _check_logprobs(self, name: str, value: int | None, vocab: int) -> None:
         if value is None or self.max_logprobs < 0:

@@ -1,0 +1,121 @@
+"""Bad values are one request's problem: checked at submission through the real engine, on both
+transports and both backends. Sampling params changed after construction, values the wire cannot
+carry, requests over a per-request limit and requests that can never fit the KV cache fail alone
+with a `ValueError` from `add_request`; the engine goes on serving. The sync `LLM` raises the
+`ValueError` / `EngineDeadError` itself, never an `ExceptionGroup`."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable
+from contextlib import aclosing
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from triollm import LLM
+from triollm.actors.async_llm import AsyncEngineArgs, AsyncLLM
+from triollm.actors.errors import EngineDeadError
+from triollm.engine.execution.scripted_runner import fault_at_step
+from triollm.engine.sampling_params import SamplingParams
+
+pytestmark = [pytest.mark.anyio, pytest.mark.usefixtures("no_leaks")]
+
+PROMPT = "Once upon a time there was"
+
+
+def params(max_tokens: int = 4, **kw: Any) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, ignore_eos=True, **kw)
+
+
+def mutated(**changes: Any) -> SamplingParams:
+    sp = params()
+    for name, value in changes.items():
+        setattr(sp, name, value)
+    return sp
+
+
+async def run(llm: AsyncLLM, sp: SamplingParams, rid: str = "ok") -> int:
+    tokens = 0
+    async with aclosing(llm.generate(PROMPT, sp, rid)) as agen:
+        async for out in agen:
+            tokens = len(out.outputs[0].token_ids)
+    return tokens
+
+
+@pytest.fixture(scope="module")
+async def small_llm(
+    engine_args: Callable[..., AsyncEngineArgs], _warm_process: None
+) -> AsyncIterator[AsyncLLM]:
+    """4 KV blocks of 16 tokens (64 tokens) under max_model_len 256; at most 2 stop strings."""
+    args = engine_args(num_gpu_blocks_override=4, block_size=16, max_stop_strings=2, max_n=2)
+    async with AsyncLLM.from_engine_args(args) as llm:
+        yield llm
+    assert not llm.errored
+
+
+@pytest.mark.parametrize(
+    ("rid", "sp", "match"),
+    [
+        ("top_p", mutated(top_p=2), "top_p"),
+        ("n0", mutated(n=0), "n must be >= 1"),
+        ("max0", mutated(max_tokens=0), "max_tokens"),
+        ("seed", mutated(seed=2**64), "seed"),
+        ("top_k", mutated(top_k=2**64), "top_k"),
+        ("stop-surrogate", mutated(stop=["\udc80"]), "stop"),
+        ("id-\udc80", params(), "request_id"),
+        ("stops", params(stop=["a", "b", "c"]), "stop: 3 strings exceed max_stop_strings=2"),
+        ("n3", params(n=3), "n: 3 exceeds max_n=2"),
+        ("kv", params(100), r"max_tokens: 100 .*KV cache"),
+        ("kv-none", params(None), r"max_tokens: .*KV cache"),
+    ],
+)
+async def test_a_bad_request_fails_alone_at_submission(
+    small_llm: AsyncLLM, rid: str, sp: SamplingParams, match: str
+) -> None:
+    with pytest.raises(ValueError, match=match):
+        await small_llm.add_request(rid, PROMPT, sp)
+    assert small_llm.num_unfinished_requests == 0
+    assert not small_llm.errored
+    assert await run(small_llm, params(5)) == 5
+
+
+async def test_priority_beyond_64_bits_fails_alone(small_llm: AsyncLLM) -> None:
+    with pytest.raises(ValueError, match="priority"):
+        await small_llm.add_request("prio", PROMPT, params(), priority=2**64)
+    assert await run(small_llm, params(3)) == 3
+    assert not small_llm.errored
+
+
+# ------------------------------------------------------------------------------ the sync LLM
+
+
+@pytest.fixture(scope="module", params=["inproc-trio", "multiprocess-asyncio"])
+def sync_kind(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
+def _llm(tiny_model_dir: Path, kind: str, **kw: Any) -> LLM:
+    transport, backend = kind.split("-")
+    return LLM(
+        str(tiny_model_dir), max_model_len=128, multiprocess=transport == "multiprocess",
+        backend=backend, **kw,
+    )
+
+
+def test_llm_generate_raises_the_value_error_itself(tiny_model_dir: Path, sync_kind: str) -> None:
+    with _llm(tiny_model_dir, sync_kind) as llm:
+        sp = SamplingParams(max_tokens=3, ignore_eos=True)
+        sp.seed = 2**64
+        with pytest.raises(ValueError, match="seed"):
+            llm.generate(["a", "b"], sp, use_tqdm=False)
+        ok = llm.generate(["a", "b"], SamplingParams(max_tokens=3, ignore_eos=True), use_tqdm=False)
+        assert [len(o.outputs[0].token_ids) for o in ok] == [3, 3]
+
+
+def test_llm_generate_raises_engine_dead_error_itself(tiny_model_dir: Path, sync_kind: str) -> None:
+    with _llm(tiny_model_dir, sync_kind, engine_core_factory=fault_at_step(2, scripted=True)) as llm:
+        with pytest.raises(EngineDeadError):
+            llm.generate(["a", "b", "c"], SamplingParams(max_tokens=5, ignore_eos=True), use_tqdm=False)
+        with pytest.raises(EngineDeadError):
+            llm.generate("d", SamplingParams(max_tokens=5), use_tqdm=False)
