@@ -5,6 +5,7 @@
             SIGINT / SIGTERM, or the engine's death ────────┘
                                                             ▼
     refuse new requests (503) ──▶ let in-flight ones finish for up to --shutdown-timeout s
+    (a second SIGINT / SIGTERM cuts this short)
     ──▶ abort the rest (streams end with finish_reason "abort") ──▶ Hypercorn stops
     ──▶ the engine shuts down (child process gone) ──▶ exit 0 (1 if the engine died)
 
@@ -105,12 +106,14 @@ async def serve(
             died = True
             stop.set()
 
+        escalate = anyio.Event()
+
         async def shutdown_trigger() -> None:
             await stop.wait()
-            await _drain(state, options.shutdown_timeout)
+            await _drain(state, options.shutdown_timeout, escalate)
 
         async with anyio.create_task_group() as tg:
-            tg.start_soon(_watch_signals, stop)
+            tg.start_soon(_watch_signals, stop, escalate)
             tg.start_soon(watch_engine)
             log.warning("triollm: serving %s on %s (ready)", ", ".join(settings.served_model_names), url)
             task_status.started(url)
@@ -120,22 +123,39 @@ async def serve(
     return 1 if died else 0
 
 
-async def _drain(state: ServerState, grace_s: float) -> None:
-    """Refuse new requests; give in-flight ones `grace_s` seconds; abort the rest."""
+async def _drain(state: ServerState, grace_s: float, escalate: anyio.Event | None = None) -> None:
+    """Refuse new requests; give in-flight ones `grace_s` seconds (cut short when `escalate` is
+    set: a second signal); abort the rest. Requests that passed the check but were still being
+    tokenized are waited for first (`ServerState.admission`), so none slips in after the abort."""
     state.accepting = False
     llm = state.llm
     if grace_s > 0 and not llm.errored:
         with anyio.move_on_after(grace_s):
-            await llm.wait_idle()
+            async with anyio.create_task_group() as tg:
+
+                async def on_escalate() -> None:
+                    if escalate is not None:
+                        await escalate.wait()
+                        log.warning("second signal: aborting in-flight requests now")
+                        tg.cancel_scope.cancel()
+
+                tg.start_soon(on_escalate)
+                await state.wait_admitted()
+                await llm.wait_idle()
+                tg.cancel_scope.cancel()
+    await state.wait_admitted()  # entering requests are in the engine after: abort them too
     if not llm.errored and llm.num_unfinished_requests:
         log.warning("aborting %d in-flight requests", llm.num_unfinished_requests)
         await llm.abort(llm.unfinished_request_ids())
 
 
-async def _watch_signals(stop: anyio.Event) -> None:
+async def _watch_signals(stop: anyio.Event, escalate: anyio.Event | None = None) -> None:
+    """SIGINT / SIGTERM: the first starts the drain (`stop`), a second one escalates to abort."""
     with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
         async for signum in signals:
             log.warning("received %s", signal.Signals(signum).name)
+            if stop.is_set() and escalate is not None:
+                escalate.set()
             stop.set()
 
 

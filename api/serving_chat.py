@@ -112,7 +112,15 @@ async def create_chat_completion(
         tokenizer=tokenizer,
         prompt_tokens=len(token_ids),
     )
-    return GenerationResponse(llm, [job], formatter, stream=stream, label=response_id, timer=timer)
+    return GenerationResponse(
+        llm,
+        [job],
+        formatter,
+        stream=stream,
+        label=response_id,
+        timer=timer,
+        admission=state.admission,
+    )
 
 
 def _check_unsupported(req: ChatCompletionRequest) -> None:

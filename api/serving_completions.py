@@ -101,7 +101,13 @@ async def create_completion(state: ServerState, request: Request) -> Response:
         continuous_usage=continuous,
         tokenizer=llm.get_tokenizer(),
     )
-    return GenerationResponse(llm, jobs, formatter, stream=stream, label=response_id, timer=timer)
+    return GenerationResponse(
+        llm, jobs, formatter,
+        stream=stream,
+        label=response_id,
+        timer=timer,
+        admission=state.admission,
+    )
 
 
 def check_num_prompts(state: ServerState, count: int) -> None:

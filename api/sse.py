@@ -25,7 +25,8 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -148,8 +149,11 @@ class GenerationResponse(Response):
         stream: bool,
         label: str,
         timer: Any = None,
+        admission: Callable[[], AbstractContextManager[None]] | None = None,
     ) -> None:
-        """`timer`: a metrics `RequestTimer` (on_tokens / finished) or None."""
+        """`timer`: a metrics `RequestTimer` (on_tokens / finished) or None. `admission`: entered
+        around each `add_request` (the server's `ServerState.admission`: refused once the drain
+        began, and known to the drain while inside)."""
         super().__init__()
         self.llm = llm
         self.jobs = list(jobs)
@@ -157,6 +161,7 @@ class GenerationResponse(Response):
         self.stream = stream
         self.label = label
         self.timer = timer
+        self.admission = admission or nullcontext
         self._prompt_tokens: dict[int, int] = {}
         self._completion_tokens = 0
         self._finish_reason: str | None = None  # the first choice's, for the metrics
@@ -226,9 +231,10 @@ class GenerationResponse(Response):
     async def _produce(self, index: int, job: Job, tx: MemoryObjectSendStream[_Item]) -> None:
         async with tx:
             try:
-                stream = await self.llm.add_request(
-                    job.request_id, job.prompt, job.params, priority=job.priority
-                )
+                with self.admission():
+                    stream = await self.llm.add_request(
+                        job.request_id, job.prompt, job.params, priority=job.priority
+                    )
                 with stream:
                     async for output in stream:
                         await tx.send(_Item(index, output))

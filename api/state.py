@@ -1,8 +1,13 @@
-"""What the HTTP routes share: the engine and the server's settings, built once at start-up."""
+"""What the HTTP routes share: the engine and the server's settings, built once at start-up,
+and the admission of generation requests that the drain closes without a gap."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
+
+import anyio
 
 from triollm.actors.async_llm import AsyncLLM
 
@@ -27,3 +32,29 @@ class ServerState:
     # False once shutdown began: new generation requests get 503, in-flight ones go on.
     accepting: bool = True
     metrics: object | None = field(default=None)  # api.metrics.Metrics, when enabled
+    _entering: int = field(default=0, repr=False)  # requests inside `admission()`
+    _entered: anyio.Event | None = field(default=None, repr=False)
+
+    @contextmanager
+    def admission(self) -> Iterator[None]:
+        """Around `llm.add_request`: refused once the drain began (`ServiceUnavailable`, a 503),
+        checked and counted with no await in between, so a request that was tokenizing when the
+        drain started is either refused here or known to the drain (`wait_admitted`)."""
+        if not self.accepting:
+            from triollm.api.openai_errors import service_unavailable
+
+            raise service_unavailable("The server is shutting down and accepts no new requests")
+        self._entering += 1
+        try:
+            yield
+        finally:
+            self._entering -= 1
+            if self._entering == 0 and self._entered is not None:
+                self._entered.set()
+
+    async def wait_admitted(self) -> None:
+        """Until no request is inside `admission()` (those entering are in the engine after)."""
+        while self._entering:
+            if self._entered is None or self._entered.is_set():
+                self._entered = anyio.Event()
+            await self._entered.wait()
