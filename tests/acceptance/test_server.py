@@ -247,6 +247,25 @@ def test_sigterm_with_timeout_lets_requests_finish(tiny_model_dir: Path) -> None
         assert srv.wait(10) == 0
 
 
+def test_second_sigterm_during_the_drain_aborts_and_exits(tiny_model_dir: Path) -> None:
+    # A 60 s grace period that the second signal cuts short: one request at a time, so the four
+    # take longer than the test waits.
+    with run_server(tiny_model_dir, "--served-model-name", "m", "--shutdown-timeout", "60", "--max-num-seqs", "1") as srv:
+        results: list[object] = []
+        load = _load(srv.url, 4, 250, results)
+        _wait_in_flight(srv.url, 4)
+        srv.signal(signal.SIGTERM)
+        time.sleep(0.3)
+        assert srv.proc.poll() is None  # draining
+        t = time.monotonic()
+        srv.signal(signal.SIGTERM)
+        assert srv.wait(10) == 0
+        assert time.monotonic() - t < 5
+        load.join(10)
+        assert len(results) == 4 and "abort" in results, results
+        assert any("second signal" in line for line in srv.log)
+
+
 def test_engine_child_killed_gives_503_and_exit(tiny_model_dir: Path) -> None:
     with run_server(tiny_model_dir, "--served-model-name", "m", "--multiprocess") as srv:
         children = srv.engine_children
