@@ -39,7 +39,7 @@ import anyio.lowlevel
 from anyio.abc import TaskGroup, TaskStatus
 
 from triollm.actors.core_client import CoreClient
-from triollm.actors.errors import EngineDeadError, EngineGenerateError
+from triollm.actors.errors import EngineBusyError, EngineDeadError, EngineGenerateError
 from triollm.actors.host import spawn_root_task
 from triollm.actors.messages import (
     AbortRequests,
@@ -59,7 +59,12 @@ from triollm.engine.config import EngineArgs, EngineConfig, ModelConfig
 from triollm.engine.core import EngineCoreFactory
 from triollm.engine.metrics import Counter, Gauge, Metric
 from triollm.engine.outputs import RequestOutput
-from triollm.engine.processing.processors import InputProcessor, OutputProcessor, PromptType
+from triollm.engine.processing.processors import (
+    InputProcessor,
+    OutputProcessor,
+    ProcessedRequest,
+    PromptType,
+)
 from triollm.engine.processing.tokenizer import Tokenizer
 from triollm.engine.sampling_params import SamplingParams
 
@@ -164,6 +169,13 @@ class AsyncLLM:
         self._held: list[AddRequest] = []  # added while paused, sent at resume
         self._num_prompt_tokens = 0
         self._num_generation_tokens = 0
+        # Backpressure (see add_request): prompt tokens of core requests with no output yet.
+        self._queued_prompt: dict[str, int] = {}  # core id -> prompt tokens
+        self._queued_tokens = 0
+        self._room = anyio.Event()  # set (and replaced) when the queue may have shrunk
+        # Ids reserved by add_request that are not in the output processor yet (validation,
+        # tokenization in a thread, waiting for room); True once an abort arrived meanwhile.
+        self._adding: dict[str, bool] = {}
         self._log_mark = (time.monotonic(), 0, 0)  # (time, prompt tokens, generation tokens)
         self.config: EngineConfig | None = None
         self.tokenizer: Tokenizer | None = None
@@ -373,6 +385,7 @@ class AsyncLLM:
         *,
         priority: int = 0,
         arrival_time: float | None = None,
+        wait_for_room: bool = False,
     ) -> RequestStream:
         """Validate and tokenize the prompt (in a worker thread when it is large), send the
         request to the engine and return its `RequestStream`.
@@ -380,7 +393,19 @@ class AsyncLLM:
         Raises at once, holding nothing: `ValueError` for a bad request or an id already used by
         an unfinished request, `EngineDeadError` when the engine died, `RuntimeError` when it is
         not running. Close the stream (`with`, `async with`, `close()`) when done: an unfinished
-        request is aborted then, exactly once.
+        request is aborted then, exactly once. An `abort(request_id)` that arrives while the
+        request is still being added (tokenized in a thread, waiting for room) sticks: the
+        request never reaches the core and its stream ends with finish_reason "abort".
+
+        Backpressure: over `max_num_queued_reqs` or `max_num_queued_tokens` it raises
+        `EngineBusyError` (nothing added, the id free again), or with `wait_for_room=True`
+        (offline batches: `LLM`, `LLMEngine`) waits until the queue has room. The frontend cannot
+        see the scheduler's queue, so it counts conservatively: queued requests are the unfinished
+        core requests (an n > 1 request counts n) beyond `max_num_seqs`, queued tokens the prompt
+        tokens of core requests that have produced no output yet (held ones while paused included;
+        a preempted request that already produced output is not counted again). A request is
+        never refused when nothing is in flight (for tokens: nothing queued), so one request
+        larger than a limit cannot be refused forever.
         """
         await self._ensure_started()
         self._require_running()
@@ -391,6 +416,7 @@ class AsyncLLM:
             params = SamplingParams(**self.config.model.generation_defaults)
         stream = RequestStream(request_id, params.output_kind, self._release)
         self._streams[request_id] = stream  # reserve the id before any await
+        self._adding[request_id] = False
         self._idle = anyio.Event() if self._idle.is_set() else self._idle
         arrival = time.monotonic() if arrival_time is None else arrival_time
         try:
@@ -401,22 +427,67 @@ class AsyncLLM:
                 self._require_running()
             else:
                 processed = self._input.process(prompt, params, request_id, arrival_time=arrival, priority=priority)
+            while not self._adding[request_id] and (busy := self._busy(processed)) is not None:
+                if not wait_for_room:
+                    raise EngineBusyError(f"the engine is busy: {busy}; retry later")
+                await self._room.wait()
+                self._require_running()
             # Core ids are unique per request, so outputs still in flight for an aborted
             # request can never be credited to a new request that reuses its id.
             seq = next(self._core_seq)
             for core_req in processed.core_requests:
                 core_req.request_id = f"{core_req.request_id}#{seq}"
             self._output.add_request(processed)
+            if self._adding.pop(request_id):  # aborted while being added: never sent
+                for out in self._output.abort_requests([request_id]):
+                    stream.put(out)
+                return stream
             for core_req in processed.core_requests:
                 self._num_prompt_tokens += len(core_req.prompt_token_ids)
+                self._queued_prompt[core_req.request_id] = len(core_req.prompt_token_ids)
+                self._queued_tokens += len(core_req.prompt_token_ids)
                 if self._paused:
                     self._held.append(AddRequest(core_req))
                 else:
                     self._send(AddRequest(core_req))
         except BaseException:
+            self._adding.pop(request_id, None)
             self._drop(request_id)
             raise
         return stream
+
+    def _busy(self, processed: ProcessedRequest) -> str | None:
+        """Why `processed` must wait (the frontend's conservative queue count), or None."""
+        assert self.config is not None
+        limits = self.config.limits
+        new = len(processed.core_requests)
+        unfinished = self._output.num_unfinished_sequences
+        max_seqs = self.config.scheduler.max_num_seqs
+        if limits.max_num_queued_reqs is not None and unfinished:
+            queued = unfinished + new - max_seqs
+            if queued > limits.max_num_queued_reqs:
+                return (
+                    f"{queued} requests would wait beyond max_num_seqs={max_seqs}, more than "
+                    f"max_num_queued_reqs={limits.max_num_queued_reqs}"
+                )
+        if limits.max_num_queued_tokens is not None and self._queued_tokens:
+            tokens = self._queued_tokens + new * len(processed.prompt_token_ids)
+            if tokens > limits.max_num_queued_tokens:
+                return (
+                    f"{tokens} prompt tokens would wait for the scheduler, more than "
+                    f"max_num_queued_tokens={limits.max_num_queued_tokens}"
+                )
+        return None
+
+    def _unqueue(self, core_id: str) -> None:
+        tokens = self._queued_prompt.pop(core_id, None)
+        if tokens is not None:
+            self._queued_tokens -= tokens
+
+    def _notify_room(self) -> None:
+        """Wake the adds waiting for room (they check again)."""
+        self._room.set()
+        self._room = anyio.Event()
 
     async def generate(
         self,
@@ -455,6 +526,10 @@ class AsyncLLM:
     def _abort_now(self, request_id: str | Iterable[str]) -> None:
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
         for rid in ids:
+            if rid in self._adding:  # not sent yet: add_request finishes it as aborted
+                self._adding[rid] = True
+                self._notify_room()
+                continue
             stream = self._streams.get(rid)
             for out in self._abort_one(rid):
                 if stream is not None:
@@ -463,8 +538,12 @@ class AsyncLLM:
     def _abort_one(self, rid: str) -> list[RequestOutput]:
         core_ids = self._output.unfinished_core_ids(rid)
         outs = self._output.abort_requests([rid])
-        if core_ids and self._dead is None:
-            self._send(AbortRequests(core_ids), quiet=True)
+        if core_ids:
+            for core_id in core_ids:
+                self._unqueue(core_id)
+            self._notify_room()
+            if self._dead is None:
+                self._send(AbortRequests(core_ids), quiet=True)
         return outs
 
     def _send(self, msg: CoreInput, quiet: bool = False) -> None:
@@ -619,6 +698,9 @@ class AsyncLLM:
         if batch.stats is not None:
             self.last_stats = batch.stats
         outputs = batch.to_outputs()
+        if self._queued_prompt:
+            for out in outputs:
+                self._unqueue(out.request_id)
         size = self._output_chunk_size
         for start in range(0, len(outputs), size):
             if start:
@@ -632,6 +714,7 @@ class AsyncLLM:
                     stream.put(out)
             if processed.reqs_to_abort:
                 self._send(AbortRequests(processed.reqs_to_abort), quiet=True)
+        self._notify_room()
 
     def _on_request_error(self, msg: RequestError) -> None:
         rid = self._output.parent_id(msg.request_id) or msg.request_id
@@ -648,6 +731,7 @@ class AsyncLLM:
             return
         self._dead = error
         self._dead_event.set()
+        self._notify_room()
         log.error("engine core died: %s", error)
         for stream in self._streams.values():
             stream.put_error(EngineDeadError(str(error)))

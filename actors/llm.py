@@ -270,6 +270,10 @@ class LLM:
         done: threading.Event,
     ) -> list[RequestOutput]:
         """Add every request, then gather each one's final output (FINAL_ONLY: one per request).
+        A batch larger than the engine's queue (`max_num_queued_reqs` / `_tokens`) is normal
+        offline: each add waits for room (`wait_for_room`) instead of raising `EngineBusyError`;
+        requests finish in the engine whether or not their stream is read yet, so the adds
+        make progress before the collectors start.
         Leaving in any way (a bad request, one failing, Ctrl-C) closes every stream: the
         unfinished requests are aborted before `done` is set."""
         engine = self._engine
@@ -280,7 +284,8 @@ class LLM:
                 added: list[RequestStream] = []
                 for prompt, p, prio in zip(prompts, params, priorities):
                     rid = f"llm-{next(self._ids)}"
-                    added.append(streams.enter_context(await engine.add_request(rid, prompt, p, priority=prio)))
+                    stream = await engine.add_request(rid, prompt, p, priority=prio, wait_for_room=True)
+                    added.append(streams.enter_context(stream))
                 bar = _progress(len(prompts), use_tqdm)
                 async with anyio.create_task_group() as tg:
                     for i, stream in enumerate(added):

@@ -196,7 +196,8 @@ class _Requests:
     ) -> None:
         if rid in self.streams:
             raise ValueError(f"request_id: {rid!r} is already in use by an unfinished request")
-        stream = await self.llm.add_request(rid, prompt, params, priority=priority)
+        # Offline scripts add more than the queue holds: wait for room rather than EngineBusyError.
+        stream = await self.llm.add_request(rid, prompt, params, priority=priority, wait_for_room=True)
         self.streams[rid] = stream
         self._tg.start_soon(self._forward, stream)
 

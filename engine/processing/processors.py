@@ -501,6 +501,11 @@ class OutputProcessor:
     def num_unfinished_requests(self) -> int:
         return len(self._parents)
 
+    @property
+    def num_unfinished_sequences(self) -> int:
+        """Unfinished core requests (an n > 1 request counts n): what the scheduler holds."""
+        return len(self._children)
+
     def unfinished_core_ids(self, request_id: str) -> list[str]:
         """The core request ids still running for a user request (to abort them in the core)."""
         parent = self._parents.get(request_id)
