@@ -13,7 +13,7 @@ from typing import Any
 import anyio
 import httpx
 import pytest
-from test_app import CHAT, GREEDY, MAX_MODEL_LEN, MODEL, assert_error, open_client, post
+from test_app import CHAT, GREEDY, MAX_MODEL_LEN, MODEL, assert_error, open_client, post, sse
 
 from triollm.actors.async_llm import AsyncLLM
 from triollm.actors.errors import EngineBusyError
@@ -84,6 +84,55 @@ async def test_engine_busy_on_a_later_prompt_aborts_the_earlier_ones(
     with anyio.fail_after(10):
         await llm.wait_idle()
     assert llm.num_unfinished_requests == 0
+
+
+@pytest.fixture
+async def small_queue_llm(tiny_model_dir: Path) -> AsyncIterator[AsyncLLM]:
+    args = EngineArgs(
+        model=str(tiny_model_dir),
+        max_model_len=MAX_MODEL_LEN,
+        multiprocess=False,
+        max_num_seqs=2,
+        max_num_queued_reqs=2,
+    )
+    async with AsyncLLM.from_engine_args(args) as engine:
+        yield engine
+
+
+async def test_real_queue_limit_is_429(small_queue_llm: AsyncLLM) -> None:
+    """max_num_seqs=2 + max_num_queued_reqs=2: with generation paused ("keep": requests stay
+    queued), four requests are held and the fifth is refused; after resume all four finish."""
+    llm = small_queue_llm
+    state = ServerState(llm, ServerSettings(served_model_names=(MODEL,)))
+    body = {"model": MODEL, "prompt": "Hello", "max_tokens": 3, **GREEDY}
+    async with open_client(state) as client:
+        await llm.pause_generation(mode="keep")
+        held: list[httpx.Response] = []
+
+        async def send(stream: bool) -> None:
+            held.append(await post(client, "/v1/completions", {**body, "stream": stream}))
+
+        with anyio.fail_after(30):
+            async with anyio.create_task_group() as tg:
+                for i in range(4):
+                    tg.start_soon(send, i % 2 == 1)
+                while llm.num_unfinished_requests < 4:  # noqa: ASYNC110
+                    await anyio.sleep(0.01)
+                for stream in (False, True):
+                    r = await post(client, "/v1/completions", {**body, "stream": stream})
+                    assert r.status_code == 429, r.text
+                    error = r.json()["error"]
+                    assert set(error) == {"message", "type", "param", "code"}
+                    assert error["code"] == 429 and error["type"] == "RateLimitError"
+                    assert "max_num_queued_reqs" in error["message"]
+                    assert int(r.headers["retry-after"]) >= 1
+                await llm.resume_generation()
+        assert [r.status_code for r in held] == [200] * 4
+        for r in held:
+            if r.headers["content-type"].startswith("text/event-stream"):
+                sse(r)
+            else:
+                assert r.json()["usage"]["completion_tokens"] == 3
 
 
 # -------------------------------------------------------------------- malformed and large bodies
