@@ -176,6 +176,8 @@ class AsyncLLM:
         # Ids reserved by add_request that are not in the output processor yet (validation,
         # tokenization in a thread, waiting for room); True once an abort arrived meanwhile.
         self._adding: dict[str, bool] = {}
+        self._last_output = 0.0  # when the engine core last sent anything (the watchdog's clock)
+        self._watchdog_scope: anyio.CancelScope | None = None  # created by start()
         self._log_mark = (time.monotonic(), 0, 0)  # (time, prompt tokens, generation tokens)
         self.config: EngineConfig | None = None
         self.tokenizer: Tokenizer | None = None
@@ -223,6 +225,9 @@ class AsyncLLM:
                 kv_cache_tokens=ready.num_kv_blocks * ready.block_size,
             )
             await tg.start(self._output_actor)
+            if config.actor.engine_output_timeout_s is not None:
+                self._watchdog_scope = anyio.CancelScope()
+                tg.start_soon(self._watchdog, self._watchdog_scope, config.actor.engine_output_timeout_s)
             _freeze_heap()
         except BaseException:
             # No shield around aclose(): the stack holds a task group entered outside it, and
@@ -260,6 +265,8 @@ class AsyncLLM:
         finally:
             # Even when the drain was cancelled: every stream ends (with "abort").
             self._abort_now(list(self._streams))
+            if self._watchdog_scope is not None:
+                self._watchdog_scope.cancel()
             try:
                 await stack.aclose()  # not shielded: see start()
             finally:
@@ -670,6 +677,7 @@ class AsyncLLM:
         try:
             async with outputs:
                 async for msg in outputs:
+                    self._last_output = anyio.current_time()
                     match msg:
                         case OutputBatch():
                             await self._on_batch(msg)
@@ -735,6 +743,40 @@ class AsyncLLM:
         log.error("engine core died: %s", error)
         for stream in self._streams.values():
             stream.put_error(EngineDeadError(str(error)))
+        for done, _ in self._utility.values():
+            done.set()
+
+    # ------------------------------------------------------------------ the watchdog
+
+    async def _watchdog(self, scope: anyio.CancelScope, timeout: float) -> None:  # noqa: ASYNC109
+        """An engine that is alive but silent is dead: with work pending (requests the core
+        should be stepping, or utility calls awaiting an answer) and no message from the core
+        for `timeout` seconds (`engine_output_timeout_s`), declare it dead like any other death
+        (`EngineDeadError` on every stream, `errored`, new requests refused, `check_health`
+        raises). Requests frozen by `pause_generation(mode="keep")` are not pending work. The
+        core itself is torn down by the usual bounded teardown at shutdown (a hung in-process
+        step's thread is abandoned; a hung child is killed). Checks every `timeout / 8`, so the
+        death is declared between `timeout` and `1.125 * timeout` after the last message."""
+        with scope:
+            self._last_output = anyio.current_time()
+            while self._dead is None:
+                await anyio.sleep(timeout / 8)
+                now = anyio.current_time()
+                if not self._work_pending():
+                    self._last_output = now
+                elif now - self._last_output >= timeout:
+                    log.error("no output from the engine core for %.1f s with work pending", now - self._last_output)
+                    self._die(
+                        EngineDeadError(
+                            f"the engine core sent nothing for {now - self._last_output:.1f} s with work "
+                            f"pending (engine_output_timeout_s={timeout}): it is hung"
+                        )
+                    )
+
+    def _work_pending(self) -> bool:
+        if self._utility:
+            return True
+        return not self._paused and self._output.num_unfinished_sequences > 0
 
 
 def _freeze_heap() -> None:

@@ -11,6 +11,9 @@ applies inputs as they come. `UtilityOp.PAUSE` stops stepping (requests keep the
 their KV blocks; adds and aborts are still applied) until `UtilityOp.RESUME`. A `Shutdown`
 message or the end of the input stream ends it cleanly.
 
+A step still running when the loop is cancelled (a hung forward pass, after the transport's
+grace period) is abandoned in its thread and logged, so the teardown stays bounded.
+
 A bad request is answered with `RequestError` and the loop goes on. An exception in a step is the
 engine's death: `EngineDead` (with the traceback) is sent, and the exception propagates so a
 child process exits non-zero. Callers that must not raise (the in-process transport) catch it.
@@ -110,8 +113,14 @@ async def serve_engine_core(
 
 
 async def _step(core: EngineCore, outputs: ObjectSendStream[CoreOutput]) -> None:
+    # A step blocked for good (a deadlocked forward pass) must not block the teardown past its
+    # bound: on cancellation its thread is abandoned (it holds the core, which nobody touches
+    # again) and reported.
     try:
-        result = await anyio.to_thread.run_sync(core.step)
+        result = await anyio.to_thread.run_sync(core.step, abandon_on_cancel=True)
+    except anyio.get_cancelled_exc_class():
+        log.warning("engine core step still running at cancellation: its thread is abandoned")
+        raise
     except Exception as exc:
         log.error("engine core failed: %r", exc)
         with anyio.CancelScope(shield=True), anyio.move_on_after(1):
