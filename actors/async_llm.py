@@ -707,8 +707,8 @@ class AsyncLLM:
             self.last_stats = batch.stats
         outputs = batch.to_outputs()
         if self._queued_prompt:
-            for out in outputs:
-                self._unqueue(out.request_id)
+            for core_out in outputs:
+                self._unqueue(core_out.request_id)
         size = self._output_chunk_size
         for start in range(0, len(outputs), size):
             if start:
