@@ -34,7 +34,12 @@ def client(server: Server) -> openai.OpenAI:
 def test_completions_with_the_openai_client(client: openai.OpenAI) -> None:
     out = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=8, temperature=0)
     assert out.choices[0].finish_reason in ("stop", "length")
-    assert out.usage is not None and out.usage.completion_tokens == len(out.choices[0].text) * 0 + out.usage.completion_tokens
+    assert out.usage is not None
+    # max_tokens=8: exactly 8 when cut by the length, at least one token when stopped early.
+    if out.choices[0].finish_reason == "length":
+        assert out.usage.completion_tokens == 8
+    else:
+        assert 1 <= out.usage.completion_tokens <= 8
     assert out.usage.total_tokens == out.usage.prompt_tokens + out.usage.completion_tokens
     streamed = client.completions.create(
         model=MODEL, prompt="The capital of France is", max_tokens=8, temperature=0, stream=True,
@@ -274,14 +279,19 @@ def test_engine_child_killed_gives_503_and_exit(tiny_model_dir: Path) -> None:
             child.kill()
         deadline = time.monotonic() + 5
         status = None
+        gone = False
         while time.monotonic() < deadline:
             try:
                 status = httpx.get(f"{srv.url}/health", timeout=1).status_code
             except httpx.HTTPError:
-                break  # already exited
+                gone = True  # the server closed its socket: it is exiting
+                break
             if status == 503:
                 break
-            time.sleep(0.05)
+            time.sleep(0.01)
+        # The dead engine is seen: /health answers 503 until the server has closed its socket
+        # (a server that kept answering 200 for 5 s fails here).
+        assert status == 503 or gone, status
         try:
             code = srv.wait(15)
         except subprocess.TimeoutExpired:
