@@ -147,16 +147,23 @@ class Tokenizer:
             ids.append(self.eos_token_id)  # type: ignore[arg-type]
         return ids
 
-    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
-        return str(self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens))
+    def decode(self, ids: Sequence[int] | int, skip_special_tokens: bool = False) -> str:
+        ids = [ids] if isinstance(ids, int) else list(ids)
+        return str(self.backend.decode(ids, skip_special_tokens=skip_special_tokens))
 
-    def convert_ids_to_tokens(self, ids: Sequence[int]) -> list[str | None]:
+    @overload
+    def convert_ids_to_tokens(self, ids: int) -> str | None: ...
+    @overload
+    def convert_ids_to_tokens(self, ids: Sequence[int]) -> list[str | None]: ...
+    def convert_ids_to_tokens(self, ids: int | Sequence[int]) -> str | None | list[str | None]:
+        if isinstance(ids, int):
+            return self.backend.id_to_token(ids)
         return [self.backend.id_to_token(i) for i in ids]
 
     # ------------------------------------------------------------------ transformers' surface
-    # What vLLM scripts call on `get_tokenizer()` (a transformers tokenizer there), with
-    # transformers' defaults. Differences: `decode` skips special tokens by default (as vLLM's
-    # detokenizer does) and `all_special_ids` lists every special added token.
+    # What vLLM scripts call on `get_tokenizer()` (a transformers tokenizer there), with the
+    # defaults of transformers 5 (`decode` keeps special tokens; `apply_chat_template` tokenizes
+    # and returns a dict). One difference: `all_special_ids` lists every special added token.
 
     is_fast = True
 
@@ -232,22 +239,22 @@ class Tokenizer:
 
     @overload
     def apply_chat_template(
-        self, messages: Sequence[ChatMessage], *, tokenize: Literal[False] = ..., **kwargs: Any
+        self, messages: Sequence[ChatMessage], *, tokenize: Literal[False], **kwargs: Any
     ) -> str: ...
     @overload
     def apply_chat_template(
-        self, messages: Sequence[ChatMessage], *, tokenize: Literal[True], **kwargs: Any
+        self, messages: Sequence[ChatMessage], *, tokenize: Literal[True] = ..., **kwargs: Any
     ) -> list[int] | dict[str, list[int]]: ...
     def apply_chat_template(
         self,
         messages: Sequence[ChatMessage],
         *,
-        add_generation_prompt: bool = True,
+        add_generation_prompt: bool = False,
         continue_final_message: bool = False,
         chat_template: str | None = None,
         tools: Sequence[Mapping[str, Any]] | None = None,
-        tokenize: bool = False,
-        return_dict: bool = False,
+        tokenize: bool = True,
+        return_dict: bool = True,
         **template_kwargs: Any,
     ) -> str | list[int] | dict[str, list[int]]:
         """Render `messages` with the chat template (transformers' semantics).
@@ -257,7 +264,8 @@ class Tokenizer:
 
         `tokenize=True` returns the token ids instead (the text encoded without adding special
         tokens, as transformers does; `return_dict=True`: `{"input_ids", "attention_mask"}`).
-        Unlike transformers, the defaults are `tokenize=False` and `add_generation_prompt=True`.
+        The defaults are transformers 5's: `tokenize=True`, `return_dict=True`,
+        `add_generation_prompt=False`.
         """
         source = chat_template or self.chat_template
         if source is None:
@@ -318,6 +326,7 @@ class Tokenizer:
             )
         text = self.apply_chat_template(
             messages,
+            tokenize=False,
             add_generation_prompt=add_generation_prompt,
             continue_final_message=continue_final_message,
             chat_template=chat_template,

@@ -307,7 +307,7 @@ def test_a_vllm_offline_script_runs_unchanged(tiny_model_dir: Path, caplog: pyte
         tokenizer = llm.get_tokenizer()
         messages = [{"role": "user", "content": "Hello"}]
         text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        ids = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)
+        ids = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True, return_dict=False)
         params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
         by_text, by_ids = llm.generate([text, TokensPrompt(prompt_token_ids=ids)], params, use_tqdm=False)
         assert by_text.prompt_token_ids == ids == by_ids.prompt_token_ids

@@ -77,7 +77,7 @@ def test_round_trip(tok: Tokenizer, text: str) -> None:
 def test_special_tokens_decode(tok: Tokenizer) -> None:
     ids = tok.encode("<|im_start|>user\nhi<|im_end|>")
     assert ids[0] == 1 and ids[-1] == 2
-    assert tok.decode(ids) == "user\nhi"
+    assert tok.decode(ids, skip_special_tokens=True) == "user\nhi"
     assert tok.decode(ids, skip_special_tokens=False) == "<|im_start|>user\nhi<|im_end|>"
 
 
@@ -85,18 +85,18 @@ def test_special_tokens_decode(tok: Tokenizer) -> None:
 
 
 def test_chatml_with_generation_prompt(tok: Tokenizer) -> None:
-    text = tok.apply_chat_template(MESSAGES)
+    text = tok.apply_chat_template(MESSAGES, tokenize=False, add_generation_prompt=True)
     assert text == (
         "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi there<|im_end|>\n"
         "<|im_start|>assistant\n"
     )
-    bare = tok.apply_chat_template(MESSAGES, add_generation_prompt=False)
+    bare = tok.apply_chat_template(MESSAGES, tokenize=False)
     assert bare + "<|im_start|>assistant\n" == text
 
 
 def test_continue_final_message(tok: Tokenizer) -> None:
     messages = [*MESSAGES, {"role": "assistant", "content": "The answer is"}]
-    text = tok.apply_chat_template(messages, continue_final_message=True)
+    text = tok.apply_chat_template(messages, tokenize=False, continue_final_message=True)
     assert text.endswith("<|im_start|>assistant\nThe answer is")
     ids = tok.encode_chat(messages, continue_final_message=True)
     assert tok.decode(ids, skip_special_tokens=False) == text
@@ -104,12 +104,10 @@ def test_continue_final_message(tok: Tokenizer) -> None:
 
 def test_text_parts_are_joined(tok: Tokenizer) -> None:
     parts = [{"type": "text", "text": "Hi"}, {"type": "text", "text": "there"}]
-    text = tok.apply_chat_template(
-        [{"role": "user", "content": parts}], add_generation_prompt=False
-    )
+    text = tok.apply_chat_template([{"role": "user", "content": parts}], tokenize=False)
     assert text == "<|im_start|>user\nHi\nthere<|im_end|>\n"
     with pytest.raises(ValueError, match="image_url"):
-        tok.apply_chat_template([{"role": "user", "content": [{"type": "image_url"}]}])
+        tok.apply_chat_template([{"role": "user", "content": [{"type": "image_url"}]}], tokenize=False)
 
 
 def test_template_helpers(tok: Tokenizer) -> None:
@@ -118,30 +116,30 @@ def test_template_helpers(tok: Tokenizer) -> None:
         "{% for m in messages %}{% if loop.index > 1 %}{% break %}{% endif %}!{% endfor %}"
         "{{ strftime_now('%Y')|length }}{{ eos_token }}"
     )
-    text = tok.apply_chat_template([{"role": "user", "content": "<a> é"}], chat_template=template)
+    text = tok.apply_chat_template([{"role": "user", "content": "<a> é"}], tokenize=False, chat_template=template)
     assert text == '[{"role": "user", "content": "<a> é"}]!4<|endoftext|>'
     failing = "{{ raise_exception('roles must alternate') }}"
     with pytest.raises(ValueError, match="roles must alternate"):
-        tok.apply_chat_template(MESSAGES, chat_template=failing)
+        tok.apply_chat_template(MESSAGES, tokenize=False, chat_template=failing)
 
 
 def test_missing_template(tiny_model_dir: Path, tmp_path: Path) -> None:
     tok = Tokenizer.from_pretrained(_variant(tiny_model_dir, tmp_path, chat_template=None))
     with pytest.raises(ValueError, match="chat_template"):
-        tok.apply_chat_template(MESSAGES)
+        tok.apply_chat_template(MESSAGES, tokenize=False, add_generation_prompt=True)
 
 
 def test_template_sources(tiny_model_dir: Path, tmp_path: Path) -> None:
     listed = [{"name": "tool_use", "template": "T"}, {"name": "default", "template": "D{{ 1 }}"}]
     tok = Tokenizer.from_pretrained(_variant(tiny_model_dir, tmp_path / "a", chat_template=listed))
-    assert tok.apply_chat_template(MESSAGES) == "D1"
+    assert tok.apply_chat_template(MESSAGES, tokenize=False, add_generation_prompt=True) == "D1"
     tok = Tokenizer.from_pretrained(_variant(tiny_model_dir, tmp_path / "b", jinja="J{{ 2 }}"))
-    assert tok.apply_chat_template(MESSAGES) == "J2"  # chat_template.jinja wins over the config
+    assert tok.apply_chat_template(MESSAGES, tokenize=False, add_generation_prompt=True) == "J2"  # chat_template.jinja wins over the config
     (tmp_path / "t.jinja").write_text("F{{ 3 }}")
     tok = Tokenizer.from_pretrained(tiny_model_dir, chat_template=str(tmp_path / "t.jinja"))
-    assert tok.apply_chat_template(MESSAGES) == "F3"
+    assert tok.apply_chat_template(MESSAGES, tokenize=False, add_generation_prompt=True) == "F3"
     tok = Tokenizer.from_pretrained(tiny_model_dir, chat_template="S{{ 4 }}")
-    assert tok.apply_chat_template(MESSAGES) == "S4"
+    assert tok.apply_chat_template(MESSAGES, tokenize=False, add_generation_prompt=True) == "S4"
 
 
 # ------------------------------------------------------------------------------ BOS

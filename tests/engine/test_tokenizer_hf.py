@@ -71,7 +71,7 @@ def test_apply_chat_template(pair: tuple[Tokenizer, transformers.PreTrainedToken
     for gen in (True, False):
         text = ours.apply_chat_template(CHAT, tokenize=False, add_generation_prompt=gen)
         assert text == hf.apply_chat_template(CHAT, tokenize=False, add_generation_prompt=gen)
-        ids = ours.apply_chat_template(CHAT, tokenize=True, add_generation_prompt=gen)
+        ids = ours.apply_chat_template(CHAT, tokenize=True, add_generation_prompt=gen, return_dict=False)
         assert ids == hf.apply_chat_template(CHAT, tokenize=True, add_generation_prompt=gen, return_dict=False)
         as_dict = ours.apply_chat_template(CHAT, tokenize=True, add_generation_prompt=gen, return_dict=True)
         expected = hf.apply_chat_template(CHAT, tokenize=True, add_generation_prompt=gen, return_dict=True)
@@ -82,3 +82,15 @@ def test_apply_chat_template(pair: tuple[Tokenizer, transformers.PreTrainedToken
     assert ours.apply_chat_template(last, tokenize=False, continue_final_message=True) == hf.apply_chat_template(
         last, tokenize=False, continue_final_message=True
     )
+
+
+def test_defaults_are_transformers(pair: tuple[Tokenizer, transformers.PreTrainedTokenizerBase]) -> None:
+    """A script that leaves the arguments out gets what transformers gives it."""
+    ours, hf = pair
+    expected = hf.apply_chat_template(CHAT)
+    got = ours.apply_chat_template(CHAT)
+    assert isinstance(got, dict)
+    assert got["input_ids"] == expected["input_ids"]
+    ids = [*hf.encode("a b"), ours.eos_token_id]
+    assert ours.decode(ids) == hf.decode(ids)
+    assert ours.convert_ids_to_tokens(ids[0]) == hf.convert_ids_to_tokens(ids[0])
