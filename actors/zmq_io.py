@@ -25,6 +25,7 @@ blocking calls in worker threads (slower, and a blocked thread ignores `fail_aft
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import tempfile
 from collections.abc import Callable
@@ -43,6 +44,7 @@ __all__ = [
     "connect",
     "pump_from_socket",
     "pump_to_socket",
+    "reclaim_stale_ipc_dirs",
     "recv",
     "send",
 ]
@@ -181,12 +183,65 @@ def connect(ctx: zmq.Context[Any], kind: int, address: str) -> zmq.Socket[Any]:
     return sock
 
 
+IPC_DIR_PREFIX = "triollm-"
+_IPC_DIR_NAME = re.compile(re.escape(IPC_DIR_PREFIX) + r"(\d+)-\w+")
+
+
+def make_ipc_dir() -> str:
+    """A private temporary directory for the socket files, named after our pid
+    (`triollm-PID-XXXXXXXX`), after removing those of owners that are gone.
+
+    `Endpoints.close()` removes the directory; a parent that is SIGKILLed cannot, so the next
+    start reclaims it instead (`reclaim_stale_ipc_dirs`).
+    """
+    reclaim_stale_ipc_dirs()
+    return tempfile.mkdtemp(prefix=f"{IPC_DIR_PREFIX}{os.getpid()}-")
+
+
+def reclaim_stale_ipc_dirs(root: str | None = None) -> list[str]:
+    """Remove our user's `triollm-PID-*` directories in `root` (the temp directory) whose PID
+    no longer runs. Returns the paths removed. A PID that was reused keeps its directory (the
+    safe mistake); directories of other users are never touched."""
+    root = tempfile.gettempdir() if root is None else root
+    removed: list[str] = []
+    try:
+        entries = list(os.scandir(root))
+    except OSError:
+        return removed
+    uid = os.getuid()
+    for entry in entries:
+        match = _IPC_DIR_NAME.fullmatch(entry.name)
+        if match is None:
+            continue
+        try:
+            if not entry.is_dir(follow_symlinks=False) or entry.stat(follow_symlinks=False).st_uid != uid:
+                continue
+        except OSError:
+            continue
+        if _pid_running(int(match.group(1))):
+            continue
+        shutil.rmtree(entry.path, ignore_errors=True)
+        removed.append(entry.path)
+    return removed
+
+
+def _pid_running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # someone else's process
+    return True
+
+
 @dataclass
 class Endpoints:
     """The parent's side of an engine-core link: a PUSH socket for inputs and a PULL socket for
     outputs, both bound, and the addresses the child connects to.
 
-    `address` is "ipc" (socket files in a private temporary directory, removed by `close()`) or
+    `address` is "ipc" (socket files in a private temporary directory, removed by `close()`, or
+    by the next start if this process is killed first: see `make_ipc_dir`) or
     "tcp://HOST" (random free ports on HOST, an IP address or an interface; a wildcard host is
     reached through the loopback address; IPv6 hosts in brackets).
     """
@@ -211,7 +266,7 @@ class Endpoints:
             outputs = _socket(ctx, zmq.PULL, ipv6)
             socks.append(outputs)
             if address == "ipc":
-                tmpdir = tempfile.mkdtemp(prefix="triollm-")
+                tmpdir = make_ipc_dir()
                 in_addr = f"ipc://{os.path.join(tmpdir, 'in.sock')}"
                 out_addr = f"ipc://{os.path.join(tmpdir, 'out.sock')}"
                 inputs.bind(in_addr)

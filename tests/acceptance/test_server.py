@@ -298,3 +298,30 @@ def test_engine_child_killed_gives_503_and_exit(tiny_model_dir: Path) -> None:
             pytest.fail("server did not exit after the engine died")
         assert code != 0
         assert not [c for c in children if c.is_running() and c.status() != psutil.STATUS_ZOMBIE]
+
+
+def _ipc_dirs(children: list[psutil.Process]) -> set[str]:
+    """The engine's ipc directories, read from the children's command lines (the start-up spec)."""
+    import re
+
+    dirs: set[str] = set()
+    for child in children:
+        for arg in child.cmdline():
+            dirs.update(re.findall(r"ipc://(/[^\"]*)/in\.sock", arg))
+    return dirs
+
+
+def test_server_sigkilled_leaves_no_process_and_its_ipc_dir_is_reclaimed(tiny_model_dir: Path) -> None:
+    with run_server(tiny_model_dir, "--served-model-name", "m", "--multiprocess") as srv:
+        tree = srv.engine_children
+        assert tree, "no engine-core child process"
+        dirs = _ipc_dirs(tree)
+        assert dirs and all(Path(d).is_dir() for d in dirs), dirs
+        srv.signal(signal.SIGKILL)
+        assert srv.wait(5) == -signal.SIGKILL
+        gone, alive = psutil.wait_procs(tree, timeout=10)
+        assert not [p for p in alive if p.status() != psutil.STATUS_ZOMBIE], alive
+    # A SIGKILLed server cannot clean up; the next start removes what its dead owner left.
+    with run_server(tiny_model_dir, "--served-model-name", "m", "--multiprocess") as srv:
+        assert not [d for d in dirs if Path(d).exists()], dirs
+        assert srv.engine_children

@@ -204,3 +204,30 @@ async def test_close_removes_the_ipc_directory() -> None:
 def test_bad_address() -> None:
     with pytest.raises(ValueError, match="zmq_address"):
         zmq_io.Endpoints.bind("udp://x")
+
+
+async def test_ipc_directories_of_dead_owners_are_reclaimed(tmp_path, monkeypatch) -> None:
+    # A server that was SIGKILLed could not remove its directory: the next bind does.
+    import os
+    import sys
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    dead = await anyio.run_process([sys.executable, "-c", "import os; print(os.getpid())"])
+    dead_pid = int(dead.stdout)
+    stale = tmp_path / f"triollm-{dead_pid}-abc123"
+    stale.mkdir()
+    (stale / "in.sock").write_bytes(b"")
+    alive = tmp_path / "triollm-1-keepme"  # pid 1 runs: not ours to judge
+    alive.mkdir()
+    other = tmp_path / "triollm-notapid"
+    other.mkdir()
+    ends = zmq_io.Endpoints.bind("ipc")
+    try:
+        assert ends.tmpdir is not None
+        assert ends.tmpdir.startswith(str(tmp_path / f"triollm-{os.getpid()}-"))
+        assert not stale.exists()
+        assert alive.is_dir() and other.is_dir()
+    finally:
+        ends.close()
+    assert not await anyio.Path(ends.tmpdir).exists()
