@@ -101,6 +101,7 @@ LAST_WORDS_S = 0.5  # a child that exited by itself: time for its last message t
 FLUSH_S = 2.0  # child: time to hand its last messages to the parent
 STDERR_TAIL_CHARS = 4000
 STOP_BYTE = b"q"  # parent -> child stdin: stop after the current step (see _request_stop)
+CURVE_KEYS_ENV = "TRIOLLM_ZMQ_CURVE_KEYS"  # parent -> child: zmq_io.ClientKeys for tcp
 
 
 class EngineStartupError(RuntimeError):
@@ -143,10 +144,14 @@ async def open_process_core(
     Raises `EngineStartupError` if the child cannot start. The yielded client's output stream
     ends after `EngineDead` (the child failed or died) or when the context exits.
     """
-    ends = zmq_io.Endpoints.bind(config.actor.zmq_address)
+    insecure_tcp = os.environ.get(zmq_io.INSECURE_TCP_ENV, "") == "1"
+    ends = zmq_io.Endpoints.bind(config.actor.zmq_address, insecure_tcp=insecure_tcp)
     try:
         command = _child_command(config, args, ends, core_factory)
-        proc = await anyio.open_process(command, stdin=PIPE, stdout=DEVNULL, stderr=PIPE)
+        env = {k: v for k, v in os.environ.items() if k != CURVE_KEYS_ENV}
+        if ends.client_keys is not None:
+            env[CURVE_KEYS_ENV] = ends.client_keys.encode()  # not on the command line (ps)
+        proc = await anyio.open_process(command, stdin=PIPE, stdout=DEVNULL, stderr=PIPE, env=env)
         try:
             with _unwrap_single_error():
                 async with anyio.create_task_group() as tg:
@@ -412,6 +417,8 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 2
     spec = msgspec.json.decode(argv[0], type=_ChildSpec)
+    keys = os.environ.pop(CURVE_KEYS_ENV, None)  # not inherited by anything we start
+    curve = zmq_io.ClientKeys.decode(keys) if keys else None
     os.dup2(2, 1)  # nothing reads our stdout: stray prints join stderr, which the parent forwards
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     logging.basicConfig(
@@ -422,7 +429,7 @@ def main(argv: list[str] | None = None) -> int:
 
     # Before any worker thread exists: threads started later inherit the setting.
     torch.set_num_threads(spec.args.get("num_threads") or default_num_threads())
-    return anyio.run(_child_main, spec, backend=CHILD_BACKEND)
+    return anyio.run(_child_main, spec, curve, backend=CHILD_BACKEND)
 
 
 def default_num_threads() -> int:
@@ -433,10 +440,10 @@ def default_num_threads() -> int:
     return max(1, torch.get_num_threads() - 1)
 
 
-async def _child_main(spec: _ChildSpec) -> int:
+async def _child_main(spec: _ChildSpec, curve: zmq_io.ClientKeys | None = None) -> int:
     ctx: zmq.Context[Any] = zmq.Context()
-    outputs = zmq_io.connect(ctx, zmq.PUSH, spec.outputs)
-    inputs = zmq_io.connect(ctx, zmq.PULL, spec.inputs)
+    outputs = zmq_io.connect(ctx, zmq.PUSH, spec.outputs, curve)
+    inputs = zmq_io.connect(ctx, zmq.PULL, spec.inputs, curve)
     parent_alive = False
     code = 0
     try:

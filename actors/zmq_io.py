@@ -39,9 +39,12 @@ from anyio.abc import ObjectSendStream
 from anyio.streams.memory import MemoryObjectReceiveStream
 
 __all__ = [
+    "INSECURE_TCP_ENV",
+    "ClientKeys",
     "Endpoints",
     "close",
     "connect",
+    "curve_available",
     "pump_from_socket",
     "pump_to_socket",
     "reclaim_stale_ipc_dirs",
@@ -172,15 +175,50 @@ def _socket(ctx: zmq.Context[Any], kind: int, ipv6: bool = False) -> zmq.Socket[
     return sock
 
 
-def connect(ctx: zmq.Context[Any], kind: int, address: str) -> zmq.Socket[Any]:
-    """A new socket of `kind` (LINGER=0) connected to `address`."""
+def connect(
+    ctx: zmq.Context[Any], kind: int, address: str, curve: ClientKeys | None = None
+) -> zmq.Socket[Any]:
+    """A new socket of `kind` (LINGER=0) connected to `address`, as a CURVE client when `curve`
+    is given (the peer must be the `Endpoints` those keys came from)."""
     sock = _socket(ctx, kind, ipv6="[" in address)
     try:
+        if curve is not None:
+            sock.curve_serverkey = curve.server_public
+            sock.curve_publickey = curve.public
+            sock.curve_secretkey = curve.secret
         sock.connect(address)
     except BaseException:
         sock.close(linger=0)
         raise
     return sock
+
+
+INSECURE_TCP_ENV = "TRIOLLM_ZMQ_INSECURE_TCP"  # "1": plain tcp, no CURVE (an explicit opt-in)
+
+
+@dataclass(frozen=True)
+class ClientKeys:
+    """What the engine-core child needs to connect over CURVE-secured tcp (Z85-encoded keys):
+    the parent's public server key and the child's own key pair. Secret: handed to the child
+    through its environment (readable only by its user), never on a command line, never logged."""
+
+    server_public: bytes
+    public: bytes
+    secret: bytes
+
+    def encode(self) -> str:
+        return b",".join((self.server_public, self.public, self.secret)).decode()  # no "," in Z85
+
+    @classmethod
+    def decode(cls, text: str) -> ClientKeys:
+        parts = text.encode().split(b",")
+        if len(parts) != 3 or any(len(p) != 40 for p in parts):
+            raise ValueError("CURVE keys: expected three Z85-encoded 32-byte keys")
+        return cls(*parts)
+
+
+def curve_available() -> bool:
+    return bool(zmq.has("curve"))
 
 
 IPC_DIR_PREFIX = "triollm-"
@@ -252,10 +290,26 @@ class Endpoints:
     input_address: str
     output_address: str
     tmpdir: str | None = None
+    client_keys: ClientKeys | None = field(default=None, repr=False)
     _closed: bool = field(default=False, repr=False)
 
     @classmethod
-    def bind(cls, address: str) -> Endpoints:
+    def bind(cls, address: str, *, insecure_tcp: bool = False) -> Endpoints:
+        """Bind both sockets. tcp is CURVE-encrypted with a fresh server key pair per link
+        unless `insecure_tcp`: a peer must know the server's public key to complete the
+        handshake, and only the child gets it (`client_keys`). (No ZAP handler checks the
+        client's key: the server's public key is the shared secret.) Without CURVE in libzmq,
+        tcp needs `insecure_tcp`. ipc (files in a private directory) needs neither."""
+        curve: ClientKeys | None = None
+        if address.startswith("tcp://") and not insecure_tcp:
+            if not curve_available():
+                raise ValueError(
+                    f"zmq_address: {address!r} would be unauthenticated tcp (this libzmq has no "
+                    f"CURVE); use 'ipc' or opt in with {INSECURE_TCP_ENV}=1"
+                )
+            server_public, server_secret = zmq.curve_keypair()
+            client_public, client_secret = zmq.curve_keypair()
+            curve = ClientKeys(server_public, client_public, client_secret)
         ctx: zmq.Context[Any] = zmq.Context()
         tmpdir: str | None = None
         socks: list[zmq.Socket[Any]] = []
@@ -265,6 +319,10 @@ class Endpoints:
             socks.append(inputs)
             outputs = _socket(ctx, zmq.PULL, ipv6)
             socks.append(outputs)
+            if curve is not None:
+                for sock in socks:
+                    sock.curve_server = True
+                    sock.curve_secretkey = server_secret
             if address == "ipc":
                 tmpdir = make_ipc_dir()
                 in_addr = f"ipc://{os.path.join(tmpdir, 'in.sock')}"
@@ -285,7 +343,7 @@ class Endpoints:
             if tmpdir is not None:
                 shutil.rmtree(tmpdir, ignore_errors=True)
             raise
-        return cls(ctx, inputs, outputs, in_addr, out_addr, tmpdir)
+        return cls(ctx, inputs, outputs, in_addr, out_addr, tmpdir, curve)
 
     def close(self) -> None:
         """Close both sockets (waking their waiters), the context, and the temporary directory.

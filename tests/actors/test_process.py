@@ -22,7 +22,7 @@ import anyio
 import psutil
 import pytest
 
-from triollm.actors import process
+from triollm.actors import process, zmq_io
 from triollm.actors.core_client import SHUTDOWN_GRACE_S, CoreClient
 from triollm.actors.messages import (
     AbortRequests,
@@ -325,6 +325,29 @@ async def test_clean_exit_leaves_nothing_behind(
         while me.num_threads() > threads or me.num_fds() > fds:  # noqa: ASYNC110 (polling)
             await anyio.sleep(0.05)
     assert me.num_threads() <= threads and me.num_fds() <= fds
+
+
+# ---------------------------------------------------------------- tcp: CURVE or opt-in
+
+
+@pytest.mark.parametrize("insecure", [False, True], ids=["curve", "insecure-opt-in"])
+async def test_tcp_child_is_curve_or_explicitly_insecure(
+    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch, insecure: bool
+) -> None:
+    if not insecure and not zmq_io.curve_available():
+        pytest.skip("this libzmq has no CURVE")
+    monkeypatch.setenv(zmq_io.INSECURE_TCP_ENV, "1" if insecure else "0")
+    async with _open(_args(tiny_model_dir, zmq_address="tcp://127.0.0.1")) as c:
+        assert c.pid is not None
+        child = psutil.Process(c.pid)
+        keys = child.environ().get(process.CURVE_KEYS_ENV)
+        assert (keys is None) == insecure
+        if keys is not None:  # handed over in the environment, never on the command line
+            assert not any(part in arg for part in keys.split(",") for arg in child.cmdline())
+        c.inputs.send_nowait(_request("tcp", max_tokens=3))
+        res = await _collect(c, {"tcp"})
+        assert len(res.tokens["tcp"]) == 3
+    c.outputs.close()
 
 
 # ---------------------------------------------------------------- parent death

@@ -23,10 +23,11 @@ def anyio_backend(request: pytest.FixtureRequest) -> str:
 _peers: list[zmq.Socket[Any]] = []
 
 
-@pytest.fixture(params=["ipc", "tcp://127.0.0.1", "tcp://[::1]"])
+@pytest.fixture(params=["ipc", "tcp://127.0.0.1", "tcp://[::1]", "insecure tcp://127.0.0.1"])
 def endpoints(request: pytest.FixtureRequest):
+    insecure, _, address = request.param.rpartition(" ")
     try:
-        ends = zmq_io.Endpoints.bind(request.param)
+        ends = zmq_io.Endpoints.bind(address, insecure_tcp=bool(insecure))
     except zmq.ZMQError as exc:
         pytest.skip(f"cannot bind {request.param}: {exc}")
     yield ends
@@ -44,8 +45,8 @@ class Ping(msgspec.Struct, array_like=True):
 
 def _peer(ends: zmq_io.Endpoints) -> tuple[zmq.Socket[Any], zmq.Socket[Any]]:
     """The child's side: PULL on the input address, PUSH on the output address."""
-    pull = zmq_io.connect(ends.ctx, zmq.PULL, ends.input_address)
-    push = zmq_io.connect(ends.ctx, zmq.PUSH, ends.output_address)
+    pull = zmq_io.connect(ends.ctx, zmq.PULL, ends.input_address, ends.client_keys)
+    push = zmq_io.connect(ends.ctx, zmq.PUSH, ends.output_address, ends.client_keys)
     _peers.extend((pull, push))
     return pull, push
 
@@ -144,7 +145,7 @@ async def test_send_waits_for_a_peer(endpoints: zmq_io.Endpoints) -> None:
         async with anyio.create_task_group() as tg:
             tg.start_soon(zmq_io.send, endpoints.inputs, b"hello")
             await anyio.sleep(0.05)
-            pull = zmq_io.connect(endpoints.ctx, zmq.PULL, endpoints.input_address)
+            pull = zmq_io.connect(endpoints.ctx, zmq.PULL, endpoints.input_address, endpoints.client_keys)
             _peers.append(pull)
             assert await zmq_io.recv(pull) == b"hello"
 
@@ -231,3 +232,48 @@ async def test_ipc_directories_of_dead_owners_are_reclaimed(tmp_path, monkeypatc
     finally:
         ends.close()
     assert not await anyio.Path(ends.tmpdir).exists()
+
+
+async def test_tcp_is_curve_unless_opted_out() -> None:
+    if not zmq_io.curve_available():
+        pytest.skip("this libzmq has no CURVE")
+    ends = zmq_io.Endpoints.bind("tcp://127.0.0.1")
+    socks: list[zmq.Socket[Any]] = []
+    try:
+        keys = ends.client_keys
+        assert keys is not None and zmq_io.ClientKeys.decode(keys.encode()) == keys
+        assert ends.inputs.curve_server and ends.outputs.curve_server
+        # A peer without the server's key (plain, or CURVE with a guessed key) hears nothing.
+        intruder_pub, intruder_sec = zmq.curve_keypair()
+        wrong = zmq_io.ClientKeys(intruder_pub, intruder_pub, intruder_sec)
+        for curve in (None, wrong):
+            socks.append(zmq_io.connect(ends.ctx, zmq.PULL, ends.input_address, curve))
+        socks.append(zmq_io.connect(ends.ctx, zmq.PULL, ends.input_address, keys))
+        with anyio.fail_after(10):
+            for i in range(3):
+                await zmq_io.send(ends.inputs, b"secret %d" % i)
+            for i in range(3):  # PUSH round-robins over the peers that completed the handshake
+                assert await zmq_io.recv(socks[2]) == b"secret %d" % i
+        with anyio.move_on_after(0.3):
+            await zmq_io.recv(socks[0])
+            pytest.fail("a plain peer received a message")
+        with anyio.move_on_after(0.3):
+            await zmq_io.recv(socks[1])
+            pytest.fail("a peer with the wrong server key received a message")
+    finally:
+        for sock in socks:
+            zmq_io.close(sock)
+        ends.close()
+
+
+def test_insecure_tcp_is_an_explicit_opt_in(monkeypatch: pytest.MonkeyPatch) -> None:
+    ends = zmq_io.Endpoints.bind("tcp://127.0.0.1", insecure_tcp=True)
+    assert ends.client_keys is None and not ends.inputs.curve_server
+    for sock in (ends.inputs, ends.outputs):
+        sock.close(linger=0)
+    ends.close()
+    # Without CURVE in libzmq, tcp (loopback or not) is refused unless opted in; ipc is fine.
+    monkeypatch.setattr(zmq_io, "curve_available", lambda: False)
+    for address in ("tcp://127.0.0.1", "tcp://0.0.0.0"):
+        with pytest.raises(ValueError, match=zmq_io.INSECURE_TCP_ENV):
+            zmq_io.Endpoints.bind(address)
