@@ -101,6 +101,10 @@ LAST_WORDS_S = 0.5  # a child that exited by itself: time for its last message t
 FLUSH_S = 2.0  # child: time to hand its last messages to the parent
 STDERR_TAIL_CHARS = 4000
 STOP_BYTE = b"q"  # parent -> child stdin: stop after the current step (see _request_stop)
+# The child must answer the handshake (Ready or StartupError) within this many seconds, or it is
+# killed and start-up fails naming this setting. Generous: loading a large model from a slow disk
+# takes minutes.
+HANDSHAKE_TIMEOUT_S = 600.0
 CURVE_KEYS_ENV = "TRIOLLM_ZMQ_CURVE_KEYS"  # parent -> child: zmq_io.ClientKeys for tcp
 
 
@@ -234,17 +238,25 @@ _CHILD_MAIN = "from triollm.actors.process import main; raise SystemExit(main())
 async def _handshake(sock: zmq.Socket[Any], proc: Process, stderr: _StderrTail) -> Ready:
     data: bytes | None = None
     exit_code: int | None = None
-    async with anyio.create_task_group() as tg:
+    with anyio.move_on_after(HANDSHAKE_TIMEOUT_S) as deadline:
+        async with anyio.create_task_group() as tg:
 
-        async def watch() -> None:
-            nonlocal exit_code
-            exit_code = await proc.wait()
-            await anyio.sleep(LAST_WORDS_S)  # a StartupError sent just before exiting
+            async def watch() -> None:
+                nonlocal exit_code
+                exit_code = await proc.wait()
+                await anyio.sleep(LAST_WORDS_S)  # a StartupError sent just before exiting
+                tg.cancel_scope.cancel()
+
+            tg.start_soon(watch)
+            data = await zmq_io.recv(sock)
             tg.cancel_scope.cancel()
-
-        tg.start_soon(watch)
-        data = await zmq_io.recv(sock)
-        tg.cancel_scope.cancel()
+    if deadline.cancelled_caught:
+        # The caller's teardown stops the child (SIGTERM, then SIGKILL).
+        raise EngineStartupError(
+            f"the engine core process {proc.pid} sent neither Ready nor StartupError within "
+            f"HANDSHAKE_TIMEOUT_S={HANDSHAKE_TIMEOUT_S:g} s; it is killed",
+            stderr.text,
+        )
     if data is None:
         with anyio.move_on_after(1):
             await stderr.eof.wait()
@@ -429,7 +441,12 @@ def main(argv: list[str] | None = None) -> int:
 
     # Before any worker thread exists: threads started later inherit the setting.
     torch.set_num_threads(spec.args.get("num_threads") or default_num_threads())
-    return anyio.run(_child_main, spec, curve, backend=CHILD_BACKEND)
+    try:
+        return anyio.run(_child_main, spec, curve, backend=CHILD_BACKEND)
+    except Exception:
+        # Our stderr goes to the parent, which forwards it and keeps its tail for the error.
+        log.exception("the engine core process exits on an unexpected error")
+        return 1
 
 
 def default_num_threads() -> int:
@@ -488,6 +505,7 @@ async def _run_engine(
         build = EngineCore if spec.core_factory is None else spec.core_factory.build
         core = await anyio.to_thread.run_sync(build, config, abandon_on_cancel=True)
     except Exception as exc:
+        log.exception("the engine core failed to start")
         message = str(exc) if isinstance(exc, ValueError) else f"{type(exc).__name__}: {exc}"
         await zmq_io.send(outputs, _encoder.encode(StartupError(message, traceback.format_exc())))
         return 1
@@ -514,6 +532,7 @@ async def _run_engine(
             except Exception:
                 # serve_engine_core queued EngineDead with the traceback and closed out_send:
                 # the output pump must still flush it, so this must not cancel the pump.
+                log.exception("the engine core failed; the process exits")
                 failed = True
             out_tg.cancel_scope.deadline = anyio.current_time() + FLUSH_S
         tg.cancel_scope.cancel()

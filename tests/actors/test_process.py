@@ -191,7 +191,7 @@ async def test_sigkill_mid_generation_yields_engine_dead(tiny_model_dir: Path) -
 
 
 async def test_exception_in_a_step_sends_the_traceback(
-    tiny_model_dir: Path, caplog: pytest.LogCaptureFixture
+    tiny_model_dir: Path, caplog: pytest.LogCaptureFixture, capfd: pytest.CaptureFixture[str]
 ) -> None:
     caplog.set_level(logging.DEBUG, logger="triollm")
     async with _open(_args(tiny_model_dir), fault_at_step(2)) as c:
@@ -209,6 +209,35 @@ async def test_exception_in_a_step_sends_the_traceback(
         f"engine core process {pid} exited with code 1" in r.getMessage() for r in caplog.records
     )
     assert pid is not None and _gone(pid)
+    # The child logged what it exits on, with the traceback, on the stderr we forward.
+    err = capfd.readouterr().err
+    assert f"(engine core pid {pid}) ERROR triollm: the engine core failed" in err
+    assert "Traceback" in err and "injected fault in the forward pass" in err
+
+
+HANG = """
+import time
+
+def build(config, **kwargs):
+    time.sleep(3600)  # a load that never ends
+"""
+
+
+async def test_a_child_that_never_answers_the_handshake_is_killed(
+    tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (tmp_path / "hang_factory.py").write_text(HANG)
+    monkeypatch.setenv("PYTHONPATH", f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    monkeypatch.setattr(process, "HANDSHAKE_TIMEOUT_S", 4.0)
+    before = _children()
+    t0 = time.monotonic()
+    with pytest.raises(EngineStartupError, match=r"HANDSHAKE_TIMEOUT_S=4 s") as info:
+        with anyio.fail_after(30):
+            async with _open(_args(tiny_model_dir), EngineCoreFactory("hang_factory:build")):
+                pytest.fail("the engine started")
+    assert "neither Ready nor StartupError" in info.value.message
+    assert time.monotonic() - t0 < 4.0 + process.TERM_GRACE_S + 5
+    assert _children() == before  # killed and reaped
 
 
 # ---------------------------------------------------------------- start-up failures
