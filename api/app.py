@@ -95,7 +95,13 @@ def build_app(state: ServerState) -> Starlette:
             )
         )
     if settings.api_key:
-        middleware.append(Middleware(APIKeyMiddleware, api_key=settings.api_key))
+        middleware.append(
+            Middleware(
+                APIKeyMiddleware,
+                api_key=settings.api_key,
+                extra_paths=KEYED_EXTRA_PATHS if settings.api_key_all_routes else (),
+            )
+        )
     app = Starlette(
         routes=routes,
         middleware=middleware,
@@ -120,16 +126,25 @@ def _metrics_route(state: ServerState) -> BaseRoute | None:
     return route if isinstance(route, BaseRoute) else None
 
 
-class APIKeyMiddleware:
-    """`Authorization: Bearer <key>` on /v1/* (constant-time compare); other paths are open."""
+# Behind the key too with `--api-key-all-routes` (vLLM leaves them open; so do we by default).
+KEYED_EXTRA_PATHS = ("/tokenize", "/detokenize", "/metrics")
 
-    def __init__(self, app: ASGIApp, api_key: str) -> None:
+
+class APIKeyMiddleware:
+    """`Authorization: Bearer <key>` on /v1/* and on `extra_paths` (constant-time compare);
+    other paths (/health, /version, /openapi.json) are open."""
+
+    def __init__(self, app: ASGIApp, api_key: str, extra_paths: tuple[str, ...] = ()) -> None:
         self.app = app
         self.key = api_key.encode()
+        self.extra_paths = frozenset(p.rstrip("/") for p in extra_paths)
+
+    def _keyed(self, path: str) -> bool:
+        return path == "/v1" or path.startswith("/v1/") or path.rstrip("/") in self.extra_paths
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         path: str = scope.get("path", "")
-        if scope["type"] == "http" and (path == "/v1" or path.startswith("/v1/")):
+        if scope["type"] == "http" and self._keyed(path):
             header = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
             scheme, _, token = header.partition(b" ")
             ok = hmac.compare_digest(token.strip(), self.key)

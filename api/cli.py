@@ -46,6 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--port", type=int, default=8000, help="0 picks a free port (default: %(default)s)")
     serve.add_argument("--backlog", type=int, default=2048, help="the listen backlog: connections the kernel queues before the server accepts them (capped by net.core.somaxconn) (default: %(default)s)")
     serve.add_argument("--api-key", default=os.environ.get("TRIOLLM_API_KEY"), help="require `Authorization: Bearer KEY` on /v1/* (default: $TRIOLLM_API_KEY)")
+    serve.add_argument("--api-key-all-routes", action="store_true", help="with --api-key, require the key on /tokenize, /detokenize and /metrics too (/health and /version stay open)")
     serve.add_argument("--allowed-origins", default=None, help='CORS origins, a JSON list or comma-separated, e.g. \'["*"]\' (default: no CORS)')
     serve.add_argument("--shutdown-timeout", type=float, default=0.0, help="seconds in-flight requests get on SIGINT/SIGTERM before they are aborted (default: %(default)s)")
     serve.add_argument("--response-role", default="assistant", help="(default: %(default)s)")
@@ -140,6 +141,7 @@ def cmd_serve(ns: argparse.Namespace) -> int:
     settings = ServerSettings(
         served_model_names=names,
         api_key=ns.api_key or None,
+        api_key_all_routes=ns.api_key_all_routes,
         allowed_origins=_origins(ns.allowed_origins),
         response_role=ns.response_role,
         chat_template=ns.chat_template,

@@ -18,6 +18,8 @@ __all__ = ["ServerSettings", "ServerState"]
 class ServerSettings:
     served_model_names: tuple[str, ...]
     api_key: str | None = None
+    # `--api-key-all-routes`: /tokenize, /detokenize and /metrics need the key too.
+    api_key_all_routes: bool = False
     allowed_origins: tuple[str, ...] = ()
     response_role: str = "assistant"
     chat_template: str | None = None
