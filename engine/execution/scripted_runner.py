@@ -56,8 +56,8 @@ class ScriptedRunner:
         return out
 
 
-class FaultyRunner:
-    """Runs `inner`, except that step `step` (1-based) raises `RuntimeError`."""
+class _AtStep:
+    """Runs `inner`, calling `at_step()` before step `step` (1-based)."""
 
     def __init__(self, inner: Runner, step: int) -> None:
         if step < 1:
@@ -69,30 +69,30 @@ class FaultyRunner:
     def execute(self, scheduled: list[ScheduledRequest]) -> RunnerOutput:
         self.num_steps += 1
         if self.num_steps == self.step:
-            raise RuntimeError(f"injected fault in the forward pass at step {self.num_steps}")
+            self.at_step()
         return self.inner.execute(scheduled)
+
+    def at_step(self) -> None:
+        raise NotImplementedError
+
+
+class FaultyRunner(_AtStep):
+    """Runs `inner`, except that step `step` (1-based) raises `RuntimeError`."""
+
+    def at_step(self) -> None:
+        raise RuntimeError(f"injected fault in the forward pass at step {self.num_steps}")
 
 
 # Set to let every blocked `HangingRunner` step return (and later ones not block).
 HUNG_STEP_RELEASE = threading.Event()
 
 
-class HangingRunner:
+class HangingRunner(_AtStep):
     """Runs `inner`, except that step `step` (1-based) blocks its thread until
     `HUNG_STEP_RELEASE` is set (a real block, not cancellable from the event loop)."""
 
-    def __init__(self, inner: Runner, step: int) -> None:
-        if step < 1:
-            raise ValueError(f"step: must be a positive integer, got {step!r}")
-        self.inner = inner
-        self.step = step
-        self.num_steps = 0
-
-    def execute(self, scheduled: list[ScheduledRequest]) -> RunnerOutput:
-        self.num_steps += 1
-        if self.num_steps == self.step:
-            HUNG_STEP_RELEASE.wait()
-        return self.inner.execute(scheduled)
+    def at_step(self) -> None:
+        HUNG_STEP_RELEASE.wait()
 
 
 def scripted_engine_core(config: EngineConfig) -> EngineCore:
