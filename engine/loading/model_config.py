@@ -10,7 +10,7 @@ defaults.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -27,26 +27,12 @@ from triollm.engine.loading.rope_config import RopeConfig
 __all__ = ["SUPPORTED_ARCHITECTURES", "ModelConfig", "RopeConfig"]
 
 @dataclass(frozen=True)
-class ModelConfig:
+class ModelConfig(HfConfig):
+    """What `config.json` says (`HfConfig`: sizes, RoPE, biases, sliding window, ...) and what
+    the engine decided from it and `generation_config.json`. `sliding_window` is never smaller
+    than `max_model_len` (refused at load), so the full-attention kernels are exact."""
+
     path: Path
-    architecture: str
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    vocab_size: int
-    rms_norm_eps: float
-    rope: RopeConfig
-    max_position_embeddings: int
-    tie_word_embeddings: bool
-    qkv_bias: bool
-    o_proj_bias: bool
-    mlp_bias: bool
-    # The smallest attention window of any layer (None: full attention). Never smaller than
-    # max_model_len: from_pretrained refuses that, so the full-attention kernels are exact.
-    sliding_window: int | None
     max_model_len: int
     dtype: torch.dtype
     eos_token_ids: tuple[int, ...]
@@ -83,23 +69,8 @@ class ModelConfig:
         if gen.get("do_sample") is False:
             defaults["temperature"] = 0.0
         return cls(
+            **{f.name: getattr(spec, f.name) for f in fields(HfConfig)},
             path=path,
-            architecture=spec.architecture,
-            hidden_size=spec.hidden_size,
-            intermediate_size=spec.intermediate_size,
-            num_layers=spec.num_layers,
-            num_heads=spec.num_heads,
-            num_kv_heads=spec.num_kv_heads,
-            head_dim=spec.head_dim,
-            vocab_size=spec.vocab_size,
-            rms_norm_eps=spec.rms_norm_eps,
-            rope=spec.rope,
-            max_position_embeddings=spec.max_position_embeddings,
-            tie_word_embeddings=spec.tie_word_embeddings,
-            qkv_bias=spec.qkv_bias,
-            o_proj_bias=spec.o_proj_bias,
-            mlp_bias=spec.mlp_bias,
-            sliding_window=spec.sliding_window,
             max_model_len=max_model_len,
             dtype=_resolve_dtype(dtype, spec.checkpoint_dtype, device),
             eos_token_ids=tuple(eos),
