@@ -18,6 +18,7 @@ import anyio
 import httpx
 import pytest
 import schemathesis
+from asgi_scope import asgi_post
 
 from triollm.actors.async_llm import AsyncLLM
 from triollm.api import serving_common
@@ -688,20 +689,7 @@ async def _drive(
             disconnect.set()
 
     path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
-    scope = {
-        "type": "http",
-        "asgi": {"version": "3.0", "spec_version": "2.3"},
-        "http_version": "1.1",
-        "method": "POST",
-        "scheme": "http",
-        "path": path,
-        "raw_path": path.encode(),
-        "query_string": b"",
-        "root_path": "",
-        "headers": [(b"content-type", b"application/json"), (b"host", b"testserver")],
-        "client": ("127.0.0.1", 1234),
-        "server": ("testserver", 80),
-    }
+    scope = asgi_post(path)
     with anyio.fail_after(10):
         await app(scope, receive, send)
     return sent

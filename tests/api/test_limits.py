@@ -13,6 +13,7 @@ from typing import Any
 import anyio
 import httpx
 import pytest
+from asgi_scope import asgi_post
 from test_app import CHAT, GREEDY, MAX_MODEL_LEN, MODEL, assert_error, open_client, post, sse
 
 from triollm.actors.async_llm import AsyncLLM
@@ -136,23 +137,6 @@ async def test_real_queue_limit_is_429(small_queue_llm: AsyncLLM) -> None:
 
 
 # -------------------------------------------------------------------- malformed and large bodies
-
-
-def asgi_post(path: str) -> dict[str, Any]:
-    return {
-        "type": "http",
-        "asgi": {"version": "3.0", "spec_version": "2.3"},
-        "http_version": "1.1",
-        "method": "POST",
-        "scheme": "http",
-        "path": path,
-        "raw_path": path.encode(),
-        "query_string": b"",
-        "root_path": "",
-        "headers": [(b"content-type", b"application/json"), (b"host", b"testserver")],
-        "client": ("127.0.0.1", 1234),
-        "server": ("testserver", 80),
-    }
 
 
 def nested(depth: int) -> bytes:

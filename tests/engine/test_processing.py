@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -30,16 +29,6 @@ CUMULATIVE, DELTA, FINAL_ONLY = (
     RequestOutputKind.DELTA,
     RequestOutputKind.FINAL_ONLY,
 )
-
-
-@pytest.fixture(scope="module")
-def tok(tiny_model_dir: Path) -> Tokenizer:
-    return Tokenizer.from_pretrained(tiny_model_dir)
-
-
-@pytest.fixture(scope="module")
-def model_config(tiny_model_dir: Path) -> ModelConfig:
-    return ModelConfig.from_pretrained(tiny_model_dir, max_model_len=64)
 
 
 @pytest.fixture

@@ -33,16 +33,6 @@ LIMITS = LimitsConfig(
 )
 
 
-@pytest.fixture(scope="module")
-def tok(tiny_model_dir: Path) -> Tokenizer:
-    return Tokenizer.from_pretrained(tiny_model_dir)
-
-
-@pytest.fixture(scope="module")
-def model_config(tiny_model_dir: Path) -> ModelConfig:
-    return ModelConfig.from_pretrained(tiny_model_dir, max_model_len=64)
-
-
 @pytest.fixture
 def inp(model_config: ModelConfig, tok: Tokenizer) -> InputProcessor:
     return InputProcessor(model_config, tok, limits=LIMITS)
