@@ -173,6 +173,7 @@ class AsyncLLM:
         self._queued_prompt: dict[str, int] = {}  # core id -> prompt tokens
         self._queued_tokens = 0
         self._room = anyio.Event()  # set (and replaced) when the queue may have shrunk
+        self._room_waiters = 0  # adds waiting on it: no new Event per batch when there are none
         # Ids reserved by add_request that are not in the output processor yet (validation,
         # tokenization in a thread, waiting for room); True once an abort arrived meanwhile.
         self._adding: dict[str, bool] = {}
@@ -437,7 +438,11 @@ class AsyncLLM:
             while not self._adding[request_id] and (busy := self._busy(processed)) is not None:
                 if not wait_for_room:
                     raise EngineBusyError(f"the engine is busy: {busy}; retry later")
-                await self._room.wait()
+                self._room_waiters += 1
+                try:
+                    await self._room.wait()
+                finally:
+                    self._room_waiters -= 1
                 self._require_running()
             # Core ids are unique per request, so outputs still in flight for an aborted
             # request can never be credited to a new request that reuses its id.
@@ -492,9 +497,11 @@ class AsyncLLM:
             self._queued_tokens -= tokens
 
     def _notify_room(self) -> None:
-        """Wake the adds waiting for room (they check again)."""
-        self._room.set()
-        self._room = anyio.Event()
+        """Wake the adds waiting for room (they check again). Called once per output batch:
+        free when nobody waits."""
+        if self._room_waiters:
+            self._room.set()
+            self._room = anyio.Event()
 
     async def generate(
         self,
