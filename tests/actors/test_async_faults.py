@@ -352,7 +352,7 @@ def check_outcomes(
 # per backend (hours; not run by `make test`; see docs/reliability.md).
 SOAK = os.environ.get("TRIOLLM_SOAK", "") == "1"
 INPROC_EXAMPLES = 1000 if SOAK else 60
-MULTIPROCESS_EXAMPLES = 1000 if SOAK else 8
+MULTIPROCESS_EXAMPLES = 1000 if SOAK else 20
 
 PLAN_SETTINGS = {
     "deadline": None,

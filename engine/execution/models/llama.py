@@ -159,13 +159,19 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.cfg = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        # An explicit weight skips nn.Embedding's random init: on the meta device that init
+        # imports torch's reference ops (~1.5 s at every engine start).
+        self.embed_tokens = nn.Embedding(
+            cfg.vocab_size, cfg.hidden_size, _weight=torch.empty(cfg.vocab_size, cfg.hidden_size)
+        )
         self.layers = nn.ModuleList(LlamaDecoderLayer(cfg) for _ in range(cfg.num_layers))
         self.norm = nn.Parameter(torch.ones(cfg.hidden_size))
         self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.packed_tied_head: torch.Tensor | None = None  # set by pack_linears
-        # Plain attributes (not buffers): computed, never loaded; moved in load_model.
-        self.rope_cos, self.rope_sin_signed = _rope_tables(cfg)
+        # Plain attributes (not buffers): computed here on the CPU (also when the model is built
+        # on the meta device), never loaded; moved in load_model.
+        with torch.device("cpu"):
+            self.rope_cos, self.rope_sin_signed = _rope_tables(cfg)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, kv: KVCache) -> torch.Tensor:
         """Hidden states `[T, hidden]` (final norm applied) for the flat batch."""
@@ -264,8 +270,7 @@ def load_model(cfg: ModelConfig, device: str | torch.device = "cpu") -> LlamaFor
                 f"model: tensor {name} has shape {tuple(tensor.shape)}, expected {tuple(params[name].shape)}"
             )
     model.load_state_dict(loaded, strict=False, assign=True)
-    cos, sin = _rope_tables(cfg)
-    model.rope_cos, model.rope_sin_signed = cos.to(device), sin.to(device)
+    model.rope_cos, model.rope_sin_signed = model.rope_cos.to(device), model.rope_sin_signed.to(device)
     model.requires_grad_(False)
     model = model.to(device).eval()
     model.pack_linears()
