@@ -6,6 +6,7 @@ with a `ValueError` from `add_request`; the engine goes on serving. The sync `LL
 
 from __future__ import annotations
 
+import threading
 from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
 from pathlib import Path
@@ -85,6 +86,39 @@ async def test_priority_beyond_64_bits_fails_alone(small_llm: AsyncLLM) -> None:
         await small_llm.add_request("prio", PROMPT, params(), priority=2**64)
     assert await run(small_llm, params(3)) == 3
     assert not small_llm.errored
+
+
+@pytest.mark.parametrize(
+    ("rid", "bad_words", "in_thread"),
+    [
+        ("few", ["hello", "world"], False),
+        ("long", ["x" * 9000], True),  # one long word: the prompt is 6 words
+        ("many", [f"w{i:05d}" for i in range(1500)], True),  # 9,000 characters in short words
+        # 1,884 characters in 300 words of 1-12 letters: 600 tokenizer calls cost the rest.
+        ("many-tiny", [chr(0x41 + i % 26) * (1 + i // 26) for i in range(300)], True),
+    ],
+)
+async def test_bad_words_are_tokenized_off_the_event_loop_when_large(
+    small_llm: AsyncLLM,
+    monkeypatch: pytest.MonkeyPatch,
+    rid: str,
+    bad_words: list[str],
+    in_thread: bool,
+) -> None:
+    """The worker-thread decision counts `bad_words` (each entry tokenized twice), not only the
+    prompt: a short prompt with large bad words must not stall every other stream."""
+    tokenizer = small_llm.get_tokenizer()
+    encode = tokenizer.encode
+    loop_thread = threading.get_ident()
+    threads: set[bool] = set()  # True: an encode call ran off the event loop's thread
+
+    def spy(text: str, add_special_tokens: bool = True) -> list[int]:
+        threads.add(threading.get_ident() != loop_thread)
+        return encode(text, add_special_tokens)
+
+    monkeypatch.setattr(tokenizer, "encode", spy)
+    assert await run(small_llm, params(3, bad_words=bad_words), rid) == 3
+    assert threads == {in_thread}
 
 
 # ------------------------------------------------------------------------------ the sync LLM
