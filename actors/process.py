@@ -148,8 +148,8 @@ async def open_process_core(
     Raises `EngineStartupError` if the child cannot start. The yielded client's output stream
     ends after `EngineDead` (the child failed or died) or when the context exits.
     """
-    insecure_tcp = os.environ.get(zmq_io.INSECURE_TCP_ENV, "") == "1"
-    ends = zmq_io.Endpoints.bind(config.actor.zmq_address, insecure_tcp=insecure_tcp)
+    actor = config.actor
+    ends = zmq_io.Endpoints.bind(actor.zmq_address, insecure_tcp=actor.zmq_insecure_tcp)
     try:
         command = _child_command(config, args, ends, core_factory)
         env = {k: v for k, v in os.environ.items() if k != CURVE_KEYS_ENV}

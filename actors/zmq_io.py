@@ -39,7 +39,6 @@ from anyio.abc import ObjectSendStream
 from anyio.streams.memory import MemoryObjectReceiveStream
 
 __all__ = [
-    "INSECURE_TCP_ENV",
     "ClientKeys",
     "Endpoints",
     "close",
@@ -193,9 +192,6 @@ def connect(
     return sock
 
 
-INSECURE_TCP_ENV = "TRIOLLM_ZMQ_INSECURE_TCP"  # "1": plain tcp, no CURVE (an explicit opt-in)
-
-
 @dataclass(frozen=True)
 class ClientKeys:
     """What the engine-core child needs to connect over CURVE-secured tcp (Z85-encoded keys):
@@ -304,8 +300,9 @@ class Endpoints:
         if address.startswith("tcp://") and not insecure_tcp:
             if not curve_available():
                 raise ValueError(
-                    f"zmq_address: {address!r} would be unauthenticated tcp (this libzmq has no "
-                    f"CURVE); use 'ipc' or opt in with {INSECURE_TCP_ENV}=1"
+                    f"zmq_address: {address!r} would be unauthenticated, unencrypted tcp (this "
+                    "libzmq has no CURVE); use 'ipc', or opt in with zmq_insecure_tcp=True "
+                    "(--zmq-insecure-tcp)"
                 )
             server_public, server_secret = zmq.curve_keypair()
             client_public, client_secret = zmq.curve_keypair()

@@ -12,8 +12,9 @@ schema: `LLM(**kwargs)`, `EngineArgs(**kwargs)` and the CLI flags (generated fro
 - vLLM arguments that change nothing here (`trust_remote_code`, `revision`, ...) are accepted so
   that scripts run; `create_engine_config()` logs one warning per such name per process when it
   is set to something other than its default (`EngineConfig.ignored_args` records them).
-- Settings of the actor layer (transport, output chunking, the ZMQ address, `max_logprobs`) and
-  the one environment override (`$TRIOLLM_MULTIPROCESS`) are read once into `ActorConfig`.
+- Settings of the actor layer (transport, output chunking, the ZMQ address and the opt-in to
+  plain tcp, `max_logprobs`) and the one environment override (`$TRIOLLM_MULTIPROCESS`) are read
+  once into `ActorConfig`.
 
 Everything derived from the model directory lives in `ModelConfig`. Sizes the engine measures at
 start-up (the number of KV blocks) are returned by the code that measures them, never written
@@ -78,6 +79,8 @@ class ActorConfig:
     multiprocess: bool  # the engine core in a child process (resolved: flag, else env, else True)
     output_chunk_size: int  # RequestOutputs built per chunk before yielding to the event loop
     zmq_address: str  # "ipc" or "tcp://HOST"
+    # tcp without CURVE: unauthenticated and unencrypted (an explicit opt-in; no effect on ipc).
+    zmq_insecure_tcp: bool
     max_logprobs: int  # the most logprobs a request may ask for (-1: no limit)
     # With work pending, no output from the engine core for this long means it is hung: the
     # engine is declared dead (EngineDeadError everywhere, /health 503). None: never.
@@ -244,7 +247,8 @@ class EngineArgs:
     # --- the actor layer (AsyncLLM / LLM)
     multiprocess: bool | None = _arg(None, f"the engine core in a child process (default: ${MULTIPROCESS_ENV}, else true)")
     output_chunk_size: int = _arg(128, "RequestOutputs built per chunk before yielding to the event loop")
-    zmq_address: str = _arg("ipc", "'ipc' (a socket file in a private temp dir) or 'tcp://HOST' (ports chosen freely)")
+    zmq_address: str = _arg("ipc", "'ipc' (a socket file in a private temp dir) or 'tcp://HOST' (ports chosen freely; CURVE-encrypted)")
+    zmq_insecure_tcp: bool = _arg(False, "explicit opt-in to PLAIN tcp for a tcp:// zmq_address: no CURVE, so the engine core's link is unauthenticated and unencrypted (anyone who reaches its ports can send it requests and read its outputs); needed only where libzmq lacks CURVE; no effect on ipc")
     engine_output_timeout_s: float | None = _arg(60.0, "with work pending, seconds without any output from the engine core before it is declared dead (hung)")
     # --- request limits and backpressure (a request over a limit fails alone: HTTP 400 / 429)
     max_num_queued_reqs: int | None = _arg(None, "the most unfinished requests beyond max_num_seqs; more are refused (HTTP 429) (default: no limit)")
@@ -320,6 +324,8 @@ class EngineArgs:
             raise ValueError(f"max_logprobs: must be an integer >= -1, got {self.max_logprobs!r}")
         if self.zmq_address != "ipc" and not self.zmq_address.startswith("tcp://"):
             raise ValueError(f"zmq_address: {self.zmq_address!r} is not 'ipc' or 'tcp://HOST'")
+        if not isinstance(self.zmq_insecure_tcp, bool):  # "0" would be truthy: no guessing
+            raise ValueError(f"zmq_insecure_tcp: must be True or False, got {self.zmq_insecure_tcp!r}")
         cache_dir = Path(self.cache_dir) if self.cache_dir else None
         if self.load_format == "gguf" and not (self.model or "").lower().endswith(".gguf"):
             raise ValueError(f"load_format: 'gguf' needs a .gguf model file, got model={self.model!r}")
@@ -358,6 +364,7 @@ class EngineArgs:
                 multiprocess=_multiprocess(self.multiprocess),
                 output_chunk_size=self.output_chunk_size,
                 zmq_address=self.zmq_address,
+                zmq_insecure_tcp=self.zmq_insecure_tcp,
                 max_logprobs=self.max_logprobs,
                 engine_output_timeout_s=None if timeout is None else float(timeout),
             ),

@@ -365,8 +365,10 @@ async def test_tcp_child_is_curve_or_explicitly_insecure(
 ) -> None:
     if not insecure and not zmq_io.curve_available():
         pytest.skip("this libzmq has no CURVE")
-    monkeypatch.setenv(zmq_io.INSECURE_TCP_ENV, "1" if insecure else "0")
-    async with _open(_args(tiny_model_dir, zmq_address="tcp://127.0.0.1")) as c:
+    # The opt-in is the setting alone: the environment variable it replaced changes nothing.
+    monkeypatch.setenv("TRIOLLM_ZMQ_INSECURE_TCP", "1")
+    args = _args(tiny_model_dir, zmq_address="tcp://127.0.0.1", zmq_insecure_tcp=insecure)
+    async with _open(args) as c:
         assert c.pid is not None
         child = psutil.Process(c.pid)
         keys = child.environ().get(process.CURVE_KEYS_ENV)
