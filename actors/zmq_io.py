@@ -24,6 +24,8 @@ blocking calls in worker threads (slower, and a blocked thread ignores `fail_aft
 
 from __future__ import annotations
 
+import hmac
+import logging
 import os
 import re
 import shutil
@@ -37,6 +39,7 @@ import anyio.lowlevel
 import zmq
 from anyio.abc import ObjectSendStream
 from anyio.streams.memory import MemoryObjectReceiveStream
+from zmq.auth.thread import ThreadAuthenticator
 
 __all__ = [
     "ClientKeys",
@@ -52,6 +55,8 @@ __all__ = [
 ]
 
 T = TypeVar("T")
+
+log = logging.getLogger("triollm")
 
 _CLOSED_ERRNOS = (zmq.ENOTSOCK, zmq.ETERM)
 
@@ -196,7 +201,8 @@ def connect(
 class ClientKeys:
     """What the engine-core child needs to connect over CURVE-secured tcp (Z85-encoded keys):
     the parent's public server key and the child's own key pair. Secret: handed to the child
-    through its environment (readable only by its user), never on a command line, never logged."""
+    through its environment (readable only by its user), never on a command line, never logged.
+    The parent's ZAP handler admits only `public` (see `Endpoints.bind`)."""
 
     server_public: bytes
     public: bytes
@@ -269,6 +275,42 @@ def _pid_running(pid: int) -> bool:
     return True
 
 
+# The ZAP domain of the engine-core sockets. With ZAP_ENFORCE_DOMAIN a handshake fails when no
+# handler answers for it, so a missing or stopped handler shuts everyone out rather than in.
+_ZAP_DOMAIN = "triollm-engine-core"
+
+
+class _ClientKeyCheck:
+    """The ZAP handler's credentials provider: only the child's client public key may connect.
+    Called in the authenticator's thread with the peer's Z85-encoded key."""
+
+    def __init__(self, allowed: bytes) -> None:
+        self._allowed = allowed
+        self._refused = 0
+
+    def callback(self, domain: str, key: bytes) -> bool:
+        if hmac.compare_digest(key, self._allowed):
+            return True
+        self._refused += 1
+        # Once at WARNING: a peer retrying every 100 ms must not flood the log.
+        level = logging.WARNING if self._refused == 1 else logging.DEBUG
+        log.log(level, "engine-core link: refused a CURVE peer with an unknown client key")
+        return False
+
+
+def _start_authenticator(ctx: zmq.Context[Any], client_public: bytes) -> ThreadAuthenticator:
+    """A ZAP handler (pyzmq's, in a thread of its own: the same on trio and asyncio) for `ctx`
+    that admits CURVE peers with the key `client_public` only. Stop it before `ctx.term()`."""
+    auth = ThreadAuthenticator(ctx, log=logging.getLogger("triollm.zap"))
+    auth.configure_curve_callback(_ZAP_DOMAIN, credentials_provider=_ClientKeyCheck(client_public))
+    try:
+        auth.start()
+    except BaseException:
+        auth.stop()  # a socket left open would make ctx.term() hang
+        raise
+    return auth
+
+
 @dataclass
 class Endpoints:
     """The parent's side of an engine-core link: a PUSH socket for inputs and a PULL socket for
@@ -287,15 +329,16 @@ class Endpoints:
     output_address: str
     tmpdir: str | None = None
     client_keys: ClientKeys | None = field(default=None, repr=False)
+    authenticator: ThreadAuthenticator | None = field(default=None, repr=False)
     _closed: bool = field(default=False, repr=False)
 
     @classmethod
     def bind(cls, address: str, *, insecure_tcp: bool = False) -> Endpoints:
-        """Bind both sockets. tcp is CURVE-encrypted with a fresh server key pair per link
-        unless `insecure_tcp`: a peer must know the server's public key to complete the
-        handshake, and only the child gets it (`client_keys`). (No ZAP handler checks the
-        client's key: the server's public key is the shared secret.) Without CURVE in libzmq,
-        tcp needs `insecure_tcp`. ipc (files in a private directory) needs neither."""
+        """Bind both sockets. tcp is CURVE-encrypted with fresh key pairs per link unless
+        `insecure_tcp`, and authenticated both ways: a peer must know the server's public key
+        to complete the handshake, and a ZAP handler (a thread, stopped by `close()`) admits
+        only the child's client key (`client_keys`, which only the child gets). Without CURVE
+        in libzmq, tcp needs `insecure_tcp`. ipc (files in a private directory) needs neither."""
         curve: ClientKeys | None = None
         if address.startswith("tcp://") and not insecure_tcp:
             if not curve_available():
@@ -310,7 +353,10 @@ class Endpoints:
         ctx: zmq.Context[Any] = zmq.Context()
         tmpdir: str | None = None
         socks: list[zmq.Socket[Any]] = []
+        auth: ThreadAuthenticator | None = None
         try:
+            if curve is not None:  # before any socket exists: no handshake without it
+                auth = _start_authenticator(ctx, curve.public)
             ipv6 = address.startswith("tcp://[")
             inputs = _socket(ctx, zmq.PUSH, ipv6)
             socks.append(inputs)
@@ -320,6 +366,8 @@ class Endpoints:
                 for sock in socks:
                     sock.curve_server = True
                     sock.curve_secretkey = server_secret
+                    sock.zap_domain = _ZAP_DOMAIN.encode()
+                    sock.setsockopt(zmq.ZAP_ENFORCE_DOMAIN, 1)
             if address == "ipc":
                 tmpdir = make_ipc_dir()
                 in_addr = f"ipc://{os.path.join(tmpdir, 'in.sock')}"
@@ -336,20 +384,24 @@ class Endpoints:
         except BaseException:
             for sock in socks:
                 sock.close(linger=0)
+            if auth is not None:
+                auth.stop()
             ctx.term()
             if tmpdir is not None:
                 shutil.rmtree(tmpdir, ignore_errors=True)
             raise
-        return cls(ctx, inputs, outputs, in_addr, out_addr, tmpdir, curve)
+        return cls(ctx, inputs, outputs, in_addr, out_addr, tmpdir, curve, auth)
 
     def close(self) -> None:
-        """Close both sockets (waking their waiters), the context, and the temporary directory.
-        Call from the event loop's thread. Idempotent."""
+        """Close both sockets (waking their waiters), the ZAP handler, the context, and the
+        temporary directory. Call from the event loop's thread. Idempotent."""
         if self._closed:
             return
         self._closed = True
         close(self.inputs)
         close(self.outputs)
+        if self.authenticator is not None:
+            self.authenticator.stop()  # joins its thread (it answers at once)
         self.ctx.term()
         if self.tmpdir is not None:
             shutil.rmtree(self.tmpdir, ignore_errors=True)

@@ -247,7 +247,7 @@ class EngineArgs:
     # --- the actor layer (AsyncLLM / LLM)
     multiprocess: bool | None = _arg(None, f"the engine core in a child process (default: ${MULTIPROCESS_ENV}, else true)")
     output_chunk_size: int = _arg(128, "RequestOutputs built per chunk before yielding to the event loop")
-    zmq_address: str = _arg("ipc", "'ipc' (a socket file in a private temp dir) or 'tcp://HOST' (ports chosen freely; CURVE-encrypted)")
+    zmq_address: str = _arg("ipc", "'ipc' (a socket file in a private temp dir) or 'tcp://HOST' (ports chosen freely; CURVE-encrypted, and only the engine's own child may connect)")
     zmq_insecure_tcp: bool = _arg(False, "explicit opt-in to PLAIN tcp for a tcp:// zmq_address: no CURVE, so the engine core's link is unauthenticated and unencrypted (anyone who reaches its ports can send it requests and read its outputs); needed only where libzmq lacks CURVE; no effect on ipc")
     engine_output_timeout_s: float | None = _arg(60.0, "with work pending, seconds without any output from the engine core before it is declared dead (hung)")
     # --- request limits and backpressure (a request over a limit fails alone: HTTP 400 / 429)

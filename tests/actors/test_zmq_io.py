@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import math
 from typing import Any
 
@@ -264,6 +265,51 @@ async def test_tcp_is_curve_unless_opted_out() -> None:
         for sock in socks:
             zmq_io.close(sock)
         ends.close()
+
+
+async def test_only_the_childs_client_key_may_connect(
+    no_leaks: None, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A peer that knows the server's public key but has a client key pair of its own is refused
+    by the ZAP handler: it receives nothing and what it sends never arrives, while the rightful
+    client does both. The handler's thread ends with `close()` (`no_leaks`)."""
+    if not zmq_io.curve_available():
+        pytest.skip("this libzmq has no CURVE")
+    ends = zmq_io.Endpoints.bind("tcp://127.0.0.1")
+    socks: list[zmq.Socket[Any]] = []
+    try:
+        keys = ends.client_keys
+        assert keys is not None
+        impostor_public, impostor_secret = zmq.curve_keypair()
+        impostor = zmq_io.ClientKeys(keys.server_public, impostor_public, impostor_secret)
+        bad_pull = zmq_io.connect(ends.ctx, zmq.PULL, ends.input_address, impostor)
+        bad_push = zmq_io.connect(ends.ctx, zmq.PUSH, ends.output_address, impostor)
+        socks += [bad_pull, bad_push]
+        bad_push.send(b"forged", zmq.NOBLOCK)  # queued on its side until a handshake succeeds
+        await anyio.sleep(0.2)  # its handshakes are under way first
+        good_pull = zmq_io.connect(ends.ctx, zmq.PULL, ends.input_address, keys)
+        good_push = zmq_io.connect(ends.ctx, zmq.PUSH, ends.output_address, keys)
+        socks += [good_pull, good_push]
+        with anyio.fail_after(10):
+            for i in range(3):
+                await zmq_io.send(ends.inputs, b"secret %d" % i)
+            for i in range(3):  # all of them: the impostor is no peer of the PUSH socket
+                assert await zmq_io.recv(good_pull) == b"secret %d" % i
+            await zmq_io.send(good_push, b"rightful")
+            assert await zmq_io.recv(ends.outputs) == b"rightful"
+        with anyio.move_on_after(0.5):
+            got = await zmq_io.recv(ends.outputs)
+            pytest.fail(f"the server received {got!r} from a peer with another client key")
+        with anyio.move_on_after(0.3):
+            got = await zmq_io.recv(bad_pull)
+            pytest.fail(f"a peer with another client key received {got!r}")
+    finally:
+        for sock in socks:
+            zmq_io.close(sock)
+        ends.close()
+    # Refused again at every reconnection (every 100 ms), but said once at WARNING.
+    warnings = [r for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(warnings) == 1 and "unknown client key" in warnings[0].getMessage()
 
 
 def test_insecure_tcp_is_an_explicit_opt_in(monkeypatch: pytest.MonkeyPatch) -> None:
