@@ -778,6 +778,8 @@ class AsyncLLM:
                     self._last_output = now
                 elif now - self._last_output >= timeout:
                     log.error("no output from the engine core for %.1f s with work pending", now - self._last_output)
+                    if self._client is not None:
+                        self._client.shutdown_grace_s = 0.0  # its step will not end: no grace
                     self._die(
                         EngineDeadError(
                             f"the engine core sent nothing for {now - self._last_output:.1f} s with work "

@@ -20,3 +20,7 @@ class CoreClient:
     inputs: MemoryObjectSendStream[CoreInput]
     outputs: MemoryObjectReceiveStream[CoreOutput]
     pid: int | None = None  # the engine-core child, when there is one
+    # How long the teardown waits for the core to end its current step before cancelling it
+    # (in-process) or signalling it (a child). The frontend sets 0 for a core it declared hung:
+    # that step will not end.
+    shutdown_grace_s: float = SHUTDOWN_GRACE_S

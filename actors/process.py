@@ -173,7 +173,7 @@ async def open_process_core(
                     output_scope = anyio.CancelScope()
                     tg.start_soon(_output_actor, output_scope, ends.outputs, out_send, proc, stderr)
                     try:
-                        yield CoreClient(ready, in_send, out_recv, proc.pid)
+                        yield (client := CoreClient(ready, in_send, out_recv, proc.pid, SHUTDOWN_GRACE_S))
                     finally:
                         with anyio.CancelScope(shield=True):
                             output_scope.cancel()  # the exit we are about to cause is no death
@@ -185,7 +185,7 @@ async def open_process_core(
                             in_send.close()
                             pending = await _absorb_pending_cancellation()
                             await _request_stop(proc)
-                            await _stop(proc, SHUTDOWN_GRACE_S)
+                            await _stop(proc, client.shutdown_grace_s)
                             with anyio.move_on_after(0.5):
                                 await stderr.eof.wait()  # its last lines
                             tg.cancel_scope.cancel()

@@ -71,7 +71,7 @@ async def _open_in_process(
     async with anyio.create_task_group() as tg:
         tg.start_soon(run)
         try:
-            yield CoreClient(ready, in_send, out_recv)
+            yield (client := CoreClient(ready, in_send, out_recv, None, SHUTDOWN_GRACE_S))
         finally:
             # Ask the loop to stop after its current step (it closes out_send when it does);
             # if it cannot within the grace period (say, blocked on a full output stream that
@@ -81,6 +81,6 @@ async def _open_in_process(
             except (anyio.ClosedResourceError, anyio.BrokenResourceError):
                 pass
             in_send.close()
-            with anyio.CancelScope(shield=True), anyio.move_on_after(SHUTDOWN_GRACE_S):
+            with anyio.CancelScope(shield=True), anyio.move_on_after(client.shutdown_grace_s):
                 await done.wait()
             tg.cancel_scope.cancel()
