@@ -76,6 +76,9 @@ log = logging.getLogger("triollm")
 # prompt's and `bad_words`': `_input_size`) are processed in a worker thread, so that they do
 # not stall the event loop. (The name predates `bad_words` counting; tests patch it.)
 _LARGE_PROMPT = 8192
+# A core that stopped taking inputs reports its death through the output stream: how long a
+# caller that found the inputs closed waits for that report (it is normally there at once).
+DEATH_REPORT_WAIT_S = 5.0
 # What one tokenizer call costs beyond its text, in characters: measured ~5 us per call and
 # ~0.23 us per character (the tiny test tokenizer, CPython 3.11), so ~20; rounded down.
 _TOKENIZER_CALL_CHARS = 16
@@ -466,7 +469,7 @@ class AsyncLLM:
                 if self._paused:
                     self._held.append(AddRequest(core_req))
                 else:
-                    self._send(AddRequest(core_req))
+                    await self._send_or_raise(AddRequest(core_req))
         except BaseException:
             self._adding.pop(request_id, None)
             self._drop(request_id)
@@ -576,6 +579,20 @@ class AsyncLLM:
                     raise self._dead_error() from None
                 raise EngineDeadError("the engine core is not accepting requests") from None
 
+    async def _send_or_raise(self, msg: CoreInput) -> None:
+        """`_send` for callers that can wait. A core that no longer takes inputs has died (or is
+        being shut down): its death report follows on the output stream, so wait for it (briefly)
+        before raising, so that the error carries the cause and `errored` is already true."""
+        try:
+            self._send(msg)
+        except EngineDeadError:
+            if self._dead is None and not self._stopping:
+                with anyio.move_on_after(DEATH_REPORT_WAIT_S):
+                    await self._dead_event.wait()
+            if self._dead is not None:
+                raise self._dead_error() from None
+            raise
+
     # ------------------------------------------------------------------ utilities
 
     async def _call(self, op: UtilityOp) -> StepStats | bool | None:
@@ -586,7 +603,7 @@ class AsyncLLM:
         slot: list[UtilityResult] = []
         self._utility[cid] = (done, slot)
         try:
-            self._send(UtilityCall(cid, op))
+            await self._send_or_raise(UtilityCall(cid, op))
             await done.wait()
         finally:
             self._utility.pop(cid, None)
@@ -675,7 +692,7 @@ class AsyncLLM:
         held, self._held = self._held, []
         for msg in held:
             if self._output.parent_id(msg.request.request_id) is not None:  # not aborted meanwhile
-                self._send(msg)
+                await self._send_or_raise(msg)
 
     async def is_paused(self) -> bool:
         return self._paused

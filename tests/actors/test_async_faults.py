@@ -59,7 +59,14 @@ import triollm.actors.async_llm as async_llm_module
 import triollm.actors.transport as transport_module
 from triollm.actors.async_llm import AsyncEngineArgs, AsyncLLM
 from triollm.actors.errors import EngineDeadError
-from triollm.actors.messages import AbortRequests, AddRequest, CoreInput, OutputBatch, Shutdown
+from triollm.actors.messages import (
+    AbortRequests,
+    AddRequest,
+    CoreInput,
+    EngineDead,
+    OutputBatch,
+    Shutdown,
+)
 from triollm.engine.execution.scripted_runner import HUNG_STEP_RELEASE, fault_at_step, hang_at_step
 from triollm.engine.outputs import RequestOutput
 from triollm.engine.sampling_params import RequestOutputKind, SamplingParams
@@ -820,6 +827,38 @@ async def test_a_bug_in_output_processing_is_a_death_not_a_hang(
         assert all(isinstance(e, EngineDeadError) for e in errors), errors
         assert "output processing failed" in str(llm.dead_error)
     assert any("output actor failed" in r.getMessage() for r in caplog.records)
+
+
+async def test_a_call_that_finds_the_core_gone_raises_the_death_with_its_cause(
+    inproc_engine_args: Callable[..., AsyncEngineArgs], fake_core_loop: Callable[[Any], None]
+) -> None:
+    """The core stops taking inputs a moment before its death report arrives (found by the soak
+    profile: a statistics call raced a fault at step 1). A caller in that window must get the
+    death itself, cause included, with `errored` already true."""
+
+    async def dies_slowly(core: Any, inputs: Any, outputs: Any) -> None:
+        async with outputs:
+            async with inputs:
+                async for msg in inputs:
+                    if isinstance(msg, AddRequest):
+                        break
+            await anyio.sleep(0.2)  # inputs closed, death not yet reported
+            await outputs.send(EngineDead("the forward pass failed: boom"))
+
+    fake_core_loop(dies_slowly)
+    async with AsyncLLM.from_engine_args(inproc_engine_args()) as llm:
+        with anyio.fail_after(5):
+            stream = await llm.add_request("victim", PROMPT, params(5))
+            with stream:
+                assert llm._client is not None
+                while llm._client.inputs.statistics().open_receive_streams:  # noqa: ASYNC110
+                    await anyio.sleep(0.01)
+                for call in (llm.get_engine_stats, llm.check_integrity):
+                    with pytest.raises(EngineDeadError, match="boom"):
+                        await call()
+                    assert llm.errored
+                with pytest.raises(EngineDeadError, match="boom"):
+                    await llm.add_request("later", PROMPT, params(5))
 
 
 @pytest.mark.parametrize(
