@@ -240,7 +240,9 @@ def test_plain_tcp_is_an_explicit_setting(tiny_model_dir: Path) -> None:
     tcp = ["--model", str(tiny_model_dir), "--zmq-address", "tcp://127.0.0.1"]
     assert serve_args(*tcp).create_engine_config().actor.zmq_insecure_tcp is False
     args = serve_args(*tcp, "--zmq-insecure-tcp")
-    assert args == EngineArgs(model=str(tiny_model_dir), zmq_address="tcp://127.0.0.1", zmq_insecure_tcp=True)
+    assert args == EngineArgs(
+        model=str(tiny_model_dir), zmq_address="tcp://127.0.0.1", zmq_insecure_tcp=True
+    )
     assert args.create_engine_config().actor.zmq_insecure_tcp is True
     assert serve_args(*tcp, "--no-zmq-insecure-tcp").zmq_insecure_tcp is False
     with pytest.raises(ValueError, match="zmq_insecure_tcp: must be True or False, got '1'"):
