@@ -11,7 +11,11 @@ Prefill uses `scaled_dot_product_attention`: with no earlier context (the usual 
 on the new K/V with `is_causal`; with earlier context (chunked prefill, prefix-cache hits) over
 K/V gathered from the cache with an explicit offset-causal mask.
 
-Decode is planned once per step and run by every layer (`plan_decode`, `decode_attention`):
+Decode is planned once per step and run by every layer (`plan_decode`, `decode_attention`).
+On CPU, where the native kernels build (`kernels/cpu_native.py`), the plan is just the block
+tables and lengths as int32 tensors, and `kernels/csrc/cpu_attention.cpp` reads K/V in place from
+the paged cache with an online softmax (no gather, no padding, one pass over the cache). The
+torch path below is the reference it is tested against, and the fallback:
 - The batch is cut into groups of similar length, because the gather and both matmuls pay for
   every padded block: a group costs `max_blocks` blocks per row plus a fixed overhead (a dozen
   op dispatches per layer, `_GROUP_OVERHEAD_BLOCKS`), and a small dynamic program over the rows,
@@ -30,6 +34,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from triollm.kernels import cpu_native
 
 __all__ = [
     "DecodePlan",
@@ -96,6 +102,8 @@ def paged_decode_attention(
     block_tables: torch.Tensor,
     context_lens: torch.Tensor,
     scale: float,
+    *,
+    native: bool | None = None,
 ) -> torch.Tensor:
     """One query token per sequence. q `[B, H, hd]`; block_tables `[B, M]` (padded with any
     valid block id); context_lens `[B]` counts the tokens to attend to, the query's own included
@@ -104,7 +112,7 @@ def paged_decode_attention(
     lens = context_lens.tolist()
     bs = k_cache.shape[2]
     tables = [row[: -(-n // bs)] for row, n in zip(block_tables.tolist(), lens)]
-    plan = plan_decode(tables, lens, bs, q.device)
+    plan = plan_decode(tables, lens, bs, q.device, native=native)
     return decode_attention(q, k_cache, v_cache, plan, scale)
 
 
@@ -146,10 +154,12 @@ class DecodeWorkspace:
 
 @dataclass
 class DecodePlan:
-    """A step's decode batch, prepared once and shared by every layer."""
+    """A step's decode batch, prepared once and shared by every layer: groups for the torch
+    path, or the int32 block tables `[B, max_blocks]` and lengths `[B]` for the native kernel."""
 
     groups: list[DecodeGroup]
     workspace: DecodeWorkspace
+    native: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 def plan_decode(
@@ -158,9 +168,22 @@ def plan_decode(
     block_size: int,
     device: torch.device | str,
     workspace: DecodeWorkspace | None = None,
+    *,
+    native: bool | None = None,
 ) -> DecodePlan:
-    """Group the decode rows (each: its blocks and its context length, the new token included).
-    Groups are contiguous runs of rows; sort the rows longest first for the best cut."""
+    """Plan the decode rows (each: its blocks and its context length, the new token included).
+    `native` (default: on CPU when the native kernels are available) selects the native kernel;
+    else the rows are grouped: contiguous runs, so sort them longest first for the best cut."""
+    if native is None:
+        native = torch.device(device).type == "cpu" and cpu_native.available()
+    elif native and not cpu_native.available():
+        raise RuntimeError("plan_decode(native=True): the native CPU kernels are not available")
+    if native:
+        width = max(map(len, block_tables))
+        rows = [t + [0] * (width - len(t)) for t in block_tables]
+        table_t = torch.tensor(rows, dtype=torch.int32, device=device)
+        lens_t = torch.tensor(context_lens, dtype=torch.int32, device=device)
+        return DecodePlan([], workspace or DecodeWorkspace(), (table_t, lens_t))
     groups = []
     for start, end in _cut_groups([len(t) for t in block_tables]):
         tables = block_tables[start:end]
@@ -209,6 +232,9 @@ def decode_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: DecodePlan, scale: float
 ) -> torch.Tensor:
     """One query token per row of the plan. q `[B, H, hd]`; returns `[B, H, hd]`."""
+    if plan.native is not None:
+        tables, lens = plan.native
+        return cpu_native.paged_decode_attention(q, k_cache, v_cache, tables, lens, scale)
     if len(plan.groups) == 1:
         return _group_attention(q, k_cache, v_cache, plan.groups[0], plan.workspace, scale)
     out = torch.empty_like(q)

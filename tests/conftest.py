@@ -14,6 +14,16 @@ from tinymodel import make_tiny_model  # noqa: E402
 torch.set_num_threads(1)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def native_cpu_kernels() -> None:
+    """Build the native CPU kernels once, up front (a first build takes ~30 s on 2 cores): every
+    engine started later, here or in a child process, loads the cached build, so no test with a
+    deadline pays for the compiler."""
+    from triollm.kernels import cpu_native
+
+    cpu_native.available()
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny random Llama (GQA, untied lm_head) with a byte-level BPE tokenizer."""

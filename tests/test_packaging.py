@@ -22,3 +22,10 @@ def test_every_package_is_listed() -> None:
             continue
         found.add(".".join(("triollm", *rel.parts)))
     assert listed == found
+
+
+def test_native_kernel_sources_ship_with_the_package() -> None:
+    """kernels/cpu_native.py compiles kernels/csrc/*.cpp at run time: a wheel must carry them."""
+    data = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
+    sources = sorted(p.name for p in (ROOT / "kernels" / "csrc").glob("*.cpp"))
+    assert sources and data.get("triollm.kernels") == ["csrc/*.cpp"]

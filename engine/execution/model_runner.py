@@ -20,7 +20,7 @@ from triollm.engine.execution.models.llama import AttentionMetadata, LlamaForCau
 from triollm.engine.execution.sampler import Sampler, SamplingRow, gather_logprobs
 from triollm.engine.request import Logprobs
 from triollm.engine.scheduling.scheduler import ScheduledRequest
-from triollm.kernels import KVCache
+from triollm.kernels import KVCache, cpu_native
 from triollm.kernels.attention import DecodeWorkspace, plan_decode
 
 __all__ = ["ModelRunner", "RunnerOutput"]
@@ -42,6 +42,8 @@ class ModelRunner:
         self.sampler = Sampler()
         self.block_size = kv_cache.block_size
         self.decode_workspace = DecodeWorkspace()  # gather buffers, kept across steps
+        if self.device.type == "cpu":
+            cpu_native.available()  # build or load the native kernels now, not in the first step
 
     @torch.inference_mode()
     def execute(self, scheduled: list[ScheduledRequest]) -> RunnerOutput:

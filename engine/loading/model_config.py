@@ -23,6 +23,7 @@ from triollm.engine.loading.hf_config import (
     parse_hf_config,
 )
 from triollm.engine.loading.rope_config import RopeConfig
+from triollm.kernels import cpu_native
 
 __all__ = ["SUPPORTED_ARCHITECTURES", "ModelConfig", "RopeConfig"]
 
@@ -102,6 +103,10 @@ def _resolve_dtype(dtype: str, checkpoint_dtype: torch.dtype | None, device: str
             raise ValueError(f"dtype: {dtype!r} is not one of auto, {', '.join(DTYPES)}")
         return DTYPES[dtype]
     if device == "cpu":
-        # bf16/fp16 matmuls are several times slower than fp32 on AVX2-only CPUs.
-        return torch.float32
+        # A half-precision checkpoint runs in bf16 where the CPU computes bf16 natively (twice
+        # the fp32 speed through oneDNN); elsewhere bf16/fp16 matmuls are emulated, several
+        # times slower than fp32. An fp32 checkpoint stays fp32 (vLLM would cast it to bf16:
+        # here the default is lossless; --dtype bfloat16 asks for the speed).
+        half = checkpoint_dtype in (torch.bfloat16, torch.float16)
+        return torch.bfloat16 if half and cpu_native.has_native_bf16() else torch.float32
     return checkpoint_dtype or torch.bfloat16

@@ -2,9 +2,24 @@
 
 from __future__ import annotations
 
-import torch
+import os
+import subprocess
+import sys
+from pathlib import Path
 
-from triollm.kernels import allocate_kv_cache, paged_decode_attention, prefill_attention, write_kv
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from triollm.kernels import (
+    allocate_kv_cache,
+    cpu_native,
+    paged_decode_attention,
+    prefill_attention,
+    write_kv,
+)
+from triollm.kernels.attention import plan_decode
 from triollm.kernels.norm import rms_norm
 from triollm.kernels.rotary import apply_rotary, rotary_cos_sin
 
@@ -26,7 +41,14 @@ def fill(kc: torch.Tensor, vc: torch.Tensor, blocks: list[int], k: torch.Tensor,
     write_kv(kc, vc, k, v, slots)
 
 
-def test_paged_decode_matches_dense() -> None:
+NATIVE = [
+    False,
+    pytest.param(True, marks=pytest.mark.skipif(not cpu_native.available(), reason="no native kernels")),
+]
+
+
+@pytest.mark.parametrize("native", NATIVE, ids=lambda n: "native" if n else "torch")
+def test_paged_decode_matches_dense(native: bool) -> None:
     g = torch.Generator().manual_seed(0)
     bs, kvh, h, d = 4, 2, 6, 8
     cache = allocate_kv_cache(1, 16, bs, kvh, d, torch.float32, "cpu")
@@ -40,10 +62,54 @@ def test_paged_decode_matches_dense() -> None:
     q = torch.randn(len(lens), h, d, generator=g)
     width = max(map(len, tables))
     table = torch.tensor([t + [0] * (width - len(t)) for t in tables])
-    out = paged_decode_attention(q, kc, vc, table, torch.tensor(lens), d**-0.5)
+    out = paged_decode_attention(q, kc, vc, table, torch.tensor(lens), d**-0.5, native=native)
     for i, n in enumerate(lens):
         ref = dense_attention(q[i : i + 1], ks[i], vs[i], offset=n - 1)
         torch.testing.assert_close(out[i : i + 1], ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(not cpu_native.available(), reason="no native kernels")
+@settings(max_examples=60, deadline=None)
+@given(
+    lens=st.lists(st.integers(1, 70), min_size=1, max_size=9),
+    kvh=st.sampled_from([1, 2, 3]),
+    group=st.sampled_from([1, 3, 4]),
+    bs=st.sampled_from([1, 4, 16]),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]),
+    seed=st.integers(0, 2**16),
+)
+def test_native_decode_matches_the_torch_path(
+    lens: list[int], kvh: int, group: int, bs: int, dtype: torch.dtype, seed: int
+) -> None:
+    """The native kernel against the torch reference: any lengths (block edges, one token),
+    GQA groups, block sizes, scattered block tables, fp32/bf16/fp16 caches."""
+    g = torch.Generator().manual_seed(seed)
+    d = 16
+    need = [-(-n // bs) for n in lens]
+    num_blocks = sum(need) + 3
+    kc = torch.randn(kvh, num_blocks, bs, d, generator=g).to(dtype)
+    vc = torch.randn(kvh, num_blocks, bs, d, generator=g).to(dtype)
+    perm = torch.randperm(num_blocks, generator=g).tolist()
+    tables, used = [], 0
+    for m in need:
+        tables.append(perm[used : used + m])
+        used += m
+    q = torch.randn(len(lens), kvh * group, d, generator=g).to(dtype)
+    plans = [plan_decode(tables, lens, bs, "cpu", native=n) for n in (True, False)]
+    from triollm.kernels.attention import decode_attention
+
+    native, ref = (decode_attention(q, kc, vc, p, d**-0.5) for p in plans)
+    assert plans[0].native is not None and plans[1].native is None
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(native.float(), ref.float(), rtol=tol, atol=tol)
+
+
+def test_decode_plan_falls_back_to_the_torch_path_without_native_kernels(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(cpu_native, "available", lambda: False)
+    plan = plan_decode([[1, 2], [3]], [20, 5], 16, "cpu")
+    assert plan.native is None and plan.groups
 
 
 def test_prefill_with_and_without_context_matches_dense() -> None:
@@ -73,3 +139,20 @@ def test_rotary_preserves_norm_and_rms_norm() -> None:
     w = torch.rand(8)
     z = rms_norm(x, w, 1e-6)
     torch.testing.assert_close(z, w * x / x.pow(2).mean(-1, keepdim=True).add(1e-6).sqrt())
+
+
+def test_without_a_compiler_the_native_kernels_are_off_with_one_warning(tmp_path: Path) -> None:
+    """A failed build (here: no usable C++ compiler) means the torch path and a warning that
+    names the cause and the switch, not an error."""
+    code = (
+        "import logging; logging.basicConfig(level=logging.WARNING)\n"
+        "from triollm.kernels import cpu_native\n"
+        "assert cpu_native.available() is False\n"
+        "from triollm.kernels.attention import plan_decode\n"
+        "assert plan_decode([[0]], [1], 16, 'cpu').native is None\n"
+    )
+    env = {**os.environ, "CXX": "/bin/false", "TORCH_EXTENSIONS_DIR": str(tmp_path)}
+    env.pop("TRIOLLM_CPU_KERNELS", None)
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "native CPU kernels unavailable" in proc.stderr and "TRIOLLM_CPU_KERNELS=0" in proc.stderr

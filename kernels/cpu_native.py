@@ -1,0 +1,102 @@
+"""Native CPU kernels (`kernels/csrc/*.cpp`), compiled on first use by torch's C++ extension
+builder (g++ and ninja) and cached under torch's extensions directory.
+
+They are built for the machine they run on (`-march=native`): the cache entry's name carries a
+tag of the CPU model and its instruction-set flags, so a home directory shared by different
+machines never loads a build for another CPU. Where no compiler is found, or the build fails, the
+torch path (the reference the kernels are tested against) runs instead, after one warning that
+names the cause. `TRIOLLM_CPU_KERNELS=0` turns them off.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+from pathlib import Path
+
+import torch
+
+__all__ = ["CPU_KERNELS_ENV", "available", "has_native_bf16", "paged_decode_attention"]
+
+log = logging.getLogger("triollm")
+
+CPU_KERNELS_ENV = "TRIOLLM_CPU_KERNELS"  # "0": never build or use the native kernels
+_SOURCES = [Path(__file__).parent / "csrc" / "cpu_attention.cpp"]
+# -ffast-math lets the compiler vectorise exp (glibc's vector math); the kernel keeps its values
+# finite for it (kernels/csrc/cpu_attention.cpp).
+_CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp-simd", "-std=c++17"]
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith(("flags", "Features")):
+                    return set(line.partition(":")[2].split())
+    except OSError:
+        pass
+    return set()
+
+
+@functools.cache
+def has_native_bf16() -> bool:
+    """Whether the CPU computes bf16 natively (AVX-512 BF16 or AMX): there bf16 matmuls through
+    oneDNN run about twice as fast as fp32; elsewhere they are emulated, slower than fp32."""
+    return bool({"avx512_bf16", "amx_bf16"} & _cpu_flags())
+
+
+def _machine_tag() -> str:
+    """A short hash of the CPU model and flags (the build uses -march=native)."""
+    seen: dict[str, str] = {}
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                key = key.strip()
+                if key in ("model name", "flags", "Features", "CPU part") and key not in seen:
+                    seen[key] = value.strip()
+    except OSError:
+        pass
+    return hashlib.sha256(repr(sorted(seen.items())).encode()).hexdigest()[:12]
+
+
+@functools.cache
+def available() -> bool:
+    """Build (or load the cached build of) the native kernels once per process."""
+    if os.environ.get(CPU_KERNELS_ENV, "1") == "0":
+        return False
+    try:
+        from torch.utils import cpp_extension
+
+        cpp_extension.load(
+            name=f"triollm_cpu_{_machine_tag()}",
+            sources=[str(s) for s in _SOURCES],
+            extra_cflags=_CFLAGS,
+            is_python_module=False,
+            verbose=False,
+        )
+    except Exception as exc:  # noqa: BLE001 - any build failure means the torch path
+        log.warning(
+            "native CPU kernels unavailable, using the torch path (%s: %s); set %s=0 to skip the build",
+            type(exc).__name__,
+            str(exc).strip().splitlines()[-1] if str(exc).strip() else "",
+            CPU_KERNELS_ENV,
+        )
+        return False
+    return True
+
+
+def paged_decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """See kernels/csrc/cpu_attention.cpp. Call only when `available()`."""
+    return torch.ops.triollm_cpu.paged_decode_attention(
+        q, k_cache, v_cache, block_tables, context_lens, scale
+    )

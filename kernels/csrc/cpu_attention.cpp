@@ -1,0 +1,160 @@
+// Paged decode attention on CPU: one query token per sequence, reading K/V in place from the
+// paged cache (no gather), with an online softmax over the sequence's blocks.
+//
+// Layout (kernels/attention.py): per layer K and V are [kv_heads, num_blocks, block_size, hd];
+// q and out are [B, H, hd]; block_tables [B, M] int32 (row b's first ceil(len/bs) entries are
+// used); context_lens [B] int32 (the query's own token included, its K/V already written).
+//
+// Work is split over (sequence, kv head) pairs with ATen's thread pool: each pair reads its K/V
+// blocks once for the whole GQA group of query heads. Scores and the running sum are fp32
+// whatever the cache dtype (bf16/fp16 are widened block by block into a small fp32 buffer).
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <vector>
+
+namespace {
+
+// The running max starts here rather than at -inf: the kernel is built with -ffast-math (for
+// vectorised exp), which assumes finite values. exp(kNegBig - m) underflows to 0 as exp(-inf).
+constexpr float kNegBig = -1e30f;
+
+// K/V rows of one block as fp32: a pointer into the cache itself for fp32, else a widened copy.
+template <typename T>
+inline const float* as_float(const T* src, float* buf, int64_t n) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) buf[i] = static_cast<float>(src[i]);
+  return buf;
+}
+template <>
+inline const float* as_float<float>(const float* src, float*, int64_t) {
+  return src;
+}
+
+template <typename T>
+void decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+            const at::Tensor& block_tables, const at::Tensor& context_lens, double scale,
+            at::Tensor& out) {
+  const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
+  const int64_t KVH = k_cache.size(0), NB = k_cache.size(1), BS = k_cache.size(2);
+  const int64_t G = H / KVH, M = block_tables.size(1);
+  const T* qp = q.data_ptr<T>();
+  const T* kp = k_cache.data_ptr<T>();
+  const T* vp = v_cache.data_ptr<T>();
+  const int32_t* tables = block_tables.data_ptr<int32_t>();
+  const int32_t* lens = context_lens.data_ptr<int32_t>();
+  T* op = out.data_ptr<T>();
+  const float fscale = static_cast<float>(scale);
+
+  // Small batches run on the calling thread: a pool wake-up costs more than the work.
+  int64_t total_tokens = 0;
+  for (int64_t b = 0; b < B; ++b) total_tokens += lens[b];
+  const int64_t grain = total_tokens * KVH * D < (1 << 16) ? B * KVH : 1;
+
+  at::parallel_for(0, B * KVH, grain, [&](int64_t begin, int64_t end) {
+    // Per query head g of the GQA group: scores s[g][t] of the block, running max m, sum l,
+    // and the unnormalised output acc[g][:].
+    std::vector<float> qf(G * D), acc(G * D), kbuf(BS * D), vbuf(BS * D), s(G * BS);
+    std::vector<float> m(G), l(G);
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t b = i / KVH, h = i % KVH;
+      const int64_t n = lens[b];
+      const T* qrow = qp + (b * H + h * G) * D;
+      for (int64_t j = 0; j < G * D; ++j) qf[j] = static_cast<float>(qrow[j]) * fscale;
+      std::fill(acc.begin(), acc.end(), 0.f);
+      std::fill(m.begin(), m.end(), kNegBig);
+      std::fill(l.begin(), l.end(), 0.f);
+      for (int64_t blk = 0; blk * BS < n; ++blk) {
+        const int64_t id = tables[b * M + blk];
+        const int64_t cnt = std::min(BS, n - blk * BS);
+        const int64_t base = ((h * NB + id) * BS) * D;
+        const float* kf = as_float(kp + base, kbuf.data(), cnt * D);
+        const float* vf = as_float(vp + base, vbuf.data(), cnt * D);
+        for (int64_t g = 0; g < G; ++g) {
+          const float* qg = qf.data() + g * D;
+          float* sg = s.data() + g * BS;
+          for (int64_t t = 0; t < cnt; ++t) {
+            const float* kt = kf + t * D;
+            float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+            for (int64_t d = 0; d < D; ++d) dot += qg[d] * kt[d];
+            sg[t] = dot;
+          }
+          float mx = m[g];
+          for (int64_t t = 0; t < cnt; ++t) mx = std::max(mx, sg[t]);
+          float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+          for (int64_t t = 0; t < cnt; ++t) {
+            sg[t] = std::exp(sg[t] - mx);
+            sum += sg[t];
+          }
+          const float corr = std::exp(m[g] - mx);
+          l[g] = l[g] * corr + sum;
+          m[g] = mx;
+          float* ag = acc.data() + g * D;
+#pragma omp simd
+          for (int64_t d = 0; d < D; ++d) ag[d] *= corr;
+        }
+        // P.V with each V row loaded once for the whole group.
+        for (int64_t t = 0; t < cnt; ++t) {
+          const float* vt = vf + t * D;
+          for (int64_t g = 0; g < G; ++g) {
+            const float p = s[g * BS + t];
+            float* ag = acc.data() + g * D;
+#pragma omp simd
+            for (int64_t d = 0; d < D; ++d) ag[d] += p * vt[d];
+          }
+        }
+      }
+      T* orow = op + (b * H + h * G) * D;
+      for (int64_t g = 0; g < G; ++g) {
+        const float inv = 1.f / l[g];
+        for (int64_t d = 0; d < D; ++d) orow[g * D + d] = static_cast<T>(acc[g * D + d] * inv);
+      }
+    }
+  });
+}
+
+at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
+                                  const at::Tensor& v_cache, const at::Tensor& block_tables,
+                                  const at::Tensor& context_lens, double scale) {
+  TORCH_CHECK(q.device().is_cpu() && k_cache.device().is_cpu(), "CPU tensors only");
+  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(),
+              "q [B, H, hd], k/v cache [kv_heads, blocks, block_size, hd]");
+  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && q.scalar_type() == v_cache.scalar_type(),
+              "q and the cache must have one dtype");
+  TORCH_CHECK(q.size(2) == k_cache.size(3) && q.size(1) % k_cache.size(0) == 0,
+              "head_dim must match and query heads be a multiple of kv heads");
+  TORCH_CHECK(block_tables.scalar_type() == at::kInt && context_lens.scalar_type() == at::kInt,
+              "block_tables and context_lens are int32");
+  TORCH_CHECK(block_tables.dim() == 2 && block_tables.size(0) == q.size(0) &&
+                  context_lens.numel() == q.size(0),
+              "one block-table row and one length per query");
+  auto qc = q.contiguous();
+  auto kc = k_cache.contiguous();
+  auto vc = v_cache.contiguous();
+  auto tc = block_tables.contiguous();
+  auto lc = context_lens.contiguous();
+  auto out = at::empty_like(qc);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, qc.scalar_type(), "paged_decode", [&] {
+    decode<scalar_t>(qc, kc, vc, tc, lc, scale, out);
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(triollm_cpu, m) {
+  m.def("paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
+        "Tensor context_lens, float scale) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(triollm_cpu, CPU, m) {
+  m.impl("paged_decode_attention", &paged_decode_attention);
+}
