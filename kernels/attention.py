@@ -1,11 +1,15 @@
 """Attention over a paged KV cache: the torch path (CPU, and the reference for GPU kernels).
 
 Layout (a detail of this module; callers only hand over block ids and slot numbers): per layer,
-K and V are `[num_kv_heads, num_blocks, block_size, head_dim]`. Head-major keeps one head's
-blocks contiguous, so the decode gather is one `index_select` over whole blocks and the two
-attention matmuls run batched with the GQA group folded into the query rows. On this CPU that
-was ~3-4x faster than vLLM's `[num_blocks, block_size, kv_heads, head_dim]` layout with a permuted
-matmul (measured on the Zen 3 development machine; docs/benchmarks.md). A slot is `block_id * block_size + offset`.
+V is `[num_kv_heads, num_blocks, block_size, head_dim]` and K the same with each block
+transposed, `[num_kv_heads, num_blocks, head_dim, block_size]` (`k_blocks` gives the untransposed
+view). Head-major keeps one head's blocks contiguous, so the decode gather is one `index_select`
+over whole blocks and the two attention matmuls run batched with the GQA group folded into the
+query rows. On this CPU that was ~3-4x faster than vLLM's `[num_blocks, block_size, kv_heads,
+head_dim]` layout with a permuted matmul (measured on the Zen 3 development machine;
+docs/benchmarks.md). Transposed K blocks let the native kernel compute a block's scores as
+vertical FMAs across its tokens, with no horizontal sums. A slot is
+`block_id * block_size + offset`.
 
 Prefill uses `scaled_dot_product_attention`: with no earlier context (the usual case) directly
 on the new K/V with `is_causal`; with earlier context (chunked prefill, prefix-cache hits) over
@@ -39,6 +43,7 @@ from triollm.kernels import cpu_native
 
 __all__ = [
     "DecodePlan",
+    "k_blocks",
     "DecodeWorkspace",
     "KVCache",
     "allocate_kv_cache",
@@ -52,8 +57,8 @@ __all__ = [
 
 @dataclass
 class KVCache:
-    k: list[torch.Tensor]  # per layer [kv_heads, num_blocks, block_size, head_dim]
-    v: list[torch.Tensor]
+    k: list[torch.Tensor]  # per layer [kv_heads, num_blocks, head_dim, block_size]
+    v: list[torch.Tensor]  # per layer [kv_heads, num_blocks, block_size, head_dim]
     num_blocks: int
     block_size: int
 
@@ -76,10 +81,16 @@ def allocate_kv_cache(
 ) -> KVCache:
     # Zeroed, not empty: masked-out slots are multiplied by a zero probability, and 0 * NaN
     # garbage would poison the output. Large zero allocations are lazily mapped by the OS.
-    shape = (num_kv_heads, num_blocks, block_size, head_dim)
-    k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-    v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+    k_shape = (num_kv_heads, num_blocks, head_dim, block_size)
+    v_shape = (num_kv_heads, num_blocks, block_size, head_dim)
+    k = [torch.zeros(k_shape, dtype=dtype, device=device) for _ in range(num_layers)]
+    v = [torch.zeros(v_shape, dtype=dtype, device=device) for _ in range(num_layers)]
     return KVCache(k, v, num_blocks, block_size)
+
+
+def k_blocks(k_cache: torch.Tensor) -> torch.Tensor:
+    """The K cache as `[kv_heads, num_blocks, block_size, head_dim]` (a view, not contiguous)."""
+    return k_cache.transpose(2, 3)
 
 
 def write_kv(
@@ -90,8 +101,9 @@ def write_kv(
     slot_mapping: torch.Tensor,
 ) -> None:
     """Store k, v `[T, kv_heads, head_dim]` at the given slots `[T]` (int64)."""
-    kvh, nb, bs, hd = k_cache.shape
-    k_cache.view(kvh, nb * bs, hd).index_copy_(1, slot_mapping, k.transpose(0, 1))
+    kvh, nb, bs, hd = v_cache.shape
+    blocks, offsets = slot_mapping.div(bs, rounding_mode="floor"), slot_mapping.remainder(bs)
+    k_blocks(k_cache)[:, blocks, offsets] = k.transpose(0, 1)  # writes through the view
     v_cache.view(kvh, nb * bs, hd).index_copy_(1, slot_mapping, v.transpose(0, 1))
 
 
@@ -110,7 +122,7 @@ def paged_decode_attention(
     (its K/V must already be written). Returns `[B, H, hd]`. (One-shot form of `plan_decode` +
     `decode_attention`.)"""
     lens = context_lens.tolist()
-    bs = k_cache.shape[2]
+    bs = v_cache.shape[2]
     tables = [row[: -(-n // bs)] for row, n in zip(block_tables.tolist(), lens)]
     plan = plan_decode(tables, lens, bs, q.device, native=native)
     return decode_attention(q, k_cache, v_cache, plan, scale)
@@ -251,10 +263,10 @@ def _group_attention(
     workspace: DecodeWorkspace,
     scale: float,
 ) -> torch.Tensor:
-    kvh, _, bs, hd = k_cache.shape
+    kvh, _, bs, hd = v_cache.shape
     b, h, _ = q.shape
     k, v = workspace.buffers((kvh, b * g.max_blocks, bs, hd), k_cache.dtype, k_cache.device)
-    torch.index_select(k_cache, 1, g.block_ids, out=k)
+    torch.index_select(k_blocks(k_cache), 1, g.block_ids, out=k)
     torch.index_select(v_cache, 1, g.block_ids, out=v)
     k = k.view(kvh, b, g.max_blocks * bs, hd)[:, :, : g.length]
     v = v.view(kvh, b, g.max_blocks * bs, hd)[:, :, : g.length]
@@ -290,9 +302,9 @@ def prefill_attention(
         vh = v.transpose(0, 1).unsqueeze(0)
         out = _sdpa(qh, kh, vh, None, scale)
     else:
-        kvh, _, bs, hd = k_cache.shape
+        kvh, _, bs, hd = v_cache.shape
         total = num_context + n
-        kh = k_cache.index_select(1, block_ids).view(1, kvh, -1, hd)[:, :, :total]
+        kh = k_blocks(k_cache).index_select(1, block_ids).reshape(1, kvh, -1, hd)[:, :, :total]
         vh = v_cache.index_select(1, block_ids).view(1, kvh, -1, hd)[:, :, :total]
         rows = torch.arange(n, device=q.device)[:, None] + num_context
         mask = torch.arange(total, device=q.device)[None, :] <= rows  # [n, total], True = attend

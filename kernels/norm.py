@@ -1,5 +1,9 @@
-"""RMSNorm. In fp32 it is torch's fused `F.rms_norm` (one op instead of six, bit-identical to
-the reference here); other dtypes keep Llama's reference: normalise in fp32, cast back, scale."""
+"""RMSNorm: torch's fused `F.rms_norm` (one op instead of six). In fp32 it is bit-identical to
+Llama's reference here. In bf16/fp16 it rounds once, at the end, where the reference rounds the
+normalised activations before scaling by the weight: measured on random activations, it differs
+from the reference by at most one ulp in a quarter of the elements and is closer to the exact
+value (max error 0.016 vs 0.021 in bf16); bf16 runs are checked against fp32 with a tolerance
+(tests/engine/test_bf16.py)."""
 
 from __future__ import annotations
 
@@ -8,9 +12,7 @@ import torch.nn.functional as F
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm computed in fp32 (as Llama's reference does), returned in x's dtype."""
-    if x.dtype == torch.float32 and weight.dtype == torch.float32:
-        return F.rms_norm(x, weight.shape, weight, eps)
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * xf.to(x.dtype)
+    """RMSNorm over the last dimension, returned in x's dtype."""
+    if weight.dtype != x.dtype:
+        weight = weight.to(x.dtype)
+    return F.rms_norm(x, weight.shape, weight, eps)

@@ -1,13 +1,15 @@
 // Paged decode attention on CPU: one query token per sequence, reading K/V in place from the
 // paged cache (no gather), with an online softmax over the sequence's blocks.
 //
-// Layout (kernels/attention.py): per layer K and V are [kv_heads, num_blocks, block_size, hd];
-// q and out are [B, H, hd]; block_tables [B, M] int32 (row b's first ceil(len/bs) entries are
+// Layout (kernels/attention.py): per layer V is [kv_heads, num_blocks, block_size, hd] and K is
+// [kv_heads, num_blocks, hd, block_size] (each block transposed); q and out are [B, H, hd]; block_tables [B, M] int32 (row b's first ceil(len/bs) entries are
 // used); context_lens [B] int32 (the query's own token included, its K/V already written).
 //
 // Work is split over (sequence, kv head) pairs with ATen's thread pool: each pair reads its K/V
 // blocks once for the whole GQA group of query heads. Scores and the running sum are fp32
 // whatever the cache dtype (bf16/fp16 are widened block by block into a small fp32 buffer).
+// With K transposed, a block's scores are block_size-wide vertical FMAs over head_dim (no
+// horizontal sums), and P.V adds each V row, scaled, to the group's accumulators.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -42,7 +44,7 @@ void decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
             const at::Tensor& block_tables, const at::Tensor& context_lens, double scale,
             at::Tensor& out) {
   const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
-  const int64_t KVH = k_cache.size(0), NB = k_cache.size(1), BS = k_cache.size(2);
+  const int64_t KVH = v_cache.size(0), NB = v_cache.size(1), BS = v_cache.size(2);
   const int64_t G = H / KVH, M = block_tables.size(1);
   const T* qp = q.data_ptr<T>();
   const T* kp = k_cache.data_ptr<T>();
@@ -60,7 +62,7 @@ void decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
   at::parallel_for(0, B * KVH, grain, [&](int64_t begin, int64_t end) {
     // Per query head g of the GQA group: scores s[g][t] of the block, running max m, sum l,
     // and the unnormalised output acc[g][:].
-    std::vector<float> qf(G * D), acc(G * D), kbuf(BS * D), vbuf(BS * D), s(G * BS);
+    std::vector<float> qf(G * D), acc(G * D), kbuf(D * BS), vbuf(BS * D), s(G * BS);
     std::vector<float> m(G), l(G);
     for (int64_t i = begin; i < end; ++i) {
       const int64_t b = i / KVH, h = i % KVH;
@@ -74,23 +76,25 @@ void decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
         const int64_t id = tables[b * M + blk];
         const int64_t cnt = std::min(BS, n - blk * BS);
         const int64_t base = ((h * NB + id) * BS) * D;
-        const float* kf = as_float(kp + base, kbuf.data(), cnt * D);
-        const float* vf = as_float(vp + base, vbuf.data(), cnt * D);
+        const float* kt = as_float(kp + base, kbuf.data(), D * BS);  // [D][BS]
+        const float* vf = as_float(vp + base, vbuf.data(), cnt * D);  // [cnt][D]
         for (int64_t g = 0; g < G; ++g) {
           const float* qg = qf.data() + g * D;
           float* sg = s.data() + g * BS;
-          for (int64_t t = 0; t < cnt; ++t) {
-            const float* kt = kf + t * D;
-            float dot = 0.f;
-#pragma omp simd reduction(+ : dot)
-            for (int64_t d = 0; d < D; ++d) dot += qg[d] * kt[d];
-            sg[t] = dot;
+#pragma omp simd
+          for (int64_t t = 0; t < BS; ++t) sg[t] = 0.f;
+          for (int64_t d = 0; d < D; ++d) {
+            const float qd = qg[d];
+            const float* kd = kt + d * BS;
+#pragma omp simd
+            for (int64_t t = 0; t < BS; ++t) sg[t] += qd * kd[t];
           }
+          for (int64_t t = cnt; t < BS; ++t) sg[t] = kNegBig;  // past the sequence's end
           float mx = m[g];
-          for (int64_t t = 0; t < cnt; ++t) mx = std::max(mx, sg[t]);
+          for (int64_t t = 0; t < BS; ++t) mx = std::max(mx, sg[t]);
           float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
-          for (int64_t t = 0; t < cnt; ++t) {
+          for (int64_t t = 0; t < BS; ++t) {
             sg[t] = std::exp(sg[t] - mx);
             sum += sg[t];
           }
@@ -125,11 +129,14 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
                                   const at::Tensor& v_cache, const at::Tensor& block_tables,
                                   const at::Tensor& context_lens, double scale) {
   TORCH_CHECK(q.device().is_cpu() && k_cache.device().is_cpu(), "CPU tensors only");
-  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(),
-              "q [B, H, hd], k/v cache [kv_heads, blocks, block_size, hd]");
+  TORCH_CHECK(q.dim() == 3 && v_cache.dim() == 4 && k_cache.dim() == 4 &&
+                  k_cache.size(0) == v_cache.size(0) && k_cache.size(1) == v_cache.size(1) &&
+                  k_cache.size(2) == v_cache.size(3) && k_cache.size(3) == v_cache.size(2),
+              "q [B, H, hd], k cache [kv_heads, blocks, hd, block_size], v cache [kv_heads, "
+              "blocks, block_size, hd]");
   TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && q.scalar_type() == v_cache.scalar_type(),
               "q and the cache must have one dtype");
-  TORCH_CHECK(q.size(2) == k_cache.size(3) && q.size(1) % k_cache.size(0) == 0,
+  TORCH_CHECK(q.size(2) == v_cache.size(3) && q.size(1) % v_cache.size(0) == 0,
               "head_dim must match and query heads be a multiple of kv heads");
   TORCH_CHECK(block_tables.scalar_type() == at::kInt && context_lens.scalar_type() == at::kInt,
               "block_tables and context_lens are int32");

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import random
+import resource
 import signal
 import subprocess
 import threading
@@ -364,3 +365,80 @@ def test_server_sigkilled_leaves_no_process_and_its_ipc_dir_is_reclaimed(tiny_mo
     with run_server(tiny_model_dir, "--served-model-name", "m", "--multiprocess") as srv:
         assert not [d for d in dirs if Path(d).exists()], dirs
         assert srv.engine_children
+
+
+# 300 concurrent connections by default (~12 s here); TRIOLLM_BURST=N sets another burst (the
+# figure in docs/reliability.md: TRIOLLM_BURST=1000).
+BURST = int(os.environ.get("TRIOLLM_BURST", "300"))
+
+
+def test_a_burst_of_concurrent_requests_is_served_or_refused_and_health_stays_fast(
+    tiny_model_dir: Path,
+) -> None:
+    """BURST concurrent requests (each its own connection) against --max-num-seqs 8 and a queue
+    of 64: every one is answered, 200 with its tokens or 429 with an OpenAI error body and
+    Retry-After; no connection is reset; /health answers in under a second throughout; and the
+    server ends idle."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    need = 2 * BURST + 512  # the client's sockets and the server's (inherited limit)
+    if soft < need:
+        if hard != resource.RLIM_INFINITY and hard < need:
+            pytest.skip(f"needs {need} file descriptors, the hard limit is {hard}")
+        resource.setrlimit(resource.RLIMIT_NOFILE, (need, hard))
+    args = ("--served-model-name", MODEL, "--max-num-seqs", "8", "--max-num-queued-reqs", "64")
+    results: list[tuple[int, float]] = []
+    errors: list[str] = []
+    health: list[float] = []
+
+    async def one(i: int) -> None:
+        body = {"model": MODEL, "prompt": f"request {i}", "max_tokens": 8, "ignore_eos": True}
+        t0 = time.perf_counter()
+        try:
+            # One client (so one connection) per request: the burst is BURST connections.
+            async with httpx.AsyncClient(base_url=srv.url, timeout=120) as c:
+                r = await c.post("/v1/completions", json=body)
+        except httpx.HTTPError as exc:
+            errors.append(repr(exc))
+            return
+        if r.status_code == 200:
+            assert r.json()["usage"]["completion_tokens"] == 8
+        elif r.status_code == 429:
+            assert r.json()["error"]["type"] and "retry-after" in r.headers
+        else:
+            errors.append(f"HTTP {r.status_code}: {r.text[:200]}")
+        results.append((r.status_code, time.perf_counter() - t0))
+
+    def probe(done: threading.Event) -> None:
+        with httpx.Client(base_url=srv.url, timeout=10) as prober:
+            while not done.is_set():
+                t = time.perf_counter()
+                assert prober.get("/health").status_code == 200
+                health.append(time.perf_counter() - t)
+                time.sleep(0.05)
+
+    async def burst() -> None:
+        async with anyio.create_task_group() as tg:
+            for i in range(BURST):
+                tg.start_soon(one, i)
+
+    with run_server(tiny_model_dir, *args) as srv:
+        done = threading.Event()
+        prober = threading.Thread(target=probe, args=(done,), daemon=True)
+        prober.start()
+        t0 = time.perf_counter()
+        try:
+            anyio.run(burst)
+        finally:
+            done.set()
+            prober.join(15)
+        wall = time.perf_counter() - t0
+        wait_idle(srv.url)
+    codes = [code for code, _ in results]
+    ok, refused = codes.count(200), codes.count(429)
+    print(
+        f"burst of {BURST}: {ok} served, {refused} answered 429, {len(errors)} errors, "
+        f"{wall:.1f} s; /health max {max(health) * 1000:.0f} ms over {len(health)} probes"
+    )
+    assert not errors, errors[:5]
+    assert ok + refused == BURST and ok >= 72  # at least what fits: 8 running + 64 queued
+    assert health and max(health) < 1.0, max(health)

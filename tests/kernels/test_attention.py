@@ -87,7 +87,7 @@ def test_native_decode_matches_the_torch_path(
     d = 16
     need = [-(-n // bs) for n in lens]
     num_blocks = sum(need) + 3
-    kc = torch.randn(kvh, num_blocks, bs, d, generator=g).to(dtype)
+    kc = torch.randn(kvh, num_blocks, d, bs, generator=g).to(dtype)  # K blocks transposed
     vc = torch.randn(kvh, num_blocks, bs, d, generator=g).to(dtype)
     perm = torch.randperm(num_blocks, generator=g).tolist()
     tables, used = [], 0
