@@ -39,6 +39,96 @@ inline const float* as_float<float>(const float* src, float*, int64_t) {
   return src;
 }
 
+// One (sequence, kv head) pair: its GQA group of G query heads over the sequence's blocks.
+// BS (block size) and D (head dim) are template parameters where they are common (16 x 64,
+// 16 x 128): the block's scores and the group's partial P.V then live in registers (fixed-size
+// local arrays, fully unrolled); 0 means "the runtime value" (the generic instance, slower).
+template <typename T, int kBS, int kD>
+void decode_pair(const T* qrow, const T* kp, const T* vp, const int32_t* table, int64_t n,
+                 int64_t G, int64_t NB, int64_t h, int64_t rt_bs, int64_t rt_d, float fscale,
+                 float* qf, float* acc, float* kbuf, float* vbuf, float* s, float* m, float* l,
+                 T* orow) {
+  const int64_t BS = kBS ? kBS : rt_bs;
+  const int64_t D = kD ? kD : rt_d;
+  for (int64_t j = 0; j < G * D; ++j) qf[j] = static_cast<float>(qrow[j]) * fscale;
+  for (int64_t j = 0; j < G * D; ++j) acc[j] = 0.f;
+  for (int64_t g = 0; g < G; ++g) m[g] = kNegBig, l[g] = 0.f;
+  for (int64_t blk = 0; blk * BS < n; ++blk) {
+    const int64_t id = table[blk];
+    const int64_t cnt = std::min(BS, n - blk * BS);
+    const int64_t base = ((h * NB + id) * BS) * D;
+    const float* kt = as_float(kp + base, kbuf, D * BS);  // [D][BS]
+    const float* vf = as_float(vp + base, vbuf, cnt * D);  // [cnt][D]
+    for (int64_t g = 0; g < G; ++g) {
+      const float* qg = qf + g * D;
+      float* sg = s + g * BS;
+      if constexpr (kBS != 0) {
+        // Two independent accumulator chains over head_dim hide the FMA latency.
+        float s0[kBS] = {}, s1[kBS] = {};
+        for (int64_t d = 0; d < D; d += 2) {
+          const float q0 = qg[d], q1 = qg[d + 1];
+          const float* k0 = kt + d * kBS;
+          const float* k1 = k0 + kBS;
+#pragma omp simd
+          for (int t = 0; t < kBS; ++t) {
+            s0[t] += q0 * k0[t];
+            s1[t] += q1 * k1[t];
+          }
+        }
+#pragma omp simd
+        for (int t = 0; t < kBS; ++t) sg[t] = s0[t] + s1[t];
+      } else {
+        for (int64_t t = 0; t < BS; ++t) sg[t] = 0.f;
+        for (int64_t d = 0; d < D; ++d) {
+          const float qd = qg[d];
+          const float* kd = kt + d * BS;
+#pragma omp simd
+          for (int64_t t = 0; t < BS; ++t) sg[t] += qd * kd[t];
+        }
+      }
+      for (int64_t t = cnt; t < BS; ++t) sg[t] = kNegBig;  // past the sequence's end
+      float mx = m[g];
+      for (int64_t t = 0; t < BS; ++t) mx = std::max(mx, sg[t]);
+      float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+      for (int64_t t = 0; t < BS; ++t) {
+        sg[t] = std::exp(sg[t] - mx);
+        sum += sg[t];
+      }
+      const float corr = std::exp(m[g] - mx);
+      l[g] = l[g] * corr + sum;
+      m[g] = mx;
+      float* ag = acc + g * D;
+      if constexpr (kD != 0) {
+        float a[kD];  // this block's P.V for head g, in registers
+#pragma omp simd
+        for (int d = 0; d < kD; ++d) a[d] = ag[d] * corr;
+        for (int64_t t = 0; t < cnt; ++t) {
+          const float p = sg[t];
+          const float* vt = vf + t * kD;
+#pragma omp simd
+          for (int d = 0; d < kD; ++d) a[d] += p * vt[d];
+        }
+#pragma omp simd
+        for (int d = 0; d < kD; ++d) ag[d] = a[d];
+      } else {
+#pragma omp simd
+        for (int64_t d = 0; d < D; ++d) ag[d] *= corr;
+        for (int64_t t = 0; t < cnt; ++t) {
+          const float p = sg[t];
+          const float* vt = vf + t * D;
+#pragma omp simd
+          for (int64_t d = 0; d < D; ++d) ag[d] += p * vt[d];
+        }
+      }
+    }
+  }
+  for (int64_t g = 0; g < G; ++g) {
+    const float inv = 1.f / l[g];
+    for (int64_t d = 0; d < D; ++d) orow[g * D + d] = static_cast<T>(acc[g * D + d] * inv);
+  }
+}
+
 template <typename T>
 void decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
             const at::Tensor& block_tables, const at::Tensor& context_lens, double scale,
@@ -53,6 +143,9 @@ void decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
   const int32_t* lens = context_lens.data_ptr<int32_t>();
   T* op = out.data_ptr<T>();
   const float fscale = static_cast<float>(scale);
+  auto pair = &decode_pair<T, 0, 0>;
+  if (BS == 16 && D == 64) pair = &decode_pair<T, 16, 64>;
+  if (BS == 16 && D == 128) pair = &decode_pair<T, 16, 128>;
 
   // Small batches run on the calling thread: a pool wake-up costs more than the work.
   int64_t total_tokens = 0;
@@ -60,67 +153,13 @@ void decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
   const int64_t grain = total_tokens * KVH * D < (1 << 16) ? B * KVH : 1;
 
   at::parallel_for(0, B * KVH, grain, [&](int64_t begin, int64_t end) {
-    // Per query head g of the GQA group: scores s[g][t] of the block, running max m, sum l,
-    // and the unnormalised output acc[g][:].
     std::vector<float> qf(G * D), acc(G * D), kbuf(D * BS), vbuf(BS * D), s(G * BS);
     std::vector<float> m(G), l(G);
     for (int64_t i = begin; i < end; ++i) {
       const int64_t b = i / KVH, h = i % KVH;
-      const int64_t n = lens[b];
-      const T* qrow = qp + (b * H + h * G) * D;
-      for (int64_t j = 0; j < G * D; ++j) qf[j] = static_cast<float>(qrow[j]) * fscale;
-      std::fill(acc.begin(), acc.end(), 0.f);
-      std::fill(m.begin(), m.end(), kNegBig);
-      std::fill(l.begin(), l.end(), 0.f);
-      for (int64_t blk = 0; blk * BS < n; ++blk) {
-        const int64_t id = tables[b * M + blk];
-        const int64_t cnt = std::min(BS, n - blk * BS);
-        const int64_t base = ((h * NB + id) * BS) * D;
-        const float* kt = as_float(kp + base, kbuf.data(), D * BS);  // [D][BS]
-        const float* vf = as_float(vp + base, vbuf.data(), cnt * D);  // [cnt][D]
-        for (int64_t g = 0; g < G; ++g) {
-          const float* qg = qf.data() + g * D;
-          float* sg = s.data() + g * BS;
-#pragma omp simd
-          for (int64_t t = 0; t < BS; ++t) sg[t] = 0.f;
-          for (int64_t d = 0; d < D; ++d) {
-            const float qd = qg[d];
-            const float* kd = kt + d * BS;
-#pragma omp simd
-            for (int64_t t = 0; t < BS; ++t) sg[t] += qd * kd[t];
-          }
-          for (int64_t t = cnt; t < BS; ++t) sg[t] = kNegBig;  // past the sequence's end
-          float mx = m[g];
-          for (int64_t t = 0; t < BS; ++t) mx = std::max(mx, sg[t]);
-          float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-          for (int64_t t = 0; t < BS; ++t) {
-            sg[t] = std::exp(sg[t] - mx);
-            sum += sg[t];
-          }
-          const float corr = std::exp(m[g] - mx);
-          l[g] = l[g] * corr + sum;
-          m[g] = mx;
-          float* ag = acc.data() + g * D;
-#pragma omp simd
-          for (int64_t d = 0; d < D; ++d) ag[d] *= corr;
-        }
-        // P.V with each V row loaded once for the whole group.
-        for (int64_t t = 0; t < cnt; ++t) {
-          const float* vt = vf + t * D;
-          for (int64_t g = 0; g < G; ++g) {
-            const float p = s[g * BS + t];
-            float* ag = acc.data() + g * D;
-#pragma omp simd
-            for (int64_t d = 0; d < D; ++d) ag[d] += p * vt[d];
-          }
-        }
-      }
-      T* orow = op + (b * H + h * G) * D;
-      for (int64_t g = 0; g < G; ++g) {
-        const float inv = 1.f / l[g];
-        for (int64_t d = 0; d < D; ++d) orow[g * D + d] = static_cast<T>(acc[g * D + d] * inv);
-      }
+      pair(qp + (b * H + h * G) * D, kp, vp, tables + b * M, lens[b], G, NB, h, BS, D, fscale,
+           qf.data(), acc.data(), kbuf.data(), vbuf.data(), s.data(), m.data(), l.data(),
+           op + (b * H + h * G) * D);
     }
   });
 }
