@@ -18,7 +18,13 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["CPU_KERNELS_ENV", "available", "has_native_bf16", "paged_decode_attention"]
+__all__ = [
+    "CPU_KERNELS_ENV",
+    "available",
+    "has_native_bf16",
+    "paged_decode_attention",
+    "rotary_write_kv",
+]
 
 log = logging.getLogger("triollm")
 
@@ -99,4 +105,22 @@ def paged_decode_attention(
     """See kernels/csrc/cpu_attention.cpp. Call only when `available()`."""
     return torch.ops.triollm_cpu.paged_decode_attention(
         q, k_cache, v_cache, block_tables, context_lens, scale
+    )
+
+
+def rotary_write_kv(
+    qkv: torch.Tensor,
+    cos: torch.Tensor,
+    signed_sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    num_heads: int,
+    num_kv_heads: int,
+) -> torch.Tensor:
+    """Rotate Q and K of the fused projection `qkv` `[T, (H + 2 KVH) * hd]`, write K and V to
+    the cache at `slot_mapping`, return the rotated Q `[T, H, hd]` (the torch path:
+    `apply_rotary_signed` + `write_kv`). Call only when `available()`."""
+    return torch.ops.triollm_cpu.rotary_write_kv(
+        qkv, cos, signed_sin, k_cache, v_cache, slot_mapping, num_heads, num_kv_heads
     )

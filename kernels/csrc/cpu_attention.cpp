@@ -194,13 +194,95 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
   return out;
 }
 
+// Rotary embedding of Q and K, and the K/V cache write, for the fused QKV projection of a
+// batch of tokens: one call instead of a dozen small ops per layer (they dominate a batch-1
+// step's overhead). qkv [T, (H + 2 KVH) * D]; cos and signed sin [T, D] (fp32 or qkv's dtype;
+// rotate-half's sign folded into sin: out = x * cos + roll(x, D/2) * sin). K goes to
+// k_cache[kvh][block][:, offset] (blocks transposed), V to v_cache[kvh][block][offset][:], with
+// block, offset = slot / block_size, slot % block_size. Returns the rotated Q [T, H, D].
+template <typename T, typename C>
+void rotary_write(const T* qkv, const C* cos, const C* sin, T* kc, T* vc, const int64_t* slots,
+                  T* q_out, int64_t n_tokens, int64_t H, int64_t KVH, int64_t D, int64_t NB,
+                  int64_t BS) {
+  const int64_t half = D / 2, row = (H + 2 * KVH) * D;
+  for (int64_t t = 0; t < n_tokens; ++t) {
+    const T* x = qkv + t * row;
+    const C* ct = cos + t * D;
+    const C* st = sin + t * D;
+    const int64_t block = slots[t] / BS, off = slots[t] % BS;
+    for (int64_t hh = 0; hh < H + KVH; ++hh) {
+      const T* xh = x + hh * D;
+      float rot[512];
+      for (int64_t d = 0; d < D; ++d) {
+        const int64_t r = d < half ? d + half : d - half;
+        rot[d] = static_cast<float>(xh[d]) * static_cast<float>(ct[d]) +
+                 static_cast<float>(xh[r]) * static_cast<float>(st[d]);
+      }
+      if (hh < H) {
+        T* qh = q_out + (t * H + hh) * D;
+        for (int64_t d = 0; d < D; ++d) qh[d] = static_cast<T>(rot[d]);
+      } else {
+        T* kb = kc + ((hh - H) * NB + block) * D * BS;  // [D][BS]
+        for (int64_t d = 0; d < D; ++d) kb[d * BS + off] = static_cast<T>(rot[d]);
+      }
+    }
+    for (int64_t hh = 0; hh < KVH; ++hh) {
+      const T* vh = x + (H + KVH + hh) * D;
+      T* vb = vc + ((hh * NB + block) * BS + off) * D;
+      std::copy(vh, vh + D, vb);
+    }
+  }
+}
+
+at::Tensor rotary_write_kv(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
+                           at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& slots,
+                           int64_t num_heads, int64_t num_kv_heads) {
+  const int64_t n = qkv.size(0);
+  const int64_t KVH = v_cache.size(0), NB = v_cache.size(1), BS = v_cache.size(2),
+                D = v_cache.size(3);
+  TORCH_CHECK(qkv.is_contiguous() && qkv.dim() == 2 &&
+                  qkv.size(1) == (num_heads + 2 * num_kv_heads) * D,
+              "qkv must be contiguous [T, (H + 2 * KVH) * head_dim]");
+  TORCH_CHECK(num_kv_heads == KVH && D <= 512 && D % 2 == 0, "kv heads / head_dim mismatch");
+  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.numel() == n * D &&
+                  sin.numel() == n * D && cos.scalar_type() == sin.scalar_type(),
+              "cos and sin must be contiguous [T, head_dim] of one dtype");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() &&
+                  k_cache.scalar_type() == qkv.scalar_type() &&
+                  v_cache.scalar_type() == qkv.scalar_type() && k_cache.size(2) == D &&
+                  k_cache.size(3) == BS,
+              "k cache [kv_heads, blocks, head_dim, block_size], v cache [kv_heads, blocks, "
+              "block_size, head_dim], contiguous, in qkv's dtype");
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.is_contiguous() && slots.numel() == n,
+              "slots: int64 [T]");
+  auto q = at::empty({n, num_heads, D}, qkv.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, qkv.scalar_type(), "rotary_write", [&] {
+    using T = scalar_t;
+    if (cos.scalar_type() == at::kFloat) {
+      rotary_write<T, float>(qkv.data_ptr<T>(), cos.data_ptr<float>(), sin.data_ptr<float>(),
+                             k_cache.data_ptr<T>(), v_cache.data_ptr<T>(),
+                             slots.data_ptr<int64_t>(), q.data_ptr<T>(), n, num_heads, KVH, D,
+                             NB, BS);
+    } else {
+      TORCH_CHECK(cos.scalar_type() == qkv.scalar_type(), "cos/sin: fp32 or qkv's dtype");
+      rotary_write<T, T>(qkv.data_ptr<T>(), cos.data_ptr<T>(), sin.data_ptr<T>(),
+                         k_cache.data_ptr<T>(), v_cache.data_ptr<T>(), slots.data_ptr<int64_t>(),
+                         q.data_ptr<T>(), n, num_heads, KVH, D, NB, BS);
+    }
+  });
+  return q;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(triollm_cpu, m) {
   m.def("paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
         "Tensor context_lens, float scale) -> Tensor");
+  m.def("rotary_write_kv(Tensor qkv, Tensor cos, Tensor sin, Tensor(a!) k_cache, "
+        "Tensor(b!) v_cache, Tensor slots, int num_heads, int num_kv_heads) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(triollm_cpu, CPU, m) {
   m.impl("paged_decode_attention", &paged_decode_attention);
+  m.impl("rotary_write_kv", &rotary_write_kv);
 }

@@ -104,6 +104,39 @@ def test_native_decode_matches_the_torch_path(
     torch.testing.assert_close(native.float(), ref.float(), rtol=tol, atol=tol)
 
 
+@pytest.mark.skipif(not cpu_native.available(), reason="no native kernels")
+@settings(max_examples=40, deadline=None)
+@given(
+    t=st.integers(1, 9),
+    heads=st.sampled_from([(4, 1), (6, 2), (9, 3)]),
+    d=st.sampled_from([8, 64]),
+    bs=st.sampled_from([1, 16]),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+    seed=st.integers(0, 2**16),
+)
+def test_native_rotary_and_cache_write_match_the_torch_path(
+    t: int, heads: tuple[int, int], d: int, bs: int, dtype: torch.dtype, seed: int
+) -> None:
+    from triollm.kernels.rotary import apply_rotary_signed, rotary_sign
+
+    g = torch.Generator().manual_seed(seed)
+    h, kvh = heads
+    qkv = torch.randn(t, (h + 2 * kvh) * d, generator=g).to(dtype)
+    cos, sin = rotary_cos_sin(d, 64, 10000.0)
+    pos = torch.randint(0, 64, (t,), generator=g)
+    c, sn = cos[pos].to(dtype).unsqueeze(1), (sin[pos] * rotary_sign(d)).to(dtype).unsqueeze(1)
+    slots = torch.randperm(16 * bs, generator=g)[:t]
+    caches = [allocate_kv_cache(1, 16, bs, kvh, d, dtype, "cpu") for _ in range(2)]
+    # The torch path, as the model runs it.
+    qk = apply_rotary_signed(qkv[:, : (h + kvh) * d].view(t, h + kvh, d), c, sn)
+    write_kv(caches[0].k[0], caches[0].v[0], qk[:, h:], qkv[:, (h + kvh) * d :].view(t, kvh, d), slots)
+    q = cpu_native.rotary_write_kv(qkv, c, sn, caches[1].k[0], caches[1].v[0], slots, h, kvh)
+    tol = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 2e-2}
+    torch.testing.assert_close(q.float(), qk[:, :h].float(), **tol)
+    torch.testing.assert_close(caches[1].k[0].float(), caches[0].k[0].float(), **tol)
+    torch.testing.assert_close(caches[1].v[0], caches[0].v[0], rtol=0, atol=0)
+
+
 def test_decode_plan_falls_back_to_the_torch_path_without_native_kernels(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

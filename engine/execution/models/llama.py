@@ -109,6 +109,12 @@ class LlamaAttention(nn.Module):
         t = x.shape[0]
         h, kvh, hd = self.num_heads, self.num_kv_heads, self.head_dim
         qkv = self.qkv_proj(x)
+        plan = meta.decode_plan
+        if meta.num_decodes == t and plan is not None and plan.native is not None:
+            # An all-decode step on the native CPU kernels: rotary + cache write in one call.
+            q = cpu_native.rotary_write_kv(qkv, cos, sin, k_cache, v_cache, meta.slot_mapping, h, kvh)
+            out = decode_attention(q, k_cache, v_cache, plan, self.scale)
+            return self.o_proj(out.view(t, h * hd))
         # Q and K rotated in one call; V stays a view of the projection.
         qk = apply_rotary_signed(qkv[:, : (h + kvh) * hd].view(t, h + kvh, hd), cos, sin)
         q, k = qk[:, :h], qk[:, h:]
