@@ -16,6 +16,7 @@ stays usable. `shutdown()` is idempotent (the `LLMEngine`'s).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import itertools
 import threading
 import time
@@ -24,6 +25,7 @@ from concurrent.futures import CancelledError
 from typing import Any
 
 import anyio
+import torch
 
 from triollm.actors.llm_engine import LLMEngine
 from triollm.actors.request_stream import RequestStream
@@ -77,6 +79,11 @@ class LLM:
         return self
 
     def _start(self, args: EngineArgs, backend: str, core_factory: EngineCoreFactory | str | None) -> None:
+        if args.num_threads is None:
+            # Offline batches leave the frontend idle (outputs are collected, not streamed: its
+            # CPU time was 0.5% of the wall time of a 64-request batch), so the engine core gets
+            # every core torch would use, where a server keeps one for the frontend.
+            args = dataclasses.replace(args, num_threads=torch.get_num_threads())
         self.args = args
         self._ids = itertools.count()
         self._enqueued: list[str] = []

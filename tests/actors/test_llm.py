@@ -172,3 +172,26 @@ def test_llm_engine_step_merges_for_a_slow_script_and_aborts_once(tiny_model_dir
         engine.add_request("a", "again", SamplingParams(max_tokens=2, ignore_eos=True))  # ids are free
         while engine.has_unfinished_requests():
             engine.step()
+
+
+def test_offline_llm_gives_the_engine_every_core_unless_told(
+    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Offline batches leave the frontend idle: the engine core's torch threads default to
+    every core torch would use (here made 3), where AsyncLLM keeps one for the frontend."""
+    import torch
+
+    from triollm.actors.async_llm import AsyncLLM
+
+    before = torch.get_num_threads()
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 3)
+    try:
+        with LLM(str(tiny_model_dir), max_model_len=64, multiprocess=False) as llm:
+            assert llm.args.num_threads == 3
+            config = llm.llm_engine.async_llm.config
+            assert config is not None and config.num_threads == 3
+        with LLM(str(tiny_model_dir), max_model_len=64, multiprocess=False, num_threads=1) as llm:
+            assert llm.args.num_threads == 1
+    finally:
+        torch.set_num_threads(before)  # the in-process engine set this process's threads
+    assert AsyncLLM.from_engine_args(EngineArgs(model=str(tiny_model_dir))).args.num_threads is None
