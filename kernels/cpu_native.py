@@ -24,6 +24,7 @@ __all__ = [
     "has_native_bf16",
     "paged_decode_attention",
     "rotary_write_kv",
+    "silu_and_mul",
 ]
 
 log = logging.getLogger("triollm")
@@ -124,3 +125,9 @@ def rotary_write_kv(
     return torch.ops.triollm_cpu.rotary_write_kv(
         qkv, cos, signed_sin, k_cache, v_cache, slot_mapping, num_heads, num_kv_heads
     )
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """SwiGLU of the fused gate/up projection: `silu(x[:, :I]) * x[:, I:]` for x `[T, 2I]`,
+    in fp32 whatever x's dtype. Call only when `available()`."""
+    return torch.ops.triollm_cpu.silu_and_mul(x)

@@ -18,6 +18,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <vector>
 
@@ -27,11 +28,37 @@ namespace {
 // vectorised exp), which assumes finite values. exp(kNegBig - m) underflows to 0 as exp(-inf).
 constexpr float kNegBig = -1e30f;
 
+// Conversions that vectorise: c10's bf16 constructor checks for NaN with a branch, so a loop
+// that narrows through it stays scalar; here bf16 is widened by a shift and narrowed with
+// round-to-nearest-even on the bits (-ffast-math assumes no NaN anyway).
+template <typename T>
+inline float load_f(T v) {
+  return static_cast<float>(v);
+}
+template <>
+inline float load_f<c10::BFloat16>(c10::BFloat16 v) {
+  const uint32_t bits = static_cast<uint32_t>(v.x) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+template <typename T>
+inline T store_f(float f) {
+  return static_cast<T>(f);
+}
+template <>
+inline c10::BFloat16 store_f<c10::BFloat16>(float f) {
+  uint32_t bits;
+  std::memcpy(&bits, &f, sizeof bits);
+  bits += 0x7FFFu + ((bits >> 16) & 1u);
+  return c10::BFloat16(static_cast<uint16_t>(bits >> 16), c10::BFloat16::from_bits());
+}
+
 // K/V rows of one block as fp32: a pointer into the cache itself for fp32, else a widened copy.
 template <typename T>
 inline const float* as_float(const T* src, float* buf, int64_t n) {
 #pragma omp simd
-  for (int64_t i = 0; i < n; ++i) buf[i] = static_cast<float>(src[i]);
+  for (int64_t i = 0; i < n; ++i) buf[i] = load_f(src[i]);
   return buf;
 }
 template <>
@@ -50,7 +77,7 @@ void decode_pair(const T* qrow, const T* kp, const T* vp, const int32_t* table, 
                  T* orow) {
   const int64_t BS = kBS ? kBS : rt_bs;
   const int64_t D = kD ? kD : rt_d;
-  for (int64_t j = 0; j < G * D; ++j) qf[j] = static_cast<float>(qrow[j]) * fscale;
+  for (int64_t j = 0; j < G * D; ++j) qf[j] = load_f(qrow[j]) * fscale;
   for (int64_t j = 0; j < G * D; ++j) acc[j] = 0.f;
   for (int64_t g = 0; g < G; ++g) m[g] = kNegBig, l[g] = 0.f;
   for (int64_t blk = 0; blk * BS < n; ++blk) {
@@ -125,7 +152,7 @@ void decode_pair(const T* qrow, const T* kp, const T* vp, const int32_t* table, 
   }
   for (int64_t g = 0; g < G; ++g) {
     const float inv = 1.f / l[g];
-    for (int64_t d = 0; d < D; ++d) orow[g * D + d] = static_cast<T>(acc[g * D + d] * inv);
+    for (int64_t d = 0; d < D; ++d) orow[g * D + d] = store_f<T>(acc[g * D + d] * inv);
   }
 }
 
@@ -215,15 +242,14 @@ void rotary_write(const T* qkv, const C* cos, const C* sin, T* kc, T* vc, const 
       float rot[512];
       for (int64_t d = 0; d < D; ++d) {
         const int64_t r = d < half ? d + half : d - half;
-        rot[d] = static_cast<float>(xh[d]) * static_cast<float>(ct[d]) +
-                 static_cast<float>(xh[r]) * static_cast<float>(st[d]);
+        rot[d] = load_f(xh[d]) * load_f(ct[d]) + load_f(xh[r]) * load_f(st[d]);
       }
       if (hh < H) {
         T* qh = q_out + (t * H + hh) * D;
-        for (int64_t d = 0; d < D; ++d) qh[d] = static_cast<T>(rot[d]);
+        for (int64_t d = 0; d < D; ++d) qh[d] = store_f<T>(rot[d]);
       } else {
         T* kb = kc + ((hh - H) * NB + block) * D * BS;  // [D][BS]
-        for (int64_t d = 0; d < D; ++d) kb[d * BS + off] = static_cast<T>(rot[d]);
+        for (int64_t d = 0; d < D; ++d) kb[d * BS + off] = store_f<T>(rot[d]);
       }
     }
     for (int64_t hh = 0; hh < KVH; ++hh) {
@@ -273,9 +299,49 @@ at::Tensor rotary_write_kv(const at::Tensor& qkv, const at::Tensor& cos, const a
   return q;
 }
 
+// SwiGLU on the fused gate/up projection: x [T, 2I] -> silu(x[:, :I]) * x[:, I:], [T, I],
+// computed in fp32 (one pass; torch's bf16 silu and mul were two passes with conversions).
+template <typename T>
+void silu_and_mul_impl(const T* x, T* out, int64_t rows, int64_t inter) {
+  constexpr int64_t kChunk = 256;  // widened into fp32 buffers, so every loop vectorises
+  at::parallel_for(0, rows, rows * inter < (1 << 15) ? rows : 1, [&](int64_t begin, int64_t end) {
+    float gf[kChunk], uf[kChunk];
+    for (int64_t r = begin; r < end; ++r) {
+      const T* g = x + r * 2 * inter;
+      const T* u = g + inter;
+      T* o = out + r * inter;
+      for (int64_t i0 = 0; i0 < inter; i0 += kChunk) {
+        const int64_t n = std::min(kChunk, inter - i0);
+#pragma omp simd
+        for (int64_t i = 0; i < n; ++i) {
+          gf[i] = load_f(g[i0 + i]);
+          uf[i] = load_f(u[i0 + i]);
+        }
+#pragma omp simd
+        for (int64_t i = 0; i < n; ++i) gf[i] = gf[i] / (1.f + std::exp(-gf[i])) * uf[i];
+#pragma omp simd
+        for (int64_t i = 0; i < n; ++i) o[i0 + i] = store_f<T>(gf[i]);
+      }
+    }
+  });
+}
+
+at::Tensor silu_and_mul(const at::Tensor& x) {
+  TORCH_CHECK(x.dim() == 2 && x.size(1) % 2 == 0, "x: [T, 2 * intermediate]");
+  auto xc = x.contiguous();
+  const int64_t inter = x.size(1) / 2;
+  auto out = at::empty({x.size(0), inter}, x.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "silu_and_mul", [&] {
+    silu_and_mul_impl<scalar_t>(xc.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), x.size(0),
+                                inter);
+  });
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(triollm_cpu, m) {
+  m.def("silu_and_mul(Tensor x) -> Tensor");
   m.def("paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
         "Tensor context_lens, float scale) -> Tensor");
   m.def("rotary_write_kv(Tensor qkv, Tensor cos, Tensor sin, Tensor(a!) k_cache, "
@@ -285,4 +351,5 @@ TORCH_LIBRARY(triollm_cpu, m) {
 TORCH_LIBRARY_IMPL(triollm_cpu, CPU, m) {
   m.impl("paged_decode_attention", &paged_decode_attention);
   m.impl("rotary_write_kv", &rotary_write_kv);
+  m.impl("silu_and_mul", &silu_and_mul);
 }

@@ -137,6 +137,17 @@ def test_native_rotary_and_cache_write_match_the_torch_path(
     torch.testing.assert_close(caches[1].v[0], caches[0].v[0], rtol=0, atol=0)
 
 
+@pytest.mark.skipif(not cpu_native.available(), reason="no native kernels")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 3, 64])
+def test_native_silu_and_mul_matches_torch(rows: int, dtype: torch.dtype) -> None:
+    x = (torch.randn(rows, 2 * 1536) * 4).to(dtype)
+    gate, up = x.float().split(1536, dim=-1)
+    ref = torch.nn.functional.silu(gate) * up
+    tol = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 1e-2, "atol": 1e-2}
+    torch.testing.assert_close(cpu_native.silu_and_mul(x).float(), ref, **tol)
+
+
 def test_decode_plan_falls_back_to_the_torch_path_without_native_kernels(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -145,7 +145,10 @@ class LlamaMLP(nn.Module):
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if gate_up.device.type == "cpu" and cpu_native.available():
+            return self.down_proj(cpu_native.silu_and_mul(gate_up))
+        gate, up = gate_up.split(self.intermediate, dim=-1)
         return self.down_proj(F.silu(gate).mul_(up))
 
 
