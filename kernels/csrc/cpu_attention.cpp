@@ -156,6 +156,87 @@ void decode_pair(const T* qrow, const T* kp, const T* vp, const int32_t* table, 
   }
 }
 
+// The common shapes with the GQA group size also fixed (kG query heads per kv head): the
+// group's scores (kG x 16) and outputs (kG x kD) stay in registers, and each K and V row is
+// widened once, in registers, for the whole group (no fp32 copy of the block).
+template <typename T, int kD, int kG>
+void decode_pair_group(const T* qrow, const T* kp, const T* vp, const int32_t* table, int64_t n,
+                       int64_t, int64_t NB, int64_t h, int64_t, int64_t, float fscale, float*,
+                       float*, float*, float*, float*, float*, float*, T* orow) {
+  constexpr int kBS = 16;
+  float qf[kG][kD];
+  for (int g = 0; g < kG; ++g)
+    for (int d = 0; d < kD; ++d) qf[g][d] = load_f(qrow[g * kD + d]) * fscale;
+  float acc[kG][kD] = {};
+  float m[kG], l[kG] = {};
+  for (int g = 0; g < kG; ++g) m[g] = kNegBig;
+  for (int64_t blk = 0; blk * kBS < n; ++blk) {
+    const int64_t id = table[blk];
+    const int64_t cnt = std::min<int64_t>(kBS, n - blk * kBS);
+    const T* kt = kp + (h * NB + id) * kD * kBS;  // [kD][kBS]
+    const T* vb = vp + (h * NB + id) * kBS * kD;  // [kBS][kD]
+    float s[kG][kBS] = {};
+    for (int d = 0; d < kD; ++d) {
+      float kd[kBS];
+#pragma omp simd
+      for (int t = 0; t < kBS; ++t) kd[t] = load_f(kt[d * kBS + t]);
+      for (int g = 0; g < kG; ++g) {
+        const float qd = qf[g][d];
+#pragma omp simd
+        for (int t = 0; t < kBS; ++t) s[g][t] += qd * kd[t];
+      }
+    }
+    float corr[kG];
+    for (int g = 0; g < kG; ++g) {
+      for (int t = cnt; t < kBS; ++t) s[g][t] = kNegBig;  // past the sequence's end
+      float mx = m[g];
+      for (int t = 0; t < kBS; ++t) mx = std::max(mx, s[g][t]);
+      float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+      for (int t = 0; t < kBS; ++t) {
+        s[g][t] = std::exp(s[g][t] - mx);
+        sum += s[g][t];
+      }
+      corr[g] = std::exp(m[g] - mx);
+      l[g] = l[g] * corr[g] + sum;
+      m[g] = mx;
+#pragma omp simd
+      for (int d = 0; d < kD; ++d) acc[g][d] *= corr[g];
+    }
+    for (int64_t t = 0; t < cnt; ++t) {
+      float vt[kD];
+#pragma omp simd
+      for (int d = 0; d < kD; ++d) vt[d] = load_f(vb[t * kD + d]);
+      for (int g = 0; g < kG; ++g) {
+        const float p = s[g][t];
+#pragma omp simd
+        for (int d = 0; d < kD; ++d) acc[g][d] += p * vt[d];
+      }
+    }
+  }
+  for (int g = 0; g < kG; ++g) {
+    const float inv = 1.f / l[g];
+    for (int d = 0; d < kD; ++d) orow[g * kD + d] = store_f<T>(acc[g][d] * inv);
+  }
+}
+
+template <typename T, int kD>
+using PairFn = decltype(&decode_pair<T, 0, 0>);
+
+template <typename T, int kD>
+PairFn<T, kD> group_instance(int64_t G) {
+  switch (G) {
+    case 1: return &decode_pair_group<T, kD, 1>;
+    case 2: return &decode_pair_group<T, kD, 2>;
+    case 3: return &decode_pair_group<T, kD, 3>;
+    case 4: return &decode_pair_group<T, kD, 4>;
+    case 6: return &decode_pair_group<T, kD, 6>;
+    case 7: return &decode_pair_group<T, kD, 7>;
+    case 8: return &decode_pair_group<T, kD, 8>;
+    default: return &decode_pair<T, 16, kD>;
+  }
+}
+
 template <typename T>
 void decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
             const at::Tensor& block_tables, const at::Tensor& context_lens, double scale,
@@ -171,8 +252,8 @@ void decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
   T* op = out.data_ptr<T>();
   const float fscale = static_cast<float>(scale);
   auto pair = &decode_pair<T, 0, 0>;
-  if (BS == 16 && D == 64) pair = &decode_pair<T, 16, 64>;
-  if (BS == 16 && D == 128) pair = &decode_pair<T, 16, 128>;
+  if (BS == 16 && D == 64) pair = group_instance<T, 64>(G);
+  if (BS == 16 && D == 128) pair = group_instance<T, 128>(G);
 
   // Small batches run on the calling thread: a pool wake-up costs more than the work.
   int64_t total_tokens = 0;

@@ -73,7 +73,7 @@ def test_paged_decode_matches_dense(native: bool) -> None:
 @given(
     lens=st.lists(st.integers(1, 70), min_size=1, max_size=9),
     kvh=st.sampled_from([1, 2, 3]),
-    group=st.sampled_from([1, 3, 4]),
+    group=st.sampled_from([1, 2, 3, 4, 5, 6, 7, 8]),  # 5: no instance of its own
     bs=st.sampled_from([1, 4, 16]),
     dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]),
     d=st.sampled_from([16, 64, 128]),  # 16 x 64 and 16 x 128 have their own instances
@@ -146,6 +146,31 @@ def test_native_silu_and_mul_matches_torch(rows: int, dtype: torch.dtype) -> Non
     ref = torch.nn.functional.silu(gate) * up
     tol = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 1e-2, "atol": 1e-2}
     torch.testing.assert_close(cpu_native.silu_and_mul(x).float(), ref, **tol)
+
+
+@pytest.mark.skipif(not cpu_native.available(), reason="no native kernels")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("group", range(1, 10))
+def test_native_decode_instances_of_every_group_size(group: int, d: int, dtype: torch.dtype) -> None:
+    """Block size 16 with head_dim 64/128 has an instance per GQA group size 1-4, 6-8 (5 and 9
+    take the generic one): each against the torch path, lengths across block edges."""
+    g = torch.Generator().manual_seed(group * d)
+    lens, kvh, bs = [1, 15, 16, 17, 40], 2, 16
+    need = [-(-n // bs) for n in lens]
+    kc = torch.randn(kvh, sum(need) + 1, d, bs, generator=g).to(dtype)
+    vc = torch.randn(kvh, sum(need) + 1, bs, d, generator=g).to(dtype)
+    starts = [sum(need[:i]) + 1 for i in range(len(need))]
+    tables = [list(range(s, s + m)) for s, m in zip(starts, need)]
+    q = torch.randn(len(lens), kvh * group, d, generator=g).to(dtype)
+    from triollm.kernels.attention import decode_attention
+
+    native, ref = (
+        decode_attention(q, kc, vc, plan_decode(tables, lens, bs, "cpu", native=n), d**-0.5)
+        for n in (True, False)
+    )
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(native.float(), ref.float(), rtol=tol, atol=tol)
 
 
 def test_decode_plan_falls_back_to_the_torch_path_without_native_kernels(
