@@ -23,6 +23,7 @@ __all__ = [
     "available",
     "has_native_bf16",
     "paged_decode_attention",
+    "rms_norm",
     "rotary_write_kv",
     "silu_and_mul",
 ]
@@ -131,3 +132,8 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """SwiGLU of the fused gate/up projection: `silu(x[:, :I]) * x[:, I:]` for x `[T, 2I]`,
     in fp32 whatever x's dtype. Call only when `available()`."""
     return torch.ops.triollm_cpu.silu_and_mul(x)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dimension, one pass, fp32 math. Call only when `available()`."""
+    return torch.ops.triollm_cpu.rms_norm(x, weight, eps)

@@ -1,18 +1,23 @@
-"""RMSNorm: torch's fused `F.rms_norm` (one op instead of six). In fp32 it is bit-identical to
-Llama's reference here. In bf16/fp16 it rounds once, at the end, where the reference rounds the
-normalised activations before scaling by the weight: measured on random activations, it differs
-from the reference by at most one ulp in a quarter of the elements and is closer to the exact
-value (max error 0.016 vs 0.021 in bf16); bf16 runs are checked against fp32 with a tolerance
-(tests/engine/test_bf16.py)."""
+"""RMSNorm. fp32 on any device: torch's `F.rms_norm` (bit-identical to Llama's reference here).
+Half precision on CPU: the native kernel (`kernels/cpu_native.py`, one pass per row; torch's CPU
+rms_norm for bf16 decomposes into ~8 ops), else `F.rms_norm`. Both round once, at the end,
+where the reference rounds the normalised activations before scaling by the weight: measured on
+random activations, that differs from the reference by at most one ulp in a quarter of the
+elements and is closer to the exact value (max error 0.016 vs 0.021 in bf16); bf16 runs are
+checked against fp32 with a tolerance (tests/engine/test_bf16.py)."""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
+from triollm.kernels import cpu_native
+
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm over the last dimension, returned in x's dtype."""
     if weight.dtype != x.dtype:
         weight = weight.to(x.dtype)
+    if x.dtype != torch.float32 and x.device.type == "cpu" and cpu_native.available():
+        return cpu_native.rms_norm(x, weight, eps)
     return F.rms_norm(x, weight.shape, weight, eps)

@@ -173,6 +173,17 @@ def test_native_decode_instances_of_every_group_size(group: int, d: int, dtype: 
     torch.testing.assert_close(native.float(), ref.float(), rtol=tol, atol=tol)
 
 
+@pytest.mark.skipif(not cpu_native.available(), reason="no native kernels")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape", [(1, 576), (64, 576), (3, 5, 64)])
+def test_native_rms_norm_matches_torch(shape: tuple[int, ...], dtype: torch.dtype) -> None:
+    x = (torch.randn(shape) * 3).to(dtype)
+    w = (torch.rand(shape[-1]) + 0.5).to(dtype)
+    ref = torch.nn.functional.rms_norm(x.float(), (shape[-1],), w.float(), 1e-5)
+    tol = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 1e-2, "atol": 2e-2}
+    torch.testing.assert_close(cpu_native.rms_norm(x, w, 1e-5).float(), ref, **tol)
+
+
 def test_decode_plan_falls_back_to_the_torch_path_without_native_kernels(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
