@@ -70,6 +70,7 @@ class SchedulerConfig:
     max_num_seqs: int
     max_num_batched_tokens: int
     enable_chunked_prefill: bool
+    long_prefill_token_threshold: int = 0  # > 0: a prompt takes at most this many tokens per step
 
 
 @dataclass(frozen=True)
@@ -232,6 +233,7 @@ class EngineArgs:
     max_num_seqs: int = _arg(128, "the most requests in one batch")
     max_num_batched_tokens: int | None = _arg(None, "tokens per step (default: 2048, or max_model_len without chunked prefill)")
     enable_chunked_prefill: bool = _arg(True, "split long prompts across steps")
+    long_prefill_token_threshold: int = _arg(0, "with chunked prefill, the most prompt tokens one request takes per step (0: no limit); smaller values keep running decodes' step time steady")
     # --- execution
     runner: str = _arg("auto", "generate only", choices=RUNNERS)
     device: str = _arg("auto", "auto (cuda if available), cpu or cuda", choices=("auto", "cpu", "cuda"))
@@ -307,6 +309,11 @@ class EngineArgs:
         _one_of("block_size", self.block_size, BLOCK_SIZES)
         if self.kv_cache_memory_bytes is not None:
             _positive("kv_cache_memory_bytes", self.kv_cache_memory_bytes)
+        if not isinstance(self.long_prefill_token_threshold, int) or self.long_prefill_token_threshold < 0:
+            raise ValueError(
+                f"long_prefill_token_threshold: must be a non-negative integer (0: no limit), "
+                f"got {self.long_prefill_token_threshold!r}"
+            )
         if self.num_gpu_blocks_override is not None:
             _positive("num_gpu_blocks_override", self.num_gpu_blocks_override)
         if self.num_threads is not None:
@@ -355,6 +362,7 @@ class EngineArgs:
                 max_num_seqs=self.max_num_seqs,
                 max_num_batched_tokens=budget,
                 enable_chunked_prefill=self.enable_chunked_prefill,
+                long_prefill_token_threshold=self.long_prefill_token_threshold,
             ),
             device=device,
             seed=self.seed,

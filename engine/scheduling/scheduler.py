@@ -114,7 +114,7 @@ class Scheduler:
         for req in list(self.running):
             if req.status != RequestStatus.RUNNING or budget == 0:
                 continue
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            n = min(self._chunk(req), budget)
             while not self.blocks.allocate(req, self.blocks.blocks_needed(req, n)):
                 victim = self._pick_victim()
                 self._preempt(victim)
@@ -140,7 +140,7 @@ class Scheduler:
                 req.num_computed_tokens = cached
                 if req.num_cached_tokens < 0:
                     req.num_cached_tokens = cached
-            n = req.num_tokens - req.num_computed_tokens
+            n = self._chunk(req)
             if n > budget and not self.config.enable_chunked_prefill:
                 self._undo_admission(req, fresh)
                 break
@@ -154,6 +154,13 @@ class Scheduler:
             scheduled.append(ScheduledRequest(req, n, req.num_computed_tokens))
             budget -= n
         return budget
+
+    def _chunk(self, req: Request) -> int:
+        """Tokens the request would take this step before the budget: all it has left, or at
+        most `long_prefill_token_threshold` of a prompt (vLLM's rule; decodes take 1)."""
+        n = req.num_tokens - req.num_computed_tokens
+        limit = self.config.long_prefill_token_threshold
+        return limit if 0 < limit < n and self.config.enable_chunked_prefill else n
 
     def _undo_admission(self, req: Request, fresh: bool) -> None:
         if fresh:

@@ -24,6 +24,7 @@ NEW_TOKENS = 32
 REGIMES = {
     "plain": {},
     "chunked": {"max_num_batched_tokens": 16},
+    "long_prefill": {"long_prefill_token_threshold": 7},
     "prefix": {"enable_prefix_caching": True},
     "preempt": {"num_gpu_blocks_override": 14},
 }

@@ -110,6 +110,27 @@ def test_priority_order_and_chunked_prefill_budget() -> None:
     assert not out.scheduled[0].samples
 
 
+def test_long_prefill_token_threshold_caps_each_prompt_per_step() -> None:
+    """vLLM's --long-prefill-token-threshold: a prompt takes at most that many tokens per step,
+    so the decodes running beside it keep a steady step time; decodes are unaffected."""
+    bm = BlockManager(num_blocks=64, block_size=4)
+    config = SchedulerConfig(4, 64, True, long_prefill_token_threshold=6)
+    sched = Scheduler(config, bm, 64)
+    sched.add_request(make_request("a", [1] * 3, max_tokens=4))
+    run_step(sched, lambda r: 5)  # "a" prefilled (3 <= 6) and decoding
+    sched.add_request(make_request("b", [2] * 20))
+    chunks = []
+    for _ in range(4):
+        out = sched.schedule()
+        chunks.append({s.request.request_id: s.num_new_tokens for s in out.scheduled})
+        for item in out.scheduled:
+            sched.advance(item)
+            if item.samples:
+                item.request.append_output_token(5)
+    assert [c.get("b") for c in chunks] == [6, 6, 6, 2]
+    assert all(c.get("a") == 1 for c in chunks[:3])
+
+
 # ------------------------------------------------------------------------ the state machine
 
 
@@ -120,7 +141,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         super().__init__()
         self.rng = random.Random(0)
         self.bm = BlockManager(num_blocks=12, block_size=4, enable_prefix_caching=True)
-        self.sched = Scheduler(SchedulerConfig(4, 16, True), self.bm, max_model_len=40)
+        self.sched = Scheduler(SchedulerConfig(4, 16, True, long_prefill_token_threshold=5), self.bm, max_model_len=40)
         self.live: dict[str, Request] = {}
         self.ended: dict[str, int] = {}
         self.counter = 0
