@@ -93,6 +93,16 @@ def k_blocks(k_cache: torch.Tensor) -> torch.Tensor:
     return k_cache.transpose(2, 3)
 
 
+def gather_k(k_cache: torch.Tensor, block_ids: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """K of the given blocks, `[kv_heads, len(block_ids), block_size, head_dim]`, contiguous
+    (into `out` if given). Gathers the stored (transposed) blocks, then transposes them in one
+    copy: an `index_select` over the transposed view ran 2-3x slower."""
+    blocks = k_cache.index_select(1, block_ids)
+    if out is None:
+        return blocks.transpose(2, 3).contiguous()
+    return out.copy_(blocks.transpose(2, 3))
+
+
 def write_kv(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
@@ -266,7 +276,7 @@ def _group_attention(
     kvh, _, bs, hd = v_cache.shape
     b, h, _ = q.shape
     k, v = workspace.buffers((kvh, b * g.max_blocks, bs, hd), k_cache.dtype, k_cache.device)
-    torch.index_select(k_blocks(k_cache), 1, g.block_ids, out=k)
+    gather_k(k_cache, g.block_ids, out=k)
     torch.index_select(v_cache, 1, g.block_ids, out=v)
     k = k.view(kvh, b, g.max_blocks * bs, hd)[:, :, : g.length]
     v = v.view(kvh, b, g.max_blocks * bs, hd)[:, :, : g.length]
@@ -304,7 +314,7 @@ def prefill_attention(
     else:
         kvh, _, bs, hd = v_cache.shape
         total = num_context + n
-        kh = k_blocks(k_cache).index_select(1, block_ids).reshape(1, kvh, -1, hd)[:, :, :total]
+        kh = gather_k(k_cache, block_ids).view(1, kvh, -1, hd)[:, :, :total]
         vh = v_cache.index_select(1, block_ids).view(1, kvh, -1, hd)[:, :, :total]
         rows = torch.arange(n, device=q.device)[:, None] + num_context
         mask = torch.arange(total, device=q.device)[None, :] <= rows  # [n, total], True = attend
