@@ -33,8 +33,12 @@ log = logging.getLogger("triollm")
 CPU_KERNELS_ENV = "TRIOLLM_CPU_KERNELS"  # "0": never build or use the native kernels
 _SOURCES = [Path(__file__).parent / "csrc" / "cpu_attention.cpp"]
 # -ffast-math lets the compiler vectorise exp (glibc's vector math); the kernel keeps its values
-# finite for it (kernels/csrc/cpu_attention.cpp).
-_CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp-simd", "-std=c++17"]
+# finite for it (kernels/csrc/cpu_attention.cpp). -fopenmp: ATen's parallel_for is a header
+# template over OpenMP pragmas, so without it the kernels ran on one thread whatever
+# torch.get_num_threads() said; the libgomp.so.1 it links is the one torch has already loaded
+# (same soname), so both share one thread pool and torch.set_num_threads() governs both.
+_CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-std=c++17"]
+_LDFLAGS = ["-fopenmp"]
 
 
 def _cpu_flags() -> set[str]:
@@ -82,6 +86,7 @@ def available() -> bool:
             name=f"triollm_cpu_{_machine_tag()}",
             sources=[str(s) for s in _SOURCES],
             extra_cflags=_CFLAGS,
+            extra_ldflags=_LDFLAGS,
             is_python_module=False,
             verbose=False,
         )
