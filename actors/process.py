@@ -43,10 +43,11 @@ Failure and shutdown, decided by structure rather than flags:
 The child runs on trio: its worker threads are daemon threads, so a child whose parent died
 mid-load exits at once instead of waiting for the load to finish (anyio's asyncio workers are
 not daemon threads); steps per second measured the same on both backends. Torch runs
-`num_threads` intra-op threads, by default one core fewer than torch would use (at least one):
-the frontend (tokenizing, detokenizing, HTTP) needs a core of its own, and OpenMP threads lose
-badly when a core is oversubscribed. On the 2-core development machine (busy with other work),
-2 threads were no faster than 1 for one sequence and up to 30% slower for a batch of 16.
+`num_threads` intra-op threads. Unset (AsyncLLM, the server), one core fewer than torch would
+use (at least one): a streaming frontend (tokenizing, detokenizing, HTTP) needs a core of its
+own, and OpenMP threads lose badly when a core is oversubscribed (serving at concurrency 16 on
+the 2-core machine: 2 threads gave no gain). The offline `LLM` sets it to every core: its
+frontend only collects outputs (docs/benchmarks.md, Threads).
 """
 
 from __future__ import annotations
