@@ -1,8 +1,8 @@
 """The engine-core loop: the one place `EngineCore` is driven, in-process or in a child process.
 
 It owns the core. Between steps it applies the queued inputs without waiting (adds, aborts,
-utility calls), then runs `step()` in a worker thread so the event loop stays free for the
-transport's actors; with nothing to do it waits on the input stream (no polling). One output
+utility calls), then runs `step()` in the core's compute thread (`actors/compute.py`: the one
+thread that built the core) so the event loop stays free for the transport's actors; with nothing to do it waits on the input stream (no polling). One output
 message per step. While requests run, at most `MAX_INPUTS_PER_STEP` inputs (an abort counting
 once per request id) are applied between two steps, then the loop steps before taking more: a
 burst of a million aborts or adds delays the running requests by a step per batch instead of
@@ -28,6 +28,7 @@ import anyio
 from anyio.abc import ObjectSendStream
 from anyio.streams.memory import MemoryObjectReceiveStream
 
+from triollm.actors.compute import ComputeThread
 from triollm.actors.messages import (
     AbortRequests,
     AddRequest,
@@ -72,6 +73,7 @@ async def serve_engine_core(
     core: EngineCore,
     inputs: MemoryObjectReceiveStream[CoreInput],
     outputs: ObjectSendStream[CoreOutput],
+    compute: ComputeThread,
 ) -> None:
     async with inputs, outputs:
         stuck = False  # the last step scheduled nothing: wait for input rather than spin
@@ -89,7 +91,7 @@ async def serve_engine_core(
                         return
                 if msg is None:  # stepping outside the except block keeps tracebacks clean
                     before = core.num_steps
-                    await _step(core, outputs)
+                    await _step(core, outputs, compute)
                     stuck = core.num_steps == before
                     applied = 0
                     continue
@@ -112,12 +114,12 @@ async def serve_engine_core(
                 await outputs.send(reply)
 
 
-async def _step(core: EngineCore, outputs: ObjectSendStream[CoreOutput]) -> None:
+async def _step(core: EngineCore, outputs: ObjectSendStream[CoreOutput], compute: ComputeThread) -> None:
     # A step blocked for good (a deadlocked forward pass) must not block the teardown past its
     # bound: on cancellation its thread is abandoned (it holds the core, which nobody touches
     # again) and reported.
     try:
-        result = await anyio.to_thread.run_sync(core.step, abandon_on_cancel=True)
+        result = await compute.run(core.step)
     except anyio.get_cancelled_exc_class():
         log.warning("engine core step still running at cancellation: its thread is abandoned")
         raise

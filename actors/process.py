@@ -74,6 +74,7 @@ from anyio.abc import ByteReceiveStream, Process
 from anyio.streams.memory import MemoryObjectSendStream
 
 from triollm.actors import zmq_io
+from triollm.actors.compute import ComputeThread, compute_thread
 from triollm.actors.core_client import OUTPUT_BUFFER, SHUTDOWN_GRACE_S, CoreClient
 from triollm.actors.messages import (
     CoreInput,
@@ -498,13 +499,24 @@ async def _watch_parent(scope: anyio.CancelScope, stop_requested: anyio.Event) -
 async def _run_engine(
     spec: _ChildSpec, inputs: zmq.Socket[Any], outputs: zmq.Socket[Any], stop_requested: anyio.Event
 ) -> int:
+    with compute_thread() as compute:
+        return await _serve(spec, inputs, outputs, stop_requested, compute)
+
+
+async def _serve(
+    spec: _ChildSpec,
+    inputs: zmq.Socket[Any],
+    outputs: zmq.Socket[Any],
+    stop_requested: anyio.Event,
+    compute: ComputeThread,
+) -> int:
     from triollm.actors.core_loop import serve_engine_core
     from triollm.engine.core import EngineCore
 
     try:
         config = EngineArgs(**spec.args).create_engine_config()
         build = EngineCore if spec.core_factory is None else spec.core_factory.build
-        core = await anyio.to_thread.run_sync(build, config, abandon_on_cancel=True)
+        core = await compute.run(build, config)
     except Exception as exc:
         log.exception("the engine core failed to start")
         message = str(exc) if isinstance(exc, ValueError) else f"{type(exc).__name__}: {exc}"
@@ -529,7 +541,7 @@ async def _run_engine(
         async with anyio.create_task_group() as out_tg:
             out_tg.start_soon(zmq_io.pump_to_socket, outputs, out_recv, _encoder.encode)
             try:
-                await serve_engine_core(core, in_recv, out_send)
+                await serve_engine_core(core, in_recv, out_send, compute)
             except Exception:
                 # serve_engine_core queued EngineDead with the traceback and closed out_send:
                 # the output pump must still flush it, so this must not cancel the pump.

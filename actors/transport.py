@@ -4,8 +4,8 @@ Both ways give the frontend the same thing, a `CoreClient`: what the engine meas
 (`Ready`), a send stream for `CoreInput` messages and a receive stream of `CoreOutput`
 messages. The choice is a value (`config.actor.multiprocess`), not a class hierarchy.
 
-- In-process: `EngineCore` is built in a worker thread and driven by `serve_engine_core` in a
-  task of this event loop (each step in a worker thread).
+- In-process: `EngineCore` is built in its compute thread (`actors/compute.py`) and driven by
+  `serve_engine_core` in a task of this event loop (each step in that same thread).
 - Multiprocess: see `actors/process.py`.
 
 `core_factory` (tests and benchmarks only) builds the core instead of `EngineCore(config)`: a
@@ -24,6 +24,7 @@ from contextlib import asynccontextmanager
 
 import anyio
 
+from triollm.actors.compute import ComputeThread, compute_thread
 from triollm.actors.core_client import OUTPUT_BUFFER, SHUTDOWN_GRACE_S, CoreClient
 from triollm.actors.core_loop import serve_engine_core
 from triollm.actors.messages import CoreInput, CoreOutput, Ready, Shutdown
@@ -44,16 +45,17 @@ async def open_core_client(
         async with open_process_core(config, args, core_factory=core_factory) as client:
             yield client
     else:
-        async with _open_in_process(config, core_factory) as client:
-            yield client
+        with compute_thread() as compute:
+            async with _open_in_process(config, core_factory, compute) as client:
+                yield client
 
 
 @asynccontextmanager
 async def _open_in_process(
-    config: EngineConfig, core_factory: EngineCoreFactory | None
+    config: EngineConfig, core_factory: EngineCoreFactory | None, compute: ComputeThread
 ) -> AsyncIterator[CoreClient]:
     build = EngineCore if core_factory is None else core_factory.build
-    core = await anyio.to_thread.run_sync(build, config)
+    core = await compute.run(build, config)
     in_send, in_recv = anyio.create_memory_object_stream[CoreInput](math.inf)
     out_send, out_recv = anyio.create_memory_object_stream[CoreOutput](OUTPUT_BUFFER)
     ready = Ready(core.num_blocks, config.cache.block_size, config.model.max_model_len, config.model.vocab_size)
@@ -62,7 +64,7 @@ async def _open_in_process(
 
     async def run() -> None:
         try:
-            await serve_engine_core(core, in_recv, out_send)
+            await serve_engine_core(core, in_recv, out_send, compute)
         except Exception:  # EngineDead was sent; the frontend turns it into EngineDeadError
             pass
         finally:

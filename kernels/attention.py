@@ -335,13 +335,7 @@ def _sdpa(
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale)
 
 
-def _has_enable_gqa() -> bool:
-    q = torch.zeros(1, 2, 1, 2)
-    try:
-        F.scaled_dot_product_attention(q, q[:, :1], q[:, :1], enable_gqa=True)
-    except TypeError:
-        return False
-    return True
-
-
-_HAS_GQA = _has_enable_gqa()
+# `enable_gqa` came with torch 2.5. Read from the version, not probed with a call: a probe at import
+# would start an OpenMP team in the importing thread, and a second team slows every parallel
+# region of the engine's compute thread (see actors/compute.py).
+_HAS_GQA = torch.torch_version.TorchVersion(torch.__version__) >= "2.5"

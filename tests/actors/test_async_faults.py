@@ -793,7 +793,7 @@ async def _all_dead(llm: AsyncLLM, count: int) -> list[BaseException | None]:
 async def test_an_engine_core_that_stops_without_a_word_is_a_death(
     inproc_engine_args: Callable[..., AsyncEngineArgs], fake_core_loop: Callable[[Any], None]
 ) -> None:
-    async def quits_on_first_request(core: Any, inputs: Any, outputs: Any) -> None:
+    async def quits_on_first_request(core: Any, inputs: Any, outputs: Any, compute: Any) -> None:
         async with inputs, outputs:
             async for msg in inputs:
                 if isinstance(msg, AddRequest):
@@ -811,7 +811,7 @@ async def test_a_bug_in_output_processing_is_a_death_not_a_hang(
     fake_core_loop: Callable[[Any], None],
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    async def unreadable_outputs(core: Any, inputs: Any, outputs: Any) -> None:
+    async def unreadable_outputs(core: Any, inputs: Any, outputs: Any, compute: Any) -> None:
         async with inputs, outputs:
             async for msg in inputs:
                 match msg:
@@ -836,7 +836,7 @@ async def test_a_call_that_finds_the_core_gone_raises_the_death_with_its_cause(
     profile: a statistics call raced a fault at step 1). A caller in that window must get the
     death itself, cause included, with `errored` already true."""
 
-    async def dies_slowly(core: Any, inputs: Any, outputs: Any) -> None:
+    async def dies_slowly(core: Any, inputs: Any, outputs: Any, compute: Any) -> None:
         async with outputs:
             async with inputs:
                 async for msg in inputs:
@@ -870,7 +870,7 @@ async def test_a_hung_in_process_core_is_cancelled_after_the_grace_period(
 ) -> None:
     """No real I/O runs while the (virtual) clock matters: the fake core only sleeps."""
 
-    async def hangs(core: Any, inputs: Any, outputs: Any) -> None:
+    async def hangs(core: Any, inputs: Any, outputs: Any, compute: Any) -> None:
         async with inputs, outputs:
             await anyio.sleep_forever()  # ignores every message, Shutdown included
 

@@ -12,6 +12,7 @@ from typing import Any
 import anyio
 import pytest
 
+from triollm.actors.compute import compute_thread
 from triollm.actors.core_loop import MAX_INPUTS_PER_STEP, serve_engine_core
 from triollm.actors.messages import (
     AbortRequests,
@@ -57,8 +58,8 @@ async def serve(core: FakeCore, messages: list[CoreInput]) -> list[CoreOutput]:
     with send_in:
         for msg in messages:
             send_in.send_nowait(msg)
-    with anyio.fail_after(30):
-        await serve_engine_core(core, receive_in, send_out)  # type: ignore[arg-type]
+    with anyio.fail_after(30), compute_thread() as compute:
+        await serve_engine_core(core, receive_in, send_out, compute)  # type: ignore[arg-type]
     with receive_out:
         return [msg async for msg in receive_out]
 
