@@ -43,11 +43,13 @@ Failure and shutdown, decided by structure rather than flags:
 The child runs on trio: its worker threads are daemon threads, so a child whose parent died
 mid-load exits at once instead of waiting for the load to finish (anyio's asyncio workers are
 not daemon threads); steps per second measured the same on both backends. Torch runs
-`num_threads` intra-op threads. Unset (AsyncLLM, the server), one core fewer than torch would
-use (at least one): a streaming frontend (tokenizing, detokenizing, HTTP) needs a core of its
-own, and OpenMP threads lose badly when a core is oversubscribed (serving at concurrency 16 on
-the 2-core machine: 2 threads gave no gain). The offline `LLM` sets it to every core: its
-frontend only collects outputs (docs/benchmarks.md, Threads).
+`num_threads` intra-op threads. Unset (AsyncLLM, the server): every core torch would use on a
+machine of up to `SHARED_CORES_UP_TO` cores, one fewer above. On the 2-core machine the server
+with 2 engine threads beat 1 at every concurrency (1/16/64: 43/242/321 against 34/187/220 output
+tok/s); the streaming frontend's share is small next to half the forward pass. On larger
+machines one core stays with the frontend (vLLM's reserve): an OpenMP region waits for its
+slowest thread, and a thread that shares its core with the frontend is that thread (not measured
+here). The offline `LLM` always takes every core (docs/benchmarks.md, Threads).
 """
 
 from __future__ import annotations
@@ -451,12 +453,16 @@ def main(argv: list[str] | None = None) -> int:
         return 1
 
 
+SHARED_CORES_UP_TO = 4
+
+
 def default_num_threads() -> int:
-    """Torch threads in the engine-core process when `num_threads` is not set: one core for the
-    frontend, the rest for the forward pass."""
+    """Torch threads in the engine-core process when `num_threads` is not set: every core on a
+    small machine, else one core for the frontend and the rest for the forward pass."""
     import torch
 
-    return max(1, torch.get_num_threads() - 1)
+    cores = torch.get_num_threads()
+    return cores if cores <= SHARED_CORES_UP_TO else cores - 1
 
 
 async def _child_main(spec: _ChildSpec, curve: zmq_io.ClientKeys | None = None) -> int:

@@ -237,7 +237,7 @@ class EngineArgs:
     # --- execution
     runner: str = _arg("auto", "generate only", choices=RUNNERS)
     device: str = _arg("auto", "auto (cuda if available), cpu or cuda", choices=("auto", "cpu", "cuda"))
-    num_threads: int | None = _arg(None, "torch threads in the engine core (default: every core for the offline LLM, all cores but one for AsyncLLM and the server)")
+    num_threads: int | None = _arg(None, "torch threads in the engine core (default: every core for the offline LLM; for AsyncLLM and the server every core up to 4, one fewer above)")
     enforce_eager: bool = _arg(False, "accepted (the model always runs eagerly)")
     max_seq_len_to_capture: int = _arg(8192, "accepted, ignored (no CUDA graphs)")
     compilation_config: CompilationConfig | int | dict[str, Any] | None = _arg(None, "an int level or a JSON object")

@@ -427,3 +427,13 @@ async def test_child_exits_when_the_parent_is_killed(
                 os.kill(child_pid, signal.SIGKILL)
             if parent.returncode is None:
                 parent.kill()
+
+
+@pytest.mark.parametrize(("cores", "expected"), [(1, 1), (2, 2), (4, 4), (5, 4), (16, 15)])
+def test_the_engine_takes_every_core_of_a_small_machine_and_leaves_one_on_a_large_one(
+    monkeypatch: pytest.MonkeyPatch, cores: int, expected: int
+) -> None:
+    import torch
+
+    monkeypatch.setattr(torch, "get_num_threads", lambda: cores)
+    assert process.default_num_threads() == expected
