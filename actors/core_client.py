@@ -24,3 +24,7 @@ class CoreClient:
     # (in-process) or signalling it (a child). The frontend sets 0 for a core it declared hung:
     # that step will not end.
     shutdown_grace_s: float = SHUTDOWN_GRACE_S
+    # Data parallel (actors/data_parallel.py): each rank's child, and the requests routed to
+    # each rank so far (live).
+    rank_pids: tuple[int, ...] = ()
+    assigned: list[int] | None = None

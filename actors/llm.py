@@ -79,6 +79,16 @@ class LLM:
         return self
 
     def _start(self, args: EngineArgs, backend: str, core_factory: EngineCoreFactory | str | None) -> None:
+        if args.data_parallel_size > 1:
+            # vLLM's rule (its LLM would hang otherwise; here it is a choice): offline data
+            # parallelism is one process per rank, each with its own LLM and share of the prompts.
+            raise ValueError(
+                f"data_parallel_size: {args.data_parallel_size} is not supported by LLM (allowed: 1); "
+                "for offline data parallelism run one process per rank, each with its own LLM "
+                "and a share of the prompts, as vLLM's examples/features/data_parallel/"
+                "data_parallel_offline.py does; for serving use AsyncLLM or "
+                "`triollm serve MODEL --data-parallel-size N`"
+            )
         if args.num_threads is None:
             # Offline batches leave the frontend idle (outputs are collected, not streamed: its
             # CPU time was 0.5% of the wall time of a 64-request batch), so the engine core gets

@@ -7,6 +7,8 @@ messages. The choice is a value (`config.actor.multiprocess`), not a class hiera
 - In-process: `EngineCore` is built in its compute thread (`actors/compute.py`) and driven by
   `serve_engine_core` in a task of this event loop (each step in that same thread).
 - Multiprocess: see `actors/process.py`.
+- Data parallel (`data_parallel_size > 1`): N engine-core processes behind one client, see
+  `actors/data_parallel.py`.
 
 `core_factory` (tests and benchmarks only) builds the core instead of `EngineCore(config)`: a
 scripted runner, an injected fault. It is plain data, so it crosses to the child process too.
@@ -27,6 +29,7 @@ import anyio
 from triollm.actors.compute import ComputeThread, compute_thread
 from triollm.actors.core_client import OUTPUT_BUFFER, SHUTDOWN_GRACE_S, CoreClient
 from triollm.actors.core_loop import serve_engine_core
+from triollm.actors.data_parallel import open_data_parallel_client
 from triollm.actors.messages import CoreInput, CoreOutput, Ready, Shutdown
 from triollm.actors.process import open_process_core
 from triollm.engine.config import EngineArgs, EngineConfig
@@ -41,7 +44,10 @@ async def open_core_client(
 ) -> AsyncIterator[CoreClient]:
     """Start the engine core as `config.actor` says. `args` (what the user asked for) is what a
     child process rebuilds its config from; everything else is read from `config`."""
-    if config.actor.multiprocess:
+    if config.actor.data_parallel_size > 1:
+        async with open_data_parallel_client(config, args, core_factory=core_factory) as client:
+            yield client
+    elif config.actor.multiprocess:
         async with open_process_core(config, args, core_factory=core_factory) as client:
             yield client
     else:

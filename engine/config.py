@@ -86,6 +86,8 @@ class ActorConfig:
     # With work pending, no output from the engine core for this long means it is hung: the
     # engine is declared dead (EngineDeadError everywhere, /health 503). None: never.
     engine_output_timeout_s: float | None
+    # Engine-core processes behind the frontend, requests balanced over them (data parallel).
+    data_parallel_size: int = 1
 
 
 @dataclass(frozen=True)
@@ -215,10 +217,10 @@ class EngineArgs:
     seed: int = _arg(0, "the engine's random seed")
     max_model_len: int | None = _arg(None, "context length (default: the model's)")
     max_logprobs: int = _arg(20, "the most logprobs a request may ask for (-1: no limit)")
-    # --- parallelism (one engine; see data_parallel_size's error for replicas)
+    # --- parallelism
     tensor_parallel_size: int = _arg(1, "1 only")
     pipeline_parallel_size: int = _arg(1, "1 only")
-    data_parallel_size: int = _arg(1, "1 only: run one engine per replica")
+    data_parallel_size: int = _arg(1, "engine-core processes, each a whole replica with its own KV cache and a share of the threads (the multiprocess transport)")
     distributed_executor_backend: str | None = _arg(None, "accepted, ignored")
     disable_custom_all_reduce: bool = _arg(False, "accepted, ignored")
     # --- KV cache
@@ -286,12 +288,7 @@ class EngineArgs:
                 f"quantization: {self.quantization!r} is not supported; allowed: None "
                 "(a .gguf model is dequantised when it is imported)"
             )
-        if self.data_parallel_size != 1:
-            raise ValueError(
-                f"data_parallel_size: {self.data_parallel_size} is not supported in one engine; "
-                "for data parallelism run one engine per replica (e.g. one `triollm serve` per "
-                "port) behind a load balancer"
-            )
+        _positive("data_parallel_size", self.data_parallel_size)
         for name, size in (("tensor_parallel_size", self.tensor_parallel_size), ("pipeline_parallel_size", self.pipeline_parallel_size)):
             if size != 1:
                 raise ValueError(f"{name}: {size} is not supported (1 only)")
@@ -324,6 +321,13 @@ class EngineArgs:
                 _positive(name, getattr(self, name))
         for name in ("max_stop_strings", "max_stop_string_len", "max_token_list_len", "max_prompts_per_request", "max_n"):
             _positive(name, getattr(self, name))
+        multiprocess = _multiprocess(self.multiprocess)
+        if self.data_parallel_size > 1 and not multiprocess:
+            raise ValueError(
+                f"data_parallel_size: {self.data_parallel_size} needs an engine-core process per "
+                "rank, but multiprocess is off (multiprocess=False or $TRIOLLM_MULTIPROCESS=0); "
+                "allowed with it off: 1"
+            )
         timeout = self.engine_output_timeout_s
         if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0):
             raise ValueError(f"engine_output_timeout_s: must be a positive number of seconds or None, got {timeout!r}")
@@ -369,12 +373,13 @@ class EngineArgs:
             num_threads=self.num_threads,
             tokenizer=_resolve_tokenizer(self.tokenizer, path, cache_dir),
             actor=ActorConfig(
-                multiprocess=_multiprocess(self.multiprocess),
+                multiprocess=multiprocess,
                 output_chunk_size=self.output_chunk_size,
                 zmq_address=self.zmq_address,
                 zmq_insecure_tcp=self.zmq_insecure_tcp,
                 max_logprobs=self.max_logprobs,
                 engine_output_timeout_s=None if timeout is None else float(timeout),
+                data_parallel_size=self.data_parallel_size,
             ),
             limits=LimitsConfig(
                 max_num_queued_reqs=self.max_num_queued_reqs,

@@ -1,0 +1,258 @@
+"""Data parallel on one node: N engine-core processes behind one `CoreClient` (vLLM's
+`DPLBAsyncMPClient`, the internal load balancer).
+
+```
+AsyncLLM ── client.inputs ─▶ router ─┬─▶ rank 0: open_process_core (its own KV cache, threads)
+                                     └─▶ rank 1: ...
+AsyncLLM ◀─ client.outputs ◀─ merge ◀┬── rank 0 outputs (OutputBatch carries the rank's StepStats)
+                                     └── rank 1 outputs
+```
+
+Each rank is an ordinary engine-core child (`actors/process.py`) started with
+`data_parallel_size=1` and its share of the cores. The frontend above sees one core:
+
+- **Routing.** `AddRequest` goes to the rank with the lowest load score, vLLM's rule:
+  `max(in flight, waiting + running)`, with the in-flight count kept here and waiting + running
+  from the `StepStats` riding on the rank's latest `OutputBatch`; ties rotate. An abort goes to
+  the rank that owns the request. A utility call goes to every rank and its answers are combined
+  (statistics summed, booleans and-ed, the first error wins). Dense models need no step
+  synchronisation between ranks.
+- **Death.** The first `EngineDead` from any rank (its step raised, or its process died) is
+  forwarded, naming the rank, and ends the merged output stream: the engine is dead as a whole
+  (`EngineDeadError` on every request, /health 503). Every rank is stopped when the client's
+  context exits.
+- **Shutdown** exits the ranks' contexts (each sends `Shutdown`, then signals, within its grace).
+
+The topology is fixed at start-up, as in vLLM.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import logging
+import math
+from collections.abc import AsyncIterator
+from contextlib import AsyncExitStack, asynccontextmanager
+
+import anyio
+from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
+
+from triollm.actors.core_client import OUTPUT_BUFFER, SHUTDOWN_GRACE_S, CoreClient
+from triollm.actors.messages import (
+    AbortRequests,
+    AddRequest,
+    CoreInput,
+    CoreOutput,
+    EngineDead,
+    OutputBatch,
+    Ready,
+    RequestError,
+    Shutdown,
+    StepStats,
+    UtilityCall,
+    UtilityResult,
+)
+from triollm.actors.process import default_num_threads, open_process_core
+from triollm.engine.config import EngineArgs, EngineConfig
+from triollm.engine.core import EngineCoreFactory
+
+__all__ = ["Router", "open_data_parallel_client", "rank_threads"]
+
+log = logging.getLogger("triollm")
+
+_NOT_FINISHED = -1
+
+
+def rank_threads(num_threads: int | None, size: int) -> int:
+    """Torch threads per rank: the engine's threads (`num_threads`, else the default for one
+    core) split evenly, at least one each."""
+    total = num_threads or default_num_threads()
+    return max(1, total // size)
+
+
+class Router:
+    """Which rank runs which request, and how loaded each rank is."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.owner: dict[str, int] = {}  # core request id -> rank, while it runs
+        self.in_flight = [0] * size
+        self.queued = [0] * size  # waiting + running, from the rank's latest StepStats
+        self.assigned = [0] * size  # requests routed to each rank so far (statistics)
+        self._turn = itertools.cycle(range(size))
+        self._calls: dict[int, list[UtilityResult]] = {}
+
+    def assign(self, request_id: str) -> int:
+        start = next(self._turn)
+        order = [(start + k) % self.size for k in range(self.size)]
+        rank = min(order, key=lambda r: max(self.in_flight[r], self.queued[r]))
+        self.owner[request_id] = rank
+        self.in_flight[rank] += 1
+        self.assigned[rank] += 1
+        return rank
+
+    def release(self, request_id: str) -> int | None:
+        rank = self.owner.pop(request_id, None)
+        if rank is not None:
+            self.in_flight[rank] -= 1
+        return rank
+
+    def abort(self, request_ids: list[str]) -> dict[int, list[str]]:
+        """The ids by owning rank (ids no rank owns, already finished, are dropped)."""
+        by_rank: dict[int, list[str]] = {}
+        for rid in request_ids:
+            rank = self.release(rid)
+            if rank is not None:
+                by_rank.setdefault(rank, []).append(rid)
+        return by_rank
+
+    def observe(self, rank: int, batch: OutputBatch) -> None:
+        if batch.stats is not None:
+            self.queued[rank] = batch.stats.num_running + batch.stats.num_waiting
+        for rid, reason in zip(batch.request_ids, batch.finish_reasons):
+            if reason != _NOT_FINISHED:
+                self.release(rid)
+
+    def expect(self, call_id: int) -> None:
+        self._calls[call_id] = []
+
+    def gather(self, result: UtilityResult) -> UtilityResult | None:
+        """The combined answer once every rank answered `result.call_id`, else None."""
+        got = self._calls.get(result.call_id)
+        if got is None:
+            return None
+        got.append(result)
+        if len(got) < self.size:
+            return None
+        del self._calls[result.call_id]
+        return _combine(result.call_id, got)
+
+
+def _combine(call_id: int, results: list[UtilityResult]) -> UtilityResult:
+    errors = [r.error for r in results if r.error is not None]
+    if errors:
+        return UtilityResult(call_id, None, error=errors[0])
+    values = [r.result for r in results]
+    if all(isinstance(v, StepStats) for v in values):
+        stats = [v for v in values if isinstance(v, StepStats)]
+        return UtilityResult(
+            call_id,
+            StepStats(
+                num_running=sum(s.num_running for s in stats),
+                num_waiting=sum(s.num_waiting for s in stats),
+                num_blocks=sum(s.num_blocks for s in stats),
+                num_free_blocks=sum(s.num_free_blocks for s in stats),
+                num_cached_blocks=sum(s.num_cached_blocks for s in stats),
+                prefix_cache_hit_rate=sum(s.prefix_cache_hit_rate for s in stats) / len(stats),
+                num_preemptions=sum(s.num_preemptions for s in stats),
+            ),
+        )
+    return UtilityResult(call_id, all(bool(v) for v in values))
+
+
+@asynccontextmanager
+async def open_data_parallel_client(
+    config: EngineConfig, args: EngineArgs, *, core_factory: EngineCoreFactory | None = None
+) -> AsyncIterator[CoreClient]:
+    size = config.actor.data_parallel_size
+    rank_args = dataclasses.replace(args, data_parallel_size=1, num_threads=rank_threads(args.num_threads, size))
+    async with AsyncExitStack() as stack:
+        ranks: list[CoreClient] = []
+        for _ in range(size):  # one after the other: a failed start stops the ones already up
+            ranks.append(await stack.enter_async_context(open_process_core(config, rank_args, core_factory=core_factory)))
+        router = Router(size)
+        ready = Ready(
+            min(r.ready.num_kv_blocks for r in ranks),  # a request runs on one rank
+            ranks[0].ready.block_size,
+            ranks[0].ready.max_model_len,
+            ranks[0].ready.vocab_size,
+        )
+        in_send, in_recv = anyio.create_memory_object_stream[CoreInput](math.inf)
+        out_send, out_recv = anyio.create_memory_object_stream[CoreOutput](OUTPUT_BUFFER)
+        client = CoreClient(
+            ready,
+            in_send,
+            out_recv,
+            ranks[0].pid,
+            SHUTDOWN_GRACE_S,
+            rank_pids=tuple(r.pid for r in ranks if r.pid is not None),
+            assigned=router.assigned,
+        )
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(_route_inputs, in_recv, [r.inputs for r in ranks], router)
+            # One scope per forwarder, so that the first death can stop them all: never the task
+            # group's own scope, which encloses the `yield` (the frontend's code).
+            forwarders = [anyio.CancelScope() for _ in ranks]
+            async with anyio.create_task_group() as merge:
+                for rank, r in enumerate(ranks):
+                    merge.start_soon(_merge_outputs, rank, r.outputs, out_send.clone(), router, forwarders)
+                out_send.close()
+                try:
+                    yield client
+                finally:
+                    for r in ranks:  # the frontend may have declared the engine hung
+                        r.shutdown_grace_s = client.shutdown_grace_s
+                    in_send.close()
+                    merge.cancel_scope.cancel()
+            tg.cancel_scope.cancel()
+        # Leaving the stack stops every rank (Shutdown, then signals), the last started first.
+
+
+def _send(stream: MemoryObjectSendStream[CoreInput], msg: CoreInput) -> None:
+    try:
+        stream.send_nowait(msg)  # the ranks' input streams are unbounded
+    except (anyio.ClosedResourceError, anyio.BrokenResourceError):
+        pass  # that rank is gone; its death is on its output stream
+
+
+async def _route_inputs(
+    inputs: MemoryObjectReceiveStream[CoreInput],
+    ranks: list[MemoryObjectSendStream[CoreInput]],
+    router: Router,
+) -> None:
+    async with inputs:
+        async for msg in inputs:
+            match msg:
+                case AddRequest(request=req):
+                    _send(ranks[router.assign(req.request_id)], msg)
+                case AbortRequests(request_ids=ids):
+                    for rank, group in router.abort(ids).items():
+                        _send(ranks[rank], AbortRequests(group))
+                case UtilityCall(call_id=cid):
+                    router.expect(cid)
+                    for stream in ranks:
+                        _send(stream, msg)
+                case Shutdown():
+                    for stream in ranks:
+                        _send(stream, msg)
+
+
+async def _merge_outputs(
+    rank: int,
+    outputs: MemoryObjectReceiveStream[CoreOutput],
+    merged: MemoryObjectSendStream[CoreOutput],
+    router: Router,
+    forwarders: list[anyio.CancelScope],
+) -> None:
+    with forwarders[rank], outputs, merged:
+        async for msg in outputs:
+            match msg:
+                case OutputBatch():
+                    router.observe(rank, msg)
+                    await merged.send(msg)
+                case RequestError(request_id=rid):
+                    router.release(rid)
+                    await merged.send(msg)
+                case UtilityResult():
+                    combined = router.gather(msg)
+                    if combined is not None:
+                        await merged.send(combined)
+                case EngineDead(message=message, traceback=tb):
+                    log.error("data parallel rank %d died: %s", rank, message)
+                    await merged.send(EngineDead(f"data parallel rank {rank}: {message}", tb))
+                    for scope in forwarders:  # the merged stream ends with the first death
+                        scope.cancel()
+                    return
+                case _:
+                    await merged.send(msg)
