@@ -1,0 +1,57 @@
+"""`triollm serve MODEL --data-parallel-size 2`, as a user runs it: two engine-core processes
+behind one server. 100 staggered requests all finish with all their tokens and the engine ends
+idle; killing one rank's process gives /health 503, a non-zero exit and no orphans."""
+
+from __future__ import annotations
+
+import random
+import subprocess
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import psutil
+import pytest
+from server import run_server, wait_idle
+
+
+def _complete(url: str, i: int, tokens: int, delay: float) -> int:
+    time.sleep(delay)
+    body = {"model": "m", "prompt": f"request {i}", "max_tokens": tokens, "ignore_eos": True, "temperature": 0}
+    r = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+    r.raise_for_status()
+    return int(r.json()["usage"]["completion_tokens"])
+
+
+def test_two_ranks_serve_staggered_requests_and_a_dead_rank_ends_the_server(tiny_model_dir: Path) -> None:
+    rng = random.Random(0)
+    tokens = [rng.randint(1, 16) for _ in range(100)]
+    delays = [rng.random() * 0.5 for _ in range(100)]
+    with run_server(tiny_model_dir, "--served-model-name", "m", "--multiprocess", "--data-parallel-size", "2") as srv:
+        ranks = srv.engine_children
+        assert len(ranks) == 2, ranks
+        with ThreadPoolExecutor(16) as pool:
+            got = list(pool.map(_complete, [srv.url] * 100, range(100), tokens, delays))
+        assert got == tokens
+        wait_idle(srv.url)  # nothing left running or waiting on either rank
+
+        ranks[1].kill()
+        deadline = time.monotonic() + 5
+        status = None
+        while time.monotonic() < deadline:
+            try:
+                status = httpx.get(f"{srv.url}/health", timeout=1).status_code
+            except httpx.HTTPError:
+                status = "gone"  # the server closed its socket: it is exiting
+                break
+            if status == 503:
+                break
+            time.sleep(0.01)
+        assert status in (503, "gone"), status
+        try:
+            code = srv.wait(20)
+        except subprocess.TimeoutExpired:
+            pytest.fail("server did not exit after a rank died")
+        assert code != 0
+        assert not [r for r in ranks if r.is_running() and r.status() != psutil.STATUS_ZOMBIE]
