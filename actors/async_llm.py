@@ -294,6 +294,13 @@ class AsyncLLM:
         return self._dead is not None
 
     @property
+    def rank_stats(self) -> list[StepStats | None] | None:
+        """Data parallel: each rank's latest statistics (from its last step, or from the last
+        `get_engine_stats()`), by rank; None with one engine core."""
+        client = self._client
+        return None if client is None or client.rank_stats is None else list(client.rank_stats)
+
+    @property
     def is_stopped(self) -> bool:
         """vLLM's name: the engine no longer serves (shut down, or dead)."""
         return self._stopping or self._dead is not None

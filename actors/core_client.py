@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
-from triollm.actors.messages import CoreInput, CoreOutput, Ready
+from triollm.actors.messages import CoreInput, CoreOutput, Ready, StepStats
 
 __all__ = ["OUTPUT_BUFFER", "SHUTDOWN_GRACE_S", "CoreClient"]
 
@@ -24,7 +24,8 @@ class CoreClient:
     # (in-process) or signalling it (a child). The frontend sets 0 for a core it declared hung:
     # that step will not end.
     shutdown_grace_s: float = SHUTDOWN_GRACE_S
-    # Data parallel (actors/data_parallel.py): each rank's child, and the requests routed to
-    # each rank so far (live).
+    # Data parallel (actors/data_parallel.py): each rank's child, the requests routed to each
+    # rank so far and each rank's latest statistics (both live lists).
     rank_pids: tuple[int, ...] = ()
     assigned: list[int] | None = None
+    rank_stats: list[StepStats | None] | None = None

@@ -80,6 +80,7 @@ class Router:
         self.in_flight = [0] * size
         self.queued = [0] * size  # waiting + running, from the rank's latest StepStats
         self.assigned = [0] * size  # requests routed to each rank so far (statistics)
+        self.stats: list[StepStats | None] = [None] * size  # each rank's latest
         self._turn = itertools.cycle(range(size))
         self._calls: dict[int, list[UtilityResult]] = {}
 
@@ -109,6 +110,7 @@ class Router:
 
     def observe(self, rank: int, batch: OutputBatch) -> None:
         if batch.stats is not None:
+            self.stats[rank] = batch.stats
             self.queued[rank] = batch.stats.num_running + batch.stats.num_waiting
         for rid, reason in zip(batch.request_ids, batch.finish_reasons):
             if reason != _NOT_FINISHED:
@@ -117,8 +119,10 @@ class Router:
     def expect(self, call_id: int) -> None:
         self._calls[call_id] = []
 
-    def gather(self, result: UtilityResult) -> UtilityResult | None:
+    def gather(self, rank: int, result: UtilityResult) -> UtilityResult | None:
         """The combined answer once every rank answered `result.call_id`, else None."""
+        if isinstance(result.result, StepStats):
+            self.stats[rank] = result.result
         got = self._calls.get(result.call_id)
         if got is None:
             return None
@@ -178,6 +182,7 @@ async def open_data_parallel_client(
             SHUTDOWN_GRACE_S,
             rank_pids=tuple(r.pid for r in ranks if r.pid is not None),
             assigned=router.assigned,
+            rank_stats=router.stats,
         )
         async with anyio.create_task_group() as tg:
             tg.start_soon(_route_inputs, in_recv, [r.inputs for r in ranks], router)
@@ -245,7 +250,7 @@ async def _merge_outputs(
                     router.release(rid)
                     await merged.send(msg)
                 case UtilityResult():
-                    combined = router.gather(msg)
+                    combined = router.gather(rank, msg)
                     if combined is not None:
                         await merged.send(combined)
                 case EngineDead(message=message, traceback=tb):

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import anyio
@@ -151,32 +151,34 @@ class _EngineCollector(Collector):
         self._metrics = metrics
 
     def collect(self) -> Iterator[Metric]:
+        # One series per engine core (vLLM's `engine` label): "0" alone, or each data parallel
+        # rank's own statistics.
         m = self._metrics
-        st = m.current_stats()
-        labels = [m.model_name]
+        per_rank = getattr(m.state.llm, "rank_stats", None)
+        engines = list(enumerate(per_rank)) if per_rank else [(0, m.current_stats())]
+        names = ["model_name", "engine"]
 
-        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
-            g = GaugeMetricFamily(name, doc, labels=["model_name"])
-            g.add_metric(labels, value)
-            return g
+        def family(kind: type[GaugeMetricFamily] | type[CounterMetricFamily], name: str, doc: str, value: Callable[[Any], float]) -> Metric:
+            fam = kind(name, doc, labels=names)
+            for engine, st in engines:
+                fam.add_metric([m.model_name, str(engine)], value(st) if st else 0)
+            return fam
 
-        running = st.num_running if st else 0
-        waiting = st.num_waiting if st else 0
-        usage = 1.0 - st.num_free_blocks / st.num_blocks if st and st.num_blocks else 0.0
-        hit_rate = st.prefix_cache_hit_rate if st else 0.0
-        yield gauge("triollm:num_requests_running", "Number of requests in the engine's running set.", running)
-        yield gauge("triollm:num_requests_waiting", "Number of requests waiting in the engine's queue.", waiting)
-        yield gauge("triollm:kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0 to 1).", usage)
-        yield gauge(
-            "triollm:prefix_cache_hit_rate",
+        yield family(GaugeMetricFamily, "triollm:num_requests_running", "Number of requests in the engine's running set.", lambda st: st.num_running)
+        yield family(GaugeMetricFamily, "triollm:num_requests_waiting", "Number of requests waiting in the engine's queue.", lambda st: st.num_waiting)
+        yield family(
+            GaugeMetricFamily, "triollm:kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0 to 1).",
+            lambda st: 1.0 - st.num_free_blocks / st.num_blocks if st.num_blocks else 0.0,
+        )
+        yield family(
+            GaugeMetricFamily, "triollm:prefix_cache_hit_rate",
             "Fraction of looked-up prompt tokens found in the prefix cache since start.",
-            hit_rate,
+            lambda st: st.prefix_cache_hit_rate,
         )
-        c = CounterMetricFamily(
-            "triollm:num_preemptions", "Cumulative number of preemptions in the engine.", labels=["model_name"]
+        yield family(
+            CounterMetricFamily, "triollm:num_preemptions", "Cumulative number of preemptions in the engine.",
+            lambda st: st.num_preemptions,
         )
-        c.add_metric(labels, st.num_preemptions if st else 0)
-        yield c
 
 
 class _WithoutCreated:

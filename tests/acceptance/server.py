@@ -98,7 +98,8 @@ def wait_idle(url: str, timeout: float = 10.0) -> dict[str, float]:
         for line in text.splitlines():
             if line.startswith("triollm:") and " " in line:
                 name, value = line.rsplit(" ", 1)
-                values[name.split("{")[0]] = float(value)
+                key = name.split("{")[0]  # summed over the engines (data parallel ranks)
+                values[key] = values.get(key, 0.0) + float(value)
         if (
             values.get("triollm:num_requests_running") == 0
             and values.get("triollm:num_requests_waiting") == 0

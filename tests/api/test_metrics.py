@@ -31,8 +31,18 @@ def _samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
     return out
 
 
+_PER_ENGINE = {
+    "triollm:num_requests_running",
+    "triollm:num_requests_waiting",
+    "triollm:kv_cache_usage_perc",
+    "triollm:prefix_cache_hit_rate",
+    "triollm:num_preemptions_total",
+}
+
+
 def _get(samples: dict, name: str, **labels: str) -> float:
-    return samples[(name, tuple(sorted({"model_name": "tiny", **labels}.items())))]
+    base = {"model_name": "tiny", "engine": "0"} if name in _PER_ENGINE else {"model_name": "tiny"}
+    return samples[(name, tuple(sorted({**base, **labels}.items())))]
 
 
 STATS = StepStats(
@@ -60,6 +70,15 @@ def test_engine_gauges_from_last_stats() -> None:
     assert _get(s, "triollm:num_requests_running") == 0
     assert _get(s, "triollm:kv_cache_usage_perc") == 0
     assert _get(s, "triollm:num_preemptions_total") == 5
+
+
+def test_each_data_parallel_rank_has_its_own_series() -> None:
+    idle = StepStats(0, 0, 100, 100, 0, 0.0, 1)
+    m = Metrics(_state(STATS, rank_stats=[STATS, idle, None]))
+    s = _samples(m.render().decode())
+    assert [_get(s, "triollm:num_requests_running", engine=e) for e in "012"] == [3, 0, 0]
+    assert _get(s, "triollm:kv_cache_usage_perc", engine="0") == pytest.approx(0.25)
+    assert _get(s, "triollm:num_preemptions_total", engine="1") == 1
 
 
 def test_no_stats_yet_reads_zero() -> None:
