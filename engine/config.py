@@ -36,6 +36,7 @@ from typing import Any
 
 import torch
 
+from triollm.engine.distributed.sharding import check_tensor_parallel
 from triollm.engine.loading.model_config import ModelConfig
 from triollm.engine.loading.model_files import resolve_model
 
@@ -112,12 +113,13 @@ class EngineConfig:
     scheduler: SchedulerConfig
     device: str
     seed: int
-    num_threads: int | None
+    num_threads: int | None  # in all; with tensor parallelism each rank gets its share
     tokenizer: Path  # the tokenizer directory (the model's unless `tokenizer=` named another)
     actor: ActorConfig
     limits: LimitsConfig
     # vLLM arguments the user set that have no effect here (each warned about once).
     ignored_args: tuple[str, ...] = ()
+    tensor_parallel_size: int = 1  # processes the model is sharded over (docs/scaling.md)
 
 
 @dataclass(frozen=True)
@@ -218,7 +220,7 @@ class EngineArgs:
     max_model_len: int | None = _arg(None, "context length (default: the model's)")
     max_logprobs: int = _arg(20, "the most logprobs a request may ask for (-1: no limit)")
     # --- parallelism
-    tensor_parallel_size: int = _arg(1, "1 only")
+    tensor_parallel_size: int = _arg(1, "processes the model is sharded over (CPU, gloo); must divide the attention heads")
     pipeline_parallel_size: int = _arg(1, "1 only")
     data_parallel_size: int = _arg(1, "engine-core processes, each a whole replica with its own KV cache and a share of the threads (the multiprocess transport)")
     distributed_executor_backend: str | None = _arg(None, "accepted, ignored")
@@ -289,9 +291,9 @@ class EngineArgs:
                 "(a .gguf model is dequantised when it is imported)"
             )
         _positive("data_parallel_size", self.data_parallel_size)
-        for name, size in (("tensor_parallel_size", self.tensor_parallel_size), ("pipeline_parallel_size", self.pipeline_parallel_size)):
-            if size != 1:
-                raise ValueError(f"{name}: {size} is not supported (1 only)")
+        _positive("tensor_parallel_size", self.tensor_parallel_size)
+        if self.pipeline_parallel_size != 1:
+            raise ValueError(f"pipeline_parallel_size: {self.pipeline_parallel_size} is not supported (1 only)")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(
                 f"gpu_memory_utilization: must be in (0, 1], got {self.gpu_memory_utilization!r}"
@@ -342,6 +344,10 @@ class EngineArgs:
             raise ValueError(f"load_format: 'gguf' needs a .gguf model file, got model={self.model!r}")
         path = resolve_model(self.model, cache_dir)
         model = ModelConfig.from_pretrained(path, str(self.dtype), self.max_model_len, device)
+        if self.tensor_parallel_size > 1:
+            if device != "cpu":
+                raise ValueError(f"tensor_parallel_size: {self.tensor_parallel_size} runs on device='cpu' only (gloo)")
+            check_tensor_parallel(self.tensor_parallel_size, model.num_heads, model.num_kv_heads, model.intermediate_size)
         budget = self.max_num_batched_tokens
         if budget is None:
             budget = 2048 if self.enable_chunked_prefill else max(2048, model.max_model_len)
@@ -391,6 +397,7 @@ class EngineArgs:
                 max_n=self.max_n,
             ),
             ignored_args=ignored,
+            tensor_parallel_size=self.tensor_parallel_size,
         )
 
     def _ignored_args(self, device: str) -> tuple[str, ...]:
@@ -434,6 +441,9 @@ class EngineArgs:
                 options["choices"] = meta["choices"]
             if meta.get("nargs") is not None:
                 options["nargs"] = meta["nargs"]
+            if f.name == "tensor_parallel_size":  # vLLM's short flag
+                group.add_argument(flag, "-tp", **options)
+                continue
             group.add_argument(flag, **options)
         return parser
 

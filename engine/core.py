@@ -9,6 +9,10 @@ that raises at a given step: `engine/execution/scripted_runner.py`). Where the c
 another process they name a factory instead (`EngineCoreFactory`, "module:function" plus JSON
 keyword arguments), which the actor layer sends to the child: such hooks are no user setting,
 so they are neither `EngineArgs` fields nor CLI flags.
+
+With `tensor_parallel_size` N > 1 the core is rank 0 of N (engine/distributed/group.py): it
+starts N-1 worker processes, holds its own shard of the model and KV cache, and `close()` stops
+the workers (they also leave by themselves when this process exits).
 """
 
 from __future__ import annotations
@@ -18,17 +22,20 @@ import logging
 import math
 import os
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
 from triollm.engine.config import EngineConfig
 from triollm.engine.execution.model_runner import ModelRunner, RunnerOutput
-from triollm.engine.execution.models.llama import load_model
+from triollm.engine.execution.models.llama import LlamaForCausalLM, load_model
 from triollm.engine.request import EngineCoreOutput, EngineCoreRequest, Request, RequestStatus
 from triollm.engine.scheduling.block_manager import BlockManager
 from triollm.engine.scheduling.scheduler import ScheduledRequest, Scheduler
 from triollm.kernels import KVCache, allocate_kv_cache
+
+if TYPE_CHECKING:
+    from triollm.engine.distributed.group import TensorParallelGroup
 
 __all__ = ["EngineCore", "EngineCoreFactory", "EngineCoreStats", "Runner"]
 
@@ -66,8 +73,24 @@ class EngineCore:
         if config.seed is not None:
             torch.manual_seed(config.seed)
         mc = config.model
-        self.model = None if runner is not None else load_model(mc, config.device)
+        self.group: TensorParallelGroup | None = None
+        self.model: LlamaForCausalLM | None = None
+        self.num_kv_heads = mc.num_kv_heads  # this rank's
+        try:
+            self._build(runner)
+        except BaseException:
+            self.close()
+            raise
+
+    def _build(self, runner: Runner | None) -> None:
+        config, mc = self.config, self.config.model
+        if runner is None and config.tensor_parallel_size > 1:
+            self.model = self._load_shard(config.tensor_parallel_size)
+        elif runner is None:
+            self.model = load_model(mc, config.device)
         self.num_blocks = self._num_kv_blocks()
+        if self.group is not None:
+            self.group.send_cache(self.num_blocks)
         bs = config.cache.block_size
         if self.num_blocks * bs < mc.max_model_len and config.cache.num_kv_blocks is None:
             raise ValueError(
@@ -83,9 +106,9 @@ class EngineCore:
         else:
             assert self.model is not None
             kv = allocate_kv_cache(
-                mc.num_layers, self.num_blocks, bs, mc.num_kv_heads, mc.head_dim, mc.dtype, config.device
+                mc.num_layers, self.num_blocks, bs, self.num_kv_heads, mc.head_dim, mc.dtype, config.device
             )
-            self.runner = ModelRunner(self.model, kv, config.device)
+            self.runner = ModelRunner(self.model, kv, config.device, self.group)
         self.requests: dict[str, Request] = {}
         self.num_steps = 0
         log.info(
@@ -98,12 +121,29 @@ class EngineCore:
             config.device,
         )
 
+    def _load_shard(self, size: int) -> LlamaForCausalLM:
+        """Start the workers and load rank 0's shard; the cores are split between the ranks."""
+        from triollm.engine.distributed.group import TensorParallelGroup
+
+        mc, device = self.config.model, self.config.device
+        threads = max(1, (self.config.num_threads or torch.get_num_threads()) // size)
+        torch.set_num_threads(threads)
+        self.group = group = TensorParallelGroup(size, threads, mc, device, self.config.cache.block_size)
+        self.num_kv_heads = group.shard.kv_heads(mc.num_heads, mc.num_kv_heads)[1]
+        return load_model(mc, device, group.shard, group.comm)
+
+    def close(self) -> None:
+        """Stop the tensor-parallel workers, if any (idempotent; nothing to do for one rank)."""
+        if self.group is not None:
+            self.group.close()
+            self.group = None
+
     # ------------------------------------------------------------------ sizing
 
     def _bytes_per_block(self) -> int:
         mc = self.config.model
         return KVCache.bytes_per_block(
-            mc.num_layers, mc.num_kv_heads, mc.head_dim, self.config.cache.block_size, mc.dtype
+            mc.num_layers, self.num_kv_heads, mc.head_dim, self.config.cache.block_size, mc.dtype
         )
 
     def _num_kv_blocks(self) -> int:

@@ -8,11 +8,17 @@ position of requests that asked for prompt logprobs) and calls the sampler.
 Decodes are ordered longest context first, so the decode attention plan (built here once per
 step, shared by every layer) can cut them into groups of similar length; the order of rows is
 the runner's business, results are keyed by request id.
+
+Tensor parallel (docs/scaling.md): rank 0's runner has a `group` and sends each step's inputs
+(`StepInputs`, plain ints) to the other ranks before its forward pass; they rebuild the same
+tensors and attention metadata (`follow`), run the same forward pass and the same logits
+computations (whose rows rank 0 lists in `logit_rows`), and rank 0 samples.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -23,7 +29,10 @@ from triollm.engine.scheduling.scheduler import ScheduledRequest
 from triollm.kernels import KVCache, cpu_native
 from triollm.kernels.attention import DecodeWorkspace, plan_decode
 
-__all__ = ["ModelRunner", "RunnerOutput"]
+if TYPE_CHECKING:
+    from triollm.engine.distributed.group import TensorParallelGroup
+
+__all__ = ["ModelRunner", "RunnerOutput", "StepInputs"]
 
 
 @dataclass
@@ -34,9 +43,29 @@ class RunnerOutput:
     prompt_logprobs: dict[str, Logprobs]
 
 
+@dataclass
+class StepInputs:
+    """One step's forward-pass inputs as plain ints: what rank 0 sends to the other ranks."""
+
+    token_ids: list[int] = field(default_factory=list)
+    positions: list[int] = field(default_factory=list)
+    slots: list[int] = field(default_factory=list)
+    decode_tables: list[list[int]] = field(default_factory=list)  # per decode: its blocks
+    decode_lens: list[int] = field(default_factory=list)  # per decode: context incl. the new token
+    prefills: list[tuple[int, int, int, list[int]]] = field(default_factory=list)  # PrefillChunk fields
+    logit_rows: list[list[int]] = field(default_factory=list)  # rows of each compute_logits call
+
+
 class ModelRunner:
-    def __init__(self, model: LlamaForCausalLM, kv_cache: KVCache, device: torch.device | str) -> None:
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        kv_cache: KVCache,
+        device: torch.device | str,
+        group: TensorParallelGroup | None = None,
+    ) -> None:
         self.model = model
+        self.group = group  # rank 0 of a tensor-parallel model: the other ranks follow each step
         self.kv = kv_cache
         self.device = torch.device(device)
         self.sampler = Sampler()
@@ -51,9 +80,6 @@ class ModelRunner:
         decodes.sort(key=lambda s: s.num_computed_tokens, reverse=True)
         prefills = [s for s in scheduled if s.num_new_tokens > 1]
         order = decodes + prefills
-        input_ids, positions, meta = self._prepare(decodes, prefills)
-        hidden = self.model(input_ids, positions, meta, self.kv)
-
         # Flat index of each request's last fed token.
         ends: list[int] = []
         total = 0
@@ -61,6 +87,13 @@ class ModelRunner:
             total += s.num_new_tokens
             ends.append(total - 1)
         samplers = [i for i, s in enumerate(order) if s.samples]
+        inputs = self._gather(decodes, prefills)
+        if self.group is not None:
+            inputs.logit_rows = _logit_rows(order, ends, samplers)
+            self.group.send_step(inputs)
+        input_ids, positions, meta = self._tensors(inputs)
+        hidden = self.model(input_ids, positions, meta, self.kv)
+
         out = RunnerOutput({}, {}, {})
         if samplers:
             idx = torch.tensor([ends[i] for i in samplers], device=self.device)
@@ -81,24 +114,28 @@ class ModelRunner:
                     out.prompt_logprobs[s.request.request_id] = rows_lp
         return out
 
-    def _prepare(
-        self, decodes: list[ScheduledRequest], prefills: list[ScheduledRequest]
-    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+    @torch.inference_mode()
+    def follow(self, inputs: StepInputs) -> None:
+        """A tensor-parallel worker's step: rank 0's forward pass and logits computations on
+        this rank's shard (the collectives inside them pair with rank 0's)."""
+        input_ids, positions, meta = self._tensors(inputs)
+        hidden = self.model(input_ids, positions, meta, self.kv)
+        for rows in inputs.logit_rows:
+            self.model.compute_logits(hidden.index_select(0, torch.tensor(rows, device=self.device)))
+
+    def _gather(self, decodes: list[ScheduledRequest], prefills: list[ScheduledRequest]) -> StepInputs:
         bs = self.block_size
-        ids: list[int] = []
-        pos: list[int] = []
-        slots: list[int] = []
+        inputs = StepInputs()
+        ids, pos, slots = inputs.token_ids, inputs.positions, inputs.slots
         for s in decodes:
             req = s.request
             p = s.num_computed_tokens
             ids.append(req.all_token_ids[p])
             pos.append(p)
             slots.append(req.block_ids[p // bs] * bs + p % bs)
-        meta = AttentionMetadata(slot_mapping=torch.empty(0), num_decodes=len(decodes))
         if decodes:
-            lens = [p + 1 for p in pos]
-            tables = [s.request.block_ids[: -(-n // bs)] for s, n in zip(decodes, lens)]
-            meta.decode_plan = plan_decode(tables, lens, bs, self.device, self.decode_workspace)
+            inputs.decode_lens = lens = [p + 1 for p in pos]
+            inputs.decode_tables = [s.request.block_ids[: -(-n // bs)] for s, n in zip(decodes, lens)]
         for s in prefills:
             req, c, n = s.request, s.num_computed_tokens, s.num_new_tokens
             start = len(ids)
@@ -107,12 +144,21 @@ class ModelRunner:
             used = -(-(c + n) // bs)
             blocks = req.block_ids[:used]
             slots.extend(_slots(blocks, c, n, bs))
-            meta.prefills.append(
-                PrefillChunk(start, n, c, torch.tensor(blocks, dtype=torch.long, device=self.device))
+            inputs.prefills.append((start, n, c, blocks))
+        return inputs
+
+    def _tensors(self, inputs: StepInputs) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        dev = self.device
+        meta = AttentionMetadata(slot_mapping=torch.empty(0), num_decodes=len(inputs.decode_lens))
+        if inputs.decode_lens:
+            meta.decode_plan = plan_decode(
+                inputs.decode_tables, inputs.decode_lens, self.block_size, dev, self.decode_workspace
             )
-        meta.slot_mapping = torch.tensor(slots, dtype=torch.long, device=self.device)
-        input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
-        positions = torch.tensor(pos, dtype=torch.long, device=self.device)
+        for start, n, c, blocks in inputs.prefills:
+            meta.prefills.append(PrefillChunk(start, n, c, torch.tensor(blocks, dtype=torch.long, device=dev)))
+        meta.slot_mapping = torch.tensor(inputs.slots, dtype=torch.long, device=dev)
+        input_ids = torch.tensor(inputs.token_ids, dtype=torch.long, device=dev)
+        positions = torch.tensor(inputs.positions, dtype=torch.long, device=dev)
         return input_ids, positions, meta
 
     def _prompt_logprobs(
@@ -120,16 +166,36 @@ class ModelRunner:
     ) -> Logprobs | None:
         """Rows for the prompt tokens predicted by this chunk's positions."""
         req = s.request
-        c, n = s.num_computed_tokens, s.num_new_tokens
-        last = min(c + n, req.num_prompt_tokens - 1)  # position P-1 predicts the first output
-        if last <= c:
+        c = s.num_computed_tokens
+        rows = _num_prompt_logprob_rows(s)
+        if not rows:
             return None
-        logits = self.model.compute_logits(hidden[start : start + last - c])
+        last = c + rows
+        logits = self.model.compute_logits(hidden[start : start + rows])
         logprobs = torch.log_softmax(logits, dim=-1)
         targets = torch.tensor(req.prompt_token_ids[c + 1 : last + 1], device=self.device)
         k = logprobs.shape[-1] if k < 0 else k
         ids, lps, ranks = gather_logprobs(logprobs, targets, k)
         return Logprobs(ids.tolist(), lps.tolist(), ranks.tolist())
+
+
+def _num_prompt_logprob_rows(s: ScheduledRequest) -> int:
+    """How many of this chunk's positions predict a prompt token (position P-1 predicts the
+    first output)."""
+    c, n = s.num_computed_tokens, s.num_new_tokens
+    return max(0, min(c + n, s.request.num_prompt_tokens - 1) - c)
+
+
+def _logit_rows(order: list[ScheduledRequest], ends: list[int], samplers: list[int]) -> list[list[int]]:
+    """The rows of each `compute_logits` call `execute` makes, in its order."""
+    rows = [[ends[i] for i in samplers]] if samplers else []
+    for i, s in enumerate(order):
+        if s.request.sampling_params.prompt_logprobs is not None:
+            n = _num_prompt_logprob_rows(s)
+            if n:
+                start = ends[i] - s.num_new_tokens + 1
+                rows.append(list(range(start, start + n)))
+    return rows
 
 
 def _slots(blocks: list[int], start: int, n: int, bs: int) -> list[int]:

@@ -6,6 +6,11 @@ linear layers run over all of them at once, and only attention splits the batch:
 gets its own causal attention call. Q/K/V and gate/up projections are fused into one matmul each
 at load time (fewer, larger matmuls are faster on CPU and GPU alike).
 
+Tensor parallel (`shard` set, docs/scaling.md): each rank holds its heads, its share of the MLP
+and its vocabulary slice (engine/distributed/sharding.py), loads only those slices from the
+checkpoint, and runs the collectives (`comm`) after o_proj, down_proj and the embedding. With
+`shard` None (one rank) the model is exactly the unsharded one.
+
 CPU speed (docs/benchmarks.md has the measurements):
 - Linear layers run through oneDNN with weights reordered once at load (`Linear.pack`): F.linear
   goes to MKL's sgemm, which takes its AVX2 path on AMD CPUs and ran 2x slower at batch 64
@@ -20,16 +25,21 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from safetensors import safe_open
 from torch import nn
 
+from triollm.engine.distributed.sharding import TPShard
 from triollm.engine.loading.model_config import ModelConfig
 from triollm.kernels import KVCache, cpu_native, prefill_attention, rms_norm, write_kv
 from triollm.kernels.attention import DecodePlan, decode_attention
 from triollm.kernels.rotary import apply_rotary_signed, rotary_sign, rotary_tables
+
+if TYPE_CHECKING:
+    from triollm.engine.distributed.collectives import Collectives
 
 __all__ = ["AttentionMetadata", "LlamaForCausalLM", "PrefillChunk", "load_model"]
 
@@ -87,12 +97,18 @@ class Linear(nn.Linear):
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, shard: TPShard | None = None) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        qkv_out = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
+        o_bias = cfg.o_proj_bias
+        if shard is not None:  # this rank's heads; the row-parallel bias is added once, on rank 0
+            self.num_heads = shard.split(cfg.num_heads)[1]
+            self.num_kv_heads = shard.kv_heads(cfg.num_heads, cfg.num_kv_heads)[1]
+            o_bias = o_bias and shard.rank == 0
+        self.comm: Collectives | None = None  # set by load_model when sharded
+        qkv_out = (self.num_heads + 2 * self.num_kv_heads) * cfg.head_dim
         self.qkv_proj = Linear(cfg.hidden_size, qkv_out, bias=cfg.qkv_bias)
-        self.o_proj = Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=cfg.o_proj_bias)
+        self.o_proj = Linear(self.num_heads * cfg.head_dim, cfg.hidden_size, bias=o_bias)
         # Softmax scale stays head_dim**-0.5 for every RoPE type: YaRN's attention factor is in
         # the cos/sin tables (it scales q and k), as in transformers' Llama.
         self.scale = cfg.head_dim**-0.5
@@ -114,7 +130,7 @@ class LlamaAttention(nn.Module):
             # An all-decode step on the native CPU kernels: rotary + cache write in one call.
             q = cpu_native.rotary_write_kv(qkv, cos, sin, k_cache, v_cache, meta.slot_mapping, h, kvh)
             out = decode_attention(q, k_cache, v_cache, plan, self.scale)
-            return self.o_proj(out.view(t, h * hd))
+            return self._project(out.view(t, h * hd))
         # Q and K rotated in one call; V stays a view of the projection.
         qk = apply_rotary_signed(qkv[:, : (h + kvh) * hd].view(t, h + kvh, hd), cos, sin)
         q, k = qk[:, :h], qk[:, h:]
@@ -134,30 +150,41 @@ class LlamaAttention(nn.Module):
                 out[s:e] = prefill_attention(
                     q[s:e], k[s:e], v[s:e], k_cache, v_cache, c.block_ids, c.num_context, self.scale
                 )
-        return self.o_proj(out.view(t, h * hd))
+        return self._project(out.view(t, h * hd))
+
+    def _project(self, out: torch.Tensor) -> torch.Tensor:
+        out = self.o_proj(out)
+        return out if self.comm is None else self.comm.all_reduce(out)
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, shard: TPShard | None = None) -> None:
         super().__init__()
         self.intermediate = cfg.intermediate_size
-        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
-        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        down_bias = cfg.mlp_bias
+        if shard is not None:
+            self.intermediate = shard.split(cfg.intermediate_size)[1]
+            down_bias = down_bias and shard.rank == 0
+        self.comm: Collectives | None = None  # set by load_model when sharded
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * self.intermediate, bias=cfg.mlp_bias)
+        self.down_proj = Linear(self.intermediate, cfg.hidden_size, bias=down_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
         if gate_up.device.type == "cpu" and cpu_native.available():
-            return self.down_proj(cpu_native.silu_and_mul(gate_up))
-        gate, up = gate_up.split(self.intermediate, dim=-1)
-        return self.down_proj(F.silu(gate).mul_(up))
+            out = self.down_proj(cpu_native.silu_and_mul(gate_up))
+        else:
+            gate, up = gate_up.split(self.intermediate, dim=-1)
+            out = self.down_proj(F.silu(gate).mul_(up))
+        return out if self.comm is None else self.comm.all_reduce(out)
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, shard: TPShard | None = None) -> None:
         super().__init__()
         self.eps = cfg.rms_norm_eps
-        self.self_attn = LlamaAttention(cfg)
-        self.mlp = LlamaMLP(cfg)
+        self.self_attn = LlamaAttention(cfg, shard)
+        self.mlp = LlamaMLP(cfg, shard)
         self.input_layernorm = nn.Parameter(torch.ones(cfg.hidden_size))
         self.post_attention_layernorm = nn.Parameter(torch.ones(cfg.hidden_size))
 
@@ -167,17 +194,21 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, shard: TPShard | None = None) -> None:
         super().__init__()
         self.cfg = cfg
+        self.shard = shard
+        self.comm: Collectives | None = None  # set by load_model when sharded
+        vocab = cfg.vocab_size
+        if shard is not None:
+            start, stop = shard.vocab(cfg.vocab_size)
+            vocab = stop - start
         # An explicit weight skips nn.Embedding's random init: on the meta device that init
         # imports torch's reference ops (~1.5 s at every engine start).
-        self.embed_tokens = nn.Embedding(
-            cfg.vocab_size, cfg.hidden_size, _weight=torch.empty(cfg.vocab_size, cfg.hidden_size)
-        )
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.embed_tokens = nn.Embedding(vocab, cfg.hidden_size, _weight=torch.empty(vocab, cfg.hidden_size))
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, shard) for _ in range(cfg.num_layers))
         self.norm = nn.Parameter(torch.ones(cfg.hidden_size))
-        self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, vocab, bias=False)
         self.packed_tied_head: torch.Tensor | None = None  # set by pack_linears
         # Plain attributes (not buffers): computed here on the CPU (also when the model is built
         # on the meta device), never loaded; moved in load_model.
@@ -186,7 +217,10 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, kv: KVCache) -> torch.Tensor:
         """Hidden states `[T, hidden]` (final norm applied) for the flat batch."""
-        x = self.embed_tokens(input_ids)
+        if self.comm is None:
+            x = self.embed_tokens(input_ids)
+        else:
+            x = self.comm.embed(self.embed_tokens.weight, input_ids)
         # [T, 1, head_dim], broadcast over heads; sin carries rotate-half's sign.
         cos = self.rope_cos.index_select(0, positions).to(x.dtype).unsqueeze(1)
         sin = self.rope_sin_signed.index_select(0, positions).to(x.dtype).unsqueeze(1)
@@ -195,11 +229,15 @@ class LlamaForCausalLM(nn.Module):
         return rms_norm(x, self.norm, self.cfg.rms_norm_eps)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """fp32 logits `[n, vocab]`; sharded, gathered on rank 0 (the other ranks get their own
+        slice back, which nobody reads)."""
         if self.lm_head is not None:
-            return self.lm_head(hidden).float()
-        if self.packed_tied_head is not None:
-            return _onednn_linear(hidden, self.packed_tied_head, None).float()
-        return F.linear(hidden, self.embed_tokens.weight).float()
+            logits = self.lm_head(hidden).float()
+        elif self.packed_tied_head is not None:
+            logits = _onednn_linear(hidden, self.packed_tied_head, None).float()
+        else:
+            logits = F.linear(hidden, self.embed_tokens.weight).float()
+        return logits if self.comm is None else self.comm.gather_logits(logits)
 
     def pack_linears(self) -> None:
         """Pack every linear layer for oneDNN (a no-op off CPU fp32). A tied lm_head gets a packed
@@ -249,9 +287,54 @@ def _target(name: str) -> tuple[str, int | None]:
     return name, None
 
 
-def load_model(cfg: ModelConfig, device: str | torch.device = "cpu") -> LlamaForCausalLM:
+def _shard_range(target: str, piece: int | None, cfg: ModelConfig, shard: TPShard) -> tuple[int, int, int] | None:
+    """(dim, start, stop) of this rank's slice of the checkpoint tensor loaded into `target`
+    (`piece` of it, if fused); None for a tensor every rank holds whole."""
+    hd = cfg.head_dim
+    if target.endswith("qkv_proj.weight") or target.endswith("qkv_proj.bias"):
+        if piece == 0:
+            first, count = shard.split(cfg.num_heads)
+        else:
+            first, count = shard.kv_heads(cfg.num_heads, cfg.num_kv_heads)
+        return 0, first * hd, (first + count) * hd
+    if target.endswith("gate_up_proj.weight") or target.endswith("gate_up_proj.bias"):
+        first, count = shard.split(cfg.intermediate_size)
+        return 0, first, first + count
+    if target.endswith("o_proj.weight"):
+        first, count = shard.split(cfg.num_heads)
+        return 1, first * hd, (first + count) * hd
+    if target.endswith("down_proj.weight"):
+        first, count = shard.split(cfg.intermediate_size)
+        return 1, first, first + count
+    if target in ("embed_tokens.weight", "lm_head.weight"):
+        return (0, *shard.vocab(cfg.vocab_size))
+    return None
+
+
+def _read(f, name: str, target: str, piece: int | None, cfg: ModelConfig, shard: TPShard | None) -> torch.Tensor | None:  # type: ignore[no-untyped-def]
+    """Tensor `name` from open checkpoint `f`: whole, or only this rank's slice of it; None for a
+    row-parallel bias that only rank 0 adds."""
+    if shard is None:
+        return f.get_tensor(name)
+    if target.endswith(("o_proj.bias", "down_proj.bias")):
+        return f.get_tensor(name) if shard.rank == 0 else None
+    where = _shard_range(target, piece, cfg, shard)
+    if where is None:
+        return f.get_tensor(name)
+    dim, start, stop = where
+    part = f.get_slice(name)
+    return part[start:stop] if dim == 0 else part[:, start:stop]
+
+
+def load_model(
+    cfg: ModelConfig,
+    device: str | torch.device = "cpu",
+    shard: TPShard | None = None,
+    comm: Collectives | None = None,
+) -> LlamaForCausalLM:
+    """The model on `device`; with `shard` (and its `comm`), only this rank's slices."""
     with torch.device("meta"):
-        model = LlamaForCausalLM(cfg)
+        model = LlamaForCausalLM(cfg, shard)
     params = dict(model.named_parameters())
     pieces: dict[str, dict[int, torch.Tensor]] = {}
     loaded: dict[str, torch.Tensor] = {}
@@ -262,14 +345,17 @@ def load_model(cfg: ModelConfig, device: str | torch.device = "cpu") -> LlamaFor
                     continue
                 if name == "lm_head.weight" and cfg.tie_word_embeddings:
                     continue
-                target, shard = _target(name)
+                target, piece = _target(name)
                 if target not in params:
                     raise ValueError(f"model: unexpected tensor {name!r} in {file.name}")
-                tensor = f.get_tensor(name).to(cfg.dtype)
-                if shard is None:
+                read = _read(f, name, target, piece, cfg, shard)
+                if read is None:
+                    continue
+                tensor = read.to(cfg.dtype)
+                if piece is None:
                     loaded[target] = tensor
                 else:
-                    pieces.setdefault(target, {})[shard] = tensor
+                    pieces.setdefault(target, {})[piece] = tensor
     for target, parts in pieces.items():
         loaded[target] = torch.cat([parts[i] for i in sorted(parts)], dim=0)
     missing = sorted(set(params) - set(loaded))
@@ -285,6 +371,11 @@ def load_model(cfg: ModelConfig, device: str | torch.device = "cpu") -> LlamaFor
     model.requires_grad_(False)
     model = model.to(device).eval()
     model.pack_linears()
+    if comm is not None:
+        model.comm = comm
+        for m in model.modules():
+            if isinstance(m, (LlamaAttention, LlamaMLP)):
+                m.comm = comm
     return model
 
 
