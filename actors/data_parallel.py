@@ -163,6 +163,10 @@ async def open_data_parallel_client(
     rank_args = dataclasses.replace(args, data_parallel_size=1, num_threads=rank_threads(args.num_threads, size))
     async with AsyncExitStack() as stack:
         ranks: list[CoreClient] = []
+        # Each rank's output stream is closed after its context has exited (this callback runs
+        # last), never by a forwarder: a rank that dies after the first death still delivers
+        # its EngineDead into an open stream (a closed one raised BrokenResourceError there).
+        stack.callback(_close_outputs, ranks)
         for _ in range(size):  # one after the other: a failed start stops the ones already up
             ranks.append(await stack.enter_async_context(open_process_core(config, rank_args, core_factory=core_factory)))
         router = Router(size)
@@ -204,6 +208,11 @@ async def open_data_parallel_client(
         # Leaving the stack stops every rank (Shutdown, then signals), the last started first.
 
 
+def _close_outputs(ranks: list[CoreClient]) -> None:
+    for r in ranks:
+        r.outputs.close()
+
+
 def _send(stream: MemoryObjectSendStream[CoreInput], msg: CoreInput) -> None:
     try:
         stream.send_nowait(msg)  # the ranks' input streams are unbounded
@@ -240,7 +249,7 @@ async def _merge_outputs(
     router: Router,
     forwarders: list[anyio.CancelScope],
 ) -> None:
-    with forwarders[rank], outputs, merged:
+    with forwarders[rank], merged:
         async for msg in outputs:
             match msg:
                 case OutputBatch():

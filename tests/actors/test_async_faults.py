@@ -497,6 +497,7 @@ def check_outcomes(
 SOAK = os.environ.get("TRIOLLM_SOAK", "") == "1"
 INPROC_EXAMPLES = 1000 if SOAK else 60
 MULTIPROCESS_EXAMPLES = 1000 if SOAK else 20
+DATA_PARALLEL_EXAMPLES = 1000 if SOAK else 8  # two children per example
 
 
 def faults() -> st.SearchStrategy[tuple[str, int] | None]:
@@ -551,6 +552,29 @@ async def test_fault_plan_multiprocess(
     pressure: bool,
 ) -> None:
     await run_plan(engine_args, steps, fault, chunk, ending, pressure)
+
+
+@IGNORE_GC_WARNING
+@pytest.mark.parametrize("transport", ["multiprocess"], indirect=True)
+@settings(max_examples=DATA_PARALLEL_EXAMPLES, **PLAN_SETTINGS)
+@given(
+    steps=plan_steps(kill=True),
+    fault=faults(),
+    ending=st.sampled_from(["drain", "shutdown_now", "shutdown_wait"]),
+    pressure=st.booleans(),
+)
+async def test_fault_plan_data_parallel(
+    engine_args: Callable[..., AsyncEngineArgs],
+    steps: list[Any],
+    fault: tuple[str, int] | None,
+    ending: str,
+    pressure: bool,
+) -> None:
+    # Two ranks: the kill step kills rank 0's process, a fault hits each rank at its step n.
+    def two_ranks(**overrides: Any) -> AsyncEngineArgs:
+        return engine_args(data_parallel_size=2, **overrides)
+
+    await run_plan(two_ranks, steps, fault, 1, ending, pressure)
 
 
 # ============================================================================== death, in detail
