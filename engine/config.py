@@ -441,10 +441,8 @@ class EngineArgs:
                 options["choices"] = meta["choices"]
             if meta.get("nargs") is not None:
                 options["nargs"] = meta["nargs"]
-            if f.name == "tensor_parallel_size":  # vLLM's short flag
-                group.add_argument(flag, "-tp", **options)
-                continue
-            group.add_argument(flag, **options)
+            short = _SHORT_FLAGS.get(f.name)  # vLLM's
+            group.add_argument(flag, *([short] if short else []), **options)
         return parser
 
     @classmethod
@@ -515,6 +513,9 @@ def _one_of(name: str, value: object, allowed: Sequence[object], hint: str = "")
     if value not in allowed:
         listed = ", ".join(str(a) for a in allowed)
         raise ValueError(f"{name}: {value!r} is not supported; allowed: {listed}" + (f" ({hint})" if hint else ""))
+
+
+_SHORT_FLAGS = {"tensor_parallel_size": "-tp", "data_parallel_size": "-dp"}
 
 
 def _positive(name: str, value: int) -> None:

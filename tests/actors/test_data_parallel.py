@@ -163,3 +163,14 @@ def test_the_boundary_rules_are_clear_errors(tiny_model_dir: Path) -> None:
     with pytest.raises(ValueError, match="data_parallel_size: 2 is not supported by LLM"):
         LLM(str(tiny_model_dir), data_parallel_size=2)
 
+
+
+def test_the_cli_takes_vllms_flags() -> None:
+    import argparse
+
+    from triollm.engine.config import EngineArgs
+
+    parser = argparse.ArgumentParser()
+    EngineArgs.add_cli_args(parser)
+    for argv in (["-dp", "2"], ["--data-parallel-size", "2"]):
+        assert EngineArgs.from_cli_args(parser.parse_args(argv)).data_parallel_size == 2
