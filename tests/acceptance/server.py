@@ -88,6 +88,22 @@ def run_server(model: Path, *args: str, timeout: float = 60.0) -> Iterator[Serve
             proc.stdout.close()
 
 
+def health_after_death(url: str, timeout: float = 5.0) -> int | str:
+    """Poll /health until it answers 503 or the server has closed its socket ("gone": it is
+    exiting); the last status otherwise (a server that kept answering 200)."""
+    deadline = time.monotonic() + timeout
+    status: int | str | None = None
+    while time.monotonic() < deadline:
+        try:
+            status = httpx.get(f"{url}/health", timeout=1).status_code
+        except httpx.HTTPError:
+            return "gone"
+        if status == 503:
+            return status
+        time.sleep(0.01)
+    return status if status is not None else "no answer"
+
+
 def wait_idle(url: str, timeout: float = 10.0) -> dict[str, float]:
     """Poll /metrics until no request runs or waits and the KV cache is empty."""
     deadline = time.monotonic() + timeout
