@@ -9,6 +9,7 @@ forward pass on its shard and exits on STOP, on end of file (rank 0 is gone) or 
 from __future__ import annotations
 
 import os
+import signal
 import sys
 from datetime import timedelta
 
@@ -61,6 +62,9 @@ def serve() -> None:
 
 
 def main() -> int:
+    # Ctrl-C reaches the whole process group: rank 0 decides how the engine stops, and this
+    # worker follows (STOP, end of file), rather than dying under a step rank 0 is finishing.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         serve()
     except Exception as exc:  # rank 0 reports the failure; one line here says which rank
