@@ -555,6 +555,8 @@ async def _serve(
                 failed = True
             out_tg.cancel_scope.deadline = anyio.current_time() + FLUSH_S
         tg.cancel_scope.cancel()
+    with anyio.CancelScope(shield=True):  # its tensor-parallel workers, if any (bounded waits)
+        await anyio.to_thread.run_sync(core.close)
     return 1 if failed else 0
 
 

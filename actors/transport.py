@@ -92,3 +92,5 @@ async def _open_in_process(
             with anyio.CancelScope(shield=True), anyio.move_on_after(client.shutdown_grace_s):
                 await done.wait()
             tg.cancel_scope.cancel()
+    with anyio.CancelScope(shield=True):  # its tensor-parallel workers, if any (bounded waits)
+        await anyio.to_thread.run_sync(core.close)

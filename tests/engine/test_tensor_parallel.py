@@ -229,3 +229,13 @@ def test_killed_worker_fails_every_request_through_llm(tiny_model_dir: Path) -> 
     while psutil.Process().children(recursive=True) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not _workers()
+
+
+@pytest.mark.parametrize("multiprocess", [False, True])
+def test_workers_leave_when_the_engine_shuts_down(tiny_model_dir: Path, multiprocess: bool) -> None:
+    """An orderly shutdown stops the workers (STOP), in-process or from the engine-core child,
+    rather than leaving them to notice their parent's exit."""
+    with LLM(str(tiny_model_dir), max_model_len=256, tensor_parallel_size=2, num_threads=2, multiprocess=multiprocess) as llm:
+        assert llm.generate("Hello", GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+        assert len(_workers()) == 1
+    _wait_no_workers(5)
