@@ -98,6 +98,7 @@ class _Output:
         self._send = send
         self._scope = scope
         self.started = False  # headers sent
+        self.ending = False  # the last body message is being sent: a hang-up now is no abort
         self.complete = False  # the last body message sent (or the client is gone)
 
     async def _message(self, message: Message) -> None:
@@ -116,6 +117,7 @@ class _Output:
         await self._message(
             {"type": "http.response.start", "status": status, "headers": [*_JSON_HEADERS, *headers]}
         )
+        self.ending = True
         await self._message({"type": "http.response.body", "body": body, "more_body": False})
         self.complete = True
 
@@ -128,6 +130,7 @@ class _Output:
             await self._message({"type": "http.response.body", "body": data, "more_body": True})
 
     async def end_stream(self, data: bytes = b"") -> None:
+        self.ending = True
         await self._message({"type": "http.response.body", "body": data + DONE, "more_body": False})
         self.complete = True
 
@@ -224,7 +227,7 @@ class GenerationResponse(Response):
                 pass
         except Exception as exc:  # a server that raises instead: the client is gone all the same
             log.debug("%s: receive() failed: %r", self.label, exc)
-        if not out.complete:
+        if not (out.complete or out.ending):
             log.info("%s: client disconnected; aborting the request", self.label)
         scope.cancel()
 

@@ -732,3 +732,33 @@ async def test_disconnect_aborts(state: ServerState, stream: bool) -> None:
     await _engine_idle(llm)
     async with open_client(state) as client:
         await assert_still_serving(client)
+
+
+@pytest.mark.parametrize("stream", [True, False], ids=["stream", "non-stream"])
+async def test_a_client_that_hangs_up_after_the_last_byte_is_no_disconnect(
+    state: ServerState, stream: bool, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Hypercorn delivers `http.disconnect` while the last body message is still being sent (the
+    # client read it and closed); that is a finished response, not an aborted request.
+    app = build_app(state)
+    body = {"prompt": "Hello", "max_tokens": 4, "stream": stream, **GREEDY}
+    disconnect = anyio.Event()
+    received = [{"type": "http.request", "body": json.dumps({"model": MODEL, **body}).encode(), "more_body": False}]
+    sent: list[dict[str, Any]] = []
+
+    async def receive() -> dict[str, Any]:
+        if received:
+            return received.pop()
+        await disconnect.wait()
+        return {"type": "http.disconnect"}
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+        if message["type"] == "http.response.body" and not message.get("more_body"):
+            disconnect.set()
+            await anyio.sleep(0.01)  # the watcher runs before this send returns
+
+    with caplog.at_level("INFO", logger="triollm.api"), anyio.fail_after(10):
+        await app(asgi_post("/v1/completions"), receive, send)
+    assert sent[-1]["type"] == "http.response.body" and not sent[-1].get("more_body")
+    assert not [r for r in caplog.records if "client disconnected" in r.getMessage()]
