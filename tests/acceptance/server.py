@@ -104,6 +104,20 @@ def health_after_death(url: str, timeout: float = 5.0) -> int | str:
     return status if status is not None else "no answer"
 
 
+def assert_dies_with_its_engine(srv: Server, engine: list[psutil.Process], timeout: float = 20.0) -> None:
+    """After an engine process was killed: /health answers 503 until the server has closed its
+    socket (one that kept answering 200 for 5 s fails), the server exits non-zero within
+    `timeout`, and no engine process is left."""
+    status = health_after_death(srv.url)
+    assert status in (503, "gone"), status
+    try:
+        code = srv.wait(timeout)
+    except subprocess.TimeoutExpired:
+        raise AssertionError("server did not exit after the engine died") from None
+    assert code != 0
+    assert not [p for p in engine if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+
+
 def wait_idle(url: str, timeout: float = 10.0) -> dict[str, float]:
     """Poll /metrics until no request runs or waits and the KV cache is empty."""
     deadline = time.monotonic() + timeout
