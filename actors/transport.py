@@ -7,8 +7,10 @@ messages. The choice is a value (`config.actor.multiprocess`), not a class hiera
 - In-process: `EngineCore` is built in its compute thread (`actors/compute.py`) and driven by
   `serve_engine_core` in a task of this event loop (each step in that same thread).
 - Multiprocess: see `actors/process.py`.
-- Data parallel (`data_parallel_size > 1`): N engine-core processes behind one client, see
-  `actors/data_parallel.py`.
+- Data parallel (`data_parallel_size > 1`, or the Ray backend): N engine-core processes (or Ray
+  actors) behind one client, see `actors/data_parallel.py`.
+- External load balancing (`data_parallel_rank`): this server runs its one rank as above, with
+  that rank's share of the threads (the ranks' servers are taken to share this node).
 
 `core_factory` (tests and benchmarks only) builds the core instead of `EngineCore(config)`: a
 scripted runner, an injected fault. It is plain data, so it crosses to the child process too.
@@ -20,6 +22,7 @@ The output stream ends after `EngineDead`, or when the core stops after `Shutdow
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -29,7 +32,7 @@ import anyio
 from triollm.actors.compute import ComputeThread, compute_thread
 from triollm.actors.core_client import OUTPUT_BUFFER, SHUTDOWN_GRACE_S, CoreClient
 from triollm.actors.core_loop import serve_engine_core
-from triollm.actors.data_parallel import open_data_parallel_client
+from triollm.actors.data_parallel import open_data_parallel_client, rank_threads
 from triollm.actors.messages import CoreInput, CoreOutput, Ready, Shutdown
 from triollm.actors.process import open_process_core
 from triollm.engine.config import EngineArgs, EngineConfig
@@ -44,7 +47,12 @@ async def open_core_client(
 ) -> AsyncIterator[CoreClient]:
     """Start the engine core as `config.actor` says. `args` (what the user asked for) is what a
     child process rebuilds its config from; everything else is read from `config`."""
-    if config.actor.data_parallel_size > 1:
+    actor = config.actor
+    if actor.data_parallel_world > 1 and actor.data_parallel_size == 1:  # external load balancing
+        threads = rank_threads(args.num_threads, actor.data_parallel_world)
+        args = dataclasses.replace(args, num_threads=threads)
+        config = dataclasses.replace(config, num_threads=threads)
+    if actor.data_parallel_size > 1 or actor.data_parallel_backend == "ray":
         async with open_data_parallel_client(config, args, core_factory=core_factory) as client:
             yield client
     elif config.actor.multiprocess:

@@ -151,11 +151,14 @@ class _EngineCollector(Collector):
         self._metrics = metrics
 
     def collect(self) -> Iterator[Metric]:
-        # One series per engine core (vLLM's `engine` label): "0" alone, or each data parallel
-        # rank's own statistics.
+        # One series per engine core (vLLM's `engine` label): each data parallel rank's own
+        # statistics, or this server's one core (labelled with its rank under external load
+        # balancing, "0" otherwise).
         m = self._metrics
         per_rank = getattr(m.state.llm, "rank_stats", None)
-        engines = list(enumerate(per_rank)) if per_rank else [(0, m.current_stats())]
+        config = getattr(m.state.llm, "config", None)
+        own_rank = config.actor.data_parallel_rank if config is not None else 0
+        engines = list(enumerate(per_rank)) if per_rank else [(own_rank, m.current_stats())]
         names = ["model_name", "engine"]
 
         def family(kind: type[GaugeMetricFamily] | type[CounterMetricFamily], name: str, doc: str, value: Callable[[Any], float]) -> Metric:

@@ -115,6 +115,12 @@ async def serve(
         async with anyio.create_task_group() as tg:
             tg.start_soon(_watch_signals, stop, escalate)
             tg.start_soon(watch_engine)
+            actor = llm.config.actor if llm.config is not None else None
+            if actor is not None and actor.data_parallel_world > actor.data_parallel_size:
+                log.warning(
+                    "triollm: data parallel rank %d of %d (external load balancing: this server "
+                    "runs that rank alone)", actor.data_parallel_rank, actor.data_parallel_world,
+                )
             log.warning("triollm: serving %s on %s (ready)", ", ".join(settings.served_model_names), url)
             task_status.started(url)
             await _hypercorn_serve(app, config, shutdown_trigger)

@@ -89,6 +89,12 @@ class ActorConfig:
     engine_output_timeout_s: float | None
     # Engine-core processes behind the frontend, requests balanced over them (data parallel).
     data_parallel_size: int = 1
+    # External load balancing: this server is rank `data_parallel_rank` of `data_parallel_world`
+    # servers and runs that one engine core (data_parallel_size is 1 then).
+    data_parallel_rank: int = 0
+    data_parallel_world: int = 1
+    data_parallel_backend: str = "mp"  # "ray": the engine cores are Ray actors
+    data_parallel_address: str | None = None  # Ray: the host the engine cores connect back to
 
 
 @dataclass(frozen=True)
@@ -167,6 +173,7 @@ _TORCH_DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.flo
 LOAD_FORMATS = ("auto", "safetensors", "gguf")
 TOKENIZER_MODES = ("auto", "hf", "slow")
 BLOCK_SIZES = (8, 16, 32, 64, 128)
+DP_BACKENDS = ("mp", "ray")
 
 # vLLM arguments that change nothing in this engine: set to a non-default value, each is logged
 # once per process with the reason. (`_SOMETIMES_IGNORED` join them in some cases.)
@@ -182,6 +189,7 @@ IGNORED_ARGS: dict[str, str] = {
     "max_seq_len_to_capture": "no CUDA graphs are captured",
     "cpu_offload_gb": "weights are not offloaded",
     "allowed_local_media_path": "prompts are text or token ids only",
+    "data_parallel_rpc_port": "dense models need no data parallel coordinator (ranks never synchronise)",
     "renderer_num_workers": "prompts are tokenized in the request's own task (large ones in a "
     "worker thread); there is no renderer pool",
 }
@@ -223,6 +231,11 @@ class EngineArgs:
     tensor_parallel_size: int = _arg(1, "processes the model is sharded over (CPU, gloo); must divide the attention heads")
     pipeline_parallel_size: int = _arg(1, "1 only")
     data_parallel_size: int = _arg(1, "engine-core processes, each a whole replica with its own KV cache and a share of the threads (the multiprocess transport)")
+    data_parallel_rank: int | None = _arg(None, "external load balancing: this server runs data parallel rank k of data_parallel_size only (one server per rank, your balancer in front)")
+    data_parallel_external_lb: bool = _arg(False, "one server per data parallel rank (set by data_parallel_rank)")
+    data_parallel_backend: str = _arg("mp", "where the data parallel engine cores run: 'mp' (child processes of this server) or 'ray' (Ray actors, one placement group per rank; needs triollm[ray])", choices=DP_BACKENDS)
+    data_parallel_address: str | None = _arg(None, "with the Ray backend: the address of this node the engine cores connect back to (default: Ray's address of this node)")
+    data_parallel_rpc_port: int | None = _arg(None, "accepted, ignored (dense models need no data parallel coordinator)")
     distributed_executor_backend: str | None = _arg(None, "accepted, ignored")
     disable_custom_all_reduce: bool = _arg(False, "accepted, ignored")
     # --- KV cache
@@ -292,11 +305,34 @@ class EngineArgs:
             )
         _positive("data_parallel_size", self.data_parallel_size)
         _positive("tensor_parallel_size", self.tensor_parallel_size)
+        self._check_data_parallel()
         if self.pipeline_parallel_size != 1:
             raise ValueError(f"pipeline_parallel_size: {self.pipeline_parallel_size} is not supported (1 only)")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(
                 f"gpu_memory_utilization: must be in (0, 1], got {self.gpu_memory_utilization!r}"
+            )
+
+    def _check_data_parallel(self) -> None:
+        _one_of("data_parallel_backend", self.data_parallel_backend, DP_BACKENDS)
+        rank, size = self.data_parallel_rank, self.data_parallel_size
+        if rank is not None:
+            if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < size:
+                raise ValueError(
+                    f"data_parallel_rank: {rank!r} is not a rank of data_parallel_size={size}; "
+                    f"allowed: 0 to {size - 1}"
+                )
+            self.data_parallel_external_lb = True  # as vLLM: a rank given means one server per rank
+        elif self.data_parallel_external_lb:
+            raise ValueError(
+                "data_parallel_external_lb: one server per rank needs this server's rank; "
+                f"set data_parallel_rank (0 to {size - 1})"
+            )
+        if self.data_parallel_external_lb and self.data_parallel_backend != "mp":
+            raise ValueError(
+                f"data_parallel_backend: {self.data_parallel_backend!r} places every rank from one "
+                "server; with external load balancing (data_parallel_rank) each server runs its own "
+                "rank: allowed: 'mp'"
             )
 
     def create_engine_config(self) -> EngineConfig:
@@ -324,11 +360,19 @@ class EngineArgs:
         for name in ("max_stop_strings", "max_stop_string_len", "max_token_list_len", "max_prompts_per_request", "max_n"):
             _positive(name, getattr(self, name))
         multiprocess = _multiprocess(self.multiprocess)
-        if self.data_parallel_size > 1 and not multiprocess:
+        # External load balancing: this server runs one rank, alone (its share of the threads).
+        local_ranks = 1 if self.data_parallel_external_lb else self.data_parallel_size
+        if (local_ranks > 1 or self.data_parallel_backend == "ray") and not multiprocess:
+            what = f"data_parallel_size: {self.data_parallel_size}" if local_ranks > 1 else "data_parallel_backend: 'ray'"
             raise ValueError(
-                f"data_parallel_size: {self.data_parallel_size} needs an engine-core process per "
-                "rank, but multiprocess is off (multiprocess=False or $TRIOLLM_MULTIPROCESS=0); "
-                "allowed with it off: 1"
+                f"{what} needs an engine-core process per rank, but multiprocess is off "
+                "(multiprocess=False or $TRIOLLM_MULTIPROCESS=0); allowed with it off: "
+                "data_parallel_size=1 and data_parallel_backend='mp'"
+            )
+        if self.data_parallel_address is not None and self.data_parallel_backend != "ray":
+            raise ValueError(
+                "data_parallel_address: only the Ray backend connects engine cores back over the "
+                "network; allowed with data_parallel_backend='mp': None"
             )
         timeout = self.engine_output_timeout_s
         if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0):
@@ -385,7 +429,11 @@ class EngineArgs:
                 zmq_insecure_tcp=self.zmq_insecure_tcp,
                 max_logprobs=self.max_logprobs,
                 engine_output_timeout_s=None if timeout is None else float(timeout),
-                data_parallel_size=self.data_parallel_size,
+                data_parallel_size=local_ranks,
+                data_parallel_rank=self.data_parallel_rank or 0,
+                data_parallel_world=self.data_parallel_size,
+                data_parallel_backend=self.data_parallel_backend,
+                data_parallel_address=self.data_parallel_address,
             ),
             limits=LimitsConfig(
                 max_num_queued_reqs=self.max_num_queued_reqs,
@@ -515,7 +563,14 @@ def _one_of(name: str, value: object, allowed: Sequence[object], hint: str = "")
         raise ValueError(f"{name}: {value!r} is not supported; allowed: {listed}" + (f" ({hint})" if hint else ""))
 
 
-_SHORT_FLAGS = {"tensor_parallel_size": "-tp", "data_parallel_size": "-dp"}
+_SHORT_FLAGS = {  # vLLM's
+    "tensor_parallel_size": "-tp",
+    "data_parallel_size": "-dp",
+    "data_parallel_rank": "-dpn",
+    "data_parallel_backend": "-dpb",
+    "data_parallel_address": "-dpa",
+    "data_parallel_rpc_port": "-dpp",
+}
 
 
 def _positive(name: str, value: int) -> None:

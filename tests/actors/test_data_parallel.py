@@ -162,7 +162,29 @@ def test_the_boundary_rules_are_clear_errors(tiny_model_dir: Path) -> None:
         dp_args(tiny_model_dir, 0).create_engine_config()
     with pytest.raises(ValueError, match="data_parallel_size: 2 is not supported by LLM"):
         LLM(str(tiny_model_dir), data_parallel_size=2)
+    with pytest.raises(ValueError, match="data_parallel_rank: 2 is not a rank of data_parallel_size=2; allowed: 0 to 1"):
+        dp_args(tiny_model_dir, 2, data_parallel_rank=2)
+    with pytest.raises(ValueError, match="data_parallel_rank: -1 is not a rank"):
+        dp_args(tiny_model_dir, 2, data_parallel_rank=-1)
+    with pytest.raises(ValueError, match="data_parallel_external_lb: one server per rank needs this server's rank"):
+        dp_args(tiny_model_dir, 2, data_parallel_external_lb=True)
+    with pytest.raises(ValueError, match="data_parallel_backend: 'ray' places every rank from one server"):
+        dp_args(tiny_model_dir, 2, data_parallel_rank=0, data_parallel_backend="ray")
+    with pytest.raises(ValueError, match="data_parallel_backend: 'gloo' is not supported; allowed: mp, ray"):
+        dp_args(tiny_model_dir, 2, data_parallel_backend="gloo")
+    with pytest.raises(ValueError, match="data_parallel_address: only the Ray backend"):
+        dp_args(tiny_model_dir, 2, data_parallel_address="127.0.0.1").create_engine_config()
+    with pytest.raises(ValueError, match="data_parallel_backend: 'ray' needs an engine-core process per rank"):
+        make_args(tiny_model_dir, multiprocess=False, data_parallel_backend="ray").create_engine_config()
 
+
+def test_external_load_balancing_runs_one_rank_with_its_share_of_the_threads(tiny_model_dir: Path) -> None:
+    args = dp_args(tiny_model_dir, 2, data_parallel_rank=1)
+    assert args.data_parallel_external_lb  # as vLLM: a rank given means one server per rank
+    actor = args.create_engine_config().actor
+    assert (actor.data_parallel_size, actor.data_parallel_rank, actor.data_parallel_world) == (1, 1, 2)
+    # One server per rank needs no multiprocess transport: it runs one engine core.
+    assert make_args(tiny_model_dir, multiprocess=False, data_parallel_size=2, data_parallel_rank=0).create_engine_config()
 
 
 def test_the_cli_takes_vllms_flags() -> None:
@@ -174,3 +196,7 @@ def test_the_cli_takes_vllms_flags() -> None:
     EngineArgs.add_cli_args(parser)
     for argv in (["-dp", "2"], ["--data-parallel-size", "2"]):
         assert EngineArgs.from_cli_args(parser.parse_args(argv)).data_parallel_size == 2
+    ns = parser.parse_args(["-dp", "2", "-dpn", "1", "-dpb", "mp", "-dpp", "13345"])
+    args = EngineArgs.from_cli_args(ns)
+    assert (args.data_parallel_rank, args.data_parallel_backend, args.data_parallel_rpc_port) == (1, "mp", 13345)
+    assert EngineArgs.from_cli_args(parser.parse_args(["--data-parallel-backend", "ray", "-dpa", "127.0.0.1"])).data_parallel_address == "127.0.0.1"
