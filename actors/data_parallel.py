@@ -8,8 +8,9 @@ AsyncLLM ◀─ client.outputs ◀─ merge ◀┬── rank 0 outputs (OutputB
                                      └── rank 1 outputs
 ```
 
-Each rank is an ordinary engine-core child (`actors/process.py`) started with
-`data_parallel_size=1` and its share of the cores. The frontend above sees one core:
+Each rank is an ordinary engine-core child (`actors/process.py`), or with
+`data_parallel_backend="ray"` a Ray actor in its own placement group (`actors/ray_core.py`),
+started with `data_parallel_size=1` and its share of the cores. The frontend above sees one core:
 
 - **Routing.** `AddRequest` goes to the rank with the lowest load score, vLLM's rule:
   `max(in flight, waiting + running)`, with the in-flight count kept here and waiting + running
@@ -54,6 +55,7 @@ from triollm.actors.messages import (
     UtilityResult,
 )
 from triollm.actors.process import default_num_threads, open_process_core
+from triollm.actors.ray_core import open_ray_core, ray_session
 from triollm.engine.config import EngineArgs, EngineConfig
 from triollm.engine.core import EngineCoreFactory
 
@@ -160,15 +162,28 @@ async def open_data_parallel_client(
     config: EngineConfig, args: EngineArgs, *, core_factory: EngineCoreFactory | None = None
 ) -> AsyncIterator[CoreClient]:
     size = config.actor.data_parallel_size
-    rank_args = dataclasses.replace(args, data_parallel_size=1, num_threads=rank_threads(args.num_threads, size))
+    rank_args = dataclasses.replace(
+        args,
+        data_parallel_size=1,
+        data_parallel_backend="mp",  # what each rank's own config says: one engine core
+        data_parallel_address=None,
+        num_threads=rank_threads(args.num_threads, size),
+    )
     async with AsyncExitStack() as stack:
+        ray = None
+        if config.actor.data_parallel_backend == "ray":
+            ray = await stack.enter_async_context(ray_session())
         ranks: list[CoreClient] = []
         # Each rank's output stream is closed after its context has exited (this callback runs
         # last), never by a forwarder: a rank that dies after the first death still delivers
         # its EngineDead into an open stream (a closed one raised BrokenResourceError there).
         stack.callback(_close_outputs, ranks)
-        for _ in range(size):  # one after the other: a failed start stops the ones already up
-            ranks.append(await stack.enter_async_context(open_process_core(config, rank_args, core_factory=core_factory)))
+        for rank in range(size):  # one after the other: a failed start stops the ones already up
+            if ray is not None:
+                opened = open_ray_core(ray, config, rank_args, rank, core_factory=core_factory)
+            else:
+                opened = open_process_core(config, rank_args, core_factory=core_factory)
+            ranks.append(await stack.enter_async_context(opened))
         router = Router(size)
         ready = Ready(
             min(r.ready.num_kv_blocks for r in ranks),  # a request runs on one rank

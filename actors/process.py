@@ -66,7 +66,7 @@ import traceback
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager, contextmanager
 from subprocess import DEVNULL, PIPE
-from typing import Any
+from typing import Any, Protocol
 
 import anyio
 import anyio.lowlevel
@@ -94,7 +94,17 @@ from triollm.engine.core import EngineCoreFactory
 if sys.version_info < (3, 11):
     from exceptiongroup import BaseExceptionGroup
 
-__all__ = ["EngineStartupError", "default_num_threads", "main", "open_process_core"]
+__all__ = [
+    "ChildSpec",
+    "CoreChild",
+    "EngineStartupError",
+    "StderrTail",
+    "child_spec",
+    "default_num_threads",
+    "link_core",
+    "main",
+    "open_process_core",
+]
 
 log = logging.getLogger("triollm")
 
@@ -127,7 +137,7 @@ class EngineStartupError(RuntimeError):
         return f"{self.message}\n\n--- engine core process ---\n{self.child_traceback.rstrip()}"
 
 
-class _ChildSpec(msgspec.Struct):
+class ChildSpec(msgspec.Struct):
     """Everything the child needs, JSON-encoded as its only argument."""
 
     args: dict[str, Any]  # EngineArgs fields (model already resolved to a directory)
@@ -160,52 +170,129 @@ async def open_process_core(
         if ends.client_keys is not None:
             env[CURVE_KEYS_ENV] = ends.client_keys.encode()  # not on the command line (ps)
         proc = await anyio.open_process(command, stdin=PIPE, stdout=DEVNULL, stderr=PIPE, env=env)
-        try:
-            with _unwrap_single_error():
-                async with anyio.create_task_group() as tg:
-                    stderr = _StderrTail()
-                    assert proc.stderr is not None
-                    tg.start_soon(stderr.forward, proc.stderr)
-                    ready = await _handshake(ends.outputs, proc, stderr)
-
-                    in_send, in_recv = anyio.create_memory_object_stream[CoreInput](math.inf)
-                    out_send, out_recv = anyio.create_memory_object_stream[CoreOutput](
-                        OUTPUT_BUFFER
-                    )
-                    own_in = in_send.clone()  # Shutdown goes through, whatever the user did
-                    tg.start_soon(zmq_io.pump_to_socket, ends.inputs, in_recv, _encoder.encode)
-                    output_scope = anyio.CancelScope()
-                    tg.start_soon(_output_actor, output_scope, ends.outputs, out_send, proc, stderr)
-                    try:
-                        yield (client := CoreClient(ready, in_send, out_recv, proc.pid, SHUTDOWN_GRACE_S))
-                    finally:
-                        with anyio.CancelScope(shield=True):
-                            output_scope.cancel()  # the exit we are about to cause is no death
-                            with own_in:
-                                try:
-                                    own_in.send_nowait(Shutdown())
-                                except (anyio.ClosedResourceError, anyio.BrokenResourceError):
-                                    pass
-                            in_send.close()
-                            pending = await _absorb_pending_cancellation()
-                            await _request_stop(proc)
-                            await _stop(proc, client.shutdown_grace_s)
-                            with anyio.move_on_after(0.5):
-                                await stderr.eof.wait()  # its last lines
-                            tg.cancel_scope.cancel()
-                            if pending is not None:
-                                raise pending
-        finally:
-            with anyio.CancelScope(shield=True):
-                await _stop(proc, 0)  # already done unless start-up failed
-                with anyio.move_on_after(1):
-                    await proc.aclose()
-            code = proc.returncode
-            if code is not None:
-                level = logging.DEBUG if code == 0 else logging.WARNING
-                log.log(level, "engine core process %d %s", proc.pid, _describe_exit(code))
+        async with link_core(_Subprocess(proc), ends) as client:
+            yield client
     finally:
         ends.close()
+
+
+class CoreChild(Protocol):
+    """An engine core running outside this process, as `link_core` watches and stops it: a child
+    process here (`_Subprocess`), or a Ray actor (`actors/ray_core.py`)."""
+
+    pid: int | None
+    name: str  # for logs: "process 1234"
+    stderr: StderrTail  # what it printed (a Ray actor's output goes to Ray's logs: empty)
+
+    @property
+    def returncode(self) -> int | None: ...
+
+    async def forward_output(self) -> None:
+        """Forward what it prints until it exits (sets `stderr.eof`)."""
+
+    async def wait(self) -> int:
+        """Its exit code (negative: the signal that killed it)."""
+
+    async def request_stop(self) -> None:
+        """Ask for an orderly stop by a way that does not need the socket pumps."""
+
+    def terminate(self) -> None: ...
+
+    def kill(self) -> None: ...
+
+    def describe_exit(self, code: int) -> str:
+        """What `wait()`'s `code` means, after "the engine core "."""
+
+    async def aclose(self) -> None: ...
+
+
+@asynccontextmanager
+async def link_core(child: CoreChild, ends: zmq_io.Endpoints) -> AsyncIterator[CoreClient]:
+    """The handshake, the socket pumps, the watcher and the teardown around a started `child`
+    that connects to `ends` (the module docstring tells the rules)."""
+    stderr = child.stderr
+    try:
+        with _unwrap_single_error():
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(child.forward_output)
+                ready = await _handshake(ends.outputs, child)
+
+                in_send, in_recv = anyio.create_memory_object_stream[CoreInput](math.inf)
+                out_send, out_recv = anyio.create_memory_object_stream[CoreOutput](OUTPUT_BUFFER)
+                own_in = in_send.clone()  # Shutdown goes through, whatever the user did
+                tg.start_soon(zmq_io.pump_to_socket, ends.inputs, in_recv, _encoder.encode)
+                output_scope = anyio.CancelScope()
+                tg.start_soon(_output_actor, output_scope, ends.outputs, out_send, child)
+                try:
+                    yield (client := CoreClient(ready, in_send, out_recv, child.pid, SHUTDOWN_GRACE_S))
+                finally:
+                    with anyio.CancelScope(shield=True):
+                        output_scope.cancel()  # the exit we are about to cause is no death
+                        with own_in:
+                            try:
+                                own_in.send_nowait(Shutdown())
+                            except (anyio.ClosedResourceError, anyio.BrokenResourceError):
+                                pass
+                        in_send.close()
+                        pending = await _absorb_pending_cancellation()
+                        await child.request_stop()
+                        await _stop(child, client.shutdown_grace_s)
+                        with anyio.move_on_after(0.5):
+                            await stderr.eof.wait()  # its last lines
+                        tg.cancel_scope.cancel()
+                        if pending is not None:
+                            raise pending
+    finally:
+        with anyio.CancelScope(shield=True):
+            await _stop(child, 0)  # already done unless start-up failed
+            with anyio.move_on_after(1):
+                await child.aclose()
+        code = child.returncode
+        if code is not None:
+            level = logging.DEBUG if code == 0 else logging.WARNING
+            log.log(level, "engine core %s %s", child.name, _describe_exit(code))
+
+
+class _Subprocess:
+    """A child process started by `open_process_core`: stdin is its lifeline, stderr forwarded."""
+
+    def __init__(self, proc: Process) -> None:
+        self.proc = proc
+        self.pid: int | None = proc.pid
+        self.name = f"process {proc.pid}"
+        self.stderr = StderrTail()
+
+    @property
+    def returncode(self) -> int | None:
+        return self.proc.returncode
+
+    async def forward_output(self) -> None:
+        assert self.proc.stderr is not None
+        await self.stderr.forward(self.proc.stderr)
+
+    async def wait(self) -> int:
+        return await self.proc.wait()
+
+    async def request_stop(self) -> None:
+        """`STOP_BYTE` on the child's stdin: the `Shutdown` message needs the socket pump, and a
+        loop that ends (`asyncio.run` returning) cancels every task, the pump included."""
+        assert self.proc.stdin is not None
+        try:
+            await self.proc.stdin.send(STOP_BYTE)
+        except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError):
+            pass  # already gone
+
+    def terminate(self) -> None:
+        self.proc.terminate()
+
+    def kill(self) -> None:
+        self.proc.kill()
+
+    def describe_exit(self, code: int) -> str:
+        return f"process {_describe_exit(code)}"
+
+    async def aclose(self) -> None:
+        await self.proc.aclose()
 
 
 def _child_command(
@@ -214,6 +301,19 @@ def _child_command(
     ends: zmq_io.Endpoints,
     core_factory: EngineCoreFactory | None,
 ) -> list[str]:
+    spec = child_spec(config, args, ends, core_factory)
+    # `-c` rather than `-m triollm.actors.process`: importing the package imports this module
+    # (AsyncLLM -> transport -> process), so runpy would run a second copy as __main__ (and warn).
+    return [sys.executable, "-c", _CHILD_MAIN, msgspec.json.encode(spec).decode()]
+
+
+def child_spec(
+    config: EngineConfig,
+    args: EngineArgs,
+    ends: zmq_io.Endpoints,
+    core_factory: EngineCoreFactory | None,
+) -> ChildSpec:
+    """What an engine core started elsewhere (a child process, a Ray actor) builds itself from."""
     # Only EngineArgs' own fields (`args` may be a subclass such as AsyncEngineArgs), and not
     # those without effect: the parent warned about them, the child would warn again.
     child_args = {
@@ -224,22 +324,20 @@ def _child_command(
     child_args.update(
         model=str(config.model.path), tokenizer=str(config.tokenizer), multiprocess=False
     )
-    spec = _ChildSpec(
+    return ChildSpec(
         msgspec.to_builtins(child_args),
         ends.input_address,
         ends.output_address,
         log.getEffectiveLevel(),
         core_factory,
     )
-    # `-c` rather than `-m triollm.actors.process`: importing the package imports this module
-    # (AsyncLLM -> transport -> process), so runpy would run a second copy as __main__ (and warn).
-    return [sys.executable, "-c", _CHILD_MAIN, msgspec.json.encode(spec).decode()]
 
 
 _CHILD_MAIN = "from triollm.actors.process import main; raise SystemExit(main())"
 
 
-async def _handshake(sock: zmq.Socket[Any], proc: Process, stderr: _StderrTail) -> Ready:
+async def _handshake(sock: zmq.Socket[Any], child: CoreChild) -> Ready:
+    stderr = child.stderr
     data: bytes | None = None
     exit_code: int | None = None
     with anyio.move_on_after(HANDSHAKE_TIMEOUT_S) as deadline:
@@ -247,7 +345,7 @@ async def _handshake(sock: zmq.Socket[Any], proc: Process, stderr: _StderrTail) 
 
             async def watch() -> None:
                 nonlocal exit_code
-                exit_code = await proc.wait()
+                exit_code = await child.wait()
                 await anyio.sleep(LAST_WORDS_S)  # a StartupError sent just before exiting
                 tg.cancel_scope.cancel()
 
@@ -257,7 +355,7 @@ async def _handshake(sock: zmq.Socket[Any], proc: Process, stderr: _StderrTail) 
     if deadline.cancelled_caught:
         # The caller's teardown stops the child (SIGTERM, then SIGKILL).
         raise EngineStartupError(
-            f"the engine core process {proc.pid} sent neither Ready nor StartupError within "
+            f"the engine core {child.name} sent neither Ready nor StartupError within "
             f"HANDSHAKE_TIMEOUT_S={HANDSHAKE_TIMEOUT_S:g} s; it is killed",
             stderr.text,
         )
@@ -266,7 +364,7 @@ async def _handshake(sock: zmq.Socket[Any], proc: Process, stderr: _StderrTail) 
             await stderr.eof.wait()
         assert exit_code is not None
         raise EngineStartupError(
-            f"the engine core process {_describe_exit(exit_code)} before it was ready",
+            f"the engine core {child.describe_exit(exit_code)} before it was ready",
             stderr.text or "(nothing on stderr)",
         )
     try:
@@ -287,8 +385,7 @@ async def _output_actor(
     scope: anyio.CancelScope,
     sock: zmq.Socket[Any],
     out_send: MemoryObjectSendStream[CoreOutput],
-    proc: Process,
-    stderr: _StderrTail,
+    child: CoreChild,
 ) -> None:
     """Socket → `out_send`, and the child's death → `EngineDead`. Ends the stream when done."""
     with scope, out_send:
@@ -297,7 +394,7 @@ async def _output_actor(
 
             async def watch() -> None:
                 nonlocal exit_code
-                exit_code = await proc.wait()
+                exit_code = await child.wait()
                 if exit_code >= 0:  # it exited by itself: let its last message arrive
                     await anyio.sleep(LAST_WORDS_S)
                 tg.cancel_scope.cancel()
@@ -315,7 +412,7 @@ async def _output_actor(
         # Only reached when the watcher cancelled the pump: the child died without a word.
         assert exit_code is not None
         await out_send.send(
-            EngineDead(f"the engine core process {_describe_exit(exit_code)}", stderr.text)
+            EngineDead(f"the engine core {child.describe_exit(exit_code)}", child.stderr.text)
         )
 
 
@@ -345,40 +442,29 @@ async def _absorb_pending_cancellation() -> BaseException | None:
     return None
 
 
-async def _request_stop(proc: Process) -> None:
-    """Ask for an orderly stop on the child's stdin too: the `Shutdown` message needs the socket
-    pump, and a loop that ends (`asyncio.run` returning) cancels every task, the pump included."""
-    assert proc.stdin is not None
-    try:
-        await proc.stdin.send(STOP_BYTE)
-    except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError):
-        pass  # already gone
-
-
-async def _stop(proc: Process, grace_s: float) -> None:
-    """Wait `grace_s` for the process to exit, then SIGTERM, then SIGKILL. Call shielded."""
+async def _stop(child: CoreChild, grace_s: float) -> None:
+    """Wait `grace_s` for the child to exit, then terminate (SIGTERM), then kill (SIGKILL).
+    Call shielded."""
     for signal_it, wait_s in (
         (None, grace_s),
-        (proc.terminate, TERM_GRACE_S),
-        (proc.kill, KILL_WAIT_S),
+        (child.terminate, TERM_GRACE_S),
+        (child.kill, KILL_WAIT_S),
     ):
-        if proc.returncode is not None:
+        if child.returncode is not None:
             return
         if signal_it is not None:
-            log.warning(
-                "engine core process %d did not exit; sending %s", proc.pid, signal_it.__name__
-            )
+            log.warning("engine core %s did not exit; sending %s", child.name, signal_it.__name__)
             try:
                 signal_it()
             except ProcessLookupError:
                 pass
         with anyio.move_on_after(wait_s):
-            await proc.wait()
-    if proc.returncode is None:
-        log.error("engine core process %d did not exit after SIGKILL", proc.pid)
+            await child.wait()
+    if child.returncode is None:
+        log.error("engine core %s did not exit after it was killed", child.name)
 
 
-class _StderrTail:
+class StderrTail:
     """Forwards the child's stderr to ours and keeps its last characters for error messages."""
 
     def __init__(self) -> None:
@@ -432,7 +518,7 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
-    spec = msgspec.json.decode(argv[0], type=_ChildSpec)
+    spec = msgspec.json.decode(argv[0], type=ChildSpec)
     keys = os.environ.pop(CURVE_KEYS_ENV, None)  # not inherited by anything we start
     curve = zmq_io.ClientKeys.decode(keys) if keys else None
     os.dup2(2, 1)  # nothing reads our stdout: stray prints join stderr, which the parent forwards
@@ -465,7 +551,12 @@ def default_num_threads() -> int:
     return cores if cores <= SHARED_CORES_UP_TO else cores - 1
 
 
-async def _child_main(spec: _ChildSpec, curve: zmq_io.ClientKeys | None = None) -> int:
+async def _child_main(
+    spec: ChildSpec, curve: zmq_io.ClientKeys | None = None, stop_requested: anyio.Event | None = None
+) -> int:
+    """The engine core behind its two sockets until it stops. A child process watches its stdin
+    (`_watch_parent`); a Ray actor passes `stop_requested` (set by its `stop()` call) instead,
+    and Ray ends it with the process that created it."""
     ctx: zmq.Context[Any] = zmq.Context()
     outputs = zmq_io.connect(ctx, zmq.PUSH, spec.outputs, curve)
     inputs = zmq_io.connect(ctx, zmq.PULL, spec.inputs, curve)
@@ -473,8 +564,9 @@ async def _child_main(spec: _ChildSpec, curve: zmq_io.ClientKeys | None = None) 
     code = 0
     try:
         async with anyio.create_task_group() as tg:
-            stop_requested = anyio.Event()
-            tg.start_soon(_watch_parent, tg.cancel_scope, stop_requested)
+            if stop_requested is None:
+                stop_requested = anyio.Event()
+                tg.start_soon(_watch_parent, tg.cancel_scope, stop_requested)
             code = await _run_engine(spec, inputs, outputs, stop_requested)
             parent_alive = True
             tg.cancel_scope.cancel()
@@ -503,14 +595,14 @@ async def _watch_parent(scope: anyio.CancelScope, stop_requested: anyio.Event) -
 
 
 async def _run_engine(
-    spec: _ChildSpec, inputs: zmq.Socket[Any], outputs: zmq.Socket[Any], stop_requested: anyio.Event
+    spec: ChildSpec, inputs: zmq.Socket[Any], outputs: zmq.Socket[Any], stop_requested: anyio.Event
 ) -> int:
     with compute_thread() as compute:
         return await _serve(spec, inputs, outputs, stop_requested, compute)
 
 
 async def _serve(
-    spec: _ChildSpec,
+    spec: ChildSpec,
     inputs: zmq.Socket[Any],
     outputs: zmq.Socket[Any],
     stop_requested: anyio.Event,

@@ -40,12 +40,12 @@ class Server:
 
 
 @contextmanager
-def run_server(model: Path, *args: str, timeout: float = 60.0) -> Iterator[Server]:
+def run_server(model: Path, *args: str, timeout: float = 60.0, env: dict[str, str] | None = None) -> Iterator[Server]:
     cmd = [
         sys.executable, "-m", "triollm.api.cli", "serve", str(model),
         "--port", "0", "--max-model-len", "256", "--num-threads", "1", *args,
     ]
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, **(env or {}), "PYTHONUNBUFFERED": "1"}
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     log: list[str] = []
     found: list[str] = []
