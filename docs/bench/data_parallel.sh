@@ -12,8 +12,9 @@ out=$(mktemp -d)
 cd /tmp
 settings=("--num-threads 1" "--num-threads 2" "--num-threads 2 -dp 2")
 export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 RAY_USAGE_STATS_ENABLED=0  # Ray on 127.0.0.1 only
+export RAY_AUTH_MODE=token  # Ray 2.59+: `ray start` enables token auth, drivers must say so too
 if "$root/.venv/bin/python" -c "import ray" 2>/dev/null; then
-  "$root/.venv/bin/ray" start --head --node-ip-address 127.0.0.1 --port 6391 --num-cpus 2 \
+  "$root/.venv/bin/ray" start --head --node-ip-address 127.0.0.1 --port 6391 --num-cpus 2 --object-store-memory 100000000 \
     --include-dashboard false --disable-usage-stats >"$out/ray.log" 2>&1 && {
     export RAY_ADDRESS=127.0.0.1:6391
     settings+=("--num-threads 2 -dp 2 -dpb ray")
