@@ -12,7 +12,8 @@ gloo, `GLOO_SOCKET_IFNAME=lo`: no other address is touched). Rank 0 opens the re
 itself, bound to 127.0.0.1, and hands it to its `TCPStore`: given only `tcp://127.0.0.1:PORT`,
 the store's server listens on every address of the machine.
 
-Failure: a worker that has exited is found before each step (`poll`); one that dies during a
+Failure: a worker that exits before it has joined fails start-up at once (rank 0 polls the
+workers while it waits for their store keys); a worker that has exited is found before each step (`poll`); one that dies during a
 step breaks its gloo connections, and the collective raises in rank 0 (at the latest after
 the group's timeout). Either way the step raises and the engine core reports itself dead.
 Workers end on STOP (`close`), or on end of file on stdin when rank 0's process is gone, or on
@@ -26,6 +27,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from datetime import timedelta
 
 import torch.distributed as dist
@@ -38,6 +40,7 @@ from triollm.engine.distributed.protocol import (
     STOP,
     WorkerSetup,
     encode_step,
+    joined_key,
     pickled,
     write_message,
 )
@@ -51,6 +54,8 @@ log = logging.getLogger("triollm")
 
 TIMEOUT_S = 60.0  # rendezvous, and any one collective (a peer that hangs, not one that dies)
 STOP_GRACE_S = 5.0  # a stopped worker leaves in milliseconds; then it is killed
+JOIN_POLL_S = 0.1  # while the workers join: how often rank 0 checks that none has exited
+WORKER_COMMAND = [sys.executable, "-m", "triollm.engine.distributed.worker"]
 
 
 class TensorParallelGroup:
@@ -70,20 +75,45 @@ class TensorParallelGroup:
         env = {**os.environ, "OMP_NUM_THREADS": str(num_threads)}
         try:
             for rank in range(1, size):
-                proc = subprocess.Popen(
-                    [sys.executable, "-m", "triollm.engine.distributed.worker"], stdin=subprocess.PIPE, env=env
-                )
+                proc = subprocess.Popen(WORKER_COMMAND, stdin=subprocess.PIPE, env=env)
                 self.workers.append(proc)
                 setup = WorkerSetup(rank, size, port, num_threads, model, device, block_size, TIMEOUT_S)
                 self._send(rank, SETUP, pickled(setup))
             store = dist.TCPStore(
-                "127.0.0.1", port, size, is_master=True, timeout=timeout, master_listen_fd=self._listener.fileno()
+                "127.0.0.1",
+                port,
+                size,
+                is_master=True,
+                timeout=timeout,
+                master_listen_fd=self._listener.fileno(),
+                wait_for_workers=False,  # _await_workers watches them while they come
             )
             self._listener.detach()  # the store owns (and closes) the socket now
+            self._await_workers(store)
             dist.init_process_group("gloo", store=store, rank=0, world_size=size, timeout=timeout)
         except BaseException:
             self.close()
             raise
+
+    def _await_workers(self, store: dist.TCPStore) -> None:
+        """Until every worker has joined the store: one that exits first (a bad environment, an
+        import error: its traceback is on stderr) fails start-up at once, not after TIMEOUT_S."""
+        keys = [joined_key(rank) for rank in range(1, self.shard.size)]
+        deadline = time.monotonic() + TIMEOUT_S
+        while True:
+            try:
+                store.wait(keys, timedelta(seconds=JOIN_POLL_S))
+                return
+            except RuntimeError:  # DistStoreError: not all there yet
+                pass
+            for rank, proc in enumerate(self.workers, start=1):
+                if (code := proc.poll()) is not None:
+                    raise RuntimeError(
+                        f"tensor_parallel_size: worker rank {rank} (pid {proc.pid}) exited with "
+                        f"code {code} before it joined the group"
+                    )
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"tensor_parallel_size: the workers did not join within {TIMEOUT_S:g} s")
 
     def send_cache(self, num_blocks: int) -> None:
         """The KV cache size rank 0 measured: every rank allocates as many blocks."""

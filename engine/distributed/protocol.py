@@ -20,7 +20,7 @@ from typing import IO, Any
 from triollm.engine.execution.model_runner import StepInputs
 from triollm.engine.loading.model_config import ModelConfig
 
-__all__ = ["CACHE", "SETUP", "STEP", "STOP", "WorkerSetup", "decode_step", "encode_step", "read_message", "write_message"]
+__all__ = ["CACHE", "SETUP", "STEP", "STOP", "WorkerSetup", "decode_step", "encode_step", "joined_key", "read_message", "write_message"]
 
 SETUP, CACHE, STEP, STOP = 1, 2, 3, 4
 _HEADER = struct.Struct("<qq")
@@ -110,3 +110,8 @@ def _read_exactly(pipe: IO[bytes], n: int) -> bytes | None:
             return None
         buf += chunk
     return bytes(buf)
+
+
+def joined_key(rank: int) -> str:
+    """The store key a worker sets once it has connected to rank 0's store."""
+    return f"triollm/joined/{rank}"

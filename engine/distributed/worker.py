@@ -23,6 +23,7 @@ from triollm.engine.distributed.protocol import (
     STEP,
     WorkerSetup,
     decode_step,
+    joined_key,
     read_message,
     unpickled,
 )
@@ -42,6 +43,7 @@ def serve() -> None:
     os.environ["GLOO_SOCKET_IFNAME"] = "lo"
     timeout = timedelta(seconds=setup.timeout_s)
     store = dist.TCPStore("127.0.0.1", setup.port, setup.size, is_master=False, timeout=timeout)
+    store.set(joined_key(setup.rank), "1")  # rank 0 waits for this, watching that we live
     dist.init_process_group("gloo", store=store, rank=setup.rank, world_size=setup.size, timeout=timeout)
     try:
         mc = setup.model

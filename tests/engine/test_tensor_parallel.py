@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -239,3 +240,15 @@ def test_workers_leave_when_the_engine_shuts_down(tiny_model_dir: Path, multipro
         assert llm.generate("Hello", GREEDY, use_tqdm=False)[0].outputs[0].token_ids
         assert len(_workers()) == 1
     _wait_no_workers(5)
+
+
+def test_a_worker_that_dies_before_joining_fails_start_up_at_once(tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Not after the rendezvous timeout (60 s): rank 0 watches the workers while they join."""
+    from triollm.engine.distributed import group
+
+    monkeypatch.setattr(group, "WORKER_COMMAND", [sys.executable, "-c", "import time; time.sleep(0.3); raise SystemExit(3)"])
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"worker rank 1 \(pid \d+\) exited with code 3 before it joined the group"):
+        SyncEngine.from_engine_args(EngineArgs(model=str(tiny_model_dir), tensor_parallel_size=2, num_threads=2, max_model_len=256))
+    assert time.monotonic() - start < 10
+    _wait_no_workers()
