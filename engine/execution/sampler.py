@@ -161,9 +161,10 @@ def process_logits(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tenso
 
 
 def _apply_allowed(logits: torch.Tensor, rows: list[SamplingRow], idx: list[int]) -> None:
-    mask = torch.ones(len(idx), logits.shape[1], dtype=torch.bool)
+    device = logits.device
+    mask = torch.ones(len(idx), logits.shape[1], dtype=torch.bool, device=device)
     ids = [_allowed(rows[i]) for i in idx]
-    mask[_row_index(ids), torch.cat(ids)] = False
+    mask[_row_index(ids, device), torch.cat(ids).to(device)] = False
     logits[idx] = logits[idx].masked_fill(mask, _NEG_INF)
 
 
@@ -182,16 +183,19 @@ def _banned_pairs(rows: list[SamplingRow]) -> tuple[list[int], list[int]]:
 
 
 def _apply_logit_bias(logits: torch.Tensor, rows: list[SamplingRow], idx: list[int]) -> None:
+    device = logits.device
     ids = [_bias(rows[i])[0] for i in idx]
-    values = torch.cat([_bias(rows[i])[1] for i in idx])
-    row_idx = torch.tensor(idx, dtype=torch.long)[_row_index(ids)]
-    logits.index_put_((row_idx, torch.cat(ids)), values, accumulate=True)
+    values = torch.cat([_bias(rows[i])[1] for i in idx]).to(device)
+    row_idx = torch.tensor(idx, dtype=torch.long, device=device)[_row_index(ids, device)]
+    logits.index_put_((row_idx, torch.cat(ids).to(device)), values, accumulate=True)
 
 
-def _row_index(per_row: list[torch.Tensor]) -> torch.Tensor:
+def _row_index(per_row: list[torch.Tensor], device: torch.device) -> torch.Tensor:
     """[0, 0, 1, 2, 2, 2, ...]: the position in `per_row` of each element of their concatenation."""
-    counts = torch.tensor([len(t) for t in per_row], dtype=torch.long)
-    return torch.repeat_interleave(torch.arange(len(per_row)), counts)
+    lens = [len(t) for t in per_row]
+    counts = torch.tensor(lens, dtype=torch.long, device=device)
+    # output_size given: no device-to-host sync to size the result (on CUDA)
+    return torch.repeat_interleave(torch.arange(len(per_row), device=device), counts, output_size=sum(lens))
 
 
 def _allowed(r: SamplingRow) -> torch.Tensor:
@@ -206,25 +210,26 @@ def _bias(r: SamplingRow) -> tuple[torch.Tensor, torch.Tensor]:
     return ids, values
 
 
-def _token_presence(token_lists: list[list[int]], vocab: int) -> torch.Tensor:
+def _token_presence(token_lists: list[list[int]], vocab: int, device: torch.device) -> torch.Tensor:
     """Counts [len(token_lists), vocab] of each token in each list (fp32)."""
-    counts = torch.zeros(len(token_lists), vocab)
-    rows = torch.tensor([i for i, t in enumerate(token_lists) for _ in t], dtype=torch.long)
-    toks = torch.tensor(list(itertools.chain.from_iterable(token_lists)), dtype=torch.long)
-    counts.index_put_((rows, toks), torch.ones(len(toks)), accumulate=True)
+    counts = torch.zeros(len(token_lists), vocab, device=device)
+    rows = torch.tensor([i for i, t in enumerate(token_lists) for _ in t], dtype=torch.long, device=device)
+    toks = torch.tensor(list(itertools.chain.from_iterable(token_lists)), dtype=torch.long, device=device)
+    counts.index_put_((rows, toks), torch.ones(len(toks), device=device), accumulate=True)
     return counts
 
 
 def _penalize(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-    vocab = logits.shape[1]
-    output_counts = _token_presence([r.output_token_ids for r in rows], vocab)
-    rep = torch.tensor([r.params.repetition_penalty for r in rows]).unsqueeze(1)
-    if bool((rep != 1.0).any()):
-        seen = _token_presence([r.prompt_token_ids for r in rows], vocab) + output_counts > 0
+    vocab, device = logits.shape[1], logits.device
+    output_counts = _token_presence([r.output_token_ids for r in rows], vocab, device)
+    reps = [r.params.repetition_penalty for r in rows]
+    if any(p != 1.0 for p in reps):
+        rep = torch.tensor(reps, device=device).unsqueeze(1)
+        seen = _token_presence([r.prompt_token_ids for r in rows], vocab, device) + output_counts > 0
         penalized = torch.where(logits > 0, logits / rep, logits * rep)
         logits = torch.where(seen, penalized, logits)
-    freq = torch.tensor([r.params.frequency_penalty for r in rows]).unsqueeze(1)
-    pres = torch.tensor([r.params.presence_penalty for r in rows]).unsqueeze(1)
+    freq = torch.tensor([r.params.frequency_penalty for r in rows], device=device).unsqueeze(1)
+    pres = torch.tensor([r.params.presence_penalty for r in rows], device=device).unsqueeze(1)
     return logits - freq * output_counts - pres * (output_counts > 0).float()
 
 
@@ -234,7 +239,7 @@ def _penalize(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
 def _random_sample(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     temps = [r.params.temperature for r in rows]
     if any(t != 1.0 for t in temps):
-        logits = logits / torch.tensor(temps).unsqueeze(1)
+        logits = logits / torch.tensor(temps, device=logits.device).unsqueeze(1)
     truncate = _rows_where(rows, lambda r: r.params.top_k > 0 or r.params.top_p < 1.0)
     if truncate:
         logits = logits.clone()
@@ -252,17 +257,18 @@ def _top_k_top_p(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
 
     When every row has a top-k, only the max-k largest are sorted (topk), not the vocabulary.
     """
-    vocab = logits.shape[1]
+    vocab, device = logits.shape[1], logits.device
     ks = [r.params.top_k if r.params.top_k > 0 else vocab for r in rows]
     width = min(max(ks), vocab)
     if width < vocab:
         values, order = logits.topk(width, -1)
     else:
         values, order = logits.sort(-1, descending=True)
-    position = torch.arange(width)
-    values = values.masked_fill(position >= torch.tensor(ks).unsqueeze(1), _NEG_INF)
-    ps = torch.tensor([r.params.top_p for r in rows]).unsqueeze(1)
-    if bool((ps < 1.0).any()):
+    position = torch.arange(width, device=device)
+    values = values.masked_fill(position >= torch.tensor(ks, device=device).unsqueeze(1), _NEG_INF)
+    top_ps = [r.params.top_p for r in rows]
+    if any(p < 1.0 for p in top_ps):
+        ps = torch.tensor(top_ps, device=device).unsqueeze(1)
         probs = values.softmax(-1)
         mass_before = probs.cumsum(-1) - probs  # the first token always has 0 < p
         values = values.masked_fill((mass_before >= ps) & (ps < 1.0), _NEG_INF)
@@ -270,7 +276,7 @@ def _top_k_top_p(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
 
 
 def _min_p(probs: torch.Tensor, min_ps: list[float]) -> torch.Tensor:
-    threshold = probs.amax(-1, keepdim=True) * torch.tensor(min_ps).unsqueeze(1)
+    threshold = probs.amax(-1, keepdim=True) * torch.tensor(min_ps, device=probs.device).unsqueeze(1)
     return probs.masked_fill(probs < threshold, 0.0)
 
 
@@ -283,8 +289,8 @@ def _exponential_noise(probs: torch.Tensor, rows: list[SamplingRow]) -> torch.Te
         q.uniform_()
     else:
         if unseeded:
-            q[unseeded] = torch.rand(len(unseeded), probs.shape[1])
+            q[unseeded] = torch.rand(len(unseeded), probs.shape[1], device=probs.device)
         for i, r in enumerate(rows):
-            if r.generator is not None:
-                q[i].uniform_(generator=r.generator)
+            if r.generator is not None:  # a CPU generator: the same draw on every device
+                q[i] = torch.rand(probs.shape[1], generator=r.generator).to(probs.device)
     return q.log_().neg_().clamp_min_(_TINY)

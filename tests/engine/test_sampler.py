@@ -291,3 +291,23 @@ def test_repetition_penalty_direction() -> None:
     got = process_logits(logits, [make_row(prompt=[1], output=[2], repetition_penalty=2.0)])
     assert got[0, 1].item() == 1.0 and got[0, 2].item() == -4.0
     assert got[0, 3].item() == 0.0  # unseen tokens untouched
+
+
+def test_every_processor_keeps_to_the_logits_device() -> None:
+    """Each tensor the sampler makes lives on the logits' device (CUDA in production). On CPU the
+    meta device stands in: mixing a CPU tensor into a meta computation raises, as mixing it into a
+    CUDA one does."""
+    from triollm.engine.execution.sampler import _random_sample, process_logits
+
+    rows = [
+        make_row(prompt=[1, 2], output=[3], allowed_token_ids=[1, 2, 3, 4], temperature=0.7),
+        make_row(output=[5], bad=[[5, 6]], min_tokens=4, eos=[7], logit_bias={8: 2.0}, top_k=5),
+        make_row(prompt=[9], output=[9, 10], repetition_penalty=1.3, frequency_penalty=0.5, presence_penalty=0.2, top_p=0.8),
+        make_row(min_p=0.1, seed=3),
+        make_row(temperature=1.0, seed=4, top_k=3, top_p=0.5),
+    ]
+    logits = torch.zeros(len(rows), V, device="meta")
+    processed = process_logits(logits, rows)
+    assert processed.device.type == "meta" and processed.shape == logits.shape
+    tokens = _random_sample(processed, rows)
+    assert tokens.device.type == "meta" and tokens.shape == (len(rows),)
