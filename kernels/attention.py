@@ -40,6 +40,7 @@ import torch
 import torch.nn.functional as F
 
 from triollm.kernels import cpu_native
+from triollm.kernels.triton import use_triton, use_triton_on
 
 __all__ = [
     "DecodePlan",
@@ -182,6 +183,7 @@ class DecodePlan:
     groups: list[DecodeGroup]
     workspace: DecodeWorkspace
     native: tuple[torch.Tensor, torch.Tensor] | None = None
+    triton: tuple[torch.Tensor, torch.Tensor] | None = None  # the same, for the Triton kernel
 
 
 def plan_decode(
@@ -196,15 +198,18 @@ def plan_decode(
     """Plan the decode rows (each: its blocks and its context length, the new token included).
     `native` (default: on CPU when the native kernels are available) selects the native kernel;
     else the rows are grouped: contiguous runs, so sort them longest first for the best cut."""
+    triton = use_triton_on(device) and not native
     if native is None:
-        native = torch.device(device).type == "cpu" and cpu_native.available()
+        native = not triton and torch.device(device).type == "cpu" and cpu_native.available()
     elif native and not cpu_native.available():
         raise RuntimeError("plan_decode(native=True): the native CPU kernels are not available")
-    if native:
+    if native or triton:
         width = max(map(len, block_tables))
         rows = [t + [0] * (width - len(t)) for t in block_tables]
         table_t = torch.tensor(rows, dtype=torch.int32, device=device)
         lens_t = torch.tensor(context_lens, dtype=torch.int32, device=device)
+        if triton:
+            return DecodePlan([], workspace or DecodeWorkspace(), triton=(table_t, lens_t))
         return DecodePlan([], workspace or DecodeWorkspace(), (table_t, lens_t))
     groups = []
     for start, end in _cut_groups([len(t) for t in block_tables]):
@@ -257,6 +262,11 @@ def decode_attention(
     if plan.native is not None:
         tables, lens = plan.native
         return cpu_native.paged_decode_attention(q, k_cache, v_cache, tables, lens, scale)
+    if plan.triton is not None:
+        from triollm.kernels.triton import attention as triton_attention
+
+        tables, lens = plan.triton
+        return triton_attention.paged_decode_attention(q, k_cache, v_cache, tables, lens, scale)
     if len(plan.groups) == 1:
         return _group_attention(q, k_cache, v_cache, plan.groups[0], plan.workspace, scale)
     out = torch.empty_like(q)
@@ -305,6 +315,10 @@ def prefill_attention(
     """Causal attention of n new tokens of one sequence. q `[n, H, hd]`, k/v `[n, kvh, hd]` (the
     new tokens, already written to the cache); `num_context` earlier tokens of the sequence live
     in the cache blocks `block_ids`. Returns `[n, H, hd]`."""
+    if use_triton(q):
+        from triollm.kernels.triton import attention as triton_attention
+
+        return triton_attention.paged_prefill_attention(q, k_cache, v_cache, block_ids, num_context, scale)
     n = q.shape[0]
     qh = q.transpose(0, 1).unsqueeze(0)  # [1, H, n, hd]
     if num_context == 0:

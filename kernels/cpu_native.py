@@ -10,10 +10,13 @@ names the cause. `TRIOLLM_CPU_KERNELS=0` turns them off.
 
 from __future__ import annotations
 
+import fcntl
 import functools
 import hashlib
 import logging
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -82,14 +85,16 @@ def available() -> bool:
     try:
         from torch.utils import cpp_extension
 
-        cpp_extension.load(
-            name=f"triollm_cpu_{_machine_tag()}",
-            sources=[str(s) for s in _SOURCES],
-            extra_cflags=_CFLAGS,
-            extra_ldflags=_LDFLAGS,
-            is_python_module=False,
-            verbose=False,
-        )
+        name = f"triollm_cpu_{_machine_tag()}"
+        with _build_lock(Path(cpp_extension._get_build_directory(name, verbose=False))):
+            cpp_extension.load(
+                name=name,
+                sources=[str(s) for s in _SOURCES],
+                extra_cflags=_CFLAGS,
+                extra_ldflags=_LDFLAGS,
+                is_python_module=False,
+                verbose=False,
+            )
     except Exception as exc:  # noqa: BLE001 - any build failure means the torch path
         log.warning(
             "native CPU kernels unavailable, using the torch path (%s: %s); set %s=0 to skip the build",
@@ -99,6 +104,29 @@ def available() -> bool:
         )
         return False
     return True
+
+
+@contextmanager
+def _build_lock(build_dir: Path) -> Iterator[None]:
+    """Hold an flock on the build directory while torch builds or loads there.
+
+    torch's own build lock is a plain file that its builder deletes when done: a build killed
+    mid-way (Ctrl-C, a test's timeout) leaves it behind, and every later start waits on it
+    forever. An flock is released by the kernel when its holder dies, and every build here
+    holds this one around torch's: whoever holds it and still finds torch's lock file knows it
+    is stale. Then the lock goes, and the library with it (it may be half written: the link is
+    the build's last step, and ninja would take a truncated file for a finished one).
+    """
+    build_dir.mkdir(parents=True, exist_ok=True)
+    with open(build_dir / "triollm.flock", "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        stale = build_dir / "lock"
+        if stale.exists():
+            log.warning("removing a stale build lock left by an interrupted build: %s", stale)
+            stale.unlink()
+            for library in build_dir.glob("*.so"):
+                library.unlink()
+        yield
 
 
 def paged_decode_attention(

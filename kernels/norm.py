@@ -1,4 +1,5 @@
-"""RMSNorm. fp32 on any device: torch's `F.rms_norm` (bit-identical to Llama's reference here).
+"""RMSNorm (and RMSNorm fused with the residual add). On CUDA: the Triton kernels
+(`kernels/triton/norm.py`). fp32 elsewhere: torch's `F.rms_norm` (bit-identical to Llama's reference here).
 Half precision on CPU: the native kernel (`kernels/cpu_native.py`, one pass per row; torch's CPU
 rms_norm for bf16 decomposes into ~8 ops), else `F.rms_norm`. Both round once, at the end,
 where the reference rounds the normalised activations before scaling by the weight: measured on
@@ -12,12 +13,30 @@ import torch
 import torch.nn.functional as F
 
 from triollm.kernels import cpu_native
+from triollm.kernels.triton import use_triton
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm over the last dimension, returned in x's dtype."""
     if weight.dtype != x.dtype:
         weight = weight.to(x.dtype)
+    if use_triton(x):
+        from triollm.kernels.triton import norm as triton_norm
+
+        return triton_norm.rms_norm(x, weight, eps)
     if x.dtype != torch.float32 and x.device.type == "cpu" and cpu_native.available():
         return cpu_native.rms_norm(x, weight, eps)
     return F.rms_norm(x, weight.shape, weight, eps)
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """`residual + x`, and its RMSNorm: `(normed, new_residual)`. One kernel on the Triton path
+    (vLLM's fused_add_rms_norm); the residual sum is the same on every path."""
+    if use_triton(x):
+        from triollm.kernels.triton import norm as triton_norm
+
+        if weight.dtype != x.dtype:
+            weight = weight.to(x.dtype)
+        return triton_norm.fused_add_rms_norm(x, residual, weight, eps)
+    residual = residual + x
+    return rms_norm(residual, weight, eps), residual

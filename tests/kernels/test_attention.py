@@ -236,3 +236,17 @@ def test_without_a_compiler_the_native_kernels_are_off_with_one_warning(tmp_path
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert "native CPU kernels unavailable" in proc.stderr and "TRIOLLM_CPU_KERNELS=0" in proc.stderr
+
+
+def test_a_stale_build_lock_is_removed_with_the_half_built_library(tmp_path: Path) -> None:
+    """torch's build lock is a plain file: a build killed mid-way left it, and every later start
+    waited on it forever (seen when a CI run was interrupted during its build). Holding our
+    flock, a lock file found is stale: it goes, and the library, which may be truncated."""
+    (tmp_path / "lock").touch()
+    (tmp_path / "triollm_cpu_x.so").write_bytes(b"")
+    with cpu_native._build_lock(tmp_path):
+        assert not (tmp_path / "lock").exists()
+        assert not (tmp_path / "triollm_cpu_x.so").exists()
+    (tmp_path / "triollm_cpu_x.so").write_bytes(b"ELF")  # no lock: a finished build stays
+    with cpu_native._build_lock(tmp_path):
+        assert (tmp_path / "triollm_cpu_x.so").read_bytes() == b"ELF"

@@ -36,6 +36,7 @@ from triollm.engine.distributed.sharding import TPShard
 from triollm.engine.loading.model_config import ModelConfig
 from triollm.kernels import KVCache, cpu_native, prefill_attention, rms_norm, write_kv
 from triollm.kernels.attention import DecodePlan, decode_attention
+from triollm.kernels.norm import add_rms_norm
 from triollm.kernels.rotary import apply_rotary_signed, rotary_sign, rotary_tables
 
 if TYPE_CHECKING:
@@ -189,8 +190,9 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = nn.Parameter(torch.ones(cfg.hidden_size))
 
     def forward(self, x, cos, sin, meta, k_cache, v_cache):  # type: ignore[no-untyped-def]
-        x = x + self.self_attn(rms_norm(x, self.input_layernorm, self.eps), cos, sin, meta, k_cache, v_cache)
-        return x + self.mlp(rms_norm(x, self.post_attention_layernorm, self.eps))
+        h = self.self_attn(rms_norm(x, self.input_layernorm, self.eps), cos, sin, meta, k_cache, v_cache)
+        normed, x = add_rms_norm(h, x, self.post_attention_layernorm, self.eps)  # x + h, normed
+        return x + self.mlp(normed)
 
 
 class LlamaForCausalLM(nn.Module):

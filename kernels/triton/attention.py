@@ -1,0 +1,558 @@
+"""Paged attention in Triton: decode (one query token per sequence) and prefill (n new tokens of
+one sequence), over the KV cache layout of `kernels/attention.py` (its torch functions are the
+references these kernels are tested against).
+
+Layout. Per layer, V is `[kv_heads, num_blocks, block_size, head_dim]` and K the same with each
+block transposed, `[kv_heads, num_blocks, head_dim, block_size]`; a sequence's token at position
+p lives in block `table[p // block_size]` at offset `p % block_size`. Every stride is a kernel
+argument (nothing assumes contiguity) and `block_id * stride` is computed in int64, so caches
+past 2**31 elements are addressed correctly. Loading a K tile through the transposed blocks
+gives `K^T` `[head_dim, TILE_N]` directly, the right operand of `q @ K^T`.
+
+Tiles. A KV tile is `TILE_N` consecutive positions of one sequence, a power of two that is a
+multiple of the block size and at least 16 (`tl.dot` needs M, N, K >= 16 on the GPU): with
+blocks of 8, one tile spans two blocks; each column looks up its own block id, so a tile may
+cross blocks freely. Scores, running max and running sum are fp32 and in log2 units (the scale
+is folded with log2(e), so the softmax uses `exp2`); the online softmax rescales the fp32
+accumulator by `exp2(m_old - m_new)` whenever the running max grows. Masked-out scores are -inf;
+each loop starts at position 0 or at a split's first tile, whose first column every row may
+attend, so the running max is finite from the first tile on and no NaN can appear.
+
+Decode. Grid `(sequence, kv head, split)`. The GQA group (the `H // kv_heads` query heads
+sharing a KV head) is folded into the M dimension of `tl.dot`, padded to at least 16 rows
+(padding rows load zeros and are never stored), so each K/V tile is read once per group rather
+than once per head. Split-KV: when `B * kv_heads` programs cannot fill the GPU and contexts
+are long, each sequence's tiles are cut into `num_splits` contiguous ranges; each split writes
+its unnormalised fp32 accumulator, running max and running sum to scratch, and a second small
+kernel (grid `(sequence, head)`) merges them, weighting split s by `exp2(m_s - max_s m_s)`. An
+empty split (a context shorter than the splits) leaves max -inf and sum 0 and weighs nothing.
+With one split the kernel normalises and writes the output directly.
+
+Prefill. Grid `(query tile, kv head)`; rows of a query tile are (token, group member) pairs,
+`row = token * group + member`, so GQA is folded into M here too. Token i of the new ones sits
+at position `num_context + i` and attends positions `0..num_context + i` (its own K/V, like the
+earlier context, is already in the cache); a tile's loop stops at its last row's position.
+Programs are launched heaviest tile (latest queries) first. Every tile applies the causal mask
+(a mask-free loop for the tiles wholly below the diagonal would save a few instructions; not
+measured yet).
+
+What the interpreter (`TRITON_INTERPRET=1`, the CPU tests) cannot check: speed, register
+and shared-memory pressure, load vectorisation, the `tl.dot` shape rules (M, N, K >= 16) and
+bf16 (numpy has no bf16 matmul), and the GPU's numerics: there an fp32 `tl.dot` runs in tf32,
+so fp32 inputs, used by the CPU tests, would not meet their tolerance on the GPU (the model
+runs fp16/bf16 caches). `AOT_SPECS` compiles every kernel for sm_90 without a GPU
+(`kernels/aot.py`); checking the numbers on a GPU is a separate run.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from triollm.kernels.triton import AotSpec
+
+__all__ = ["AOT_SPECS", "choose_num_splits", "paged_decode_attention", "paged_prefill_attention"]
+
+_LOG2E = 1.4426950408889634
+_MIN_DOT = 16  # tl.dot needs M, N and K of at least 16
+
+# Split-KV policy: a split covers at least this many KV tiles (below that the reduce kernel and
+# the scratch traffic cost more than the parallelism gains), and there are at most this many.
+_MIN_TILES_PER_SPLIT = 8
+_MAX_SPLITS = 16
+
+# Prefill tiles: at most 64 query rows (token x group member) per program, and KV tiles of 64
+# positions, or fewer for wide heads so a K tile stays at 4096 elements, with 8 warps: at head
+# dim 128, 64 positions or 4 warps spill registers on sm_90 (the per-element gathered
+# addresses are costly), `python -m triollm.kernels.aot` shows it.
+_PREFILL_BLOCK_M = 64
+_PREFILL_TILE_N = 64
+_PREFILL_TILE_ELEMENTS = 4096
+_PREFILL_WARPS = 8
+
+
+@triton.jit
+def _paged_decode_kernel(
+    out_ptr,  # [B, H, hd] in q's dtype, or fp32 partials [B, H, S, hd] when split
+    max_ptr,  # fp32 [B, H, S] (split only)
+    sum_ptr,  # fp32 [B, H, S] (split only)
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    block_tables_ptr,
+    context_lens_ptr,
+    qk_scale,  # softmax scale * log2(e)
+    stride_qb,
+    stride_qh,
+    stride_qd,
+    stride_kh,
+    stride_kb,
+    stride_kd,
+    stride_kt,
+    stride_vh,
+    stride_vb,
+    stride_vt,
+    stride_vd,
+    stride_tb,
+    stride_tm,
+    stride_ob,
+    stride_oh,
+    stride_os,
+    stride_od,
+    GROUP: tl.constexpr,
+    GROUP_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    TILE_N: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+
+    members = tl.arange(0, GROUP_PAD)
+    heads = kv_head * GROUP + members
+    is_head = members < GROUP
+    dims = tl.arange(0, HEAD_DIM)
+    q_ptrs = q_ptr + seq * stride_qb + heads[:, None] * stride_qh + dims[None, :] * stride_qd
+    q = tl.load(q_ptrs, mask=is_head[:, None], other=0.0)
+
+    context_len = tl.load(context_lens_ptr + seq)
+    num_tiles = tl.cdiv(context_len, TILE_N)
+    tiles_per_split = tl.cdiv(num_tiles, NUM_SPLITS)
+    first_tile = split * tiles_per_split
+    end_tile = tl.minimum(first_tile + tiles_per_split, num_tiles)
+
+    table = block_tables_ptr + seq.to(tl.int64) * stride_tb
+    k_head = k_ptr + kv_head.to(tl.int64) * stride_kh
+    v_head = v_ptr + kv_head.to(tl.int64) * stride_vh
+    cols = tl.arange(0, TILE_N)
+
+    running_max = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+    running_sum = tl.zeros([GROUP_PAD], tl.float32)
+    acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
+    for tile in range(first_tile, end_tile):
+        pos = tile * TILE_N + cols
+        in_context = pos < context_len
+        block_ids = tl.load(table + (pos // BLOCK_SIZE) * stride_tm, mask=in_context, other=0)
+        k_cols = k_head + block_ids.to(tl.int64) * stride_kb + (pos % BLOCK_SIZE) * stride_kt
+        v_rows = v_head + block_ids.to(tl.int64) * stride_vb + (pos % BLOCK_SIZE) * stride_vt
+        k_t = tl.load(
+            k_cols[None, :] + dims[:, None] * stride_kd, mask=in_context[None, :], other=0.0
+        )
+        v = tl.load(
+            v_rows[:, None] + dims[None, :] * stride_vd, mask=in_context[:, None], other=0.0
+        )
+
+        scores = tl.dot(q, k_t) * qk_scale
+        scores = tl.where(in_context[None, :], scores, float("-inf"))
+        new_max = tl.maximum(running_max, tl.max(scores, 1))
+        rescale = tl.exp2(running_max - new_max)
+        probs = tl.exp2(scores - new_max[:, None])
+        running_sum = running_sum * rescale + tl.sum(probs, 1)
+        acc = acc * rescale[:, None] + tl.dot(probs.to(v.dtype), v)
+        running_max = new_max
+
+    out_ptrs = (
+        out_ptr
+        + seq * stride_ob
+        + heads[:, None] * stride_oh
+        + split * stride_os
+        + dims[None, :] * stride_od
+    )
+    if NUM_SPLITS == 1:
+        out = acc / running_sum[:, None]
+        tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=is_head[:, None])
+    else:
+        tl.store(out_ptrs, acc, mask=is_head[:, None])
+        stat = (seq * tl.num_programs(1) * GROUP + heads) * NUM_SPLITS + split
+        tl.store(max_ptr + stat, running_max, mask=is_head)
+        tl.store(sum_ptr + stat, running_sum, mask=is_head)
+
+
+@triton.jit
+def _split_kv_reduce_kernel(
+    out_ptr,  # [B, H, hd] in q's dtype
+    partial_ptr,  # fp32 [B, H, S, hd], contiguous
+    max_ptr,  # fp32 [B, H, S], contiguous
+    sum_ptr,  # fp32 [B, H, S], contiguous
+    stride_ob,
+    stride_oh,
+    stride_od,
+    HEAD_DIM: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    SPLITS_PAD: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    splits = tl.arange(0, SPLITS_PAD)
+    is_split = splits < NUM_SPLITS
+    dims = tl.arange(0, HEAD_DIM)
+
+    stats = (seq * tl.num_programs(1) + head) * NUM_SPLITS + splits
+    split_max = tl.load(max_ptr + stats, mask=is_split, other=float("-inf"))
+    split_sum = tl.load(sum_ptr + stats, mask=is_split, other=0.0)
+    partial = tl.load(
+        partial_ptr + stats[:, None] * HEAD_DIM + dims[None, :], mask=is_split[:, None], other=0.0
+    )
+    weight = tl.exp2(split_max - tl.max(split_max, 0))
+    out = tl.sum(partial * weight[:, None], 0) / tl.sum(split_sum * weight, 0)
+    out_ptrs = out_ptr + seq * stride_ob + head * stride_oh + dims * stride_od
+    tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty))
+
+
+@triton.jit
+def _paged_prefill_kernel(
+    out_ptr,  # [n, H, hd]
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    block_table_ptr,
+    num_tokens,
+    num_context,
+    qk_scale,  # softmax scale * log2(e)
+    stride_qn,
+    stride_qh,
+    stride_qd,
+    stride_kh,
+    stride_kb,
+    stride_kd,
+    stride_kt,
+    stride_vh,
+    stride_vb,
+    stride_vt,
+    stride_vd,
+    stride_tm,
+    stride_on,
+    stride_oh,
+    stride_od,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    TILE_N: tl.constexpr,
+):
+    query_tile = tl.num_programs(0) - 1 - tl.program_id(0)  # heaviest (latest) tiles first
+    kv_head = tl.program_id(1)
+
+    rows = query_tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    tokens = rows // GROUP
+    heads = kv_head * GROUP + rows % GROUP
+    is_token = tokens < num_tokens
+    dims = tl.arange(0, HEAD_DIM)
+    q_ptrs = (
+        q_ptr + tokens[:, None] * stride_qn + heads[:, None] * stride_qh + dims[None, :] * stride_qd
+    )
+    q = tl.load(q_ptrs, mask=is_token[:, None], other=0.0)
+    q_pos = num_context + tokens
+
+    # Positions this tile attends: up to its last real token's own.
+    last_token = tl.minimum((query_tile * BLOCK_M + BLOCK_M - 1) // GROUP, num_tokens - 1)
+    kv_len = num_context + last_token + 1
+    k_head = k_ptr + kv_head.to(tl.int64) * stride_kh
+    v_head = v_ptr + kv_head.to(tl.int64) * stride_vh
+    cols = tl.arange(0, TILE_N)
+
+    running_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    running_sum = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    for tile in range(0, tl.cdiv(kv_len, TILE_N)):
+        pos = tile * TILE_N + cols
+        in_range = pos < kv_len
+        block_ids = tl.load(
+            block_table_ptr + (pos // BLOCK_SIZE) * stride_tm, mask=in_range, other=0
+        )
+        k_cols = k_head + block_ids.to(tl.int64) * stride_kb + (pos % BLOCK_SIZE) * stride_kt
+        v_rows = v_head + block_ids.to(tl.int64) * stride_vb + (pos % BLOCK_SIZE) * stride_vt
+        k_t = tl.load(
+            k_cols[None, :] + dims[:, None] * stride_kd, mask=in_range[None, :], other=0.0
+        )
+        v = tl.load(v_rows[:, None] + dims[None, :] * stride_vd, mask=in_range[:, None], other=0.0)
+
+        scores = tl.dot(q, k_t) * qk_scale
+        # Causal: for real rows this also masks every position >= kv_len; padding rows (never
+        # stored) may see zero-filled columns, which keeps them finite.
+        scores = tl.where(pos[None, :] <= q_pos[:, None], scores, float("-inf"))
+        new_max = tl.maximum(running_max, tl.max(scores, 1))
+        rescale = tl.exp2(running_max - new_max)
+        probs = tl.exp2(scores - new_max[:, None])
+        running_sum = running_sum * rescale + tl.sum(probs, 1)
+        acc = acc * rescale[:, None] + tl.dot(probs.to(v.dtype), v)
+        running_max = new_max
+
+    out = acc / running_sum[:, None]
+    out_ptrs = (
+        out_ptr
+        + tokens[:, None] * stride_on
+        + heads[:, None] * stride_oh
+        + dims[None, :] * stride_od
+    )
+    tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=is_token[:, None])
+
+
+def paged_decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    *,
+    num_splits: int | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """One query token per sequence. q `[B, H, hd]`; block_tables `[B, M]` int32 (rows padded
+    with any valid block id); context_lens `[B]` int32, each >= 1, counts the tokens to attend
+    to, the query's own included (its K/V already written). Returns `[B, H, hd]` in q's dtype
+    (written into `out` if given, any strides). `num_splits` cuts each sequence's KV into that
+    many parts run in parallel (default: chosen from the batch and the table width, no sync)."""
+    batch, num_heads, head_dim = q.shape
+    kv_heads, _, block_size, _ = v_cache.shape
+    group = _check_shapes(num_heads, head_dim, kv_heads, block_size, v_cache.shape[3])
+    tile_n = max(block_size, _MIN_DOT)
+    if num_splits is None:
+        max_tiles = triton.cdiv(block_tables.shape[1] * block_size, tile_n)
+        num_splits = choose_num_splits(batch, kv_heads, max_tiles, _num_sms(q.device))
+    if num_splits < 1:
+        raise ValueError(f"num_splits: {num_splits} must be >= 1")
+    if out is None:
+        out = torch.empty_like(q)
+    if batch == 0:
+        return out
+
+    if num_splits == 1:
+        target = out
+        max_scratch = sum_scratch = torch.empty(0, dtype=torch.float32, device=q.device)  # unused
+        target_strides: tuple[int, ...] = (out.stride(0), out.stride(1), 0, out.stride(2))
+    else:
+        target = torch.empty(
+            (batch, num_heads, num_splits, head_dim), dtype=torch.float32, device=q.device
+        )
+        max_scratch = torch.empty(
+            (batch, num_heads, num_splits), dtype=torch.float32, device=q.device
+        )
+        sum_scratch = torch.empty_like(max_scratch)
+        target_strides = target.stride()
+    _paged_decode_kernel[(batch, kv_heads, num_splits)](
+        target,
+        max_scratch,
+        sum_scratch,
+        q,
+        k_cache,
+        v_cache,
+        block_tables,
+        context_lens,
+        scale * _LOG2E,
+        *q.stride(),
+        *k_cache.stride(),
+        *v_cache.stride(),
+        *block_tables.stride(),
+        *target_strides,
+        GROUP=group,
+        GROUP_PAD=max(_MIN_DOT, triton.next_power_of_2(group)),
+        HEAD_DIM=head_dim,
+        BLOCK_SIZE=block_size,
+        TILE_N=tile_n,
+        NUM_SPLITS=num_splits,
+        num_warps=4,
+        num_stages=2,
+    )
+    if num_splits > 1:
+        _split_kv_reduce_kernel[(batch, num_heads)](
+            out,
+            target,
+            max_scratch,
+            sum_scratch,
+            *out.stride(),
+            HEAD_DIM=head_dim,
+            NUM_SPLITS=num_splits,
+            SPLITS_PAD=triton.next_power_of_2(num_splits),
+            num_warps=1,
+        )
+    return out
+
+
+def paged_prefill_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    num_context: int,
+    scale: float,
+    *,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Causal attention of n new tokens of one sequence. q `[n, H, hd]`; the new tokens' K/V are
+    already in the cache after `num_context` earlier tokens; block_table `[M]` (int32 or int64)
+    covers all `num_context + n` positions. Query i attends positions `0..num_context + i`.
+    Returns `[n, H, hd]` in q's dtype (written into `out` if given, any strides)."""
+    num_tokens, num_heads, head_dim = q.shape
+    kv_heads, _, block_size, _ = v_cache.shape
+    group = _check_shapes(num_heads, head_dim, kv_heads, block_size, v_cache.shape[3])
+    if out is None:
+        out = torch.empty_like(q)
+    if num_tokens == 0:
+        return out
+    block_m = min(_PREFILL_BLOCK_M, max(_MIN_DOT, triton.next_power_of_2(num_tokens * group)))
+    grid = (triton.cdiv(num_tokens * group, block_m), kv_heads)
+    _paged_prefill_kernel[grid](
+        out,
+        q,
+        k_cache,
+        v_cache,
+        block_table,
+        num_tokens,
+        num_context,
+        scale * _LOG2E,
+        *q.stride(),
+        *k_cache.stride(),
+        *v_cache.stride(),
+        *block_table.stride(),
+        *out.stride(),
+        GROUP=group,
+        HEAD_DIM=head_dim,
+        BLOCK_SIZE=block_size,
+        BLOCK_M=block_m,
+        TILE_N=_prefill_tile_n(head_dim, block_size),
+        num_warps=_PREFILL_WARPS,
+        num_stages=2,
+    )
+    return out
+
+
+def choose_num_splits(batch: int, kv_heads: int, max_tiles: int, num_sms: int) -> int:
+    """Split-KV parts for a decode batch whose longest row has at most `max_tiles` KV tiles: 1
+    when the `batch * kv_heads` programs already fill the `num_sms` multiprocessors or contexts
+    are short, else enough to fill them (a power of two, so few kernel variants get compiled),
+    each covering at least `_MIN_TILES_PER_SPLIT` tiles."""
+    programs = batch * kv_heads
+    by_length = max_tiles // _MIN_TILES_PER_SPLIT
+    if programs >= num_sms or by_length < 2:
+        return 1
+    wanted = min(_MAX_SPLITS, by_length, triton.cdiv(num_sms, programs))
+    return 1 << (wanted.bit_length() - 1)
+
+
+def _check_shapes(
+    num_heads: int, head_dim: int, kv_heads: int, block_size: int, cache_dim: int
+) -> int:
+    """The GQA group size, after checking what the kernels rely on."""
+    if cache_dim != head_dim:
+        raise ValueError(f"head_dim: q has {head_dim}, the cache {cache_dim}")
+    if head_dim < _MIN_DOT or not _is_power_of_two(head_dim):
+        raise ValueError(f"head_dim: {head_dim} must be a power of two >= {_MIN_DOT}")
+    if not _is_power_of_two(block_size):
+        raise ValueError(f"block_size: {block_size} must be a power of two")
+    if num_heads % kv_heads:
+        raise ValueError(f"num_heads: {num_heads} is not a multiple of kv_heads {kv_heads}")
+    return num_heads // kv_heads
+
+
+def _prefill_tile_n(head_dim: int, block_size: int) -> int:
+    return max(block_size, min(_PREFILL_TILE_N, _PREFILL_TILE_ELEMENTS // head_dim))
+
+
+def _is_power_of_two(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 1  # the interpreter: no parallelism to gain from splitting
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+# Ahead-of-time compilation for sm_90 (`kernels/aot.py`): cache dtypes x head dims x GQA groups
+# (3, padded to 16 rows, and 8) at block size 16. Unit strides are constexpr 1, as the JIT
+# specialises them at launch (which is what lets the compiler vectorise the loads).
+_AOT_BLOCK_SIZE = 16
+_AOT_SPLITS = 4
+_UNIT_STRIDES = ("stride_qd", "stride_kt", "stride_vd", "stride_tm", "stride_od")
+
+
+def _aot_spec(
+    name: str,
+    kernel: object,
+    pointers: dict[str, str],
+    constexprs: dict[str, int],
+    num_warps: int = 4,
+) -> AotSpec:
+    """The spec of `kernel`: pointer arguments typed as given, `qk_scale` fp32, unit strides and
+    `constexprs` constexpr, every other argument (strides, lengths) i32."""
+    constexprs = {arg: 1 for arg in _UNIT_STRIDES if arg in kernel.arg_names} | constexprs  # type: ignore[attr-defined]
+    signature = {}
+    for arg in kernel.arg_names:  # type: ignore[attr-defined]
+        if arg in constexprs:
+            signature[arg] = "constexpr"
+        elif arg in pointers:
+            signature[arg] = pointers[arg]
+        else:
+            signature[arg] = "fp32" if arg == "qk_scale" else "i32"
+    return AotSpec(name, kernel, signature, constexprs, num_warps=num_warps)
+
+
+def _decode_spec(dtype: str, head_dim: int, group: int, num_splits: int) -> AotSpec:
+    pointers = dict.fromkeys(("q_ptr", "k_ptr", "v_ptr"), f"*{dtype}")
+    pointers |= {
+        "out_ptr": f"*{dtype}" if num_splits == 1 else "*fp32",
+        "max_ptr": "*fp32",
+        "sum_ptr": "*fp32",
+    }
+    pointers |= {"block_tables_ptr": "*i32", "context_lens_ptr": "*i32"}
+    constexprs = {
+        "GROUP": group,
+        "GROUP_PAD": max(_MIN_DOT, triton.next_power_of_2(group)),
+        "HEAD_DIM": head_dim,
+        "BLOCK_SIZE": _AOT_BLOCK_SIZE,
+        "TILE_N": max(_AOT_BLOCK_SIZE, _MIN_DOT),
+        "NUM_SPLITS": num_splits,
+    }
+    name = f"paged_decode[hd={head_dim}, group={group}, splits={num_splits}, {dtype}]"
+    return _aot_spec(name, _paged_decode_kernel, pointers, constexprs)
+
+
+def _reduce_spec(dtype: str, head_dim: int) -> AotSpec:
+    pointers = {
+        "out_ptr": f"*{dtype}",
+        "partial_ptr": "*fp32",
+        "max_ptr": "*fp32",
+        "sum_ptr": "*fp32",
+    }
+    constexprs = {
+        "HEAD_DIM": head_dim,
+        "NUM_SPLITS": _AOT_SPLITS,
+        "SPLITS_PAD": triton.next_power_of_2(_AOT_SPLITS),
+    }
+    name = f"split_kv_reduce[hd={head_dim}, splits={_AOT_SPLITS}, {dtype}]"
+    return _aot_spec(name, _split_kv_reduce_kernel, pointers, constexprs, num_warps=1)
+
+
+def _prefill_spec(dtype: str, head_dim: int, group: int) -> AotSpec:
+    pointers = dict.fromkeys(("out_ptr", "q_ptr", "k_ptr", "v_ptr"), f"*{dtype}")
+    pointers["block_table_ptr"] = "*i32"
+    constexprs = {
+        "GROUP": group,
+        "HEAD_DIM": head_dim,
+        "BLOCK_SIZE": _AOT_BLOCK_SIZE,
+        "BLOCK_M": _PREFILL_BLOCK_M,
+        "TILE_N": _prefill_tile_n(head_dim, _AOT_BLOCK_SIZE),
+    }
+    name = f"paged_prefill[hd={head_dim}, group={group}, {dtype}]"
+    return _aot_spec(name, _paged_prefill_kernel, pointers, constexprs, _PREFILL_WARPS)
+
+
+AOT_SPECS: list[AotSpec] = [
+    spec
+    for dtype in ("fp16", "bf16")
+    for head_dim in (64, 128)
+    for spec in (
+        *(
+            _decode_spec(dtype, head_dim, group, splits)
+            for group in (3, 8)
+            for splits in (1, _AOT_SPLITS)
+        ),
+        _reduce_spec(dtype, head_dim),
+        *(_prefill_spec(dtype, head_dim, group) for group in (3, 8)),
+    )
+]
