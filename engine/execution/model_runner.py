@@ -159,6 +159,7 @@ class ModelRunner:
         meta.slot_mapping = torch.tensor(inputs.slots, dtype=torch.long, device=dev)
         input_ids = torch.tensor(inputs.token_ids, dtype=torch.long, device=dev)
         positions = torch.tensor(inputs.positions, dtype=torch.long, device=dev)
+        meta.positions = positions
         return input_ids, positions, meta
 
     def _prompt_logprobs(

@@ -38,6 +38,7 @@ from triollm.kernels import KVCache, cpu_native, prefill_attention, rms_norm, wr
 from triollm.kernels.attention import DecodePlan, decode_attention
 from triollm.kernels.norm import add_rms_norm
 from triollm.kernels.rotary import apply_rotary_signed, rotary_sign, rotary_tables
+from triollm.kernels.triton import use_triton
 
 if TYPE_CHECKING:
     from triollm.engine.distributed.collectives import Collectives
@@ -59,6 +60,7 @@ class AttentionMetadata:
     num_decodes: int = 0  # the first num_decodes tokens are single-token decodes
     decode_plan: DecodePlan | None = None  # their attention plan (kernels.attention.plan_decode)
     prefills: list[PrefillChunk] = field(default_factory=list)
+    positions: torch.Tensor | None = None  # [T] int64 (the Triton path rotates by position)
 
 
 def _packable(weight: torch.Tensor) -> bool:
@@ -127,6 +129,18 @@ class LlamaAttention(nn.Module):
         h, kvh, hd = self.num_heads, self.num_kv_heads, self.head_dim
         qkv = self.qkv_proj(x)
         plan = meta.decode_plan
+        if use_triton(qkv):
+            # Rotary on Q and K and the cache write in one kernel; cos/sin are the whole tables.
+            from triollm.kernels.triton import rotary as triton_rotary
+
+            assert meta.positions is not None
+            q, k = triton_rotary.rotary_write_kv(
+                qkv[:, : h * hd].view(t, h, hd),
+                qkv[:, h * hd : (h + kvh) * hd].view(t, kvh, hd),
+                qkv[:, (h + kvh) * hd :].view(t, kvh, hd),
+                cos, sin, meta.positions, k_cache, v_cache, meta.slot_mapping,
+            )  # fmt: skip
+            return self._project(self._attend(q, k, qkv[:, (h + kvh) * hd :].view(t, kvh, hd), meta, k_cache, v_cache))
         if meta.num_decodes == t and plan is not None and plan.native is not None:
             # An all-decode step on the native CPU kernels: rotary + cache write in one call.
             q = cpu_native.rotary_write_kv(qkv, cos, sin, k_cache, v_cache, meta.slot_mapping, h, kvh)
@@ -137,6 +151,19 @@ class LlamaAttention(nn.Module):
         q, k = qk[:, :h], qk[:, h:]
         v = qkv[:, (h + kvh) * hd :].view(t, kvh, hd)
         write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+        return self._project(self._attend(q, k, v, meta, k_cache, v_cache))
+
+    def _attend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        meta: AttentionMetadata,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+    ) -> torch.Tensor:
+        """Attention of the step's tokens (their K/V already in the cache), `[T, H * hd]`."""
+        t, h, hd = q.shape
         d = meta.num_decodes
         if d == t:
             assert meta.decode_plan is not None
@@ -151,7 +178,7 @@ class LlamaAttention(nn.Module):
                 out[s:e] = prefill_attention(
                     q[s:e], k[s:e], v[s:e], k_cache, v_cache, c.block_ids, c.num_context, self.scale
                 )
-        return self._project(out.view(t, h * hd))
+        return out.reshape(t, h * hd)
 
     def _project(self, out: torch.Tensor) -> torch.Tensor:
         out = self.o_proj(out)
@@ -216,6 +243,7 @@ class LlamaForCausalLM(nn.Module):
         # on the meta device), never loaded; moved in load_model.
         with torch.device("cpu"):
             self.rope_cos, self.rope_sin_signed = _rope_tables(cfg)
+            self.rope_sin = self.rope_sin_signed * rotary_sign(cfg.head_dim)  # the plain table
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, kv: KVCache) -> torch.Tensor:
         """Hidden states `[T, hidden]` (final norm applied) for the flat batch."""
@@ -223,9 +251,11 @@ class LlamaForCausalLM(nn.Module):
             x = self.embed_tokens(input_ids)
         else:
             x = self.comm.embed(self.embed_tokens.weight, input_ids)
-        # [T, 1, head_dim], broadcast over heads; sin carries rotate-half's sign.
-        cos = self.rope_cos.index_select(0, positions).to(x.dtype).unsqueeze(1)
-        sin = self.rope_sin_signed.index_select(0, positions).to(x.dtype).unsqueeze(1)
+        if use_triton(x):  # the whole fp32 tables: the rotary kernel gathers by position
+            cos, sin = self.rope_cos, self.rope_sin
+        else:  # [T, 1, head_dim], broadcast over heads; sin carries rotate-half's sign.
+            cos = self.rope_cos.index_select(0, positions).to(x.dtype).unsqueeze(1)
+            sin = self.rope_sin_signed.index_select(0, positions).to(x.dtype).unsqueeze(1)
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, meta, kv.k[i], kv.v[i])
         return rms_norm(x, self.norm, self.cfg.rms_norm_eps)
@@ -370,6 +400,7 @@ def load_model(
             )
     model.load_state_dict(loaded, strict=False, assign=True)
     model.rope_cos, model.rope_sin_signed = model.rope_cos.to(device), model.rope_sin_signed.to(device)
+    model.rope_sin = model.rope_sin.to(device)
     model.requires_grad_(False)
     model = model.to(device).eval()
     model.pack_linears()
