@@ -109,4 +109,6 @@ def _resolve_dtype(dtype: str, checkpoint_dtype: torch.dtype | None, device: str
         # here the default is lossless; --dtype bfloat16 asks for the speed).
         half = checkpoint_dtype in (torch.bfloat16, torch.float16)
         return torch.bfloat16 if half and cpu_native.has_native_bf16() else torch.float32
-    return checkpoint_dtype or torch.bfloat16
+    # CUDA, as vLLM: a half-precision checkpoint keeps its dtype; fp32 (and GGUF imports) run
+    # in bf16, the dtype the Triton kernels and tensor cores are built for.
+    return checkpoint_dtype if checkpoint_dtype in (torch.bfloat16, torch.float16) else torch.bfloat16

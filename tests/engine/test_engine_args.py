@@ -358,3 +358,16 @@ def test_vllm_example_argument_parsing(tiny_model_dir: Path) -> None:
     with LLM(**args) as llm:
         out = llm.generate("Hello, my name is", SamplingParams(max_tokens=max_tokens, ignore_eos=True), use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 3
+
+
+def test_auto_dtype_on_cuda_is_half_precision() -> None:
+    """As vLLM on a GPU: a half-precision checkpoint keeps its dtype, anything else runs in bf16
+    (the Triton kernels' dtype); on CPU an fp32 checkpoint stays fp32."""
+    import torch
+
+    from triollm.engine.loading.model_config import _resolve_dtype
+
+    assert _resolve_dtype("auto", torch.float32, "cuda") == torch.bfloat16
+    assert _resolve_dtype("auto", None, "cuda") == torch.bfloat16
+    assert _resolve_dtype("auto", torch.float16, "cuda") == torch.float16
+    assert _resolve_dtype("auto", torch.float32, "cpu") == torch.float32
