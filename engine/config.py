@@ -126,6 +126,9 @@ class EngineConfig:
     # vLLM arguments the user set that have no effect here (each warned about once).
     ignored_args: tuple[str, ...] = ()
     tensor_parallel_size: int = 1  # processes the model is sharded over (docs/scaling.md)
+    # CUDA: the decode batch sizes replayed from captured graphs (engine/execution/cuda_graphs.py);
+    # empty: every step runs eagerly (CPU, enforce_eager, use_cudagraph=False).
+    cuda_graph_sizes: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -186,7 +189,7 @@ IGNORED_ARGS: dict[str, str] = {
     "skip_tokenizer_init": "the tokenizer is always loaded (outputs carry text)",
     "distributed_executor_backend": "tensor-parallel ranks are always processes the engine core starts (docs/scaling.md)",
     "disable_custom_all_reduce": "tensor-parallel all-reduces always go through gloo",
-    "max_seq_len_to_capture": "no CUDA graphs are captured",
+    "max_seq_len_to_capture": "CUDA graphs are captured per batch size and serve every context length",
     "cpu_offload_gb": "weights are not offloaded",
     "allowed_local_media_path": "prompts are text or token ids only",
     "data_parallel_rpc_port": "dense models need no data parallel coordinator (ranks never synchronise)",
@@ -255,8 +258,8 @@ class EngineArgs:
     runner: str = _arg("auto", "generate only", choices=RUNNERS)
     device: str = _arg("auto", "auto (cuda if available), cpu or cuda", choices=("auto", "cpu", "cuda"))
     num_threads: int | None = _arg(None, "torch threads in the engine core (default: every core for the offline LLM; for AsyncLLM and the server every core up to 4, one fewer above)")
-    enforce_eager: bool = _arg(False, "accepted (the model always runs eagerly)")
-    max_seq_len_to_capture: int = _arg(8192, "accepted, ignored (no CUDA graphs)")
+    enforce_eager: bool = _arg(False, "CUDA: run every step eagerly (otherwise decode steps replay CUDA graphs captured per batch size)")
+    max_seq_len_to_capture: int = _arg(8192, "accepted, ignored (graphs are captured per batch size, for every length)")
     compilation_config: CompilationConfig | int | dict[str, Any] | None = _arg(None, "an int level or a JSON object")
     disable_log_stats: bool = _arg(False, "accepted (no periodic stats are logged)")
     allowed_local_media_path: str = _arg("", "accepted, ignored (text only)")
@@ -446,7 +449,21 @@ class EngineArgs:
             ),
             ignored_args=ignored,
             tensor_parallel_size=self.tensor_parallel_size,
+            cuda_graph_sizes=self._cuda_graph_sizes(device),
         )
+
+    def _cuda_graph_sizes(self, device: str) -> tuple[int, ...]:
+        cc = self.compilation_config
+        assert isinstance(cc, CompilationConfig)  # coerced in __post_init__
+        if device != "cuda" or self.enforce_eager or not cc.use_cudagraph or self.tensor_parallel_size > 1:
+            return ()
+        if cc.cudagraph_capture_sizes:
+            for size in cc.cudagraph_capture_sizes:
+                _positive("compilation_config.cudagraph_capture_sizes", size)
+            return tuple(sorted(set(cc.cudagraph_capture_sizes)))
+        from triollm.engine.execution.cuda_graphs import default_capture_sizes
+
+        return default_capture_sizes(self.max_num_seqs)
 
     def _ignored_args(self, device: str) -> tuple[str, ...]:
         """The fields set to a non-default value that have no effect on `device`."""

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from triollm.engine.execution.cuda_graphs import DecodeGraphs
 from triollm.engine.execution.models.llama import AttentionMetadata, LlamaForCausalLM, PrefillChunk
 from triollm.engine.execution.sampler import Sampler, SamplingRow, gather_logprobs
 from triollm.engine.request import Logprobs
@@ -63,9 +64,11 @@ class ModelRunner:
         kv_cache: KVCache,
         device: torch.device | str,
         group: TensorParallelGroup | None = None,
+        graphs: DecodeGraphs | None = None,
     ) -> None:
         self.model = model
         self.group = group  # rank 0 of a tensor-parallel model: the other ranks follow each step
+        self.graphs = graphs  # all-decode steps replayed from captured graphs (CUDA)
         self.kv = kv_cache
         self.device = torch.device(device)
         self.sampler = Sampler()
@@ -91,8 +94,12 @@ class ModelRunner:
         if self.group is not None:
             inputs.logit_rows = _logit_rows(order, ends, samplers)
             self.group.send_step(inputs)
-        input_ids, positions, meta = self._tensors(inputs)
-        hidden = self.model(input_ids, positions, meta, self.kv)
+        graphs = self.graphs
+        if graphs is not None and not prefills and graphs.size_for(len(decodes)) is not None:
+            hidden = graphs.run(inputs.token_ids, inputs.positions, inputs.slots, inputs.decode_tables, inputs.decode_lens)
+        else:
+            input_ids, positions, meta = self._tensors(inputs)
+            hidden = self.model(input_ids, positions, meta, self.kv)
 
         out = RunnerOutput({}, {}, {})
         if samplers:
