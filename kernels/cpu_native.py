@@ -63,7 +63,10 @@ def has_native_bf16() -> bool:
 
 
 def _machine_tag() -> str:
-    """A short hash of the CPU model and flags (the build uses -march=native)."""
+    """A short hash of the CPU model and flags (the build uses -march=native) and of the torch
+    installation built against: two environments on one machine (a checkout and a CI clone, each
+    with its own venv) would otherwise take turns rebuilding one cache entry, since torch rebuilds
+    whenever the include paths in its build file change."""
     seen: dict[str, str] = {}
     try:
         with open("/proc/cpuinfo") as f:
@@ -74,6 +77,7 @@ def _machine_tag() -> str:
                     seen[key] = value.strip()
     except OSError:
         pass
+    seen["torch"] = f"{torch.__version__} {Path(torch.__file__).parent}"
     return hashlib.sha256(repr(sorted(seen.items())).encode()).hexdigest()[:12]
 
 
