@@ -138,3 +138,13 @@ def wait_idle(url: str, timeout: float = 10.0) -> dict[str, float]:
             return values
         time.sleep(0.05)
     raise AssertionError(f"engine not idle: {values}")
+
+
+def staggered_completion(url: str, i: int, tokens: int, delay: float) -> int:
+    """After `delay` seconds, a greedy completion of `tokens` tokens for prompt i (served model
+    name "m"); returns the completion tokens the server counted."""
+    time.sleep(delay)
+    body = {"model": "m", "prompt": f"request {i}", "max_tokens": tokens, "ignore_eos": True, "temperature": 0}
+    r = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+    r.raise_for_status()
+    return int(r.json()["usage"]["completion_tokens"])

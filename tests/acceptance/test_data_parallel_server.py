@@ -5,20 +5,10 @@ idle; killing one rank's process gives /health 503, a non-zero exit and no orpha
 from __future__ import annotations
 
 import random
-import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import httpx
-from server import assert_dies_with_its_engine, run_server, wait_idle
-
-
-def _complete(url: str, i: int, tokens: int, delay: float) -> int:
-    time.sleep(delay)
-    body = {"model": "m", "prompt": f"request {i}", "max_tokens": tokens, "ignore_eos": True, "temperature": 0}
-    r = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
-    r.raise_for_status()
-    return int(r.json()["usage"]["completion_tokens"])
+from server import assert_dies_with_its_engine, run_server, staggered_completion, wait_idle
 
 
 def test_two_ranks_serve_staggered_requests_and_a_dead_rank_ends_the_server(tiny_model_dir: Path) -> None:
@@ -29,7 +19,7 @@ def test_two_ranks_serve_staggered_requests_and_a_dead_rank_ends_the_server(tiny
         ranks = srv.engine_children
         assert len(ranks) == 2, ranks
         with ThreadPoolExecutor(16) as pool:
-            got = list(pool.map(_complete, [srv.url] * 100, range(100), tokens, delays))
+            got = list(pool.map(staggered_completion, [srv.url] * 100, range(100), tokens, delays))
         assert got == tokens
         wait_idle(srv.url)  # nothing left running or waiting on either rank
 

@@ -6,22 +6,12 @@ non-zero exit) and takes the other rank's actor with it."""
 from __future__ import annotations
 
 import random
-import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import httpx
 import psutil
 from local_ray import local_ray
-from server import assert_dies_with_its_engine, run_server, wait_idle
-
-
-def _complete(url: str, i: int, tokens: int, delay: float) -> int:
-    time.sleep(delay)
-    body = {"model": "m", "prompt": f"request {i}", "max_tokens": tokens, "ignore_eos": True, "temperature": 0}
-    r = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
-    r.raise_for_status()
-    return int(r.json()["usage"]["completion_tokens"])
+from server import assert_dies_with_its_engine, run_server, staggered_completion, wait_idle
 
 
 def _engine_actors() -> list[psutil.Process]:
@@ -45,7 +35,7 @@ def test_serve_on_ray_and_a_killed_actor_ends_the_server(tiny_model_dir: Path) -
             assert len(actors) == 2, actors
             assert not srv.engine_children or not {p.pid for p in actors} & {c.pid for c in srv.engine_children}
             with ThreadPoolExecutor(8) as pool:
-                got = list(pool.map(_complete, [srv.url] * 40, range(40), tokens, delays))
+                got = list(pool.map(staggered_completion, [srv.url] * 40, range(40), tokens, delays))
             assert got == tokens
             wait_idle(srv.url)
 
