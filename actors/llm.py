@@ -29,6 +29,12 @@ import torch
 
 from triollm.actors.llm_engine import LLMEngine
 from triollm.actors.request_stream import RequestStream
+from triollm.engine.beam_search import (
+    BeamSearchOutput,
+    BeamSearchParams,
+    BeamSearchSequence,
+    beam_search_score,
+)
 from triollm.engine.config import EngineArgs
 from triollm.engine.core import EngineCoreFactory
 from triollm.engine.metrics import Metric
@@ -143,6 +149,78 @@ class LLM:
         if priority is not None and len(priority) != len(prompt_list):
             raise ValueError(f"priority: {len(priority)} values given for {len(prompt_list)} prompts")
         return self._run(prompt_list, params, priority or [0] * len(prompt_list), use_tqdm)
+
+    def beam_search(
+        self,
+        prompts: Sequence[PromptType],
+        params: BeamSearchParams,
+        lora_request: object = None,
+        use_tqdm: bool = False,
+        concurrency_limit: int | None = None,
+    ) -> list[BeamSearchOutput]:
+        """vLLM's beam search (`engine/beam_search.py`): the `params.beam_width` best sequences of
+        each prompt, best first. Text prompts are tokenized as `generate` does; a beam ends at
+        EOS (unless `ignore_eos`), after `max_tokens`, or at the context length."""
+        if lora_request is not None:
+            raise ValueError("lora_request: LoRA adapters are not supported; allowed: None")
+        if concurrency_limit is not None and concurrency_limit < 1:
+            raise ValueError(f"concurrency_limit: must be a positive integer or None, got {concurrency_limit!r}")
+        tokenizer = self.get_tokenizer()
+        eos = None if params.ignore_eos else tokenizer.eos_token_id
+        max_len = self._engine.get_model_config().max_model_len
+        width = params.beam_width
+
+        def score(beam: BeamSearchSequence) -> float:
+            return beam_search_score(beam.tokens, beam.cum_logprob, eos, params.length_penalty)
+
+        step = SamplingParams(logprobs=2 * width, max_tokens=1, temperature=params.temperature, ignore_eos=True)
+        prompt_lens: list[int] = []
+        live: list[list[BeamSearchSequence]] = []
+        finished: list[list[BeamSearchSequence]] = []
+        for prompt in prompts:
+            ids = _prompt_token_ids(prompt, tokenizer)
+            prompt_lens.append(len(ids))
+            live.append([BeamSearchSequence(tokens=ids)])
+            finished.append([])
+        limit = concurrency_limit or len(live)
+        for _ in range(params.max_tokens):
+            for start in range(0, len(live), limit):  # `concurrency_limit` prompts at a time
+                group = range(start, min(start + limit, len(live)))
+                beams = [(i, b) for i in group for b in live[i] if len(b.tokens) < max_len]
+                for i in group:
+                    finished[i] += [b for b in live[i] if len(b.tokens) >= max_len]  # out of context
+                if not beams:
+                    continue
+                token_prompts: list[PromptType] = [{"prompt_token_ids": b.tokens} for _, b in beams]
+                outputs = self.generate(token_prompts, step, use_tqdm=use_tqdm)
+                grown: dict[int, list[BeamSearchSequence]] = {i: [] for i in group}
+                for (i, beam), out in zip(beams, outputs):
+                    candidates = (out.outputs[0].logprobs or [{}])[0]
+                    for token, lp in candidates.items():
+                        child = BeamSearchSequence(
+                            tokens=beam.tokens + [token],
+                            logprobs=beam.logprobs + [candidates],
+                            cum_logprob=beam.cum_logprob + lp.logprob,
+                        )
+                        if token == eos:
+                            child.finish_reason, child.stop_reason = "stop", None
+                            finished[i].append(child)
+                        else:
+                            grown[i].append(child)
+                for i in group:
+                    live[i] = sorted(grown[i], key=score, reverse=True)[:width]
+        results = []
+        for i, n in enumerate(prompt_lens):
+            for beam in live[i]:
+                beam.finish_reason = beam.finish_reason or "length"
+            best = sorted(finished[i] + live[i], key=score, reverse=True)[:width]
+            for beam in best:
+                generated = beam.tokens[n:]
+                if beam.finish_reason == "stop" and not params.include_stop_str_in_output:
+                    generated = generated[:-1]
+                beam.text = tokenizer.decode(generated, skip_special_tokens=True)
+            results.append(BeamSearchOutput(best))
+        return results
 
     def chat(
         self,
@@ -367,3 +445,15 @@ def _progress(total: int, use_tqdm: bool | Callable[..., Any]) -> _Bar | None:
         return _Bar(total, tqdm)
     return _Bar(total, use_tqdm)
 
+
+
+def _prompt_token_ids(prompt: PromptType, tokenizer: Tokenizer) -> list[int]:
+    """A beam search prompt as token ids: a string or a `TextPrompt` tokenized as `generate`
+    does, a `TokensPrompt` as given."""
+    if isinstance(prompt, str):
+        return tokenizer.encode(prompt)
+    if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+        return list(prompt["prompt_token_ids"])
+    if isinstance(prompt, dict) and "prompt" in prompt:
+        return tokenizer.encode(prompt["prompt"])
+    raise ValueError(f"prompts: a beam search prompt is a string, a TextPrompt or a TokensPrompt, got {type(prompt).__name__}")

@@ -23,8 +23,11 @@ from typing import Any
 
 import msgspec
 
+from triollm.engine.beam_search import BeamSearchParams  # where vLLM users import it from
+
 __all__ = [
     "SAMPLING_EPS",
+    "BeamSearchParams",
     "RequestOutputKind",
     "SamplingParams",
     "SamplingType",

@@ -1,0 +1,56 @@
+"""`LLM.beam_search` (engine/beam_search.py): vLLM's algorithm on the engine, checked against
+transformers' `generate(num_beams=...)` on the bundled model, plus its bookkeeping."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from triollm import LLM
+from triollm.engine.beam_search import BeamSearchParams, beam_search_score
+
+PROMPTS = ["The capital of France is", "Once upon a time", "def fibonacci(n):"]
+
+
+def test_the_best_beam_equals_transformers(bundled_model_dir: Path) -> None:
+    """fp32, width 3, 8 tokens, EOS ignored (transformers with eos_token_id=None): with beams of
+    equal length the two scores rank alike, so the best sequences must be the same."""
+    transformers = pytest.importorskip("transformers")
+    with LLM(str(bundled_model_dir), dtype="float32", max_model_len=256, num_threads=1) as llm:
+        outs = llm.beam_search(PROMPTS, BeamSearchParams(beam_width=3, max_tokens=8, ignore_eos=True))
+        tok = llm.get_tokenizer()
+        ours = [o.sequences[0].tokens[len(tok.encode(p)) :] for o, p in zip(outs, PROMPTS)]
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(bundled_model_dir), dtype=torch.float32).eval()
+    hf_tok = transformers.AutoTokenizer.from_pretrained(str(bundled_model_dir))
+    for prompt, mine in zip(PROMPTS, ours):
+        ids = hf_tok(prompt, return_tensors="pt").input_ids
+        out = model.generate(ids, num_beams=3, max_new_tokens=8, do_sample=False, early_stopping=False, eos_token_id=None, pad_token_id=0)
+        assert out[0, ids.shape[1] :].tolist() == mine, prompt
+
+
+def test_beams_are_ranked_and_their_scores_add_up(tiny_model_dir: Path) -> None:
+    with LLM(str(tiny_model_dir), max_model_len=64, num_threads=1) as llm:
+        prompt = {"prompt_token_ids": [5, 6, 7]}
+        (out,) = llm.beam_search([prompt], BeamSearchParams(beam_width=4, max_tokens=5, ignore_eos=True))
+    assert len(out.sequences) == 4
+    scores = [beam_search_score(s.tokens, s.cum_logprob, None, 1.0) for s in out.sequences]
+    assert scores == sorted(scores, reverse=True)
+    for seq in out.sequences:
+        assert seq.tokens[:3] == [5, 6, 7] and len(seq.tokens) == 8 and seq.finish_reason == "length"
+        chosen = [lp[t].logprob for lp, t in zip(seq.logprobs, seq.tokens[3:])]
+        assert math.isclose(sum(chosen), seq.cum_logprob, rel_tol=1e-6)
+    assert len({tuple(s.tokens) for s in out.sequences}) == 4  # distinct beams
+
+
+def test_the_score_and_the_params_follow_vllm() -> None:
+    assert beam_search_score([1, 2, 3, 9], -2.0, eos_token_id=9, length_penalty=1.0) == -2.0 / 3  # EOS not counted
+    assert beam_search_score([1, 2, 3, 4], -2.0, eos_token_id=9, length_penalty=2.0) == -2.0 / 16
+    with pytest.raises(ValueError, match="beam_width: must be a positive integer"):
+        BeamSearchParams(beam_width=0, max_tokens=4)
+    with pytest.raises(ValueError, match="max_tokens: must be a positive integer"):
+        BeamSearchParams(beam_width=2, max_tokens=0)
+    with pytest.raises(ValueError, match="temperature: must be >= 0"):
+        BeamSearchParams(beam_width=2, max_tokens=2, temperature=-1.0)
