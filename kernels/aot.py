@@ -8,10 +8,9 @@ memory for the target) fails here rather than on the first GPU run. The interpre
 what the kernels compute; this checks that they compile, and prints what each costs on the chip.
 
 What is compiled: the `AOT_SPECS` (`triollm.kernels.triton.AotSpec`) of each kernel module in
-`KERNEL_MODULES`, or of the modules given with `--module` instead. A default module that does not
-exist is reported as skipped (the kernel modules land one at a time); any module that fails to
-import, and every kernel that fails to compile, is reported with its error and makes the exit
-status 1.
+`KERNEL_MODULES`, or of the modules given with `--module` instead. A module that fails to import
+(or lists no specs), and every kernel that fails to compile, is reported with its error and makes
+the exit status 1.
 
 One line per kernel: registers a thread, the shared memory a launch requests, the stack frame
 if any (register spills live there, so a non-zero stack on a Triton kernel means spills), and the
@@ -91,25 +90,16 @@ class AotResult:
 @dataclass(frozen=True)
 class CollectedSpecs:
     specs: list[AotSpec]
-    skipped: list[str]  # default modules not present
     errors: list[str]  # modules that failed to import or hold no AOT_SPECS
 
 
 def collect_specs(modules: Sequence[str] | None = None) -> CollectedSpecs:
-    """The `AOT_SPECS` of `modules` (default `KERNEL_MODULES`, of which absent ones are skipped)."""
-    optional = modules is None
+    """The `AOT_SPECS` of `modules` (default `KERNEL_MODULES`)."""
     specs: list[AotSpec] = []
-    skipped: list[str] = []
     errors: list[str] = []
     for name in KERNEL_MODULES if modules is None else modules:
         try:
             module = importlib.import_module(name)
-        except ModuleNotFoundError as e:
-            if optional and e.name == name:
-                skipped.append(name)
-            else:
-                errors.append(f"{name}: import failed: {type(e).__name__}: {e}")
-            continue
         except Exception as e:  # any error while importing (decorating) the kernels
             errors.append(f"{name}: import failed: {type(e).__name__}: {e}")
             continue
@@ -118,7 +108,7 @@ def collect_specs(modules: Sequence[str] | None = None) -> CollectedSpecs:
             errors.append(f"{name}: no AOT_SPECS")
             continue
         specs.extend(module_specs)
-    return CollectedSpecs(specs, skipped, errors)
+    return CollectedSpecs(specs, errors)
 
 
 def _resource_usage(cubin: bytes) -> tuple[int, int]:
@@ -211,8 +201,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     os.environ.pop("TRITON_INTERPRET", None)  # read when the kernels are decorated (see above)
 
     collected = collect_specs(args.modules)
-    for name in collected.skipped:
-        print(f"skipped {name}: not present")
     for error in collected.errors:
         print(error)
     results = []
