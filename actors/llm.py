@@ -182,13 +182,19 @@ class LLM:
             prompt_lens.append(len(ids))
             live.append([BeamSearchSequence(tokens=ids)])
             finished.append([])
+        if not live:
+            return []
         limit = concurrency_limit or len(live)
         for _ in range(params.max_tokens):
             for start in range(0, len(live), limit):  # `concurrency_limit` prompts at a time
                 group = range(start, min(start + limit, len(live)))
-                beams = [(i, b) for i in group for b in live[i] if len(b.tokens) < max_len]
-                for i in group:
-                    finished[i] += [b for b in live[i] if len(b.tokens) >= max_len]  # out of context
+                for i in group:  # a beam at the context length is finished, once
+                    full = [b for b in live[i] if len(b.tokens) >= max_len]
+                    for beam in full:
+                        beam.finish_reason = "length"
+                    finished[i] += full
+                    live[i] = [b for b in live[i] if len(b.tokens) < max_len]
+                beams = [(i, b) for i in group for b in live[i]]
                 if not beams:
                     continue
                 token_prompts: list[PromptType] = [{"prompt_token_ids": b.tokens} for _, b in beams]

@@ -45,6 +45,17 @@ def test_beams_are_ranked_and_their_scores_add_up(tiny_model_dir: Path) -> None:
     assert len({tuple(s.tokens) for s in out.sequences}) == 4  # distinct beams
 
 
+def test_beams_that_reach_the_context_length_finish_once(tiny_model_dir: Path) -> None:
+    """More max_tokens than the context holds: every beam stops at max_model_len, is reported
+    once (no duplicates from the rounds after), and finishes with "length"."""
+    with LLM(str(tiny_model_dir), max_model_len=16, num_threads=1) as llm:
+        (out,) = llm.beam_search([{"prompt_token_ids": list(range(5, 15))}], BeamSearchParams(beam_width=3, max_tokens=20, ignore_eos=True))
+        assert llm.beam_search([], BeamSearchParams(beam_width=3, max_tokens=2)) == []
+    assert len(out.sequences) == 3
+    assert len({tuple(s.tokens) for s in out.sequences}) == 3
+    assert all(len(s.tokens) == 16 and s.finish_reason == "length" for s in out.sequences)
+
+
 def test_the_score_and_the_params_follow_vllm() -> None:
     assert beam_search_score([1, 2, 3, 9], -2.0, eos_token_id=9, length_penalty=1.0) == -2.0 / 3  # EOS not counted
     assert beam_search_score([1, 2, 3, 4], -2.0, eos_token_id=9, length_penalty=2.0) == -2.0 / 16
