@@ -443,7 +443,8 @@ class AsyncLLM:
         self._idle = anyio.Event() if self._idle.is_set() else self._idle
         arrival = time.monotonic() if arrival_time is None else arrival_time
         try:
-            if _input_size(prompt, params) > _LARGE_PROMPT:
+            # A grammar (structured outputs) is compiled to check it: in a thread too.
+            if _input_size(prompt, params) > _LARGE_PROMPT or params.structured_outputs is not None:
                 processed = await anyio.to_thread.run_sync(
                     lambda: self._input.process(prompt, params, request_id, arrival_time=arrival, priority=priority)
                 )

@@ -100,6 +100,16 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     prompt_logprobs: NonNegInt | None = None
     priority: Int64 = 0
     request_id: str | None = None
+    # --- structured outputs (engine/structured_outputs.py): OpenAI's response_format, vLLM's
+    # structured_outputs object, and vLLM's older guided_* names
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_whitespace_pattern: str | None = None
+    guided_decoding_backend: str | None = None  # accepted, ignored: llguidance is the backend
 
 
 class CompletionRequest(SamplingFields, kw_only=True):
@@ -147,7 +157,6 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
     max_completion_tokens: Int64 | None = None
     logprobs: bool | None = False
     top_logprobs: NonNegInt | None = None
-    response_format: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     # --- vLLM extras

@@ -43,6 +43,7 @@ from triollm.api.serving_common import (
     resolve_model,
     start_timer,
     stream_flags,
+    structured_outputs_params,
     token_text,
 )
 from triollm.api.sse import GenerationResponse, Job
@@ -85,6 +86,7 @@ async def create_chat_completion(
         max_tokens=max_tokens,
         logprobs=(req.top_logprobs or 0) if req.logprobs else None,
         kind=output_kind(stream, timer),
+        structured=await structured_outputs_params(req),
     )
     text, token_ids = await render_chat(
         tokenizer,
@@ -124,12 +126,6 @@ async def create_chat_completion(
 
 
 def _check_unsupported(req: ChatCompletionRequest) -> None:
-    kind = (req.response_format or {}).get("type", "text")
-    if kind != "text":
-        raise bad_request(
-            f"response_format: type {kind!r} (structured output) is not supported",
-            "response_format",
-        )
     if req.tools and req.tool_choice != "none":
         raise bad_request("tools: tool calling is not supported by this server", "tools")
 

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import anyio
+import msgspec
 from starlette.requests import ClientDisconnect, Request
 
 from triollm.api.openai_errors import APIError, bad_request, service_unavailable
@@ -24,14 +25,20 @@ from triollm.api.protocol import (
     decode_request,
 )
 from triollm.api.state import ServerState
+from triollm.engine import structured_outputs
 from triollm.engine.outputs import Logprob, PromptLogprobs
 from triollm.engine.processing.tokenizer import Tokenizer
-from triollm.engine.sampling_params import RequestOutputKind, SamplingParams
+from triollm.engine.sampling_params import (
+    RequestOutputKind,
+    SamplingParams,
+    StructuredOutputsParams,
+)
 
 __all__ = [
     "MAX_BODY_BYTES",
     "SMALL_BODY_BYTES",
     "build_sampling_params",
+    "structured_outputs_params",
     "check_available",
     "check_logprobs",
     "clamp_logprob",
@@ -171,6 +178,7 @@ def build_sampling_params(
     logprobs: int | None,
     kind: RequestOutputKind,
     prompt_logprobs: int | None = None,
+    structured: StructuredOutputsParams | None = None,
 ) -> SamplingParams:
     """SamplingParams from the request (ValueError naming the field when a value is invalid)."""
     overrides: dict[str, Any] = {
@@ -187,8 +195,68 @@ def build_sampling_params(
         spaces_between_special_tokens=req.spaces_between_special_tokens,
         include_stop_str_in_output=req.include_stop_str_in_output,
         output_kind=kind,
+        structured_outputs=structured,
     )
     return SamplingParams.with_defaults(defaults, **overrides)
+
+
+# vLLM's older request fields, each one kind of constraint.
+_GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
+_RESPONSE_FORMATS = ("text", "json_object", "json_schema")
+
+
+async def structured_outputs_params(req: SamplingFields) -> StructuredOutputsParams | None:
+    """The request's grammar constraint, from whichever field set it (`response_format`,
+    `structured_outputs` or a `guided_*` field; more than one is a 400), checked by compiling
+    it in a worker thread: an invalid schema, regex or grammar is a 400 naming the field."""
+    found: list[tuple[str, dict[str, Any]]] = []
+    if req.response_format is not None:
+        spec = _response_format(req.response_format)
+        if spec is not None:
+            found.append(("response_format", spec))
+    if req.structured_outputs is not None:
+        found.append(("structured_outputs", dict(req.structured_outputs)))
+    for name, kind in _GUIDED_FIELDS.items():
+        value = getattr(req, name)
+        if value is not None:
+            found.append((name, {kind: value}))
+    if not found:
+        return None
+    if len(found) > 1:
+        names = ", ".join(name for name, _ in found)
+        raise bad_request(f"{found[1][0]}: only one kind of structured outputs constraint may be set; got {names}", found[1][0])
+    field, spec = found[0]
+    if req.guided_whitespace_pattern is not None and field != "structured_outputs":
+        spec["whitespace_pattern"] = req.guided_whitespace_pattern
+    try:
+        params = msgspec.convert(spec, StructuredOutputsParams)
+    except (ValueError, TypeError, msgspec.ValidationError) as exc:
+        message = str(exc) if field == "structured_outputs" else str(exc).replace("structured_outputs", field)
+        raise bad_request(message if message.startswith(field) else f"{field}: {message}", field) from None
+    name = f"structured_outputs.{params.kind}" if field == "structured_outputs" else field
+    try:
+        await anyio.to_thread.run_sync(structured_outputs.check, params, name)
+    except ValueError as exc:
+        raise bad_request(str(exc), name) from None
+    return params
+
+
+def _response_format(value: dict[str, Any]) -> dict[str, Any] | None:
+    """OpenAI's `response_format` as StructuredOutputsParams fields (None for "text")."""
+    kind = value.get("type", "text")
+    if kind not in _RESPONSE_FORMATS:
+        raise bad_request(f"response_format: type must be one of {', '.join(_RESPONSE_FORMATS)}; got {kind!r:.80}", "response_format")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return {"json_object": True}
+    spec = value.get("json_schema")
+    schema = spec.get("schema", spec.get("json_schema")) if isinstance(spec, dict) else None
+    if not isinstance(schema, dict):
+        raise bad_request(
+            "response_format: type 'json_schema' needs json_schema.schema, a JSON schema object", "response_format"
+        )
+    return {"json": schema}
 
 
 def clamp_logprob(value: float) -> float:

@@ -40,6 +40,7 @@ from triollm.api.serving_common import (
     resolve_model,
     start_timer,
     stream_flags,
+    structured_outputs_params,
     token_text,
 )
 from triollm.api.sse import GenerationResponse, Job
@@ -82,6 +83,7 @@ async def create_completion(state: ServerState, request: Request) -> Response:
         logprobs=req.logprobs,
         prompt_logprobs=prompt_logprobs,
         kind=output_kind(stream, timer),
+        structured=await structured_outputs_params(req),
     )
     response_id = f"cmpl-{request_id_base(request, req.request_id)}"
     jobs = [

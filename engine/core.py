@@ -31,9 +31,16 @@ from triollm.engine.config import EngineConfig
 from triollm.engine.execution.cuda_graphs import DecodeGraphs, cuda_capture
 from triollm.engine.execution.model_runner import ModelRunner, RunnerOutput
 from triollm.engine.execution.models.llama import LlamaForCausalLM, load_model
-from triollm.engine.request import EngineCoreOutput, EngineCoreRequest, Request, RequestStatus
+from triollm.engine.request import (
+    EngineCoreOutput,
+    EngineCoreRequest,
+    FinishReason,
+    Request,
+    RequestStatus,
+)
 from triollm.engine.scheduling.block_manager import BlockManager
 from triollm.engine.scheduling.scheduler import ScheduledRequest, Scheduler
+from triollm.engine.structured_outputs import GrammarCompiler
 from triollm.kernels import KVCache, allocate_kv_cache
 
 if TYPE_CHECKING:
@@ -115,6 +122,10 @@ class EngineCore:
             self.runner = ModelRunner(self.model, kv, config.device, self.group, self._capture_graphs(kv, sizes))
         self.requests: dict[str, Request] = {}
         self.num_steps = 0
+        # Structured outputs: matchers are built at the start of a step (on the compute thread),
+        # for the requests added since the last one.
+        self.grammars = GrammarCompiler(config.tokenizer, mc.vocab_size)
+        self._new_structured: list[Request] = []
         log.info(
             "KV cache: %d blocks of %d tokens (%d tokens, %.1f MiB) for %s on %s",
             self.num_blocks,
@@ -224,6 +235,8 @@ class EngineCore:
         req = Request(request, max_tokens)
         self.requests[rid] = req
         self.scheduler.add_request(req)
+        if request.sampling_params.structured_outputs is not None:
+            self._new_structured.append(req)
 
     def abort_requests(self, request_ids: list[str] | str) -> None:
         """Finish the requests now and free their blocks; unknown ids are ignored."""
@@ -244,14 +257,14 @@ class EngineCore:
 
     def step(self) -> list[EngineCoreOutput]:
         """Run one scheduled batch; return the outputs of the requests that advanced."""
+        outputs = self._build_grammars() if self._new_structured else []
         if not self.scheduler.has_unfinished_requests():
-            return []
+            return outputs
         sched = self.scheduler.schedule()
         if not sched.scheduled:
-            return []
+            return outputs
         self.num_steps += 1
         result = self.runner.execute(sched.scheduled)
-        outputs: list[EngineCoreOutput] = []
         for item in sched.scheduled:
             self.scheduler.advance(item)
             req = item.request
@@ -263,6 +276,13 @@ class EngineCore:
             token = result.sampled[req.request_id]
             req.append_output_token(token)
             status = self.scheduler.check_stop(req, token)
+            finish_reason = None
+            if req.grammar is not None and not req.grammar.consume_token(token):
+                # Only when every token was masked (the grammar and other constraints disagree).
+                status, finish_reason = RequestStatus.FINISHED_ABORTED, FinishReason.ERROR
+                req.stop_reason = f"structured_outputs: the grammar does not allow token {token}: {req.grammar.get_error()}"
+            elif status is None and req.grammar is not None and req.grammar.is_stopped():
+                status = RequestStatus.FINISHED_STOPPED  # the grammar is complete
             if status is not None:
                 self.scheduler.finish(req, status)
                 del self.requests[req.request_id]
@@ -270,7 +290,7 @@ class EngineCore:
                 EngineCoreOutput(
                     req.request_id,
                     [token],
-                    finish_reason=req.finish_reason,
+                    finish_reason=finish_reason or req.finish_reason,
                     stop_reason=req.stop_reason,
                     new_logprobs=result.logprobs.get(req.request_id),
                     new_prompt_logprobs=prompt_lps,
@@ -278,6 +298,24 @@ class EngineCore:
                 )
             )
         return outputs
+
+    def _build_grammars(self) -> list[EngineCoreOutput]:
+        """Matchers for the structured requests added since the last step; a grammar that does
+        not compile ends its request with an error (the input processor checked it already,
+        without the vocabulary, so this is rare)."""
+        failed: list[EngineCoreOutput] = []
+        for req in self._new_structured:
+            so = req.sampling_params.structured_outputs
+            if req.status.finished or so is None:
+                continue  # aborted before its first step
+            try:
+                req.grammar = self.grammars.matcher(so, req.eos_token_ids)
+            except ValueError as exc:
+                self.scheduler.finish(req, RequestStatus.FINISHED_ABORTED)
+                del self.requests[req.request_id]
+                failed.append(EngineCoreOutput(req.request_id, [], finish_reason=FinishReason.ERROR, stop_reason=str(exc)))
+        self._new_structured.clear()
+        return failed
 
     def statistics(self) -> EngineCoreStats:
         b = self.block_manager.statistics()

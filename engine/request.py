@@ -8,6 +8,7 @@ the wire unchanged. `Request` is the core's own mutable per-request state.
 from __future__ import annotations
 
 import enum
+from typing import Any
 
 import msgspec
 import torch
@@ -119,6 +120,9 @@ class Request:
         self.generator: torch.Generator | None = None
         if req.sampling_params.seed is not None:
             self.generator = torch.Generator().manual_seed(req.sampling_params.seed)
+        # The request's grammar matcher (engine/structured_outputs.py), built by the core before
+        # the request's first step when `structured_outputs` is set.
+        self.grammar: Any = None
         # Prompt logprobs need logits at every prompt position: skip the prefix cache for them.
         self.skip_prefix_cache = req.sampling_params.prompt_logprobs is not None
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 import copy
 import enum
 import math
-from typing import Any
+from typing import Any, ClassVar
 
 import msgspec
 
@@ -31,6 +31,8 @@ __all__ = [
     "RequestOutputKind",
     "SamplingParams",
     "SamplingType",
+    "StructuredOutputsParams",
+    "GuidedDecodingParams",
     "check_utf8",
     "check_wire_int",
 ]
@@ -55,6 +57,58 @@ class SamplingType(enum.IntEnum):
     GREEDY = 0
     RANDOM = 1
     RANDOM_SEED = 2
+
+
+class StructuredOutputsParams(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """vLLM's structured-output constraint: exactly one of `json` (a JSON schema, as a dict or
+    its text), `regex`, `choice`, `grammar` (Lark or GBNF/EBNF) or `json_object=True` (any JSON
+    object). The grammar itself is checked by the input processor
+    (engine/structured_outputs.py), which needs the grammar engine; this checks the shape."""
+
+    json: str | dict[str, Any] | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+    whitespace_pattern: str | None = None
+
+    KINDS: ClassVar[tuple[str, ...]] = ("json", "regex", "choice", "grammar", "json_object")
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        kinds = [k for k in self.KINDS if getattr(self, k) not in (None, False)]
+        if len(kinds) != 1:
+            what = "none is" if not kinds else f"{len(kinds)} are ({', '.join(kinds)})"
+            raise ValueError(
+                f"structured_outputs: set exactly one of {', '.join(self.KINDS)}; {what} set"
+            )
+        if self.json is not None and not isinstance(self.json, str | dict):
+            raise ValueError(f"structured_outputs.json: must be a JSON schema (an object or its text), got {self.json!r:.80}")
+        for name in ("regex", "grammar", "whitespace_pattern"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, str):
+                raise ValueError(f"structured_outputs.{name}: must be a string, got {value!r:.80}")
+            if value is not None:
+                check_utf8(f"structured_outputs.{name}", value)
+        if self.choice is not None:
+            if not isinstance(self.choice, list) or not self.choice or not all(
+                isinstance(c, str) and c for c in self.choice
+            ):
+                raise ValueError(f"structured_outputs.choice: must be a non-empty list of non-empty strings, got {self.choice!r:.80}")
+            for c in self.choice:
+                check_utf8("structured_outputs.choice", c)
+
+    @property
+    def kind(self) -> str:
+        return next(k for k in self.KINDS if getattr(self, k) not in (None, False))
+
+
+# The name vLLM used before 0.11 (`SamplingParams(guided_decoding=GuidedDecodingParams(...))`).
+GuidedDecodingParams = StructuredOutputsParams
 
 
 class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True, dict=True):
@@ -82,6 +136,9 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True, dict=True
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
+    # A grammar every output must follow (engine/structured_outputs.py).
+    structured_outputs: StructuredOutputsParams | None = None
+    guided_decoding: StructuredOutputsParams | None = None  # vLLM's older name: moved to the above
 
     def __post_init__(self) -> None:
         self.validate()
@@ -95,6 +152,7 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True, dict=True
         self._verify_logprobs()
         self._normalize_stop()
         self._normalize_token_lists()
+        self._verify_structured_outputs()
         if self.temperature < SAMPLING_EPS:  # greedy: the truncation knobs are moot
             self.top_p, self.top_k, self.min_p = 1.0, 0, 0.0
 
@@ -173,6 +231,20 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True, dict=True
                 raise ValueError("allowed_token_ids must be None or a non-empty list of token ids")
         if self.logit_bias is not None:
             self.logit_bias = _normalize_logit_bias(self.logit_bias)
+
+    def _verify_structured_outputs(self) -> None:
+        if self.guided_decoding is not None:
+            if self.structured_outputs is not None:
+                raise ValueError("guided_decoding: set structured_outputs or guided_decoding (its old name), not both")
+            self.structured_outputs, self.guided_decoding = self.guided_decoding, None
+        so = self.structured_outputs
+        if so is None:
+            return
+        if isinstance(so, dict):  # set after construction from a plain dict
+            so = self.structured_outputs = StructuredOutputsParams(**so)
+        if not isinstance(so, StructuredOutputsParams):
+            raise ValueError(f"structured_outputs: must be a StructuredOutputsParams, got {type(so).__name__}")
+        so.validate()
 
     def verify_token_ids(self, vocab_size: int) -> None:
         """Raise ValueError unless every token id in the params lies in [0, vocab_size)."""

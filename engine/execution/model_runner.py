@@ -228,4 +228,5 @@ def _sampling_row(s: ScheduledRequest) -> SamplingRow:
         eos_token_ids=req.eos_token_ids,
         bad_words_token_ids=req.bad_words_token_ids,
         plan=req.sampling_plan,
+        grammar=req.grammar,
     )

@@ -8,6 +8,9 @@ go through temperature, top-k, top-p, min-p and the exponential race argmax(p / 
 q ~ Exponential(1). Seeded rows draw q from their own generator (size V, so their result does
 not depend on the rest of the batch); unseeded rows share one draw from the global RNG.
 
+Rows with a grammar (structured outputs) are masked to the tokens it allows first, before the
+logprobs, as vLLM does (engine/structured_outputs.py).
+
 Every processor runs only on the rows that need it, gathered by index, so the common batch
 (greedy or plain temperature) costs a handful of tensor ops. Everything is fp32. A row's
 token-id lists come prepared (`SamplingPlan`, built once per request): a step does not rebuild
@@ -19,12 +22,14 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable
 from dataclasses import InitVar, dataclass, field
+from typing import Any
 
 import torch
 
 from triollm.engine.execution.sampling_plan import SamplingPlan
 from triollm.engine.request import Logprobs
 from triollm.engine.sampling_params import SamplingParams
+from triollm.engine.structured_outputs import apply_bitmask, fill_bitmask
 
 __all__ = ["Sampler", "SamplerOutput", "SamplingRow", "gather_logprobs", "process_logits"]
 
@@ -44,6 +49,8 @@ class SamplingRow:
     bad_words_token_ids: list[list[int]]
     # The request's prepared plan (`Request.sampling_plan`); prepared here when not given.
     plan: InitVar[SamplingPlan | None] = None
+    # The request's grammar matcher (structured outputs): tokens it does not allow are masked.
+    grammar: Any = None
     prepared: SamplingPlan = field(init=False, repr=False)
 
     def __post_init__(self, plan: SamplingPlan | None) -> None:
@@ -88,6 +95,10 @@ class Sampler:
             raise ValueError(f"logits must be [len(rows)={len(rows)}, V], got {logits.shape}")
         logits = logits.float()
         vocab = logits.shape[1]
+        structured = [i for i, r in enumerate(rows) if r.grammar is not None]
+        if structured:  # before logprobs, as vLLM: they are those of the constrained distribution
+            bitmask = fill_bitmask([rows[i].grammar for i in structured], vocab)
+            logits[structured] = apply_bitmask(logits[structured], bitmask)
         ks = [_num_logprobs(r.params, vocab) for r in rows]
         raw_logprobs = None if all(k is None for k in ks) else logits.log_softmax(-1)
         logits = process_logits(logits, rows)

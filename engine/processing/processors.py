@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
+from triollm.engine import structured_outputs
 from triollm.engine.loading.model_config import ModelConfig
 from triollm.engine.outputs import (
     CompletionOutput,
@@ -129,6 +130,8 @@ class InputProcessor:
             params = SamplingParams.with_defaults(self.model_config.generation_defaults)
         params.validate()  # fields may have changed since construction
         self.check_limits(params)  # before anything is tokenized
+        if params.structured_outputs is not None:
+            structured_outputs.check(params.structured_outputs)
         text, token_ids = self._tokenize(prompt)
         self._check_prompt(token_ids)
         params = self._resolve_params(params, len(token_ids))
@@ -302,7 +305,7 @@ def _child_params(params: SamplingParams) -> list[SamplingParams]:
 class _Child:
     """One sampled sequence (one core request) of a user request."""
 
-    def __init__(self, parent: _Parent, index: int, core_id: str, prompt_ids: list[int]) -> None:
+    def __init__(self, parent: _Parent, index: int, core_id: str, prompt_ids: list[int], eos_ids: Sequence[int]) -> None:
         params = parent.params
         self.parent = parent
         self.index = index
@@ -310,6 +313,10 @@ class _Child:
         self.delta = params.output_kind == RequestOutputKind.DELTA
         self.min_tokens = params.min_tokens
         self.include_stop = params.include_stop_str_in_output
+        # The tokens whose text a "stop" finish leaves out: EOS and stop_token_ids. (A grammar
+        # that completes also finishes with "stop", on a token that is part of the output.)
+        eos = () if params.ignore_eos else eos_ids
+        self.stop_ids = frozenset((*eos, *(params.stop_token_ids or ())))
         self.detok: IncrementalDetokenizer | None = None
         self.stops: StopChecker | None = None
         if params.detokenize:
@@ -344,7 +351,7 @@ class _Child:
         if self.detok is None:
             self._finish_from_core(out)
             return False
-        if out.finish_reason == FinishReason.STOP and not self.include_stop and new_ids:
+        if out.finish_reason == FinishReason.STOP and not self.include_stop and new_ids and new_ids[-1] in self.stop_ids:
             new_ids = new_ids[:-1]  # the stop token's own text is not output (vLLM)
         piece = self.detok.step(new_ids)
         if out.finished:
@@ -430,7 +437,7 @@ class _Parent:
         self.sent_prompt_logprobs = 0
         self.prompt_logprobs_from: str | None = None  # the child whose rows are used
         self.children = [
-            _Child(self, i, req.request_id, processed.prompt_token_ids)
+            _Child(self, i, req.request_id, processed.prompt_token_ids, req.eos_token_ids)
             for i, req in enumerate(processed.core_requests)
         ]
         self.num_unfinished = len(self.children)

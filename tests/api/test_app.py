@@ -426,9 +426,9 @@ CHAT_ERRORS: list[tuple[str, dict[str, Any], tuple[str, ...], str | None]] = [
         "top_logprobs",
     ),
     (
-        "json-mode",
-        {"messages": CHAT, "response_format": {"type": "json_object"}},
-        ("json_object",),
+        "response-format-type",
+        {"messages": CHAT, "response_format": {"type": "yaml"}},
+        ("json_object", "json_schema", "yaml"),
         "response_format",
     ),
     ("tools", {"messages": CHAT, "tools": [{"type": "function"}]}, ("tool",), "tools"),
