@@ -31,7 +31,7 @@ import time
 import traceback
 import warnings
 from collections.abc import AsyncGenerator, Awaitable, Callable, Generator, Iterable, Mapping
-from contextlib import AsyncExitStack
+from contextlib import AsyncExitStack, ExitStack
 from typing import Any, Literal
 
 import anyio
@@ -55,6 +55,7 @@ from triollm.actors.messages import (
 )
 from triollm.actors.request_stream import RequestStream
 from triollm.actors.transport import open_core_client
+from triollm.engine.beam_search import BeamSearch, BeamSearchParams, prompt_token_ids
 from triollm.engine.config import EngineArgs, EngineConfig, ModelConfig
 from triollm.engine.core import EngineCoreFactory
 from triollm.engine.metrics import Counter, Gauge, Metric
@@ -533,6 +534,51 @@ class AsyncLLM:
         with await self.add_request(rid, prompt, sampling_params, priority=priority) as stream:
             async for output in stream:
                 yield output
+
+    async def beam_search(
+        self,
+        prompt: PromptType,
+        request_id: str,
+        params: BeamSearchParams,
+        lora_request: object = None,
+    ) -> AsyncGenerator[RequestOutput, None]:
+        """vLLM's `EngineClient.beam_search`: one finished `RequestOutput` whose outputs are the
+        `params.beam_width` best sequences, best first (engine/beam_search.py). Each round's
+        beams run as concurrent requests ("{request_id}-beam{round}-{k}"); leaving early
+        (cancellation, closing the generator) aborts them. Prompts as `LLM.beam_search`."""
+        if lora_request is not None:
+            raise ValueError("lora_request: LoRA adapters are not supported; allowed: None")
+        await self._ensure_started()
+        self._require_running()
+        tokenizer = self.get_tokenizer()
+        ids = prompt_token_ids(prompt, tokenizer)
+        text = prompt if isinstance(prompt, str) else prompt.get("prompt") if isinstance(prompt, dict) else None
+        search = BeamSearch([ids], params, tokenizer.eos_token_id, self.get_model_config().max_model_len)
+        step = search.step_params()
+        for round_ in range(params.max_tokens):
+            beams = search.live([0])
+            if not beams or search.aborted:
+                break
+            outputs = await self._beam_round(f"{request_id}-beam{round_}", [b.tokens for _, b in beams], step)
+            search.advance([0], beams, outputs)
+        (result,) = search.results(lambda tokens: tokenizer.decode(tokens, skip_special_tokens=True))
+        yield search.request_output(request_id, text if isinstance(text, str) else None, 0, result)
+
+    async def _beam_round(self, base_id: str, prompts: list[list[int]], step: SamplingParams) -> list[RequestOutput]:
+        """One round of a beam search: every beam as a request, their final outputs in order."""
+        results: list[RequestOutput] = []
+        with ExitStack() as streams:
+            added = [
+                streams.enter_context(
+                    await self.add_request(f"{base_id}-{k}", {"prompt_token_ids": ids}, step.clone(), wait_for_room=True)
+                )
+                for k, ids in enumerate(prompts)
+            ]
+            for stream in added:  # they run together in the engine; read in order
+                async for out in stream:
+                    if out.finished:
+                        results.append(out)
+        return results
 
     def _release(self, stream: RequestStream) -> None:
         """The stream's consumer is done with it: abort the request unless it ended."""

@@ -30,10 +30,10 @@ import torch
 from triollm.actors.llm_engine import LLMEngine
 from triollm.actors.request_stream import RequestStream
 from triollm.engine.beam_search import (
+    BeamSearch,
     BeamSearchOutput,
     BeamSearchParams,
-    BeamSearchSequence,
-    beam_search_score,
+    prompt_token_ids,
 )
 from triollm.engine.config import EngineArgs
 from triollm.engine.core import EngineCoreFactory
@@ -166,67 +166,18 @@ class LLM:
         if concurrency_limit is not None and concurrency_limit < 1:
             raise ValueError(f"concurrency_limit: must be a positive integer or None, got {concurrency_limit!r}")
         tokenizer = self.get_tokenizer()
-        eos = None if params.ignore_eos else tokenizer.eos_token_id
-        max_len = self._engine.get_model_config().max_model_len
-        width = params.beam_width
-
-        def score(beam: BeamSearchSequence) -> float:
-            return beam_search_score(beam.tokens, beam.cum_logprob, eos, params.length_penalty)
-
-        step = SamplingParams(logprobs=2 * width, max_tokens=1, temperature=params.temperature, ignore_eos=True)
-        prompt_lens: list[int] = []
-        live: list[list[BeamSearchSequence]] = []
-        finished: list[list[BeamSearchSequence]] = []
-        for prompt in prompts:
-            ids = _prompt_token_ids(prompt, tokenizer)
-            prompt_lens.append(len(ids))
-            live.append([BeamSearchSequence(tokens=ids)])
-            finished.append([])
-        if not live:
-            return []
-        limit = concurrency_limit or len(live)
-        for _ in range(params.max_tokens):
-            for start in range(0, len(live), limit):  # `concurrency_limit` prompts at a time
-                group = range(start, min(start + limit, len(live)))
-                for i in group:  # a beam at the context length is finished, once
-                    full = [b for b in live[i] if len(b.tokens) >= max_len]
-                    for beam in full:
-                        beam.finish_reason = "length"
-                    finished[i] += full
-                    live[i] = [b for b in live[i] if len(b.tokens) < max_len]
-                beams = [(i, b) for i in group for b in live[i]]
-                if not beams:
-                    continue
-                token_prompts: list[PromptType] = [{"prompt_token_ids": b.tokens} for _, b in beams]
-                outputs = self.generate(token_prompts, step, use_tqdm=use_tqdm)
-                grown: dict[int, list[BeamSearchSequence]] = {i: [] for i in group}
-                for (i, beam), out in zip(beams, outputs):
-                    candidates = (out.outputs[0].logprobs or [{}])[0]
-                    for token, lp in candidates.items():
-                        child = BeamSearchSequence(
-                            tokens=beam.tokens + [token],
-                            logprobs=beam.logprobs + [candidates],
-                            cum_logprob=beam.cum_logprob + lp.logprob,
-                        )
-                        if token == eos:
-                            child.finish_reason, child.stop_reason = "stop", None
-                            finished[i].append(child)
-                        else:
-                            grown[i].append(child)
-                for i in group:
-                    live[i] = sorted(grown[i], key=score, reverse=True)[:width]
-        results = []
-        for i, n in enumerate(prompt_lens):
-            for beam in live[i]:
-                beam.finish_reason = beam.finish_reason or "length"
-            best = sorted(finished[i] + live[i], key=score, reverse=True)[:width]
-            for beam in best:
-                generated = beam.tokens[n:]
-                if beam.finish_reason == "stop" and not params.include_stop_str_in_output:
-                    generated = generated[:-1]
-                beam.text = tokenizer.decode(generated, skip_special_tokens=True)
-            results.append(BeamSearchOutput(best))
-        return results
+        ids = [prompt_token_ids(prompt, tokenizer) for prompt in prompts]
+        search = BeamSearch(ids, params, tokenizer.eos_token_id, self._engine.get_model_config().max_model_len)
+        step = search.step_params()
+        limit = concurrency_limit or max(len(ids), 1)
+        for _ in range(params.max_tokens if ids else 0):
+            for start in range(0, len(ids), limit):  # `concurrency_limit` prompts at a time
+                group = range(start, min(start + limit, len(ids)))
+                beams = search.live(group)
+                if beams:
+                    token_prompts: list[PromptType] = [{"prompt_token_ids": b.tokens} for _, b in beams]
+                    search.advance(group, beams, self.generate(token_prompts, step, use_tqdm=use_tqdm))
+        return search.results(lambda tokens: tokenizer.decode(tokens, skip_special_tokens=True))
 
     def chat(
         self,
@@ -450,16 +401,3 @@ def _progress(total: int, use_tqdm: bool | Callable[..., Any]) -> _Bar | None:
 
         return _Bar(total, tqdm)
     return _Bar(total, use_tqdm)
-
-
-
-def _prompt_token_ids(prompt: PromptType, tokenizer: Tokenizer) -> list[int]:
-    """A beam search prompt as token ids: a string or a `TextPrompt` tokenized as `generate`
-    does, a `TokensPrompt` as given."""
-    if isinstance(prompt, str):
-        return tokenizer.encode(prompt)
-    if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
-        return list(prompt["prompt_token_ids"])
-    if isinstance(prompt, dict) and "prompt" in prompt:
-        return tokenizer.encode(prompt["prompt"])
-    raise ValueError(f"prompts: a beam search prompt is a string, a TextPrompt or a TokensPrompt, got {type(prompt).__name__}")

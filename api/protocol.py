@@ -110,6 +110,9 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     guided_grammar: str | None = None
     guided_whitespace_pattern: str | None = None
     guided_decoding_backend: str | None = None  # accepted, ignored: llguidance is the backend
+    # --- beam search (vLLM's extra fields): n is the beam width
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
 
 
 class CompletionRequest(SamplingFields, kw_only=True):

@@ -30,6 +30,7 @@ from triollm.api.protocol import (
     UsageInfo,
 )
 from triollm.api.serving_common import (
+    beam_search_params,
     build_sampling_params,
     check_available,
     check_logprobs,
@@ -97,7 +98,8 @@ async def create_chat_completion(
         template_kwargs=req.chat_template_kwargs,
     )
     response_id = f"chatcmpl-{request_id_base(request, req.request_id)}"
-    job = Job({"prompt": text, "prompt_token_ids": token_ids}, params, response_id, req.priority)
+    beam = beam_search_params(req, max_tokens, llm.get_model_config().max_model_len)
+    job = Job({"prompt": text, "prompt_token_ids": token_ids}, params, response_id, req.priority, beam)
     if not state.settings.disable_log_requests:
         log.info(
             "Received request %s: %d prompt tokens, params: %r", response_id, len(token_ids), params

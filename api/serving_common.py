@@ -26,6 +26,7 @@ from triollm.api.protocol import (
 )
 from triollm.api.state import ServerState
 from triollm.engine import structured_outputs
+from triollm.engine.beam_search import BeamSearchParams
 from triollm.engine.outputs import Logprob, PromptLogprobs
 from triollm.engine.processing.tokenizer import Tokenizer
 from triollm.engine.sampling_params import (
@@ -37,6 +38,7 @@ from triollm.engine.sampling_params import (
 __all__ = [
     "MAX_BODY_BYTES",
     "SMALL_BODY_BYTES",
+    "beam_search_params",
     "build_sampling_params",
     "structured_outputs_params",
     "check_available",
@@ -198,6 +200,26 @@ def build_sampling_params(
         structured_outputs=structured,
     )
     return SamplingParams.with_defaults(defaults, **overrides)
+
+
+def beam_search_params(req: SamplingFields, max_tokens: int | None, max_model_len: int) -> BeamSearchParams | None:
+    """vLLM's `use_beam_search`: `n` beams (None when the request does not ask for it); no
+    max_tokens means up to the context length."""
+    if not req.use_beam_search:
+        return None
+    if req.structured_outputs is not None or req.response_format is not None and req.response_format.get("type", "text") != "text":
+        raise bad_request("use_beam_search: cannot be combined with structured outputs", "use_beam_search")
+    try:
+        return BeamSearchParams(
+            beam_width=req.n,
+            max_tokens=max_model_len if max_tokens is None else max_tokens,
+            ignore_eos=req.ignore_eos,
+            temperature=req.temperature or 0.0,
+            length_penalty=req.length_penalty,
+            include_stop_str_in_output=req.include_stop_str_in_output,
+        )
+    except ValueError as exc:
+        raise bad_request(str(exc)) from None
 
 
 # vLLM's older request fields, each one kind of constraint.

@@ -28,6 +28,7 @@ from triollm.api.protocol import (
     UsageInfo,
 )
 from triollm.api.serving_common import (
+    beam_search_params,
     build_sampling_params,
     check_available,
     check_logprobs,
@@ -86,8 +87,9 @@ async def create_completion(state: ServerState, request: Request) -> Response:
         structured=await structured_outputs_params(req),
     )
     response_id = f"cmpl-{request_id_base(request, req.request_id)}"
+    beam = beam_search_params(req, req.max_tokens, llm.get_model_config().max_model_len)
     jobs = [
-        Job(p, params if i == 0 else params.clone(), f"{response_id}-{i}", req.priority)
+        Job(p, params if i == 0 else params.clone(), f"{response_id}-{i}", req.priority, beam)
         for i, p in enumerate(prompts)
     ]
     if not state.settings.disable_log_requests:

@@ -26,7 +26,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Sequence
-from contextlib import AbstractContextManager, nullcontext
+from contextlib import AbstractContextManager, aclosing, nullcontext
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -40,6 +40,7 @@ from starlette.types import Message, Receive, Scope, Send
 from triollm.actors.async_llm import AsyncLLM
 from triollm.actors.request_stream import OutputMerger
 from triollm.api.openai_errors import APIError, from_exception
+from triollm.engine.beam_search import BeamSearchParams
 from triollm.engine.outputs import RequestOutput
 from triollm.engine.processing.processors import PromptType
 from triollm.engine.sampling_params import SamplingParams
@@ -70,6 +71,8 @@ class Job:
     params: SamplingParams
     request_id: str
     priority: int = 0
+    # Set: the prompt runs as a beam search (`AsyncLLM.beam_search`), one final output.
+    beam: BeamSearchParams | None = None
 
 
 class Formatter(Protocol):
@@ -234,6 +237,15 @@ class GenerationResponse(Response):
     async def _produce(self, index: int, job: Job, tx: MemoryObjectSendStream[_Item]) -> None:
         async with tx:
             try:
+                if job.beam is not None:
+                    # Not held across the search (its rounds are separate requests): a drain
+                    # aborts the round in flight, which ends the search with "abort".
+                    with self.admission():
+                        pass
+                    async with aclosing(self.llm.beam_search(job.prompt, job.request_id, job.beam)) as beams:
+                        async for output in beams:
+                            await tx.send(_Item(index, output))
+                    return
                 with self.admission():
                     stream = await self.llm.add_request(
                         job.request_id, job.prompt, job.params, priority=job.priority

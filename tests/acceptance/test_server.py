@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import os
 import random
+import re
 import resource
 import signal
 import subprocess
@@ -90,6 +92,36 @@ def test_errors_then_a_normal_request(client: openai.OpenAI, server: Server) -> 
         client.completions.create(model="nope", prompt="x", max_tokens=4)
     r = httpx.post(f"{server.url}/v1/completions", content=b"{not json", headers={"content-type": "application/json"})
     assert r.status_code == 400 and set(r.json()["error"]) == {"message", "type", "param", "code"}
+    assert client.completions.create(model=MODEL, prompt="ok", max_tokens=2).choices[0].text is not None
+
+
+def test_structured_outputs_through_the_openai_client(client: openai.OpenAI, server: Server) -> None:
+    """response_format (json_schema, json_object), extra_body structured_outputs and the older
+    guided_* names, streaming, n > 1; invalid constraints are 400s naming the field."""
+    schema = {"type": "object", "properties": {"color": {"enum": ["red", "blue"]}, "n": {"type": "integer", "minimum": 0, "maximum": 9}},
+              "required": ["color", "n"], "additionalProperties": False}
+    messages: Any = [{"role": "user", "content": "Pick a color and a digit."}]
+    fmt: Any = {"type": "json_schema", "json_schema": {"name": "pick", "schema": schema}}
+    chat = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=200, temperature=0, response_format=fmt,
+                                          extra_body={"structured_outputs": None})
+    doc = json.loads(chat.choices[0].message.content or "")
+    assert doc["color"] in ("red", "blue") and 0 <= doc["n"] <= 9 and chat.choices[0].finish_reason == "stop"
+    choice = client.completions.create(model=MODEL, prompt="Answer:", max_tokens=8, n=3, temperature=1.0, seed=4,
+                                       extra_body={"structured_outputs": {"choice": ["yes", "no"]}})
+    assert {c.text for c in choice.choices} <= {"no", "yes"} and len(choice.choices) == 3
+    stream = client.completions.create(model=MODEL, prompt="Code:", max_tokens=12, stream=True, extra_body={"guided_regex": "[A-F]{3}-[0-9]{2}"})
+    text = "".join(c.choices[0].text for c in stream if c.choices)
+    assert re.fullmatch("[A-F]{3}-[0-9]{2}", text)
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4,
+                                       response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "bogus"}}})
+    assert err.value.body["param"] == "response_format" and "bogus" in err.value.body["message"]  # type: ignore[index]
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(model=MODEL, prompt="x", max_tokens=4, extra_body={"guided_regex": "(x"})
+    assert err.value.body["param"] == "guided_regex"  # type: ignore[index]
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(model=MODEL, prompt="x", max_tokens=4, extra_body={"structured_outputs": {"regex": "a", "choice": ["b"]}})
+    assert err.value.body["param"] == "structured_outputs"  # type: ignore[index]
     assert client.completions.create(model=MODEL, prompt="ok", max_tokens=2).choices[0].text is not None
 
 

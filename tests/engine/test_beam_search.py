@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from triollm import LLM
-from triollm.engine.beam_search import BeamSearchParams, beam_search_score
+from triollm.engine.beam_search import BeamSearchOutput, BeamSearchParams, beam_search_score
 
 PROMPTS = ["The capital of France is", "Once upon a time", "def fibonacci(n):"]
 
@@ -65,3 +65,42 @@ def test_the_score_and_the_params_follow_vllm() -> None:
         BeamSearchParams(beam_width=2, max_tokens=0)
     with pytest.raises(ValueError, match="temperature: must be >= 0"):
         BeamSearchParams(beam_width=2, max_tokens=2, temperature=-1.0)
+
+
+@pytest.fixture(params=["trio", "asyncio"])
+def anyio_backend(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
+BEAM_PARAMS = BeamSearchParams(beam_width=3, max_tokens=6, ignore_eos=True)
+BEAM_PROMPT = {"prompt_token_ids": [5, 6, 7, 8]}
+
+
+@pytest.fixture(scope="module")
+def llm_beams(tiny_model_dir: Path) -> BeamSearchOutput:
+    with LLM(str(tiny_model_dir), max_model_len=64, num_threads=1) as llm:
+        (expected,) = llm.beam_search([BEAM_PROMPT], BEAM_PARAMS)
+    return expected
+
+
+@pytest.mark.anyio
+async def test_async_beam_search_equals_llm_and_cancels_cleanly(tiny_model_dir: Path, llm_beams: BeamSearchOutput) -> None:
+    """`AsyncLLM.beam_search` yields one finished RequestOutput with the same beams as
+    `LLM.beam_search`; cancelling it mid-search aborts its round and leaves nothing running."""
+    import anyio
+
+    from triollm import AsyncEngineArgs, AsyncLLM
+
+    params, prompt, expected = BEAM_PARAMS, BEAM_PROMPT, llm_beams
+    args = AsyncEngineArgs(model=str(tiny_model_dir), max_model_len=64, num_threads=1, multiprocess=False)
+    async with AsyncLLM.from_engine_args(args) as engine:
+        outs = [o async for o in engine.beam_search(prompt, "b1", params)]
+        assert len(outs) == 1 and outs[0].finished and outs[0].request_id == "b1"
+        assert [c.token_ids for c in outs[0].outputs] == [s.tokens[4:] for s in expected.sequences]
+        assert [c.cumulative_logprob for c in outs[0].outputs] == pytest.approx([s.cum_logprob for s in expected.sequences])
+        assert [c.text for c in outs[0].outputs] == [s.text for s in expected.sequences]
+        with anyio.move_on_after(0.05):
+            async for _ in engine.beam_search(prompt, "b2", BeamSearchParams(beam_width=4, max_tokens=60, ignore_eos=True)):
+                pass
+        await engine.wait_idle()
+        assert engine.num_unfinished_requests == 0
