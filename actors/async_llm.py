@@ -438,9 +438,7 @@ class AsyncLLM:
         if request_id in self._streams:
             raise ValueError(f"request_id: {request_id!r} is already in use by an unfinished request")
         assert self.config is not None
-        if params is None and self.config.model.runner_type == "pooling":
-            params = PoolingParams()
-        elif params is None:
+        if params is None:
             params = SamplingParams(**self.config.model.generation_defaults)
         stream = RequestStream(request_id, params.output_kind, self._release)
         self._streams[request_id] = stream  # reserve the id before any await
