@@ -17,6 +17,15 @@ from triollm.engine.config import EngineArgs
 from triollm.engine.core import EngineCore
 from triollm.engine.inputs import TextPrompt, TokensPrompt
 from triollm.engine.outputs import CompletionOutput, Logprob, RequestOutput
+from triollm.engine.pooling_outputs import (
+    EmbeddingOutput,
+    EmbeddingRequestOutput,
+    PoolingOutput,
+    PoolingRequestOutput,
+    ScoringOutput,
+    ScoringRequestOutput,
+)
+from triollm.engine.pooling_params import PoolingParams
 from triollm.engine.request import EngineCoreRequest
 from triollm.engine.sampling_params import RequestOutputKind, SamplingParams
 
@@ -29,6 +38,8 @@ __all__ = [
     "AsyncEngineArgs",
     "AsyncLLM",
     "CompletionOutput",
+    "EmbeddingOutput",
+    "EmbeddingRequestOutput",
     "EngineArgs",
     "EngineBusyError",
     "EngineCore",
@@ -38,10 +49,15 @@ __all__ = [
     "LLM",
     "LLMEngine",
     "Logprob",
+    "PoolingOutput",
+    "PoolingParams",
+    "PoolingRequestOutput",
     "RequestOutput",
     "RequestOutputKind",
     "RequestStream",
     "SamplingParams",
+    "ScoringOutput",
+    "ScoringRequestOutput",
     "TextPrompt",
     "TokensPrompt",
     "__version__",

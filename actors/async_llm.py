@@ -32,7 +32,7 @@ import traceback
 import warnings
 from collections.abc import AsyncGenerator, Awaitable, Callable, Generator, Iterable, Mapping
 from contextlib import AsyncExitStack, ExitStack
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import anyio
 import anyio.lowlevel
@@ -60,6 +60,8 @@ from triollm.engine.config import EngineArgs, EngineConfig, ModelConfig
 from triollm.engine.core import EngineCoreFactory
 from triollm.engine.metrics import Counter, Gauge, Metric
 from triollm.engine.outputs import RequestOutput
+from triollm.engine.pooling_outputs import PoolingOutput, PoolingRequestOutput
+from triollm.engine.pooling_params import PoolingParams
 from triollm.engine.processing.processors import (
     InputProcessor,
     OutputProcessor,
@@ -85,6 +87,7 @@ DEATH_REPORT_WAIT_S = 5.0
 _TOKENIZER_CALL_CHARS = 16
 
 SUPPORTED_TASKS: tuple[str, ...] = ("generate",)
+POOLING_TASKS: tuple[str, ...] = ("embed", "encode")  # a pooling model's (runner "pooling")
 PauseMode = Literal["abort", "wait", "keep"]
 PAUSE_MODES: tuple[str, ...] = ("abort", "wait", "keep")
 
@@ -313,7 +316,7 @@ class AsyncLLM:
 
     async def get_supported_tasks(self) -> tuple[str, ...]:
         await self._ensure_started()
-        return SUPPORTED_TASKS
+        return POOLING_TASKS if self.get_model_config().runner_type == "pooling" else SUPPORTED_TASKS
 
     @property
     def dead_error(self) -> EngineDeadError | None:
@@ -405,7 +408,7 @@ class AsyncLLM:
         self,
         request_id: str,
         prompt: PromptType,
-        params: SamplingParams | None = None,
+        params: SamplingParams | PoolingParams | None = None,
         *,
         priority: int = 0,
         arrival_time: float | None = None,
@@ -445,13 +448,14 @@ class AsyncLLM:
         arrival = time.monotonic() if arrival_time is None else arrival_time
         try:
             # A grammar (structured outputs) is compiled to check it: in a thread too.
-            if _input_size(prompt, params) > _LARGE_PROMPT or params.structured_outputs is not None:
+            grammar = isinstance(params, SamplingParams) and params.structured_outputs is not None
+            if _input_size(prompt, params) > _LARGE_PROMPT or grammar:
                 processed = await anyio.to_thread.run_sync(
-                    lambda: self._input.process(prompt, params, request_id, arrival_time=arrival, priority=priority)
+                    lambda: self._process(prompt, params, request_id, arrival, priority)
                 )
                 self._require_running()
             else:
-                processed = self._input.process(prompt, params, request_id, arrival_time=arrival, priority=priority)
+                processed = self._process(prompt, params, request_id, arrival, priority)
             while not self._adding[request_id] and (busy := self._busy(processed)) is not None:
                 if not wait_for_room:
                     raise EngineBusyError(f"the engine is busy: {busy}; retry later")
@@ -484,6 +488,13 @@ class AsyncLLM:
             self._drop(request_id)
             raise
         return stream
+
+    def _process(
+        self, prompt: PromptType, params: SamplingParams | PoolingParams, request_id: str, arrival: float, priority: int
+    ) -> ProcessedRequest:
+        if isinstance(params, PoolingParams):
+            return self._input.process_pooling(prompt, params, request_id, arrival_time=arrival, priority=priority)
+        return self._input.process(prompt, params, request_id, arrival_time=arrival, priority=priority)
 
     def _busy(self, processed: ProcessedRequest) -> str | None:
         """Why `processed` must wait (the frontend's conservative queue count), or None."""
@@ -579,6 +590,36 @@ class AsyncLLM:
                     if out.finished:
                         results.append(out)
         return results
+
+    async def encode(
+        self,
+        prompt: PromptType,
+        pooling_params: PoolingParams | None = None,
+        request_id: str | None = None,
+        *,
+        priority: int = 0,
+        truncate_prompt_tokens: int | None = None,
+    ) -> AsyncGenerator[PoolingRequestOutput[PoolingOutput], None]:
+        """vLLM's `AsyncLLM.encode`: the pooled output of one prompt (one item, finished) from a
+        pooling model (`runner="pooling"`). `pooling_params.task` defaults to "embed";
+        `truncate_prompt_tokens` overrides the params'. Leaving early aborts the request."""
+        await self._ensure_started()
+        if self.get_model_config().runner_type != "pooling":
+            raise ValueError(
+                "AsyncLLM.encode() is only supported for pooling models. Try passing "
+                "`--runner pooling` to use the model as a pooling model."
+            )
+        params = PoolingParams() if pooling_params is None else pooling_params.clone()
+        if truncate_prompt_tokens is not None:
+            params.truncate_prompt_tokens = truncate_prompt_tokens
+        rid = request_id if request_id is not None else f"req-{next(self._request_ids)}"
+        with await self.add_request(rid, prompt, params, priority=priority) as stream:
+            async for output in stream:
+                # The stream carries one PoolingRequestOutput; anything else is the abort's
+                # RequestOutput (the request ended without an embedding).
+                if not isinstance(output, PoolingRequestOutput):
+                    return
+                yield cast(PoolingRequestOutput[PoolingOutput], output)
 
     def _release(self, stream: RequestStream) -> None:
         """The stream's consumer is done with it: abort the request unless it ended."""
@@ -792,6 +833,15 @@ class AsyncLLM:
         if self._queued_prompt:
             for core_out in outputs:
                 self._unqueue(core_out.request_id)
+        if batch.pooled is not None:  # a pooling model's step: embeddings, no tokens
+            for pooled in self._output.process_pooled(outputs):
+                stream = self._streams.get(pooled.request_id)
+                if stream is not None:
+                    # A pooling request's one, final output passes through the stream as is
+                    # (FINAL_ONLY: nothing to merge), read back by `encode`.
+                    stream.put(cast(RequestOutput, pooled))
+            self._notify_room()
+            return
         size = self._output_chunk_size
         for start in range(0, len(outputs), size):
             if start:
@@ -872,7 +922,7 @@ def _freeze_heap() -> None:
     gc.freeze()
 
 
-def _input_size(prompt: object, params: SamplingParams) -> int:
+def _input_size(prompt: object, params: SamplingParams | PoolingParams) -> int:
     """The work `InputProcessor.process` will do for this request, in characters or token ids:
     the prompt (text to tokenize, ids to check) plus every `bad_words` entry (tokenized twice,
     each call with its fixed cost), so that 8,192 one-letter bad words count as much as they
@@ -885,7 +935,7 @@ def _input_size(prompt: object, params: SamplingParams) -> int:
             value = prompt.get(key)
             if isinstance(value, str | list | tuple):
                 size += len(value)
-    bad_words = params.bad_words
+    bad_words = params.bad_words if isinstance(params, SamplingParams) else None
     if isinstance(bad_words, list):
         size += sum(
             2 * (len(word) + _TOKENIZER_CALL_CHARS) for word in bad_words if isinstance(word, str)

@@ -22,7 +22,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import CancelledError
-from typing import Any
+from typing import Any, cast
 
 import anyio
 import torch
@@ -39,7 +39,18 @@ from triollm.engine.config import EngineArgs
 from triollm.engine.core import EngineCoreFactory
 from triollm.engine.metrics import Metric
 from triollm.engine.outputs import RequestOutput
-from triollm.engine.processing.processors import PromptType
+from triollm.engine.pooling_outputs import (
+    EmbeddingRequestOutput,
+    PoolingOutput,
+    PoolingRequestOutput,
+    ScoringRequestOutput,
+)
+from triollm.engine.pooling_params import POOLING_TASKS, PoolingParams
+from triollm.engine.processing.processors import (
+    GENERATE_ON_POOLING,
+    POOLING_ON_GENERATE,
+    PromptType,
+)
 from triollm.engine.processing.tokenizer import Tokenizer
 from triollm.engine.sampling_params import RequestOutputKind, SamplingParams
 
@@ -144,6 +155,7 @@ class LLM:
         priority: list[int] | None = None,
     ) -> list[RequestOutput]:
         """Complete every prompt; outputs in input order."""
+        self._require_runner("generate", "LLM.generate()")
         prompt_list: list[PromptType] = [prompts] if isinstance(prompts, (str, dict)) else list(prompts)  # type: ignore[list-item]
         params = self._params_list(sampling_params, len(prompt_list))
         if priority is not None and len(priority) != len(prompt_list):
@@ -191,10 +203,106 @@ class LLM:
         chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
         """Generate replies to one conversation or a list of conversations."""
+        self._require_runner("generate", "LLM.chat()")
         prompts = self._render_chats(
             messages, chat_template, add_generation_prompt, continue_final_message, chat_template_kwargs
         )
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    # ------------------------------------------------------------------ pooling models
+
+    def encode(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+        *,
+        truncate_prompt_tokens: int | None = None,
+        use_tqdm: bool | Callable[..., Any] = True,
+        pooling_task: str | None = None,
+    ) -> list[PoolingRequestOutput[PoolingOutput]]:
+        """The pooled hidden states of every prompt (a pooling model, `runner="pooling"`), in
+        input order: `pooling_task="embed"` one vector per prompt, `"encode"` one per token."""
+        self._require_runner("pooling", "LLM.encode()")
+        prompt_list: list[PromptType] = [prompts] if isinstance(prompts, (str, dict)) else list(prompts)  # type: ignore[list-item]
+        params = self._pooling_params(pooling_params, len(prompt_list), pooling_task, truncate_prompt_tokens)
+        outputs = self._run(prompt_list, params, [0] * len(prompt_list), use_tqdm)
+        return [cast(PoolingRequestOutput[PoolingOutput], out) for out in outputs]
+
+    def embed(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+        *,
+        truncate_prompt_tokens: int | None = None,
+        use_tqdm: bool | Callable[..., Any] = True,
+    ) -> list[EmbeddingRequestOutput]:
+        """One embedding per prompt (`outputs.embedding`), pooled and normalised as the model's
+        sentence-transformers configuration says (`pooling_params` may override)."""
+        self._require_runner("pooling", "LLM.embed()")
+        items = self.encode(
+            prompts, pooling_params, truncate_prompt_tokens=truncate_prompt_tokens, use_tqdm=use_tqdm, pooling_task="embed"
+        )
+        return [EmbeddingRequestOutput.from_base(item) for item in items]
+
+    def score(
+        self,
+        data_1: str | Sequence[str],
+        data_2: str | Sequence[str],
+        /,
+        *,
+        truncate_prompt_tokens: int | None = None,
+        use_tqdm: bool | Callable[..., Any] = True,
+        pooling_params: PoolingParams | None = None,
+    ) -> list[ScoringRequestOutput]:
+        """vLLM's bi-encoder score: the cosine similarity of the embeddings of each pair, 1 -> 1,
+        1 -> N (`data_1` paired with every `data_2`) or N -> N (pairwise), in `data_2`'s order."""
+        self._require_runner("pooling", "LLM.score()")
+        texts_1, texts_2 = score_pairs(data_1, data_2)
+        embedded = self.encode(
+            [*texts_1, *texts_2], pooling_params, truncate_prompt_tokens=truncate_prompt_tokens, use_tqdm=use_tqdm, pooling_task="embed"
+        )
+        firsts, seconds = embedded[: len(texts_1)], embedded[len(texts_1) :]
+        if len(firsts) == 1:
+            firsts = firsts * len(seconds)
+        return [cosine_score(a, b) for a, b in zip(firsts, seconds)]
+
+    def _pooling_params(
+        self,
+        pooling_params: PoolingParams | Sequence[PoolingParams] | None,
+        n: int,
+        task: str | None,
+        truncate_prompt_tokens: int | None,
+    ) -> list[PoolingParams]:
+        given = [PoolingParams()] * n if pooling_params is None else pooling_params
+        if isinstance(given, PoolingParams):
+            given = [given] * n
+        if len(given) != n:
+            raise ValueError(
+                f"pooling_params: the list has {len(given)} entries for {n} prompts; "
+                "pass one PoolingParams or one per prompt"
+            )
+        out = []
+        for p in given:
+            p = p.clone()
+            if task is not None and p.task is not None and p.task != task:
+                raise ValueError(f"pooling_task: {task!r} cannot overwrite the params' task {p.task!r}")
+            p.task = task or p.task
+            if p.task is None:
+                raise ValueError(
+                    f"pooling_task: required for LLM.encode (one of {', '.join(POOLING_TASKS)}); "
+                    "use LLM.embed(...) for embeddings, LLM.score(...) for similarity scores"
+                )
+            if truncate_prompt_tokens is not None:
+                p.truncate_prompt_tokens = truncate_prompt_tokens
+            p.validate()
+            out.append(p)
+        return out
+
+    def _require_runner(self, runner: str, api: str) -> None:
+        """vLLM's runner checks: a generation call on a pooling model and the reverse."""
+        if self._engine.get_model_config().runner_type != runner:
+            template = GENERATE_ON_POOLING if runner == "generate" else POOLING_ON_GENERATE
+            raise ValueError(template.format(api=api))
 
     def enqueue(
         self,
@@ -298,7 +406,7 @@ class LLM:
     def _run(
         self,
         prompts: list[PromptType],
-        params: list[SamplingParams],
+        params: Sequence[SamplingParams | PoolingParams],
         priorities: list[int],
         use_tqdm: bool | Callable[..., Any],
     ) -> list[RequestOutput]:
@@ -316,7 +424,7 @@ class LLM:
     async def _batch(
         self,
         prompts: list[PromptType],
-        params: list[SamplingParams],
+        params: Sequence[SamplingParams | PoolingParams],
         priorities: list[int],
         use_tqdm: bool | Callable[..., Any],
         done: threading.Event,
@@ -381,7 +489,8 @@ class _Bar:
 
     def record(self, out: RequestOutput) -> None:
         self.inp += len(out.prompt_token_ids)
-        self.outp += sum(len(c.token_ids) for c in out.outputs)
+        if isinstance(out, RequestOutput):  # a pooling output generates no tokens
+            self.outp += sum(len(c.token_ids) for c in out.outputs)
         elapsed = max(time.perf_counter() - self.start, 1e-9)
         self.bar.set_postfix_str(
             f"est. speed input: {self.inp / elapsed:.2f} toks/s, output: {self.outp / elapsed:.2f} toks/s",
@@ -401,3 +510,25 @@ def _progress(total: int, use_tqdm: bool | Callable[..., Any]) -> _Bar | None:
 
         return _Bar(total, tqdm)
     return _Bar(total, use_tqdm)
+
+
+def score_pairs(data_1: str | Sequence[str], data_2: str | Sequence[str]) -> tuple[list[str], list[str]]:
+    """vLLM's score inputs: a text or a list of texts each; 1 -> N or N -> N (equal lengths)."""
+    texts_1 = [data_1] if isinstance(data_1, str) else list(data_1)
+    texts_2 = [data_2] if isinstance(data_2, str) else list(data_2)
+    for name, texts in (("data_1", texts_1), ("data_2", texts_2)):
+        if not texts:
+            raise ValueError(f"{name}: at least one text is needed")
+        if not all(isinstance(t, str) for t in texts):
+            raise ValueError(f"{name}: scores take texts (a string or a list of strings)")
+    if len(texts_1) > 1 and len(texts_1) != len(texts_2):
+        raise ValueError(f"data_1: {len(texts_1)} texts for {len(texts_2)} in data_2; pass one, or as many as data_2")
+    return texts_1, texts_2
+
+
+def cosine_score(a: PoolingRequestOutput[PoolingOutput], b: PoolingRequestOutput[PoolingOutput]) -> ScoringRequestOutput:
+    """The cosine similarity of two embeddings as vLLM's `ScoringRequestOutput` (its
+    prompt_token_ids are both prompts', joined)."""
+    score = torch.nn.functional.cosine_similarity(a.outputs.data.float(), b.outputs.data.float(), dim=0)
+    base = PoolingRequestOutput(f"{a.request_id}_{b.request_id}", PoolingOutput(score), a.prompt_token_ids + b.prompt_token_ids, True)
+    return ScoringRequestOutput.from_base(base)

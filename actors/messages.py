@@ -149,9 +149,22 @@ class OutputBatch(msgspec.Struct, tag=True, array_like=True, omit_defaults=True,
     logprobs: LogprobColumns | None = None
     prompt_logprobs: LogprobColumns | None = None
     stats: StepStats | None = None
+    # A pooling model's step: every entry's embedding (float32 bytes); None for a generative one.
+    pooled: list[bytes | None] | None = None
 
     @classmethod
     def from_outputs(cls, outputs: list[EngineCoreOutput], stats: StepStats | None = None) -> OutputBatch:
+        # One core is either generative or pooling, so its first output tells which (O(1) here).
+        if outputs and outputs[0].pooled is not None:
+            return cls(
+                request_ids=[o.request_id for o in outputs],
+                new_token_ids=[[] for _ in outputs],
+                finish_reasons=[_NOT_FINISHED if o.finish_reason is None else int(o.finish_reason) for o in outputs],
+                stop_reasons=[o.stop_reason for o in outputs],
+                num_cached_tokens=[0 for _ in outputs],
+                stats=stats,
+                pooled=[o.pooled for o in outputs],
+            )
         return cls(
             request_ids=[o.request_id for o in outputs],
             new_token_ids=[o.new_token_ids for o in outputs],
@@ -164,6 +177,13 @@ class OutputBatch(msgspec.Struct, tag=True, array_like=True, omit_defaults=True,
         )
 
     def to_outputs(self) -> list[EngineCoreOutput]:
+        if self.pooled is not None:
+            return [
+                EngineCoreOutput(
+                    rid, [], finish_reason=None if fr == _NOT_FINISHED else FinishReason(fr), stop_reason=sr, pooled=p
+                )
+                for rid, fr, sr, p in zip(self.request_ids, self.finish_reasons, self.stop_reasons, self.pooled)
+            ]
         n = len(self.request_ids)
         lps = self.logprobs.unpack(n) if self.logprobs else [None] * n
         plps = self.prompt_logprobs.unpack(n) if self.prompt_logprobs else [None] * n

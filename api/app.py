@@ -52,6 +52,7 @@ from triollm.api.serving_common import (
     resolve_model,
 )
 from triollm.api.serving_completions import create_completion
+from triollm.api.serving_pooling import create_embedding, create_score, require_runner
 from triollm.api.state import ServerState
 from triollm.engine.config import ModelConfig
 
@@ -77,6 +78,10 @@ def build_app(state: ServerState) -> Starlette:
         Route("/tokenize", api.guard(api.tokenize), methods=["POST"]),
         Route("/detokenize", api.guard(api.detokenize), methods=["POST"]),
         Route("/openapi.json", api.guard(api.openapi), methods=["GET"]),
+        # ------------------------------------------------------ pooling models (serving_pooling.py)
+        Route("/v1/embeddings", api.guard(api.embeddings), methods=["POST"]),
+        Route("/score", api.guard(api.score), methods=["POST"]),
+        Route("/v1/score", api.guard(api.score), methods=["POST"]),
     ]
     # ---------------------------------------------------------------- /metrics (api/metrics.py)
     metrics = _metrics_route(state)
@@ -201,10 +206,18 @@ class _Endpoints:
         return config.model if config is not None else self.llm.get_model_config()
 
     async def completions(self, request: Request) -> Response:
+        require_runner(self.state, "generate", "Completions API")
         return await create_completion(self.state, request)
 
     async def chat(self, request: Request) -> Response:
+        require_runner(self.state, "generate", "Chat Completions API")
         return await create_chat_completion(self.state, request, self.chat_template)
+
+    async def embeddings(self, request: Request) -> Response:
+        return await create_embedding(self.state, request)
+
+    async def score(self, request: Request) -> Response:
+        return await create_score(self.state, request)
 
     async def models(self, request: Request) -> Response:
         config = self._model_config()

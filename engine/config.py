@@ -169,7 +169,7 @@ class CompilationConfig:
         return cls(**kwargs)
 
 
-RUNNERS = ("auto", "generate")
+RUNNERS = ("auto", "generate", "pooling")  # vLLM's --runner ("draft" has no meaning here)
 DTYPES = ("auto", "half", "float16", "bfloat16", "float", "float32")  # vLLM's --dtype choices
 _DTYPE_NAMES = {"half": "float16", "float": "float32"}
 _TORCH_DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
@@ -255,7 +255,7 @@ class EngineArgs:
     enable_chunked_prefill: bool = _arg(True, "split long prompts across steps")
     long_prefill_token_threshold: int = _arg(0, "with chunked prefill, the most prompt tokens one request takes per step (0: no limit); smaller values keep running decodes' step time steady")
     # --- execution
-    runner: str = _arg("auto", "generate only", choices=RUNNERS)
+    runner: str = _arg("auto", "auto (from the architecture: *ForCausalLM generate, encoder-only models such as BertModel are pooled into embeddings), generate or pooling", choices=RUNNERS)
     device: str = _arg("auto", "auto (cuda if available), cpu or cuda", choices=("auto", "cpu", "cuda"))
     num_threads: int | None = _arg(None, "torch threads in the engine core (default: every core for the offline LLM; for AsyncLLM and the server every core up to 4, one fewer above)")
     enforce_eager: bool = _arg(False, "CUDA: run every step eagerly (otherwise decode steps replay CUDA graphs captured per batch size)")
@@ -297,7 +297,7 @@ class EngineArgs:
                 "Invalid 'kv_transfer_config' provided: triollm has no KV transfer "
                 "(disaggregated prefill, KV connectors); remove kv_transfer_config"
             )
-        _one_of("runner", self.runner, RUNNERS, 'triollm runs generative models: use runner="generate" (or "auto")')
+        _one_of("runner", self.runner, RUNNERS)
         _one_of("load_format", self.load_format, LOAD_FORMATS)
         _one_of("tokenizer_mode", self.tokenizer_mode, TOKENIZER_MODES, "only fast tokenizers (tokenizer.json) are supported")
         _one_of("kv_cache_dtype", self.kv_cache_dtype, ("auto",), "the KV cache has the model's dtype")
@@ -390,7 +390,9 @@ class EngineArgs:
         if self.load_format == "gguf" and not (self.model or "").lower().endswith(".gguf"):
             raise ValueError(f"load_format: 'gguf' needs a .gguf model file, got model={self.model!r}")
         path = resolve_model(self.model, cache_dir)
-        model = ModelConfig.from_pretrained(path, str(self.dtype), self.max_model_len, device)
+        model = ModelConfig.from_pretrained(path, str(self.dtype), self.max_model_len, device, self.runner)
+        if model.runner_type == "pooling":
+            _check_pooling(self, model)
         if self.tensor_parallel_size > 1:
             if device != "cpu":
                 raise ValueError(f"tensor_parallel_size: {self.tensor_parallel_size} runs on device='cpu' only (gloo)")
@@ -514,6 +516,18 @@ class EngineArgs:
     def from_cli_args(cls, ns: argparse.Namespace) -> EngineArgs:
         names = set(cls.field_names())
         return cls(**{k: v for k, v in vars(ns).items() if k in names})
+
+
+def _check_pooling(args: EngineArgs, model: ModelConfig) -> None:
+    """A pooling model runs whole prompts on one rank, one step each (engine/pooling_core.py)."""
+    if args.tensor_parallel_size != 1:
+        raise ValueError(f"tensor_parallel_size: {args.tensor_parallel_size} is not supported for pooling models (allowed: 1)")
+    budget = args.max_num_batched_tokens
+    if budget is not None and budget < model.max_model_len:
+        raise ValueError(
+            f"max_num_batched_tokens: {budget} is smaller than max_model_len ({model.max_model_len}); "
+            "a pooling model encodes each prompt whole in one step"
+        )
 
 
 def _canonical_dtype(value: object) -> str:

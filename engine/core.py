@@ -73,6 +73,15 @@ class Runner(Protocol):
 
 
 class EngineCore:
+    def __new__(cls, config: EngineConfig, *, runner: Runner | None = None) -> EngineCore:
+        """A pooling model (runner "pooling") gets its own core, `PoolingEngineCore`
+        (engine/pooling_core.py): the same interface, no KV cache; the actors never know."""
+        if cls is EngineCore and config.model.runner_type == "pooling":
+            from triollm.engine.pooling_core import PoolingEngineCore
+
+            return super().__new__(PoolingEngineCore)
+        return super().__new__(cls)
+
     def __init__(self, config: EngineConfig, *, runner: Runner | None = None) -> None:
         """Load the model and size the KV cache; with `runner` (tests, benchmarks) no model is
         loaded, no KV memory allocated, and `runner` executes every step."""

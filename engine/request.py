@@ -14,6 +14,7 @@ import msgspec
 import torch
 
 from triollm.engine.execution.sampling_plan import SamplingPlan
+from triollm.engine.pooling_params import PoolingParams
 from triollm.engine.sampling_params import SamplingParams
 
 __all__ = [
@@ -46,6 +47,8 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     bad_words_token_ids: list[list[int]] = []
     arrival_time: float = 0.0
     priority: int = 0
+    # A request to a pooling model (engine/pooling_core.py): its sampling_params are unused.
+    pooling_params: PoolingParams | None = None
 
 
 class Logprobs(msgspec.Struct, array_like=True, gc=False):
@@ -71,6 +74,9 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
     # Rows for prompt positions 1..P-1 (position 0 has no logprob), possibly over several steps.
     new_prompt_logprobs: Logprobs | None = None
     num_cached_tokens: int = 0
+    # A pooling model's result (finished, no tokens): little-endian float32 bytes
+    # (engine/pooling_outputs.py `pack_pooled`).
+    pooled: bytes | None = None
 
     @property
     def finished(self) -> bool:

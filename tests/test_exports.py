@@ -8,12 +8,23 @@ import sys
 
 import triollm
 from triollm.actors import async_llm, errors, llm, llm_engine, request_stream
-from triollm.engine import config, core, inputs, outputs, request, sampling_params
+from triollm.engine import (
+    config,
+    core,
+    inputs,
+    outputs,
+    pooling_outputs,
+    pooling_params,
+    request,
+    sampling_params,
+)
 
 PUBLIC = [
     "AsyncEngineArgs",
     "AsyncLLM",
     "CompletionOutput",
+    "EmbeddingOutput",
+    "EmbeddingRequestOutput",
     "EngineArgs",
     "EngineBusyError",
     "EngineCore",
@@ -23,10 +34,15 @@ PUBLIC = [
     "LLM",
     "LLMEngine",
     "Logprob",
+    "PoolingOutput",
+    "PoolingParams",
+    "PoolingRequestOutput",
     "RequestOutput",
     "RequestOutputKind",
     "RequestStream",
     "SamplingParams",
+    "ScoringOutput",
+    "ScoringRequestOutput",
     "TextPrompt",
     "TokensPrompt",
     "__version__",
@@ -58,6 +74,13 @@ def test_every_name_resolves_to_its_definition() -> None:
         "SamplingParams": sampling_params,
         "TextPrompt": inputs,
         "TokensPrompt": inputs,
+        "EmbeddingOutput": pooling_outputs,
+        "EmbeddingRequestOutput": pooling_outputs,
+        "PoolingOutput": pooling_outputs,
+        "PoolingRequestOutput": pooling_outputs,
+        "ScoringOutput": pooling_outputs,
+        "ScoringRequestOutput": pooling_outputs,
+        "PoolingParams": pooling_params,
     }
     assert set(homes) | {"__version__"} == set(PUBLIC)
     for name, module in homes.items():
@@ -92,13 +115,13 @@ def test_import_is_light() -> None:
 # LLMEngine): a coroutine where vLLM's is one, a plain call or a property where vLLM's is.
 ASYNC_LLM_COROUTINES = [
     "abort", "add_request", "check_health", "do_log_stats", "generate",
-    "get_supported_tasks", "is_paused", "pause_generation", "reset_prefix_cache", "resume_generation",
+    "encode", "get_supported_tasks", "is_paused", "pause_generation", "reset_prefix_cache", "resume_generation",
 ]
 ASYNC_LLM_PLAIN = ["from_engine_args", "get_tokenizer", "shutdown"]
 ASYNC_LLM_PROPERTIES = ["dead_error", "errored", "is_running", "is_stopped", "model_config"]
 LLM_METHODS = [
-    "chat", "enqueue", "enqueue_chat", "from_engine_args", "generate", "get_default_sampling_params",
-    "get_metrics", "get_tokenizer", "reset_prefix_cache", "shutdown", "wait_for_completion",
+    "chat", "embed", "encode", "enqueue", "enqueue_chat", "from_engine_args", "generate", "get_default_sampling_params",
+    "get_metrics", "get_tokenizer", "reset_prefix_cache", "score", "shutdown", "wait_for_completion",
 ]
 LLM_ENGINE_METHODS = [
     "abort_request", "add_request", "do_log_stats", "from_engine_args", "get_metrics",

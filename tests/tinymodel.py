@@ -197,3 +197,48 @@ def make_transformers_model(path: Path, architecture: str, *, seed: int = 0, **c
                 p.copy_(noise * (0.5 if "embed_tokens" in name or "lm_head" in name else 0.2))
     model.save_pretrained(path)
     return path
+
+
+def make_tiny_bert(
+    path: Path,
+    tokenizer_dir: Path,
+    *,
+    pooling: str = "mean_tokens",
+    normalize: bool = True,
+    matryoshka: bool = False,
+    hidden_act: str = "gelu",
+    seed: int = 0,
+) -> Path:
+    """A tiny random `BertModel` (transformers' own init and save_pretrained, so the tensor names
+    are the real ones) with the WordPiece tokenizer files of `tokenizer_dir` and the
+    sentence-transformers files choosing `pooling` ("mean_tokens", "cls_token" or "lasttoken":
+    the `pooling_mode_*` key of 1_Pooling/config.json)."""
+    import shutil
+
+    from transformers import BertConfig, BertModel
+
+    torch.manual_seed(seed)
+    config = BertConfig(
+        vocab_size=30522, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+        intermediate_size=64, max_position_embeddings=128, hidden_act=hidden_act,
+    )
+    model = BertModel(config, add_pooling_layer=True).eval()
+    model.save_pretrained(path, safe_serialization=True)
+    if matryoshka:
+        cfg = json.loads((path / "config.json").read_text())
+        (path / "config.json").write_text(json.dumps({**cfg, "matryoshka_dimensions": [8, 16, 32]}))
+    for name in ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "special_tokens_map.json"):
+        shutil.copy(tokenizer_dir / name, path / name)
+    modules = [
+        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+        {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+    ]
+    if normalize:
+        modules.append({"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"})
+    (path / "modules.json").write_text(json.dumps(modules))
+    (path / "1_Pooling").mkdir(exist_ok=True)
+    (path / "1_Pooling" / "config.json").write_text(
+        json.dumps({"word_embedding_dimension": 32, f"pooling_mode_{pooling}": True})
+    )
+    (path / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": 64}))
+    return path

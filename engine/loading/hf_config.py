@@ -11,6 +11,11 @@ layer types other than full and sliding attention. Fields that change nothing at
 ignored, as are fields the architecture's modeling code does not read (`sliding_window` on Llama,
 `attention_bias` / `mlp_bias` on Mistral and Qwen2).
 
+Encoder-only checkpoints (`BertModel`, served by the pooling runner) are read into the same
+`HfConfig` (no RoPE, biases everywhere) plus an `EncoderSpec` with what only they have
+(token-type vocabulary, LayerNorm epsilon, GELU flavour); relative position embeddings and
+non-GELU activations are refused.
+
 Where the two generations differ in spelling:
 
 | what | transformers 4.x | transformers 5.x |
@@ -39,7 +44,15 @@ import torch
 
 from triollm.engine.loading.rope_config import RopeConfig, parse_rope
 
-__all__ = ["DTYPES", "SUPPORTED_ARCHITECTURES", "HfConfig", "checkpoint_dtype", "parse_hf_config"]
+__all__ = [
+    "DTYPES",
+    "ENCODER_ARCHITECTURES",
+    "SUPPORTED_ARCHITECTURES",
+    "EncoderSpec",
+    "HfConfig",
+    "checkpoint_dtype",
+    "parse_hf_config",
+]
 
 
 @dataclass(frozen=True)
@@ -59,7 +72,9 @@ _ARCHITECTURES = {
     "MistralForCausalLM": _Defaults("mistral", 4096 * 32, 8, False, False, 4096),
     "Qwen2ForCausalLM": _Defaults("qwen2", 32768, 32, True, False, 4096),
 }
-SUPPORTED_ARCHITECTURES = tuple(_ARCHITECTURES)
+# Encoder-only (bidirectional) models: served by the pooling runner (embeddings), never generate.
+ENCODER_ARCHITECTURES = ("BertModel",)
+SUPPORTED_ARCHITECTURES = (*_ARCHITECTURES, *ENCODER_ARCHITECTURES)
 _SILU = ("silu", "swish")  # transformers maps both names to SiLU
 _LAYER_TYPES = ("full_attention", "sliding_attention")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -85,11 +100,26 @@ class HfConfig:
     # The smallest window any layer uses; None: full attention everywhere.
     sliding_window: int | None
     checkpoint_dtype: torch.dtype | None  # `dtype` / `torch_dtype`, when given
+    # Encoder-only models (BERT): what the decoder fields above do not say; None for decoders.
+    encoder: EncoderSpec | None
+
+
+@dataclass(frozen=True)
+class EncoderSpec:
+    """A BERT-style encoder's own numerics (absolute position and token-type embeddings, LayerNorm
+    with biases, a GELU MLP). `HfConfig.rms_norm_eps` holds `layer_norm_eps` too."""
+
+    type_vocab_size: int
+    layer_norm_eps: float
+    hidden_act: str  # "gelu" (exact, erf) or "gelu_new" / "gelu_pytorch_tanh" (tanh)
+    pad_token_id: int
 
 
 def parse_hf_config(hf: Mapping[str, Any]) -> HfConfig:
     """The numerics of config.json `hf` (module note); a `ValueError` naming the field if unsupported."""
     arch = _architecture(hf)
+    if arch in ENCODER_ARCHITECTURES:
+        return _parse_bert(arch, hf)
     d = _ARCHITECTURES[arch]
     if hf.get("quantization_config"):
         method = (
@@ -134,6 +164,58 @@ def parse_hf_config(hf: Mapping[str, Any]) -> HfConfig:
         mlp_bias=_bool(hf, "mlp_bias", False) if d.has_mlp_bias else False,
         sliding_window=_sliding_window(arch, hf, num_layers),
         checkpoint_dtype=checkpoint_dtype(hf),
+        encoder=None,
+    )
+
+
+_GELUS = ("gelu", "gelu_new", "gelu_pytorch_tanh")
+
+
+def _parse_bert(arch: str, hf: Mapping[str, Any]) -> HfConfig:
+    """BertModel as transformers' `BertConfig` reads it (its defaults when a field is absent).
+    Refused: relative position embeddings, activations other than GELU, quantised weights."""
+    if hf.get("quantization_config"):
+        raise ValueError("quantization_config: quantized checkpoints are not supported; use unquantized weights")
+    position = hf.get("position_embedding_type", "absolute")
+    if position != "absolute":
+        raise ValueError(f"position_embedding_type: {position!r} is not supported; supported: absolute")
+    act = hf.get("hidden_act", "gelu")
+    if act not in _GELUS:
+        raise ValueError(f"hidden_act: {act!r} is not supported for {arch}; supported: {', '.join(_GELUS)}")
+    if hf.get("is_decoder") or hf.get("add_cross_attention"):
+        raise ValueError("is_decoder: BERT as a decoder is not supported (encoder-only models are pooled)")
+    hidden = _int(hf, "hidden_size", 768)
+    num_heads = _int(hf, "num_attention_heads", 12)
+    if hidden % num_heads:
+        raise ValueError(f"num_attention_heads: {num_heads} does not divide hidden_size {hidden}")
+    eps = hf.get("layer_norm_eps", 1e-12)
+    if isinstance(eps, bool) or not isinstance(eps, int | float) or not (math.isfinite(eps) and eps > 0):
+        raise ValueError(f"layer_norm_eps: expected a positive number, got {eps!r}")
+    max_pos = _int(hf, "max_position_embeddings", 512)
+    return HfConfig(
+        architecture=arch,
+        hidden_size=hidden,
+        intermediate_size=_int(hf, "intermediate_size", 3072),
+        num_layers=_int(hf, "num_hidden_layers", 12),
+        num_heads=num_heads,
+        num_kv_heads=num_heads,
+        head_dim=hidden // num_heads,
+        vocab_size=_int(hf, "vocab_size", 30522),
+        rms_norm_eps=float(eps),
+        rope=RopeConfig(max_position_embeddings=max_pos),  # unused: positions are learned
+        max_position_embeddings=max_pos,
+        tie_word_embeddings=False,
+        qkv_bias=True,
+        o_proj_bias=True,
+        mlp_bias=True,
+        sliding_window=None,
+        checkpoint_dtype=checkpoint_dtype(hf),
+        encoder=EncoderSpec(
+            type_vocab_size=_int(hf, "type_vocab_size", 2),
+            layer_norm_eps=float(eps),
+            hidden_act=act,
+            pad_token_id=_int(hf, "pad_token_id", 0, null=0, minimum=0),
+        ),
     )
 
 
@@ -158,13 +240,13 @@ def _architecture(hf: Mapping[str, Any]) -> str:
         arch = archs[0]
     else:  # no architectures: transformers goes by model_type
         model_type = hf.get("model_type") or "llama"
-        by_type = {d.model_type: a for a, d in _ARCHITECTURES.items()}
+        by_type = {d.model_type: a for a, d in _ARCHITECTURES.items()} | {"bert": "BertModel"}
         if model_type not in by_type:
             raise ValueError(
                 f"model_type: {model_type!r} is not supported; supported: {', '.join(by_type)}"
             )
         arch = by_type[model_type]
-    if arch not in _ARCHITECTURES:
+    if arch not in SUPPORTED_ARCHITECTURES:
         raise ValueError(
             f"architectures: {arch!r} is not supported; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
         )

@@ -18,14 +18,18 @@ import torch
 
 from triollm.engine.loading.hf_config import (
     DTYPES,
+    ENCODER_ARCHITECTURES,
     SUPPORTED_ARCHITECTURES,
     HfConfig,
     parse_hf_config,
 )
+from triollm.engine.loading.pooler_config import PoolerConfig, read_pooler_config
 from triollm.engine.loading.rope_config import RopeConfig
 from triollm.kernels import cpu_native
 
-__all__ = ["SUPPORTED_ARCHITECTURES", "ModelConfig", "RopeConfig"]
+__all__ = ["RUNNER_TYPES", "SUPPORTED_ARCHITECTURES", "ModelConfig", "PoolerConfig", "RopeConfig"]
+
+RUNNER_TYPES = ("generate", "pooling")
 
 @dataclass(frozen=True)
 class ModelConfig(HfConfig):
@@ -40,16 +44,32 @@ class ModelConfig(HfConfig):
     bos_token_id: int | None
     # Sampling defaults from generation_config.json (vLLM field names), e.g. {"temperature": 0.6}.
     generation_defaults: dict[str, Any] = field(default_factory=dict)
+    runner_type: str = "generate"  # "generate" or "pooling" (resolved from `runner`)
+    pooler: PoolerConfig | None = None  # set for pooling models
 
     @classmethod
     def from_pretrained(
-        cls, path: Path, dtype: str = "auto", max_model_len: int | None = None, device: str = "cpu"
+        cls,
+        path: Path,
+        dtype: str = "auto",
+        max_model_len: int | None = None,
+        device: str = "cpu",
+        runner: str = "auto",
     ) -> ModelConfig:
         cfg_file = path / "config.json"
         if not cfg_file.is_file():
             raise ValueError(f"model: {path} has no config.json (expected a Hugging Face-format directory or a .gguf file)")
         hf = json.loads(cfg_file.read_text())
         spec = parse_hf_config(hf)
+        runner_type = _runner_type(spec.architecture, runner)
+        pooler = read_pooler_config(path, hf) if runner_type == "pooling" else None
+        if pooler is not None and max_model_len is None and pooler.max_seq_length is not None:
+            max_model_len = min(pooler.max_seq_length, spec.max_position_embeddings)
+        if spec.encoder is not None and max_model_len is not None and max_model_len > spec.max_position_embeddings:
+            raise ValueError(
+                f"max_model_len: {max_model_len} exceeds the model's max_position_embeddings "
+                f"({spec.max_position_embeddings}), the most positions it has embeddings for"
+            )
         max_model_len = _max_model_len(spec, max_model_len)
         gen: dict[str, Any] = {}
         gen_file = path / "generation_config.json"
@@ -77,7 +97,29 @@ class ModelConfig(HfConfig):
             eos_token_ids=tuple(eos),
             bos_token_id=gen.get("bos_token_id", hf.get("bos_token_id")),
             generation_defaults=defaults,
+            runner_type=runner_type,
+            pooler=pooler,
         )
+
+
+def _runner_type(architecture: str, runner: str) -> str:
+    """vLLM's `--runner`: "auto" follows the architecture; a runner the model cannot serve is
+    refused, naming the field."""
+    encoder = architecture in ENCODER_ARCHITECTURES
+    natural = "pooling" if encoder else "generate"
+    if runner in ("auto", natural):
+        return natural
+    if runner == "generate":
+        raise ValueError(
+            f"runner: 'generate' is not supported for {architecture}, an encoder-only model that "
+            "computes embeddings; use runner 'pooling' (or 'auto')"
+        )
+    if runner == "pooling":
+        raise ValueError(
+            f"runner: 'pooling' is not supported for {architecture}: triollm pools encoder-only "
+            f"models ({', '.join(ENCODER_ARCHITECTURES)}); use runner 'generate' (or 'auto')"
+        )
+    raise ValueError(f"runner: {runner!r} is not one of auto, {', '.join(RUNNER_TYPES)}")
 
 
 def _max_model_len(spec: HfConfig, requested: int | None) -> int:

@@ -45,6 +45,8 @@ from triollm.engine.outputs import (
     RequestOutput,
     SampleLogprobs,
 )
+from triollm.engine.pooling_outputs import PoolingOutput, PoolingRequestOutput, unpack_pooled
+from triollm.engine.pooling_params import PoolingParams
 from triollm.engine.processing.detokenizer import IncrementalDetokenizer, StopChecker
 from triollm.engine.processing.tokenizer import Tokenizer
 from triollm.engine.request import EngineCoreOutput, EngineCoreRequest, FinishReason, Logprobs
@@ -68,6 +70,20 @@ __all__ = [
 
 PromptType = str | Mapping[str, Any]
 _PROMPT_KEYS = frozenset({"prompt", "prompt_token_ids"})
+# The SamplingParams a pooling request carries where the wire and the output processor expect
+# some: nothing is sampled or detokenized.
+POOLING_PLACEHOLDER = SamplingParams(
+    max_tokens=1, detokenize=False, output_kind=RequestOutputKind.FINAL_ONLY
+)
+# vLLM's wording (its LLM.generate()); every generation entry point refuses a pooling model so.
+GENERATE_ON_POOLING = (
+    "{api} is only supported for generative models. Try passing `--runner generate` to use "
+    "the model as a generative model."
+)
+POOLING_ON_GENERATE = (
+    "{api} is only supported for pooling models. Try passing `--runner pooling` to use "
+    "the model as a pooling model."
+)
 
 
 @dataclass
@@ -80,6 +96,8 @@ class ProcessedRequest:
     params: SamplingParams
     core_requests: list[EngineCoreRequest]
     arrival_time: float = 0.0
+    # A pooling request (then `params` is `POOLING_PLACEHOLDER`: no tokens are generated).
+    pooling_params: PoolingParams | None = None
 
 
 @dataclass
@@ -126,6 +144,8 @@ class InputProcessor:
     ) -> ProcessedRequest:
         check_utf8("request_id", request_id)
         check_wire_int("priority", priority)
+        if self.model_config.runner_type != "generate":
+            raise ValueError(GENERATE_ON_POOLING.format(api="Generation (SamplingParams)"))
         if params is None:
             params = SamplingParams.with_defaults(self.model_config.generation_defaults)
         params.validate()  # fields may have changed since construction
@@ -152,6 +172,75 @@ class InputProcessor:
             for i, child in enumerate(children)
         ]
         return ProcessedRequest(request_id, text, token_ids, params, core_requests, arrival)
+
+    def process_pooling(
+        self,
+        prompt: PromptType,
+        params: PoolingParams,
+        request_id: str,
+        *,
+        arrival_time: float | None = None,
+        priority: int = 0,
+    ) -> ProcessedRequest:
+        """A request to a pooling model: tokenized (truncated as `truncate_prompt_tokens` says),
+        checked against max_model_len, its parameters resolved against the model's pooler."""
+        check_utf8("request_id", request_id)
+        check_wire_int("priority", priority)
+        mc = self.model_config
+        if mc.runner_type != "pooling" or mc.pooler is None:
+            raise ValueError(POOLING_ON_GENERATE.format(api="Pooling (PoolingParams)"))
+        params = self._resolve_pooling(params)
+        limit = mc.max_model_len
+        keep = params.truncate_prompt_tokens
+        keep = limit if keep == -1 else keep
+        if keep is not None and keep > limit:
+            raise ValueError(f"truncate_prompt_tokens: {keep} exceeds max_model_len ({limit})")
+        text, token_ids = self._tokenize(prompt)
+        if keep is not None and len(token_ids) > keep:
+            # A text is cut as the tokenizer cuts it (its special tokens kept), token ids as given.
+            from_text = isinstance(prompt, str) or "prompt_token_ids" not in prompt
+            token_ids = self.tokenizer.encode_truncated(text, keep) if from_text and text is not None else token_ids[:keep]
+        if not token_ids:
+            raise ValueError("prompt: must not be empty (0 tokens)")
+        if len(token_ids) > limit:
+            raise ValueError(
+                f"prompt: {len(token_ids)} tokens exceed max_model_len ({limit}); shorten it or "
+                "set truncate_prompt_tokens (-1: truncate to max_model_len)"
+            )
+        bad = [t for t in token_ids if not 0 <= t < mc.vocab_size]
+        if bad:
+            raise ValueError(f"prompt_token_ids: token ids must be in [0, {mc.vocab_size}) (vocab_size), got {bad[:8]}")
+        arrival = time.time() if arrival_time is None else arrival_time
+        core = EngineCoreRequest(
+            request_id=request_id,
+            prompt_token_ids=token_ids,
+            sampling_params=POOLING_PLACEHOLDER,
+            arrival_time=arrival,
+            priority=priority,
+            pooling_params=params,
+        )
+        return ProcessedRequest(request_id, text, token_ids, POOLING_PLACEHOLDER, [core], arrival, params)
+
+    def _resolve_pooling(self, params: PoolingParams) -> PoolingParams:
+        """Checked again (fields may have changed), the task defaulted to "embed", `dimensions`
+        checked against the model (Matryoshka only, at most hidden_size)."""
+        params.validate()
+        mc = self.model_config
+        pooler = mc.pooler
+        assert pooler is not None
+        params = msgspec.structs.replace(params, task=params.task or "embed")
+        d = params.dimensions
+        if d is not None:
+            if not pooler.is_matryoshka:
+                raise ValueError(
+                    f"dimensions: model {mc.path.name} does not support matryoshka representation; "
+                    "changing output dimensions would lead to poor results (leave dimensions unset)"
+                )
+            allowed = pooler.matryoshka_dimensions
+            if (allowed is not None and d not in allowed) or d > mc.hidden_size:
+                shown = list(allowed) if allowed is not None else f"1 to {mc.hidden_size}"
+                raise ValueError(f"dimensions: {d} is not supported by {mc.path.name}; allowed: {shown}")
+        return params
 
     # ------------------------------------------------------------------ prompt
 
@@ -436,6 +525,7 @@ class _Parent:
             self.prompt_logprobs = [None]  # the first prompt token has no logprob
         self.sent_prompt_logprobs = 0
         self.prompt_logprobs_from: str | None = None  # the child whose rows are used
+        self.task = None if processed.pooling_params is None else processed.pooling_params.task
         self.children = [
             _Child(self, i, req.request_id, processed.prompt_token_ids, req.eos_token_ids)
             for i, req in enumerate(processed.core_requests)
@@ -566,6 +656,23 @@ class OutputProcessor:
             if request_output is not None:
                 outputs.append(request_output)
         return outputs
+
+    def process_pooled(self, outputs: Sequence[EngineCoreOutput]) -> list[PoolingRequestOutput[PoolingOutput]]:
+        """A pooling model's step: each output finishes its request with its embedding (`[H]`)
+        or, for task "encode", one vector per prompt token (`[num_prompt_tokens, H]`)."""
+        results: list[PoolingRequestOutput[PoolingOutput]] = []
+        for out in outputs:
+            child = self._children.get(out.request_id)
+            if child is None or out.pooled is None:
+                continue  # aborted here while the core was still encoding it
+            parent = child.parent
+            child.finish_reason = str(FinishReason.STOP)
+            self._finish_child(child)
+            self._parents.pop(parent.request_id, None)
+            rows = len(parent.prompt_token_ids) if parent.task == "encode" else None
+            data = unpack_pooled(out.pooled, rows)
+            results.append(PoolingRequestOutput(parent.request_id, PoolingOutput(data), parent.prompt_token_ids, True))
+        return results
 
     def _finish_child(self, child: _Child) -> None:
         if self._children.pop(child.core_id, None) is not None:

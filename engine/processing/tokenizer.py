@@ -94,6 +94,10 @@ class Tokenizer:
                 f"tokenizer: {path} has no tokenizer.json (only fast tokenizers are supported)"
             )
         backend = HFTokenizer.from_file(str(tok_file))
+        # tokenizer.json may pad or truncate every encoding (sentence-transformers' BERT files pad
+        # to 128 tokens): lengths are the engine's business (max_model_len, truncate_prompt_tokens).
+        backend.no_padding()
+        backend.no_truncation()
         config = _read_json(path / "tokenizer_config.json")
         specials = {name: _token_content(config.get(name)) for name in _SPECIAL_NAMES}
         template = _resolve_template(path, config, chat_template)
@@ -144,6 +148,21 @@ class Tokenizer:
         if add_special_tokens and self._extra_bos:
             ids.insert(0, self.bos_token_id)  # type: ignore[arg-type]
         if add_special_tokens and self._extra_eos:
+            ids.append(self.eos_token_id)  # type: ignore[arg-type]
+        return ids
+
+    def encode_truncated(self, text: str, max_length: int) -> list[int]:
+        """`encode(text)` cut to at most `max_length` tokens the way the tokenizer truncates:
+        the end of the text goes, the special tokens around it ([CLS] ... [SEP], BOS) stay."""
+        encoding = self.backend.encode(text, add_special_tokens=False)
+        specials = self.backend.num_special_tokens_to_add(False) + self._extra_bos + self._extra_eos
+        if len(encoding.ids) + specials <= max_length or max_length <= specials:
+            return self.encode(text)[:max_length]
+        encoding.truncate(max_length - specials, direction="right")
+        ids: list[int] = self.backend.post_process(encoding, add_special_tokens=True).ids
+        if self._extra_bos:
+            ids.insert(0, self.bos_token_id)  # type: ignore[arg-type]
+        if self._extra_eos:
             ids.append(self.eos_token_id)  # type: ignore[arg-type]
         return ids
 

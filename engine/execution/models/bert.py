@@ -1,0 +1,168 @@
+"""BERT encoders (`BertModel`: all-MiniLM, BGE, E5, ...) for the pooling runner.
+
+An encoder sees a whole prompt at once, every token attending to every other (no causal mask),
+so there is no KV cache and no decode: one forward pass per batch of whole prompts, returning
+the last layer's hidden states for the pooler (engine/execution/pooler.py).
+
+Layout: the linear layers run over the real tokens only, concatenated (`[T, H]`, no padding
+computed); attention alone pads the batch to `[B, heads, S, D]` and runs one SDPA call with a
+key-padding mask (padded query rows are computed and dropped; each row has at least one real
+key, so no NaN). Per layer, as transformers' BertLayer: self-attention (Q/K/V fused into one
+matmul at load), output dense, residual + LayerNorm (post-norm), GELU MLP, residual +
+LayerNorm. Embeddings: word + absolute position + token type (type 0: single sequences), then
+LayerNorm. The checkpoint's `pooler.*` (the NSP head's dense + tanh) is not used by embedding
+models and is not loaded; tensors under a `bert.` prefix (BertFor* checkpoints) are accepted.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from safetensors import safe_open
+from torch import nn
+
+from triollm.engine.execution.models.llama import Linear, _checkpoint_files
+from triollm.engine.loading.model_config import ModelConfig
+
+__all__ = ["BertModel", "load_bert"]
+
+
+class BertLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        assert cfg.encoder is not None
+        h, eps = cfg.hidden_size, cfg.encoder.layer_norm_eps
+        self.num_heads, self.head_dim = cfg.num_heads, cfg.head_dim
+        self.qkv = Linear(h, 3 * h)
+        self.attn_out = Linear(h, h)
+        self.attn_norm = nn.LayerNorm(h, eps=eps)
+        self.intermediate = Linear(h, cfg.intermediate_size)
+        self.output = Linear(cfg.intermediate_size, h)
+        self.out_norm = nn.LayerNorm(h, eps=eps)
+        self.gelu_approximate = "none" if cfg.encoder.hidden_act == "gelu" else "tanh"
+
+    def forward(self, x: torch.Tensor, batch: PaddedBatch) -> torch.Tensor:
+        qkv = batch.pad(self.qkv(x))  # [B, S, 3H]
+        b, s, _ = qkv.shape
+        q, k, v = qkv.view(b, s, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
+        attn = F.scaled_dot_product_attention(q, k, v, attn_mask=batch.attn_mask)
+        attn = batch.unpad(attn.transpose(1, 2).reshape(b, s, -1))
+        x = self.attn_norm(x + self.attn_out(attn))
+        mlp = self.output(F.gelu(self.intermediate(x), approximate=self.gelu_approximate))
+        return self.out_norm(x + mlp)
+
+
+class PaddedBatch:
+    """Where each sequence's tokens sit in the `[B, S]` padded layout (real tokens first)."""
+
+    def __init__(self, lengths: list[int], device: torch.device) -> None:
+        self.batch, self.width = len(lengths), max(lengths)
+        lens = torch.tensor(lengths, device=device)
+        self.mask = torch.arange(self.width, device=device).unsqueeze(0) < lens.unsqueeze(1)  # [B, S]
+        self.index = self.mask.flatten().nonzero().squeeze(1)  # [T] rows of the flat padded batch
+        self.attn_mask = self.mask[:, None, None, :]  # [B, 1, 1, S]: keys that exist
+        self.positions = torch.cat([torch.arange(n, device=device) for n in lengths])
+
+    def pad(self, flat: torch.Tensor) -> torch.Tensor:
+        out = flat.new_zeros(self.batch * self.width, flat.shape[-1])
+        out[self.index] = flat
+        return out.view(self.batch, self.width, -1)
+
+    def unpad(self, padded: torch.Tensor) -> torch.Tensor:
+        return padded.reshape(self.batch * self.width, -1)[self.index]
+
+
+class BertModel(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        assert cfg.encoder is not None
+        h = cfg.hidden_size
+        self.word_embeddings = nn.Embedding(cfg.vocab_size, h)
+        self.position_embeddings = nn.Embedding(cfg.max_position_embeddings, h)
+        self.token_type_embeddings = nn.Embedding(cfg.encoder.type_vocab_size, h)
+        self.embed_norm = nn.LayerNorm(h, eps=cfg.encoder.layer_norm_eps)
+        self.layers = nn.ModuleList([BertLayer(cfg) for _ in range(cfg.num_layers)])
+
+    def forward(self, input_ids: torch.Tensor, lengths: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """`input_ids` `[T]`: the prompts concatenated, of `lengths`. Returns the last hidden
+        states padded, `[B, S, H]`, and the mask of real tokens, `[B, S]`."""
+        batch = PaddedBatch(lengths, input_ids.device)
+        x = self.word_embeddings(input_ids) + self.position_embeddings(batch.positions)
+        x = self.embed_norm(x + self.token_type_embeddings.weight[0])
+        for layer in self.layers:
+            x = layer(x, batch)
+        return batch.pad(x), batch.mask
+
+    def pack_linears(self) -> None:
+        for m in self.modules():
+            if isinstance(m, Linear):
+                m.pack()
+
+
+# HF name (after the optional "bert." prefix) -> ours; q/k/v are fused into one tensor.
+_RENAMES = {
+    "embeddings.LayerNorm": "embed_norm",
+    "attention.output.dense": "attn_out",
+    "attention.output.LayerNorm": "attn_norm",
+    "intermediate.dense": "intermediate",
+    "output.dense": "output",
+    "output.LayerNorm": "out_norm",
+}
+_QKV = {"attention.self.query": 0, "attention.self.key": 1, "attention.self.value": 2}
+
+
+def _target(name: str) -> tuple[str | None, int | None]:
+    """Our parameter for an HF tensor name and, for Q/K/V, its piece; (None, None): not loaded."""
+    name = name.removeprefix("bert.")
+    if name.startswith(("pooler.", "cls.")) or name.endswith("position_ids"):
+        return None, None
+    if name.startswith("embeddings."):
+        module, _, leaf = name.rpartition(".")
+        module = _RENAMES.get(module, module.removeprefix("embeddings."))
+        return f"{module}.{leaf}", None
+    if name.startswith("encoder.layer."):
+        rest = name.removeprefix("encoder.layer.")
+        index, _, rest = rest.partition(".")
+        module, _, leaf = rest.rpartition(".")
+        if module in _QKV:
+            return f"layers.{index}.qkv.{leaf}", _QKV[module]
+        if module in _RENAMES:
+            return f"layers.{index}.{_RENAMES[module]}.{leaf}", None
+    return name, None  # unknown: reported by load_bert
+
+
+def load_bert(cfg: ModelConfig, device: str | torch.device = "cpu") -> BertModel:
+    """The encoder on `device` in `cfg.dtype`, every tensor checked for presence and shape."""
+    with torch.device("meta"):
+        model = BertModel(cfg)
+    params = dict(model.named_parameters())
+    pieces: dict[str, dict[int, torch.Tensor]] = {}
+    loaded: dict[str, torch.Tensor] = {}
+    for file in _checkpoint_files(cfg.path):
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
+                target, piece = _target(name)
+                if target is None:
+                    continue
+                if target not in params:
+                    raise ValueError(f"model: unexpected tensor {name!r} in {file.name}")
+                tensor = f.get_tensor(name).to(cfg.dtype)
+                if piece is None:
+                    loaded[target] = tensor
+                else:
+                    pieces.setdefault(target, {})[piece] = tensor
+    for target, parts in pieces.items():
+        if len(parts) != 3:
+            raise ValueError(f"model: checkpoint in {cfg.path} lacks part of {target} (query, key and value are needed)")
+        loaded[target] = torch.cat([parts[i] for i in sorted(parts)], dim=0)
+    missing = sorted(set(params) - set(loaded))
+    if missing:
+        raise ValueError(f"model: checkpoint in {cfg.path} lacks tensors: {', '.join(missing[:5])}")
+    for name, tensor in loaded.items():
+        if tuple(params[name].shape) != tuple(tensor.shape):
+            raise ValueError(f"model: tensor {name} has shape {tuple(tensor.shape)}, expected {tuple(params[name].shape)}")
+    model.load_state_dict(loaded, strict=True, assign=True)
+    model.requires_grad_(False)
+    model = model.to(device).eval()
+    model.pack_linears()
+    return model

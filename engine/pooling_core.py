@@ -1,0 +1,160 @@
+"""`PoolingEngineCore`: the engine core of a pooling (embedding) model.
+
+An encoder needs no KV cache, no scheduler of decode steps and no sampler: each request is one
+forward pass over its whole prompt. So this core keeps `EngineCore`'s public interface (the actor
+layer drives it unchanged: `add_request`, `abort_requests`, `step`, `has_unfinished_requests`,
+`statistics`, `check_integrity`, `close`) over a much simpler state: an insertion-ordered dict of
+waiting requests. Each `step()` takes waiting requests first come, first served while the padded
+batch (requests x longest prompt) fits `max_num_batched_tokens` and their number
+`max_num_seqs` (at least one request: every prompt fits, max_model_len <= the budget is checked
+at configuration), encodes them in one pass, pools and finishes every one of them with its
+embedding (`EngineCoreOutput.pooled`, float32 bytes). Requests are never preempted or chunked.
+
+`EngineCore(config)` builds this class when the model's runner is "pooling" (see
+`EngineCore.__new__`), so the transports, the engine-core process and the factories need no
+change. Rejected: teaching the generative scheduler about requests without KV blocks - every
+step of a generative model would pay for the distinction.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from triollm.engine.config import EngineConfig
+from triollm.engine.core import EngineCore, EngineCoreStats, Runner
+from triollm.engine.execution.models.bert import BertModel, load_bert
+from triollm.engine.execution.pooler import finish_embedding, pool
+from triollm.engine.pooling_outputs import pack_pooled
+from triollm.engine.request import EngineCoreOutput, EngineCoreRequest, FinishReason
+
+__all__ = ["PoolingEngineCore"]
+
+log = logging.getLogger("triollm")
+
+
+class PoolingEngineCore(EngineCore):
+    def __init__(self, config: EngineConfig, *, runner: Runner | None = None) -> None:
+        if runner is not None:
+            raise ValueError("runner: a pooling model's core runs its own encoder (no injected runner)")
+        assert config.model.pooler is not None
+        self.config = config
+        if config.num_threads is not None:
+            torch.set_num_threads(config.num_threads)
+        if config.seed is not None:
+            torch.manual_seed(config.seed)
+        self.group = None
+        self.num_blocks = 0  # no KV cache
+        self.num_kv_heads = config.model.num_kv_heads
+        self.num_steps = 0
+        self.pooler = config.model.pooler
+        self.encoder: BertModel = load_bert(config.model, config.device)
+        self.waiting: dict[str, EngineCoreRequest] = {}  # insertion order: first come, first served
+        log.info(
+            "pooling model %s (%s pooling%s) on %s, max_model_len %d",
+            config.model.path.name,
+            self.pooler.pooling_type,
+            ", normalised" if self.pooler.normalize else "",
+            config.device,
+            config.model.max_model_len,
+        )
+
+    def close(self) -> None:
+        """Nothing to stop (one rank, no worker processes)."""
+
+    # ------------------------------------------------------------------ requests
+
+    def add_request(self, request: EngineCoreRequest) -> None:
+        """Queue a request. Raises ValueError (and changes nothing) if it is invalid."""
+        mc = self.config.model
+        rid = request.request_id
+        if rid in self.waiting:
+            raise ValueError(f"request_id: {rid!r} is already running")
+        if request.pooling_params is None:
+            raise ValueError(
+                "pooling_params: this is a pooling model, which computes embeddings, not tokens; "
+                "send PoolingParams (LLM.embed, AsyncLLM.encode, /v1/embeddings)"
+            )
+        ids = request.prompt_token_ids
+        if not ids:
+            raise ValueError("prompt: the prompt is empty")
+        if len(ids) > mc.max_model_len:
+            raise ValueError(f"prompt: {len(ids)} tokens exceed max_model_len ({mc.max_model_len})")
+        if min(ids) < 0 or max(ids) >= mc.vocab_size:
+            raise ValueError(f"prompt_token_ids: token ids must be in [0, {mc.vocab_size})")
+        self.waiting[rid] = request
+
+    def abort_requests(self, request_ids: list[str] | str) -> None:
+        """Drop the requests; unknown ids are ignored."""
+        if isinstance(request_ids, str):
+            request_ids = [request_ids]
+        for rid in request_ids:
+            self.waiting.pop(rid, None)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.waiting)
+
+    def reset_prefix_cache(self) -> bool:
+        return True  # nothing is cached
+
+    # ------------------------------------------------------------------ the step
+
+    def step(self) -> list[EngineCoreOutput]:
+        """Encode the next batch of waiting requests; return their finished outputs."""
+        batch = self._next_batch()
+        if not batch:
+            return []
+        self.num_steps += 1
+        device = self.config.device
+        lengths = [len(r.prompt_token_ids) for r in batch]
+        ids = torch.tensor([t for r in batch for t in r.prompt_token_ids], dtype=torch.long, device=device)
+        with torch.inference_mode():
+            hidden, mask = self.encoder(ids, lengths)
+            pooled = pool(hidden, mask, self.pooler.pooling_type)
+            outputs = []
+            for i, req in enumerate(batch):
+                params = req.pooling_params
+                assert params is not None  # checked at add_request
+                normalize = self.pooler.normalize if params.normalize is None else params.normalize
+                if params.task == "encode":
+                    data = hidden[i, : lengths[i]]
+                else:
+                    data = pooled[i]
+                data = finish_embedding(data, params.dimensions, normalize)
+                outputs.append(
+                    EngineCoreOutput(req.request_id, [], finish_reason=FinishReason.STOP, pooled=pack_pooled(data))
+                )
+        return outputs
+
+    def _next_batch(self) -> list[EngineCoreRequest]:
+        sched = self.config.scheduler
+        batch: list[EngineCoreRequest] = []
+        longest = 0
+        for req in self.waiting.values():
+            longest_if_added = max(longest, len(req.prompt_token_ids))
+            too_many = len(batch) >= sched.max_num_seqs
+            if batch and (too_many or longest_if_added * (len(batch) + 1) > sched.max_num_batched_tokens):
+                break
+            batch.append(req)
+            longest = longest_if_added
+        for req in batch:
+            del self.waiting[req.request_id]
+        return batch
+
+    def statistics(self) -> EngineCoreStats:
+        return EngineCoreStats(
+            num_running=0,
+            num_waiting=len(self.waiting),
+            num_blocks=0,
+            num_free_blocks=0,
+            num_cached_blocks=0,
+            kv_cache_usage=0.0,
+            prefix_cache_hit_rate=0.0,
+            num_preemptions=0,
+        )
+
+    def check_integrity(self) -> None:
+        for rid, req in self.waiting.items():
+            assert rid == req.request_id, f"waiting request filed under {rid!r} is {req.request_id!r}"
+            assert req.pooling_params is not None, f"request {rid!r} has no pooling_params"
