@@ -22,6 +22,12 @@ from triollm.api.protocol import (
     TokenizeResponse,
     VersionResponse,
 )
+from triollm.api.protocol_pooling import (
+    EmbeddingRequest,
+    EmbeddingResponse,
+    ScoreRequest,
+    ScoreResponse,
+)
 
 __all__ = ["openapi_document"]
 
@@ -39,6 +45,10 @@ _TYPES: tuple[type, ...] = (
     DetokenizeResponse,
     ModelList,
     VersionResponse,
+    EmbeddingRequest,
+    EmbeddingResponse,
+    ScoreRequest,
+    ScoreResponse,
     ErrorResponse,
 )
 _ERRORS = {
@@ -166,6 +176,27 @@ def openapi_document(
                 responses(ref[DetokenizeResponse], errors=("400", "404", "413", "500", "503")),
                 json_body(ref[DetokenizeRequest]),
             )
+        },
+        "/v1/embeddings": {
+            "post": operation(
+                "create_embedding",
+                "Embeddings from a pooling model",
+                responses(ref[EmbeddingResponse], errors=generation_errors, secured=api_key),
+                json_body(ref[EmbeddingRequest]),
+                secured=True,
+            )
+        },
+        **{
+            path: {
+                "post": operation(
+                    op_id,
+                    "Similarity scores from a pooling model",
+                    responses(ref[ScoreResponse], errors=generation_errors, secured=api_key),
+                    json_body(ref[ScoreRequest]),
+                    secured=True,
+                )
+            }
+            for path, op_id in (("/score", "create_score"), ("/v1/score", "create_score_v1"))
         },
         "/openapi.json": {
             "get": operation("openapi", "This document", responses({"type": "object"}, errors=()))

@@ -125,6 +125,27 @@ def test_structured_outputs_through_the_openai_client(client: openai.OpenAI, ser
     assert client.completions.create(model=MODEL, prompt="ok", max_tokens=2).choices[0].text is not None
 
 
+def test_beam_search_over_http_equals_llm_beam_search(client: openai.OpenAI, tiny_model_dir: Path) -> None:
+    """`use_beam_search` with n beams: the choices are LLM.beam_search's sequences, best first
+    (completions and chat; streamed in one chunk)."""
+    from triollm import LLM
+    from triollm.engine.beam_search import BeamSearchParams
+
+    prompt = "Once upon a time"
+    with LLM(str(tiny_model_dir), max_model_len=256, num_threads=1) as llm:
+        (expected,) = llm.beam_search([prompt], BeamSearchParams(beam_width=3, max_tokens=6, ignore_eos=True))
+    out = client.completions.create(model=MODEL, prompt=prompt, max_tokens=6, n=3, extra_body={"use_beam_search": True, "ignore_eos": True})
+    assert [c.text for c in out.choices] == [s.text for s in expected.sequences]
+    assert [c.index for c in out.choices] == [0, 1, 2] and out.usage is not None and out.usage.completion_tokens == 18
+    stream = client.completions.create(model=MODEL, prompt=prompt, max_tokens=6, n=3, stream=True,
+                                       extra_body={"use_beam_search": True, "ignore_eos": True})
+    texts = {c.index: c.text for chunk in stream for c in chunk.choices}
+    assert [texts[i] for i in range(3)] == [s.text for s in expected.sequences]
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=4, n=2,
+                                          extra_body={"use_beam_search": True})
+    assert len(chat.choices) == 2 and all(c.finish_reason in ("stop", "length") for c in chat.choices)
+
+
 def test_other_routes(server: Server) -> None:
     assert httpx.get(f"{server.url}/health").status_code == 200
     assert httpx.get(f"{server.url}/version").json()["version"]
