@@ -36,6 +36,7 @@ def add_throughput_parsers(kinds: Any) -> None:
     tp.add_argument("--max-output-len", type=int, default=256, help="(default: %(default)s)")
     tp.add_argument("--workload", choices=["random", "text", "both"], default="both", help="(default: %(default)s)")
     tp.add_argument("--compare-hf", action="store_true", help="also run transformers' batched generate")
+    tp.add_argument("--structured", action="store_true", help="also run the text prompts held to a JSON schema, against the same prompts unconstrained with the same token counts (the grammar's overhead)")
     tp.add_argument("--output-json", default=None, help="write the results here")
     EngineArgs.add_cli_args(tp)
     tp.set_defaults(func=run_throughput)
@@ -78,6 +79,54 @@ def _run_triollm(engine: Any, work: list[tuple[list[int], int]]) -> dict[str, fl
     gen = sum(len(o.outputs[0].token_ids) for o in outs)
     assert gen == sum(n for _, n in work), "ignore_eos run produced the wrong token count"
     return _summary(elapsed, len(work), sum(len(ids) for ids, _ in work), gen)
+
+
+# What the structured run asks for: a small record, as a JSON schema (tests use the same one).
+PERSON_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 24},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "city": {"enum": ["Paris", "Berlin", "Rome"]},
+        "hobbies": {"type": "array", "items": {"type": "string", "maxLength": 16}, "maxItems": 4},
+    },
+    "required": ["name", "age", "city", "hobbies"],
+    "additionalProperties": False,
+}
+
+
+def _run_structured(engine: Any, work: list[tuple[list[int], int]]) -> dict[str, Any]:
+    """The prompts held to PERSON_SCHEMA (the grammar ends them), then the same prompts
+    unconstrained with `ignore_eos` and each one's token count from the first run: the same
+    work, so the ratio is the grammar's cost (matcher, bitmask, masking)."""
+    from triollm.engine.sampling_params import SamplingParams, StructuredOutputsParams
+
+    prompts = [{"prompt_token_ids": ids} for ids, _ in work]
+    so = StructuredOutputsParams(json=PERSON_SCHEMA)
+    room = max(n for _, n in work)  # every document gets the longest request's room
+    params = [SamplingParams(max_tokens=room, temperature=0.0, structured_outputs=so) for _ in work]
+    start = time.perf_counter()
+    outs = engine.generate(prompts, params)
+    constrained = time.perf_counter() - start
+    counts = [len(o.outputs[0].token_ids) for o in outs]
+    valid = 0
+    for o in outs:
+        try:
+            json.loads(o.outputs[0].text)
+            valid += 1
+        except ValueError:
+            pass
+    free = [SamplingParams(max_tokens=n, ignore_eos=True, temperature=0.0) for n in counts]
+    start = time.perf_counter()
+    engine.generate(prompts, free)
+    unconstrained = time.perf_counter() - start
+    gen, prompt_tokens = sum(counts), sum(len(ids) for ids, _ in work)
+    res = {"structured/json": _summary(constrained, len(work), prompt_tokens, gen), "structured/free": _summary(unconstrained, len(work), prompt_tokens, gen)}
+    _print("triollm json schema", res["structured/json"])
+    _print("triollm same, free", res["structured/free"])
+    ratio = unconstrained / constrained
+    print(f"{'ratio structured':<24} {ratio:.2f}x output tokens/s (schema / free); {valid}/{len(outs)} outputs parse as JSON")
+    return {**res, "ratio/structured": ratio, "structured/valid": valid}
 
 
 def _run_hf(path: str, work: list[tuple[list[int], int]], pad_id: int) -> dict[str, float]:
@@ -145,6 +194,8 @@ def run_throughput(ns: argparse.Namespace) -> int:
     for name, work in loads.items():
         results[f"triollm/{name}"] = res = _run_triollm(engine, work)
         _print(f"triollm {name}", res)
+    if ns.structured:
+        results.update(_run_structured(engine, text_workload(ns, engine.tokenizer)))
     if ns.compare_hf:
         del engine
         pad = 0

@@ -98,7 +98,10 @@ class Sampler:
         structured = [i for i, r in enumerate(rows) if r.grammar is not None]
         if structured:  # before logprobs, as vLLM: they are those of the constrained distribution
             bitmask = fill_bitmask([rows[i].grammar for i in structured], vocab)
-            logits[structured] = apply_bitmask(logits[structured], bitmask)
+            if len(structured) == len(rows):
+                logits = apply_bitmask(logits, bitmask)
+            else:
+                logits[structured] = apply_bitmask(logits[structured], bitmask)
         ks = [_num_logprobs(r.params, vocab) for r in rows]
         raw_logprobs = None if all(k is None for k in ks) else logits.log_softmax(-1)
         logits = process_logits(logits, rows)
