@@ -170,6 +170,9 @@ class CompilationConfig:
 
 
 RUNNERS = ("auto", "generate", "pooling")  # vLLM's --runner ("draft" has no meaning here)
+# Weight-only quantization (kernels/quant.py): a .gguf model's blocks as shipped, or float
+# weights quantized at load.
+QUANTIZATIONS = ("gguf", "int8", "int4", "none")
 DTYPES = ("auto", "half", "float16", "bfloat16", "float", "float32")  # vLLM's --dtype choices
 _DTYPE_NAMES = {"half": "float16", "float": "float32"}
 _TORCH_DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
@@ -226,7 +229,13 @@ class EngineArgs:
     load_format: str = _arg("auto", "the weights' format (a .gguf model is imported once)", choices=LOAD_FORMATS)
     dtype: str | torch.dtype = _arg("auto", "weights and activations: auto (float32 on CPU), half, float16, bfloat16, float, float32", choices=DTYPES)
     kv_cache_dtype: str = _arg("auto", "the KV cache has the model's dtype", choices=("auto",))
-    quantization: str | None = _arg(None, "not supported (a .gguf model is dequantised on import)")
+    quantization: str | None = _arg(
+        None,
+        "weight-only quantized linear layers on CPU: gguf (a .gguf model's blocks as shipped), int8, int4, "
+        "or none (dense); default: gguf for a .gguf model (the bundled one included) on a CPU with "
+        "AVX-512 VNNI, with dtype auto; dense otherwise",
+        choices=QUANTIZATIONS,
+    )
     seed: int = _arg(0, "the engine's random seed")
     max_model_len: int | None = _arg(None, "context length (default: the model's)")
     max_logprobs: int = _arg(20, "the most logprobs a request may ask for (-1: no limit)")
@@ -302,10 +311,7 @@ class EngineArgs:
         _one_of("tokenizer_mode", self.tokenizer_mode, TOKENIZER_MODES, "only fast tokenizers (tokenizer.json) are supported")
         _one_of("kv_cache_dtype", self.kv_cache_dtype, ("auto",), "the KV cache has the model's dtype")
         if self.quantization is not None:
-            raise ValueError(
-                f"quantization: {self.quantization!r} is not supported; allowed: None "
-                "(a .gguf model is dequantised when it is imported)"
-            )
+            _one_of("quantization", self.quantization, QUANTIZATIONS, "weight-only CPU kernels: gguf keeps a .gguf model's blocks as shipped")
         _positive("data_parallel_size", self.data_parallel_size)
         _positive("tensor_parallel_size", self.tensor_parallel_size)
         self._check_data_parallel()
@@ -391,6 +397,10 @@ class EngineArgs:
             raise ValueError(f"load_format: 'gguf' needs a .gguf model file, got model={self.model!r}")
         path = resolve_model(self.model, cache_dir)
         model = ModelConfig.from_pretrained(path, str(self.dtype), self.max_model_len, device, self.runner)
+        quantization = self._quantization(model, device)
+        if quantization is not None:
+            self._check_quantization(quantization, model, device)
+            model = dataclasses.replace(model, quantization=quantization)
         if model.runner_type == "pooling":
             _check_pooling(self, model)
         if self.tensor_parallel_size > 1:
@@ -453,6 +463,43 @@ class EngineArgs:
             tensor_parallel_size=self.tensor_parallel_size,
             cuda_graph_sizes=self._cuda_graph_sizes(device),
         )
+
+    def _quantization(self, model: ModelConfig, device: str) -> str | None:
+        """The scheme to run: the one asked for ("none": dense), or by default a .gguf model's
+        blocks as shipped where that is the fast path (docs/benchmarks.md, issue 13): on a CPU
+        with AVX-512 VNNI and the native kernels, one rank, dtype auto, a generative model."""
+        from triollm.engine.loading.gguf_import import QUANTIZED_FILE
+        from triollm.kernels import cpu_native
+
+        if self.quantization is not None:
+            return None if self.quantization == "none" else self.quantization
+        gguf = self.model is None or self.model.lower().endswith(".gguf")
+        fast = (
+            gguf
+            and device == "cpu"
+            and str(self.dtype) == "auto"
+            and self.tensor_parallel_size == 1
+            and model.runner_type == "generate"
+            and (model.path / QUANTIZED_FILE).is_file()
+            and cpu_native.has_vnni()
+            and os.environ.get(cpu_native.CPU_KERNELS_ENV, "1") != "0"
+        )
+        return "gguf" if fast else None
+
+    def _check_quantization(self, quantization: str, model: ModelConfig, device: str) -> None:
+        from triollm.engine.loading.gguf_import import QUANTIZED_FILE
+
+        if device != "cpu":
+            raise ValueError(f"quantization: {quantization!r} runs on the CPU only (device {device!r}); use quantization='none'")
+        if model.runner_type != "generate":
+            raise ValueError(f"quantization: {quantization!r} applies to generative models; use quantization='none'")
+        if self.tensor_parallel_size > 1:
+            raise ValueError(f"quantization: {quantization!r} does not shard yet; use tensor_parallel_size=1 or quantization='none'")
+        if quantization == "gguf" and not (model.path / QUANTIZED_FILE).is_file():
+            raise ValueError(
+                f"quantization: 'gguf' keeps a .gguf model's blocks as shipped, and {model.path} is no .gguf import "
+                "(or one without Q4_0/Q4_1/Q8_0 tensors); use int8 or int4 to quantize float weights"
+            )
 
     def _cuda_graph_sizes(self, device: str) -> tuple[int, ...]:
         cc = self.compilation_config

@@ -25,6 +25,7 @@ __all__ = [
     "CPU_KERNELS_ENV",
     "available",
     "has_native_bf16",
+    "has_vnni",
     "paged_decode_attention",
     "rms_norm",
     "rotary_write_kv",
@@ -34,7 +35,7 @@ __all__ = [
 log = logging.getLogger("triollm")
 
 CPU_KERNELS_ENV = "TRIOLLM_CPU_KERNELS"  # "0": never build or use the native kernels
-_SOURCES = [Path(__file__).parent / "csrc" / "cpu_attention.cpp"]
+_SOURCES = [Path(__file__).parent / "csrc" / name for name in ("cpu_attention.cpp", "quant_linear.cpp")]
 # -ffast-math lets the compiler vectorise exp (glibc's vector math); the kernel keeps its values
 # finite for it (kernels/csrc/cpu_attention.cpp). -fopenmp: ATen's parallel_for is a header
 # template over OpenMP pragmas, so without it the kernels ran on one thread whatever
@@ -60,6 +61,13 @@ def has_native_bf16() -> bool:
     """Whether the CPU computes bf16 natively (AVX-512 BF16 or AMX): there bf16 matmuls through
     oneDNN run about twice as fast as fp32; elsewhere they are emulated, slower than fp32."""
     return bool({"avx512_bf16", "amx_bf16"} & _cpu_flags())
+
+
+@functools.cache
+def has_vnni() -> bool:
+    """Whether the quantized linears (kernels/csrc/quant_linear.cpp) get their AVX-512 VNNI
+    path here; elsewhere they run plain loops, slower than the dense path."""
+    return {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"} <= _cpu_flags()
 
 
 def _machine_tag() -> str:

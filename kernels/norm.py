@@ -16,20 +16,24 @@ from triollm.kernels import cpu_native
 from triollm.kernels.triton import use_triton
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm over the last dimension, returned in x's dtype."""
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, exact: bool = True) -> torch.Tensor:
+    """RMSNorm over the last dimension, returned in x's dtype. `exact=False` lets fp32 take the
+    native kernel too (one rounding instead of the reference's two: a quantized model is no
+    bit-for-bit reference anyway, and torch's fp32 rms_norm is ~8 ops)."""
     if weight.dtype != x.dtype:
         weight = weight.to(x.dtype)
     if use_triton(x):
         from triollm.kernels.triton import norm as triton_norm
 
         return triton_norm.rms_norm(x, weight, eps)
-    if x.dtype != torch.float32 and x.device.type == "cpu" and cpu_native.available():
+    if (x.dtype != torch.float32 or not exact) and x.device.type == "cpu" and cpu_native.available():
         return cpu_native.rms_norm(x, weight, eps)
     return F.rms_norm(x, weight.shape, weight, eps)
 
 
-def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+def add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, exact: bool = True
+) -> tuple[torch.Tensor, torch.Tensor]:
     """`residual + x`, and its RMSNorm: `(normed, new_residual)`. One kernel on the Triton path
     (vLLM's fused_add_rms_norm); the residual sum is the same on every path."""
     if use_triton(x):
@@ -39,4 +43,4 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, 
             weight = weight.to(x.dtype)
         return triton_norm.fused_add_rms_norm(x, residual, weight, eps)
     residual = residual + x
-    return rms_norm(residual, weight, eps), residual
+    return rms_norm(residual, weight, eps, exact), residual

@@ -1,10 +1,12 @@
-"""`triollm bench`: throughput and latency (offline), pipeline (the actor layer), serve (a client)."""
+"""`triollm bench`: throughput and latency (offline), pipeline (the actor layer), serve (a client),
+quality (quantized weights against the dense model)."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from triollm.api.bench.pipeline import add_pipeline_parser
+from triollm.api.bench.quality import add_quality_parser
 from triollm.api.bench.serve import add_serve_bench_parser
 from triollm.api.bench.throughput import add_throughput_parsers
 
@@ -12,8 +14,9 @@ __all__ = ["add_bench_parser"]
 
 
 def add_bench_parser(sub: Any) -> None:
-    bench = sub.add_parser("bench", help="benchmarks (throughput, latency, pipeline, serve)")
+    bench = sub.add_parser("bench", help="benchmarks (throughput, latency, pipeline, serve, quality)")
     kinds = bench.add_subparsers(dest="bench", required=True)
     add_throughput_parsers(kinds)
     add_pipeline_parser(kinds)
     add_serve_bench_parser(kinds)
+    add_quality_parser(kinds)

@@ -249,8 +249,10 @@ def run_latency(ns: argparse.Namespace) -> int:
     model = engine.core.model
     assert model is not None  # built from EngineArgs: always a real model
     # The bytes a decode step must read: every parameter once (a tied embedding, read as the
-    # lm_head, counted once; the rows looked up are negligible).
-    weight_bytes = sum(int(p.numel()) * p.element_size() for p in model.parameters())
+    # lm_head, counted once; the rows looked up are negligible), and quantized weights' blocks
+    # (buffers: codes, scales, offsets).
+    tensors = [*model.parameters(), *model.buffers()]
+    weight_bytes = sum(int(p.numel()) * p.element_size() for p in tensors)
     bw = measure_bandwidth()
     floor = weight_bytes / bw
     print(f"threads {torch.get_num_threads()}, weights {weight_bytes / 1e6:.0f} MB, copy bandwidth {bw / 1e9:.1f} GB/s, floor {floor * 1e3:.1f} ms/token")

@@ -34,7 +34,10 @@ from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_token
 __all__ = ["IMPORT_FORMAT_VERSION", "import_gguf"]
 
 # Bump whenever the files written here change, so cached imports are redone.
-IMPORT_FORMAT_VERSION = 1
+IMPORT_FORMAT_VERSION = 2
+# The quantized tensors as shipped (`quantization="gguf"`): kernels/quant.py's QuantWeight parts
+# per HF tensor name ("<name>.q", ".d", ".m"), with the bits per name in the metadata.
+QUANTIZED_FILE = "gguf_quantized.safetensors"
 
 _TOKEN_CONTROL = 3
 _TOKEN_USER_DEFINED = 4
@@ -118,6 +121,10 @@ def import_gguf(gguf_path: Path, out_dir: Path) -> None:
     weights_file = out_dir / "model.safetensors"
     save_file(_convert_weights(tensors, config), str(weights_file), metadata={"format": "pt"})
     weights_file.chmod(0o644)  # safetensors creates it owner-only, unlike the other files
+    quantized, bits = _quantized_weights(tensors, config)
+    if quantized:
+        save_file(quantized, str(out_dir / QUANTIZED_FILE), metadata={"format": "pt", **bits})
+        (out_dir / QUANTIZED_FILE).chmod(0o644)
 
 
 def _open(gguf_path: Path) -> tuple[_Meta, dict[str, ReaderTensor]]:
@@ -273,6 +280,30 @@ def _convert_weights(
             array = unpermute_rope_rows(array, heads[kind])
         out[hf_name] = torch.from_numpy(np.require(array, np.float32, ["C", "W"]))
     return out
+
+
+def _quantized_weights(
+    tensors: Mapping[str, ReaderTensor], config: Mapping[str, Any]
+) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """The 2-D tensors stored in a block format the CPU kernels read (Q4_0, Q4_1, Q8_0), kept
+    as they are: only Q and K rows are reordered (whole rows, so blocks stay intact)."""
+    from triollm.kernels.quant import QUANT_GGML_TYPES, QuantWeight
+
+    heads = {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}
+    out: dict[str, torch.Tensor] = {}
+    bits: dict[str, str] = {}
+    for name, tensor in tensors.items():
+        if name == _ROPE_FREQS or len(tensor.shape) != 2 or int(tensor.tensor_type) not in QUANT_GGML_TYPES:
+            continue
+        hf_name, kind = _hf_name(name, config["num_hidden_layers"])
+        shape = (int(tensor.shape[1]), int(tensor.shape[0]))  # GGUF lists the innermost dim first
+        weight = QuantWeight.from_ggml(np.asarray(tensor.data), int(tensor.tensor_type), shape)
+        if kind in heads:
+            order = unpermute_rope_rows(np.arange(shape[0]), heads[kind])
+            weight = weight.rows(torch.from_numpy(order.copy()))
+        out.update({f"{hf_name}.q": weight.q, f"{hf_name}.d": weight.d, f"{hf_name}.m": weight.m})
+        bits[hf_name] = str(weight.bits)
+    return out, bits
 
 
 def _hf_name(name: str, num_layers: int) -> tuple[str, str]:

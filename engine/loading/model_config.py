@@ -46,6 +46,9 @@ class ModelConfig(HfConfig):
     generation_defaults: dict[str, Any] = field(default_factory=dict)
     runner_type: str = "generate"  # "generate" or "pooling" (resolved from `runner`)
     pooler: PoolerConfig | None = None  # set for pooling models
+    # Weight-only quantization of the linear layers (kernels/quant.py): None (dense), "gguf"
+    # (the GGUF's blocks as shipped), "int8" or "int4".
+    quantization: str | None = None
 
     @classmethod
     def from_pretrained(

@@ -33,10 +33,12 @@ from safetensors import safe_open
 from torch import nn
 
 from triollm.engine.distributed.sharding import TPShard
+from triollm.engine.execution.models.quantized import QuantEmbedding, QuantLinear, quantize_model
 from triollm.engine.loading.model_config import ModelConfig
 from triollm.kernels import KVCache, cpu_native, prefill_attention, rms_norm, write_kv
 from triollm.kernels.attention import DecodePlan, decode_attention
 from triollm.kernels.norm import add_rms_norm
+from triollm.kernels.quant import packed_linear
 from triollm.kernels.rotary import apply_rotary_signed, rotary_sign, rotary_tables
 from triollm.kernels.triton import use_triton
 
@@ -211,14 +213,15 @@ class LlamaDecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, shard: TPShard | None = None) -> None:
         super().__init__()
         self.eps = cfg.rms_norm_eps
+        self.exact_norm = cfg.quantization is None  # quantized: the native fp32 RMSNorm too
         self.self_attn = LlamaAttention(cfg, shard)
         self.mlp = LlamaMLP(cfg, shard)
         self.input_layernorm = nn.Parameter(torch.ones(cfg.hidden_size))
         self.post_attention_layernorm = nn.Parameter(torch.ones(cfg.hidden_size))
 
     def forward(self, x, cos, sin, meta, k_cache, v_cache):  # type: ignore[no-untyped-def]
-        h = self.self_attn(rms_norm(x, self.input_layernorm, self.eps), cos, sin, meta, k_cache, v_cache)
-        normed, x = add_rms_norm(h, x, self.post_attention_layernorm, self.eps)  # x + h, normed
+        h = self.self_attn(rms_norm(x, self.input_layernorm, self.eps, self.exact_norm), cos, sin, meta, k_cache, v_cache)
+        normed, x = add_rms_norm(h, x, self.post_attention_layernorm, self.eps, self.exact_norm)  # x + h, normed
         return x + self.mlp(normed)
 
 
@@ -234,10 +237,10 @@ class LlamaForCausalLM(nn.Module):
             vocab = stop - start
         # An explicit weight skips nn.Embedding's random init: on the meta device that init
         # imports torch's reference ops (~1.5 s at every engine start).
-        self.embed_tokens = nn.Embedding(vocab, cfg.hidden_size, _weight=torch.empty(vocab, cfg.hidden_size))
+        self.embed_tokens: nn.Embedding | QuantEmbedding = nn.Embedding(vocab, cfg.hidden_size, _weight=torch.empty(vocab, cfg.hidden_size))
         self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, shard) for _ in range(cfg.num_layers))
         self.norm = nn.Parameter(torch.ones(cfg.hidden_size))
-        self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, vocab, bias=False)
+        self.lm_head: Linear | QuantLinear | None = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, vocab, bias=False)
         self.packed_tied_head: torch.Tensor | None = None  # set by pack_linears
         # Plain attributes (not buffers): computed here on the CPU (also when the model is built
         # on the meta device), never loaded; moved in load_model.
@@ -250,6 +253,7 @@ class LlamaForCausalLM(nn.Module):
         if self.comm is None:
             x = self.embed_tokens(input_ids)
         else:
+            assert isinstance(self.embed_tokens, nn.Embedding)  # quantization does not shard
             x = self.comm.embed(self.embed_tokens.weight, input_ids)
         if use_triton(x):  # the whole fp32 tables: the rotary kernel gathers by position
             cos, sin = self.rope_cos, self.rope_sin
@@ -258,13 +262,15 @@ class LlamaForCausalLM(nn.Module):
             sin = self.rope_sin_signed.index_select(0, positions).to(x.dtype).unsqueeze(1)
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, meta, kv.k[i], kv.v[i])
-        return rms_norm(x, self.norm, self.cfg.rms_norm_eps)
+        return rms_norm(x, self.norm, self.cfg.rms_norm_eps, self.cfg.quantization is None)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """fp32 logits `[n, vocab]`; sharded, gathered on rank 0 (the other ranks get their own
         slice back, which nobody reads)."""
         if self.lm_head is not None:
             logits = self.lm_head(hidden).float()
+        elif isinstance(self.embed_tokens, QuantEmbedding):  # a quantized tied head
+            logits = packed_linear(hidden, self.embed_tokens.weight).float()
         elif self.packed_tied_head is not None:
             logits = _onednn_linear(hidden, self.packed_tied_head, None).float()
         else:
@@ -278,6 +284,8 @@ class LlamaForCausalLM(nn.Module):
         for m in self.modules():
             if isinstance(m, Linear):
                 m.pack()
+        if not isinstance(self.embed_tokens, nn.Embedding):
+            return  # kept quantized (engine/execution/models/quantized.py)
         weight = self.embed_tokens.weight.detach()
         if self.lm_head is None and _packable(weight):
             # A plain attribute, not a parameter: the model's parameters stay the checkpoint's.
@@ -292,7 +300,8 @@ def _checkpoint_files(path: Path) -> list[Path]:
     if index.is_file():
         shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
         return [path / s for s in shards]
-    files = sorted(path.glob("*.safetensors"))
+    # The GGUF import's quantized blocks are read by quantize_model, not here.
+    files = sorted(f for f in path.glob("*.safetensors") if f.name != "gguf_quantized.safetensors")
     if not files:
         raise ValueError(f"model: no *.safetensors weights in {path}")
     return files
@@ -403,6 +412,8 @@ def load_model(
     model.rope_sin = model.rope_sin.to(device)
     model.requires_grad_(False)
     model = model.to(device).eval()
+    if cfg.quantization is not None:
+        quantize_model(model, cfg.quantization, cfg.path)
     model.pack_linears()
     if comm is not None:
         model.comm = comm

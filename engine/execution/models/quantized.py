@@ -1,0 +1,142 @@
+"""Quantized weights in the Llama model (`quantization=`, kernels/quant.py).
+
+`quantize_model` swaps the dense linear layers of a loaded model for `QuantLinear`s: with
+"gguf", the GGUF's own blocks as shipped (the import's QUANTIZED_FILE, Q4_0/Q4_1/Q8_0), fused
+the way the model fuses its projections (q|k|v, gate|up); with "int8"/"int4", the dense weights
+quantized at load. A tied embedding in a block format stays quantized too: the lookup
+dequantizes only the rows it reads, and the lm_head runs the quantized kernel over it. Norms,
+biases and untied embeddings stay dense. The dense weights are dropped once replaced.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from triollm.kernels import cpu_native
+from triollm.kernels.quant import PackedWeight, QuantWeight, packed_linear
+
+if TYPE_CHECKING:
+    from triollm.engine.execution.models.llama import LlamaForCausalLM
+
+__all__ = ["QuantEmbedding", "QuantLinear", "quantize_model"]
+
+
+class _Packed(nn.Module):
+    """Holds a PackedWeight as buffers (they move with the model, and count in its memory)."""
+
+    qp: torch.Tensor
+    dp: torch.Tensor
+    mp: torch.Tensor
+
+    def __init__(self, weight: QuantWeight) -> None:
+        super().__init__()
+        packed = PackedWeight.pack(weight)
+        self.bits, self.n = packed.bits, packed.n
+        self.register_buffer("qp", packed.qp)
+        self.register_buffer("dp", packed.dp)
+        self.register_buffer("mp", packed.mp)
+        self.out_features, self.in_features = weight.shape
+
+    @property
+    def weight(self) -> PackedWeight:
+        return PackedWeight(self.qp, self.dp, self.mp, self.bits, self.n)
+
+
+class QuantLinear(_Packed):
+    """A linear layer over quantized blocks (kernels/quant.py `packed_linear`).
+
+    Batch-1 decode calls 120 of these per token, so the common case (a 2-D fp32 input on a CPU
+    with the native kernels, no bias) calls the op straight from arguments cached in the
+    instance dict, skipping nn.Module attribute lookups (about 3 µs a call, 0.4 ms a token)."""
+
+    def __init__(self, weight: QuantWeight, bias: torch.Tensor | None) -> None:
+        super().__init__(weight)
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+        self._direct: tuple[object, ...] | None = None
+        self._refresh()
+
+    def _refresh(self) -> None:
+        cpu = self.qp.device.type == "cpu" and self.bias is None and cpu_native.available()
+        op = torch.ops.triollm_cpu.quant_linear_packed if cpu else None
+        self._direct = None if op is None else (op, self.qp, self.dp, self.mp, self.bits, self.n)
+
+    def _apply(self, fn, recurse=True):  # type: ignore[no-untyped-def]
+        out = super()._apply(fn, recurse)
+        self._refresh()  # moved or converted: the cached tensors are stale
+        return out
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        direct = self._direct
+        if direct is not None and x.dim() == 2 and x.dtype == torch.float32:
+            op, qp, dp, mp, bits, n = direct
+            return op(x, qp, dp, mp, bits, n, False)  # type: ignore[operator]
+        return packed_linear(x, self.weight, self.bias)
+
+
+class QuantEmbedding(_Packed):
+    """A tied embedding kept quantized: looked-up rows are dequantized, and the lm_head runs
+    the quantized kernel over it."""
+
+    def __init__(self, weight: QuantWeight, dtype: torch.dtype) -> None:
+        super().__init__(weight)
+        self.dtype = dtype
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        flat = ids.reshape(-1)
+        return self.weight.dequantize_rows(flat, self.dtype).view(*ids.shape, self.in_features)
+
+
+def read_gguf_quantized(path: Path) -> dict[str, QuantWeight]:
+    """The import's quantized tensors by HF name (engine/loading/gguf_import.py)."""
+    from triollm.engine.loading.gguf_import import QUANTIZED_FILE
+
+    file = path / QUANTIZED_FILE
+    out: dict[str, QuantWeight] = {}
+    with safe_open(str(file), framework="pt") as f:
+        bits = {k: int(v) for k, v in (f.metadata() or {}).items() if k != "format"}
+        for name, b in bits.items():
+            out[name] = QuantWeight(f.get_tensor(f"{name}.q"), f.get_tensor(f"{name}.d"), f.get_tensor(f"{name}.m"), b)
+    return out
+
+
+# Our fused projections and the checkpoint tensors they hold, in row order.
+_FUSED = {
+    "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    "self_attn.o_proj": ("self_attn.o_proj",),
+    "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
+    "mlp.down_proj": ("mlp.down_proj",),
+}
+
+
+def quantize_model(model: LlamaForCausalLM, scheme: str, path: Path) -> None:
+    """Replace the model's linear layers (and a tied embedding in a block format) in place."""
+    gguf = read_gguf_quantized(path) if scheme == "gguf" else {}
+    bits = {"int8": 8, "int4": 4}.get(scheme)
+    for i, layer in enumerate(model.layers):
+        for fused, parts in _FUSED.items():
+            owner_name, attr = fused.rsplit(".", 1)
+            owner = layer.get_submodule(owner_name)
+            dense = getattr(owner, attr)
+            if scheme == "gguf":
+                names = [f"model.layers.{i}.{p}.weight" for p in parts]
+                if not all(n in gguf for n in names):
+                    continue  # stored as floats in the GGUF: stays dense
+                weight = QuantWeight.cat([gguf[n] for n in names])
+            else:
+                assert bits is not None
+                weight = QuantWeight.quantize(dense.weight.detach(), bits)
+            bias = None if dense.bias is None else dense.bias.detach()
+            setattr(owner, attr, QuantLinear(weight, bias))
+    embedding = gguf.get("model.embed_tokens.weight")
+    if model.lm_head is None and embedding is not None:
+        assert isinstance(model.embed_tokens, nn.Embedding)
+        dtype = model.embed_tokens.weight.dtype
+        model.embed_tokens = QuantEmbedding(embedding, dtype)
+        model.packed_tied_head = None
+    elif model.lm_head is not None and "lm_head.weight" in gguf:
+        model.lm_head = QuantLinear(gguf["lm_head.weight"], None)

@@ -1,0 +1,217 @@
+// Weight-only quantized linear layers for CPU: y = x W^T with W kept quantized in 32-weight blocks.
+//
+// A weight is codes q (4 or 8 bits, unsigned) with an fp16 scale d and offset m per block of 32:
+// weight = d * q + m (GGUF's Q4_1 as is; Q4_0: m = -8 d; Q8_0: q = w + 128, m = -128 d). The
+// activations are quantized per 32-value block to int8 with a float scale (llama.cpp's Q8
+// activations): x ~= dx * qx, so each block's dot product is an integer one,
+//   sum_j w_j x_j = dx * (d * sum_j q_j qx_j + m * sum_j qx_j),
+// and AVX-512 VNNI `vpdpbusd` multiplies 64 unsigned code bytes by 64 signed activation bytes
+// per instruction. The codes are laid out for it (`quant_linear_packed`, below): each weight
+// byte is read once per call and every activation row of the batch uses it. Without VNNI the
+// same integer arithmetic runs as plain loops.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#include <immintrin.h>
+#define TRIOLLM_VNNI 1
+#endif
+
+namespace {
+
+constexpr int64_t kBlock = 32;
+constexpr int64_t kRowsPerPass = 8;  // activation rows whose accumulators live in registers
+#ifdef TRIOLLM_VNNI
+constexpr bool kHasVnni = true;
+#else
+constexpr bool kHasVnni = false;
+#endif
+
+inline float half_to_float(uint16_t h) { return c10::detail::fp16_ieee_to_fp32_value(h); }
+
+// x [M, K] float -> qx int8 [M, K], dx float [M, K/32], sx float [M, K/32] (= dx * sum qx).
+void quantize_activations(const float* x, int64_t M, int64_t K, int8_t* qx, float* dx, float* sx) {
+  const int64_t nb = K / kBlock;
+  at::parallel_for(0, M * nb, M * nb < 4096 ? M * nb : 256, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const float* src = x + i * kBlock;  // row-major [M, K]: block i of the flat array
+      float amax = 0.f;
+      for (int64_t j = 0; j < kBlock; ++j) amax = std::max(amax, std::fabs(src[j]));
+      const float d = amax / 127.f;
+      const float inv = d > 0.f ? 1.f / d : 0.f;
+      int32_t sum = 0;
+      for (int64_t j = 0; j < kBlock; ++j) {
+        const int32_t v = static_cast<int32_t>(std::nearbyint(src[j] * inv));
+        qx[i * kBlock + j] = static_cast<int8_t>(v);
+        sum += v;
+      }
+      dx[i] = d;
+      sx[i] = d * static_cast<float>(sum);
+    }
+  });
+}
+
+// ------------------------------------------------------------------------------------------
+// The packed layout (QuantWeight.packed() in kernels/quant.py): output rows in groups of 16, so
+// that one 512-bit register holds 16 rows x 4 codes and `vpdpbusd` against 4 activation bytes
+// (broadcast) leaves each row's partial sum in its own lane: no horizontal sums, and a group's
+// 16 outputs are stored together. Per group g and block b (32 codes of 16 rows):
+//   4 bits: 256 bytes, 4 vectors t = 0..3 of [row 0 codes 4t..4t+3, row 1 ..., row 15 ...] in
+//           the low nibbles and codes 4(t+4)..4(t+4)+3 in the high nibbles;
+//   8 bits: 512 bytes, 8 vectors s = 0..7 of [row 0 codes 4s..4s+3, ..., row 15 ...];
+//   dp, mp: fp16 [G, nb, 16], the 16 rows' scales and offsets of block b.
+// Rows past N (the last group's padding) have zero codes and scales and are not stored.
+
+#ifdef TRIOLLM_VNNI
+template <bool FourBit>
+inline void packed_group(const uint8_t* qg, const uint16_t* dg, const uint16_t* mg, int64_t nb,
+                         const int8_t* qx, const float* dx, const float* sx, int64_t K, int64_t rows,
+                         float* out, int64_t ldo, __mmask16 store_mask) {
+  constexpr int64_t kBytes = FourBit ? 256 : 512;
+  __m512 acc[kRowsPerPass];
+  for (int64_t r = 0; r < rows; ++r) acc[r] = _mm512_setzero_ps();
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* wb = qg + b * kBytes;
+    __m512i w[8];
+    if constexpr (FourBit) {
+      for (int t = 0; t < 4; ++t) {
+        const __m512i v = _mm512_loadu_si512(reinterpret_cast<const void*>(wb + t * 64));
+        w[t] = _mm512_and_si512(v, low);
+        w[t + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+      }
+    } else {
+      for (int s = 0; s < 8; ++s) w[s] = _mm512_loadu_si512(reinterpret_cast<const void*>(wb + s * 64));
+    }
+    const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(dg + b * 16)));
+    const __m512 mw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(mg + b * 16)));
+    for (int64_t r = 0; r < rows; ++r) {
+      const int32_t* xb = reinterpret_cast<const int32_t*>(qx + r * K + b * kBlock);
+      __m512i d0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[0], _mm512_set1_epi32(xb[0]));
+      __m512i d1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[1], _mm512_set1_epi32(xb[1]));
+      d0 = _mm512_dpbusd_epi32(d0, w[2], _mm512_set1_epi32(xb[2]));
+      d1 = _mm512_dpbusd_epi32(d1, w[3], _mm512_set1_epi32(xb[3]));
+      d0 = _mm512_dpbusd_epi32(d0, w[4], _mm512_set1_epi32(xb[4]));
+      d1 = _mm512_dpbusd_epi32(d1, w[5], _mm512_set1_epi32(xb[5]));
+      d0 = _mm512_dpbusd_epi32(d0, w[6], _mm512_set1_epi32(xb[6]));
+      d1 = _mm512_dpbusd_epi32(d1, w[7], _mm512_set1_epi32(xb[7]));
+      const __m512 dot = _mm512_cvtepi32_ps(_mm512_add_epi32(d0, d1));
+      acc[r] = _mm512_fmadd_ps(dot, _mm512_mul_ps(dw, _mm512_set1_ps(dx[r * (K / kBlock) + b])), acc[r]);
+      acc[r] = _mm512_fmadd_ps(mw, _mm512_set1_ps(sx[r * (K / kBlock) + b]), acc[r]);
+    }
+  }
+  for (int64_t r = 0; r < rows; ++r) _mm512_mask_storeu_ps(out + r * ldo, store_mask, acc[r]);
+}
+#endif
+
+// Scalar path over the same packed layout (no VNNI): the code of row `lane`, input `k` of group g.
+inline int32_t packed_code(const uint8_t* qg, bool four_bit, int64_t lane, int64_t k) {
+  const int64_t b = k / kBlock, c = k % kBlock, s = c / 4, j = c % 4;
+  if (four_bit) {
+    const uint8_t byte = qg[b * 256 + (s % 4) * 64 + lane * 4 + j];
+    return s < 4 ? (byte & 0x0F) : (byte >> 4);
+  }
+  return qg[b * 512 + s * 64 + lane * 4 + j];
+}
+
+// The portable path: plain loops over the same layout and the same integer arithmetic.
+void packed_group_portable(const uint8_t* qg, const uint16_t* dg, const uint16_t* mg, int64_t nb, const int8_t* qx,
+                           const float* dx, const float* sx, int64_t K, int64_t M, bool four_bit, int64_t valid,
+                           float* out, int64_t ldo) {
+  for (int64_t lane = 0; lane < valid; ++lane) {
+    for (int64_t r = 0; r < M; ++r) {
+      float total = 0.f;
+      for (int64_t b = 0; b < nb; ++b) {
+        int32_t dot = 0;
+        for (int64_t c = 0; c < kBlock; ++c) dot += packed_code(qg, four_bit, lane, b * kBlock + c) * qx[r * K + b * kBlock + c];
+        total += half_to_float(dg[b * 16 + lane]) * dx[r * nb + b] * static_cast<float>(dot) +
+                 half_to_float(mg[b * 16 + lane]) * sx[r * nb + b];
+      }
+      out[r * ldo + lane] = total;
+    }
+  }
+}
+
+// `portable`: the plain loops even where VNNI is built in (tests compare the two).
+at::Tensor quant_linear_packed(const at::Tensor& x, const at::Tensor& qp, const at::Tensor& dp,
+                               const at::Tensor& mp, int64_t bits, int64_t N, bool portable) {
+  TORCH_CHECK(bits == 4 || bits == 8, "quant_linear_packed: bits must be 4 or 8, got ", bits);
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "quant_linear_packed: x must be [M, K] float32");
+  const int64_t M = x.size(0), K = x.size(1), nb = K / kBlock, G = qp.size(0);
+  TORCH_CHECK(K % kBlock == 0 && qp.dim() == 3 && qp.size(1) == nb && qp.size(2) == (bits == 4 ? 256 : 512) &&
+                  qp.scalar_type() == at::kByte && dp.sizes() == at::IntArrayRef({G, nb, 16}) &&
+                  mp.sizes() == dp.sizes() && dp.scalar_type() == at::kHalf && mp.scalar_type() == at::kHalf &&
+                  N <= G * 16 && N > (G - 1) * 16,
+              "quant_linear_packed: the packed weight does not match x [", M, ", ", K, "] and N=", N);
+  const at::Tensor xc = x.contiguous(), qc = qp.contiguous(), dc = dp.contiguous(), mc = mp.contiguous();
+  at::Tensor out = at::empty({M, N}, x.options());
+  if (M == 0 || N == 0) return out;
+  std::vector<int8_t> qx(M * K);
+  std::vector<float> dx(M * nb), sx(M * nb);
+  quantize_activations(xc.data_ptr<float>(), M, K, qx.data(), dx.data(), sx.data());
+  const auto* q = qc.data_ptr<uint8_t>();
+  const auto* d = reinterpret_cast<const uint16_t*>(dc.data_ptr<at::Half>());
+  const auto* m = reinterpret_cast<const uint16_t*>(mc.data_ptr<at::Half>());
+  float* o = out.data_ptr<float>();
+  const int64_t group_bytes = nb * (bits == 4 ? 256 : 512);
+  // Tasks of at least ~32K weight bytes x activation rows: smaller ones cost more to start.
+  const int64_t grain = std::max<int64_t>(1, (32 << 10) / (group_bytes * M));
+  const bool plain = portable || !kHasVnni;
+  at::parallel_for(0, G, grain, [&](int64_t g0, int64_t g1) {
+    for (int64_t g = g0; g < g1; ++g) {
+      const int64_t valid = std::min<int64_t>(16, N - g * 16);
+      const uint8_t* qg = q + g * group_bytes;
+      const uint16_t* dg = d + g * nb * 16;
+      const uint16_t* mg = m + g * nb * 16;
+      if (plain) {
+        packed_group_portable(qg, dg, mg, nb, qx.data(), dx.data(), sx.data(), K, M, bits == 4, valid, o + g * 16, N);
+        continue;
+      }
+#ifdef TRIOLLM_VNNI
+      const __mmask16 mask = static_cast<__mmask16>((1u << valid) - 1u);
+      for (int64_t r0 = 0; r0 < M; r0 += kRowsPerPass) {
+        const int64_t rows = std::min(kRowsPerPass, M - r0);
+        if (bits == 4)
+          packed_group<true>(qg, dg, mg, nb, qx.data() + r0 * K, dx.data() + r0 * nb, sx.data() + r0 * nb, K, rows,
+                             o + r0 * N + g * 16, N, mask);
+        else
+          packed_group<false>(qg, dg, mg, nb, qx.data() + r0 * K, dx.data() + r0 * nb, sx.data() + r0 * nb, K, rows,
+                              o + r0 * N + g * 16, N, mask);
+      }
+#endif
+    }
+  });
+  return out;
+}
+
+// The int8 activations, their scales and scale * sum (for tests: the kernel's exact inputs).
+std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_activations_op(const at::Tensor& x) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.size(1) % kBlock == 0,
+              "quantize_activations: x must be [M, K] float32 with K a multiple of 32");
+  const at::Tensor xc = x.contiguous();
+  const int64_t M = x.size(0), K = x.size(1), nb = K / kBlock;
+  at::Tensor qx = at::empty({M, K}, x.options().dtype(at::kChar));
+  at::Tensor dx = at::empty({M, nb}, x.options());
+  at::Tensor sx = at::empty({M, nb}, x.options());
+  quantize_activations(xc.data_ptr<float>(), M, K, qx.data_ptr<int8_t>(), dx.data_ptr<float>(), sx.data_ptr<float>());
+  return {qx, dx, sx};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(triollm_cpu, m) {
+  m.def("quant_linear_packed(Tensor x, Tensor qp, Tensor dp, Tensor mp, int bits, int n, bool portable=False) -> Tensor");
+  m.def("quantize_activations(Tensor x) -> (Tensor, Tensor, Tensor)");
+}
+
+TORCH_LIBRARY_IMPL(triollm_cpu, CPU, m) {
+  m.impl("quant_linear_packed", &quant_linear_packed);
+  m.impl("quantize_activations", &quantize_activations_op);
+}

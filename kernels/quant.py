@@ -1,0 +1,218 @@
+"""Weight-only quantized linear layers: weights kept in 32-weight blocks, read once per token.
+
+`QuantWeight` holds a `[N, K]` weight as unsigned codes `q` (4 bits, two per byte in GGML's
+nibble order, or 8 bits) with a float16 scale `d` and offset `m` per block: weight = d * q + m.
+That one form covers GGUF's Q4_1 (as shipped), Q4_0 (m = -8 d) and Q8_0 (q = w + 128,
+m = -128 d), and what `quantization="int4"` (asymmetric, group 32: Q4_1's scheme) and
+`quantization="int8"` (symmetric, one scale per output channel) make from float weights.
+
+`PackedWeight` is the same bits in the kernel's layout (rows in groups of 16, codes interleaved
+for 512-bit registers), made once at load. `packed_linear` runs the native kernel
+(kernels/csrc/quant_linear.cpp: int8 activations per block, integer dot products with AVX-512
+VNNI, as llama.cpp does; plain loops over the same arithmetic on other CPUs) where the native
+kernels are built, else a dense product of the dequantized weight (no compiler: slow, still
+right). `reference_linear` is the kernel's arithmetic in torch, for tests.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from triollm.kernels import cpu_native
+
+__all__ = [
+    "BLOCK",
+    "QUANT_GGML_TYPES",
+    "PackedWeight",
+    "QuantWeight",
+    "packed_linear",
+    "quantize_activations",
+    "reference_linear",
+]
+
+BLOCK = 32
+# GGML block layouts (gguf.GGMLQuantizationType values): bytes per block of 32 weights.
+GGML_Q4_0, GGML_Q4_1, GGML_Q8_0 = 2, 3, 8
+_BLOCK_BYTES = {GGML_Q4_0: 18, GGML_Q4_1: 20, GGML_Q8_0: 34}
+QUANT_GGML_TYPES = frozenset(_BLOCK_BYTES)
+
+
+@dataclass
+class QuantWeight:
+    q: torch.Tensor  # uint8 [N, K/2] (bits 4) or [N, K] (bits 8)
+    d: torch.Tensor  # float16 [N, K/32]
+    m: torch.Tensor  # float16 [N, K/32]
+    bits: int
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.q.shape[0], self.d.shape[1] * BLOCK
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.q, self.d, self.m))
+
+    def codes(self) -> torch.Tensor:
+        """The unsigned codes as int32 `[N, K]`, in weight order."""
+        if self.bits == 8:
+            return self.q.to(torch.int32)
+        n, k = self.shape
+        blocks = self.q.view(n, k // BLOCK, 16).to(torch.int32)
+        return torch.cat([blocks & 0x0F, blocks >> 4], dim=-1).view(n, k)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        n, k = self.shape
+        codes = self.codes().view(n, k // BLOCK, BLOCK).float()
+        w = codes * self.d.float().unsqueeze(-1) + self.m.float().unsqueeze(-1)
+        return w.view(n, k).to(dtype)
+
+    def rows(self, index: torch.Tensor | Sequence[int]) -> QuantWeight:
+        idx = torch.as_tensor(index, dtype=torch.long)
+        return QuantWeight(self.q[idx], self.d[idx], self.m[idx], self.bits)
+
+    @staticmethod
+    def cat(parts: Sequence[QuantWeight]) -> QuantWeight:
+        """Row-wise concatenation (fused projections); every part has the same K and bits."""
+        if len({p.bits for p in parts}) != 1 or len({p.shape[1] for p in parts}) != 1:
+            raise ValueError("quantization: fused projections need the same block format and width")
+        q, d, m = (torch.cat([getattr(p, f) for p in parts]) for f in ("q", "d", "m"))
+        return QuantWeight(q, d, m, parts[0].bits)
+
+    # ------------------------------------------------------------------ construction
+
+    @classmethod
+    def from_ggml(cls, raw: np.ndarray, ggml_type: int, shape: tuple[int, int]) -> QuantWeight:
+        """GGUF block bytes (the reader's uint8 array) of a `[N, K]` tensor, kept quantized."""
+        n, k = shape
+        if ggml_type not in _BLOCK_BYTES:
+            raise ValueError(f"quantization: GGML type {ggml_type} is not kept quantized (Q4_0, Q4_1, Q8_0 are)")
+        size = _BLOCK_BYTES[ggml_type]
+        blocks = np.ascontiguousarray(raw, dtype=np.uint8).reshape(n, k // BLOCK, size)
+        d = torch.from_numpy(blocks[..., 0:2].copy().view(np.float16).reshape(n, k // BLOCK))
+        if ggml_type == GGML_Q4_1:
+            m = torch.from_numpy(blocks[..., 2:4].copy().view(np.float16).reshape(n, k // BLOCK))
+            q = torch.from_numpy(blocks[..., 4:].copy().reshape(n, k // 2))
+            return cls(q, d, m, 4)
+        if ggml_type == GGML_Q4_0:
+            q = torch.from_numpy(blocks[..., 2:].copy().reshape(n, k // 2))
+            return cls(q, d, (d.float() * -8.0).half(), 4)
+        q8 = blocks[..., 2:].copy().view(np.int8).astype(np.int16) + 128
+        return cls(torch.from_numpy(q8.astype(np.uint8).reshape(n, k)), d, (d.float() * -128.0).half(), 8)
+
+    @classmethod
+    def quantize(cls, weight: torch.Tensor, bits: int) -> QuantWeight:
+        """int4: asymmetric per block of 32 (scale and minimum); int8: symmetric, one scale per
+        output channel (stored per block). K must be a multiple of 32."""
+        n, k = weight.shape
+        if k % BLOCK:
+            raise ValueError(f"quantization: input width {k} is not a multiple of {BLOCK}")
+        w = weight.detach().float().view(n, k // BLOCK, BLOCK)
+        if bits == 8:
+            d = (w.abs().amax(dim=(1, 2)) / 127.0).clamp_min(1e-12).half()  # fp16 first: codes use it
+            codes = torch.round(w / d.float().view(n, 1, 1)).clamp(-127, 127) + 128
+            d = d.view(n, 1).expand(n, k // BLOCK).contiguous()
+            return cls(codes.to(torch.uint8).view(n, k), d, (d.float() * -128.0).half(), 8)
+        if bits != 4:
+            raise ValueError(f"quantization: bits must be 4 or 8, got {bits}")
+        lo, hi = w.amin(-1), w.amax(-1)
+        d = ((hi - lo) / 15.0).clamp_min(1e-12).half()
+        m = lo.half()
+        codes = torch.round((w - m.float().unsqueeze(-1)) / d.float().unsqueeze(-1)).clamp(0, 15).to(torch.uint8)
+        packed = codes[..., :16] | (codes[..., 16:] << 4)
+        return cls(packed.reshape(n, k // 2).contiguous(), d, m, 4)
+
+
+@dataclass
+class PackedWeight:
+    """A QuantWeight in the kernel's layout (kernels/csrc/quant_linear.cpp): output rows in groups
+    of 16 (the last padded with zero rows), each block's codes interleaved so that 16 rows x 4
+    codes fill one 512-bit register; scales and offsets `[groups, blocks, 16]`. The same bits,
+    reordered once at load."""
+
+    qp: torch.Tensor  # uint8 [G, K/32, 256] (bits 4) or [G, K/32, 512] (bits 8)
+    dp: torch.Tensor  # float16 [G, K/32, 16]
+    mp: torch.Tensor  # float16 [G, K/32, 16]
+    bits: int
+    n: int
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.n, self.qp.shape[1] * BLOCK
+
+    @classmethod
+    def pack(cls, w: QuantWeight) -> PackedWeight:
+        n, k = w.shape
+        nb, groups = k // BLOCK, -(-n // 16)
+        pad = groups * 16 - n
+        codes, d, m = w.codes(), w.d, w.m
+        if pad:
+            codes = torch.cat([codes, codes.new_zeros(pad, k)])
+            d, m = torch.cat([d, d.new_zeros(pad, nb)]), torch.cat([m, m.new_zeros(pad, nb)])
+        c = codes.view(groups, 16, nb, 8, 4).permute(0, 2, 3, 1, 4)  # [g, block, step, lane, byte]
+        if w.bits == 4:
+            qp = (c[:, :, :4] | (c[:, :, 4:] << 4)).to(torch.uint8).reshape(groups, nb, 256)
+        else:
+            qp = c.to(torch.uint8).reshape(groups, nb, 512)
+
+        def lanes(t: torch.Tensor) -> torch.Tensor:
+            return t.view(groups, 16, nb).permute(0, 2, 1).contiguous()
+
+        return cls(qp.contiguous(), lanes(d), lanes(m), w.bits, n)
+
+    def dequantize_rows(self, index: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """Rows `index` of the weight, dense `[len(index), K]` (an embedding lookup)."""
+        g, lane = index // 16, index % 16
+        groups, nb = self.qp.shape[:2]
+        if self.bits == 8:
+            codes = self.qp.view(groups, nb, 8, 16, 4)[g, :, :, lane, :]  # [R, block, step, byte]
+        else:
+            v = self.qp.view(groups, nb, 4, 16, 4)[g, :, :, lane, :]
+            codes = torch.cat([v & 0x0F, v >> 4], dim=2)
+        d = self.dp[g, :, lane].float().unsqueeze(-1)  # [R, block, 1]
+        m = self.mp[g, :, lane].float().unsqueeze(-1)
+        w = codes.reshape(len(index), nb, BLOCK).float() * d + m
+        return w.reshape(len(index), nb * BLOCK).to(dtype)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return self.dequantize_rows(torch.arange(self.n, device=self.qp.device), dtype)
+
+
+def packed_linear(x: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None = None, *, portable: bool = False) -> torch.Tensor:
+    """`x @ W.T (+ bias)` for x `[..., K]` over a PackedWeight, in x's dtype (fp32 inside).
+    `portable`: the kernel's plain loops even where VNNI is built (tests)."""
+    lead, k = x.shape[:-1], x.shape[-1]
+    flat = x.reshape(-1, k).float()
+    if x.device.type == "cpu" and cpu_native.available():
+        out = torch.ops.triollm_cpu.quant_linear_packed(flat, w.qp, w.dp, w.mp, w.bits, w.n, portable)
+    else:
+        out = flat @ w.dequantize().to(flat.device).T
+    if bias is not None:
+        out = out + bias.float()
+    return out.to(x.dtype).view(*lead, w.n)
+
+
+def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x `[M, K]` fp32 -> int8 codes, per-block scale amax/127, and scale * sum(codes): the
+    kernel's activation quantization (round half to even)."""
+    m, k = x.shape
+    blocks = x.float().view(m, k // BLOCK, BLOCK)
+    d = blocks.abs().amax(-1) / 127.0
+    inv = torch.where(d > 0, 1.0 / d, torch.zeros_like(d))
+    codes = torch.round(blocks * inv.unsqueeze(-1)).to(torch.int8)
+    return codes.view(m, k), d, d * codes.sum(-1, dtype=torch.int32).float()
+
+
+def reference_linear(x: torch.Tensor, w: QuantWeight) -> torch.Tensor:
+    """The kernel's arithmetic in torch: integer block sums (exact, int64), scaled in fp64."""
+    n, k = w.shape
+    qx, dx, sx = quantize_activations(x)
+    xb = qx.view(-1, k // BLOCK, BLOCK).long()
+    wb = w.codes().view(n, k // BLOCK, BLOCK).long()
+    dots = torch.einsum("mbj,nbj->mnb", xb, wb).double()  # [M, N, blocks]
+    scaled = dots * w.d.double().unsqueeze(0) * dx.double().unsqueeze(1)
+    offsets = sx.double().unsqueeze(1) * w.m.double().unsqueeze(0)
+    return (scaled + offsets).sum(-1).float()
