@@ -322,7 +322,9 @@ def child_spec(
         if f.name not in config.ignored_args
     }
     child_args.update(
-        model=str(config.model.path), tokenizer=str(config.tokenizer), multiprocess=False
+        model=str(config.model.path), tokenizer=str(config.tokenizer), multiprocess=False,
+        # Resolved here: the child sees a directory, where the default would be dense.
+        quantization=config.model.quantization or "none",
     )
     return ChildSpec(
         msgspec.to_builtins(child_args),

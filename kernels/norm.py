@@ -16,13 +16,14 @@ from triollm.kernels import cpu_native
 from triollm.kernels.triton import use_triton
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, exact: bool = True) -> torch.Tensor:
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, exact: bool = True, triton: bool | None = None) -> torch.Tensor:
     """RMSNorm over the last dimension, returned in x's dtype. `exact=False` lets fp32 take the
     native kernel too (one rounding instead of the reference's two: a quantized model is no
-    bit-for-bit reference anyway, and torch's fp32 rms_norm is ~8 ops)."""
+    bit-for-bit reference anyway, and torch's fp32 rms_norm is ~8 ops). `triton`: the caller's
+    `use_triton(x)`, when it has it (the model decides once per forward pass)."""
     if weight.dtype != x.dtype:
         weight = weight.to(x.dtype)
-    if use_triton(x):
+    if use_triton(x) if triton is None else triton:
         from triollm.kernels.triton import norm as triton_norm
 
         return triton_norm.rms_norm(x, weight, eps)
@@ -32,15 +33,17 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, exact: bool = Tr
 
 
 def add_rms_norm(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, exact: bool = True
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, exact: bool = True, triton: bool | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`residual + x`, and its RMSNorm: `(normed, new_residual)`. One kernel on the Triton path
     (vLLM's fused_add_rms_norm); the residual sum is the same on every path."""
-    if use_triton(x):
+    if triton is None:
+        triton = use_triton(x)
+    if triton:
         from triollm.kernels.triton import norm as triton_norm
 
         if weight.dtype != x.dtype:
             weight = weight.to(x.dtype)
         return triton_norm.fused_add_rms_norm(x, residual, weight, eps)
     residual = residual + x
-    return rms_norm(residual, weight, eps, exact), residual
+    return rms_norm(residual, weight, eps, exact, triton), residual

@@ -63,6 +63,9 @@ class AttentionMetadata:
     decode_plan: DecodePlan | None = None  # their attention plan (kernels.attention.plan_decode)
     prefills: list[PrefillChunk] = field(default_factory=list)
     positions: torch.Tensor | None = None  # [T] int64 (the Triton path rotates by position)
+    # Whether this pass runs the Triton kernels (`use_triton`), decided once per forward pass:
+    # the environment lookup behind it costs microseconds, and a layer would pay it four times.
+    triton: bool | None = None
 
 
 def _packable(weight: torch.Tensor) -> bool:
@@ -131,7 +134,7 @@ class LlamaAttention(nn.Module):
         h, kvh, hd = self.num_heads, self.num_kv_heads, self.head_dim
         qkv = self.qkv_proj(x)
         plan = meta.decode_plan
-        if use_triton(qkv):
+        if use_triton(qkv) if meta.triton is None else meta.triton:
             # Rotary on Q and K and the cache write in one kernel; cos/sin are the whole tables.
             from triollm.kernels.triton import rotary as triton_rotary
 
@@ -220,8 +223,9 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = nn.Parameter(torch.ones(cfg.hidden_size))
 
     def forward(self, x, cos, sin, meta, k_cache, v_cache):  # type: ignore[no-untyped-def]
-        h = self.self_attn(rms_norm(x, self.input_layernorm, self.eps, self.exact_norm), cos, sin, meta, k_cache, v_cache)
-        normed, x = add_rms_norm(h, x, self.post_attention_layernorm, self.eps, self.exact_norm)  # x + h, normed
+        normed = rms_norm(x, self.input_layernorm, self.eps, self.exact_norm, meta.triton)
+        h = self.self_attn(normed, cos, sin, meta, k_cache, v_cache)
+        normed, x = add_rms_norm(h, x, self.post_attention_layernorm, self.eps, self.exact_norm, meta.triton)  # x + h, normed
         return x + self.mlp(normed)
 
 
@@ -255,14 +259,15 @@ class LlamaForCausalLM(nn.Module):
         else:
             assert isinstance(self.embed_tokens, nn.Embedding)  # quantization does not shard
             x = self.comm.embed(self.embed_tokens.weight, input_ids)
-        if use_triton(x):  # the whole fp32 tables: the rotary kernel gathers by position
+        meta.triton = use_triton(x)
+        if meta.triton:  # the whole fp32 tables: the rotary kernel gathers by position
             cos, sin = self.rope_cos, self.rope_sin
         else:  # [T, 1, head_dim], broadcast over heads; sin carries rotate-half's sign.
             cos = self.rope_cos.index_select(0, positions).to(x.dtype).unsqueeze(1)
             sin = self.rope_sin_signed.index_select(0, positions).to(x.dtype).unsqueeze(1)
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, meta, kv.k[i], kv.v[i])
-        return rms_norm(x, self.norm, self.cfg.rms_norm_eps, self.cfg.quantization is None)
+        return rms_norm(x, self.norm, self.cfg.rms_norm_eps, self.cfg.quantization is None, meta.triton)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """fp32 logits `[n, vocab]`; sharded, gathered on rank 0 (the other ranks get their own
@@ -376,6 +381,11 @@ def load_model(
     """The model on `device`; with `shard` (and its `comm`), only this rank's slices."""
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg, shard)
+    replaced: set[str] = set()
+    if cfg.quantization == "gguf":  # the blocks as shipped: their dense copies are never read
+        before = set(dict(model.named_parameters()))
+        quantize_model(model, "gguf", cfg.path)
+        replaced = before - set(dict(model.named_parameters()))
     params = dict(model.named_parameters())
     pieces: dict[str, dict[int, torch.Tensor]] = {}
     loaded: dict[str, torch.Tensor] = {}
@@ -387,6 +397,8 @@ def load_model(
                 if name == "lm_head.weight" and cfg.tie_word_embeddings:
                     continue
                 target, piece = _target(name)
+                if target in replaced:
+                    continue
                 if target not in params:
                     raise ValueError(f"model: unexpected tensor {name!r} in {file.name}")
                 read = _read(f, name, target, piece, cfg, shard)
@@ -412,7 +424,7 @@ def load_model(
     model.rope_sin = model.rope_sin.to(device)
     model.requires_grad_(False)
     model = model.to(device).eval()
-    if cfg.quantization is not None:
+    if cfg.quantization in ("int8", "int4"):  # quantized from the dense weights just loaded
         quantize_model(model, cfg.quantization, cfg.path)
     model.pack_linears()
     if comm is not None:

@@ -130,12 +130,12 @@ def quantize_model(model: LlamaForCausalLM, scheme: str, path: Path) -> None:
             else:
                 assert bits is not None
                 weight = QuantWeight.quantize(dense.weight.detach(), bits)
-            bias = None if dense.bias is None else dense.bias.detach()
+            bias = None if dense.bias is None else dense.bias.detach()  # gguf: on meta, loaded later
             setattr(owner, attr, QuantLinear(weight, bias))
     embedding = gguf.get("model.embed_tokens.weight")
     if model.lm_head is None and embedding is not None:
         assert isinstance(model.embed_tokens, nn.Embedding)
-        dtype = model.embed_tokens.weight.dtype
+        dtype = model.cfg.dtype
         model.embed_tokens = QuantEmbedding(embedding, dtype)
         model.packed_tied_head = None
     elif model.lm_head is not None and "lm_head.weight" in gguf:
