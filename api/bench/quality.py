@@ -1,6 +1,6 @@
 """`triollm bench quality`: what a quantization scheme costs in accuracy, against the dense model.
 
-Two figures for each scheme in `--schemes`, each next to the dense (`quantization=None`)
+Two figures for each scheme in `--schemes`, each next to the dense (`quantization="none"`)
 model's, on the same model and dtype in one run:
 
 * perplexity on a fixed text (`--text`, default tests/data/coriolanus.txt: the opening of
@@ -93,7 +93,7 @@ def run_quality(ns: argparse.Namespace) -> int:
     text = Path(ns.text).read_text(encoding="utf-8")
     schemes = [s.strip() for s in ns.schemes.split(",") if s.strip()]
     results: dict[str, Any] = {}
-    dense = _measure(_with(base, None), text, ns.window, ns.max_tokens)
+    dense = _measure(_with(base, "none"), text, ns.window, ns.max_tokens)
     results["dense"] = {"perplexity": dense["perplexity"], "scored_tokens": dense["scored_tokens"]}
     print(f"{'dense':<8} perplexity {dense['perplexity']:.3f} over {dense['scored_tokens']} tokens")
     for scheme in schemes:
@@ -110,7 +110,7 @@ def run_quality(ns: argparse.Namespace) -> int:
     return 0
 
 
-def _with(args: EngineArgs, quantization: str | None) -> EngineArgs:
+def _with(args: EngineArgs, quantization: str) -> EngineArgs:
     import dataclasses
 
     return dataclasses.replace(args, quantization=quantization)
