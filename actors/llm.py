@@ -22,7 +22,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import CancelledError
-from typing import Any, cast
+from typing import Any, TypeVar, cast
 
 import anyio
 import torch
@@ -273,14 +273,7 @@ class LLM:
         task: str | None,
         truncate_prompt_tokens: int | None,
     ) -> list[PoolingParams]:
-        given = [PoolingParams()] * n if pooling_params is None else pooling_params
-        if isinstance(given, PoolingParams):
-            given = [given] * n
-        if len(given) != n:
-            raise ValueError(
-                f"pooling_params: the list has {len(given)} entries for {n} prompts; "
-                "pass one PoolingParams or one per prompt"
-            )
+        given = _per_prompt("pooling_params", PoolingParams() if pooling_params is None else pooling_params, PoolingParams, n)
         out = []
         for p in given:
             p = p.clone()
@@ -389,15 +382,8 @@ class LLM:
     ) -> list[SamplingParams]:
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
-        if isinstance(sampling_params, SamplingParams):
-            sampling_params = [sampling_params] * n
-        if len(sampling_params) != n:
-            raise ValueError(
-                f"sampling_params: the list has {len(sampling_params)} entries for {n} prompts; "
-                "pass one SamplingParams or one per prompt"
-            )
         out = []
-        for p in sampling_params:
+        for p in _per_prompt("sampling_params", sampling_params, SamplingParams, n):
             p = p.clone()
             p.output_kind = RequestOutputKind.FINAL_ONLY
             out.append(p)
@@ -458,6 +444,19 @@ class LLM:
             return results  # type: ignore[return-value]
         finally:
             done.set()
+
+
+P = TypeVar("P")
+
+
+def _per_prompt(name: str, value: P | Sequence[P], kind: type[P], n: int) -> list[P]:
+    """One params object for every prompt, or a list of exactly one per prompt."""
+    given: list[P] = [value] * n if isinstance(value, kind) else list(value)  # type: ignore[arg-type]
+    if len(given) != n:
+        raise ValueError(
+            f"{name}: the list has {len(given)} entries for {n} prompts; pass one {kind.__name__} or one per prompt"
+        )
+    return given
 
 
 async def _collect(

@@ -52,10 +52,6 @@ class QuantWeight:
     def shape(self) -> tuple[int, int]:
         return self.q.shape[0], self.d.shape[1] * BLOCK
 
-    @property
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.q, self.d, self.m))
-
     def codes(self) -> torch.Tensor:
         """The unsigned codes as int32 `[N, K]`, in weight order."""
         if self.bits == 8:
