@@ -35,7 +35,7 @@ __all__ = [
 log = logging.getLogger("triollm")
 
 CPU_KERNELS_ENV = "TRIOLLM_CPU_KERNELS"  # "0": never build or use the native kernels
-_SOURCES = [Path(__file__).parent / "csrc" / name for name in ("cpu_attention.cpp", "quant_linear.cpp")]
+_SOURCES = [Path(__file__).parent / "csrc" / name for name in ("cpu_attention.cpp", "quant_linear.cpp", "decoder.cpp")]
 # -ffast-math lets the compiler vectorise exp (glibc's vector math); the kernel keeps its values
 # finite for it (kernels/csrc/cpu_attention.cpp). -fopenmp: ATen's parallel_for is a header
 # template over OpenMP pragmas, so without it the kernels ran on one thread whatever

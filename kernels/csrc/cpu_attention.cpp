@@ -15,6 +15,8 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "cpu_kernels.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -22,7 +24,7 @@
 #include <limits>
 #include <vector>
 
-namespace {
+namespace triollm_cpu {
 
 // The running max starts here rather than at -inf: the kernel is built with -ffast-math (for
 // vectorised exp), which assumes finite values. exp(kNegBig - m) underflows to 0 as exp(-inf).
@@ -458,7 +460,9 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   return out;
 }
 
-}  // namespace
+}  // namespace triollm_cpu
+
+using namespace triollm_cpu;
 
 TORCH_LIBRARY(triollm_cpu, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");

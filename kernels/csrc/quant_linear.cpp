@@ -14,6 +14,8 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "cpu_kernels.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -24,10 +26,11 @@
 #define TRIOLLM_VNNI 1
 #endif
 
-namespace {
+namespace triollm_cpu {
 
 constexpr int64_t kBlock = 32;
 constexpr int64_t kRowsPerPass = 8;  // activation rows whose accumulators live in registers
+constexpr int64_t kPrefetch = 4;     // blocks ahead (4 measured best of 2, 4, 8, 16)
 #ifdef TRIOLLM_VNNI
 constexpr bool kHasVnni = true;
 #else
@@ -80,6 +83,12 @@ inline void packed_group(const uint8_t* qg, const uint16_t* dg, const uint16_t* 
   const __m512i low = _mm512_set1_epi8(0x0F);
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* wb = qg + b * kBytes;
+    // Software prefetch a few blocks ahead (past a group's end: the next group's, contiguous).
+    // The weights stream from DRAM once per call; the hardware prefetcher alone ramps up too
+    // slowly for these short streams: 11-15 GB/s measured without this, 18-20 GB/s with it.
+    for (int64_t c = 0; c < kBytes; c += 64) _mm_prefetch(reinterpret_cast<const char*>(wb + kPrefetch * kBytes + c), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(dg + (b + kPrefetch) * 16), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(mg + (b + kPrefetch) * 16), _MM_HINT_T0);
     __m512i w[8];
     if constexpr (FourBit) {
       for (int t = 0; t < 4; ++t) {
@@ -204,7 +213,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_activations_op(const at:
   return {qx, dx, sx};
 }
 
-}  // namespace
+}  // namespace triollm_cpu
+
+using namespace triollm_cpu;
 
 TORCH_LIBRARY_FRAGMENT(triollm_cpu, m) {
   m.def("quant_linear_packed(Tensor x, Tensor qp, Tensor dp, Tensor mp, int bits, int n, bool portable=False) -> Tensor");

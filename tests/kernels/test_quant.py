@@ -196,3 +196,47 @@ def test_an_engine_core_process_gets_the_resolved_scheme(bundled_model_dir: Path
     spec = child_spec(config, args, ends, None)  # type: ignore[arg-type]
     child = EngineArgs(**spec.args).create_engine_config()
     assert child.model.quantization == config.model.quantization
+
+
+@needs_native
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+def test_the_native_decoder_stack_is_the_layers_bit_for_bit(
+    tiny_model_dir: Path, scheme: str
+) -> None:
+    """A quantized model's all-decode steps run the whole decoder stack in one native call
+    (kernels/csrc/decoder.cpp); the tokens and logprobs are those of the layer-by-layer path,
+    to the bit, over batches that mix decodes with prefills (which take the layers)."""
+    from triollm.engine.sampling_params import SamplingParams
+    from triollm.engine.sync_engine import SyncEngine
+
+    args = EngineArgs(
+        model=str(tiny_model_dir),
+        max_model_len=256,
+        num_threads=1,
+        quantization=scheme,
+        enable_prefix_caching=False,
+    )  # no cache hits in the second run: its prefills must be the first run's
+    engine = SyncEngine.from_engine_args(args)
+    model = engine.core.model
+    assert model is not None and model.decode_stack is not None
+    prompts = [{"prompt_token_ids": list(range(3, 3 + n))} for n in (5, 40, 17)]
+    params = [
+        SamplingParams(max_tokens=t, ignore_eos=True, temperature=0.0, logprobs=2)
+        for t in (30, 12, 21)
+    ]
+    calls = 0
+    stack = model.decode_stack
+
+    def counted(*a: object) -> torch.Tensor:
+        nonlocal calls
+        calls += 1
+        return stack(*a)  # type: ignore[arg-type]
+
+    model.decode_stack = counted  # type: ignore[assignment]
+    fused = engine.generate(prompts, params)
+    assert calls > 0
+    model.decode_stack = None
+    layered = engine.generate(prompts, params)
+    for a, b in zip(fused, layered, strict=True):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert a.outputs[0].logprobs == b.outputs[0].logprobs

@@ -33,7 +33,12 @@ from safetensors import safe_open
 from torch import nn
 
 from triollm.engine.distributed.sharding import TPShard
-from triollm.engine.execution.models.quantized import QuantEmbedding, QuantLinear, quantize_model
+from triollm.engine.execution.models.quantized import (
+    DecodeStack,
+    QuantEmbedding,
+    QuantLinear,
+    quantize_model,
+)
 from triollm.engine.loading.model_config import ModelConfig
 from triollm.kernels import KVCache, cpu_native, prefill_attention, rms_norm, write_kv
 from triollm.kernels.attention import DecodePlan, decode_attention
@@ -246,6 +251,8 @@ class LlamaForCausalLM(nn.Module):
         self.norm = nn.Parameter(torch.ones(cfg.hidden_size))
         self.lm_head: Linear | QuantLinear | None = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, vocab, bias=False)
         self.packed_tied_head: torch.Tensor | None = None  # set by pack_linears
+        # A quantized model's all-decode steps in one native call (set by load_model, last).
+        self.decode_stack: DecodeStack | None = None
         # Plain attributes (not buffers): computed here on the CPU (also when the model is built
         # on the meta device), never loaded; moved in load_model.
         with torch.device("cpu"):
@@ -265,10 +272,15 @@ class LlamaForCausalLM(nn.Module):
         else:  # [T, 1, head_dim], broadcast over heads; sin carries rotate-half's sign.
             cos = self.rope_cos.index_select(0, positions).to(x.dtype).unsqueeze(1)
             sin = self.rope_sin_signed.index_select(0, positions).to(x.dtype).unsqueeze(1)
-        # Inside the model, submodules are called through `.forward`: nn.Module.__call__ costs
-        # ~2 µs (hooks, tracing checks) and a batch-1 decode step makes ~210 such calls.
-        for i, layer in enumerate(self.layers):
-            x = layer.forward(x, cos, sin, meta, kv.k[i], kv.v[i])
+        plan = meta.decode_plan
+        stack = self.decode_stack
+        if stack is not None and plan is not None and plan.native is not None and meta.num_decodes == x.shape[0]:
+            x = stack(x, cos, sin, meta.slot_mapping, plan.native, kv.k, kv.v)
+        else:
+            # Inside the model, submodules are called through `.forward`: nn.Module.__call__
+            # costs ~2 µs (hooks, tracing checks) and a batch-1 decode step makes ~210 such calls.
+            for i, layer in enumerate(self.layers):
+                x = layer.forward(x, cos, sin, meta, kv.k[i], kv.v[i])
         return rms_norm(x, self.norm, self.cfg.rms_norm_eps, self.cfg.quantization is None, meta.triton)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -434,6 +446,8 @@ def load_model(
         for m in model.modules():
             if isinstance(m, (LlamaAttention, LlamaMLP)):
                 m.comm = comm
+    if DecodeStack.supported(model):
+        model.decode_stack = DecodeStack(model)
     return model
 
 

@@ -1,0 +1,21 @@
+// The native CPU kernels' entry points, for the kernels that call each other across files
+// (decoder.cpp runs a decoder stack from them). Each is also a torch op in the triollm_cpu
+// namespace; their comments are at the definitions.
+#pragma once
+
+#include <ATen/ATen.h>
+
+namespace triollm_cpu {
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
+at::Tensor silu_and_mul(const at::Tensor& x);
+at::Tensor rotary_write_kv(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
+                           at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& slots,
+                           int64_t num_heads, int64_t num_kv_heads);
+at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
+                                  const at::Tensor& v_cache, const at::Tensor& block_tables,
+                                  const at::Tensor& context_lens, double scale);
+at::Tensor quant_linear_packed(const at::Tensor& x, const at::Tensor& qp, const at::Tensor& dp,
+                               const at::Tensor& mp, int64_t bits, int64_t N, bool portable);
+
+}  // namespace triollm_cpu
