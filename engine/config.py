@@ -173,6 +173,7 @@ RUNNERS = ("auto", "generate", "pooling")  # vLLM's --runner ("draft" has no mea
 # Weight-only quantization (kernels/quant.py): a .gguf model's blocks as shipped, or float
 # weights quantized at load.
 QUANTIZATIONS = ("gguf", "int8", "int4", "none")
+KV_CACHE_DTYPES = ("auto", "bfloat16", "float32")
 DTYPES = ("auto", "half", "float16", "bfloat16", "float", "float32")  # vLLM's --dtype choices
 _DTYPE_NAMES = {"half": "float16", "float": "float32"}
 _TORCH_DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
@@ -228,7 +229,12 @@ class EngineArgs:
     hf_token: str | None = _arg(None, "accepted, ignored (nothing is downloaded)")
     load_format: str = _arg("auto", "the weights' format (a .gguf model is imported once)", choices=LOAD_FORMATS)
     dtype: str | torch.dtype = _arg("auto", "weights and activations: auto (float32 on CPU), half, float16, bfloat16, float, float32", choices=DTYPES)
-    kv_cache_dtype: str = _arg("auto", "the KV cache has the model's dtype", choices=("auto",))
+    kv_cache_dtype: str = _arg(
+        "auto",
+        "the KV cache's dtype: auto (the model's; bfloat16 under a quantized model's float32 activations, "
+        "as llama.cpp keeps f16), bfloat16, or float32 (triollm's: the activations' float32)",
+        choices=KV_CACHE_DTYPES,
+    )
     quantization: str | None = _arg(
         None,
         "weight-only quantized linear layers on CPU: gguf (a .gguf model's blocks as shipped), int8, int4, "
@@ -309,7 +315,7 @@ class EngineArgs:
         _one_of("runner", self.runner, RUNNERS)
         _one_of("load_format", self.load_format, LOAD_FORMATS)
         _one_of("tokenizer_mode", self.tokenizer_mode, TOKENIZER_MODES, "only fast tokenizers (tokenizer.json) are supported")
-        _one_of("kv_cache_dtype", self.kv_cache_dtype, ("auto",), "the KV cache has the model's dtype")
+        _one_of("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES, "no fp8 KV cache")
         if self.quantization is not None:
             _one_of("quantization", self.quantization, QUANTIZATIONS, "weight-only CPU kernels: gguf keeps a .gguf model's blocks as shipped")
         _positive("data_parallel_size", self.data_parallel_size)
@@ -401,6 +407,7 @@ class EngineArgs:
         if quantization is not None:
             self._check_quantization(quantization, model, device)
             model = dataclasses.replace(model, quantization=quantization)
+        model = dataclasses.replace(model, kv_cache_dtype=self._kv_cache_dtype(model, device))
         if model.runner_type == "pooling":
             _check_pooling(self, model)
         if self.tensor_parallel_size > 1:
@@ -485,6 +492,24 @@ class EngineArgs:
             and os.environ.get(cpu_native.CPU_KERNELS_ENV, "1") != "0"
         )
         return "gguf" if fast else None
+
+    def _kv_cache_dtype(self, model: ModelConfig, device: str) -> torch.dtype | None:
+        """The KV cache's dtype where it is not the activations' (ModelConfig.kv_cache_dtype).
+        By default a quantized model's fp32 activations get a bf16 cache: at 64 requests the
+        decode attention reads more bytes of KV cache than of weights, and bf16 halves them
+        (docs/benchmarks.md, issue 13); batch-1 tokens barely read it. Elsewhere the cache has
+        the activations' dtype, as in vLLM."""
+        want = {"auto": None, "bfloat16": torch.bfloat16, "float32": torch.float32}[self.kv_cache_dtype]
+        if want is None:
+            want = torch.bfloat16 if model.quantization is not None and model.dtype == torch.float32 else model.dtype
+        if want == model.dtype:
+            return None
+        if not (want == torch.bfloat16 and model.dtype == torch.float32 and device == "cpu"):
+            raise ValueError(
+                f"kv_cache_dtype: {self.kv_cache_dtype!r} under {str(model.dtype).removeprefix('torch.')} activations "
+                f"on {device!r} is not supported; allowed: auto, or bfloat16 under float32 activations on the CPU"
+            )
+        return want
 
     def _check_quantization(self, quantization: str, model: ModelConfig, device: str) -> None:
         from triollm.engine.loading.gguf_import import QUANTIZED_FILE

@@ -126,7 +126,7 @@ class EngineCore:
             sizes = config.cuda_graph_sizes
             # With CUDA graphs, one spare block beyond the block manager's: the padding rows' slot.
             kv = allocate_kv_cache(
-                mc.num_layers, self.num_blocks + (1 if sizes else 0), bs, self.num_kv_heads, mc.head_dim, mc.dtype, config.device
+                mc.num_layers, self.num_blocks + (1 if sizes else 0), bs, self.num_kv_heads, mc.head_dim, mc.cache_dtype, config.device
             )
             self.runner = ModelRunner(self.model, kv, config.device, self.group, self._capture_graphs(kv, sizes))
         self.requests: dict[str, Request] = {}
@@ -185,7 +185,7 @@ class EngineCore:
     def _bytes_per_block(self) -> int:
         mc = self.config.model
         return KVCache.bytes_per_block(
-            mc.num_layers, self.num_kv_heads, mc.head_dim, self.config.cache.block_size, mc.dtype
+            mc.num_layers, self.num_kv_heads, mc.head_dim, self.config.cache.block_size, mc.cache_dtype
         )
 
     def _num_kv_blocks(self) -> int:

@@ -114,8 +114,9 @@ def write_kv(
     """Store k, v `[T, kv_heads, head_dim]` at the given slots `[T]` (int64)."""
     kvh, nb, bs, hd = v_cache.shape
     blocks, offsets = slot_mapping.div(bs, rounding_mode="floor"), slot_mapping.remainder(bs)
-    k_blocks(k_cache)[:, blocks, offsets] = k.transpose(0, 1)  # writes through the view
-    v_cache.view(kvh, nb * bs, hd).index_copy_(1, slot_mapping, v.transpose(0, 1))
+    # The cache may be bf16 under fp32 activations (kv_cache_dtype): rounded here, once.
+    k_blocks(k_cache)[:, blocks, offsets] = k.transpose(0, 1).to(k_cache.dtype)  # writes through the view
+    v_cache.view(kvh, nb * bs, hd).index_copy_(1, slot_mapping, v.transpose(0, 1).to(v_cache.dtype))
 
 
 def paged_decode_attention(
@@ -288,8 +289,8 @@ def _group_attention(
     k, v = workspace.buffers((kvh, b * g.max_blocks, bs, hd), k_cache.dtype, k_cache.device)
     gather_k(k_cache, g.block_ids, out=k)
     torch.index_select(v_cache, 1, g.block_ids, out=v)
-    k = k.view(kvh, b, g.max_blocks * bs, hd)[:, :, : g.length]
-    v = v.view(kvh, b, g.max_blocks * bs, hd)[:, :, : g.length]
+    k = k.view(kvh, b, g.max_blocks * bs, hd)[:, :, : g.length].to(q.dtype)  # a bf16 cache under fp32
+    v = v.view(kvh, b, g.max_blocks * bs, hd)[:, :, : g.length].to(q.dtype)
     if g.pad is None:  # nothing to mask: one fused call (fewer dispatches matter at batch 1)
         qh = q.view(b, kvh, h // kvh, hd).transpose(0, 1)  # [kvh, B, group, hd]
         out = F.scaled_dot_product_attention(qh, k, v, scale=scale)
@@ -328,8 +329,8 @@ def prefill_attention(
     else:
         kvh, _, bs, hd = v_cache.shape
         total = num_context + n
-        kh = gather_k(k_cache, block_ids).view(1, kvh, -1, hd)[:, :, :total]
-        vh = v_cache.index_select(1, block_ids).view(1, kvh, -1, hd)[:, :, :total]
+        kh = gather_k(k_cache, block_ids).view(1, kvh, -1, hd)[:, :, :total].to(q.dtype)
+        vh = v_cache.index_select(1, block_ids).view(1, kvh, -1, hd)[:, :, :total].to(q.dtype)
         rows = torch.arange(n, device=q.device)[:, None] + num_context
         mask = torch.arange(total, device=q.device)[None, :] <= rows  # [n, total], True = attend
         out = _sdpa(qh, kh, vh, mask, scale)

@@ -54,7 +54,7 @@ def serve() -> None:
             return
         kv_heads = shard.kv_heads(mc.num_heads, mc.num_kv_heads)[1]
         kv = allocate_kv_cache(
-            mc.num_layers, unpickled(payload), setup.block_size, kv_heads, mc.head_dim, mc.dtype, setup.device
+            mc.num_layers, unpickled(payload), setup.block_size, kv_heads, mc.head_dim, mc.cache_dtype, setup.device
         )
         runner = ModelRunner(model, kv, setup.device)
         while (msg := read_message(stdin))[0] == STEP:

@@ -49,6 +49,13 @@ class ModelConfig(HfConfig):
     # Weight-only quantization of the linear layers (kernels/quant.py): None (dense), "gguf"
     # (the GGUF's blocks as shipped), "int8" or "int4".
     quantization: str | None = None
+    # The KV cache's dtype where it differs from the activations' (`kv_cache_dtype`): only a
+    # bf16 cache under fp32 activations, on CPU. None: the activations' dtype.
+    kv_cache_dtype: torch.dtype | None = None
+
+    @property
+    def cache_dtype(self) -> torch.dtype:
+        return self.kv_cache_dtype or self.dtype
 
     @classmethod
     def from_pretrained(

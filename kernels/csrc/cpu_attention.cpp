@@ -8,6 +8,8 @@
 // Work is split over (sequence, kv head) pairs with ATen's thread pool: each pair reads its K/V
 // blocks once for the whole GQA group of query heads. Scores and the running sum are fp32
 // whatever the cache dtype (bf16/fp16 are widened block by block into a small fp32 buffer).
+// The cache may be bf16 under fp32 queries (kv_cache_dtype): half the bytes to read, which at
+// large batches is most of a decode step's memory traffic.
 // With K transposed, a block's scores are block_size-wide vertical FMAs over head_dim (no
 // horizontal sums), and P.V adds each V row, scaled, to the group's accumulators.
 
@@ -72,8 +74,8 @@ inline const float* as_float<float>(const float* src, float*, int64_t) {
 // BS (block size) and D (head dim) are template parameters where they are common (16 x 64,
 // 16 x 128): the block's scores and the group's partial P.V then live in registers (fixed-size
 // local arrays, fully unrolled); 0 means "the runtime value" (the generic instance, slower).
-template <typename T, int kBS, int kD>
-void decode_pair(const T* qrow, const T* kp, const T* vp, const int32_t* table, int64_t n,
+template <typename T, typename K, int kBS, int kD>
+void decode_pair(const T* qrow, const K* kp, const K* vp, const int32_t* table, int64_t n,
                  int64_t G, int64_t NB, int64_t h, int64_t rt_bs, int64_t rt_d, float fscale,
                  float* qf, float* acc, float* kbuf, float* vbuf, float* s, float* m, float* l,
                  T* orow) {
@@ -161,8 +163,8 @@ void decode_pair(const T* qrow, const T* kp, const T* vp, const int32_t* table, 
 // The common shapes with the GQA group size also fixed (kG query heads per kv head): the
 // group's scores (kG x 16) and outputs (kG x kD) stay in registers, and each K and V row is
 // widened once, in registers, for the whole group (no fp32 copy of the block).
-template <typename T, int kD, int kG>
-void decode_pair_group(const T* qrow, const T* kp, const T* vp, const int32_t* table, int64_t n,
+template <typename T, typename K, int kD, int kG>
+void decode_pair_group(const T* qrow, const K* kp, const K* vp, const int32_t* table, int64_t n,
                        int64_t, int64_t NB, int64_t h, int64_t, int64_t, float fscale, float*,
                        float*, float*, float*, float*, float*, float*, T* orow) {
   constexpr int kBS = 16;
@@ -175,8 +177,8 @@ void decode_pair_group(const T* qrow, const T* kp, const T* vp, const int32_t* t
   for (int64_t blk = 0; blk * kBS < n; ++blk) {
     const int64_t id = table[blk];
     const int64_t cnt = std::min<int64_t>(kBS, n - blk * kBS);
-    const T* kt = kp + (h * NB + id) * kD * kBS;  // [kD][kBS]
-    const T* vb = vp + (h * NB + id) * kBS * kD;  // [kBS][kD]
+    const K* kt = kp + (h * NB + id) * kD * kBS;  // [kD][kBS]
+    const K* vb = vp + (h * NB + id) * kBS * kD;  // [kBS][kD]
     float s[kG][kBS] = {};
     for (int d = 0; d < kD; ++d) {
       float kd[kBS];
@@ -222,24 +224,24 @@ void decode_pair_group(const T* qrow, const T* kp, const T* vp, const int32_t* t
   }
 }
 
-template <typename T, int kD>
-using PairFn = decltype(&decode_pair<T, 0, 0>);
+template <typename T, typename K>
+using PairFn = decltype(&decode_pair<T, K, 0, 0>);
 
-template <typename T, int kD>
-PairFn<T, kD> group_instance(int64_t G) {
+template <typename T, typename K, int kD>
+PairFn<T, K> group_instance(int64_t G) {
   switch (G) {
-    case 1: return &decode_pair_group<T, kD, 1>;
-    case 2: return &decode_pair_group<T, kD, 2>;
-    case 3: return &decode_pair_group<T, kD, 3>;
-    case 4: return &decode_pair_group<T, kD, 4>;
-    case 6: return &decode_pair_group<T, kD, 6>;
-    case 7: return &decode_pair_group<T, kD, 7>;
-    case 8: return &decode_pair_group<T, kD, 8>;
-    default: return &decode_pair<T, 16, kD>;
+    case 1: return &decode_pair_group<T, K, kD, 1>;
+    case 2: return &decode_pair_group<T, K, kD, 2>;
+    case 3: return &decode_pair_group<T, K, kD, 3>;
+    case 4: return &decode_pair_group<T, K, kD, 4>;
+    case 6: return &decode_pair_group<T, K, kD, 6>;
+    case 7: return &decode_pair_group<T, K, kD, 7>;
+    case 8: return &decode_pair_group<T, K, kD, 8>;
+    default: return &decode_pair<T, K, 16, kD>;
   }
 }
 
-template <typename T>
+template <typename T, typename K>
 void decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
             const at::Tensor& block_tables, const at::Tensor& context_lens, double scale,
             at::Tensor& out) {
@@ -247,15 +249,15 @@ void decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
   const int64_t KVH = v_cache.size(0), NB = v_cache.size(1), BS = v_cache.size(2);
   const int64_t G = H / KVH, M = block_tables.size(1);
   const T* qp = q.data_ptr<T>();
-  const T* kp = k_cache.data_ptr<T>();
-  const T* vp = v_cache.data_ptr<T>();
+  const K* kp = k_cache.data_ptr<K>();
+  const K* vp = v_cache.data_ptr<K>();
   const int32_t* tables = block_tables.data_ptr<int32_t>();
   const int32_t* lens = context_lens.data_ptr<int32_t>();
   T* op = out.data_ptr<T>();
   const float fscale = static_cast<float>(scale);
-  auto pair = &decode_pair<T, 0, 0>;
-  if (BS == 16 && D == 64) pair = group_instance<T, 64>(G);
-  if (BS == 16 && D == 128) pair = group_instance<T, 128>(G);
+  auto pair = &decode_pair<T, K, 0, 0>;
+  if (BS == 16 && D == 64) pair = group_instance<T, K, 64>(G);
+  if (BS == 16 && D == 128) pair = group_instance<T, K, 128>(G);
 
   // Small batches run on the calling thread: a pool wake-up costs more than the work.
   int64_t total_tokens = 0;
@@ -283,8 +285,10 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
                   k_cache.size(2) == v_cache.size(3) && k_cache.size(3) == v_cache.size(2),
               "q [B, H, hd], k cache [kv_heads, blocks, hd, block_size], v cache [kv_heads, "
               "blocks, block_size, hd]");
-  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && q.scalar_type() == v_cache.scalar_type(),
-              "q and the cache must have one dtype");
+  TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type() &&
+                  (q.scalar_type() == k_cache.scalar_type() ||
+                   (q.scalar_type() == at::kFloat && k_cache.scalar_type() == at::kBFloat16)),
+              "q and the cache must have one dtype, or q float32 over a bfloat16 cache");
   TORCH_CHECK(q.size(2) == v_cache.size(3) && q.size(1) % v_cache.size(0) == 0,
               "head_dim must match and query heads be a multiple of kv heads");
   TORCH_CHECK(block_tables.scalar_type() == at::kInt && context_lens.scalar_type() == at::kInt,
@@ -298,8 +302,12 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
   auto tc = block_tables.contiguous();
   auto lc = context_lens.contiguous();
   auto out = at::empty_like(qc);
+  if (qc.scalar_type() != kc.scalar_type()) {
+    decode<float, c10::BFloat16>(qc, kc, vc, tc, lc, scale, out);  // fp32 activations, bf16 cache
+    return out;
+  }
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, qc.scalar_type(), "paged_decode", [&] {
-    decode<scalar_t>(qc, kc, vc, tc, lc, scale, out);
+    decode<scalar_t, scalar_t>(qc, kc, vc, tc, lc, scale, out);
   });
   return out;
 }
@@ -310,8 +318,8 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
 // rotate-half's sign folded into sin: out = x * cos + roll(x, D/2) * sin). K goes to
 // k_cache[kvh][block][:, offset] (blocks transposed), V to v_cache[kvh][block][offset][:], with
 // block, offset = slot / block_size, slot % block_size. Returns the rotated Q [T, H, D].
-template <typename T, typename C>
-void rotary_write(const T* qkv, const C* cos, const C* sin, T* kc, T* vc, const int64_t* slots,
+template <typename T, typename C, typename K>
+void rotary_write(const T* qkv, const C* cos, const C* sin, K* kc, K* vc, const int64_t* slots,
                   T* q_out, int64_t n_tokens, int64_t H, int64_t KVH, int64_t D, int64_t NB,
                   int64_t BS) {
   const int64_t half = D / 2, row = (H + 2 * KVH) * D;
@@ -331,14 +339,14 @@ void rotary_write(const T* qkv, const C* cos, const C* sin, T* kc, T* vc, const 
         T* qh = q_out + (t * H + hh) * D;
         for (int64_t d = 0; d < D; ++d) qh[d] = store_f<T>(rot[d]);
       } else {
-        T* kb = kc + ((hh - H) * NB + block) * D * BS;  // [D][BS]
-        for (int64_t d = 0; d < D; ++d) kb[d * BS + off] = store_f<T>(rot[d]);
+        K* kb = kc + ((hh - H) * NB + block) * D * BS;  // [D][BS]
+        for (int64_t d = 0; d < D; ++d) kb[d * BS + off] = store_f<K>(rot[d]);
       }
     }
     for (int64_t hh = 0; hh < KVH; ++hh) {
       const T* vh = x + (H + KVH + hh) * D;
-      T* vb = vc + ((hh * NB + block) * BS + off) * D;
-      std::copy(vh, vh + D, vb);
+      K* vb = vc + ((hh * NB + block) * BS + off) * D;
+      for (int64_t d = 0; d < D; ++d) vb[d] = store_f<K>(load_f(vh[d]));
     }
   }
 }
@@ -356,27 +364,35 @@ at::Tensor rotary_write_kv(const at::Tensor& qkv, const at::Tensor& cos, const a
   TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.numel() == n * D &&
                   sin.numel() == n * D && cos.scalar_type() == sin.scalar_type(),
               "cos and sin must be contiguous [T, head_dim] of one dtype");
+  const bool mixed = qkv.scalar_type() == at::kFloat && k_cache.scalar_type() == at::kBFloat16;
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() &&
-                  k_cache.scalar_type() == qkv.scalar_type() &&
-                  v_cache.scalar_type() == qkv.scalar_type() && k_cache.size(2) == D &&
+                  (k_cache.scalar_type() == qkv.scalar_type() || mixed) &&
+                  v_cache.scalar_type() == k_cache.scalar_type() && k_cache.size(2) == D &&
                   k_cache.size(3) == BS,
               "k cache [kv_heads, blocks, head_dim, block_size], v cache [kv_heads, blocks, "
-              "block_size, head_dim], contiguous, in qkv's dtype");
+              "block_size, head_dim], contiguous, in qkv's dtype (or bfloat16 under float32 qkv)");
   TORCH_CHECK(slots.scalar_type() == at::kLong && slots.is_contiguous() && slots.numel() == n,
               "slots: int64 [T]");
   auto q = at::empty({n, num_heads, D}, qkv.options());
+  if (mixed) {  // fp32 activations over a bf16 cache (kv_cache_dtype): K and V rounded once, here
+    TORCH_CHECK(cos.scalar_type() == at::kFloat, "cos/sin: fp32 for fp32 qkv");
+    rotary_write<float, float, c10::BFloat16>(
+        qkv.data_ptr<float>(), cos.data_ptr<float>(), sin.data_ptr<float>(), k_cache.data_ptr<c10::BFloat16>(),
+        v_cache.data_ptr<c10::BFloat16>(), slots.data_ptr<int64_t>(), q.data_ptr<float>(), n, num_heads, KVH, D, NB, BS);
+    return q;
+  }
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, qkv.scalar_type(), "rotary_write", [&] {
     using T = scalar_t;
     if (cos.scalar_type() == at::kFloat) {
-      rotary_write<T, float>(qkv.data_ptr<T>(), cos.data_ptr<float>(), sin.data_ptr<float>(),
-                             k_cache.data_ptr<T>(), v_cache.data_ptr<T>(),
-                             slots.data_ptr<int64_t>(), q.data_ptr<T>(), n, num_heads, KVH, D,
-                             NB, BS);
+      rotary_write<T, float, T>(qkv.data_ptr<T>(), cos.data_ptr<float>(), sin.data_ptr<float>(),
+                                k_cache.data_ptr<T>(), v_cache.data_ptr<T>(),
+                                slots.data_ptr<int64_t>(), q.data_ptr<T>(), n, num_heads, KVH, D,
+                                NB, BS);
     } else {
       TORCH_CHECK(cos.scalar_type() == qkv.scalar_type(), "cos/sin: fp32 or qkv's dtype");
-      rotary_write<T, T>(qkv.data_ptr<T>(), cos.data_ptr<T>(), sin.data_ptr<T>(),
-                         k_cache.data_ptr<T>(), v_cache.data_ptr<T>(), slots.data_ptr<int64_t>(),
-                         q.data_ptr<T>(), n, num_heads, KVH, D, NB, BS);
+      rotary_write<T, T, T>(qkv.data_ptr<T>(), cos.data_ptr<T>(), sin.data_ptr<T>(),
+                            k_cache.data_ptr<T>(), v_cache.data_ptr<T>(), slots.data_ptr<int64_t>(),
+                            q.data_ptr<T>(), n, num_heads, KVH, D, NB, BS);
     }
   });
   return q;

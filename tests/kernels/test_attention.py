@@ -75,20 +75,24 @@ def test_paged_decode_matches_dense(native: bool) -> None:
     kvh=st.sampled_from([1, 2, 3]),
     group=st.sampled_from([1, 2, 3, 4, 5, 6, 7, 8]),  # 5: no instance of its own
     bs=st.sampled_from([1, 4, 16]),
-    dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16, "fp32 over bf16"]),
     d=st.sampled_from([16, 64, 128]),  # 16 x 64 and 16 x 128 have their own instances
     seed=st.integers(0, 2**16),
 )
 def test_native_decode_matches_the_torch_path(
-    lens: list[int], kvh: int, group: int, bs: int, dtype: torch.dtype, d: int, seed: int
+    lens: list[int], kvh: int, group: int, bs: int, dtype: torch.dtype | str, d: int, seed: int
 ) -> None:
     """The native kernel against the torch reference: any lengths (block edges, one token),
-    GQA groups, block sizes, scattered block tables, fp32/bf16/fp16 caches."""
+    GQA groups, block sizes, scattered block tables, fp32/bf16/fp16 caches, and fp32 queries
+    over a bf16 cache (kv_cache_dtype="bfloat16" under fp32 activations)."""
     g = torch.Generator().manual_seed(seed)
+    cache_dtype = torch.bfloat16 if dtype == "fp32 over bf16" else dtype
+    dtype = torch.float32 if dtype == "fp32 over bf16" else dtype
+    assert isinstance(dtype, torch.dtype) and isinstance(cache_dtype, torch.dtype)
     need = [-(-n // bs) for n in lens]
     num_blocks = sum(need) + 3
-    kc = torch.randn(kvh, num_blocks, d, bs, generator=g).to(dtype)  # K blocks transposed
-    vc = torch.randn(kvh, num_blocks, bs, d, generator=g).to(dtype)
+    kc = torch.randn(kvh, num_blocks, d, bs, generator=g).to(cache_dtype)  # K blocks transposed
+    vc = torch.randn(kvh, num_blocks, bs, d, generator=g).to(cache_dtype)
     perm = torch.randperm(num_blocks, generator=g).tolist()
     tables, used = [], 0
     for m in need:
@@ -111,14 +115,18 @@ def test_native_decode_matches_the_torch_path(
     heads=st.sampled_from([(4, 1), (6, 2), (9, 3)]),
     d=st.sampled_from([8, 64]),
     bs=st.sampled_from([1, 16]),
-    dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16, "fp32 over bf16"]),
     seed=st.integers(0, 2**16),
 )
 def test_native_rotary_and_cache_write_match_the_torch_path(
-    t: int, heads: tuple[int, int], d: int, bs: int, dtype: torch.dtype, seed: int
+    t: int, heads: tuple[int, int], d: int, bs: int, dtype: torch.dtype | str, seed: int
 ) -> None:
+    """Also fp32 activations written to a bf16 cache (kv_cache_dtype="bfloat16")."""
     from triollm.kernels.rotary import apply_rotary_signed, rotary_sign
 
+    cache_dtype = torch.bfloat16 if dtype == "fp32 over bf16" else dtype
+    dtype = torch.float32 if dtype == "fp32 over bf16" else dtype
+    assert isinstance(dtype, torch.dtype) and isinstance(cache_dtype, torch.dtype)
     g = torch.Generator().manual_seed(seed)
     h, kvh = heads
     qkv = torch.randn(t, (h + 2 * kvh) * d, generator=g).to(dtype)
@@ -126,14 +134,15 @@ def test_native_rotary_and_cache_write_match_the_torch_path(
     pos = torch.randint(0, 64, (t,), generator=g)
     c, sn = cos[pos].to(dtype).unsqueeze(1), (sin[pos] * rotary_sign(d)).to(dtype).unsqueeze(1)
     slots = torch.randperm(16 * bs, generator=g)[:t]
-    caches = [allocate_kv_cache(1, 16, bs, kvh, d, dtype, "cpu") for _ in range(2)]
+    caches = [allocate_kv_cache(1, 16, bs, kvh, d, cache_dtype, "cpu") for _ in range(2)]
     # The torch path, as the model runs it.
     qk = apply_rotary_signed(qkv[:, : (h + kvh) * d].view(t, h + kvh, d), c, sn)
     write_kv(caches[0].k[0], caches[0].v[0], qk[:, h:], qkv[:, (h + kvh) * d :].view(t, kvh, d), slots)
     q = cpu_native.rotary_write_kv(qkv, c, sn, caches[1].k[0], caches[1].v[0], slots, h, kvh)
-    tol = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 2e-2}
+    tol = {"rtol": 1e-5, "atol": 1e-5} if cache_dtype == torch.float32 else {"rtol": 2e-2, "atol": 2e-2}
     torch.testing.assert_close(q.float(), qk[:, :h].float(), **tol)
     torch.testing.assert_close(caches[1].k[0].float(), caches[0].k[0].float(), **tol)
+    assert caches[1].k[0].dtype == cache_dtype
     torch.testing.assert_close(caches[1].v[0], caches[0].v[0], rtol=0, atol=0)
 
 

@@ -177,7 +177,10 @@ def test_the_bundled_gguf_is_quantized_by_default_where_vnni_makes_it_fast(bundl
     """The default (quantization=None) keeps a .gguf model's blocks on a CPU with AVX-512 VNNI
     and dtype auto; "none", another dtype, or an HF directory give the dense model."""
     expected = "gguf" if cpu_native.has_vnni() else None
-    assert EngineArgs().create_engine_config().model.quantization == expected
+    default = EngineArgs().create_engine_config().model
+    assert default.quantization == expected
+    # Its fp32 activations over a bf16 KV cache (kv_cache_dtype auto), as llama.cpp keeps f16.
+    assert default.cache_dtype == (torch.bfloat16 if expected else torch.float32)
     assert EngineArgs(quantization="none").create_engine_config().model.quantization is None
     assert EngineArgs(dtype="bfloat16").create_engine_config().model.quantization is None
     assert EngineArgs(model=str(bundled_model_dir)).create_engine_config().model.quantization is None
@@ -196,6 +199,7 @@ def test_an_engine_core_process_gets_the_resolved_scheme(bundled_model_dir: Path
     spec = child_spec(config, args, ends, None)  # type: ignore[arg-type]
     child = EngineArgs(**spec.args).create_engine_config()
     assert child.model.quantization == config.model.quantization
+    assert child.model.cache_dtype == config.model.cache_dtype
 
 
 @needs_native
