@@ -118,6 +118,46 @@ inline void packed_group(const uint8_t* qg, const uint16_t* dg, const uint16_t* 
   }
   for (int64_t r = 0; r < rows; ++r) _mm512_mask_storeu_ps(out + r * ldo, store_mask, acc[r]);
 }
+
+// Batch 1 (a decode token), the bandwidth-bound case: the same arithmetic with four independent
+// dot-product chains and the offset term in an accumulator of its own (shorter dependency
+// chains), prefetching a fixed 4 KB ahead. Measured against packed_group<.., rows = 1>,
+// interleaved in one process: the 49152 x 576 Q8_0 head 1.47 -> 1.15 ms (26 GB/s), the layers
+// 3.39 -> 3.23 ms per token.
+template <bool FourBit>
+inline void packed_group_m1(const uint8_t* qg, const uint16_t* dg, const uint16_t* mg, int64_t nb,
+                            const int8_t* qx, const float* dx, const float* sx, float* out, __mmask16 store_mask) {
+  constexpr int64_t kBytes = FourBit ? 256 : 512;
+  constexpr int64_t kAhead = 4096;
+  __m512 acc = _mm512_setzero_ps(), acc_m = _mm512_setzero_ps();
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* wb = qg + b * kBytes;
+    for (int64_t c = 0; c < kBytes; c += 64) _mm_prefetch(reinterpret_cast<const char*>(wb + kAhead + c), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(dg + (b + kPrefetch) * 16), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(mg + (b + kPrefetch) * 16), _MM_HINT_T0);
+    __m512i w[8];
+    if constexpr (FourBit) {
+      for (int t = 0; t < 4; ++t) {
+        const __m512i v = _mm512_loadu_si512(reinterpret_cast<const void*>(wb + t * 64));
+        w[t] = _mm512_and_si512(v, low);
+        w[t + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+      }
+    } else {
+      for (int s = 0; s < 8; ++s) w[s] = _mm512_loadu_si512(reinterpret_cast<const void*>(wb + s * 64));
+    }
+    const int32_t* xb = reinterpret_cast<const int32_t*>(qx + b * kBlock);
+    __m512i d[4];
+    for (int c = 0; c < 4; ++c) d[c] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[c], _mm512_set1_epi32(xb[c]));
+    for (int c = 0; c < 4; ++c) d[c] = _mm512_dpbusd_epi32(d[c], w[c + 4], _mm512_set1_epi32(xb[c + 4]));
+    const __m512 dot = _mm512_cvtepi32_ps(_mm512_add_epi32(_mm512_add_epi32(d[0], d[1]), _mm512_add_epi32(d[2], d[3])));
+    const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(dg + b * 16)));
+    const __m512 mw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(mg + b * 16)));
+    acc = _mm512_fmadd_ps(dot, _mm512_mul_ps(dw, _mm512_set1_ps(dx[b])), acc);
+    acc_m = _mm512_fmadd_ps(mw, _mm512_set1_ps(sx[b]), acc_m);
+  }
+  _mm512_mask_storeu_ps(out, store_mask, _mm512_add_ps(acc, acc_m));
+}
 #endif
 
 // Scalar path over the same packed layout (no VNNI): the code of row `lane`, input `k` of group g.
@@ -185,6 +225,13 @@ at::Tensor quant_linear_packed(const at::Tensor& x, const at::Tensor& qp, const 
       }
 #ifdef TRIOLLM_VNNI
       const __mmask16 mask = static_cast<__mmask16>((1u << valid) - 1u);
+      if (M == 1) {
+        if (bits == 4)
+          packed_group_m1<true>(qg, dg, mg, nb, qx.data(), dx.data(), sx.data(), o + g * 16, mask);
+        else
+          packed_group_m1<false>(qg, dg, mg, nb, qx.data(), dx.data(), sx.data(), o + g * 16, mask);
+        continue;
+      }
       for (int64_t r0 = 0; r0 < M; r0 += kRowsPerPass) {
         const int64_t rows = std::min(kRowsPerPass, M - r0);
         if (bits == 4)
