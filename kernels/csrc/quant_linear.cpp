@@ -30,7 +30,6 @@ namespace triollm_cpu {
 
 constexpr int64_t kBlock = 32;
 constexpr int64_t kRowsPerPass = 8;  // activation rows whose accumulators live in registers
-constexpr int64_t kPrefetch = 4;     // blocks ahead (4 measured best of 2, 4, 8, 16)
 #ifdef TRIOLLM_VNNI
 constexpr bool kHasVnni = true;
 #else
@@ -73,34 +72,42 @@ void quantize_activations(const float* x, int64_t M, int64_t K, int8_t* qx, floa
 // Rows past N (the last group's padding) have zero codes and scales and are not stored.
 
 #ifdef TRIOLLM_VNNI
+// Block b of a group: its 8 code vectors (4-bit codes split into low and high nibbles) and its
+// 16 rows' scales and offsets. Prefetches 4 KB ahead (past a group's end: the next group's,
+// contiguous): the weights stream from DRAM once per call, and the hardware prefetcher alone
+// ramps up too slowly for these short streams (11-15 GB/s measured without this, 18-20 with).
+template <bool FourBit>
+inline void load_block(const uint8_t* qg, const uint16_t* dg, const uint16_t* mg, int64_t b, __m512i w[8], __m512& dw,
+                       __m512& mw) {
+  constexpr int64_t kBytes = FourBit ? 256 : 512, kAheadBytes = 4096, kAhead = kAheadBytes / kBytes;
+  const uint8_t* wb = qg + b * kBytes;
+  for (int64_t c = 0; c < kBytes; c += 64) _mm_prefetch(reinterpret_cast<const char*>(wb + kAheadBytes + c), _MM_HINT_T0);
+  _mm_prefetch(reinterpret_cast<const char*>(dg + (b + kAhead) * 16), _MM_HINT_T0);
+  _mm_prefetch(reinterpret_cast<const char*>(mg + (b + kAhead) * 16), _MM_HINT_T0);
+  if constexpr (FourBit) {
+    const __m512i low = _mm512_set1_epi8(0x0F);
+    for (int t = 0; t < 4; ++t) {
+      const __m512i v = _mm512_loadu_si512(reinterpret_cast<const void*>(wb + t * 64));
+      w[t] = _mm512_and_si512(v, low);
+      w[t + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+    }
+  } else {
+    for (int s = 0; s < 8; ++s) w[s] = _mm512_loadu_si512(reinterpret_cast<const void*>(wb + s * 64));
+  }
+  dw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(dg + b * 16)));
+  mw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(mg + b * 16)));
+}
+
 template <bool FourBit>
 inline void packed_group(const uint8_t* qg, const uint16_t* dg, const uint16_t* mg, int64_t nb,
                          const int8_t* qx, const float* dx, const float* sx, int64_t K, int64_t rows,
                          float* out, int64_t ldo, __mmask16 store_mask) {
-  constexpr int64_t kBytes = FourBit ? 256 : 512;
   __m512 acc[kRowsPerPass];
   for (int64_t r = 0; r < rows; ++r) acc[r] = _mm512_setzero_ps();
-  const __m512i low = _mm512_set1_epi8(0x0F);
   for (int64_t b = 0; b < nb; ++b) {
-    const uint8_t* wb = qg + b * kBytes;
-    // Software prefetch a few blocks ahead (past a group's end: the next group's, contiguous).
-    // The weights stream from DRAM once per call; the hardware prefetcher alone ramps up too
-    // slowly for these short streams: 11-15 GB/s measured without this, 18-20 GB/s with it.
-    for (int64_t c = 0; c < kBytes; c += 64) _mm_prefetch(reinterpret_cast<const char*>(wb + kPrefetch * kBytes + c), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(dg + (b + kPrefetch) * 16), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(mg + (b + kPrefetch) * 16), _MM_HINT_T0);
     __m512i w[8];
-    if constexpr (FourBit) {
-      for (int t = 0; t < 4; ++t) {
-        const __m512i v = _mm512_loadu_si512(reinterpret_cast<const void*>(wb + t * 64));
-        w[t] = _mm512_and_si512(v, low);
-        w[t + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
-      }
-    } else {
-      for (int s = 0; s < 8; ++s) w[s] = _mm512_loadu_si512(reinterpret_cast<const void*>(wb + s * 64));
-    }
-    const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(dg + b * 16)));
-    const __m512 mw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(mg + b * 16)));
+    __m512 dw, mw;
+    load_block<FourBit>(qg, dg, mg, b, w, dw, mw);
     for (int64_t r = 0; r < rows; ++r) {
       const int32_t* xb = reinterpret_cast<const int32_t*>(qx + r * K + b * kBlock);
       __m512i d0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[0], _mm512_set1_epi32(xb[0]));
@@ -121,38 +128,21 @@ inline void packed_group(const uint8_t* qg, const uint16_t* dg, const uint16_t* 
 
 // Batch 1 (a decode token), the bandwidth-bound case: the same arithmetic with four independent
 // dot-product chains and the offset term in an accumulator of its own (shorter dependency
-// chains), prefetching a fixed 4 KB ahead. Measured against packed_group<.., rows = 1>,
-// interleaved in one process: the 49152 x 576 Q8_0 head 1.47 -> 1.15 ms (26 GB/s), the layers
-// 3.39 -> 3.23 ms per token.
+// chains). Measured against packed_group<.., rows = 1>, interleaved in one process: the
+// 49152 x 576 Q8_0 head 1.47 -> 1.15 ms (26 GB/s), the layers 3.39 -> 3.23 ms per token.
 template <bool FourBit>
 inline void packed_group_m1(const uint8_t* qg, const uint16_t* dg, const uint16_t* mg, int64_t nb,
                             const int8_t* qx, const float* dx, const float* sx, float* out, __mmask16 store_mask) {
-  constexpr int64_t kBytes = FourBit ? 256 : 512;
-  constexpr int64_t kAhead = 4096;
   __m512 acc = _mm512_setzero_ps(), acc_m = _mm512_setzero_ps();
-  const __m512i low = _mm512_set1_epi8(0x0F);
   for (int64_t b = 0; b < nb; ++b) {
-    const uint8_t* wb = qg + b * kBytes;
-    for (int64_t c = 0; c < kBytes; c += 64) _mm_prefetch(reinterpret_cast<const char*>(wb + kAhead + c), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(dg + (b + kPrefetch) * 16), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(mg + (b + kPrefetch) * 16), _MM_HINT_T0);
     __m512i w[8];
-    if constexpr (FourBit) {
-      for (int t = 0; t < 4; ++t) {
-        const __m512i v = _mm512_loadu_si512(reinterpret_cast<const void*>(wb + t * 64));
-        w[t] = _mm512_and_si512(v, low);
-        w[t + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
-      }
-    } else {
-      for (int s = 0; s < 8; ++s) w[s] = _mm512_loadu_si512(reinterpret_cast<const void*>(wb + s * 64));
-    }
+    __m512 dw, mw;
+    load_block<FourBit>(qg, dg, mg, b, w, dw, mw);
     const int32_t* xb = reinterpret_cast<const int32_t*>(qx + b * kBlock);
     __m512i d[4];
     for (int c = 0; c < 4; ++c) d[c] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[c], _mm512_set1_epi32(xb[c]));
     for (int c = 0; c < 4; ++c) d[c] = _mm512_dpbusd_epi32(d[c], w[c + 4], _mm512_set1_epi32(xb[c + 4]));
     const __m512 dot = _mm512_cvtepi32_ps(_mm512_add_epi32(_mm512_add_epi32(d[0], d[1]), _mm512_add_epi32(d[2], d[3])));
-    const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(dg + b * 16)));
-    const __m512 mw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(mg + b * 16)));
     acc = _mm512_fmadd_ps(dot, _mm512_mul_ps(dw, _mm512_set1_ps(dx[b])), acc);
     acc_m = _mm512_fmadd_ps(mw, _mm512_set1_ps(sx[b]), acc_m);
   }
