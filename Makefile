@@ -3,7 +3,7 @@ PY ?= python3
 VENV := .venv
 BIN := $(abspath $(VENV))/bin
 
-.PHONY: run test lint aot setup bench
+.PHONY: run test lint aot setup bench peers-gguf
 setup: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml
@@ -33,3 +33,21 @@ test: lint aot
 
 bench: setup
 	$(BIN)/triollm bench throughput --compare-hf
+
+# ../shared/peers/run.sh runs triollm on its HF-format copies of the model (dense); this runs the
+# bundled GGUF as shipped (triollm's default there) next to llama.cpp on the same file, with the
+# peers' own scripts, alternately (RUNS times each), then triollm bf16 and vLLM-CPU bf16 where
+# set up (../shared/peers/setup.sh llamacpp vllm). Figures: docs/benchmarks.md.
+PEERS ?= $(HOME)/.cache/triollm-peers
+RUNS ?= 2
+peers-gguf: setup
+	out=$(PEERS)/results/gguf-$$(date +%Y%m%d-%H%M%S).jsonl; p=../shared/peers; \
+	for i in $$(seq $(RUNS)); do \
+	  PEERS=$(PEERS) $(PEERS)/venv-llamacpp/bin/python $$p/bench_llamacpp.py --gguf "$$(ls $(PEERS)/models/gguf/*.gguf | head -1)" --mode single --n 8 --out $$out >/dev/null 2>&1 || echo "llama.cpp failed"; \
+	  PEERS=$(PEERS) $(BIN)/python $$p/bench_triollm.py --model bundled --dtype auto --single --out $$out >/dev/null 2>&1 || echo "triollm failed"; \
+	done; \
+	PEERS=$(PEERS) $(BIN)/python $$p/bench_triollm.py --model $(PEERS)/models/smollm2-135m-instruct-fp32 --dtype bfloat16 --single --out $$out >/dev/null 2>&1; \
+	[ -x $(PEERS)/venv-vllm/bin/python ] && PEERS=$(PEERS) VLLM_CPU_KVCACHE_SPACE=2 VLLM_CPU_OMP_THREADS_BIND=0-$$(( $$(nproc) - 1 )) VLLM_CPU_NUM_OF_RESERVED_CPU=0 \
+	  $(PEERS)/venv-vllm/bin/python $$p/bench_vllm.py --model $(PEERS)/models/smollm2-135m-instruct-fp32 --dtype bfloat16 --single --out $$out >/dev/null 2>&1; \
+	$(BIN)/python -c 'import json, sys; rows = [json.loads(line) for line in open(sys.argv[1])]; [print(r["engine"][:28].ljust(28), str(r.get("dtype") or r.get("gguf"))[:12].ljust(12), str(r.get("out_tok_s", "")).rjust(8), r.get("b1_decode_ms_per_tok") or r.get("decode_ms_per_tok_median")) for r in rows]' $$out; \
+	echo "raw: $$out"
