@@ -25,7 +25,11 @@ def test_every_package_is_listed() -> None:
 
 
 def test_native_kernel_sources_ship_with_the_package() -> None:
-    """kernels/cpu_native.py compiles kernels/csrc/*.cpp at run time: a wheel must carry them."""
+    """kernels/cpu_native.py compiles kernels/csrc/*.cpp (and their headers) at run time: a
+    wheel must carry them, and the build must list every source."""
+    from triollm.kernels import cpu_native
+
     data = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
     sources = sorted(p.name for p in (ROOT / "kernels" / "csrc").glob("*.cpp"))
-    assert sources and data.get("triollm.kernels") == ["csrc/*.cpp"]
+    assert sources and data.get("triollm.kernels") == ["csrc/*.cpp", "csrc/*.h"]
+    assert sorted(p.name for p in cpu_native._SOURCES) == sources

@@ -275,6 +275,7 @@ class LlamaForCausalLM(nn.Module):
         plan = meta.decode_plan
         stack = self.decode_stack
         if stack is not None and plan is not None and plan.native is not None and meta.num_decodes == x.shape[0]:
+            # A quantized model's all-decode step: every layer in one native call, same bits.
             x = stack(x, cos, sin, meta.slot_mapping, plan.native, kv.k, kv.v)
         else:
             # Inside the model, submodules are called through `.forward`: nn.Module.__call__
