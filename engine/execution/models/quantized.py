@@ -119,9 +119,7 @@ class DecodeStack:
             return False
         for layer in model.layers:
             for p in _projections(layer):
-                if not (
-                    isinstance(p, QuantLinear) and p.bias is None and p.qp.device.type == "cpu"
-                ):
+                if not (isinstance(p, QuantLinear) and p.bias is None and p.qp.device.type == "cpu"):
                     return False
         return True
 
@@ -146,12 +144,7 @@ class DecodeStack:
 def _projections(module: nn.Module) -> tuple[nn.Module, ...]:
     """A decoder layer's four projections, in the native stack's order."""
     layer = cast("LlamaDecoderLayer", module)
-    return (
-        layer.self_attn.qkv_proj,
-        layer.self_attn.o_proj,
-        layer.mlp.gate_up_proj,
-        layer.mlp.down_proj,
-    )
+    return layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj
 
 
 def read_gguf_quantized(path: Path) -> dict[str, QuantWeight]:
@@ -163,9 +156,7 @@ def read_gguf_quantized(path: Path) -> dict[str, QuantWeight]:
     with safe_open(str(file), framework="pt") as f:
         bits = {k: int(v) for k, v in (f.metadata() or {}).items() if k != "format"}
         for name, b in bits.items():
-            out[name] = QuantWeight(
-                f.get_tensor(f"{name}.q"), f.get_tensor(f"{name}.d"), f.get_tensor(f"{name}.m"), b
-            )
+            out[name] = QuantWeight(f.get_tensor(f"{name}.q"), f.get_tensor(f"{name}.d"), f.get_tensor(f"{name}.m"), b)
     return out
 
 
@@ -195,9 +186,7 @@ def quantize_model(model: LlamaForCausalLM, scheme: str, path: Path) -> None:
             else:
                 assert bits is not None
                 weight = QuantWeight.quantize(dense.weight.detach(), bits)
-            bias = (
-                None if dense.bias is None else dense.bias.detach()
-            )  # gguf: on meta, loaded later
+            bias = None if dense.bias is None else dense.bias.detach()  # gguf: on meta, loaded later
             setattr(owner, attr, QuantLinear(weight, bias))
     embedding = gguf.get("model.embed_tokens.weight")
     if model.lm_head is None and embedding is not None:
