@@ -48,33 +48,14 @@ class _Packed(nn.Module):
 
 
 class QuantLinear(_Packed):
-    """A linear layer over quantized blocks (kernels/quant.py `packed_linear`).
-
-    Batch-1 decode calls 120 of these per token, so the common case (a 2-D fp32 input on a CPU
-    with the native kernels, no bias) calls the op straight from arguments cached in the
-    instance dict, skipping nn.Module attribute lookups (about 3 µs a call, 0.4 ms a token)."""
+    """A linear layer over quantized blocks (kernels/quant.py `packed_linear`). A quantized
+    model's batch-1 decode does not call these one by one: `DecodeStack` runs them in C++."""
 
     def __init__(self, weight: QuantWeight, bias: torch.Tensor | None) -> None:
         super().__init__(weight)
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
-        self._direct: tuple[object, ...] | None = None
-        self._refresh()
-
-    def _refresh(self) -> None:
-        cpu = self.qp.device.type == "cpu" and self.bias is None and cpu_native.available()
-        op = torch.ops.triollm_cpu.quant_linear_packed if cpu else None
-        self._direct = None if op is None else (op, self.qp, self.dp, self.mp, self.bits, self.n)
-
-    def _apply(self, fn, recurse=True):  # type: ignore[no-untyped-def]
-        out = super()._apply(fn, recurse)
-        self._refresh()  # moved or converted: the cached tensors are stale
-        return out
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        direct = self._direct
-        if direct is not None and x.dim() == 2 and x.dtype == torch.float32:
-            op, qp, dp, mp, bits, n = direct
-            return op(x, qp, dp, mp, bits, n, False)  # type: ignore[operator]
         return packed_linear(x, self.weight, self.bias)
 
 
