@@ -1,19 +1,22 @@
-"""`AsyncLLM`: vLLM's async entry point as a small actor system on one anyio task group.
+"""`AsyncLLM`: vLLM's async entry point, a shell around the sans-IO `Frontend`.
 
 ```
-add_request() ──(validate, tokenize: the input side, in the caller's task)──▶ core inputs stream
-                                                                                  │
-                       engine core (in-process task, or child process over ZMQ: transport.py)
-                                                                                  │
-RequestStream handles ◀── output actor (detokenize, stop strings, RequestOutputs, ◀──┘
+add_request() ──(Frontend: open, process, add)──▶ core inputs stream ──▶ engine core (in-process
+                                                                          task, or a child process
+RequestStream handles ◀── output actor (Frontend.on_outputs, ◀── outputs ◀─ over ZMQ: transport.py)
  (one per request)          in chunks of output_chunk_size with a checkpoint between)
 ```
+
+The request table, the id scheme, the queue count, pause and hold, and what an abort must send
+all live in `engine/frontend/` (no awaits there). This class does what needs an event loop: the
+lifecycle (the task group, or the root task of actors/host.py when nobody entered the engine),
+the output actor, the watchdog, the utility-call waiters, and the waiting in `add_request`.
 
 Ownership: `async with AsyncLLM.from_engine_args(args) as llm:` (or `await llm.start()` ...
 `await llm.shutdown()` from the same task) owns a task group holding the core client and the
 output actor. Actors never raise into that task group: the engine's death is caught by the
-output actor, broadcast once as `EngineDeadError` to every request's stream (the data path),
-and recorded in `errored`; new requests then fail at once.
+output actor, put into every request's stream as `EngineDeadError` (the data path), and
+recorded in `errored`; new requests then fail at once.
 
 Requests: `add_request()` returns the request's `RequestStream` (request_stream.py), the one
 public handle every consumer uses; `generate()` is a thin async generator over it. A consumer
@@ -30,8 +33,9 @@ import logging
 import time
 import traceback
 import warnings
-from collections.abc import AsyncGenerator, Awaitable, Callable, Generator, Iterable, Mapping
+from collections.abc import AsyncGenerator, Callable, Iterable
 from contextlib import AsyncExitStack, ExitStack
+from dataclasses import dataclass
 from typing import Any, Literal, cast
 
 import anyio
@@ -40,7 +44,7 @@ from anyio.abc import TaskGroup, TaskStatus
 
 from triollm.actors.core_client import CoreClient
 from triollm.actors.errors import EngineBusyError, EngineDeadError, EngineGenerateError
-from triollm.actors.host import spawn_root_task
+from triollm.actors.host import EngineHost, ShutdownCall
 from triollm.actors.messages import (
     AbortRequests,
     AddRequest,
@@ -54,95 +58,55 @@ from triollm.actors.messages import (
     UtilityResult,
 )
 from triollm.actors.request_stream import RequestStream
+from triollm.actors.stats import StatsLog, engine_metrics
 from triollm.actors.transport import open_core_client
 from triollm.engine.beam_search import BeamSearch, BeamSearchParams, prompt_token_ids
 from triollm.engine.config import EngineArgs, EngineConfig, ModelConfig
 from triollm.engine.core import EngineCoreFactory
-from triollm.engine.metrics import Counter, Gauge, Metric
+from triollm.engine.frontend import Frontend, InputProcessor, input_size
+from triollm.engine.frontend.input import LARGE_INPUT
+from triollm.engine.inputs import PromptType
+from triollm.engine.metrics import Metric
 from triollm.engine.outputs import RequestOutput
 from triollm.engine.pooling_outputs import PoolingOutput, PoolingRequestOutput
 from triollm.engine.pooling_params import PoolingParams
-from triollm.engine.processing.processors import (
-    InputProcessor,
-    OutputProcessor,
-    ProcessedRequest,
-    PromptType,
-)
 from triollm.engine.processing.tokenizer import Tokenizer
+from triollm.engine.request import EngineCoreRequest
 from triollm.engine.sampling_params import SamplingParams
 
-__all__ = ["AsyncEngineArgs", "AsyncLLM", "PauseMode", "ShutdownCall"]
+__all__ = ["AsyncEngineArgs", "AsyncLLM", "FrontendStatistics", "PauseMode", "ShutdownCall"]
 
 log = logging.getLogger("triollm")
 
-# Requests whose input is larger than this (characters to tokenize plus token ids to check, the
-# prompt's and `bad_words`': `_input_size`) are processed in a worker thread, so that they do
-# not stall the event loop. (The name predates `bad_words` counting; tests patch it.)
-_LARGE_PROMPT = 8192
+# Inputs larger than this (`input_size`) are processed in a worker thread (tests patch it).
+_LARGE_PROMPT = LARGE_INPUT
 # A core that stopped taking inputs reports its death through the output stream: how long a
 # caller that found the inputs closed waits for that report (it is normally there at once).
 DEATH_REPORT_WAIT_S = 5.0
-# What one tokenizer call costs beyond its text, in characters: measured ~5 us per call and
-# ~0.23 us per character (the tiny test tokenizer, CPython 3.11), so ~20; rounded down.
-_TOKENIZER_CALL_CHARS = 16
 
 SUPPORTED_TASKS: tuple[str, ...] = ("generate",)
 POOLING_TASKS: tuple[str, ...] = ("embed", "encode")  # a pooling model's (runner "pooling")
 PauseMode = Literal["abort", "wait", "keep"]
 PAUSE_MODES: tuple[str, ...] = ("abort", "wait", "keep")
+# Called with every message the frontend sends to the engine core; returns what to send.
+InputTap = Callable[[CoreInput], CoreInput]
 
 
-class ShutdownCall:
-    """What `AsyncLLM.shutdown()` returns: the shutdown has begun when the call returns (vLLM's
-    sync form); awaiting it waits until the engine has stopped (the structured form)."""
+@dataclass(frozen=True)
+class FrontendStatistics:
+    """`AsyncLLM.statistics()`: the request table's counts and what the frontend knows of the
+    engine core (no round trip: see `get_engine_stats()` for the core's own)."""
 
-    def __init__(self, finish: Callable[[float], Awaitable[None]], timeout: float) -> None:
-        self._finish = finish
-        self._timeout = timeout
-
-    def __await__(self) -> Generator[Any, None, None]:
-        return self._finish(self._timeout).__await__()
-
-
-class _EngineHost:
-    """The root task that owns an engine nobody entered (actors/host.py): it enters the engine,
-    reports readiness or the start-up error, and leaves when told to stop or when the event loop
-    ends (the loop cancels its root tasks; the engine's teardown is shielded and bounded)."""
-
-    def __init__(self, llm: AsyncLLM) -> None:
-        self._llm = llm
-        self.ready = anyio.Event()
-        self.done = anyio.Event()
-        self.error: BaseException | None = None
-        self._stop = anyio.Event()
-        self._timeout = 0.0
-        self._task: int | None = None
-
-    def stop(self, timeout: float) -> None:
-        self._timeout = timeout
-        self._stop.set()
-
-    def in_host_task(self) -> bool:
-        return self._task is not None and self._task == anyio.get_current_task().id
-
-    async def run(self) -> None:
-        self._task = anyio.get_current_task().id
-        try:
-            try:
-                await self._llm.start()
-            except Exception as exc:  # reported to whoever waits for the start; never raised here
-                self.error = exc
-                return
-            finally:
-                self.ready.set()
-            try:
-                await self._stop.wait()
-            finally:
-                await self._llm._shutdown(self._timeout)
-        except Exception:  # never into the loop: a root task that raises crashes trio's run
-            log.exception("the engine's root task failed")
-        finally:
-            self.done.set()
+    num_requests: int  # user requests whose consumer has not let go
+    num_sequences: int  # unfinished core requests (an n > 1 request counts n), held included
+    num_held: int  # added while paused, not sent yet
+    queued_prompt_tokens: int  # prompt tokens of sequences with no output yet
+    paused: bool
+    num_prompt_tokens: int
+    num_generation_tokens: int
+    core_pids: tuple[int, ...]  # the engine-core child process, or each data-parallel rank's
+    requests_per_rank: tuple[int, ...] | None  # data parallel: requests routed to each rank
+    core_accepting: bool  # the core's input stream is open
 
 
 class AsyncEngineArgs(EngineArgs):
@@ -156,92 +120,81 @@ class AsyncLLM:
         *,
         chat_template: str | None = None,
         engine_core_factory: EngineCoreFactory | str | None = None,
+        input_tap: InputTap | None = None,
     ) -> None:
-        """`engine_core_factory` (tests and benchmarks only): "module:function" or an
-        `EngineCoreFactory` that builds the engine core, in this process or the child."""
+        """Resolve the configuration (a bad model or argument raises here, as in vLLM); the
+        engine starts with `async with`, `start()`, or on first use. `engine_core_factory` and
+        `input_tap` are test seams (triollm.testing): what builds the engine core, and a
+        function every message to the core passes through."""
         self.args = args
+        self.config: EngineConfig = args.create_engine_config()
         self._chat_template = chat_template
         self._core_factory = EngineCoreFactory.coerce(engine_core_factory)
-        self._output_chunk_size = 1
+        self._input_tap = input_tap
         self._stack: AsyncExitStack | None = None
         self._client: CoreClient | None = None
-        self._streams: dict[str, RequestStream] = {}
+        self._frontend: Frontend | None = None
         self._utility: dict[int, tuple[anyio.Event, list[UtilityResult]]] = {}
         self._call_ids = itertools.count()
         self._request_ids = itertools.count()
-        self._core_seq = itertools.count()
         self._dead: EngineDeadError | None = None
         self._dead_event = anyio.Event()
         self._stopping = False
         self._idle = anyio.Event()
         self._idle.set()
-        self.last_stats: StepStats | None = None
-        self._host: _EngineHost | None = None  # owns the engine when nobody entered it
-        self._paused = False
-        self._held: list[AddRequest] = []  # added while paused, sent at resume
-        self._num_prompt_tokens = 0
-        self._num_generation_tokens = 0
-        # Backpressure (see add_request): prompt tokens of core requests with no output yet.
-        self._queued_prompt: dict[str, int] = {}  # core id -> prompt tokens
-        self._queued_tokens = 0
         self._room = anyio.Event()  # set (and replaced) when the queue may have shrunk
         self._room_waiters = 0  # adds waiting on it: no new Event per batch when there are none
-        # Ids reserved by add_request that are not in the output processor yet (validation,
-        # tokenization in a thread, waiting for room); True once an abort arrived meanwhile.
-        self._adding: dict[str, bool] = {}
+        self.last_stats: StepStats | None = None
+        self._host: EngineHost | None = None  # owns the engine when nobody entered it
         self._last_output = 0.0  # when the engine core last sent anything (the watchdog's clock)
-        self._watchdog_scope: anyio.CancelScope | None = None  # created by start()
-        self._log_mark = (time.monotonic(), 0, 0)  # (time, prompt tokens, generation tokens)
-        self.config: EngineConfig | None = None
+        self._watchdog_scope: anyio.CancelScope | None = None
+        self._stats_log = StatsLog()
         self.tokenizer: Tokenizer | None = None
-
-    # ------------------------------------------------------------------ construction
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs, **kwargs: Any) -> AsyncLLM:
         """Build (not start): use it as `async with AsyncLLM.from_engine_args(args) as llm:`."""
         return cls(args, **kwargs)
 
-    @classmethod
-    def from_config(cls, args: EngineArgs, **kwargs: Any) -> AsyncLLM:
-        return cls(args, **kwargs)
+    from_config = from_engine_args
+
+    # ------------------------------------------------------------------ lifecycle
 
     async def __aenter__(self) -> AsyncLLM:
         await self.start()
         return self
 
     async def __aexit__(self, *exc_info: object) -> None:
-        # The engine's death is reported on the data path (every request, `errored`, new
-        # requests) and logged at shutdown; leaving the block does not raise it once more.
+        # The engine's death is reported on the data path; leaving the block does not raise it.
         await self.shutdown()
 
     async def start(self) -> None:
         """Start the engine (load the model, start the core, start the actors)."""
         if self._stack is not None or self._stopping:
             raise RuntimeError("AsyncLLM is already started (or was shut down: create a new one)")
+        config = self.config
         stack = AsyncExitStack()
         try:
-            self.config = config = await anyio.to_thread.run_sync(self.args.create_engine_config)
             self.tokenizer = await anyio.to_thread.run_sync(
                 Tokenizer.from_pretrained, config.tokenizer, self._chat_template
             )
-            self._output_chunk_size = config.actor.output_chunk_size
-            self._output = OutputProcessor(self.tokenizer)
             tg: TaskGroup = await stack.enter_async_context(anyio.create_task_group())
-            self._client = await stack.enter_async_context(open_core_client(config, self.args, core_factory=self._core_factory))
-            ready = self._client.ready
-            self._input = InputProcessor(
+            client = await stack.enter_async_context(open_core_client(config, self.args, core_factory=self._core_factory))
+            self._client = client
+            processor = InputProcessor(
                 config.model,
                 self.tokenizer,
                 max_logprobs=config.actor.max_logprobs,
                 limits=config.limits,
-                kv_cache_tokens=ready.num_kv_blocks * ready.block_size,
+                kv_cache_tokens=client.ready.num_kv_blocks * client.ready.block_size,
             )
-            await tg.start(self._output_actor)
+            self._frontend = Frontend(processor, limits=config.limits, max_num_seqs=config.scheduler.max_num_seqs)
+            await tg.start(self._output_actor, client)
             if config.actor.engine_output_timeout_s is not None:
                 self._watchdog_scope = anyio.CancelScope()
                 tg.start_soon(self._watchdog, self._watchdog_scope, config.actor.engine_output_timeout_s)
-            _freeze_heap()
+            gc.collect()  # what is alive after start-up leaves the collector's view: no long
+            gc.freeze()  # pauses of the event loop walking torch and the tokenizer under load
         except BaseException:
             # No shield around aclose(): the stack holds a task group entered outside it, and
             # cancel scopes must be left in LIFO order. The transport shields its own teardown.
@@ -276,8 +229,7 @@ class AsyncLLM:
                 with anyio.move_on_after(timeout):
                     await self._idle.wait()
         finally:
-            # Even when the drain was cancelled: every stream ends (with "abort").
-            self._abort_now(list(self._streams))
+            self._abort_now(self.unfinished_request_ids())  # even when the drain was cancelled
             if self._watchdog_scope is not None:
                 self._watchdog_scope.cancel()
             try:
@@ -287,7 +239,25 @@ class AsyncLLM:
         if self._dead is not None:
             log.warning("engine was dead at shutdown: %s", self._dead)
 
+    async def _ensure_started(self) -> None:
+        """Start on first use when nobody entered the engine (vLLM's plain-coroutine style): one
+        root task of the running loop owns it (actors/host.py). Raises the start-up error."""
+        if self._stack is None and self._host is None and not self._stopping and self._dead is None:
+            self._host = EngineHost(self.start, self._shutdown)
+            self._host.spawn("triollm AsyncLLM")
+        if self._host is not None:
+            await self._host.ready.wait()
+            if self._host.error is not None:
+                raise RuntimeError(f"AsyncLLM failed to start: {self._host.error}") from self._host.error
+
     # ------------------------------------------------------------------ state
+
+    @property
+    def _table(self) -> Frontend:
+        if self._frontend is None:
+            self._require_running()  # raises: not started
+        assert self._frontend is not None
+        return self._frontend
 
     @property
     def is_running(self) -> bool:
@@ -298,29 +268,60 @@ class AsyncLLM:
         return self._dead is not None
 
     @property
-    def rank_stats(self) -> list[StepStats | None] | None:
-        """Data parallel: each rank's latest statistics (from its last step, or from the last
-        `get_engine_stats()`), by rank; None with one engine core."""
-        client = self._client
-        return None if client is None or client.rank_stats is None else list(client.rank_stats)
-
-    @property
     def is_stopped(self) -> bool:
         """vLLM's name: the engine no longer serves (shut down, or dead)."""
         return self._stopping or self._dead is not None
 
     @property
+    def dead_error(self) -> EngineDeadError | None:
+        return self._dead
+
+    @property
+    def rank_stats(self) -> list[StepStats | None] | None:
+        """Data parallel: each rank's latest statistics, by rank; None with one engine core."""
+        client = self._client
+        return None if client is None or client.rank_stats is None else list(client.rank_stats)
+
+    @property
     def model_config(self) -> ModelConfig:
-        """The model's configuration (vLLM's attribute); available once the engine started."""
-        return self.get_model_config()
+        return self.config.model
+
+    def get_model_config(self) -> ModelConfig:
+        return self.config.model
+
+    def get_tokenizer(self) -> Tokenizer:
+        self._require_running()
+        assert self.tokenizer is not None
+        return self.tokenizer
 
     async def get_supported_tasks(self) -> tuple[str, ...]:
         await self._ensure_started()
-        return POOLING_TASKS if self.get_model_config().runner_type == "pooling" else SUPPORTED_TASKS
+        return POOLING_TASKS if self.config.model.runner_type == "pooling" else SUPPORTED_TASKS
 
     @property
-    def dead_error(self) -> EngineDeadError | None:
-        return self._dead
+    def num_unfinished_requests(self) -> int:
+        return 0 if self._frontend is None else self._frontend.num_requests
+
+    def unfinished_request_ids(self) -> list[str]:
+        return [] if self._frontend is None else self._frontend.request_ids()
+
+    def statistics(self) -> FrontendStatistics:
+        """The frontend's counts now (trio's `statistics()` manner; no round trip)."""
+        table = self._frontend.statistics() if self._frontend is not None else None
+        client = self._client
+        pids = () if client is None else client.rank_pids or ((client.pid,) if client.pid is not None else ())
+        return FrontendStatistics(
+            num_requests=table.num_requests if table else 0,
+            num_sequences=table.num_sequences if table else 0,
+            num_held=table.num_held if table else 0,
+            queued_prompt_tokens=table.queued_prompt_tokens if table else 0,
+            paused=table.paused if table else False,
+            num_prompt_tokens=table.num_prompt_tokens if table else 0,
+            num_generation_tokens=table.num_generation_tokens if table else 0,
+            core_pids=tuple(pids),
+            requests_per_rank=None if client is None or client.assigned is None else tuple(client.assigned),
+            core_accepting=client is not None and client.inputs.statistics().open_receive_streams > 0,
+        )
 
     async def wait_errored(self) -> EngineDeadError:
         """Wait until the engine dies; return the error every request saw."""
@@ -339,44 +340,6 @@ class AsyncLLM:
         if self._host is None:
             self._require_running()
 
-    async def do_log_stats(self) -> None:
-        """Log one line of engine statistics (vLLM's periodic stats line): prompt and generation
-        throughput since the last call, running and waiting requests, KV cache usage and the
-        prefix cache hit rate. Does nothing with `disable_log_stats`."""
-        if self.args.disable_log_stats:
-            return
-        stats = await self.get_engine_stats()
-        now = time.monotonic()
-        elapsed = max(now - self._log_mark[0], 1e-9)
-        prompt_rate = (self._num_prompt_tokens - self._log_mark[1]) / elapsed
-        gen_rate = (self._num_generation_tokens - self._log_mark[2]) / elapsed
-        self._log_mark = (now, self._num_prompt_tokens, self._num_generation_tokens)
-        usage = 1.0 - stats.num_free_blocks / stats.num_blocks if stats.num_blocks else 0.0
-        log.info(
-            "Avg prompt throughput: %.1f tokens/s, Avg generation throughput: %.1f tokens/s, "
-            "Running: %d reqs, Waiting: %d reqs, KV cache usage: %.1f%%, Prefix cache hit rate: %.1f%%",
-            prompt_rate, gen_rate, stats.num_running, stats.num_waiting, 100 * usage,
-            100 * stats.prefix_cache_hit_rate,
-        )
-
-    def get_tokenizer(self) -> Tokenizer:
-        self._require_running()
-        assert self.tokenizer is not None
-        return self.tokenizer
-
-    def get_model_config(self) -> ModelConfig:
-        if self.config is None:
-            self._require_running()  # raises: not started yet
-        assert self.config is not None
-        return self.config.model
-
-    @property
-    def num_unfinished_requests(self) -> int:
-        return len(self._streams)
-
-    def unfinished_request_ids(self) -> list[str]:
-        return list(self._streams)
-
     def _dead_error(self) -> EngineDeadError:
         """A fresh error each time: one shared instance would collect every raiser's traceback."""
         assert self._dead is not None
@@ -391,17 +354,6 @@ class AsyncLLM:
                 "(or `await llm.start()` ... `await llm.shutdown()`)"
             )
 
-    async def _ensure_started(self) -> None:
-        """Start on first use when nobody entered the engine (vLLM's plain-coroutine style): one
-        root task of the running loop owns it (actors/host.py). Raises the start-up error."""
-        if self._stack is None and self._host is None and not self._stopping and self._dead is None:
-            self._host = _EngineHost(self)
-            spawn_root_task(self._host.run, name="triollm AsyncLLM")
-        if self._host is not None:
-            await self._host.ready.wait()
-            if self._host.error is not None:
-                raise RuntimeError(f"AsyncLLM failed to start: {self._host.error}") from self._host.error
-
     # ------------------------------------------------------------------ requests
 
     async def add_request(
@@ -414,49 +366,39 @@ class AsyncLLM:
         arrival_time: float | None = None,
         wait_for_room: bool = False,
     ) -> RequestStream:
-        """Validate and tokenize the prompt and `bad_words` (in a worker thread when they are
-        large together), send the request to the engine and return its `RequestStream`.
+        """Validate and tokenize the request (in a worker thread when its input is large or it
+        has a grammar), send it to the engine and return its `RequestStream`.
 
         Raises at once, holding nothing: `ValueError` for a bad request or an id already used by
         an unfinished request, `EngineDeadError` when the engine died, `RuntimeError` when it is
         not running. Close the stream (`with`, `async with`, `close()`) when done: an unfinished
         request is aborted then, exactly once. An `abort(request_id)` that arrives while the
-        request is still being added (tokenized in a thread, waiting for room) sticks: the
-        request never reaches the core and its stream ends with finish_reason "abort".
+        request is still being added sticks: it never reaches the core and its stream ends with
+        finish_reason "abort".
 
-        Backpressure: over `max_num_queued_reqs` or `max_num_queued_tokens` it raises
-        `EngineBusyError` (nothing added, the id free again), or with `wait_for_room=True`
-        (offline batches: `LLM`, `LLMEngine`) waits until the queue has room. The frontend cannot
-        see the scheduler's queue, so it counts conservatively: queued requests are the unfinished
-        core requests (an n > 1 request counts n) beyond `max_num_seqs`, queued tokens the prompt
-        tokens of core requests that have produced no output yet (held ones while paused included;
-        a preempted request that already produced output is not counted again). A request is
-        never refused when nothing is in flight (for tokens: nothing queued), so one request
-        larger than a limit cannot be refused forever.
+        Backpressure: over `max_num_queued_reqs` or `max_num_queued_tokens` (the frontend's
+        count, `Frontend.busy`) it raises `EngineBusyError` (nothing added, the id free again),
+        or with `wait_for_room=True` (offline batches: `LLM`, `LLMEngine`) waits for room.
         """
         await self._ensure_started()
         self._require_running()
-        if request_id in self._streams:
-            raise ValueError(f"request_id: {request_id!r} is already in use by an unfinished request")
-        assert self.config is not None
+        table = self._table
         if params is None:
             params = SamplingParams(**self.config.model.generation_defaults)
         stream = RequestStream(request_id, params.output_kind, self._release)
-        self._streams[request_id] = stream  # reserve the id before any await
-        self._adding[request_id] = False
+        state = table.open(request_id, stream)  # the id is reserved before any await
         self._idle = anyio.Event() if self._idle.is_set() else self._idle
         arrival = time.monotonic() if arrival_time is None else arrival_time
         try:
-            # A grammar (structured outputs) is compiled to check it: in a thread too.
             grammar = isinstance(params, SamplingParams) and params.structured_outputs is not None
-            if _input_size(prompt, params) > _LARGE_PROMPT or grammar:
+            if input_size(prompt, params) > _LARGE_PROMPT or grammar:  # a grammar is compiled
                 processed = await anyio.to_thread.run_sync(
-                    lambda: self._process(prompt, params, request_id, arrival, priority)
+                    lambda: table.process(state, prompt, params, arrival_time=arrival, priority=priority)
                 )
                 self._require_running()
             else:
-                processed = self._process(prompt, params, request_id, arrival, priority)
-            while not self._adding[request_id] and (busy := self._busy(processed)) is not None:
+                processed = table.process(state, prompt, params, arrival_time=arrival, priority=priority)
+            while not state.abort_requested and (busy := table.busy(processed)) is not None:
                 if not wait_for_room:
                     raise EngineBusyError(f"the engine is busy: {busy}; retry later")
                 self._room_waiters += 1
@@ -465,71 +407,14 @@ class AsyncLLM:
                 finally:
                     self._room_waiters -= 1
                 self._require_running()
-            # Core ids are unique per request, so outputs still in flight for an aborted
-            # request can never be credited to a new request that reuses its id.
-            seq = next(self._core_seq)
-            for core_req in processed.core_requests:
-                core_req.request_id = f"{core_req.request_id}#{seq}"
-            self._output.add_request(processed)
-            if self._adding.pop(request_id):  # aborted while being added: never sent
-                for out in self._output.abort_requests([request_id]):
-                    stream.put(out)
-                return stream
-            for core_req in processed.core_requests:
-                self._num_prompt_tokens += len(core_req.prompt_token_ids)
-                self._queued_prompt[core_req.request_id] = len(core_req.prompt_token_ids)
-                self._queued_tokens += len(core_req.prompt_token_ids)
-                if self._paused:
-                    self._held.append(AddRequest(core_req))
-                else:
-                    await self._send_or_raise(AddRequest(core_req))
+            to_send = table.add(processed)
+            for core_request in to_send:
+                await self._send_or_raise(AddRequest(core_request))
         except BaseException:
-            self._adding.pop(request_id, None)
-            self._drop(request_id)
+            table.discard(request_id)
+            self._check_idle()
             raise
         return stream
-
-    def _process(
-        self, prompt: PromptType, params: SamplingParams | PoolingParams, request_id: str, arrival: float, priority: int
-    ) -> ProcessedRequest:
-        if isinstance(params, PoolingParams):
-            return self._input.process_pooling(prompt, params, request_id, arrival_time=arrival, priority=priority)
-        return self._input.process(prompt, params, request_id, arrival_time=arrival, priority=priority)
-
-    def _busy(self, processed: ProcessedRequest) -> str | None:
-        """Why `processed` must wait (the frontend's conservative queue count), or None."""
-        assert self.config is not None
-        limits = self.config.limits
-        new = len(processed.core_requests)
-        unfinished = self._output.num_unfinished_sequences
-        max_seqs = self.config.scheduler.max_num_seqs
-        if limits.max_num_queued_reqs is not None and unfinished:
-            queued = unfinished + new - max_seqs
-            if queued > limits.max_num_queued_reqs:
-                return (
-                    f"{queued} requests would wait beyond max_num_seqs={max_seqs}, more than "
-                    f"max_num_queued_reqs={limits.max_num_queued_reqs}"
-                )
-        if limits.max_num_queued_tokens is not None and self._queued_tokens:
-            tokens = self._queued_tokens + new * len(processed.prompt_token_ids)
-            if tokens > limits.max_num_queued_tokens:
-                return (
-                    f"{tokens} prompt tokens would wait for the scheduler, more than "
-                    f"max_num_queued_tokens={limits.max_num_queued_tokens}"
-                )
-        return None
-
-    def _unqueue(self, core_id: str) -> None:
-        tokens = self._queued_prompt.pop(core_id, None)
-        if tokens is not None:
-            self._queued_tokens -= tokens
-
-    def _notify_room(self) -> None:
-        """Wake the adds waiting for room (they check again). Called once per output batch:
-        free when nobody waits."""
-        if self._room_waiters:
-            self._room.set()
-            self._room = anyio.Event()
 
     async def generate(
         self,
@@ -546,6 +431,35 @@ class AsyncLLM:
             async for output in stream:
                 yield output
 
+    async def encode(
+        self,
+        prompt: PromptType,
+        pooling_params: PoolingParams | None = None,
+        request_id: str | None = None,
+        *,
+        priority: int = 0,
+        truncate_prompt_tokens: int | None = None,
+    ) -> AsyncGenerator[PoolingRequestOutput[PoolingOutput], None]:
+        """vLLM's `AsyncLLM.encode`: the pooled output of one prompt (one item, finished) from a
+        pooling model (`runner="pooling"`). `pooling_params.task` defaults to "embed";
+        `truncate_prompt_tokens` overrides the params'. Leaving early aborts the request."""
+        await self._ensure_started()
+        if self.config.model.runner_type != "pooling":
+            raise ValueError(
+                "AsyncLLM.encode() is only supported for pooling models. Try passing "
+                "`--runner pooling` to use the model as a pooling model."
+            )
+        params = PoolingParams() if pooling_params is None else pooling_params.clone()
+        if truncate_prompt_tokens is not None:
+            params.truncate_prompt_tokens = truncate_prompt_tokens
+        rid = request_id if request_id is not None else f"req-{next(self._request_ids)}"
+        with await self.add_request(rid, prompt, params, priority=priority) as stream:
+            async for output in stream:
+                # One PoolingRequestOutput; anything else is the abort's RequestOutput.
+                if not isinstance(output, PoolingRequestOutput):
+                    return
+                yield cast(PoolingRequestOutput[PoolingOutput], output)
+
     async def beam_search(
         self,
         prompt: PromptType,
@@ -560,80 +474,30 @@ class AsyncLLM:
         if lora_request is not None:
             raise ValueError("lora_request: LoRA adapters are not supported; allowed: None")
         await self._ensure_started()
-        self._require_running()
         tokenizer = self.get_tokenizer()
         ids = prompt_token_ids(prompt, tokenizer)
         text = prompt if isinstance(prompt, str) else prompt.get("prompt") if isinstance(prompt, dict) else None
-        search = BeamSearch([ids], params, tokenizer.eos_token_id, self.get_model_config().max_model_len)
+        search = BeamSearch([ids], params, tokenizer.eos_token_id, self.config.model.max_model_len)
         step = search.step_params()
         for round_ in range(params.max_tokens):
             beams = search.live([0])
             if not beams or search.aborted:
                 break
-            outputs = await self._beam_round(f"{request_id}-beam{round_}", [b.tokens for _, b in beams], step)
-            search.advance([0], beams, outputs)
+            results: list[RequestOutput] = []
+            with ExitStack() as streams:
+                added = [
+                    streams.enter_context(
+                        await self.add_request(
+                            f"{request_id}-beam{round_}-{k}", {"prompt_token_ids": b.tokens}, step.clone(), wait_for_room=True
+                        )
+                    )
+                    for k, (_, b) in enumerate(beams)
+                ]
+                for stream in added:  # they run together in the engine; read in order
+                    results.extend([out async for out in stream if out.finished])
+            search.advance([0], beams, results)
         (result,) = search.results(lambda tokens: tokenizer.decode(tokens, skip_special_tokens=True))
         yield search.request_output(request_id, text if isinstance(text, str) else None, 0, result)
-
-    async def _beam_round(self, base_id: str, prompts: list[list[int]], step: SamplingParams) -> list[RequestOutput]:
-        """One round of a beam search: every beam as a request, their final outputs in order."""
-        results: list[RequestOutput] = []
-        with ExitStack() as streams:
-            added = [
-                streams.enter_context(
-                    await self.add_request(f"{base_id}-{k}", {"prompt_token_ids": ids}, step.clone(), wait_for_room=True)
-                )
-                for k, ids in enumerate(prompts)
-            ]
-            for stream in added:  # they run together in the engine; read in order
-                async for out in stream:
-                    if out.finished:
-                        results.append(out)
-        return results
-
-    async def encode(
-        self,
-        prompt: PromptType,
-        pooling_params: PoolingParams | None = None,
-        request_id: str | None = None,
-        *,
-        priority: int = 0,
-        truncate_prompt_tokens: int | None = None,
-    ) -> AsyncGenerator[PoolingRequestOutput[PoolingOutput], None]:
-        """vLLM's `AsyncLLM.encode`: the pooled output of one prompt (one item, finished) from a
-        pooling model (`runner="pooling"`). `pooling_params.task` defaults to "embed";
-        `truncate_prompt_tokens` overrides the params'. Leaving early aborts the request."""
-        await self._ensure_started()
-        if self.get_model_config().runner_type != "pooling":
-            raise ValueError(
-                "AsyncLLM.encode() is only supported for pooling models. Try passing "
-                "`--runner pooling` to use the model as a pooling model."
-            )
-        params = PoolingParams() if pooling_params is None else pooling_params.clone()
-        if truncate_prompt_tokens is not None:
-            params.truncate_prompt_tokens = truncate_prompt_tokens
-        rid = request_id if request_id is not None else f"req-{next(self._request_ids)}"
-        with await self.add_request(rid, prompt, params, priority=priority) as stream:
-            async for output in stream:
-                # The stream carries one PoolingRequestOutput; anything else is the abort's
-                # RequestOutput (the request ended without an embedding).
-                if not isinstance(output, PoolingRequestOutput):
-                    return
-                yield cast(PoolingRequestOutput[PoolingOutput], output)
-
-    def _release(self, stream: RequestStream) -> None:
-        """The stream's consumer is done with it: abort the request unless it ended."""
-        rid = stream.request_id
-        if self._streams.get(rid) is not stream:
-            return
-        if not stream.finished:
-            self._abort_one(rid)
-        self._drop(rid)
-
-    def _drop(self, rid: str) -> None:
-        self._streams.pop(rid, None)
-        if not self._streams:
-            self._idle.set()
 
     async def abort(self, request_id: str | Iterable[str], internal: bool = False) -> None:
         """Abort requests (vLLM's coroutine); their streams end normally with finish_reason
@@ -641,29 +505,34 @@ class AsyncLLM:
         self._abort_now(request_id)
 
     def _abort_now(self, request_id: str | Iterable[str]) -> None:
-        ids = [request_id] if isinstance(request_id, str) else list(request_id)
-        for rid in ids:
-            if rid in self._adding:  # not sent yet: add_request finishes it as aborted
-                self._adding[rid] = True
-                self._notify_room()
-                continue
-            stream = self._streams.get(rid)
-            for out in self._abort_one(rid):
-                if stream is not None:
-                    stream.put(out)
-
-    def _abort_one(self, rid: str) -> list[RequestOutput]:
-        core_ids = self._output.unfinished_core_ids(rid)
-        outs = self._output.abort_requests([rid])
-        if core_ids:
-            for core_id in core_ids:
-                self._unqueue(core_id)
+        if self._frontend is not None:
+            self._send_aborts(self._frontend.abort(request_id))
             self._notify_room()
-            if self._dead is None:
-                self._send(AbortRequests(core_ids), quiet=True)
-        return outs
+
+    def _release(self, stream: RequestStream) -> None:
+        """The stream's consumer is done with it: abort the request unless it ended."""
+        if self._frontend is not None:
+            self._send_aborts(self._frontend.release(stream.request_id, stream))
+            self._notify_room()
+            self._check_idle()
+
+    def _check_idle(self) -> None:
+        if self._frontend is None or not self._frontend.num_requests:
+            self._idle.set()
+
+    def _send_aborts(self, core_ids: list[str]) -> None:
+        if core_ids and self._dead is None:
+            self._send(AbortRequests(core_ids), quiet=True)
+
+    def _notify_room(self) -> None:
+        """Wake the adds waiting for room (they check again); free when nobody waits."""
+        if self._room_waiters:
+            self._room.set()
+            self._room = anyio.Event()
 
     def _send(self, msg: CoreInput, quiet: bool = False) -> None:
+        if self._input_tap is not None:
+            msg = self._input_tap(msg)
         try:
             if self._client is None:
                 raise anyio.ClosedResourceError
@@ -718,23 +587,21 @@ class AsyncLLM:
         return bool(await self._call(UtilityOp.RESET_PREFIX_CACHE))
 
     async def check_integrity(self) -> None:
-        """Run the KV block manager's integrity check in the engine core (raises if broken)."""
+        """The frontend's request table, then the engine core's KV block manager (raises if
+        either is inconsistent)."""
+        if self._frontend is not None:
+            self._frontend.check_integrity()
         await self._call(UtilityOp.CHECK_INTEGRITY)
 
     async def get_metrics(self) -> list[Metric]:
-        """The engine's counters and gauges now (vLLM's `get_metrics()` shapes, the server's
-        `triollm:` names)."""
-        stats = await self.get_engine_stats()
-        usage = 1.0 - stats.num_free_blocks / stats.num_blocks if stats.num_blocks else 0.0
-        return [
-            Gauge("triollm:num_requests_running", value=stats.num_running),
-            Gauge("triollm:num_requests_waiting", value=stats.num_waiting),
-            Gauge("triollm:kv_cache_usage_perc", value=usage),
-            Gauge("triollm:prefix_cache_hit_rate", value=stats.prefix_cache_hit_rate),
-            Counter("triollm:num_preemptions", value=stats.num_preemptions),
-            Counter("triollm:prompt_tokens", value=self._num_prompt_tokens),
-            Counter("triollm:generation_tokens", value=self._num_generation_tokens),
-        ]
+        """The engine's counters and gauges now (vLLM's `get_metrics()` shapes)."""
+        return engine_metrics(await self.get_engine_stats(), self.statistics())
+
+    async def do_log_stats(self) -> None:
+        """Log vLLM's periodic stats line (throughput since the last call, requests, KV cache,
+        prefix cache). Does nothing with `disable_log_stats`."""
+        if not self.args.disable_log_stats:
+            self._stats_log.log(await self.get_engine_stats(), self.statistics())
 
     async def pause_generation(
         self,
@@ -762,15 +629,16 @@ class AsyncLLM:
             mode = "wait"
         await self._ensure_started()
         self._require_running()
-        inflight = list(self._streams)
-        self._paused = True
+        table = self._table
+        inflight = table.request_ids()
+        table.pause()
         if mode == "abort":
             self._abort_now(inflight)
         elif mode == "wait":
             for rid in inflight:
-                stream = self._streams.get(rid)
-                if stream is not None:
-                    await stream.wait_finished()
+                state = table.get(rid)
+                if state is not None:
+                    await cast(RequestStream, state.sink).wait_finished()
         else:
             await self._call(UtilityOp.PAUSE)
         if clear_cache:
@@ -780,33 +648,31 @@ class AsyncLLM:
         """Generate again: frozen requests continue and held ones go to the engine core."""
         await self._ensure_started()
         self._require_running()
-        if not self._paused:
+        if not self._table.paused:
             return
         await self._call(UtilityOp.RESUME)
-        self._paused = False
-        held, self._held = self._held, []
-        for msg in held:
-            if self._output.parent_id(msg.request.request_id) is not None:  # not aborted meanwhile
-                await self._send_or_raise(msg)
+        held: list[EngineCoreRequest] = self._table.resume()
+        for core_request in held:
+            await self._send_or_raise(AddRequest(core_request))
 
     async def is_paused(self) -> bool:
-        return self._paused
+        return self._frontend is not None and self._frontend.paused
 
     # ------------------------------------------------------------------ the output actor
 
-    async def _output_actor(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
-        assert self._client is not None
-        outputs = self._client.outputs
+    async def _output_actor(self, client: CoreClient, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         task_status.started()
         try:
-            async with outputs:
-                async for msg in outputs:
+            async with client.outputs:
+                async for msg in client.outputs:
                     self._last_output = anyio.current_time()
                     match msg:
                         case OutputBatch():
                             await self._on_batch(msg)
-                        case RequestError():
-                            self._on_request_error(msg)
+                        case RequestError(request_id=core_id, kind=kind, message=message):
+                            error = ValueError(message) if kind == "ValueError" else EngineGenerateError(message)
+                            self._send_aborts(self._table.on_request_error(core_id, error))
+                            self._notify_room()
                         case UtilityResult(call_id=cid):
                             waiter = self._utility.get(cid)
                             if waiter is not None:
@@ -829,43 +695,17 @@ class AsyncLLM:
     async def _on_batch(self, batch: OutputBatch) -> None:
         if batch.stats is not None:
             self.last_stats = batch.stats
+        table = self._table
         outputs = batch.to_outputs()
-        if self._queued_prompt:
-            for core_out in outputs:
-                self._unqueue(core_out.request_id)
         if batch.pooled is not None:  # a pooling model's step: embeddings, no tokens
-            for pooled in self._output.process_pooled(outputs):
-                stream = self._streams.get(pooled.request_id)
-                if stream is not None:
-                    # A pooling request's one, final output passes through the stream as is
-                    # (FINAL_ONLY: nothing to merge), read back by `encode`.
-                    stream.put(cast(RequestOutput, pooled))
-            self._notify_room()
-            return
-        size = self._output_chunk_size
-        for start in range(0, len(outputs), size):
-            if start:
-                await anyio.lowlevel.checkpoint()
-            chunk = outputs[start : start + size]
-            self._num_generation_tokens += sum(len(o.new_token_ids) for o in chunk)
-            processed = self._output.process_outputs(chunk)
-            for out in processed.request_outputs:
-                stream = self._streams.get(out.request_id)
-                if stream is not None:
-                    stream.put(out)
-            if processed.reqs_to_abort:
-                self._send(AbortRequests(processed.reqs_to_abort), quiet=True)
+            table.on_pooled(outputs)
+        else:
+            size = self.config.actor.output_chunk_size
+            for start in range(0, len(outputs), size):
+                if start:
+                    await anyio.lowlevel.checkpoint()
+                self._send_aborts(table.on_outputs(outputs[start : start + size]).reqs_to_abort)
         self._notify_room()
-
-    def _on_request_error(self, msg: RequestError) -> None:
-        rid = self._output.parent_id(msg.request_id) or msg.request_id
-        stream = self._streams.get(rid)
-        self._abort_one(rid)  # the other children of an n>1 request, and local state
-        if stream is not None:
-            error: Exception = (
-                ValueError(msg.message) if msg.kind == "ValueError" else EngineGenerateError(msg.message)
-            )
-            stream.put_error(error)
 
     def _die(self, error: EngineDeadError) -> None:
         if self._dead is not None:
@@ -874,28 +714,26 @@ class AsyncLLM:
         self._dead_event.set()
         self._notify_room()
         log.error("engine core died: %s", error)
-        for stream in self._streams.values():
-            stream.put_error(EngineDeadError(str(error)))
+        if self._frontend is not None:
+            self._frontend.fail(lambda: EngineDeadError(str(error)))
         for done, _ in self._utility.values():
             done.set()
 
     # ------------------------------------------------------------------ the watchdog
 
     async def _watchdog(self, scope: anyio.CancelScope, timeout: float) -> None:  # noqa: ASYNC109
-        """An engine that is alive but silent is dead: with work pending (requests the core
-        should be stepping, or utility calls awaiting an answer) and no message from the core
-        for `timeout` seconds (`engine_output_timeout_s`), declare it dead like any other death
-        (`EngineDeadError` on every stream, `errored`, new requests refused, `check_health`
-        raises). Requests frozen by `pause_generation(mode="keep")` are not pending work. The
-        core itself is torn down by the usual bounded teardown at shutdown (a hung in-process
-        step's thread is abandoned; a hung child is killed). Checks every `timeout / 8`, so the
+        """An engine that is alive but silent is dead: with work pending (sequences the core
+        should be stepping, or utility calls awaiting an answer; requests frozen by
+        `pause_generation(mode="keep")` are not) and no message from the core for `timeout`
+        seconds (`engine_output_timeout_s`), declare it dead like any other death. The core is
+        torn down by the usual bounded teardown at shutdown. Checks every `timeout / 8`, so the
         death is declared between `timeout` and `1.125 * timeout` after the last message."""
         with scope:
             self._last_output = anyio.current_time()
             while self._dead is None:
                 await anyio.sleep(timeout / 8)
                 now = anyio.current_time()
-                if not self._work_pending():
+                if not (self._utility or self._table.has_pending_work):
                     self._last_output = now
                 elif now - self._last_output >= timeout:
                     log.error("no output from the engine core for %.1f s with work pending", now - self._last_output)
@@ -907,37 +745,3 @@ class AsyncLLM:
                             f"pending (engine_output_timeout_s={timeout}): it is hung"
                         )
                     )
-
-    def _work_pending(self) -> bool:
-        if self._utility:
-            return True
-        return not self._paused and self._output.num_unfinished_sequences > 0
-
-
-def _freeze_heap() -> None:
-    """Move everything alive after start-up (torch, the tokenizer, the model config) out of the
-    cyclic garbage collector's view. Without it a full collection walked those objects every
-    so often under load: 150-210 ms event-loop stalls in the pipeline benchmark, none after."""
-    gc.collect()
-    gc.freeze()
-
-
-def _input_size(prompt: object, params: SamplingParams | PoolingParams) -> int:
-    """The work `InputProcessor.process` will do for this request, in characters or token ids:
-    the prompt (text to tokenize, ids to check) plus every `bad_words` entry (tokenized twice,
-    each call with its fixed cost), so that 8,192 one-letter bad words count as much as they
-    cost. Cheap: lengths only. Values of the wrong type count 0: `process` rejects them."""
-    size = 0
-    if isinstance(prompt, str):
-        size += len(prompt)
-    elif isinstance(prompt, Mapping):
-        for key in ("prompt", "prompt_token_ids"):
-            value = prompt.get(key)
-            if isinstance(value, str | list | tuple):
-                size += len(value)
-    bad_words = params.bad_words if isinstance(params, SamplingParams) else None
-    if isinstance(bad_words, list):
-        size += sum(
-            2 * (len(word) + _TOKENIZER_CALL_CHARS) for word in bad_words if isinstance(word, str)
-        )
-    return size

@@ -27,11 +27,16 @@ does; it makes construction order-dependent).
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable
+import logging
+from collections.abc import Awaitable, Callable, Generator
+from typing import Any
 
+import anyio
 import sniffio
 
-__all__ = ["spawn_root_task"]
+__all__ = ["EngineHost", "ShutdownCall", "spawn_root_task"]
+
+log = logging.getLogger("triollm")
 
 _asyncio_roots: set[asyncio.Task[None]] = set()  # strong references: asyncio keeps weak ones
 
@@ -54,3 +59,61 @@ def spawn_root_task(fn: Callable[[], Awaitable[None]], name: str) -> None:
         task.add_done_callback(_asyncio_roots.discard)
     else:
         raise RuntimeError(f"AsyncLLM runs on trio or asyncio, not {library}")
+
+
+class ShutdownCall:
+    """What `AsyncLLM.shutdown()` returns: the shutdown has begun when the call returns (vLLM's
+    sync form); awaiting it waits until the engine has stopped (the structured form)."""
+
+    def __init__(self, finish: Callable[[float], Awaitable[None]], timeout: float) -> None:
+        self._finish = finish
+        self._timeout = timeout
+
+    def __await__(self) -> Generator[Any, None, None]:
+        return self._finish(self._timeout).__await__()
+
+
+class EngineHost:
+    """The root task that owns an engine nobody entered: it starts the engine (`start`),
+    reports readiness or the start-up error, and stops it (`stop(timeout)`) when told to or
+    when the event loop ends (the loop cancels its root tasks; the engine's teardown is
+    shielded and bounded)."""
+
+    def __init__(self, start: Callable[[], Awaitable[None]], stop: Callable[[float], Awaitable[None]]) -> None:
+        self._start = start
+        self._stop_engine = stop
+        self.ready = anyio.Event()
+        self.done = anyio.Event()
+        self.error: BaseException | None = None
+        self._stop = anyio.Event()
+        self._timeout = 0.0
+        self._task: int | None = None
+
+    def spawn(self, name: str) -> None:
+        spawn_root_task(self._run, name=name)
+
+    def stop(self, timeout: float) -> None:
+        self._timeout = timeout
+        self._stop.set()
+
+    def in_host_task(self) -> bool:
+        return self._task is not None and self._task == anyio.get_current_task().id
+
+    async def _run(self) -> None:
+        self._task = anyio.get_current_task().id
+        try:
+            try:
+                await self._start()
+            except Exception as exc:  # reported to whoever waits for the start; never raised here
+                self.error = exc
+                return
+            finally:
+                self.ready.set()
+            try:
+                await self._stop.wait()
+            finally:
+                await self._stop_engine(self._timeout)
+        except Exception:  # never into the loop: a root task that raises crashes trio's run
+            log.exception("the engine's root task failed")
+        finally:
+            self.done.set()

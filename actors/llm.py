@@ -37,6 +37,8 @@ from triollm.engine.beam_search import (
 )
 from triollm.engine.config import EngineArgs
 from triollm.engine.core import EngineCoreFactory
+from triollm.engine.frontend import GENERATE_ON_POOLING, POOLING_ON_GENERATE
+from triollm.engine.inputs import PromptType
 from triollm.engine.metrics import Metric
 from triollm.engine.outputs import RequestOutput
 from triollm.engine.pooling_outputs import (
@@ -46,11 +48,6 @@ from triollm.engine.pooling_outputs import (
     ScoringRequestOutput,
 )
 from triollm.engine.pooling_params import POOLING_TASKS, PoolingParams
-from triollm.engine.processing.processors import (
-    GENERATE_ON_POOLING,
-    POOLING_ON_GENERATE,
-    PromptType,
-)
 from triollm.engine.processing.tokenizer import Tokenizer
 from triollm.engine.sampling_params import RequestOutputKind, SamplingParams
 

@@ -47,10 +47,10 @@ from triollm.actors.async_llm import AsyncLLM
 from triollm.actors.request_stream import RequestStream
 from triollm.engine.config import EngineArgs
 from triollm.engine.core import EngineCoreFactory
+from triollm.engine.inputs import PromptType
 from triollm.engine.loading.model_config import ModelConfig
 from triollm.engine.metrics import Metric
 from triollm.engine.outputs import RequestOutput
-from triollm.engine.processing.processors import PromptType
 from triollm.engine.processing.tokenizer import Tokenizer
 from triollm.engine.sampling_params import SamplingParams
 

@@ -46,8 +46,8 @@ from triollm.api.serving_common import (
 )
 from triollm.api.sse import GenerationResponse, Job
 from triollm.api.state import ServerState
+from triollm.engine.inputs import PromptType
 from triollm.engine.outputs import CompletionOutput, PromptLogprobs, RequestOutput, SampleLogprobs
-from triollm.engine.processing.processors import PromptType
 from triollm.engine.processing.tokenizer import Tokenizer
 
 __all__ = ["create_completion"]

@@ -47,9 +47,9 @@ from triollm.api.serving_common import (
     resolve_model,
 )
 from triollm.api.state import ServerState
+from triollm.engine.inputs import PromptType
 from triollm.engine.pooling_outputs import PoolingOutput, PoolingRequestOutput, pack_pooled
 from triollm.engine.pooling_params import PoolingParams
-from triollm.engine.processing.processors import PromptType
 
 __all__ = ["create_embedding", "create_score", "require_runner"]
 

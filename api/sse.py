@@ -41,8 +41,8 @@ from triollm.actors.async_llm import AsyncLLM
 from triollm.actors.request_stream import OutputMerger
 from triollm.api.openai_errors import APIError, from_exception
 from triollm.engine.beam_search import BeamSearchParams
+from triollm.engine.inputs import PromptType
 from triollm.engine.outputs import RequestOutput
-from triollm.engine.processing.processors import PromptType
 from triollm.engine.sampling_params import SamplingParams
 
 __all__ = ["DONE", "Formatter", "GenerationResponse", "Job", "sse_event"]

@@ -2,14 +2,16 @@
 
 TypedDicts, as in vLLM: a prompt is still a plain dict (or a string), so `generate()` takes these
 and literal dicts alike. Only the keys this engine uses exist: it runs text-only models, so there
-is no `multi_modal_data`.
+is no `multi_modal_data`. `PromptType` is what `generate()` accepts: a string or any mapping with
+these keys (a TypedDict is a plain dict at run time).
 """
 
 from __future__ import annotations
 
-from typing import TypedDict
+from collections.abc import Mapping
+from typing import Any, TypedDict
 
-__all__ = ["TextPrompt", "TokensPrompt"]
+__all__ = ["PromptType", "TextPrompt", "TokensPrompt"]
 
 
 class TextPrompt(TypedDict):
@@ -27,3 +29,6 @@ class TokensPrompt(_TokenIds, total=False):
     `RequestOutput.prompt`."""
 
     prompt: str
+
+
+PromptType = str | Mapping[str, Any]

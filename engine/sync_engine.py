@@ -1,10 +1,13 @@
 """`SyncEngine`: the in-process, single-threaded driver of the engine (not public API).
 
-InputProcessor → EngineCore → OutputProcessor in one loop, no event loop, no threads. It is the
-sans-IO harness of the engine: the engine tests drive the core through it without an event loop,
-and the benchmarks use it as the "engine alone" baseline that `LLM`'s overhead is measured
-against. Users run the engine through `LLM`, `AsyncLLM` or `LLMEngine`, which wire the same
-three parts through tasks and streams; this class is not exported from `triollm`.
+The same `Frontend` as `AsyncLLM` (one request table, one id scheme, one `PromptType`) in front
+of an `EngineCore`, in one loop: no event loop, no threads. It is the sans-IO harness of the
+engine: the engine tests drive the core through it without an event loop, and the benchmarks
+use it as the "engine alone" baseline that `LLM`'s overhead is measured against. Users run the
+engine through `LLM`, `AsyncLLM` or `LLMEngine`; this class is not exported from `triollm`.
+
+Each request's outputs go to a sink that collects them for the current call (`step`, `abort`);
+a request leaves the table once its finished output has been handed out.
 """
 
 from __future__ import annotations
@@ -12,18 +15,30 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Iterator, Sequence
-from typing import Any
 
 from triollm.engine.config import EngineArgs, EngineConfig
 from triollm.engine.core import EngineCore
+from triollm.engine.frontend import Frontend, InputProcessor
+from triollm.engine.inputs import PromptType
 from triollm.engine.outputs import RequestOutput
-from triollm.engine.processing.processors import InputProcessor, OutputProcessor
 from triollm.engine.processing.tokenizer import Tokenizer
 from triollm.engine.sampling_params import RequestOutputKind, SamplingParams
 
 __all__ = ["SyncEngine"]
 
-PromptType = str | dict[str, Any]
+
+class _Collect:
+    """A request's sink: its outputs join the engine's list of outputs of the current call."""
+
+    def __init__(self, into: list[RequestOutput]) -> None:
+        self._into = into
+        self.error: BaseException | None = None
+
+    def put(self, output: RequestOutput) -> None:
+        self._into.append(output)
+
+    def put_error(self, error: BaseException) -> None:
+        self.error = error
 
 
 class SyncEngine:
@@ -32,7 +47,8 @@ class SyncEngine:
         self.tokenizer = tokenizer or Tokenizer.from_pretrained(config.tokenizer)
         self.core = EngineCore(config)
         self.input = InputProcessor(config.model, self.tokenizer, max_logprobs=config.actor.max_logprobs)
-        self.output = OutputProcessor(self.tokenizer)
+        self.frontend = Frontend(self.input)
+        self._delivered: list[RequestOutput] = []
         self._ids = itertools.count()
 
     @classmethod
@@ -43,33 +59,43 @@ class SyncEngine:
         self, prompt: PromptType, params: SamplingParams | None = None, request_id: str | None = None, priority: int = 0
     ) -> str:
         rid = request_id if request_id is not None else str(next(self._ids))
-        processed = self.input.process(prompt, params, rid, arrival_time=time.monotonic(), priority=priority)
-        self.output.add_request(processed)  # first: it rejects a duplicate user request id
+        state = self.frontend.open(rid, _Collect(self._delivered))  # rejects an id in use
         added: list[str] = []
         try:
-            for core_req in processed.core_requests:
-                self.core.add_request(core_req)
-                added.append(core_req.request_id)
+            processed = self.frontend.process(state, prompt, params, arrival_time=time.monotonic(), priority=priority)
+            for core_request in self.frontend.add(processed):
+                self.core.add_request(core_request)
+                added.append(core_request.request_id)
         except BaseException:
             self.core.abort_requests(added)
-            self.output.abort_requests([rid])
+            self.frontend.discard(rid)
             raise
         return rid
 
     def abort(self, request_ids: Sequence[str]) -> list[RequestOutput]:
-        core_ids = [cid for rid in request_ids for cid in self.output.unfinished_core_ids(rid)]
-        outs = self.output.abort_requests(list(request_ids))
-        self.core.abort_requests(core_ids)
-        return outs
+        self.core.abort_requests(self.frontend.abort(request_ids))
+        return self._hand_out()
 
     def step(self) -> list[RequestOutput]:
-        processed = self.output.process_outputs(self.core.step())
+        processed = self.frontend.on_outputs(self.core.step())
         if processed.reqs_to_abort:
             self.core.abort_requests(processed.reqs_to_abort)
-        return processed.request_outputs
+        return self._hand_out()
+
+    def _hand_out(self) -> list[RequestOutput]:
+        outputs, self._delivered[:] = list(self._delivered), []
+        for out in outputs:
+            if out.finished:
+                state = self.frontend.get(out.request_id)
+                if state is not None:
+                    self.frontend.release(out.request_id, state.sink)
+        return outputs
+
+    def unfinished_request_ids(self) -> list[str]:
+        return self.frontend.request_ids()
 
     def has_unfinished_requests(self) -> bool:
-        return self.core.has_unfinished_requests() or self.output.has_unfinished_requests()
+        return self.core.has_unfinished_requests() or self.frontend.num_requests > 0
 
     def run(self) -> Iterator[RequestOutput]:
         while self.has_unfinished_requests():

@@ -41,10 +41,11 @@ if sys.version_info < (3, 11):
 import anyio
 import psutil
 import pytest
+from input_tap import InputTap
 
 from triollm.actors.async_llm import AsyncEngineArgs, AsyncLLM
 from triollm.actors.errors import EngineDeadError
-from triollm.actors.messages import AbortRequests, AddRequest, CoreInput
+from triollm.actors.messages import AddRequest
 from triollm.engine.execution.scripted_runner import fault_at_step
 from triollm.engine.outputs import RequestOutput
 from triollm.engine.sampling_params import RequestOutputKind, SamplingParams
@@ -125,29 +126,6 @@ def check_complete(
     assert got == {i: (max_tokens, reason) for i in range(n)}, got
 
 
-class InputTap:
-    """Records what the frontend sends to the core (by wrapping the client's input stream)."""
-
-    def __init__(self, llm: AsyncLLM) -> None:
-        assert llm._client is not None
-        self._client = llm._client
-        self._inner = llm._client.inputs
-        self.aborted: Counter[str] = Counter()
-        self.added: Counter[str] = Counter()
-        self._client.inputs = self  # type: ignore[assignment]
-
-    def send_nowait(self, msg: CoreInput) -> None:
-        if isinstance(msg, AbortRequests):
-            # Core ids are "<user id>#<sequence>": count by the user's id.
-            self.aborted.update(rid.rsplit("#", 1)[0] for rid in msg.request_ids)
-        elif isinstance(msg, AddRequest):
-            self.added[msg.request.request_id.rsplit("#", 1)[0]] += 1
-        self._inner.send_nowait(msg)
-
-    def remove(self) -> None:
-        self._client.inputs = self._inner
-
-
 async def wait_idle(llm: AsyncLLM, within: float = 5.0) -> None:
     """The engine has no request left and every KV block is free (polled), and its block
     manager is consistent; the frontend has no unfinished request."""
@@ -182,11 +160,10 @@ def raises_at_once(exc_type: type[BaseException], match: str | None = None) -> I
 
 @pytest.fixture(scope="module")
 async def shared_llm(
-    engine_args: Callable[..., AsyncEngineArgs], _warm_process: None
+    engine_args: Callable[..., AsyncEngineArgs], _warm_process: None, shared_tap: InputTap
 ) -> AsyncIterator[AsyncLLM]:
-    async with AsyncLLM.from_engine_args(engine_args()) as llm:
-        assert llm._client is not None
-        pid = llm._client.pid
+    async with AsyncLLM.from_engine_args(engine_args(), input_tap=shared_tap) as llm:
+        [pid] = llm.statistics().core_pids or [None]
         yield llm
     assert not llm.errored
     if pid is not None:
@@ -205,11 +182,15 @@ async def llm(shared_llm: AsyncLLM) -> AsyncIterator[AsyncLLM]:
     await wait_idle(shared_llm)
 
 
+@pytest.fixture(scope="module")
+def shared_tap() -> InputTap:
+    return InputTap()
+
+
 @pytest.fixture
-def tap(llm: AsyncLLM) -> Iterator[InputTap]:
-    t = InputTap(llm)
-    yield t
-    t.remove()
+def tap(llm: AsyncLLM, shared_tap: InputTap) -> Iterator[InputTap]:
+    yield shared_tap.start()
+    shared_tap.remove()
 
 
 # ============================================================================== streams
@@ -538,23 +519,32 @@ async def test_a_prompt_of_the_wrong_type_is_a_value_error(llm: AsyncLLM, prompt
 
 @pytest.mark.parametrize("n", [1, 3])
 async def test_a_request_the_core_rejects_fails_alone(
-    llm: AsyncLLM, tap: InputTap, monkeypatch: pytest.MonkeyPatch, n: int
+    llm: AsyncLLM, tap: InputTap, n: int
 ) -> None:
-    """The frontend's prompt checks are switched off so that bad prompts reach the core, whose
+    """The tap makes good prompts bad past the frontend's checks, so that they reach the core, whose
     own validation answers with a per-request error: a ValueError from the stream, nothing else."""
     vocab = llm.get_model_config().vocab_size
-    monkeypatch.setattr(llm._input, "_check_prompt", lambda token_ids: None)
     cases = [
         (f"core-empty-{n}", {"prompt_token_ids": []}, "empty"),
         (f"core-oov-{n}", {"prompt_token_ids": [1, vocab + 5]}, "token ids must be in"),
     ]
+    bad = {rid: prompt["prompt_token_ids"] for rid, prompt, _ in cases}
+
+    def send_bad_prompt(msg: AddRequest) -> AddRequest:
+        user_id = msg.request.request_id.rsplit("#", 1)[0]
+        user_id = user_id.partition("_")[2] or user_id if n > 1 else user_id
+        if user_id in bad:
+            msg.request.prompt_token_ids = list(bad[user_id])
+        return msg
+
+    tap.rewrite = send_bad_prompt
     results: dict[str, list[RequestOutput]] = {}
     with anyio.fail_after(30):
         async with anyio.create_task_group() as tg:
             await _background(llm, tg, results, 10)
-            for rid, prompt, match in cases:
+            for rid, _, match in cases:  # a good prompt, made bad past the frontend's checks
                 with pytest.raises(ValueError, match=match):
-                    await collect(llm, prompt, params(8, n=n), rid)
+                    await collect(llm, PROMPTS[0], params(8, n=n), rid)
             # The next request gets exactly its own tokens.
             check_complete(await collect(llm, PROMPTS[1], params(9, n=n), "after"), DELTA, 9, n=n)
     for i in range(10):
@@ -565,7 +555,7 @@ async def test_a_request_the_core_rejects_fails_alone(
         assert all(tap.aborted[c] <= 1 for c in core_ids)
     assert not llm.errored
     await wait_idle(llm)
-    monkeypatch.undo()
+    tap.rewrite = None
     for rid, _, _ in cases:  # the ids are free again
         check_complete(await collect(llm, PROMPTS[0], params(3), rid), DELTA, 3)
     await wait_idle(llm)
@@ -647,8 +637,7 @@ async def test_sigkill_of_the_engine_process_fails_every_stream_with_engine_dead
 ) -> None:
     llm = AsyncLLM.from_engine_args(engine_args())
     async with llm:
-        assert llm._client is not None and llm._client.pid is not None
-        pid = llm._client.pid
+        [pid] = llm.statistics().core_pids
         with anyio.fail_after(5):
             outcomes = await _streams_until_death(llm, 50, lambda: os.kill(pid, signal.SIGKILL))
         assert {kind for kind, _ in outcomes.values()} == {"dead"}

@@ -98,7 +98,8 @@ async def test_an_abort_while_the_prompt_is_tokenized_in_a_thread_sticks(
     engine_args: Callable[..., AsyncEngineArgs], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The window is forced: the tokenizer blocks (in its worker thread) until the abort ran."""
-    async with AsyncLLM.from_engine_args(engine_args()) as llm:
+    sent: list[Any] = []
+    async with AsyncLLM.from_engine_args(engine_args(), input_tap=lambda msg: sent.append(msg) or msg) as llm:
         assert llm.tokenizer is not None
         encode = llm.tokenizer.encode
         entered, release = threading.Event(), threading.Event()
@@ -111,16 +112,6 @@ async def test_an_abort_while_the_prompt_is_tokenized_in_a_thread_sticks(
             return encode(text, *args, **kw)
 
         monkeypatch.setattr(llm.tokenizer, "encode", blocking_encode)
-        sent: list[Any] = []
-        assert llm._client is not None
-        inner = llm._client.inputs
-
-        class Tap:
-            def send_nowait(self, msg: Any) -> None:
-                sent.append(msg)
-                inner.send_nowait(msg)
-
-        llm._client.inputs = Tap()  # type: ignore[assignment]
         result: list[Any] = []
 
         async def add() -> None:
@@ -137,7 +128,6 @@ async def test_an_abort_while_the_prompt_is_tokenized_in_a_thread_sticks(
                 outs = [out async for out in stream]
         finally:
             release.set()
-            llm._client.inputs = inner
         assert len(outs) == 1 and outs[0].finished
         assert outs[0].outputs[0].finish_reason == "abort"
         assert not sent, "the aborted request reached the core"

@@ -94,12 +94,12 @@ async def test_requests_are_balanced_and_all_finish(tiny_model_dir: Path) -> Non
     out: dict[int, list[int]] = {}
     with anyio.fail_after(120):
         async with AsyncLLM.from_engine_args(dp_args(tiny_model_dir, 2)) as llm:
-            assert llm._client is not None and len(llm._client.rank_pids) == 2
+            assert len(llm.statistics().core_pids) == 2
             async with anyio.create_task_group() as tg:
                 for i in range(100):
                     tg.start_soon(_run, llm, i, tokens[i], out)
                     await anyio.sleep(rng.random() * 0.005)  # staggered arrivals
-            assigned = list(llm._client.assigned or [])
+            assigned = list(llm.statistics().requests_per_rank or [])
             stats = await llm.get_engine_stats()  # combined over the ranks
             assert stats.num_running == stats.num_waiting == 0
             await llm.check_integrity()
@@ -139,8 +139,7 @@ async def test_a_killed_rank_kills_the_engine_and_leaves_no_orphans(tiny_model_d
 
     with anyio.fail_after(60):
         async with AsyncLLM.from_engine_args(dp_args(tiny_model_dir, 2, max_model_len=256)) as llm:
-            assert llm._client is not None
-            pids = llm._client.rank_pids
+            pids = llm.statistics().core_pids
             async with anyio.create_task_group() as tg:
                 for i in range(6):
                     tg.start_soon(consume, llm, i)

@@ -72,14 +72,13 @@ async def test_requests_are_balanced_over_ray_actors_and_match_one_core(ray_clus
     out: dict[int, list[int]] = {}
     with anyio.fail_after(120):
         async with AsyncLLM.from_engine_args(ray_args(tiny_model_dir)) as llm:
-            assert llm._client is not None
-            pids = llm._client.rank_pids
+            pids = llm.statistics().core_pids
             assert len(pids) == 2 and os.getpid() not in pids
             async with anyio.create_task_group() as tg:
                 for i in range(100):
                     tg.start_soon(_run, llm, i, tokens[i], out)
                     await anyio.sleep(rng.random() * 0.005)  # staggered arrivals
-            assigned = list(llm._client.assigned or [])
+            assigned = list(llm.statistics().requests_per_rank or [])
             stats = await llm.get_engine_stats()  # combined over the ranks
             assert stats.num_running == stats.num_waiting == 0
         for _ in range(50):  # the actors end with the engine
@@ -115,8 +114,7 @@ async def test_a_dead_actor_is_a_dead_engine(ray_cluster: Any, tiny_model_dir: P
 
     with anyio.fail_after(60):
         async with AsyncLLM.from_engine_args(ray_args(tiny_model_dir)) as llm:
-            assert llm._client is not None
-            pids = llm._client.rank_pids
+            pids = llm.statistics().core_pids
             async with anyio.create_task_group() as tg:
                 for i in range(6):
                     tg.start_soon(consume, llm, i)

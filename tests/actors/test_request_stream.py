@@ -15,18 +15,18 @@ end is read, and a request the core rejects failing through its handle.
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
 import anyio
 import anyio.lowlevel
 import pytest
+from input_tap import InputTap
 
 from triollm import RequestStream
 from triollm.actors.async_llm import AsyncEngineArgs, AsyncLLM
 from triollm.actors.errors import EngineDeadError
-from triollm.actors.messages import AbortRequests, CoreInput
+from triollm.actors.messages import AddRequest
 from triollm.actors.request_stream import merge_output
 from triollm.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from triollm.engine.sampling_params import RequestOutputKind, SamplingParams
@@ -233,34 +233,15 @@ async def test_get_checkpoints_for_cancellation_even_with_an_output_waiting() ->
 # ================================================================================ the real path
 
 
-class AbortTap:
-    """Counts the aborts the frontend sends to the core, by user request id."""
-
-    def __init__(self, llm: AsyncLLM) -> None:
-        assert llm._client is not None
-        self._client = llm._client
-        self._inner = llm._client.inputs
-        self.aborted: Counter[str] = Counter()
-        self._client.inputs = self  # type: ignore[assignment]
-
-    def send_nowait(self, msg: CoreInput) -> None:
-        if isinstance(msg, AbortRequests):
-            self.aborted.update(rid.rsplit("#", 1)[0] for rid in msg.request_ids)
-        self._inner.send_nowait(msg)
-
-    def remove(self) -> None:
-        self._client.inputs = self._inner
-
-
 def params(max_tokens: int, kind: RequestOutputKind = DELTA, n: int = 1) -> SamplingParams:
     return SamplingParams(max_tokens=max_tokens, ignore_eos=True, output_kind=kind, n=n)
 
 
 @pytest.fixture(scope="module")
 async def shared_llm(
-    inproc_engine_args: Callable[..., AsyncEngineArgs], _warm_process: None
+    inproc_engine_args: Callable[..., AsyncEngineArgs], _warm_process: None, shared_tap: InputTap
 ) -> AsyncIterator[AsyncLLM]:
-    async with AsyncLLM.from_engine_args(inproc_engine_args()) as llm:
+    async with AsyncLLM.from_engine_args(inproc_engine_args(), input_tap=shared_tap) as llm:
         yield llm
     assert not llm.errored
 
@@ -284,11 +265,16 @@ async def llm(no_leaks: None, shared_llm: AsyncLLM) -> AsyncIterator[AsyncLLM]:
     assert stats.num_free_blocks == stats.num_blocks
 
 
+@pytest.fixture(scope="module")
+def shared_tap() -> InputTap:
+    return InputTap()
+
+
 @pytest.fixture
-def tap(llm: AsyncLLM) -> Iterator[AbortTap]:
-    t = AbortTap(llm)
-    yield t
-    t.remove()
+def tap(llm: AsyncLLM, shared_tap: InputTap) -> Iterator[InputTap]:
+    """Counts the aborts the frontend sends to the core, by user request id."""
+    yield shared_tap.start()
+    shared_tap.remove()
 
 
 async def _running(stream: RequestStream) -> RequestOutput:
@@ -298,7 +284,7 @@ async def _running(stream: RequestStream) -> RequestOutput:
 
 
 async def test_add_request_returns_a_stream_that_ends_after_the_finished_output(
-    llm: AsyncLLM, tap: AbortTap
+    llm: AsyncLLM, tap: InputTap
 ) -> None:
     stream = await llm.add_request("it", "Hello there", params(12))
     assert isinstance(stream, RequestStream) and stream.request_id == "it"
@@ -312,7 +298,7 @@ async def test_add_request_returns_a_stream_that_ends_after_the_finished_output(
     assert not tap.aborted
 
 
-async def test_get_nowait_polls_until_the_end(llm: AsyncLLM, tap: AbortTap) -> None:
+async def test_get_nowait_polls_until_the_end(llm: AsyncLLM, tap: InputTap) -> None:
     stream = await llm.add_request("poll", "Hello there", params(8))
     tokens = 0
     with anyio.fail_after(10):
@@ -375,7 +361,7 @@ STOPS = {
 
 
 @pytest.mark.parametrize("how", list(STOPS))
-async def test_stopping_early_aborts_exactly_once(llm: AsyncLLM, tap: AbortTap, how: str) -> None:
+async def test_stopping_early_aborts_exactly_once(llm: AsyncLLM, tap: InputTap, how: str) -> None:
     rid = f"stop-{how}"
     stream = await llm.add_request(rid, "Once upon a time", params(LONG, n=2))
     await _running(stream)
@@ -388,7 +374,7 @@ async def test_stopping_early_aborts_exactly_once(llm: AsyncLLM, tap: AbortTap, 
     assert dict(tap.aborted) == {f"0_{rid}": 1, f"1_{rid}": 1}  # and never again
 
 
-async def test_no_abort_after_the_end_even_unread(llm: AsyncLLM, tap: AbortTap) -> None:
+async def test_no_abort_after_the_end_even_unread(llm: AsyncLLM, tap: InputTap) -> None:
     stream = await llm.add_request("unread", "Hello", params(5))
     with anyio.fail_after(10):
         while not stream.finished:  # noqa: ASYNC110 - the handle has no "finished" event
@@ -434,12 +420,17 @@ async def test_a_frontend_error_raises_from_add_request_holding_nothing(llm: Asy
 
 
 async def test_a_request_the_core_rejects_fails_through_its_stream(
-    llm: AsyncLLM, tap: AbortTap, monkeypatch: pytest.MonkeyPatch
+    llm: AsyncLLM, tap: InputTap
 ) -> None:
     vocab = llm.get_model_config().vocab_size
-    # Let a bad prompt past the frontend's checks so that the core's own validation answers.
-    monkeypatch.setattr(llm._input, "_check_prompt", lambda token_ids: None)
-    stream = await llm.add_request("oov", {"prompt_token_ids": [1, vocab + 5]}, params(4))
+
+    def out_of_vocab(msg: AddRequest) -> AddRequest:
+        msg.request.prompt_token_ids = [1, vocab + 5]
+        return msg
+
+    # A good prompt made bad past the frontend's checks, so that the core's own validation answers.
+    tap.rewrite = out_of_vocab
+    stream = await llm.add_request("oov", {"prompt_token_ids": [1, 2]}, params(4))
     with anyio.fail_after(10), pytest.raises(ValueError, match="token ids must be in"):
         await stream.get()
     assert stream.finished and stream.closed

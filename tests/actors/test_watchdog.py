@@ -157,8 +157,7 @@ async def test_a_stopped_engine_process_is_declared_dead_and_killed_at_shutdown(
                     tg.start_soon(consume, i)
                 for event in started:
                     await event.wait()
-                assert llm._client is not None and llm._client.pid is not None
-                pid = llm._client.pid
+                [pid] = llm.statistics().core_pids
                 os.kill(pid, signal.SIGSTOP)
                 t0 = time.monotonic()
                 dead = await llm.wait_errored()

@@ -52,7 +52,7 @@ def shared_engine(tiny_model_dir: Path) -> SyncEngine:
 def engine(shared_engine: SyncEngine) -> Iterable[SyncEngine]:
     yield shared_engine
     # Leave the shared engine idle even after a failed test, so one failure does not cascade.
-    shared_engine.output.abort_requests(list(shared_engine.output._parents))
+    shared_engine.abort(shared_engine.unfinished_request_ids())
     shared_engine.core.abort_requests(list(shared_engine.core.requests))
 
 
@@ -76,6 +76,11 @@ def assert_idle(core: EngineCore) -> None:
     assert not core.requests
     assert not core.has_unfinished_requests()
     core.check_integrity()
+
+
+def user_ids(core: EngineCore) -> set[str]:
+    """The core's requests by the id the user gave: core ids are "<user id>#<tag>"."""
+    return {cid.rsplit("#", 1)[0] for cid in core.requests}
 
 
 def collect(outputs: Iterable[RequestOutput], into: dict[str, list[RequestOutput]]) -> None:
@@ -233,7 +238,7 @@ def test_duplicate_user_id_with_other_n_leaves_nothing_in_core(engine: SyncEngin
     engine.step()
     with pytest.raises(ValueError, match="^request_id: 'a' is already running"):
         engine.add_request("Hello", greedy(), request_id="a")
-    assert sorted(engine.core.requests) == ["0_a", "1_a"]
+    assert sorted(user_ids(engine.core)) == ["0_a", "1_a"]
 
 
 # -------------------------------------------------------------------------- seeded sampling
@@ -317,7 +322,7 @@ def test_stop_string(engine: SyncEngine, reference: dict[str, list[int]], includ
     while "stopped" not in outs or not outs["stopped"][-1].finished:
         collect(engine.step(), outs)
     # The stop-string abort reached the core at once, not at max_tokens.
-    assert "stopped" not in engine.core.requests
+    assert "stopped" not in user_ids(engine.core)
     deltas = [c for o in outs["stopped"] for c in o.outputs]
     final = deltas[-1]
     assert "".join(c.text for c in deltas) == text[: index + len(stop) if include else index]
@@ -452,13 +457,14 @@ def test_abort_frees_blocks_at_once(engine: SyncEngine, reference: dict[str, lis
     outs: dict[str, list[RequestOutput]] = {}
     for _ in range(4):
         collect(engine.step(), outs)
-    held = len(core.requests["victim"].block_ids)
+    [victim] = engine.frontend.unfinished_core_ids("victim")
+    held = len(core.requests[victim].block_ids)
     before = core.statistics()
     assert held > 0 and before.num_running == 3
 
     [aborted] = engine.abort(["victim"])
     after = core.statistics()
-    assert "victim" not in core.requests
+    assert "victim" not in user_ids(core)
     assert after.num_free_blocks == before.num_free_blocks + held
     assert after.num_running == 2
     core.check_integrity()

@@ -13,13 +13,14 @@ from tinymodel import make_tiny_bert
 
 from triollm.engine.config import EngineArgs
 from triollm.engine.core import EngineCore
+from triollm.engine.cores import Core, build_engine_core
 from triollm.engine.execution.models.bert import load_bert
 from triollm.engine.execution.pooler import finish_embedding, pool
+from triollm.engine.frontend import POOLING_PLACEHOLDER
 from triollm.engine.loading.model_config import ModelConfig
 from triollm.engine.pooling_core import PoolingEngineCore
 from triollm.engine.pooling_outputs import pack_pooled, unpack_pooled
 from triollm.engine.pooling_params import PoolingParams
-from triollm.engine.processing.processors import POOLING_PLACEHOLDER
 from triollm.engine.request import EngineCoreRequest
 
 # ---------------------------------------------------------------------------------- the math
@@ -131,8 +132,8 @@ def test_bert_matches_transformers(tiny_berts: dict[str, Path]) -> None:
 
 def test_engine_core_on_a_pooling_model(tiny_berts: dict[str, Path]) -> None:
     config = EngineArgs(model=str(tiny_berts["last"]), max_num_batched_tokens=64, max_num_seqs=8).create_engine_config()
-    core = EngineCore(config)
-    assert isinstance(core, PoolingEngineCore) and core.num_blocks == 0
+    core = build_engine_core(config)
+    assert isinstance(core, PoolingEngineCore) and isinstance(core, Core) and core.num_blocks == 0
     params = PoolingParams(task="embed")
     prompts = {"a": [101, 2000, 102], "b": list(range(1000, 1040)), "c": [101, 7592, 2088, 999, 102], "gone": [5, 6]}
     for rid, ids in prompts.items():
@@ -159,3 +160,15 @@ def test_engine_core_on_a_pooling_model(tiny_berts: dict[str, Path]) -> None:
         assert out.pooled is not None
         vec = unpack_pooled(out.pooled)
         assert vec.shape == (32,) and torch.isclose(vec.norm(), torch.tensor(1.0))
+
+
+def test_each_core_refuses_the_other_kind_of_model(tiny_berts: dict[str, Path], tiny_model_dir: Path) -> None:
+    pooling = EngineArgs(model=str(tiny_berts["last"])).create_engine_config()
+    with pytest.raises(ValueError, match=r"runner: EngineCore .*'pooling'.*build_engine_core\(config\)"):
+        EngineCore(pooling)
+    generate = EngineArgs(model=str(tiny_model_dir), kv_cache_memory_bytes=1 << 20).create_engine_config()
+    with pytest.raises(ValueError, match=r"runner: PoolingEngineCore .*'generate'.*build_engine_core"):
+        PoolingEngineCore(generate)
+    core = build_engine_core(generate)
+    assert isinstance(core, EngineCore) and isinstance(core, Core)
+    core.close()

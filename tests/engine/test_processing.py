@@ -1,4 +1,4 @@
-"""InputProcessor validation, StopChecker, and the OutputProcessor driven by hand-built core outputs."""
+"""InputProcessor validation, StopChecker, and the frontend's output half driven by hand-built core outputs."""
 
 from __future__ import annotations
 
@@ -12,9 +12,10 @@ from hypothesis import strategies as st
 from triollm.engine.loading.model_config import ModelConfig
 from triollm.engine.outputs import RequestOutput
 from triollm.engine.processing.detokenizer import StopChecker
-from triollm.engine.processing.processors import (
+from triollm.engine.frontend import (
+    Frontend,
     InputProcessor,
-    OutputProcessor,
+    Phase,
     ProcessedOutputs,
     ProcessedRequest,
 )
@@ -36,11 +37,55 @@ def inp(model_config: ModelConfig, tok: Tokenizer) -> InputProcessor:
     return InputProcessor(model_config, tok)
 
 
+class OutputProcessor:
+    """The `Frontend` driven as the core's output side alone: core ids without a tag (as
+    `InputProcessor.process` makes them without one), outputs collected per call."""
+
+    def __init__(self, inp: InputProcessor) -> None:
+        self.frontend = Frontend(inp)
+        self.delivered: list[RequestOutput] = []
+
+    def put(self, output: RequestOutput) -> None:
+        self.delivered.append(output)
+
+    def put_error(self, error: BaseException) -> None:
+        raise AssertionError(f"unexpected error: {error}")
+
+    def add_request(self, processed: ProcessedRequest) -> None:
+        self.frontend.open(processed.request_id, self)
+        assert self.frontend.add(processed) == processed.core_requests
+
+    def process_outputs(self, outputs: list[EngineCoreOutput]) -> ProcessedOutputs:
+        result = self.frontend.on_outputs(outputs)
+        assert self.take() == result.request_outputs
+        return result
+
+    def abort_requests(self, request_ids: list[str]) -> list[RequestOutput]:
+        self.frontend.abort(request_ids)
+        return self.take()
+
+    def take(self) -> list[RequestOutput]:
+        out, self.delivered = self.delivered, []
+        self.frontend.check_integrity()
+        return out
+
+    def unfinished_core_ids(self, request_id: str) -> list[str]:
+        return self.frontend.unfinished_core_ids(request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.num_unfinished_requests > 0
+
+    @property
+    def num_unfinished_requests(self) -> int:
+        ids = self.frontend.request_ids()
+        return sum(self.frontend.get(rid).phase is not Phase.FINISHED for rid in ids)  # type: ignore[union-attr]
+
+
 def _start(
     inp: InputProcessor, prompt: Any = PROMPT, rid: str = "r", **params: Any
 ) -> tuple[ProcessedRequest, OutputProcessor]:
     processed = inp.process(prompt, SamplingParams(**params), rid)
-    outp = OutputProcessor(inp.tokenizer)
+    outp = OutputProcessor(inp)
     outp.add_request(processed)
     return processed, outp
 

@@ -15,8 +15,8 @@ from triollm.actors.messages import AddRequest
 from triollm.engine.config import EngineArgs, LimitsConfig
 from triollm.engine.core import EngineCore
 from triollm.engine.execution.scripted_runner import ScriptedRunner
+from triollm.engine.frontend import InputProcessor
 from triollm.engine.loading.model_config import ModelConfig
-from triollm.engine.processing.processors import InputProcessor
 from triollm.engine.processing.tokenizer import Tokenizer
 from triollm.engine.request import EngineCoreRequest
 from triollm.engine.sampling_params import SamplingParams

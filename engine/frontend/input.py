@@ -1,0 +1,419 @@
+"""The frontend's input half: a prompt and its params in, a checked `ProcessedRequest` out.
+
+`InputProcessor.process` tokenizes and validates a prompt, resolves the sampling params against
+the model, and expands `n > 1` into n child core requests (vLLM's ParentRequest), each with
+`n=1` and, when a seed is set, seed `seed + i`. Core request ids are made by
+`core_request_ids`, and only there: `"{request_id}#{tag}"`, or `"{i}_{request_id}#{tag}"` for
+the children of an n > 1 request; the frontend's table passes a tag that it never reuses, so
+outputs still in flight for an aborted request can never be credited to a new request that
+reuses its id. (Called without a tag, as the unit tests do, the `#tag` part is left out.)
+
+The params pass twice: checked before anything is tokenized (`_check_params`: validated again,
+since fields may have changed after construction; the per-request limits; the grammar), and
+resolved against the prompt after (`_resolve_params`: token ids in the vocabulary, logprobs,
+max_tokens clamped to the room left, the KV-fit rule).
+
+Differences from vLLM, on purpose:
+* max_tokens None or above the room left (max_model_len - prompt length) is clamped to the
+  room, as vLLM's `LLM` does (its OpenAI server rejects instead); min_tokens is clamped too.
+* A prompt must leave room for one generated token: at most max_model_len - 1 tokens.
+* The per-request limits (`LimitsConfig`: stop strings, token lists, `n`) are checked before
+  anything is tokenized, and a request that can never fit the KV cache (prompt + max_tokens,
+  when the core's block count is known) is refused: each a `ValueError` naming the field and
+  the setting.
+
+Plain code, no I/O: the frontend may run `process` in a worker thread for a large input.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+
+from triollm.engine import structured_outputs
+from triollm.engine.inputs import PromptType
+from triollm.engine.loading.model_config import ModelConfig
+from triollm.engine.pooling_params import PoolingParams
+from triollm.engine.processing.tokenizer import Tokenizer
+from triollm.engine.request import EngineCoreRequest
+from triollm.engine.sampling_params import (
+    RequestOutputKind,
+    SamplingParams,
+    check_utf8,
+    check_wire_int,
+)
+
+if TYPE_CHECKING:
+    from triollm.engine.config import LimitsConfig
+
+__all__ = [
+    "GENERATE_ON_POOLING",
+    "LARGE_INPUT",
+    "POOLING_ON_GENERATE",
+    "POOLING_PLACEHOLDER",
+    "InputProcessor",
+    "ProcessedRequest",
+    "core_request_ids",
+    "input_size",
+]
+
+_PROMPT_KEYS = frozenset({"prompt", "prompt_token_ids"})
+# The SamplingParams a pooling request carries where the wire and the output processor expect
+# some: nothing is sampled or detokenized.
+POOLING_PLACEHOLDER = SamplingParams(
+    max_tokens=1, detokenize=False, output_kind=RequestOutputKind.FINAL_ONLY
+)
+# vLLM's wording (its LLM.generate()); every generation entry point refuses a pooling model so.
+GENERATE_ON_POOLING = (
+    "{api} is only supported for generative models. Try passing `--runner generate` to use "
+    "the model as a generative model."
+)
+POOLING_ON_GENERATE = (
+    "{api} is only supported for pooling models. Try passing `--runner pooling` to use "
+    "the model as a pooling model."
+)
+# Inputs larger than this (`input_size`) are processed in a worker thread by the async shell,
+# so that they do not stall the event loop.
+LARGE_INPUT = 8192
+# What one tokenizer call costs beyond its text, counted in characters (a fixed cost per call,
+# so that thousands of one-letter bad words count as much as they cost).
+_TOKENIZER_CALL_CHARS = 16
+
+
+@dataclass
+class ProcessedRequest:
+    """A user request after input processing: what the output half and the core need."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    core_requests: list[EngineCoreRequest]
+    arrival_time: float = 0.0
+    # A pooling request (then `params` is `POOLING_PLACEHOLDER`: no tokens are generated).
+    pooling_params: PoolingParams | None = None
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        """Prompt tokens over every core request (an n > 1 request counts n times)."""
+        return len(self.prompt_token_ids) * len(self.core_requests)
+
+
+def core_request_ids(request_id: str, n: int, tag: str | None = None) -> list[str]:
+    """The core request ids of a user request with `n` children: the one place they are made."""
+    suffix = "" if tag is None else f"#{tag}"
+    if n == 1:
+        return [f"{request_id}{suffix}"]
+    return [f"{i}_{request_id}{suffix}" for i in range(n)]
+
+
+def input_size(prompt: object, params: SamplingParams | PoolingParams) -> int:
+    """The work `InputProcessor.process` will do for this request, in characters or token ids:
+    the prompt (text to tokenize, ids to check) plus every `bad_words` entry (tokenized twice,
+    each call with its fixed cost). Cheap: lengths only. Values of the wrong type count 0:
+    `process` rejects them."""
+    size = 0
+    if isinstance(prompt, str):
+        size += len(prompt)
+    elif isinstance(prompt, Mapping):
+        for key in ("prompt", "prompt_token_ids"):
+            value = prompt.get(key)
+            if isinstance(value, str | list | tuple):
+                size += len(value)
+    bad_words = params.bad_words if isinstance(params, SamplingParams) else None
+    if isinstance(bad_words, list):
+        size += sum(
+            2 * (len(word) + _TOKENIZER_CALL_CHARS) for word in bad_words if isinstance(word, str)
+        )
+    return size
+
+
+class InputProcessor:
+    def __init__(
+        self,
+        model_config: ModelConfig,
+        tokenizer: Tokenizer,
+        *,
+        max_logprobs: int = 20,
+        limits: LimitsConfig | None = None,
+        kv_cache_tokens: int | None = None,
+    ) -> None:
+        """`limits`: the per-request limits (None: none); `kv_cache_tokens`: the KV cache's size
+        in tokens (the core's blocks x block size; None: unknown, not checked)."""
+        self.model_config = model_config
+        self.tokenizer = tokenizer
+        self.max_logprobs = max_logprobs  # -1: no limit
+        self.limits = limits
+        self.kv_cache_tokens = kv_cache_tokens
+        eos = [*model_config.eos_token_ids]
+        if tokenizer.eos_token_id is not None:
+            eos.append(tokenizer.eos_token_id)
+        self.eos_token_ids = list(dict.fromkeys(eos))
+
+    def process(
+        self,
+        prompt: PromptType,
+        params: SamplingParams | None,
+        request_id: str,
+        *,
+        arrival_time: float | None = None,
+        priority: int = 0,
+        tag: str | None = None,
+    ) -> ProcessedRequest:
+        """Check and tokenize one generation request; `tag` goes into its core ids."""
+        check_utf8("request_id", request_id)
+        check_wire_int("priority", priority)
+        if self.model_config.runner_type != "generate":
+            raise ValueError(GENERATE_ON_POOLING.format(api="Generation (SamplingParams)"))
+        if params is None:
+            params = SamplingParams.with_defaults(self.model_config.generation_defaults)
+        self._check_params(params)  # before anything is tokenized
+        text, token_ids = self._tokenize(prompt)
+        self._check_prompt(token_ids)
+        params = self._resolve_params(params, len(token_ids))
+        bad_words = self._bad_words_token_ids(params.bad_words or [])
+        arrival = time.time() if arrival_time is None else arrival_time
+        children = _child_params(params)
+        core_requests = [
+            EngineCoreRequest(
+                request_id=core_id,
+                prompt_token_ids=token_ids,
+                sampling_params=child,
+                eos_token_ids=self.eos_token_ids,
+                bad_words_token_ids=bad_words,
+                arrival_time=arrival,
+                priority=priority,
+            )
+            for core_id, child in zip(core_request_ids(request_id, len(children), tag), children)
+        ]
+        return ProcessedRequest(request_id, text, token_ids, params, core_requests, arrival)
+
+    def process_pooling(
+        self,
+        prompt: PromptType,
+        params: PoolingParams,
+        request_id: str,
+        *,
+        arrival_time: float | None = None,
+        priority: int = 0,
+        tag: str | None = None,
+    ) -> ProcessedRequest:
+        """A request to a pooling model: tokenized (truncated as `truncate_prompt_tokens` says),
+        checked against max_model_len, its parameters resolved against the model's pooler."""
+        check_utf8("request_id", request_id)
+        check_wire_int("priority", priority)
+        mc = self.model_config
+        if mc.runner_type != "pooling" or mc.pooler is None:
+            raise ValueError(POOLING_ON_GENERATE.format(api="Pooling (PoolingParams)"))
+        params = self._resolve_pooling(params)
+        limit = mc.max_model_len
+        keep = params.truncate_prompt_tokens
+        keep = limit if keep == -1 else keep
+        if keep is not None and keep > limit:
+            raise ValueError(f"truncate_prompt_tokens: {keep} exceeds max_model_len ({limit})")
+        text, token_ids = self._tokenize(prompt)
+        if keep is not None and len(token_ids) > keep:
+            # A text is cut as the tokenizer cuts it (its special tokens kept), token ids as given.
+            from_text = isinstance(prompt, str) or "prompt_token_ids" not in prompt
+            token_ids = self.tokenizer.encode_truncated(text, keep) if from_text and text is not None else token_ids[:keep]
+        if not token_ids:
+            raise ValueError("prompt: must not be empty (0 tokens)")
+        if len(token_ids) > limit:
+            raise ValueError(
+                f"prompt: {len(token_ids)} tokens exceed max_model_len ({limit}); shorten it or "
+                "set truncate_prompt_tokens (-1: truncate to max_model_len)"
+            )
+        bad = [t for t in token_ids if not 0 <= t < mc.vocab_size]
+        if bad:
+            raise ValueError(f"prompt_token_ids: token ids must be in [0, {mc.vocab_size}) (vocab_size), got {bad[:8]}")
+        arrival = time.time() if arrival_time is None else arrival_time
+        [core_id] = core_request_ids(request_id, 1, tag)
+        core = EngineCoreRequest(
+            request_id=core_id,
+            prompt_token_ids=token_ids,
+            sampling_params=POOLING_PLACEHOLDER,
+            arrival_time=arrival,
+            priority=priority,
+            pooling_params=params,
+        )
+        return ProcessedRequest(request_id, text, token_ids, POOLING_PLACEHOLDER, [core], arrival, params)
+
+    def _resolve_pooling(self, params: PoolingParams) -> PoolingParams:
+        """Checked again (fields may have changed), the task defaulted to "embed", `dimensions`
+        checked against the model (Matryoshka only, at most hidden_size)."""
+        params.validate()
+        mc = self.model_config
+        pooler = mc.pooler
+        assert pooler is not None
+        params = msgspec.structs.replace(params, task=params.task or "embed")
+        d = params.dimensions
+        if d is not None:
+            if not pooler.is_matryoshka:
+                raise ValueError(
+                    f"dimensions: model {mc.path.name} does not support matryoshka representation; "
+                    "changing output dimensions would lead to poor results (leave dimensions unset)"
+                )
+            allowed = pooler.matryoshka_dimensions
+            if (allowed is not None and d not in allowed) or d > mc.hidden_size:
+                shown = list(allowed) if allowed is not None else f"1 to {mc.hidden_size}"
+                raise ValueError(f"dimensions: {d} is not supported by {mc.path.name}; allowed: {shown}")
+        return params
+
+    # ------------------------------------------------------------------ prompt
+
+    def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            return prompt, self.tokenizer.encode(prompt)
+        if not isinstance(prompt, Mapping):
+            raise ValueError(
+                f"prompt: expected a string, {{'prompt': str}} or {{'prompt_token_ids': [...]}}, got {type(prompt).__name__}"
+            )
+        unknown = set(prompt) - _PROMPT_KEYS
+        if unknown:
+            raise ValueError(
+                f"prompt: unsupported keys {sorted(unknown)} (supported: prompt, prompt_token_ids)"
+            )
+        text = prompt.get("prompt")
+        if text is not None and not isinstance(text, str):
+            raise ValueError(f"prompt: 'prompt' must be a string, got {type(text).__name__}")
+        if "prompt_token_ids" in prompt:
+            return text, _token_list(prompt["prompt_token_ids"])
+        if text is None:
+            raise ValueError("prompt: needs 'prompt' or 'prompt_token_ids'")
+        return text, self.tokenizer.encode(text)
+
+    def _check_prompt(self, token_ids: list[int]) -> None:
+        if not token_ids:
+            raise ValueError("prompt: must not be empty (0 tokens)")
+        limit = self.model_config.max_model_len
+        if len(token_ids) > limit - 1:
+            raise ValueError(
+                f"prompt: {len(token_ids)} tokens exceeds max_model_len ({limit}) minus one token "
+                f"to generate; at most {limit - 1} prompt tokens are allowed"
+            )
+        vocab = self.model_config.vocab_size
+        bad = [t for t in token_ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(
+                f"prompt_token_ids: token ids must be in [0, {vocab}) (vocab_size), got {bad[:8]}"
+            )
+
+    # ------------------------------------------------------------------ params
+
+    def _check_params(self, params: SamplingParams) -> None:
+        """The first pass, before tokenizing: the params validated again (fields may have
+        changed since construction), the per-request limits, the grammar (compiled to check)."""
+        params.validate()
+        self.check_limits(params)
+        if params.structured_outputs is not None:
+            structured_outputs.check(params.structured_outputs)
+
+    def check_limits(self, params: SamplingParams) -> None:
+        """Raise `ValueError` naming the field and the setting if `params` asks for more than
+        one request may (`LimitsConfig`). Cheap: lengths only, nothing is tokenized."""
+        limits = self.limits
+        if limits is None:
+            return
+        stop = [params.stop] if isinstance(params.stop, str) else params.stop or []
+        if len(stop) > limits.max_stop_strings:
+            raise ValueError(
+                f"stop: {len(stop)} strings exceed max_stop_strings={limits.max_stop_strings}"
+            )
+        longest = max(map(len, stop), default=0)
+        if longest > limits.max_stop_string_len:
+            raise ValueError(
+                f"stop: a string of {longest} characters exceeds "
+                f"max_stop_string_len={limits.max_stop_string_len}"
+            )
+        for name in ("stop_token_ids", "allowed_token_ids", "bad_words", "logit_bias"):
+            value = getattr(params, name)
+            count = 0 if value is None else len(value)
+            if count > limits.max_token_list_len:
+                raise ValueError(
+                    f"{name}: {count} entries exceed max_token_list_len={limits.max_token_list_len}"
+                )
+        for name in ("n", "best_of"):
+            value = getattr(params, name, None)
+            if value is not None and value > limits.max_n:
+                raise ValueError(f"{name}: {value} exceeds max_n={limits.max_n}")
+
+    def _resolve_params(self, params: SamplingParams, prompt_len: int) -> SamplingParams:
+        vocab = self.model_config.vocab_size
+        params.verify_token_ids(vocab)
+        for name in ("logprobs", "prompt_logprobs"):
+            self._check_logprobs(name, getattr(params, name), vocab)
+        room = self.model_config.max_model_len - prompt_len
+        if params.max_tokens is None or params.max_tokens > room:
+            params = msgspec.structs.replace(
+                params, max_tokens=room, min_tokens=min(params.min_tokens, room)
+            )
+        if params.top_k >= vocab:  # the same as no top-k, and within what the sampler handles
+            params = msgspec.structs.replace(params, top_k=0)
+        self._check_kv_fit(prompt_len, params)
+        return params
+
+    def _check_kv_fit(self, prompt_len: int, params: SamplingParams) -> None:
+        """A sequence that needs more KV slots than the cache has would preempt itself forever.
+        The last sampled token is never fed back, so prompt + max_tokens - 1 slots suffice."""
+        capacity = self.kv_cache_tokens
+        assert params.max_tokens is not None  # resolved
+        if capacity is None or prompt_len + params.max_tokens - 1 <= capacity:
+            return
+        if prompt_len >= capacity:
+            raise ValueError(
+                f"prompt: {prompt_len} tokens do not fit in the KV cache ({capacity} tokens)"
+            )
+        raise ValueError(
+            f"max_tokens: {params.max_tokens} tokens after a prompt of {prompt_len} need "
+            f"{prompt_len + params.max_tokens - 1} KV cache slots, more than the KV cache's "
+            f"{capacity} tokens; ask for at most {capacity - prompt_len + 1}"
+        )
+
+    def _check_logprobs(self, name: str, value: int | None, vocab: int) -> None:
+        if value is None or self.max_logprobs < 0:
+            return
+        wanted = vocab if value == -1 else value
+        if wanted > self.max_logprobs:
+            raise ValueError(f"{name}: {wanted} exceeds max_logprobs ({self.max_logprobs})")
+
+    def _bad_words_token_ids(self, words: Sequence[str]) -> list[list[int]]:
+        """Each bad word as it would start the text and as a word after a space (vLLM's rule)."""
+        out: list[list[int]] = []
+        for word in words:
+            plain = self.tokenizer.encode(word.lstrip(), add_special_tokens=False)
+            if not plain:
+                continue
+            out.append(plain)
+            spaced = self.tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+            # Keep the spaced form only if the space merged into a different first token.
+            if spaced[0] != plain[0] and len(spaced) == len(plain):
+                out.append(spaced)
+        vocab = self.model_config.vocab_size
+        bad = [t for ids in out for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"bad_words: tokenize to ids outside [0, {vocab}): {bad[:8]}")
+        return out
+
+
+def _token_list(value: Any) -> list[int]:
+    if not isinstance(value, list | tuple) or not all(
+        isinstance(t, int) and not isinstance(t, bool) for t in value
+    ):
+        raise ValueError("prompt_token_ids: must be a list of ints")
+    return list(value)
+
+
+def _child_params(params: SamplingParams) -> list[SamplingParams]:
+    if params.n == 1:
+        return [params]
+    seed = params.seed
+    return [
+        msgspec.structs.replace(params, n=1, seed=None if seed is None else seed + i)
+        for i in range(params.n)
+    ]
+
+
