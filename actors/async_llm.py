@@ -31,36 +31,30 @@ import gc
 import itertools
 import logging
 import time
-import traceback
 import warnings
-from collections.abc import AsyncGenerator, Callable, Iterable
-from contextlib import AsyncExitStack, ExitStack
-from dataclasses import dataclass
+from collections.abc import AsyncGenerator, Iterable
+from contextlib import AsyncExitStack
 from typing import Any, Literal, cast
 
 import anyio
 import anyio.lowlevel
-from anyio.abc import TaskGroup, TaskStatus
+from anyio.abc import TaskGroup
 
-from triollm.actors.core_client import CoreClient
-from triollm.actors.errors import EngineBusyError, EngineDeadError, EngineGenerateError
+from triollm.actors.beam_search import run_beam_search
+from triollm.actors.core_link import CoreLink, InputTap
+from triollm.actors.errors import EngineBusyError, EngineDeadError
 from triollm.actors.host import EngineHost, ShutdownCall
 from triollm.actors.messages import (
-    AbortRequests,
     AddRequest,
-    CoreInput,
-    EngineDead,
-    OutputBatch,
-    RequestError,
     StepStats,
-    UtilityCall,
     UtilityOp,
-    UtilityResult,
 )
+from triollm.actors.output_actor import OutputActor
 from triollm.actors.request_stream import RequestStream
-from triollm.actors.stats import StatsLog, engine_metrics
+from triollm.actors.stats import FrontendStatistics, StatsLog, engine_metrics, frontend_statistics
 from triollm.actors.transport import open_core_client
-from triollm.engine.beam_search import BeamSearch, BeamSearchParams, prompt_token_ids
+from triollm.actors.watchdog import Watchdog
+from triollm.engine.beam_search import BeamSearchParams
 from triollm.engine.config import EngineArgs, EngineConfig, ModelConfig
 from triollm.engine.core import EngineCoreFactory
 from triollm.engine.frontend import Frontend, InputProcessor, input_size
@@ -80,33 +74,11 @@ log = logging.getLogger("triollm")
 
 # Inputs larger than this (`input_size`) are processed in a worker thread (tests patch it).
 _LARGE_PROMPT = LARGE_INPUT
-# A core that stopped taking inputs reports its death through the output stream: how long a
-# caller that found the inputs closed waits for that report (it is normally there at once).
-DEATH_REPORT_WAIT_S = 5.0
 
 SUPPORTED_TASKS: tuple[str, ...] = ("generate",)
 POOLING_TASKS: tuple[str, ...] = ("embed", "encode")  # a pooling model's (runner "pooling")
 PauseMode = Literal["abort", "wait", "keep"]
 PAUSE_MODES: tuple[str, ...] = ("abort", "wait", "keep")
-# Called with every message the frontend sends to the engine core; returns what to send.
-InputTap = Callable[[CoreInput], CoreInput]
-
-
-@dataclass(frozen=True)
-class FrontendStatistics:
-    """`AsyncLLM.statistics()`: the request table's counts and what the frontend knows of the
-    engine core (no round trip: see `get_engine_stats()` for the core's own)."""
-
-    num_requests: int  # user requests whose consumer has not let go
-    num_sequences: int  # unfinished core requests (an n > 1 request counts n), held included
-    num_held: int  # added while paused, not sent yet
-    queued_prompt_tokens: int  # prompt tokens of sequences with no output yet
-    paused: bool
-    num_prompt_tokens: int
-    num_generation_tokens: int
-    core_pids: tuple[int, ...]  # the engine-core child process, or each data-parallel rank's
-    requests_per_rank: tuple[int, ...] | None  # data parallel: requests routed to each rank
-    core_accepting: bool  # the core's input stream is open
 
 
 class AsyncEngineArgs(EngineArgs):
@@ -130,24 +102,17 @@ class AsyncLLM:
         self.config: EngineConfig = args.create_engine_config()
         self._chat_template = chat_template
         self._core_factory = EngineCoreFactory.coerce(engine_core_factory)
-        self._input_tap = input_tap
+        self._link = CoreLink(input_tap)
         self._stack: AsyncExitStack | None = None
-        self._client: CoreClient | None = None
         self._frontend: Frontend | None = None
-        self._utility: dict[int, tuple[anyio.Event, list[UtilityResult]]] = {}
-        self._call_ids = itertools.count()
         self._request_ids = itertools.count()
-        self._dead: EngineDeadError | None = None
-        self._dead_event = anyio.Event()
-        self._stopping = False
         self._idle = anyio.Event()
         self._idle.set()
         self._room = anyio.Event()  # set (and replaced) when the queue may have shrunk
         self._room_waiters = 0  # adds waiting on it: no new Event per batch when there are none
-        self.last_stats: StepStats | None = None
+        self._outputs: OutputActor | None = None
         self._host: EngineHost | None = None  # owns the engine when nobody entered it
-        self._last_output = 0.0  # when the engine core last sent anything (the watchdog's clock)
-        self._watchdog_scope: anyio.CancelScope | None = None
+        self._watchdog: Watchdog | None = None
         self._stats_log = StatsLog()
         self.tokenizer: Tokenizer | None = None
 
@@ -170,7 +135,7 @@ class AsyncLLM:
 
     async def start(self) -> None:
         """Start the engine (load the model, start the core, start the actors)."""
-        if self._stack is not None or self._stopping:
+        if self._stack is not None or self._link.stopping:
             raise RuntimeError("AsyncLLM is already started (or was shut down: create a new one)")
         config = self.config
         stack = AsyncExitStack()
@@ -179,8 +144,8 @@ class AsyncLLM:
                 Tokenizer.from_pretrained, config.tokenizer, self._chat_template
             )
             tg: TaskGroup = await stack.enter_async_context(anyio.create_task_group())
-            client = await stack.enter_async_context(open_core_client(config, self.args, core_factory=self._core_factory))
-            self._client = client
+            client = await stack.enter_async_context(open_core_client(config, core_factory=self._core_factory))
+            self._link.client = client
             processor = InputProcessor(
                 config.model,
                 self.tokenizer,
@@ -189,10 +154,17 @@ class AsyncLLM:
                 kv_cache_tokens=client.ready.num_kv_blocks * client.ready.block_size,
             )
             self._frontend = Frontend(processor, limits=config.limits, max_num_seqs=config.scheduler.max_num_seqs)
-            await tg.start(self._output_actor, client)
-            if config.actor.engine_output_timeout_s is not None:
-                self._watchdog_scope = anyio.CancelScope()
-                tg.start_soon(self._watchdog, self._watchdog_scope, config.actor.engine_output_timeout_s)
+            timeout = config.actor.engine_output_timeout_s
+            if timeout is not None:
+                self._watchdog = Watchdog(timeout, self._work_pending, self._hung)
+            self._outputs = OutputActor(
+                self._frontend, self._link, config.actor.output_chunk_size,
+                on_message=self._watchdog.heard if self._watchdog else lambda: None,
+                on_progress=self._notify_room,
+            )
+            await tg.start(self._outputs.run, client.outputs)
+            if self._watchdog is not None:
+                tg.start_soon(self._watchdog.run)
             gc.collect()  # what is alive after start-up leaves the collector's view: no long
             gc.freeze()  # pauses of the event loop walking torch and the tokenizer under load
         except BaseException:
@@ -210,7 +182,7 @@ class AsyncLLM:
         started on first use (no `async with`) is told to stop; its root task tears it down.
         `await llm.shutdown()` also waits until the engine has stopped (structured code)."""
         if self._stack is not None or self._host is not None:  # never started: a no-op
-            self._stopping = True
+            self._link.stopping = True
         if self._host is not None:
             self._host.stop(timeout or 0.0)
         return ShutdownCall(self._shutdown, timeout or 0.0)
@@ -223,26 +195,26 @@ class AsyncLLM:
         stack, self._stack = self._stack, None
         if stack is None:
             return
-        self._stopping = True
+        self._link.stopping = True
         try:
             if timeout > 0:
                 with anyio.move_on_after(timeout):
                     await self._idle.wait()
         finally:
             self._abort_now(self.unfinished_request_ids())  # even when the drain was cancelled
-            if self._watchdog_scope is not None:
-                self._watchdog_scope.cancel()
+            if self._watchdog is not None:
+                self._watchdog.cancel()
             try:
                 await stack.aclose()  # not shielded: see start()
             finally:
-                self._client = None
-        if self._dead is not None:
-            log.warning("engine was dead at shutdown: %s", self._dead)
+                self._link.client = None
+        if self._link.dead is not None:
+            log.warning("engine was dead at shutdown: %s", self._link.dead)
 
     async def _ensure_started(self) -> None:
         """Start on first use when nobody entered the engine (vLLM's plain-coroutine style): one
         root task of the running loop owns it (actors/host.py). Raises the start-up error."""
-        if self._stack is None and self._host is None and not self._stopping and self._dead is None:
+        if self._stack is None and self._host is None and not self._link.stopping and self._link.dead is None:
             self._host = EngineHost(self.start, self._shutdown)
             self._host.spawn("triollm AsyncLLM")
         if self._host is not None:
@@ -261,25 +233,31 @@ class AsyncLLM:
 
     @property
     def is_running(self) -> bool:
-        return self._client is not None and self._dead is None and not self._stopping
+        link = self._link
+        return link.client is not None and link.dead is None and not link.stopping
 
     @property
     def errored(self) -> bool:
-        return self._dead is not None
+        return self._link.dead is not None
 
     @property
     def is_stopped(self) -> bool:
         """vLLM's name: the engine no longer serves (shut down, or dead)."""
-        return self._stopping or self._dead is not None
+        return self._link.stopping or self._link.dead is not None
 
     @property
     def dead_error(self) -> EngineDeadError | None:
-        return self._dead
+        return self._link.dead
+
+    @property
+    def last_stats(self) -> StepStats | None:
+        """The engine core's statistics from its latest step that carried them."""
+        return None if self._outputs is None else self._outputs.last_stats
 
     @property
     def rank_stats(self) -> list[StepStats | None] | None:
         """Data parallel: each rank's latest statistics, by rank; None with one engine core."""
-        client = self._client
+        client = self._link.client
         return None if client is None or client.rank_stats is None else list(client.rank_stats)
 
     @property
@@ -307,27 +285,11 @@ class AsyncLLM:
 
     def statistics(self) -> FrontendStatistics:
         """The frontend's counts now (trio's `statistics()` manner; no round trip)."""
-        table = self._frontend.statistics() if self._frontend is not None else None
-        client = self._client
-        pids = () if client is None else client.rank_pids or ((client.pid,) if client.pid is not None else ())
-        return FrontendStatistics(
-            num_requests=table.num_requests if table else 0,
-            num_sequences=table.num_sequences if table else 0,
-            num_held=table.num_held if table else 0,
-            queued_prompt_tokens=table.queued_prompt_tokens if table else 0,
-            paused=table.paused if table else False,
-            num_prompt_tokens=table.num_prompt_tokens if table else 0,
-            num_generation_tokens=table.num_generation_tokens if table else 0,
-            core_pids=tuple(pids),
-            requests_per_rank=None if client is None or client.assigned is None else tuple(client.assigned),
-            core_accepting=client is not None and client.inputs.statistics().open_receive_streams > 0,
-        )
+        return frontend_statistics(self._frontend, self._link.client)
 
     async def wait_errored(self) -> EngineDeadError:
         """Wait until the engine dies; return the error every request saw."""
-        await self._dead_event.wait()
-        assert self._dead is not None
-        return self._dead
+        return await self._link.wait_dead()
 
     async def wait_idle(self) -> None:
         """Wait until no request is in flight."""
@@ -335,20 +297,15 @@ class AsyncLLM:
 
     async def check_health(self) -> None:
         """Raise `EngineDeadError` if the engine died (vLLM's health check)."""
-        if self._dead is not None:
-            raise self._dead_error()
+        if self._link.dead is not None:
+            raise self._link.dead_error()
         if self._host is None:
             self._require_running()
 
-    def _dead_error(self) -> EngineDeadError:
-        """A fresh error each time: one shared instance would collect every raiser's traceback."""
-        assert self._dead is not None
-        return EngineDeadError(str(self._dead))
-
     def _require_running(self) -> None:
-        if self._dead is not None:
-            raise self._dead_error()
-        if self._client is None or self._stopping:
+        if self._link.dead is not None:
+            raise self._link.dead_error()
+        if not self.is_running:
             raise RuntimeError(
                 "AsyncLLM is not running: use `async with AsyncLLM.from_engine_args(args) as llm:` "
                 "(or `await llm.start()` ... `await llm.shutdown()`)"
@@ -409,7 +366,7 @@ class AsyncLLM:
                 self._require_running()
             to_send = table.add(processed)
             for core_request in to_send:
-                await self._send_or_raise(AddRequest(core_request))
+                await self._link.send_or_raise(AddRequest(core_request))
         except BaseException:
             table.discard(request_id)
             self._check_idle()
@@ -468,36 +425,12 @@ class AsyncLLM:
         lora_request: object = None,
     ) -> AsyncGenerator[RequestOutput, None]:
         """vLLM's `EngineClient.beam_search`: one finished `RequestOutput` whose outputs are the
-        `params.beam_width` best sequences, best first (engine/beam_search.py). Each round's
-        beams run as concurrent requests ("{request_id}-beam{round}-{k}"); leaving early
-        (cancellation, closing the generator) aborts them. Prompts as `LLM.beam_search`."""
+        `params.beam_width` best sequences, best first (actors/beam_search.py). Leaving early
+        (cancellation, closing the generator) aborts the round's requests."""
         if lora_request is not None:
             raise ValueError("lora_request: LoRA adapters are not supported; allowed: None")
         await self._ensure_started()
-        tokenizer = self.get_tokenizer()
-        ids = prompt_token_ids(prompt, tokenizer)
-        text = prompt if isinstance(prompt, str) else prompt.get("prompt") if isinstance(prompt, dict) else None
-        search = BeamSearch([ids], params, tokenizer.eos_token_id, self.config.model.max_model_len)
-        step = search.step_params()
-        for round_ in range(params.max_tokens):
-            beams = search.live([0])
-            if not beams or search.aborted:
-                break
-            results: list[RequestOutput] = []
-            with ExitStack() as streams:
-                added = [
-                    streams.enter_context(
-                        await self.add_request(
-                            f"{request_id}-beam{round_}-{k}", {"prompt_token_ids": b.tokens}, step.clone(), wait_for_room=True
-                        )
-                    )
-                    for k, (_, b) in enumerate(beams)
-                ]
-                for stream in added:  # they run together in the engine; read in order
-                    results.extend([out async for out in stream if out.finished])
-            search.advance([0], beams, results)
-        (result,) = search.results(lambda tokens: tokenizer.decode(tokens, skip_special_tokens=True))
-        yield search.request_output(request_id, text if isinstance(text, str) else None, 0, result)
+        yield await run_beam_search(self, prompt, request_id, params)
 
     async def abort(self, request_id: str | Iterable[str], internal: bool = False) -> None:
         """Abort requests (vLLM's coroutine); their streams end normally with finish_reason
@@ -506,13 +439,13 @@ class AsyncLLM:
 
     def _abort_now(self, request_id: str | Iterable[str]) -> None:
         if self._frontend is not None:
-            self._send_aborts(self._frontend.abort(request_id))
+            self._link.abort(self._frontend.abort(request_id))
             self._notify_room()
 
     def _release(self, stream: RequestStream) -> None:
         """The stream's consumer is done with it: abort the request unless it ended."""
         if self._frontend is not None:
-            self._send_aborts(self._frontend.release(stream.request_id, stream))
+            self._link.abort(self._frontend.release(stream.request_id, stream))
             self._notify_room()
             self._check_idle()
 
@@ -520,62 +453,18 @@ class AsyncLLM:
         if self._frontend is None or not self._frontend.num_requests:
             self._idle.set()
 
-    def _send_aborts(self, core_ids: list[str]) -> None:
-        if core_ids and self._dead is None:
-            self._send(AbortRequests(core_ids), quiet=True)
-
     def _notify_room(self) -> None:
         """Wake the adds waiting for room (they check again); free when nobody waits."""
         if self._room_waiters:
             self._room.set()
             self._room = anyio.Event()
 
-    def _send(self, msg: CoreInput, quiet: bool = False) -> None:
-        if self._input_tap is not None:
-            msg = self._input_tap(msg)
-        try:
-            if self._client is None:
-                raise anyio.ClosedResourceError
-            self._client.inputs.send_nowait(msg)
-        except (anyio.ClosedResourceError, anyio.BrokenResourceError):
-            if not quiet:
-                if self._dead is not None:
-                    raise self._dead_error() from None
-                raise EngineDeadError("the engine core is not accepting requests") from None
-
-    async def _send_or_raise(self, msg: CoreInput) -> None:
-        """`_send` for callers that can wait. A core that no longer takes inputs has died (or is
-        being shut down): its death report follows on the output stream, so wait for it (briefly)
-        before raising, so that the error carries the cause and `errored` is already true."""
-        try:
-            self._send(msg)
-        except EngineDeadError:
-            if self._dead is None and not self._stopping:
-                with anyio.move_on_after(DEATH_REPORT_WAIT_S):
-                    await self._dead_event.wait()
-            if self._dead is not None:
-                raise self._dead_error() from None
-            raise
-
     # ------------------------------------------------------------------ utilities
 
     async def _call(self, op: UtilityOp) -> StepStats | bool | None:
         await self._ensure_started()
         self._require_running()
-        cid = next(self._call_ids)
-        done = anyio.Event()
-        slot: list[UtilityResult] = []
-        self._utility[cid] = (done, slot)
-        try:
-            await self._send_or_raise(UtilityCall(cid, op))
-            await done.wait()
-        finally:
-            self._utility.pop(cid, None)
-        if not slot:
-            raise self._dead_error() if self._dead else EngineDeadError("the engine core stopped")
-        if slot[0].error is not None:
-            raise RuntimeError(slot[0].error)
-        return slot[0].result
+        return await self._link.call(op)
 
     async def get_engine_stats(self) -> StepStats:
         """Fresh statistics from the engine core (running, waiting, KV blocks, prefix cache)."""
@@ -653,95 +542,20 @@ class AsyncLLM:
         await self._call(UtilityOp.RESUME)
         held: list[EngineCoreRequest] = self._table.resume()
         for core_request in held:
-            await self._send_or_raise(AddRequest(core_request))
+            await self._link.send_or_raise(AddRequest(core_request))
 
     async def is_paused(self) -> bool:
         return self._frontend is not None and self._frontend.paused
 
-    # ------------------------------------------------------------------ the output actor
-
-    async def _output_actor(self, client: CoreClient, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
-        task_status.started()
-        try:
-            async with client.outputs:
-                async for msg in client.outputs:
-                    self._last_output = anyio.current_time()
-                    match msg:
-                        case OutputBatch():
-                            await self._on_batch(msg)
-                        case RequestError(request_id=core_id, kind=kind, message=message):
-                            error = ValueError(message) if kind == "ValueError" else EngineGenerateError(message)
-                            self._send_aborts(self._table.on_request_error(core_id, error))
-                            self._notify_room()
-                        case UtilityResult(call_id=cid):
-                            waiter = self._utility.get(cid)
-                            if waiter is not None:
-                                waiter[1].append(msg)
-                                waiter[0].set()
-                        case EngineDead(message=message, traceback=tb):
-                            self._die(EngineDeadError(f"{message}\n{tb}".rstrip()))
-                            return
-                        case _:
-                            log.warning("unexpected message from the engine core: %r", msg)
-            if not self._stopping:
-                self._die(EngineDeadError("the engine core stopped unexpectedly"))
-        except Exception as exc:  # a bug here must not hang the requests: it kills the engine
-            log.exception("output actor failed")
-            self._die(EngineDeadError(f"output processing failed: {exc!r}\n{traceback.format_exc()}"))
-        finally:
-            for done, _ in self._utility.values():
-                done.set()
-
-    async def _on_batch(self, batch: OutputBatch) -> None:
-        if batch.stats is not None:
-            self.last_stats = batch.stats
-        table = self._table
-        outputs = batch.to_outputs()
-        if batch.pooled is not None:  # a pooling model's step: embeddings, no tokens
-            table.on_pooled(outputs)
-        else:
-            size = self.config.actor.output_chunk_size
-            for start in range(0, len(outputs), size):
-                if start:
-                    await anyio.lowlevel.checkpoint()
-                self._send_aborts(table.on_outputs(outputs[start : start + size]).reqs_to_abort)
-        self._notify_room()
-
-    def _die(self, error: EngineDeadError) -> None:
-        if self._dead is not None:
-            return
-        self._dead = error
-        self._dead_event.set()
-        self._notify_room()
-        log.error("engine core died: %s", error)
-        if self._frontend is not None:
-            self._frontend.fail(lambda: EngineDeadError(str(error)))
-        for done, _ in self._utility.values():
-            done.set()
-
     # ------------------------------------------------------------------ the watchdog
 
-    async def _watchdog(self, scope: anyio.CancelScope, timeout: float) -> None:  # noqa: ASYNC109
-        """An engine that is alive but silent is dead: with work pending (sequences the core
-        should be stepping, or utility calls awaiting an answer; requests frozen by
-        `pause_generation(mode="keep")` are not) and no message from the core for `timeout`
-        seconds (`engine_output_timeout_s`), declare it dead like any other death. The core is
-        torn down by the usual bounded teardown at shutdown. Checks every `timeout / 8`, so the
-        death is declared between `timeout` and `1.125 * timeout` after the last message."""
-        with scope:
-            self._last_output = anyio.current_time()
-            while self._dead is None:
-                await anyio.sleep(timeout / 8)
-                now = anyio.current_time()
-                if not (self._utility or self._table.has_pending_work):
-                    self._last_output = now
-                elif now - self._last_output >= timeout:
-                    log.error("no output from the engine core for %.1f s with work pending", now - self._last_output)
-                    if self._client is not None:
-                        self._client.shutdown_grace_s = 0.0  # its step will not end: no grace
-                    self._die(
-                        EngineDeadError(
-                            f"the engine core sent nothing for {now - self._last_output:.1f} s with work "
-                            f"pending (engine_output_timeout_s={timeout}): it is hung"
-                        )
-                    )
+    def _work_pending(self) -> bool:
+        """What the watchdog waits on: utility calls, or sequences the core should be stepping
+        (requests frozen by `pause_generation(mode="keep")` are not)."""
+        return self._link.calls_pending or (self._frontend is not None and self._frontend.has_pending_work)
+
+    def _hung(self, error: EngineDeadError) -> None:
+        if self._link.client is not None:
+            self._link.client.shutdown_grace_s = 0.0  # its step will not end: no grace
+        if self._outputs is not None:
+            self._outputs.die(error)

@@ -8,17 +8,51 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
 
+from triollm.actors.core_client import CoreClient
 from triollm.actors.messages import StepStats
+from triollm.engine.frontend import Frontend
 from triollm.engine.metrics import Counter, Gauge, Metric
 
-if TYPE_CHECKING:
-    from triollm.actors.async_llm import FrontendStatistics
-
-__all__ = ["StatsLog", "engine_metrics"]
+__all__ = ["FrontendStatistics", "StatsLog", "engine_metrics", "frontend_statistics"]
 
 log = logging.getLogger("triollm")
+
+
+@dataclass(frozen=True)
+class FrontendStatistics:
+    """`AsyncLLM.statistics()`: the request table's counts and what the frontend knows of the
+    engine core (no round trip: see `get_engine_stats()` for the core's own)."""
+
+    num_requests: int  # user requests whose consumer has not let go
+    num_sequences: int  # unfinished core requests (an n > 1 request counts n), held included
+    num_held: int  # added while paused, not sent yet
+    queued_prompt_tokens: int  # prompt tokens of sequences with no output yet
+    paused: bool
+    num_prompt_tokens: int
+    num_generation_tokens: int
+    core_pids: tuple[int, ...]  # the engine-core child process, or each data-parallel rank's
+    requests_per_rank: tuple[int, ...] | None  # data parallel: requests routed to each rank
+    core_accepting: bool  # the core's input stream is open
+
+
+def frontend_statistics(frontend: Frontend | None, client: CoreClient | None) -> FrontendStatistics:
+    """The request table's counts (zeros before start) and what the transport tells of the core."""
+    table = frontend.statistics() if frontend is not None else None
+    pids = () if client is None else client.rank_pids or ((client.pid,) if client.pid is not None else ())
+    return FrontendStatistics(
+        num_requests=table.num_requests if table else 0,
+        num_sequences=table.num_sequences if table else 0,
+        num_held=table.num_held if table else 0,
+        queued_prompt_tokens=table.queued_prompt_tokens if table else 0,
+        paused=table.paused if table else False,
+        num_prompt_tokens=table.num_prompt_tokens if table else 0,
+        num_generation_tokens=table.num_generation_tokens if table else 0,
+        core_pids=tuple(pids),
+        requests_per_rank=None if client is None or client.assigned is None else tuple(client.assigned),
+        core_accepting=client is not None and client.inputs.statistics().open_receive_streams > 0,
+    )
 
 
 def kv_cache_usage(stats: StepStats) -> float:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -73,11 +74,20 @@ async def test_concurrent_first_uses_start_one_engine(engine_args: Callable[...,
         await llm.shutdown()
 
 
-async def test_start_failure_on_first_use_is_raised_to_the_caller(tmp_path: Path) -> None:
-    llm = AsyncLLM.from_engine_args(AsyncEngineArgs(model=str(tmp_path), multiprocess=False))
+async def test_a_bad_model_is_refused_by_the_constructor(tmp_path: Path) -> None:
+    """vLLM resolves the configuration in `from_engine_args`: a typo surfaces there, at once."""
+    with pytest.raises(ValueError, match="config.json"):
+        AsyncLLM.from_engine_args(AsyncEngineArgs(model=str(tmp_path), multiprocess=False))
+
+
+async def test_start_failure_on_first_use_is_raised_to_the_caller(tmp_path: Path, tiny_model_dir: Path) -> None:
+    broken = tmp_path / "broken"
+    shutil.copytree(tiny_model_dir, broken)
+    (broken / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json")
+    llm = AsyncLLM.from_engine_args(AsyncEngineArgs(model=str(broken), multiprocess=False))
     with pytest.raises(RuntimeError, match="failed to start") as info:
         await llm.add_request("1", "Hello", GREEDY)
-    assert "config.json" in str(info.value.__cause__)
+    assert "header" in str(info.value.__cause__).lower()
     llm.shutdown()
 
 

@@ -1,0 +1,49 @@
+"""Beam search driven through `AsyncLLM`: each round's beams run as concurrent requests.
+
+The search itself (which beams live, how they extend, the final ranking) is `BeamSearch` in
+engine/beam_search.py, independent of how it is driven; this drives it over `add_request`.
+Round r of request R runs its beams as requests "{R}-beam{r}-{k}" (read in order, run together
+in the engine); leaving early closes their streams, which aborts them.
+"""
+
+from __future__ import annotations
+
+from contextlib import ExitStack
+from typing import TYPE_CHECKING
+
+from triollm.engine.beam_search import BeamSearch, BeamSearchParams, prompt_token_ids
+from triollm.engine.inputs import PromptType
+from triollm.engine.outputs import RequestOutput
+
+if TYPE_CHECKING:
+    from triollm.actors.async_llm import AsyncLLM
+
+__all__ = ["run_beam_search"]
+
+
+async def run_beam_search(llm: AsyncLLM, prompt: PromptType, request_id: str, params: BeamSearchParams) -> RequestOutput:
+    """The finished output of a beam search: the `params.beam_width` best sequences, best first."""
+    tokenizer = llm.get_tokenizer()
+    ids = prompt_token_ids(prompt, tokenizer)
+    text = prompt if isinstance(prompt, str) else prompt.get("prompt") if isinstance(prompt, dict) else None
+    search = BeamSearch([ids], params, tokenizer.eos_token_id, llm.get_model_config().max_model_len)
+    step = search.step_params()
+    for round_ in range(params.max_tokens):
+        beams = search.live([0])
+        if not beams or search.aborted:
+            break
+        results: list[RequestOutput] = []
+        with ExitStack() as streams:
+            added = [
+                streams.enter_context(
+                    await llm.add_request(
+                        f"{request_id}-beam{round_}-{k}", {"prompt_token_ids": beam.tokens}, step.clone(), wait_for_room=True
+                    )
+                )
+                for k, (_, beam) in enumerate(beams)
+            ]
+            for stream in added:
+                results.extend([out async for out in stream if out.finished])
+        search.advance([0], beams, results)
+    (result,) = search.results(lambda tokens: tokenizer.decode(tokens, skip_special_tokens=True))
+    return search.request_output(request_id, text if isinstance(text, str) else None, 0, result)

@@ -1,0 +1,61 @@
+"""`Watchdog`: an engine core that is alive but silent is dead.
+
+With work pending (`pending()`: utility calls awaiting an answer, or sequences the core should be
+stepping) and no message from the core for `timeout` seconds (`engine_output_timeout_s`), it
+calls `on_hung` with the `EngineDeadError` to declare, like any other death (`EngineDeadError`
+on every stream, `errored`, new requests refused, `check_health` raises). The core itself is
+torn down by the usual bounded teardown at shutdown (a hung in-process step's thread is
+abandoned; a hung child is killed). It checks every `timeout / 8`, so the death is declared
+between `timeout` and `1.125 * timeout` after the last message.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+import anyio
+
+from triollm.actors.errors import EngineDeadError
+
+__all__ = ["Watchdog"]
+
+log = logging.getLogger("triollm")
+
+
+class Watchdog:
+    def __init__(
+        self, timeout: float, pending: Callable[[], bool], on_hung: Callable[[EngineDeadError], None]
+    ) -> None:
+        self.timeout = timeout
+        self._pending = pending
+        self._on_hung = on_hung
+        self._scope = anyio.CancelScope()
+        self._last = 0.0  # when the core last sent anything (the event loop's clock)
+
+    def heard(self) -> None:
+        """The core sent something (the output actor calls this for every message)."""
+        self._last = anyio.current_time()
+
+    def cancel(self) -> None:
+        self._scope.cancel()
+
+    async def run(self) -> None:
+        timeout = self.timeout
+        with self._scope:
+            self._last = anyio.current_time()
+            while True:
+                await anyio.sleep(timeout / 8)
+                now = anyio.current_time()
+                if not self._pending():
+                    self._last = now
+                elif now - self._last >= timeout:
+                    silent = now - self._last
+                    log.error("no output from the engine core for %.1f s with work pending", silent)
+                    self._on_hung(
+                        EngineDeadError(
+                            f"the engine core sent nothing for {silent:.1f} s with work pending "
+                            f"(engine_output_timeout_s={timeout}): it is hung"
+                        )
+                    )
+                    return
