@@ -1,63 +1,52 @@
 """`AsyncLLM`: vLLM's async entry point, a shell around the sans-IO `Frontend`.
 
 ```
-add_request() ──(Frontend: open, process, add)──▶ core inputs stream ──▶ engine core (in-process
-                                                                          task, or a child process
-RequestStream handles ◀── output actor (Frontend.on_outputs, ◀── outputs ◀─ over ZMQ: transport.py)
- (one per request)          in chunks of output_chunk_size with a checkpoint between)
+add_request() ──Frontend: open, process, add──▶ CoreLink ──▶ engine core (actors/transport.py)
+RequestStream ◀──Frontend.on_outputs──── OutputActor ◀── core outputs ◀──┘
 ```
 
 The request table, the id scheme, the queue count, pause and hold, and what an abort must send
-all live in `engine/frontend/` (no awaits there). This class does what needs an event loop: the
-lifecycle (the task group, or the root task of actors/host.py when nobody entered the engine),
-the output actor, the watchdog, the utility-call waiters, and the waiting in `add_request`.
-
-Ownership: `async with AsyncLLM.from_engine_args(args) as llm:` (or `await llm.start()` ...
-`await llm.shutdown()` from the same task) owns a task group holding the core client and the
-output actor. Actors never raise into that task group: the engine's death is caught by the
-output actor, put into every request's stream as `EngineDeadError` (the data path), and
-recorded in `errored`; new requests then fail at once.
+live in `engine/frontend/` (no awaits there); the running parts (task group, output actor,
+watchdog, the root task for an engine nobody entered) in `EngineRuntime` (actors/runtime.py).
+This class is vLLM's API over them, and the waiting that requests need: processing a large
+input in a worker thread, waiting for queue room, utility calls, pause modes.
 
 Requests: `add_request()` returns the request's `RequestStream` (request_stream.py), the one
 public handle every consumer uses; `generate()` is a thin async generator over it. A consumer
 may stop any way it likes (cancellation, `aclose()`, `break`, GeneratorExit): closing the handle
 aborts the request exactly once, synchronously (the core's input stream is unbounded, so the
-abort never has to wait, even inside a cancelled scope).
+abort never has to wait, even inside a cancelled scope). The engine's death reaches every
+stream as `EngineDeadError` (the data path); new requests then fail at once.
 """
 
 from __future__ import annotations
 
-import gc
 import itertools
 import logging
 import time
 import warnings
 from collections.abc import AsyncGenerator, Iterable
-from contextlib import AsyncExitStack
 from typing import Any, Literal, cast
 
 import anyio
 import anyio.lowlevel
-from anyio.abc import TaskGroup
 
 from triollm.actors.beam_search import run_beam_search
-from triollm.actors.core_link import CoreLink, InputTap
+from triollm.actors.core_link import InputTap
 from triollm.actors.errors import EngineBusyError, EngineDeadError
-from triollm.actors.host import EngineHost, ShutdownCall
+from triollm.actors.host import ShutdownCall
 from triollm.actors.messages import (
     AddRequest,
     StepStats,
     UtilityOp,
 )
-from triollm.actors.output_actor import OutputActor
 from triollm.actors.request_stream import RequestStream
+from triollm.actors.runtime import EngineRuntime
 from triollm.actors.stats import FrontendStatistics, StatsLog, engine_metrics, frontend_statistics
-from triollm.actors.transport import open_core_client
-from triollm.actors.watchdog import Watchdog
 from triollm.engine.beam_search import BeamSearchParams
 from triollm.engine.config import EngineArgs, EngineConfig, ModelConfig
 from triollm.engine.core import EngineCoreFactory
-from triollm.engine.frontend import Frontend, InputProcessor, input_size
+from triollm.engine.frontend import Frontend, input_size
 from triollm.engine.frontend.input import LARGE_INPUT
 from triollm.engine.inputs import PromptType
 from triollm.engine.metrics import Metric
@@ -100,21 +89,15 @@ class AsyncLLM:
         function every message to the core passes through."""
         self.args = args
         self.config: EngineConfig = args.create_engine_config()
-        self._chat_template = chat_template
-        self._core_factory = EngineCoreFactory.coerce(engine_core_factory)
-        self._link = CoreLink(input_tap)
-        self._stack: AsyncExitStack | None = None
-        self._frontend: Frontend | None = None
+        self._rt = EngineRuntime(
+            self.config,
+            chat_template=chat_template,
+            core_factory=EngineCoreFactory.coerce(engine_core_factory),
+            input_tap=input_tap,
+        )
+        self._link = self._rt.link
         self._request_ids = itertools.count()
-        self._idle = anyio.Event()
-        self._idle.set()
-        self._room = anyio.Event()  # set (and replaced) when the queue may have shrunk
-        self._room_waiters = 0  # adds waiting on it: no new Event per batch when there are none
-        self._outputs: OutputActor | None = None
-        self._host: EngineHost | None = None  # owns the engine when nobody entered it
-        self._watchdog: Watchdog | None = None
         self._stats_log = StatsLog()
-        self.tokenizer: Tokenizer | None = None
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs, **kwargs: Any) -> AsyncLLM:
@@ -135,44 +118,7 @@ class AsyncLLM:
 
     async def start(self) -> None:
         """Start the engine (load the model, start the core, start the actors)."""
-        if self._stack is not None or self._link.stopping:
-            raise RuntimeError("AsyncLLM is already started (or was shut down: create a new one)")
-        config = self.config
-        stack = AsyncExitStack()
-        try:
-            self.tokenizer = await anyio.to_thread.run_sync(
-                Tokenizer.from_pretrained, config.tokenizer, self._chat_template
-            )
-            tg: TaskGroup = await stack.enter_async_context(anyio.create_task_group())
-            client = await stack.enter_async_context(open_core_client(config, core_factory=self._core_factory))
-            self._link.client = client
-            processor = InputProcessor(
-                config.model,
-                self.tokenizer,
-                max_logprobs=config.actor.max_logprobs,
-                limits=config.limits,
-                kv_cache_tokens=client.ready.num_kv_blocks * client.ready.block_size,
-            )
-            self._frontend = Frontend(processor, limits=config.limits, max_num_seqs=config.scheduler.max_num_seqs)
-            timeout = config.actor.engine_output_timeout_s
-            if timeout is not None:
-                self._watchdog = Watchdog(timeout, self._work_pending, self._hung)
-            self._outputs = OutputActor(
-                self._frontend, self._link, config.actor.output_chunk_size,
-                on_message=self._watchdog.heard if self._watchdog else lambda: None,
-                on_progress=self._notify_room,
-            )
-            await tg.start(self._outputs.run, client.outputs)
-            if self._watchdog is not None:
-                tg.start_soon(self._watchdog.run)
-            gc.collect()  # what is alive after start-up leaves the collector's view: no long
-            gc.freeze()  # pauses of the event loop walking torch and the tokenizer under load
-        except BaseException:
-            # No shield around aclose(): the stack holds a task group entered outside it, and
-            # cancel scopes must be left in LIFO order. The transport shields its own teardown.
-            await stack.aclose()
-            raise
-        self._stack = stack
+        await self._rt.start()
 
     def shutdown(self, timeout: float | None = None) -> ShutdownCall:
         """Stop accepting requests, let in-flight ones finish for up to `timeout` seconds, abort
@@ -181,60 +127,24 @@ class AsyncLLM:
         Callable as vLLM's `llm.shutdown()`: new requests are refused at once, and an engine that
         started on first use (no `async with`) is told to stop; its root task tears it down.
         `await llm.shutdown()` also waits until the engine has stopped (structured code)."""
-        if self._stack is not None or self._host is not None:  # never started: a no-op
-            self._link.stopping = True
-        if self._host is not None:
-            self._host.stop(timeout or 0.0)
-        return ShutdownCall(self._shutdown, timeout or 0.0)
-
-    async def _shutdown(self, timeout: float) -> None:  # noqa: ASYNC109
-        host = self._host
-        if host is not None and not host.in_host_task():
-            await host.done.wait()
-            return
-        stack, self._stack = self._stack, None
-        if stack is None:
-            return
-        self._link.stopping = True
-        try:
-            if timeout > 0:
-                with anyio.move_on_after(timeout):
-                    await self._idle.wait()
-        finally:
-            self._abort_now(self.unfinished_request_ids())  # even when the drain was cancelled
-            if self._watchdog is not None:
-                self._watchdog.cancel()
-            try:
-                await stack.aclose()  # not shielded: see start()
-            finally:
-                self._link.client = None
-        if self._link.dead is not None:
-            log.warning("engine was dead at shutdown: %s", self._link.dead)
-
-    async def _ensure_started(self) -> None:
-        """Start on first use when nobody entered the engine (vLLM's plain-coroutine style): one
-        root task of the running loop owns it (actors/host.py). Raises the start-up error."""
-        if self._stack is None and self._host is None and not self._link.stopping and self._link.dead is None:
-            self._host = EngineHost(self.start, self._shutdown)
-            self._host.spawn("triollm AsyncLLM")
-        if self._host is not None:
-            await self._host.ready.wait()
-            if self._host.error is not None:
-                raise RuntimeError(f"AsyncLLM failed to start: {self._host.error}") from self._host.error
+        return self._rt.shutdown(timeout or 0.0)
 
     # ------------------------------------------------------------------ state
 
     @property
     def _table(self) -> Frontend:
-        if self._frontend is None:
+        if self._rt.frontend is None:
             self._require_running()  # raises: not started
-        assert self._frontend is not None
-        return self._frontend
+        assert self._rt.frontend is not None
+        return self._rt.frontend
+
+    @property
+    def tokenizer(self) -> Tokenizer | None:
+        return self._rt.tokenizer
 
     @property
     def is_running(self) -> bool:
-        link = self._link
-        return link.client is not None and link.dead is None and not link.stopping
+        return self._rt.running
 
     @property
     def errored(self) -> bool:
@@ -252,7 +162,7 @@ class AsyncLLM:
     @property
     def last_stats(self) -> StepStats | None:
         """The engine core's statistics from its latest step that carried them."""
-        return None if self._outputs is None else self._outputs.last_stats
+        return None if self._rt.outputs is None else self._rt.outputs.last_stats
 
     @property
     def rank_stats(self) -> list[StepStats | None] | None:
@@ -273,19 +183,19 @@ class AsyncLLM:
         return self.tokenizer
 
     async def get_supported_tasks(self) -> tuple[str, ...]:
-        await self._ensure_started()
+        await self._rt.ensure_started()
         return POOLING_TASKS if self.config.model.runner_type == "pooling" else SUPPORTED_TASKS
 
     @property
     def num_unfinished_requests(self) -> int:
-        return 0 if self._frontend is None else self._frontend.num_requests
+        return 0 if self._rt.frontend is None else self._rt.frontend.num_requests
 
     def unfinished_request_ids(self) -> list[str]:
-        return [] if self._frontend is None else self._frontend.request_ids()
+        return [] if self._rt.frontend is None else self._rt.frontend.request_ids()
 
     def statistics(self) -> FrontendStatistics:
         """The frontend's counts now (trio's `statistics()` manner; no round trip)."""
-        return frontend_statistics(self._frontend, self._link.client)
+        return frontend_statistics(self._rt.frontend, self._link.client)
 
     async def wait_errored(self) -> EngineDeadError:
         """Wait until the engine dies; return the error every request saw."""
@@ -293,13 +203,13 @@ class AsyncLLM:
 
     async def wait_idle(self) -> None:
         """Wait until no request is in flight."""
-        await self._idle.wait()
+        await self._rt.idle.wait()
 
     async def check_health(self) -> None:
         """Raise `EngineDeadError` if the engine died (vLLM's health check)."""
         if self._link.dead is not None:
             raise self._link.dead_error()
-        if self._host is None:
+        if not self._rt.hosted:
             self._require_running()
 
     def _require_running(self) -> None:
@@ -337,14 +247,15 @@ class AsyncLLM:
         count, `Frontend.busy`) it raises `EngineBusyError` (nothing added, the id free again),
         or with `wait_for_room=True` (offline batches: `LLM`, `LLMEngine`) waits for room.
         """
-        await self._ensure_started()
+        await self._rt.ensure_started()
         self._require_running()
         table = self._table
         if params is None:
             params = SamplingParams(**self.config.model.generation_defaults)
         stream = RequestStream(request_id, params.output_kind, self._release)
         state = table.open(request_id, stream)  # the id is reserved before any await
-        self._idle = anyio.Event() if self._idle.is_set() else self._idle
+        if self._rt.idle.is_set():
+            self._rt.idle = anyio.Event()
         arrival = time.monotonic() if arrival_time is None else arrival_time
         try:
             grammar = isinstance(params, SamplingParams) and params.structured_outputs is not None
@@ -358,18 +269,18 @@ class AsyncLLM:
             while not state.abort_requested and (busy := table.busy(processed)) is not None:
                 if not wait_for_room:
                     raise EngineBusyError(f"the engine is busy: {busy}; retry later")
-                self._room_waiters += 1
+                self._rt.room_waiters += 1
                 try:
-                    await self._room.wait()
+                    await self._rt.room.wait()
                 finally:
-                    self._room_waiters -= 1
+                    self._rt.room_waiters -= 1
                 self._require_running()
             to_send = table.add(processed)
             for core_request in to_send:
                 await self._link.send_or_raise(AddRequest(core_request))
         except BaseException:
             table.discard(request_id)
-            self._check_idle()
+            self._rt.check_idle()
             raise
         return stream
 
@@ -400,7 +311,7 @@ class AsyncLLM:
         """vLLM's `AsyncLLM.encode`: the pooled output of one prompt (one item, finished) from a
         pooling model (`runner="pooling"`). `pooling_params.task` defaults to "embed";
         `truncate_prompt_tokens` overrides the params'. Leaving early aborts the request."""
-        await self._ensure_started()
+        await self._rt.ensure_started()
         if self.config.model.runner_type != "pooling":
             raise ValueError(
                 "AsyncLLM.encode() is only supported for pooling models. Try passing "
@@ -429,7 +340,7 @@ class AsyncLLM:
         (cancellation, closing the generator) aborts the round's requests."""
         if lora_request is not None:
             raise ValueError("lora_request: LoRA adapters are not supported; allowed: None")
-        await self._ensure_started()
+        await self._rt.ensure_started()
         yield await run_beam_search(self, prompt, request_id, params)
 
     async def abort(self, request_id: str | Iterable[str], internal: bool = False) -> None:
@@ -438,31 +349,21 @@ class AsyncLLM:
         self._abort_now(request_id)
 
     def _abort_now(self, request_id: str | Iterable[str]) -> None:
-        if self._frontend is not None:
-            self._link.abort(self._frontend.abort(request_id))
-            self._notify_room()
+        if self._rt.frontend is not None:
+            self._link.abort(self._rt.frontend.abort(request_id))
+            self._rt.notify_room()
 
     def _release(self, stream: RequestStream) -> None:
         """The stream's consumer is done with it: abort the request unless it ended."""
-        if self._frontend is not None:
-            self._link.abort(self._frontend.release(stream.request_id, stream))
-            self._notify_room()
-            self._check_idle()
-
-    def _check_idle(self) -> None:
-        if self._frontend is None or not self._frontend.num_requests:
-            self._idle.set()
-
-    def _notify_room(self) -> None:
-        """Wake the adds waiting for room (they check again); free when nobody waits."""
-        if self._room_waiters:
-            self._room.set()
-            self._room = anyio.Event()
+        if self._rt.frontend is not None:
+            self._link.abort(self._rt.frontend.release(stream.request_id, stream))
+            self._rt.notify_room()
+            self._rt.check_idle()
 
     # ------------------------------------------------------------------ utilities
 
     async def _call(self, op: UtilityOp) -> StepStats | bool | None:
-        await self._ensure_started()
+        await self._rt.ensure_started()
         self._require_running()
         return await self._link.call(op)
 
@@ -478,8 +379,8 @@ class AsyncLLM:
     async def check_integrity(self) -> None:
         """The frontend's request table, then the engine core's KV block manager (raises if
         either is inconsistent)."""
-        if self._frontend is not None:
-            self._frontend.check_integrity()
+        if self._rt.frontend is not None:
+            self._rt.frontend.check_integrity()
         await self._call(UtilityOp.CHECK_INTEGRITY)
 
     async def get_metrics(self) -> list[Metric]:
@@ -516,7 +417,7 @@ class AsyncLLM:
                 stacklevel=2,
             )
             mode = "wait"
-        await self._ensure_started()
+        await self._rt.ensure_started()
         self._require_running()
         table = self._table
         inflight = table.request_ids()
@@ -535,7 +436,7 @@ class AsyncLLM:
 
     async def resume_generation(self) -> None:
         """Generate again: frozen requests continue and held ones go to the engine core."""
-        await self._ensure_started()
+        await self._rt.ensure_started()
         self._require_running()
         if not self._table.paused:
             return
@@ -545,17 +446,4 @@ class AsyncLLM:
             await self._link.send_or_raise(AddRequest(core_request))
 
     async def is_paused(self) -> bool:
-        return self._frontend is not None and self._frontend.paused
-
-    # ------------------------------------------------------------------ the watchdog
-
-    def _work_pending(self) -> bool:
-        """What the watchdog waits on: utility calls, or sequences the core should be stepping
-        (requests frozen by `pause_generation(mode="keep")` are not)."""
-        return self._link.calls_pending or (self._frontend is not None and self._frontend.has_pending_work)
-
-    def _hung(self, error: EngineDeadError) -> None:
-        if self._link.client is not None:
-            self._link.client.shutdown_grace_s = 0.0  # its step will not end: no grace
-        if self._outputs is not None:
-            self._outputs.die(error)
+        return self._rt.frontend is not None and self._rt.frontend.paused
