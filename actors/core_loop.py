@@ -1,4 +1,5 @@
-"""The engine-core loop: the one place `EngineCore` is driven, in-process or in a child process.
+"""The engine-core loop: the one place an engine core is driven, in-process or in a child process
+(a `Core`: `EngineCore`, or `PoolingEngineCore` for a pooling model).
 
 It owns the core. Between steps it applies the queued inputs without waiting (adds, aborts,
 utility calls), then runs `step()` in the core's compute thread (`actors/compute.py`: the one
@@ -43,7 +44,7 @@ from triollm.actors.messages import (
     UtilityOp,
     UtilityResult,
 )
-from triollm.engine.core import EngineCore
+from triollm.engine.core_protocol import Core
 
 __all__ = ["MAX_INPUTS_PER_STEP", "serve_engine_core", "step_stats"]
 
@@ -56,7 +57,7 @@ log = logging.getLogger("triollm")
 MAX_INPUTS_PER_STEP = 256
 
 
-def step_stats(core: EngineCore) -> StepStats:
+def step_stats(core: Core) -> StepStats:
     s = core.statistics()
     return StepStats(
         s.num_running,
@@ -70,7 +71,7 @@ def step_stats(core: EngineCore) -> StepStats:
 
 
 async def serve_engine_core(
-    core: EngineCore,
+    core: Core,
     inputs: MemoryObjectReceiveStream[CoreInput],
     outputs: ObjectSendStream[CoreOutput],
     compute: ComputeThread,
@@ -114,7 +115,7 @@ async def serve_engine_core(
                 await outputs.send(reply)
 
 
-async def _step(core: EngineCore, outputs: ObjectSendStream[CoreOutput], compute: ComputeThread) -> None:
+async def _step(core: Core, outputs: ObjectSendStream[CoreOutput], compute: ComputeThread) -> None:
     # A step blocked for good (a deadlocked forward pass) must not block the teardown past its
     # bound: on cancellation its thread is abandoned (it holds the core, which nobody touches
     # again) and reported.
@@ -132,7 +133,7 @@ async def _step(core: EngineCore, outputs: ObjectSendStream[CoreOutput], compute
         await outputs.send(OutputBatch.from_outputs(result, step_stats(core)))
 
 
-def _apply(core: EngineCore, msg: CoreInput) -> CoreOutput | None:
+def _apply(core: Core, msg: CoreInput) -> CoreOutput | None:
     match msg:
         case AddRequest(request=req):
             try:
@@ -153,7 +154,7 @@ def _apply(core: EngineCore, msg: CoreInput) -> CoreOutput | None:
     return None
 
 
-def _utility(core: EngineCore, op: UtilityOp) -> StepStats | bool:
+def _utility(core: Core, op: UtilityOp) -> StepStats | bool:
     match op:
         case UtilityOp.STATISTICS:
             return step_stats(core)

@@ -18,35 +18,16 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-import msgspec
-
 from triollm.engine.outputs import CompletionOutput, Logprob, RequestOutput
+from triollm.engine.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 
 if TYPE_CHECKING:
-    from triollm.engine.processing.processors import PromptType
+    from triollm.engine.inputs import PromptType
     from triollm.engine.processing.tokenizer import Tokenizer
-    from triollm.engine.sampling_params import SamplingParams
 
+# `BeamSearchParams` is defined with the other request parameters (engine/sampling_params.py)
+# and re-exported here, where the search that reads it lives.
 __all__ = ["BeamSearch", "BeamSearchOutput", "BeamSearchParams", "BeamSearchSequence", "beam_search_score", "prompt_token_ids"]
-
-
-class BeamSearchParams(msgspec.Struct, kw_only=True):
-    """vLLM's beam search parameters."""
-
-    beam_width: int
-    max_tokens: int
-    ignore_eos: bool = False
-    temperature: float = 0.0
-    length_penalty: float = 1.0
-    include_stop_str_in_output: bool = False
-
-    def __post_init__(self) -> None:
-        for name in ("beam_width", "max_tokens"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name}: must be a positive integer, got {value!r}")
-        if not self.temperature >= 0:
-            raise ValueError(f"temperature: must be >= 0, got {self.temperature!r}")
 
 
 @dataclass
@@ -99,11 +80,6 @@ class BeamSearch:
 
     def step_params(self) -> SamplingParams:
         """The params of one round's requests: one token, and its candidates as logprobs."""
-        from triollm.engine.sampling_params import (  # it imports this module
-            RequestOutputKind,
-            SamplingParams,
-        )
-
         p = self.params
         return SamplingParams(logprobs=2 * p.beam_width, max_tokens=1, temperature=p.temperature, ignore_eos=True, output_kind=RequestOutputKind.FINAL_ONLY)
 

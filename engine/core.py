@@ -1,8 +1,10 @@
-"""`EngineCore`: the synchronous, sans-IO heart of the engine.
+"""`EngineCore`: the synchronous, sans-IO heart of the engine, for a generative model.
 
 `add_request` / `abort_requests` between steps, `step()` to advance every scheduled request by
-one forward pass. No threads, no sockets, no awaits: the actor layer wraps it with I/O, and tests
-drive it directly.
+one forward pass. No threads, no awaits: the actor layer wraps it with I/O, and tests drive it
+directly. It is one of the two implementations of `Core` (engine/core_protocol.py); a pooling
+model's core is `PoolingEngineCore`, and `build_engine_core(config)` (engine/cores.py) picks the
+one the model's runner type needs.
 
 Tests and benchmarks replace the forward pass by passing a `runner` (a scripted one, or one
 that raises at a given step: `engine/execution/scripted_runner.py`). Where the core runs in
@@ -28,17 +30,13 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 
 from triollm.engine.config import EngineConfig
+from triollm.engine.core_protocol import Core, EngineCoreStats
 from triollm.engine.execution.cuda_graphs import DecodeGraphs, cuda_capture
 from triollm.engine.execution.model_runner import ModelRunner, RunnerOutput
 from triollm.engine.execution.models.llama import LlamaForCausalLM, load_model
-from triollm.engine.request import (
-    EngineCoreOutput,
-    EngineCoreRequest,
-    FinishReason,
-    Request,
-    RequestStatus,
-)
+from triollm.engine.request import EngineCoreOutput, EngineCoreRequest, FinishReason
 from triollm.engine.scheduling.block_manager import BlockManager
+from triollm.engine.scheduling.request_state import Request, RequestStatus
 from triollm.engine.scheduling.scheduler import ScheduledRequest, Scheduler
 from triollm.engine.structured_outputs import GrammarCompiler
 from triollm.kernels import KVCache, allocate_kv_cache
@@ -46,24 +44,13 @@ from triollm.kernels import KVCache, allocate_kv_cache
 if TYPE_CHECKING:
     from triollm.engine.distributed.group import TensorParallelGroup
 
+# `EngineCoreStats` is defined with the `Core` protocol and re-exported here.
 __all__ = ["EngineCore", "EngineCoreFactory", "EngineCoreStats", "Runner"]
 
 log = logging.getLogger("triollm")
 
 _DEFAULT_CPU_KV_FRACTION = 0.2
 _DEFAULT_CPU_KV_MAX = 2 << 30
-
-
-@dataclass(frozen=True)
-class EngineCoreStats:
-    num_running: int
-    num_waiting: int
-    num_blocks: int
-    num_free_blocks: int
-    num_cached_blocks: int
-    kv_cache_usage: float
-    prefix_cache_hit_rate: float
-    num_preemptions: int
 
 
 class Runner(Protocol):
@@ -73,18 +60,18 @@ class Runner(Protocol):
 
 
 class EngineCore:
-    def __new__(cls, config: EngineConfig, *, runner: Runner | None = None) -> EngineCore:
-        """A pooling model (runner "pooling") gets its own core, `PoolingEngineCore`
-        (engine/pooling_core.py): the same interface, no KV cache; the actors never know."""
-        if cls is EngineCore and config.model.runner_type == "pooling":
-            from triollm.engine.pooling_core import PoolingEngineCore
-
-            return super().__new__(PoolingEngineCore)
-        return super().__new__(cls)
-
     def __init__(self, config: EngineConfig, *, runner: Runner | None = None) -> None:
         """Load the model and size the KV cache; with `runner` (tests, benchmarks) no model is
-        loaded, no KV memory allocated, and `runner` executes every step."""
+        loaded, no KV memory allocated, and `runner` executes every step.
+
+        A pooling model (runner "pooling") is no generative model: its core is
+        `PoolingEngineCore`, and `build_engine_core(config)` builds whichever core a config
+        needs; here such a config is a ValueError."""
+        if config.model.runner_type == "pooling":
+            raise ValueError(
+                "runner: EngineCore runs a generative model, and this model's runner is "
+                "'pooling'; build its core with triollm.engine.cores.build_engine_core(config)"
+            )
         self.config = config
         if config.num_threads is not None:
             torch.set_num_threads(config.num_threads)
@@ -346,10 +333,10 @@ class EngineCore:
 
 @dataclass(frozen=True)
 class EngineCoreFactory:
-    """Builds the engine core in place of `EngineCore(config)`: a test or benchmark hook.
+    """Builds the engine core in place of `build_engine_core(config)`: a test or benchmark hook.
 
     `target` names a function, "package.module:function", called as `function(config, **kwargs)`
-    and returning an `EngineCore`. Both parts are plain data (`kwargs` JSON-able), so the same
+    and returning a `Core` (an `EngineCore`, say). Both parts are plain data (`kwargs` JSON-able), so the same
     value builds the core in this process and in the engine-core child process.
     """
 
@@ -374,12 +361,15 @@ class EngineCoreFactory:
             f"engine_core_factory: expected 'module:function' or an EngineCoreFactory, got {type(value).__name__}"
         )
 
-    def build(self, config: EngineConfig) -> EngineCore:
+    def build(self, config: EngineConfig) -> Core:
         module, _, name = self.target.partition(":")
         function = getattr(importlib.import_module(module), name)
         core = function(config, **self.kwargs)
-        if not isinstance(core, EngineCore):
-            raise TypeError(f"engine_core_factory: {self.target} returned {type(core).__name__}, not an EngineCore")
+        if not isinstance(core, Core):
+            raise TypeError(
+                f"engine_core_factory: {self.target} returned {type(core).__name__}, not an "
+                "EngineCore (or another engine core: see the Core protocol in engine/core_protocol.py)"
+            )
         return core
 
 

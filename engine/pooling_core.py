@@ -1,19 +1,19 @@
 """`PoolingEngineCore`: the engine core of a pooling (embedding) model.
 
 An encoder needs no KV cache, no scheduler of decode steps and no sampler: each request is one
-forward pass over its whole prompt. So this core keeps `EngineCore`'s public interface (the actor
-layer drives it unchanged: `add_request`, `abort_requests`, `step`, `has_unfinished_requests`,
-`statistics`, `check_integrity`, `close`) over a much simpler state: an insertion-ordered dict of
-waiting requests. Each `step()` takes waiting requests first come, first served while the padded
+forward pass over its whole prompt. So this core implements the `Core` protocol
+(engine/core_protocol.py; the actor layer drives it as it drives `EngineCore`: `add_request`,
+`abort_requests`, `step`, `has_unfinished_requests`, `statistics`, `check_integrity`, `close`)
+over a much simpler state: an insertion-ordered dict of waiting requests. Each `step()` takes waiting requests first come, first served while the padded
 batch (requests x longest prompt) fits `max_num_batched_tokens` and their number
 `max_num_seqs` (at least one request: every prompt fits, max_model_len <= the budget is checked
 at configuration), encodes them in one pass, pools and finishes every one of them with its
 embedding (`EngineCoreOutput.pooled`, float32 bytes). Requests are never preempted or chunked.
 
-`EngineCore(config)` builds this class when the model's runner is "pooling" (see
-`EngineCore.__new__`), so the transports, the engine-core process and the factories need no
-change. Rejected: teaching the generative scheduler about requests without KV blocks - every
-step of a generative model would pay for the distinction.
+`build_engine_core(config)` (engine/cores.py) builds this class when the model's runner is
+"pooling", so the transports and the engine-core process never name it. Rejected: teaching the
+generative scheduler about requests without KV blocks - every step of a generative model would
+pay for the distinction.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import logging
 import torch
 
 from triollm.engine.config import EngineConfig
-from triollm.engine.core import EngineCore, EngineCoreStats, Runner
+from triollm.engine.core_protocol import EngineCoreStats
 from triollm.engine.execution.models.bert import BertModel, load_bert
 from triollm.engine.execution.pooler import finish_embedding, pool
 from triollm.engine.pooling_outputs import pack_pooled
@@ -34,19 +34,21 @@ __all__ = ["PoolingEngineCore"]
 log = logging.getLogger("triollm")
 
 
-class PoolingEngineCore(EngineCore):
-    def __init__(self, config: EngineConfig, *, runner: Runner | None = None) -> None:
-        if runner is not None:
-            raise ValueError("runner: a pooling model's core runs its own encoder (no injected runner)")
-        assert config.model.pooler is not None
+class PoolingEngineCore:
+    def __init__(self, config: EngineConfig) -> None:
+        """Load the encoder; `config` must be a pooling model's (runner "pooling")."""
+        if config.model.runner_type != "pooling" or config.model.pooler is None:
+            raise ValueError(
+                f"runner: PoolingEngineCore runs a pooling model, and this model's runner is "
+                f"{config.model.runner_type!r}; build its core with "
+                "triollm.engine.cores.build_engine_core(config)"
+            )
         self.config = config
         if config.num_threads is not None:
             torch.set_num_threads(config.num_threads)
         if config.seed is not None:
             torch.manual_seed(config.seed)
-        self.group = None
         self.num_blocks = 0  # no KV cache
-        self.num_kv_heads = config.model.num_kv_heads
         self.num_steps = 0
         self.pooler = config.model.pooler
         self.encoder: BertModel = load_bert(config.model, config.device)

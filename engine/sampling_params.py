@@ -23,8 +23,6 @@ from typing import Any, ClassVar
 
 import msgspec
 
-from triollm.engine.beam_search import BeamSearchParams  # where vLLM users import it from
-
 __all__ = [
     "SAMPLING_EPS",
     "BeamSearchParams",
@@ -109,6 +107,25 @@ class StructuredOutputsParams(msgspec.Struct, kw_only=True, omit_defaults=True):
 
 # The name vLLM used before 0.11 (`SamplingParams(guided_decoding=GuidedDecodingParams(...))`).
 GuidedDecodingParams = StructuredOutputsParams
+
+
+class BeamSearchParams(msgspec.Struct, kw_only=True):
+    """vLLM's beam search parameters (the search itself: engine/beam_search.py)."""
+
+    beam_width: int
+    max_tokens: int
+    ignore_eos: bool = False
+    temperature: float = 0.0
+    length_penalty: float = 1.0
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("beam_width", "max_tokens"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}: must be a positive integer, got {value!r}")
+        if not self.temperature >= 0:
+            raise ValueError(f"temperature: must be >= 0, got {self.temperature!r}")
 
 
 class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True, dict=True):

@@ -38,6 +38,7 @@ from triollm.engine.distributed.protocol import (
     SETUP,
     STEP,
     STOP,
+    StepInputs,
     WorkerSetup,
     encode_step,
     joined_key,
@@ -45,7 +46,6 @@ from triollm.engine.distributed.protocol import (
     write_message,
 )
 from triollm.engine.distributed.sharding import TPShard
-from triollm.engine.execution.model_runner import StepInputs
 from triollm.engine.loading.model_config import ModelConfig
 
 __all__ = ["TensorParallelGroup"]

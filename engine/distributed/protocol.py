@@ -14,16 +14,29 @@ from __future__ import annotations
 import pickle
 import struct
 from array import array
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import IO, Any
 
-from triollm.engine.execution.model_runner import StepInputs
 from triollm.engine.loading.model_config import ModelConfig
 
-__all__ = ["CACHE", "SETUP", "STEP", "STOP", "WorkerSetup", "decode_step", "encode_step", "joined_key", "read_message", "write_message"]
+__all__ = ["CACHE", "SETUP", "STEP", "STOP", "StepInputs", "WorkerSetup", "decode_step", "encode_step", "joined_key", "read_message", "write_message"]
 
 SETUP, CACHE, STEP, STOP = 1, 2, 3, 4
 _HEADER = struct.Struct("<qq")
+
+
+@dataclass
+class StepInputs:
+    """One step's forward-pass inputs as plain ints: what rank 0 sends to the other ranks
+    (engine/execution/model_runner.py gathers it, `ModelRunner.follow` replays it)."""
+
+    token_ids: list[int] = field(default_factory=list)
+    positions: list[int] = field(default_factory=list)
+    slots: list[int] = field(default_factory=list)
+    decode_tables: list[list[int]] = field(default_factory=list)  # per decode: its blocks
+    decode_lens: list[int] = field(default_factory=list)  # per decode: context incl. the new token
+    prefills: list[tuple[int, int, int, list[int]]] = field(default_factory=list)  # PrefillChunk fields
+    logit_rows: list[list[int]] = field(default_factory=list)  # rows of each compute_logits call
 
 
 @dataclass(frozen=True)

@@ -17,11 +17,12 @@ computations (whose rows rank 0 lists in `logit_rows`), and rank 0 samples.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
+from triollm.engine.distributed.protocol import StepInputs
 from triollm.engine.execution.cuda_graphs import DecodeGraphs
 from triollm.engine.execution.models.llama import AttentionMetadata, LlamaForCausalLM, PrefillChunk
 from triollm.engine.execution.sampler import Sampler, SamplingRow, gather_logprobs
@@ -33,7 +34,7 @@ from triollm.kernels.attention import DecodeWorkspace, plan_decode
 if TYPE_CHECKING:
     from triollm.engine.distributed.group import TensorParallelGroup
 
-__all__ = ["ModelRunner", "RunnerOutput", "StepInputs"]
+__all__ = ["ModelRunner", "RunnerOutput"]
 
 
 @dataclass
@@ -42,19 +43,6 @@ class RunnerOutput:
     sampled: dict[str, int]
     logprobs: dict[str, Logprobs]
     prompt_logprobs: dict[str, Logprobs]
-
-
-@dataclass
-class StepInputs:
-    """One step's forward-pass inputs as plain ints: what rank 0 sends to the other ranks."""
-
-    token_ids: list[int] = field(default_factory=list)
-    positions: list[int] = field(default_factory=list)
-    slots: list[int] = field(default_factory=list)
-    decode_tables: list[list[int]] = field(default_factory=list)  # per decode: its blocks
-    decode_lens: list[int] = field(default_factory=list)  # per decode: context incl. the new token
-    prefills: list[tuple[int, int, int, list[int]]] = field(default_factory=list)  # PrefillChunk fields
-    logit_rows: list[list[int]] = field(default_factory=list)  # rows of each compute_logits call
 
 
 class ModelRunner:

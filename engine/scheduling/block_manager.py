@@ -15,9 +15,8 @@ collision-resistant, the earlier design) a client could build a prompt whose blo
 another tenant's, and be served, or make others be served, KV computed from different tokens
 (vLLM moved to sha256 after CVE-2025-25183). The token ids of the new full blocks are packed
 once (`array("q")`, native byte order: the hashes never leave the process) and each block costs
-one sha256 over 32 + 8 * block_size bytes: with 16-token blocks about 1.3 us per block of a
-prompt and 2.6 us for a lone block (decode fills one every 16 steps), against 0.3-0.45 us with
-`hash` (docs/reliability.md). A request's blocks are freed tail first, so the tail of
+one sha256 over 32 + 8 * block_size bytes: a few times what `hash` cost, paid per block of a
+prompt and, in decode, once per `block_size` steps (figures: docs/reliability.md). A request's blocks are freed tail first, so the tail of
 a prefix is evicted before its head.
 
 `check_integrity()` re-derives every invariant from scratch; tests and debug loops call it.
@@ -33,7 +32,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # annotations only: this module needs nothing beyond the standard library
-    from triollm.engine.request import Request
+    from triollm.engine.scheduling.request_state import Request
 
 __all__ = ["ROOT_BLOCK_HASH", "BlockManager", "BlockManagerStats", "hash_full_blocks"]
 

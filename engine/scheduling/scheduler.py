@@ -29,8 +29,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from triollm.engine.config import SchedulerConfig
-from triollm.engine.request import Request, RequestStatus
 from triollm.engine.scheduling.block_manager import BlockManager
+from triollm.engine.scheduling.request_state import Request, RequestStatus
 from triollm.engine.scheduling.waiting_queue import WaitingQueue
 
 __all__ = ["ScheduledRequest", "Scheduler", "SchedulerOutput", "SchedulerStats"]

@@ -32,7 +32,7 @@ import itertools
 from collections import deque
 from collections.abc import Iterator
 
-from triollm.engine.request import Request
+from triollm.engine.scheduling.request_state import Request
 
 __all__ = ["WaitingQueue"]
 

@@ -12,10 +12,11 @@ from pathlib import Path
 
 import pytest
 
-from triollm.engine.request import EngineCoreRequest, Request
+from triollm.engine.request import EngineCoreRequest
 from triollm.engine.sampling_params import SamplingParams
 from triollm.engine.scheduling import block_manager
 from triollm.engine.scheduling.block_manager import ROOT_BLOCK_HASH, BlockManager, hash_full_blocks
+from triollm.engine.scheduling.request_state import Request
 
 BS = 4
 

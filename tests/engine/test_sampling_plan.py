@@ -13,9 +13,10 @@ from triollm.engine.config import SchedulerConfig
 from triollm.engine.execution.model_runner import _sampling_row
 from triollm.engine.execution.sampler import SamplingRow, process_logits
 from triollm.engine.execution.sampling_plan import BadWords, SamplingPlan
-from triollm.engine.request import EngineCoreRequest, Request
+from triollm.engine.request import EngineCoreRequest
 from triollm.engine.sampling_params import SamplingParams
 from triollm.engine.scheduling.block_manager import BlockManager
+from triollm.engine.scheduling.request_state import Request
 from triollm.engine.scheduling.scheduler import ScheduledRequest, Scheduler
 
 V = 64

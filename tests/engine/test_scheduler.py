@@ -10,9 +10,10 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from triollm.engine.config import SchedulerConfig
-from triollm.engine.request import EngineCoreRequest, Request, RequestStatus
+from triollm.engine.request import EngineCoreRequest
 from triollm.engine.sampling_params import SamplingParams
 from triollm.engine.scheduling.block_manager import BlockManager
+from triollm.engine.scheduling.request_state import Request, RequestStatus
 from triollm.engine.scheduling.scheduler import Scheduler
 
 EOS = 99

@@ -13,9 +13,9 @@ checkpoint, and runs the collectives (`comm`) after o_proj, down_proj and the em
 
 CPU speed (docs/benchmarks.md has the measurements):
 - Linear layers run through oneDNN with weights reordered once at load (`Linear.pack`): F.linear
-  goes to MKL's sgemm, which takes its AVX2 path on AMD CPUs and ran 2x slower at batch 64
-  and 1.5-2x slower at batch 1 than oneDNN with a packed weight on this AVX-512 EPYC. In bf16
-  (CPUs with native bf16) the packed oneDNN path was 1.8-4x faster than F.linear at batch 1.
+  goes to MKL's sgemm, which takes its AVX2 path on AMD CPUs and ran slower at every batch size
+  than oneDNN with a packed weight on this AVX-512 EPYC. In bf16 (CPUs with native bf16) the
+  packed oneDNN path is faster than F.linear at batch 1 too.
 - The rotary embedding rotates Q and K in one call; the decode attention is planned once per step
   (`plan_decode`) and the plan is shared by every layer.
 """
@@ -25,7 +25,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import torch
 import torch.nn.functional as F
@@ -37,20 +37,21 @@ from triollm.engine.execution.models.quantized import (
     DecodeStack,
     QuantEmbedding,
     QuantLinear,
-    quantize_model,
+    StackLayer,
+    read_gguf_quantized,
 )
 from triollm.engine.loading.model_config import ModelConfig
 from triollm.kernels import KVCache, cpu_native, prefill_attention, rms_norm, write_kv
 from triollm.kernels.attention import DecodePlan, decode_attention
 from triollm.kernels.norm import add_rms_norm
-from triollm.kernels.quant import packed_linear
+from triollm.kernels.quant import QuantWeight, packed_linear
 from triollm.kernels.rotary import apply_rotary_signed, rotary_sign, rotary_tables
 from triollm.kernels.triton import use_triton
 
 if TYPE_CHECKING:
     from triollm.engine.distributed.collectives import Collectives
 
-__all__ = ["AttentionMetadata", "LlamaForCausalLM", "PrefillChunk", "load_model"]
+__all__ = ["AttentionMetadata", "LlamaForCausalLM", "PrefillChunk", "load_model", "quantize_model"]
 
 
 @dataclass
@@ -245,7 +246,7 @@ class LlamaForCausalLM(nn.Module):
             start, stop = shard.vocab(cfg.vocab_size)
             vocab = stop - start
         # An explicit weight skips nn.Embedding's random init: on the meta device that init
-        # imports torch's reference ops (~1.5 s at every engine start).
+        # imports torch's reference ops, a cost paid at every engine start.
         self.embed_tokens: nn.Embedding | QuantEmbedding = nn.Embedding(vocab, cfg.hidden_size, _weight=torch.empty(vocab, cfg.hidden_size))
         self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, shard) for _ in range(cfg.num_layers))
         self.norm = nn.Parameter(torch.ones(cfg.hidden_size))
@@ -279,7 +280,7 @@ class LlamaForCausalLM(nn.Module):
             x = stack(x, cos, sin, meta.slot_mapping, plan.native, kv.k, kv.v)
         else:
             # Inside the model, submodules are called through `.forward`: nn.Module.__call__
-            # costs ~2 µs (hooks, tracing checks) and a batch-1 decode step makes ~210 such calls.
+            # adds hooks and tracing checks to each of the hundreds of calls a decode step makes.
             for i, layer in enumerate(self.layers):
                 x = layer.forward(x, cos, sin, meta, kv.k[i], kv.v[i])
         return rms_norm(x, self.norm, self.cfg.rms_norm_eps, self.cfg.quantization is None, meta.triton)
@@ -299,8 +300,8 @@ class LlamaForCausalLM(nn.Module):
 
     def pack_linears(self) -> None:
         """Pack every linear layer for oneDNN (a no-op off CPU fp32). A tied lm_head gets a packed
-        copy of the embedding, which stays dense for the lookup: vocab x hidden more bytes
-        (113 MB for SmolLM2-135M) for a 20% faster head (~1 ms per batch-1 step here)."""
+        copy of the embedding, which stays dense for the lookup: vocab x hidden more bytes for a
+        faster head (docs/benchmarks.md, "What changed")."""
         for m in self.modules():
             if isinstance(m, Linear):
                 m.pack()
@@ -387,6 +388,65 @@ def _read(f, name: str, target: str, piece: int | None, cfg: ModelConfig, shard:
     return part[start:stop] if dim == 0 else part[:, start:stop]
 
 
+# Our projections that quantization replaces and the checkpoint tensors each holds, in row order.
+_QUANTIZED_PROJECTIONS = {
+    "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    "self_attn.o_proj": ("self_attn.o_proj",),
+    "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
+    "mlp.down_proj": ("mlp.down_proj",),
+}
+
+
+def quantize_model(model: LlamaForCausalLM, scheme: str, path: Path) -> None:
+    """Replace the model's linear layers (and a tied embedding in a block format) in place by
+    quantized ones (engine/execution/models/quantized.py)."""
+    gguf = read_gguf_quantized(path) if scheme == "gguf" else {}
+    bits = {"int8": 8, "int4": 4}.get(scheme)
+    for i, layer in enumerate(model.layers):
+        for fused, parts in _QUANTIZED_PROJECTIONS.items():
+            owner_name, attr = fused.rsplit(".", 1)
+            owner = layer.get_submodule(owner_name)
+            dense = getattr(owner, attr)
+            if scheme == "gguf":
+                names = [f"model.layers.{i}.{p}.weight" for p in parts]
+                if not all(n in gguf for n in names):
+                    continue  # stored as floats in the GGUF: stays dense
+                weight = QuantWeight.cat([gguf[n] for n in names])
+            else:
+                assert bits is not None
+                weight = QuantWeight.quantize(dense.weight.detach(), bits)
+            bias = None if dense.bias is None else dense.bias.detach()  # gguf: on meta, loaded later
+            setattr(owner, attr, QuantLinear(weight, bias))
+    embedding = gguf.get("model.embed_tokens.weight")
+    if model.lm_head is None and embedding is not None:
+        assert isinstance(model.embed_tokens, nn.Embedding)
+        dtype = model.cfg.dtype
+        model.embed_tokens = QuantEmbedding(embedding, dtype)
+        model.packed_tied_head = None
+    elif model.lm_head is not None and "lm_head.weight" in gguf:
+        model.lm_head = QuantLinear(gguf["lm_head.weight"], None)
+
+
+def _decode_stack(model: LlamaForCausalLM) -> DecodeStack | None:
+    """The native decoder stack for a quantized model's all-decode steps, where it computes
+    exactly what the layers would: fp32, unsharded, and what `DecodeStack.supported` checks."""
+    if model.comm is not None or model.cfg.dtype != torch.float32:
+        return None
+    layers = [cast(LlamaDecoderLayer, layer) for layer in model.layers]
+    stack = [
+        StackLayer(
+            layer.input_layernorm,
+            layer.post_attention_layernorm,
+            (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj),
+        )
+        for layer in layers
+    ]
+    if not stack or not DecodeStack.supported(stack):
+        return None
+    attn = layers[0].self_attn
+    return DecodeStack(stack, attn.num_heads, attn.num_kv_heads, attn.scale, model.cfg.rms_norm_eps)
+
+
 def load_model(
     cfg: ModelConfig,
     device: str | torch.device = "cpu",
@@ -447,8 +507,7 @@ def load_model(
         for m in model.modules():
             if isinstance(m, (LlamaAttention, LlamaMLP)):
                 m.comm = comm
-    if DecodeStack.supported(model):
-        model.decode_stack = DecodeStack(model)
+    model.decode_stack = _decode_stack(model)
     return model
 
 

@@ -1,17 +1,22 @@
-"""Quantized weights in the Llama model (`quantization=`, kernels/quant.py).
+"""Quantized layers (`quantization=`, kernels/quant.py), and the native decoder stack over them.
 
-`quantize_model` swaps the dense linear layers of a loaded model for `QuantLinear`s: with
-"gguf", the GGUF's own blocks as shipped (the import's QUANTIZED_FILE, Q4_0/Q4_1/Q8_0), fused
-the way the model fuses its projections (q|k|v, gate|up); with "int8"/"int4", the dense weights
-quantized at load. A tied embedding in a block format stays quantized too: the lookup
-dequantizes only the rows it reads, and the lm_head runs the quantized kernel over it. Norms,
-biases and untied embeddings stay dense. The dense weights are dropped once replaced.
+The model decides where they go (engine/execution/models/llama.py `quantize_model`): with
+"gguf", the GGUF's own blocks as shipped (the import's QUANTIZED_FILE, Q4_0/Q4_1/Q8_0, read by
+`read_gguf_quantized`), fused the way the model fuses its projections (q|k|v, gate|up); with
+"int8"/"int4", the dense weights quantized at load. A tied embedding in a block format stays
+quantized too: the lookup dequantizes only the rows it reads, and the lm_head runs the quantized
+kernel over it. Norms, biases and untied embeddings stay dense. The dense weights are dropped
+once replaced.
+
+This module knows no model class: the model hands `DecodeStack` its layers as `StackLayer`
+records (two norms, four projections), so the layers sit below the models that use them.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, cast
 
 import torch
 from safetensors import safe_open
@@ -20,10 +25,7 @@ from torch import nn
 from triollm.kernels import cpu_native
 from triollm.kernels.quant import PackedWeight, QuantWeight, packed_linear
 
-if TYPE_CHECKING:
-    from triollm.engine.execution.models.llama import LlamaDecoderLayer, LlamaForCausalLM
-
-__all__ = ["DecodeStack", "QuantEmbedding", "QuantLinear", "quantize_model"]
+__all__ = ["DecodeStack", "QuantEmbedding", "QuantLinear", "StackLayer", "read_gguf_quantized"]
 
 
 class _Packed(nn.Module):
@@ -72,34 +74,42 @@ class QuantEmbedding(_Packed):
         return self.weight.dequantize_rows(flat, self.dtype).view(*ids.shape, self.in_features)
 
 
+@dataclass(frozen=True)
+class StackLayer:
+    """One decoder layer as the native stack reads it: its two RMSNorm weights, and its four
+    projections in the stack's order (q|k|v, o, gate|up, down)."""
+
+    input_norm: torch.Tensor
+    post_attention_norm: torch.Tensor
+    projections: tuple[nn.Module, nn.Module, nn.Module, nn.Module]
+
+
 class DecodeStack:
     """The arguments of the native decoder stack (kernels/csrc/decoder.cpp): every layer's
     norms and packed projections as one flat list, gathered once. It runs an all-decode step
-    of a quantized model in one call instead of ~12 Python-level calls per layer (~2 ms of a
-    ~9 ms batch-1 token for SmolLM2-135M)."""
+    of a quantized model in one call instead of a dozen Python-level calls per layer, whose
+    dispatch cost is a large share of a small model's batch-1 token (docs/benchmarks.md)."""
 
-    def __init__(self, model: LlamaForCausalLM) -> None:
+    def __init__(self, layers: Sequence[StackLayer], num_heads: int, num_kv_heads: int, scale: float, eps: float) -> None:
         self.weights: list[torch.Tensor] = []
         self.shapes: list[int] = []
-        layers = [cast("LlamaDecoderLayer", layer) for layer in model.layers]
-        attn = layers[0].self_attn
-        self.num_heads, self.num_kv_heads, self.scale = attn.num_heads, attn.num_kv_heads, attn.scale
-        self.eps = model.cfg.rms_norm_eps
+        self.num_heads, self.num_kv_heads, self.scale, self.eps = num_heads, num_kv_heads, scale, eps
         for layer in layers:
-            self.weights += [layer.input_layernorm, layer.post_attention_layernorm]
-            for proj in _projections(layer):
+            self.weights += [layer.input_norm, layer.post_attention_norm]
+            for proj in layer.projections:
                 assert isinstance(proj, QuantLinear)
                 self.weights += [proj.qp, proj.dp, proj.mp]
                 self.shapes += [proj.bits, proj.n]
 
     @staticmethod
-    def supported(model: LlamaForCausalLM) -> bool:
-        """Whether the native stack computes exactly what the model's layers would: on CPU with
-        the native kernels, fp32, unsharded, every projection quantized and without a bias."""
-        if model.comm is not None or model.cfg.dtype != torch.float32 or not cpu_native.available():
+    def supported(layers: Sequence[StackLayer]) -> bool:
+        """Whether the native stack computes exactly what these layers would, given that the
+        model runs fp32 and unsharded (the model checks that): on CPU with the native kernels,
+        every projection quantized and without a bias."""
+        if not cpu_native.available():
             return False
-        for layer in model.layers:
-            for p in _projections(layer):
+        for layer in layers:
+            for p in layer.projections:
                 if not (isinstance(p, QuantLinear) and p.bias is None and p.qp.device.type == "cpu"):
                     return False
         return True
@@ -122,12 +132,6 @@ class DecodeStack:
         )  # fmt: skip
 
 
-def _projections(module: nn.Module) -> tuple[nn.Module, ...]:
-    """A decoder layer's four projections, in the native stack's order."""
-    layer = cast("LlamaDecoderLayer", module)
-    return layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj
-
-
 def read_gguf_quantized(path: Path) -> dict[str, QuantWeight]:
     """The import's quantized tensors by HF name (engine/loading/gguf_import.py)."""
     from triollm.engine.loading.gguf_import import QUANTIZED_FILE
@@ -139,41 +143,3 @@ def read_gguf_quantized(path: Path) -> dict[str, QuantWeight]:
         for name, b in bits.items():
             out[name] = QuantWeight(f.get_tensor(f"{name}.q"), f.get_tensor(f"{name}.d"), f.get_tensor(f"{name}.m"), b)
     return out
-
-
-# Our fused projections and the checkpoint tensors they hold, in row order.
-_FUSED = {
-    "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
-    "self_attn.o_proj": ("self_attn.o_proj",),
-    "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
-    "mlp.down_proj": ("mlp.down_proj",),
-}
-
-
-def quantize_model(model: LlamaForCausalLM, scheme: str, path: Path) -> None:
-    """Replace the model's linear layers (and a tied embedding in a block format) in place."""
-    gguf = read_gguf_quantized(path) if scheme == "gguf" else {}
-    bits = {"int8": 8, "int4": 4}.get(scheme)
-    for i, layer in enumerate(model.layers):
-        for fused, parts in _FUSED.items():
-            owner_name, attr = fused.rsplit(".", 1)
-            owner = layer.get_submodule(owner_name)
-            dense = getattr(owner, attr)
-            if scheme == "gguf":
-                names = [f"model.layers.{i}.{p}.weight" for p in parts]
-                if not all(n in gguf for n in names):
-                    continue  # stored as floats in the GGUF: stays dense
-                weight = QuantWeight.cat([gguf[n] for n in names])
-            else:
-                assert bits is not None
-                weight = QuantWeight.quantize(dense.weight.detach(), bits)
-            bias = None if dense.bias is None else dense.bias.detach()  # gguf: on meta, loaded later
-            setattr(owner, attr, QuantLinear(weight, bias))
-    embedding = gguf.get("model.embed_tokens.weight")
-    if model.lm_head is None and embedding is not None:
-        assert isinstance(model.embed_tokens, nn.Embedding)
-        dtype = model.cfg.dtype
-        model.embed_tokens = QuantEmbedding(embedding, dtype)
-        model.packed_tied_head = None
-    elif model.lm_head is not None and "lm_head.weight" in gguf:
-        model.lm_head = QuantLinear(gguf["lm_head.weight"], None)
