@@ -4,9 +4,9 @@ Why one thread and not a worker from the event loop's pool: torch's intra-op thr
 OpenMP team, and GNU OpenMP (torch's libgomp) keeps one team *per thread that starts parallel
 regions*. Two such threads (the model built in one worker, steps run in another, or in the main
 thread) leave two teams, more OpenMP threads than cores, and libgomp then stops spin-waiting
-between parallel regions (its "throttled" spin): every region pays a futex wake-up. A batch-1
-decode step of SmolLM2-135M on 2 cores measured 26 ms in the thread that built the model and
-38-44 ms in any other thread (`docs/benchmarks.md`, "One compute thread").
+between parallel regions (its "throttled" spin): every region pays a futex wake-up, and a
+batch-1 decode step runs markedly slower in any thread but the one that built the model
+(`docs/benchmarks.md`, "one compute thread").
 
 The event loop hands a job to the thread and awaits its end; the thread wakes the loop without
 waiting for it (a loop that has ended is not woken). Cancellation abandons the job (as `to_thread.run_sync(..., abandon_on_cancel=True)`

@@ -3,8 +3,8 @@
 `llm.llm_engine` is an `LLMEngine` (actors/llm_engine.py), which owns the portal - an event loop
 in one helper thread (`anyio.from_thread.start_blocking_portal`) - with the `AsyncLLM` entered
 inside it, so its task group lives there for the `LLM`'s whole life. Each `generate()` is ONE
-portal call: all requests are added and gathered inside the loop (a round trip costs
-~0.2-0.3 ms, too much per token). `enqueue()` / `wait_for_completion()` go through the
+portal call: all requests are added and gathered inside the loop (a round trip per token
+would cost more than a token's work). `enqueue()` / `wait_for_completion()` go through the
 `LLMEngine`'s own `add_request` / `step` loop, as vLLM's do.
 
 Ctrl-C: the caller's thread gets `KeyboardInterrupt` while it waits on the call's future.
@@ -104,9 +104,9 @@ class LLM:
                 "`triollm serve MODEL --data-parallel-size N`"
             )
         if args.num_threads is None:
-            # Offline batches leave the frontend idle (outputs are collected, not streamed: its
-            # CPU time was 0.5% of the wall time of a 64-request batch), so the engine core gets
-            # every core torch would use, where a server keeps one for the frontend.
+            # Offline batches leave the frontend nearly idle (outputs are collected, not
+            # streamed), so the engine core gets every core torch would use, where a server
+            # keeps one for the frontend.
             args = dataclasses.replace(args, num_threads=torch.get_num_threads())
         self.args = args
         self._ids = itertools.count()

@@ -18,7 +18,7 @@ A deliberately small adapter; each rule below was found by measurement on a 2-co
   `Context.term()` never hangs; a sender that must flush its last words passes `linger` to
   `close()` (bounded).
 
-Rejected: the `zmq-anyio` package (a helper task or more per message, ~2-3x slower here) and
+Rejected: the `zmq-anyio` package (a helper task or more per message, slower here) and
 blocking calls in worker threads (slower, and a blocked thread ignores `fail_after`).
 """
 

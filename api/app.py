@@ -117,18 +117,10 @@ def build_app(state: ServerState) -> Starlette:
 
 
 def _metrics_route(state: ServerState) -> BaseRoute | None:
-    """`state.metrics.endpoint` if the metrics object has one, else api.metrics' route."""
-    if state.metrics is None:
-        return None
+    """GET /metrics, served by `state.metrics` (an `api.metrics.Metrics`, which the server sets
+    when metrics are enabled); None without it."""
     endpoint = getattr(state.metrics, "endpoint", None)
-    if callable(endpoint):
-        return Route("/metrics", endpoint, methods=["GET"])
-    try:
-        from triollm.api.metrics import metrics_route  # type: ignore[attr-defined,unused-ignore]
-    except ImportError:
-        return None
-    route = metrics_route(state) if callable(metrics_route) else metrics_route
-    return route if isinstance(route, BaseRoute) else None
+    return Route("/metrics", endpoint, methods=["GET"]) if callable(endpoint) else None
 
 
 # Behind the key too with `--api-key-all-routes` (vLLM leaves them open; so do we by default).

@@ -5,9 +5,8 @@ V is `[num_kv_heads, num_blocks, block_size, head_dim]` and K the same with each
 transposed, `[num_kv_heads, num_blocks, head_dim, block_size]` (`k_blocks` gives the untransposed
 view). Head-major keeps one head's blocks contiguous, so the decode gather is one `index_select`
 over whole blocks and the two attention matmuls run batched with the GQA group folded into the
-query rows. On this CPU that was ~3-4x faster than vLLM's `[num_blocks, block_size, kv_heads,
-head_dim]` layout with a permuted matmul (measured on the Zen 3 development machine;
-docs/benchmarks.md). Transposed K blocks let the native kernel compute a block's scores as
+query rows. That was faster than vLLM's `[num_blocks, block_size, kv_heads, head_dim]` layout
+with a permuted matmul (docs/benchmarks.md, "Figures that stood in the source"). Transposed K blocks let the native kernel compute a block's scores as
 vertical FMAs across its tokens, with no horizontal sums. A slot is
 `block_id * block_size + offset`.
 
@@ -23,8 +22,8 @@ torch path below is the reference it is tested against, and the fallback:
 - The batch is cut into groups of similar length, because the gather and both matmuls pay for
   every padded block: a group costs `max_blocks` blocks per row plus a fixed overhead (a dozen
   op dispatches per layer, `_GROUP_OVERHEAD_BLOCKS`), and a small dynamic program over the rows,
-  sorted longest first by the caller, picks the cuts. Mid-way through the 64-request benchmark
-  (58 running) it took the whole decode step from 199 to 149 ms on one thread.
+  sorted longest first by the caller, picks the cuts (what it bought: docs/benchmarks.md,
+  "What changed").
 - The padding mask is built once per step, not per layer; K/V are sliced to the group's longest
   row, so a group whose rows have equal lengths (e.g. batch 1) needs no mask at all.
 - The gathered K/V go into a `DecodeWorkspace` that persists across layers and steps: a fresh
@@ -97,7 +96,7 @@ def k_blocks(k_cache: torch.Tensor) -> torch.Tensor:
 def gather_k(k_cache: torch.Tensor, block_ids: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """K of the given blocks, `[kv_heads, len(block_ids), block_size, head_dim]`, contiguous
     (into `out` if given). Gathers the stored (transposed) blocks, then transposes them in one
-    copy: an `index_select` over the transposed view ran 2-3x slower."""
+    copy: an `index_select` over the transposed view was slower."""
     blocks = k_cache.index_select(1, block_ids)
     if out is None:
         return blocks.transpose(2, 3).contiguous()
@@ -140,8 +139,8 @@ def paged_decode_attention(
     return decode_attention(q, k_cache, v_cache, plan, scale)
 
 
-# Fixed cost of one more decode group, in blocks of padding it must save to pay off (a group's
-# ~12 op dispatches per layer against ~2-3 us of gather and matmul per block, measured).
+# Fixed cost of one more decode group, in blocks of padding it must save to pay off: a group's
+# dozen op dispatches per layer, weighed against the gather and matmul time of one block.
 _GROUP_OVERHEAD_BLOCKS = 32
 # The dynamic program looks back at most this many distinct lengths (bounds its cost).
 _MAX_RUNS_PER_GROUP = 32

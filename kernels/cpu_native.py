@@ -59,7 +59,7 @@ def _cpu_flags() -> set[str]:
 @functools.cache
 def has_native_bf16() -> bool:
     """Whether the CPU computes bf16 natively (AVX-512 BF16 or AMX): there bf16 matmuls through
-    oneDNN run about twice as fast as fp32; elsewhere they are emulated, slower than fp32."""
+    oneDNN run faster than fp32; elsewhere they are emulated, slower than fp32."""
     return bool({"avx512_bf16", "amx_bf16"} & _cpu_flags())
 
 

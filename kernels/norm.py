@@ -2,10 +2,10 @@
 (`kernels/triton/norm.py`). fp32 elsewhere: torch's `F.rms_norm` (bit-identical to Llama's reference here).
 Half precision on CPU: the native kernel (`kernels/cpu_native.py`, one pass per row; torch's CPU
 rms_norm for bf16 decomposes into ~8 ops), else `F.rms_norm`. Both round once, at the end,
-where the reference rounds the normalised activations before scaling by the weight: measured on
-random activations, that differs from the reference by at most one ulp in a quarter of the
-elements and is closer to the exact value (max error 0.016 vs 0.021 in bf16); bf16 runs are
-checked against fp32 with a tolerance (tests/engine/test_bf16.py)."""
+where the reference rounds the normalised activations before scaling by the weight: on random
+activations that differs from the reference by at most one ulp and is closer to the exact value
+(docs/benchmarks.md, "bf16 against fp32"); bf16 runs are checked against fp32 with a tolerance
+(tests/engine/test_bf16.py)."""
 
 from __future__ import annotations
 

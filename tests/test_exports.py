@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import importlib.metadata
 import subprocess
 import sys
@@ -9,6 +10,7 @@ import sys
 import triollm
 from triollm.actors import async_llm, errors, llm, llm_engine, request_stream
 from triollm.engine import (
+    beam_search,
     config,
     core,
     inputs,
@@ -22,6 +24,7 @@ from triollm.engine import (
 PUBLIC = [
     "AsyncEngineArgs",
     "AsyncLLM",
+    "BeamSearchParams",
     "CompletionOutput",
     "EmbeddingOutput",
     "EmbeddingRequestOutput",
@@ -31,18 +34,21 @@ PUBLIC = [
     "EngineCoreRequest",
     "EngineDeadError",
     "EngineGenerateError",
+    "GuidedDecodingParams",
     "LLM",
     "LLMEngine",
     "Logprob",
     "PoolingOutput",
     "PoolingParams",
     "PoolingRequestOutput",
+    "PromptType",
     "RequestOutput",
     "RequestOutputKind",
     "RequestStream",
     "SamplingParams",
     "ScoringOutput",
     "ScoringRequestOutput",
+    "StructuredOutputsParams",
     "TextPrompt",
     "TokensPrompt",
     "__version__",
@@ -72,6 +78,9 @@ def test_every_name_resolves_to_its_definition() -> None:
         "RequestOutputKind": sampling_params,
         "RequestStream": request_stream,
         "SamplingParams": sampling_params,
+        "StructuredOutputsParams": sampling_params,
+        "GuidedDecodingParams": sampling_params,  # vLLM's older name of the same class
+        "BeamSearchParams": sampling_params,
         "TextPrompt": inputs,
         "TokensPrompt": inputs,
         "EmbeddingOutput": pooling_outputs,
@@ -82,10 +91,83 @@ def test_every_name_resolves_to_its_definition() -> None:
         "ScoringRequestOutput": pooling_outputs,
         "PoolingParams": pooling_params,
     }
-    assert set(homes) | {"__version__"} == set(PUBLIC)
+    aliases = {"PromptType": inputs}  # a type alias: no __module__ of its own
+    assert set(homes) | set(aliases) | {"__version__"} == set(PUBLIC)
     for name, module in homes.items():
         assert getattr(triollm, name) is getattr(module, name), name
         assert getattr(triollm, name).__module__ == module.__name__, name
+    for name, module in aliases.items():
+        assert getattr(triollm, name) is getattr(module, name), name
+    assert triollm.GuidedDecodingParams is triollm.StructuredOutputsParams
+
+
+# vLLM's modules that scripts import from, each with the names it re-exports here (vLLM's names
+# that this engine has; no ClassificationOutput: there is no classification head).
+VLLM_MODULES = {
+    "inputs": ["PromptType", "TextPrompt", "TokensPrompt"],
+    "logprobs": ["Logprob", "PromptLogprobs", "SampleLogprobs"],
+    "outputs": [
+        "CompletionOutput",
+        "EmbeddingOutput",
+        "EmbeddingRequestOutput",
+        "PoolingOutput",
+        "PoolingRequestOutput",
+        "RequestOutput",
+        "ScoringOutput",
+        "ScoringRequestOutput",
+    ],
+    "pooling_params": ["PoolingParams"],
+    "sampling_params": [
+        "BeamSearchParams",
+        "GuidedDecodingParams",
+        "RequestOutputKind",
+        "SamplingParams",
+        "SamplingType",
+        "StructuredOutputsParams",
+    ],
+}
+# The engine modules that define those names.
+ENGINE_HOMES = (inputs, outputs, pooling_outputs, pooling_params, sampling_params, beam_search)
+
+
+def _definition(name: str) -> object:
+    """The one object the engine modules export under `name` (some re-export each other's)."""
+    (obj,) = {id(getattr(m, name)): getattr(m, name) for m in ENGINE_HOMES if name in m.__all__}.values()
+    return obj
+
+
+def test_vllm_module_paths() -> None:
+    for module_name, names in VLLM_MODULES.items():
+        module = importlib.import_module(f"triollm.{module_name}")
+        assert module.__all__ == names, module_name
+        for name in names:
+            obj = getattr(module, name)
+            assert obj is _definition(name), (module_name, name)
+            if name in triollm.__all__:
+                assert obj is getattr(triollm, name), (module_name, name)
+        namespace: dict[str, object] = {}
+        exec(f"from triollm.{module_name} import *", namespace)
+        assert set(namespace) - {"__builtins__"} == set(names), module_name
+
+
+# Import lines as vLLM scripts and examples write them; `vllm` -> `triollm` is the whole port.
+VLLM_SCRIPT_IMPORTS = [
+    "from vllm import LLM, SamplingParams",
+    "from vllm import PromptType, TextPrompt, TokensPrompt",
+    "from vllm import EmbeddingRequestOutput, PoolingParams, RequestOutput, ScoringRequestOutput",
+    "from vllm.sampling_params import BeamSearchParams, GuidedDecodingParams, RequestOutputKind",
+    "from vllm.sampling_params import SamplingParams, StructuredOutputsParams",
+    "from vllm.outputs import CompletionOutput, PoolingRequestOutput, RequestOutput",
+    "from vllm.inputs import PromptType, TextPrompt, TokensPrompt",
+    "from vllm.pooling_params import PoolingParams",
+    "from vllm.logprobs import Logprob",
+]
+
+
+def test_vllm_script_imports() -> None:
+    """In a fresh interpreter, as a ported script would run them."""
+    code = "; ".join(line.replace("vllm", "triollm") for line in VLLM_SCRIPT_IMPORTS)
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
 
 
 def test_star_import() -> None:

@@ -155,9 +155,9 @@ def _resolve_dtype(dtype: str, checkpoint_dtype: torch.dtype | None, device: str
             raise ValueError(f"dtype: {dtype!r} is not one of auto, {', '.join(DTYPES)}")
         return DTYPES[dtype]
     if device == "cpu":
-        # A half-precision checkpoint runs in bf16 where the CPU computes bf16 natively (twice
-        # the fp32 speed through oneDNN); elsewhere bf16/fp16 matmuls are emulated, several
-        # times slower than fp32. An fp32 checkpoint stays fp32 (vLLM would cast it to bf16:
+        # A half-precision checkpoint runs in bf16 where the CPU computes bf16 natively (faster
+        # than fp32 through oneDNN); elsewhere bf16/fp16 matmuls are emulated, slower than
+        # fp32. An fp32 checkpoint stays fp32 (vLLM would cast it to bf16:
         # here the default is lossless; --dtype bfloat16 asks for the speed).
         half = checkpoint_dtype in (torch.bfloat16, torch.float16)
         return torch.bfloat16 if half and cpu_native.has_native_bf16() else torch.float32

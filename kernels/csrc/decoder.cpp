@@ -2,7 +2,7 @@
 //
 // Batch-1 decode of a small quantized model is ~120 quantized linears and ~250 other ops per
 // token, each a few microseconds of work; called one by one from Python, the calls cost as much
-// as the work (~2 ms of a ~9 ms token for SmolLM2-135M). This runs the same kernels in the same
+// as the work for SmolLM2-135M (docs/benchmarks.md). This runs the same kernels in the same
 // order as LlamaDecoderLayer.forward's native path (engine/execution/models/llama.py), with
 // nothing between them, so its results are the same bits:
 //   h = x + o_proj(attention(rotary(qkv_proj(rms_norm(x)))));  x = h + down(silu_mul(gate_up(rms_norm(h))))

@@ -75,7 +75,7 @@ void quantize_activations(const float* x, int64_t M, int64_t K, int8_t* qx, floa
 // Block b of a group: its 8 code vectors (4-bit codes split into low and high nibbles) and its
 // 16 rows' scales and offsets. Prefetches 4 KB ahead (past a group's end: the next group's,
 // contiguous): the weights stream from DRAM once per call, and the hardware prefetcher alone
-// ramps up too slowly for these short streams (11-15 GB/s measured without this, 18-20 with).
+// ramps up too slowly for these short streams (docs/benchmarks.md, quantized second pass).
 template <bool FourBit>
 inline void load_block(const uint8_t* qg, const uint16_t* dg, const uint16_t* mg, int64_t b, __m512i w[8], __m512& dw,
                        __m512& mw) {
@@ -128,8 +128,8 @@ inline void packed_group(const uint8_t* qg, const uint16_t* dg, const uint16_t* 
 
 // Batch 1 (a decode token), the bandwidth-bound case: the same arithmetic with four independent
 // dot-product chains and the offset term in an accumulator of its own (shorter dependency
-// chains). Measured against packed_group<.., rows = 1>, interleaved in one process: the
-// 49152 x 576 Q8_0 head 1.47 -> 1.15 ms (26 GB/s), the layers 3.39 -> 3.23 ms per token.
+// chains). Faster than packed_group<.., rows = 1> for the head and the layers, measured A/B
+// interleaved in one process (docs/benchmarks.md, quantized second pass).
 template <bool FourBit>
 inline void packed_group_m1(const uint8_t* qg, const uint16_t* dg, const uint16_t* mg, int64_t nb,
                             const int8_t* qx, const float* dx, const float* sx, float* out, __mmask16 store_mask) {

@@ -115,7 +115,7 @@ print(before, after, tasks())
 
 def test_importing_triollm_starts_no_openmp_team() -> None:
     # A second OpenMP team in an engine process (any thread but the compute thread running a
-    # parallel region) makes libgomp stop spin-waiting: a batch-1 step measured 36 ms, not 26.
+    # parallel region) makes libgomp stop spin-waiting, and every step slows (docs/benchmarks.md).
     env = {**os.environ, "OMP_NUM_THREADS": "2", "TRIOLLM_CPU_KERNELS": "0"}
     out = subprocess.run(
         [sys.executable, "-c", IMPORT_PROBE], env=env, capture_output=True, text=True, timeout=120
