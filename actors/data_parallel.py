@@ -10,7 +10,8 @@ AsyncLLM ◀─ client.outputs ◀─ merge ◀┬── rank 0 outputs (OutputB
 
 Each rank is an ordinary engine-core child (`actors/process.py`), or with
 `data_parallel_backend="ray"` a Ray actor in its own placement group (`actors/ray_core.py`),
-started with `data_parallel_size=1` and its share of the cores. The frontend above sees one core:
+running the frontend's resolved config with its own fields set (`rank_config`: one engine core,
+its rank, its share of the cores); nothing is resolved again. The frontend above sees one core:
 
 - **Routing.** `AddRequest` goes to the rank with the lowest load score, vLLM's rule:
   `max(in flight, waiting + running)`, with the in-flight count kept here and waiting + running
@@ -56,10 +57,10 @@ from triollm.actors.messages import (
 )
 from triollm.actors.process import default_num_threads, open_process_core
 from triollm.actors.ray_core import open_ray_core, ray_session
-from triollm.engine.config import EngineArgs, EngineConfig
+from triollm.engine.config import EngineConfig
 from triollm.engine.core import EngineCoreFactory
 
-__all__ = ["Router", "open_data_parallel_client", "rank_threads"]
+__all__ = ["Router", "open_data_parallel_client", "rank_config", "rank_threads"]
 
 log = logging.getLogger("triollm")
 
@@ -157,18 +158,29 @@ def _combine(call_id: int, results: list[UtilityResult]) -> UtilityResult:
     return UtilityResult(call_id, all(bool(v) for v in values))
 
 
+def rank_config(config: EngineConfig, rank: int) -> EngineConfig:
+    """What rank `rank` of `config`'s data-parallel ranks runs: the frontend's resolved config,
+    with the rank's own fields (one engine core, rank `rank` of them all, its share of the
+    threads) and nothing resolved again."""
+    size = config.actor.data_parallel_size
+    actor = dataclasses.replace(
+        config.actor,
+        data_parallel_size=1,  # one engine core, as an external-load-balancing rank's server
+        data_parallel_rank=rank,
+        data_parallel_world=size,
+        data_parallel_backend="mp",
+        data_parallel_address=None,
+    )
+    return dataclasses.replace(config, num_threads=rank_threads(config.num_threads, size), actor=actor)
+
+
 @asynccontextmanager
 async def open_data_parallel_client(
-    config: EngineConfig, args: EngineArgs, *, core_factory: EngineCoreFactory | None = None
+    config: EngineConfig, *, core_factory: EngineCoreFactory | None = None
 ) -> AsyncIterator[CoreClient]:
+    """N ranks (`config.actor.data_parallel_size`) behind one client; each rank's core runs
+    `rank_config(config, rank)`."""
     size = config.actor.data_parallel_size
-    rank_args = dataclasses.replace(
-        args,
-        data_parallel_size=1,
-        data_parallel_backend="mp",  # what each rank's own config says: one engine core
-        data_parallel_address=None,
-        num_threads=rank_threads(args.num_threads, size),
-    )
     async with AsyncExitStack() as stack:
         ray = None
         if config.actor.data_parallel_backend == "ray":
@@ -179,10 +191,11 @@ async def open_data_parallel_client(
         # its EngineDead into an open stream (a closed one raised BrokenResourceError there).
         stack.callback(_close_outputs, ranks)
         for rank in range(size):  # one after the other: a failed start stops the ones already up
+            own = rank_config(config, rank)
             if ray is not None:
-                opened = open_ray_core(ray, config, rank_args, rank, core_factory=core_factory)
+                opened = open_ray_core(ray, own, rank, core_factory=core_factory)
             else:
-                opened = open_process_core(config, rank_args, core_factory=core_factory)
+                opened = open_process_core(own, core_factory=core_factory)
             ranks.append(await stack.enter_async_context(opened))
         router = Router(size)
         ready = Ready(

@@ -1,11 +1,14 @@
 """The engine core in a child process, linked to the frontend by ZMQ.
 
-Parent side: `open_process_core(config, args)` yields the same `CoreClient` as the in-process
+Parent side: `open_process_core(config)` yields the same `CoreClient` as the in-process
 transport. Child side: `main()` below, run as `python -c "...main()" SPEC`. SPEC (JSON) holds
-the user's `EngineArgs` fields (those that have an effect: ignored vLLM arguments were warned
-about in the parent and are not sent), the two socket addresses, the log level and, for tests
-and benchmarks only, an `EngineCoreFactory` ("module:function" and its keyword arguments) that
-builds the core in place of `EngineCore(config)`.
+the parent's resolved `EngineConfig` itself (`child_config`: multiprocess off, the threads
+counted; MessagePack inside, engine/config_codec.py), the two socket addresses, the log level
+and, for tests and benchmarks only, an `EngineCoreFactory` ("module:function" and its keyword
+arguments) that builds the core in place of `build_engine_core(config)`. The child never resolves
+anything again (no `create_engine_config`: no second reading of the machine or the model's
+files, and no second warning about ignored vLLM arguments), so the two processes cannot
+disagree about dtype, quantization, threads or the KV cache's dtype.
 
 ```
 parent                                              child (`process.main()`, its own interpreter)
@@ -45,8 +48,8 @@ mid-load exits at once instead of waiting for the load to finish (anyio's asynci
 not daemon threads); steps per second measured the same on both backends. Torch runs
 `num_threads` intra-op threads. Unset (AsyncLLM, the server): every core torch would use on a
 machine of up to `SHARED_CORES_UP_TO` cores, one fewer above. On the 2-core machine the server
-with 2 engine threads beat 1 at every concurrency (1/16/64: 43/242/321 against 34/187/220 output
-tok/s); the streaming frontend's share is small next to half the forward pass. On larger
+with 2 engine threads beat 1 at every concurrency tried (docs/benchmarks.md, Threads); the
+streaming frontend's share is small next to half the forward pass. On larger
 machines one core stays with the frontend (vLLM's reserve): an OpenMP region waits for its
 slowest thread, and a thread that shares its core with the frontend is that thread (not measured
 here). The offline `LLM` always takes every core (docs/benchmarks.md, Threads).
@@ -88,7 +91,8 @@ from triollm.actors.messages import (
     input_decoder,
     output_decoder,
 )
-from triollm.engine.config import EngineArgs, EngineConfig
+from triollm.engine.config import EngineConfig
+from triollm.engine.config_codec import decode_config, encode_config
 from triollm.engine.core import EngineCoreFactory
 
 if sys.version_info < (3, 11):
@@ -99,6 +103,7 @@ __all__ = [
     "CoreChild",
     "EngineStartupError",
     "StderrTail",
+    "child_config",
     "child_spec",
     "default_num_threads",
     "link_core",
@@ -140,11 +145,17 @@ class EngineStartupError(RuntimeError):
 class ChildSpec(msgspec.Struct):
     """Everything the child needs, JSON-encoded as its only argument."""
 
-    args: dict[str, Any]  # EngineArgs fields (model already resolved to a directory)
+    # The parent's resolved EngineConfig as the core runs it (`child_config`), encoded by
+    # engine/config_codec.py: MessagePack (base64 in the JSON), so every float is exact.
+    config: bytes
     inputs: str  # address of the parent's PUSH socket (the child connects a PULL)
     outputs: str  # address of the parent's PULL socket (the child connects a PUSH)
     log_level: int = logging.WARNING
     core_factory: EngineCoreFactory | None = None  # tests and benchmarks: builds the core
+
+    def engine_config(self) -> EngineConfig:
+        """The config to run, as the parent resolved it (never resolved again here)."""
+        return decode_config(self.config)
 
 
 _encoder = msgspec.msgpack.Encoder()
@@ -155,9 +166,10 @@ _encoder = msgspec.msgpack.Encoder()
 
 @asynccontextmanager
 async def open_process_core(
-    config: EngineConfig, args: EngineArgs, *, core_factory: EngineCoreFactory | None = None
+    config: EngineConfig, *, core_factory: EngineCoreFactory | None = None
 ) -> AsyncIterator[CoreClient]:
-    """Start an engine-core child process and link it; see the module docstring.
+    """Start an engine-core child process that runs `config` (the parent's, resolved once; the
+    child gets `child_config(config)`) and link it; see the module docstring.
 
     Raises `EngineStartupError` if the child cannot start. The yielded client's output stream
     ends after `EngineDead` (the child failed or died) or when the context exits.
@@ -165,7 +177,7 @@ async def open_process_core(
     actor = config.actor
     ends = zmq_io.Endpoints.bind(actor.zmq_address, insecure_tcp=actor.zmq_insecure_tcp)
     try:
-        command = _child_command(config, args, ends, core_factory)
+        command = _child_command(config, ends, core_factory)
         env = {k: v for k, v in os.environ.items() if k != CURVE_KEYS_ENV}
         if ends.client_keys is not None:
             env[CURVE_KEYS_ENV] = ends.client_keys.encode()  # not on the command line (ps)
@@ -296,38 +308,32 @@ class _Subprocess:
 
 
 def _child_command(
-    config: EngineConfig,
-    args: EngineArgs,
-    ends: zmq_io.Endpoints,
-    core_factory: EngineCoreFactory | None,
+    config: EngineConfig, ends: zmq_io.Endpoints, core_factory: EngineCoreFactory | None
 ) -> list[str]:
-    spec = child_spec(config, args, ends, core_factory)
+    spec = child_spec(config, ends, core_factory)
     # `-c` rather than `-m triollm.actors.process`: importing the package imports this module
     # (AsyncLLM -> transport -> process), so runpy would run a second copy as __main__ (and warn).
     return [sys.executable, "-c", _CHILD_MAIN, msgspec.json.encode(spec).decode()]
 
 
+def child_config(config: EngineConfig) -> EngineConfig:
+    """The config an engine core started elsewhere (a child process, a Ray actor) runs with:
+    the parent's resolved `config`, with what is decided here rather than there: it is the
+    engine core itself (`multiprocess` off) and its torch threads are counted
+    (`default_num_threads()` when `num_threads` is unset). Everything else, dtype, quantization
+    and the KV cache's dtype included, is the parent's decision, sent as it is."""
+    threads = config.num_threads or default_num_threads()
+    actor = dataclasses.replace(config.actor, multiprocess=False)
+    return dataclasses.replace(config, num_threads=threads, actor=actor)
+
+
 def child_spec(
-    config: EngineConfig,
-    args: EngineArgs,
-    ends: zmq_io.Endpoints,
-    core_factory: EngineCoreFactory | None,
+    config: EngineConfig, ends: zmq_io.Endpoints, core_factory: EngineCoreFactory | None
 ) -> ChildSpec:
-    """What an engine core started elsewhere (a child process, a Ray actor) builds itself from."""
-    # Only EngineArgs' own fields (`args` may be a subclass such as AsyncEngineArgs), and not
-    # those without effect: the parent warned about them, the child would warn again.
-    child_args = {
-        f.name: getattr(args, f.name)
-        for f in dataclasses.fields(EngineArgs)
-        if f.name not in config.ignored_args
-    }
-    child_args.update(
-        model=str(config.model.path), tokenizer=str(config.tokenizer), multiprocess=False,
-        # Resolved here: the child sees a directory, where the default would be dense.
-        quantization=config.model.quantization or "none",
-    )
+    """What an engine core started elsewhere builds itself from: `child_config(config)` and
+    the link's addresses. A data-parallel rank's own fields are set by the caller."""
     return ChildSpec(
-        msgspec.to_builtins(child_args),
+        encode_config(child_config(config)),
         ends.input_address,
         ends.output_address,
         log.getEffectiveLevel(),
@@ -521,6 +527,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 2
     spec = msgspec.json.decode(argv[0], type=ChildSpec)
+    config = spec.engine_config()
     keys = os.environ.pop(CURVE_KEYS_ENV, None)  # not inherited by anything we start
     curve = zmq_io.ClientKeys.decode(keys) if keys else None
     os.dup2(2, 1)  # nothing reads our stdout: stray prints join stderr, which the parent forwards
@@ -531,10 +538,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     import torch
 
-    # Before any worker thread exists: threads started later inherit the setting.
-    torch.set_num_threads(spec.args.get("num_threads") or default_num_threads())
+    # Before any worker thread exists: threads started later inherit the setting (the parent
+    # counted them: `child_config`).
+    if config.num_threads is not None:
+        torch.set_num_threads(config.num_threads)
     try:
-        return anyio.run(_child_main, spec, curve, backend=CHILD_BACKEND)
+        return anyio.run(_child_main, spec, config, curve, backend=CHILD_BACKEND)
     except Exception:
         # Our stderr goes to the parent, which forwards it and keeps its tail for the error.
         log.exception("the engine core process exits on an unexpected error")
@@ -554,9 +563,13 @@ def default_num_threads() -> int:
 
 
 async def _child_main(
-    spec: ChildSpec, curve: zmq_io.ClientKeys | None = None, stop_requested: anyio.Event | None = None
+    spec: ChildSpec,
+    config: EngineConfig,
+    curve: zmq_io.ClientKeys | None = None,
+    stop_requested: anyio.Event | None = None,
 ) -> int:
-    """The engine core behind its two sockets until it stops. A child process watches its stdin
+    """The engine core (`config`: `spec.engine_config()`, decoded once by the caller) behind its
+    two sockets until it stops. A child process watches its stdin
     (`_watch_parent`); a Ray actor passes `stop_requested` (set by its `stop()` call) instead,
     and Ray ends it with the process that created it."""
     ctx: zmq.Context[Any] = zmq.Context()
@@ -569,7 +582,7 @@ async def _child_main(
             if stop_requested is None:
                 stop_requested = anyio.Event()
                 tg.start_soon(_watch_parent, tg.cancel_scope, stop_requested)
-            code = await _run_engine(spec, inputs, outputs, stop_requested)
+            code = await _run_engine(spec, config, inputs, outputs, stop_requested)
             parent_alive = True
             tg.cancel_scope.cancel()
     finally:
@@ -597,25 +610,30 @@ async def _watch_parent(scope: anyio.CancelScope, stop_requested: anyio.Event) -
 
 
 async def _run_engine(
-    spec: ChildSpec, inputs: zmq.Socket[Any], outputs: zmq.Socket[Any], stop_requested: anyio.Event
+    spec: ChildSpec,
+    config: EngineConfig,
+    inputs: zmq.Socket[Any],
+    outputs: zmq.Socket[Any],
+    stop_requested: anyio.Event,
 ) -> int:
     with compute_thread() as compute:
-        return await _serve(spec, inputs, outputs, stop_requested, compute)
+        return await _serve(spec, config, inputs, outputs, stop_requested, compute)
 
 
 async def _serve(
     spec: ChildSpec,
+    config: EngineConfig,
     inputs: zmq.Socket[Any],
     outputs: zmq.Socket[Any],
     stop_requested: anyio.Event,
     compute: ComputeThread,
 ) -> int:
     from triollm.actors.core_loop import serve_engine_core
-    from triollm.engine.core import EngineCore
+    from triollm.engine.cores import build_engine_core
 
     try:
-        config = EngineArgs(**spec.args).create_engine_config()
-        build = EngineCore if spec.core_factory is None else spec.core_factory.build
+        _check_checkpoint(config)
+        build = build_engine_core if spec.core_factory is None else spec.core_factory.build
         core = await compute.run(build, config)
     except Exception as exc:
         log.exception("the engine core failed to start")
@@ -652,6 +670,18 @@ async def _serve(
     with anyio.CancelScope(shield=True):  # its tensor-parallel workers, if any (bounded waits)
         await anyio.to_thread.run_sync(core.close)
     return 1 if failed else 0
+
+
+def _check_checkpoint(config: EngineConfig) -> None:
+    """The parent resolved `config` from the model directory; one that has lost its config.json
+    since (deleted, or being replaced) is no longer the checkpoint the parent read: refuse it,
+    naming the file, rather than load whatever weights are left."""
+    path = config.model.path
+    if not (path / "config.json").is_file():
+        raise ValueError(
+            f"model: {path} has no config.json any more (the engine's configuration was resolved "
+            "from it at start-up); the model directory changed while the engine started"
+        )
 
 
 async def _shutdown_when_asked(stop_requested: anyio.Event, inputs: MemoryObjectSendStream[CoreInput]) -> None:

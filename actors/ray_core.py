@@ -14,6 +14,8 @@ message naming the resources instead of waiting forever. The ZMQ sockets are bou
 the actor exists (on `data_parallel_address`, else Ray's address of this node), and the actor
 connects back with the link's CURVE client keys, which it gets in its constructor arguments
 (they travel through Ray's control plane: anyone who controls the cluster controls its actors).
+The constructor also gets the spec a child process gets (`process.child_spec`): the driver's
+resolved `EngineConfig` for this rank, which the actor runs as it is, never resolving it again.
 
 Everything else is the child-process link (`process.link_core`): the handshake (`Ready` or
 `StartupError`), the socket pumps, the watcher and the teardown. Only the way to watch and stop
@@ -54,7 +56,7 @@ from triollm.actors.process import (
     child_spec,
     link_core,
 )
-from triollm.engine.config import EngineArgs, EngineConfig
+from triollm.engine.config import EngineConfig
 from triollm.engine.core import EngineCoreFactory
 
 __all__ = ["EngineCoreActor", "open_ray_core", "ray_session"]
@@ -99,6 +101,7 @@ class EngineCoreActor:
 
     def __init__(self, spec_json: str, curve_keys: str | None) -> None:
         self._spec = msgspec.json.decode(spec_json, type=ChildSpec)
+        self._config = self._spec.engine_config()  # the driver's, resolved there once
         self._curve = zmq_io.ClientKeys.decode(curve_keys) if curve_keys else None
         self._token: Any = None
         self._stop: anyio.Event | None = None
@@ -108,9 +111,8 @@ class EngineCoreActor:
         )
         import torch
 
-        from triollm.actors.process import default_num_threads
-
-        torch.set_num_threads(self._spec.args.get("num_threads") or default_num_threads())
+        if self._config.num_threads is not None:  # counted by the driver (`child_config`)
+            torch.set_num_threads(self._config.num_threads)
 
     def pid(self) -> int:
         return os.getpid()
@@ -139,7 +141,7 @@ class EngineCoreActor:
         self._stop = anyio.Event()
         self._token = anyio.lowlevel.current_token()
         try:
-            return await _child_main(self._spec, self._curve, self._stop)
+            return await _child_main(self._spec, self._config, self._curve, self._stop)
         finally:
             self._token = None
 
@@ -229,12 +231,12 @@ def _first_line(exc: BaseException) -> str:
 async def open_ray_core(
     ray: Any,
     config: EngineConfig,
-    args: EngineArgs,
     rank: int,
     *,
     core_factory: EngineCoreFactory | None = None,
 ) -> AsyncIterator[CoreClient]:
-    """Place one engine core on the Ray cluster (its own placement group) and link it; the
+    """Place one engine core that runs `config` (this rank's, resolved by the driver; the actor
+    gets `child_config(config)`) on the Ray cluster (its own placement group) and link it; the
     client is the same as for a child process. Raises `EngineStartupError` if it cannot start."""
     from ray.util.placement_group import placement_group, remove_placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -244,7 +246,7 @@ async def open_ray_core(
     if not address.startswith("tcp://"):  # the actor may be on another machine: no ipc
         host = actor_config.data_parallel_address or ray.util.get_node_ip_address()
         address = f"tcp://{host}"
-    threads = int(args.num_threads or 1)
+    threads = int(config.num_threads or 1)
     bundle: dict[str, float] = {"CPU": float(threads)}
     if config.device == "cuda":
         bundle["GPU"] = 1.0
@@ -260,7 +262,7 @@ async def open_ray_core(
                 f"{PLACEMENT_TIMEOUT_S:g} s (resources now: {ray.available_resources()}); add "
                 "nodes, or lower data_parallel_size or num_threads"
             )
-        spec = child_spec(config, args, ends, core_factory)
+        spec = child_spec(config, ends, core_factory)
         keys = ends.client_keys.encode() if ends.client_keys is not None else None
         remote = ray.remote(EngineCoreActor).options(
             name=f"triollm-engine-core-dp{rank}-{uuid.uuid4().hex[:8]}",

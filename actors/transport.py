@@ -12,8 +12,9 @@ messages. The choice is a value (`config.actor.multiprocess`), not a class hiera
 - External load balancing (`data_parallel_rank`): this server runs its one rank as above, with
   that rank's share of the threads (the ranks' servers are taken to share this node).
 
-`core_factory` (tests and benchmarks only) builds the core instead of `EngineCore(config)`: a
-scripted runner, an injected fault. It is plain data, so it crosses to the child process too.
+`core_factory` (tests and benchmarks only) builds the core instead of
+`build_engine_core(config)`: a scripted runner, an injected fault. It is plain data, so it
+crosses to the child process too.
 
 The input stream is unbounded on purpose: adds are bounded by the callers waiting for them, and
 an abort must be sendable synchronously from a `finally` block of a cancelled consumer.
@@ -35,28 +36,29 @@ from triollm.actors.core_loop import serve_engine_core
 from triollm.actors.data_parallel import open_data_parallel_client, rank_threads
 from triollm.actors.messages import CoreInput, CoreOutput, Ready, Shutdown
 from triollm.actors.process import open_process_core
-from triollm.engine.config import EngineArgs, EngineConfig
-from triollm.engine.core import EngineCore, EngineCoreFactory
+from triollm.engine.config import EngineConfig
+from triollm.engine.core import EngineCoreFactory
+from triollm.engine.cores import build_engine_core
 
 __all__ = ["open_core_client"]
 
 
 @asynccontextmanager
 async def open_core_client(
-    config: EngineConfig, args: EngineArgs, *, core_factory: EngineCoreFactory | None = None
+    config: EngineConfig, *, core_factory: EngineCoreFactory | None = None
 ) -> AsyncIterator[CoreClient]:
-    """Start the engine core as `config.actor` says. `args` (what the user asked for) is what a
-    child process rebuilds its config from; everything else is read from `config`."""
+    """Start the engine core as `config.actor` says. `config` is resolved once, by the caller;
+    a core started elsewhere (a child process, a Ray actor, a data-parallel rank) is sent it,
+    with its own fields set here, and never resolves it again."""
     actor = config.actor
     if actor.data_parallel_world > 1 and actor.data_parallel_size == 1:  # external load balancing
-        threads = rank_threads(args.num_threads, actor.data_parallel_world)
-        args = dataclasses.replace(args, num_threads=threads)
+        threads = rank_threads(config.num_threads, actor.data_parallel_world)
         config = dataclasses.replace(config, num_threads=threads)
     if actor.data_parallel_size > 1 or actor.data_parallel_backend == "ray":
-        async with open_data_parallel_client(config, args, core_factory=core_factory) as client:
+        async with open_data_parallel_client(config, core_factory=core_factory) as client:
             yield client
     elif config.actor.multiprocess:
-        async with open_process_core(config, args, core_factory=core_factory) as client:
+        async with open_process_core(config, core_factory=core_factory) as client:
             yield client
     else:
         with compute_thread() as compute:
@@ -68,7 +70,7 @@ async def open_core_client(
 async def _open_in_process(
     config: EngineConfig, core_factory: EngineCoreFactory | None, compute: ComputeThread
 ) -> AsyncIterator[CoreClient]:
-    build = EngineCore if core_factory is None else core_factory.build
+    build = build_engine_core if core_factory is None else core_factory.build
     core = await compute.run(build, config)
     in_send, in_recv = anyio.create_memory_object_stream[CoreInput](math.inf)
     out_send, out_recv = anyio.create_memory_object_stream[CoreOutput](OUTPUT_BUFFER)

@@ -6,6 +6,7 @@ engine usable share one child per backend (`client`); the others start their own
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import shutil
@@ -24,6 +25,7 @@ import pytest
 
 from triollm.actors import process, zmq_io
 from triollm.actors.core_client import SHUTDOWN_GRACE_S, CoreClient
+from triollm.actors.data_parallel import rank_config
 from triollm.actors.messages import (
     AbortRequests,
     AddRequest,
@@ -38,6 +40,7 @@ from triollm.actors.messages import (
 )
 from triollm.actors.process import EngineStartupError, open_process_core
 from triollm.engine.config import EngineArgs
+from triollm.engine.config_codec import decode_config
 from triollm.engine.core import EngineCoreFactory
 from triollm.engine.execution.scripted_runner import fault_at_step
 from triollm.engine.request import EngineCoreRequest, FinishReason
@@ -59,7 +62,7 @@ def _args(model: Path, **kw: object) -> EngineArgs:
 
 
 def _open(args: EngineArgs, core_factory: EngineCoreFactory | None = None):
-    return open_process_core(args.create_engine_config(), args, core_factory=core_factory)
+    return open_process_core(args.create_engine_config(), core_factory=core_factory)
 
 
 def _request(rid: str, max_tokens: int = 8, prompt_len: int = 4) -> AddRequest:
@@ -248,7 +251,7 @@ async def _expect_startup_error(args: EngineArgs) -> EngineStartupError:
     t0 = time.monotonic()
     with pytest.raises(EngineStartupError) as info:
         with anyio.fail_after(30):
-            async with open_process_core(args.create_engine_config(), args):
+            async with open_process_core(args.create_engine_config()):
                 pytest.fail("the engine started")
     assert time.monotonic() - t0 < 15
     assert _children() == before  # no child left behind
@@ -273,7 +276,7 @@ async def test_startup_failure_bad_model_dir(tiny_model_dir: Path, tmp_path: Pat
     before = _children()
     with pytest.raises(EngineStartupError, match="has no config.json"):
         with anyio.fail_after(30):
-            async with open_process_core(config, args):
+            async with open_process_core(config):
                 pytest.fail("the engine started")
     assert _children() == before
 
@@ -390,7 +393,7 @@ from triollm.engine.config import EngineArgs
 
 async def main():
     args = EngineArgs(model=sys.argv[1], max_model_len=64, multiprocess=True)
-    async with open_process_core(args.create_engine_config(), args) as c:
+    async with open_process_core(args.create_engine_config()) as c:
         print(c.pid, flush=True)
         await anyio.sleep(60)
 
@@ -437,3 +440,82 @@ def test_the_engine_takes_every_core_of_a_small_machine_and_leaves_one_on_a_larg
 
     monkeypatch.setattr(torch, "get_num_threads", lambda: cores)
     assert process.default_num_threads() == expected
+
+
+# ---------------------------------------------------------------- the child runs the parent's config
+
+REPORT = """
+import torch
+from pathlib import Path
+
+from triollm.engine.config_codec import encode_config
+from triollm.engine.execution.scripted_runner import scripted_engine_core
+
+
+def build(config, *, path):
+    Path(path).write_bytes(encode_config(config))  # what the child builds its core with
+    Path(path + ".threads").write_text(str(torch.get_num_threads()))
+    return scripted_engine_core(config)
+"""
+
+
+@pytest.mark.parametrize("model", ["bundled", "tiny"])
+async def test_the_child_runs_the_parents_resolved_config(
+    tiny_model_dir: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capfd: pytest.CaptureFixture[str],
+    model: str,
+) -> None:
+    """The child builds its core with the config the parent resolved (the default bundled GGUF
+    once ran fp32 in the child while the parent chose quantized), changed only where the parent
+    says (multiprocess off, the threads counted), and does not warn about ignored arguments
+    again."""
+    (tmp_path / "report_factory.py").write_text(REPORT)
+    monkeypatch.setenv("PYTHONPATH", f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    # The default model is the bundled GGUF: quantized with a bf16 KV cache on a VNNI CPU.
+    args = EngineArgs(multiprocess=True, trust_remote_code=True) if model == "bundled" else _args(
+        tiny_model_dir, trust_remote_code=True, kv_cache_dtype="bfloat16"
+    )
+    config = args.create_engine_config()
+    assert config.ignored_args == ("trust_remote_code",) and config.actor.multiprocess
+    capfd.readouterr()
+    report = tmp_path / "config.msgpack"
+    factory = EngineCoreFactory("report_factory:build", {"path": str(report)})
+    async with open_process_core(config, core_factory=factory) as c:
+        assert c.ready.max_model_len == config.model.max_model_len
+        assert c.ready.vocab_size == config.model.vocab_size
+    c.outputs.close()
+    child = decode_config(report.read_bytes())
+    threads = config.num_threads or process.default_num_threads()
+    assert child == process.child_config(config)
+    assert child == dataclasses.replace(
+        config, num_threads=threads, actor=dataclasses.replace(config.actor, multiprocess=False)
+    )
+    assert (child.model.dtype, child.model.quantization, child.model.cache_dtype) == (
+        config.model.dtype,
+        config.model.quantization,
+        config.model.cache_dtype,
+    )
+    assert int((tmp_path / "config.msgpack.threads").read_text()) == threads
+    child_lines = [line for line in capfd.readouterr().err.splitlines() if "(engine core pid" in line]
+    assert not [line for line in child_lines if "trust_remote_code" in line], child_lines
+
+
+def test_child_and_rank_configs_change_only_their_own_fields(tiny_model_dir: Path) -> None:
+    config = _args(tiny_model_dir, num_threads=5, data_parallel_size=2).create_engine_config()
+    child = process.child_config(config)
+    assert child.num_threads == 5 and not child.actor.multiprocess
+    assert child == dataclasses.replace(config, actor=dataclasses.replace(config.actor, multiprocess=False))
+    unset = process.child_config(dataclasses.replace(config, num_threads=None))
+    assert unset.num_threads == process.default_num_threads()
+
+    rank = rank_config(config, 1)
+    assert rank.num_threads == 2  # its share of 5
+    assert (rank.actor.data_parallel_size, rank.actor.data_parallel_rank, rank.actor.data_parallel_world) == (1, 1, 2)
+    assert rank.model == config.model and rank.cache == config.cache and rank.scheduler == config.scheduler
+    assert dataclasses.replace(
+        rank,
+        num_threads=config.num_threads,
+        actor=dataclasses.replace(rank.actor, data_parallel_size=2, data_parallel_rank=0, data_parallel_world=2),
+    ) == config

@@ -187,17 +187,17 @@ def test_the_bundled_gguf_is_quantized_by_default_where_vnni_makes_it_fast(bundl
 
 
 def test_an_engine_core_process_gets_the_resolved_scheme(bundled_model_dir: Path) -> None:
-    """The child builds its config from a resolved directory, where the default is dense: the
-    parent's choice travels explicitly (the default bundled GGUF ran dense in the child once)."""
+    """The child gets the parent's resolved config, never resolving it again (re-resolved from
+    a directory, where the default is dense, the default bundled GGUF ran dense in the child
+    once); tests/actors/test_process.py checks what a real child builds its core with."""
     from types import SimpleNamespace
 
     from triollm.actors.process import child_spec
 
-    args = EngineArgs()
-    config = args.create_engine_config()
+    config = EngineArgs().create_engine_config()
     ends = SimpleNamespace(input_address="ipc:///tmp/x-in", output_address="ipc:///tmp/x-out")
-    spec = child_spec(config, args, ends, None)  # type: ignore[arg-type]
-    child = EngineArgs(**spec.args).create_engine_config()
+    spec = child_spec(config, ends, None)  # type: ignore[arg-type]
+    child = spec.engine_config()
     assert child.model.quantization == config.model.quantization
     assert child.model.cache_dtype == config.model.cache_dtype
 
