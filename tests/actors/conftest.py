@@ -6,26 +6,26 @@
 - `engine_args(**overrides)`: `AsyncEngineArgs` for the tiny random model on the transport.
 - `no_leaks`: after the test, no new child process, no new non-worker thread, no new native
   thread and no new file descriptor (polled briefly: teardown may still be settling).
+- `fake_core_loop(loop)`: in-process cores run `loop` instead of the real core loop.
+
+The seams come from `triollm.testing`, the module users test their own code with.
 """
 
 from __future__ import annotations
 
-import gc
 import importlib.util
-import os
 import threading
-import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
 import anyio
-import psutil
 import pytest
 
 from triollm.actors.async_llm import AsyncEngineArgs, AsyncLLM
 from triollm.engine.sampling_params import SamplingParams
+from triollm.testing import CoreLoop, check_no_leaks, replace_core_loop
 
 TRANSPORTS = ["inproc", "multiprocess"]
 MAX_MODEL_LEN = 256
@@ -78,95 +78,7 @@ def inproc_engine_args(tiny_model_dir: Path) -> Callable[..., AsyncEngineArgs]:
     return make
 
 
-# ------------------------------------------------------------------------------ leak checks
-
-_WORKER_THREAD_PREFIXES = ("Trio thread", "AnyIO worker thread")
-
-
-def _is_cached_worker(thread: threading.Thread) -> bool:
-    # trio's thread cache and anyio's asyncio worker pool keep idle threads for ~10 s after the
-    # event loop that used them: they are not leaks.
-    return thread.name.startswith(_WORKER_THREAD_PREFIXES)
-
-
-def _native_threads() -> dict[int, str]:
-    """OS threads that are not Python threads (torch pools, ZMQ I/O threads): tid -> name."""
-    python_tids = {t.native_id for t in threading.enumerate()}
-    out: dict[int, str] = {}
-    for name in os.listdir("/proc/self/task"):
-        tid = int(name)
-        if tid in python_tids:
-            continue
-        try:
-            with open(f"/proc/self/task/{tid}/comm") as f:
-                out[tid] = f.read().strip()
-        except OSError:
-            pass  # exited meanwhile
-    return out
-
-
-def _fd_targets() -> dict[int, str]:
-    out: dict[int, str] = {}
-    for name in os.listdir("/proc/self/fd"):
-        try:
-            out[int(name)] = os.readlink(f"/proc/self/fd/{name}")
-        except OSError:
-            pass  # the fd of the listdir itself, or one closed meanwhile
-    return out
-
-
-@dataclass
-class Snapshot:
-    children: set[int]
-    threads: set[threading.Thread]
-    native_threads: dict[int, str]
-    fds: dict[int, str]
-
-    @classmethod
-    def take(cls) -> Snapshot:
-        proc = psutil.Process()
-        threads = set(threading.enumerate())
-        return cls(
-            children={c.pid for c in proc.children(recursive=True)},
-            threads={t for t in threads if not _is_cached_worker(t)},
-            native_threads=_native_threads(),
-            fds=_fd_targets(),
-        )
-
-    def leaks_since(self, before: Snapshot) -> list[str]:
-        problems = []
-        new_children = self.children - before.children
-        if new_children:
-            described = []
-            for pid in sorted(new_children):
-                try:
-                    p = psutil.Process(pid)
-                    described.append(f"{pid} ({p.status()}: {' '.join(p.cmdline())[:120]})")
-                except psutil.Error:
-                    described.append(str(pid))
-            problems.append(f"child processes left behind: {described}")
-        new_threads = self.threads - before.threads
-        if new_threads:
-            problems.append(f"threads left behind: {sorted(t.name for t in new_threads)}")
-        new_native = {
-            t: n for t, n in self.native_threads.items() if t not in before.native_threads
-        }
-        if new_native:
-            problems.append(f"native threads left behind (tid: name): {new_native}")
-        if len(self.fds) > len(before.fds):
-            new = {fd: t for fd, t in self.fds.items() if before.fds.get(fd) != t}
-            problems.append(f"file descriptors: {len(before.fds)} -> {len(self.fds)}; new: {new}")
-        return problems
-
-
-def wait_for_no_leaks(before: Snapshot, timeout: float = 5.0) -> list[str]:
-    deadline = time.monotonic() + timeout
-    while True:
-        gc.collect()
-        problems = Snapshot.take().leaks_since(before)
-        if not problems or time.monotonic() > deadline:
-            return problems
-        time.sleep(0.02)
+# ------------------------------------------------------------------------------ leak checks and fakes
 
 
 @pytest.fixture(scope="session")
@@ -197,14 +109,23 @@ def _warm_process(tiny_model_dir: Path) -> None:
 
 @pytest.fixture
 def no_leaks(_warm_process: None) -> Iterator[None]:
-    """Fails the test if it leaves a child process, a thread or a file descriptor behind.
+    """Fails the test if it leaves a child process, a thread or a file descriptor behind
+    (`triollm.testing.check_no_leaks`: children strictly, threads but trio's / anyio's cached
+    idle workers, every check polled for a few seconds, gc included, so that a settling
+    teardown is no failure). Request it before any async fixture so that its teardown runs
+    after theirs."""
+    with check_no_leaks():
+        yield
 
-    Children are checked strictly; threads ignore trio's / anyio's cached idle workers; every
-    check is polled for a few seconds (gc included) so that settling teardown is no failure.
-    Request it before any async fixture so that its teardown runs after theirs.
-    """
-    gc.collect()
-    before = Snapshot.take()
-    yield
-    problems = wait_for_no_leaks(before)
-    assert not problems, "leaked: " + "; ".join(problems)
+
+@pytest.fixture
+def fake_core_loop() -> Iterator[Callable[[CoreLoop], None]]:
+    """`fake_core_loop(loop)`: in-process engine cores started in the test are driven by
+    `loop` instead of the real core loop (the real EngineCore is still built):
+    `triollm.testing.replace_core_loop`, undone at the end of the test."""
+    with ExitStack() as stack:
+
+        def install(loop: CoreLoop) -> None:
+            stack.enter_context(replace_core_loop(loop))
+
+        yield install

@@ -17,11 +17,14 @@ the model, too many stop strings, `n` over `max_n`, sampling params broken after
 under preemption pressure (a KV cache of 10 blocks, where requests of several priorities evict
 each other).
 
-Deaths come from `fault_at_step(n)` (an engine-core factory whose forward pass raises at step
-n: a real exception, in this process or in the engine-core child), from `hang_at_step(n)` (a
-forward pass that blocks its thread for good: the output watchdog must declare the engine
-dead) and, with the multiprocess transport, from SIGKILL of the engine process at a step of the
-plan.
+Deaths come from `FakeCore(model=True, fail_at_step=n)` (an engine core whose real forward
+pass raises at step n: a real exception, in this process or in the engine-core child), from
+`FakeCore(model=True, hang_at_step=n)` (a forward pass that blocks its thread for good: the
+output watchdog must declare the engine dead) and, with the multiprocess transport, from
+SIGKILL of the engine process at a step of the plan.
+
+The seams (fake cores, the input tap's recorder, the plan's client steps, leak checks, fake
+core loops) are `triollm.testing`'s: the module users test their own shutdown paths with.
 
 Targeted tests: outputs made before a death reach a lagging consumer before the error; a death
 ends a draining shutdown; a hung (SIGSTOPped) engine process is killed at shutdown; a cancelled
@@ -40,7 +43,6 @@ import os
 import signal
 import time
 import traceback
-from collections import Counter
 from collections.abc import Callable
 from contextlib import aclosing, nullcontext
 from dataclasses import dataclass, field
@@ -49,7 +51,6 @@ from typing import Any
 import anyio
 import anyio.abc
 import anyio.lowlevel
-import psutil
 import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
@@ -59,17 +60,19 @@ import triollm.actors.async_llm as async_llm_module
 import triollm.actors.transport as transport_module
 from triollm.actors.async_llm import AsyncEngineArgs, AsyncLLM
 from triollm.actors.errors import EngineDeadError
-from triollm.actors.messages import (
-    AbortRequests,
-    AddRequest,
-    CoreInput,
-    EngineDead,
-    OutputBatch,
-    Shutdown,
-)
-from triollm.engine.execution.scripted_runner import HUNG_STEP_RELEASE, fault_at_step, hang_at_step
+from triollm.actors.messages import AddRequest, EngineDead, OutputBatch, Shutdown
 from triollm.engine.outputs import RequestOutput
 from triollm.engine.sampling_params import RequestOutputKind, SamplingParams
+from triollm.testing import (
+    FakeCore,
+    InputRecorder,
+    child_pids,
+    hold_hung_steps,
+    kill_core_process,
+    mock_clock_patience,
+    wait_no_new_children,
+)
+from triollm.testing.strategies import Kill, Stop, Wait, client_steps, fake_cores, stops, waits
 
 pytestmark = [pytest.mark.anyio, pytest.mark.usefixtures("no_leaks")]
 
@@ -99,24 +102,6 @@ def params(
     return SamplingParams(max_tokens=max_tokens, ignore_eos=True, output_kind=kind, n=n, stop=stop)
 
 
-class InputTap:
-    """Counts the core request ids the frontend aborts (wraps the client's input stream)."""
-
-    def __init__(self, llm: AsyncLLM) -> None:
-        assert llm._client is not None
-        self._inner = llm._client.inputs
-        self.aborted: Counter[str] = Counter()  # by the user's id ("<i>_<id>" for n > 1)
-        self.aborted_core: Counter[str] = Counter()  # by the core id: each id used once
-        llm._client.inputs = self  # type: ignore[assignment]
-
-    def send_nowait(self, msg: CoreInput) -> None:
-        if isinstance(msg, AbortRequests):
-            # Core ids are "<user id>#<sequence>".
-            self.aborted.update(rid.rsplit("#", 1)[0] for rid in msg.request_ids)
-            self.aborted_core.update(msg.request_ids)
-        self._inner.send_nowait(msg)
-
-
 async def assert_idle(llm: AsyncLLM) -> None:
     """Once the frontend holds no request (consumers collected by GC included), one statistics
     call must find the engine idle: every abort was sent before the frontend let go of its
@@ -129,16 +114,6 @@ async def assert_idle(llm: AsyncLLM) -> None:
     assert (s.num_running, s.num_waiting) == (0, 0), s
     assert s.num_free_blocks == s.num_blocks, s
     await llm.check_integrity()
-
-
-def children() -> set[int]:
-    return {c.pid for c in psutil.Process().children(recursive=True)}
-
-
-async def wait_no_new_children(before: set[int], within: float = 5.0) -> None:
-    with anyio.fail_after(within):
-        while children() - before:  # noqa: ASYNC110 - polling other processes
-            await anyio.sleep(0.01)
 
 
 # ============================================================================== the plan
@@ -177,24 +152,7 @@ class Submit:
 
 
 @dataclass(frozen=True)
-class Act:
-    what: str  # "cancel" (the consumer's scope), "abort" (llm.abort), "break" (at next output)
-    target: int  # index into the requests submitted so far (modulo)
-
-
-@dataclass(frozen=True)
-class Wait:
-    how: str  # "tick" (one checkpoint), "sleep" (5 ms), "output" (the target's next progress)
-    target: int
-
-
-@dataclass(frozen=True)
 class Stats:
-    pass
-
-
-@dataclass(frozen=True)
-class Kill:
     pass
 
 
@@ -216,16 +174,15 @@ def submits() -> st.SearchStrategy[Submit]:
 
 
 def plan_steps(kill: bool) -> st.SearchStrategy[list[Any]]:
-    choices: list[st.SearchStrategy[Any]] = [
+    """Submits (twice as likely), stops (cancel / abort / break), waits, stats and kills."""
+    return client_steps(
         submits(),
-        submits(),
-        st.builds(Act, st.sampled_from(["cancel", "abort", "break"]), st.integers(0, 40)),
-        st.builds(Wait, st.sampled_from(["tick", "sleep", "output"]), st.integers(0, 40)),
-        st.just(Stats()),
-    ]
-    if kill:
-        choices.append(st.just(Kill()))
-    return st.lists(st.one_of(choices), min_size=1, max_size=24)
+        stop=stops(("cancel", "abort", "break"), 40),
+        wait=waits(("tick", "sleep", "output"), 40),
+        extra=[st.just(Stats())],
+        kill=kill,
+        max_size=24,
+    )
 
 
 @dataclass
@@ -300,45 +257,42 @@ async def consume(llm: AsyncLLM, req: Req, max_n: int) -> None:
 async def run_plan(
     engine_args: Callable[..., AsyncEngineArgs],
     steps: list[Any],
-    fault: tuple[str, int] | None,
+    fault: FakeCore,
     chunk: int,
     ending: str,
     pressure: bool = False,
 ) -> None:
-    before = children()
+    before = child_pids()
     overrides: dict[str, Any] = {"output_chunk_size": chunk}
     if pressure:
         overrides["num_gpu_blocks_override"] = PRESSURE_BLOCKS
-    factory = None
-    if fault is not None:
-        how, step = fault
-        factory = fault_at_step(step) if how == "raise" else hang_at_step(step)
-        if how == "hang":
-            overrides["engine_output_timeout_s"] = 1.0
-    llm = AsyncLLM.from_engine_args(engine_args(**overrides), engine_core_factory=factory)
+    if fault.hang_at_step is not None:
+        overrides["engine_output_timeout_s"] = 1.0
+    tap = InputRecorder()
+    llm = AsyncLLM.from_engine_args(
+        engine_args(**overrides), engine_core_factory=fault.factory(), input_tap=tap
+    )
     reqs: list[Req] = []
     killed = False
     large_prompt = async_llm_module._LARGE_PROMPT
     async_llm_module._LARGE_PROMPT = PLAN_LARGE_PROMPT
-    HUNG_STEP_RELEASE.clear()
     try:
-        with anyio.fail_after(30):  # nothing hangs
+        # At the end, an abandoned in-process step thread (a hung step) returns.
+        with hold_hung_steps(), anyio.fail_after(30):  # nothing hangs
             async with anyio.create_task_group() as tg:
                 await llm.start()
                 try:
                     assert llm.config is not None
                     max_n = llm.config.limits.max_n
-                    tap = InputTap(llm)
                     for step in steps:
                         killed |= await run_step(llm, tg, step, reqs, killed, max_n, pressure)
-                    await end_plan(llm, reqs, ending, fault is not None or killed)
+                    await end_plan(llm, reqs, ending, fault.dies or killed)
                 finally:
                     await llm.shutdown()
     finally:
         async_llm_module._LARGE_PROMPT = large_prompt
-        HUNG_STEP_RELEASE.set()  # an abandoned in-process step thread returns
     await wait_no_new_children(before)
-    check_outcomes(llm, reqs, tap, fault is not None or killed, ending)
+    check_outcomes(llm, reqs, tap, fault.dies or killed, ending)
 
 
 async def run_step(
@@ -361,7 +315,7 @@ async def run_step(
             req = Req(rid, step)
             reqs.append(req)
             tg.start_soon(consume, llm, req, max_n)
-        case Act(what, target) if reqs:
+        case Stop(what, target) if reqs:
             req = reqs[target % len(reqs)]
             req.wants.add(what)
             if what == "cancel":
@@ -383,8 +337,7 @@ async def run_step(
             else:
                 assert 0 <= s.num_free_blocks <= s.num_blocks
         case Kill() if not killed:
-            assert llm._client is not None and llm._client.pid is not None
-            os.kill(llm._client.pid, signal.SIGKILL)
+            kill_core_process(llm)  # SIGKILL (of rank 0's process, with data parallel)
             return True
     return False
 
@@ -408,7 +361,7 @@ async def end_plan(llm: AsyncLLM, reqs: list[Req], ending: str, death_possible: 
 
 
 def check_outcomes(
-    llm: AsyncLLM, reqs: list[Req], tap: InputTap, death_possible: bool, ending: str
+    llm: AsyncLLM, reqs: list[Req], tap: InputRecorder, death_possible: bool, ending: str
 ) -> None:
     # Shown by --hypothesis-show-statistics: what the examples exercised.
     event(f"engine {'died' if llm.errored else 'lived'}, {ending}")
@@ -500,9 +453,10 @@ MULTIPROCESS_EXAMPLES = 1000 if SOAK else 20
 DATA_PARALLEL_EXAMPLES = 1000 if SOAK else 8  # two children per example
 
 
-def faults() -> st.SearchStrategy[tuple[str, int] | None]:
-    """None, or a forward pass that raises or hangs at step n (a plan runs ~5-40 steps)."""
-    return st.none() | st.tuples(st.sampled_from(["raise", "raise", "hang"]), st.integers(1, 12))
+def faults() -> st.SearchStrategy[FakeCore]:
+    """The real model, healthy, or with a forward pass that raises or hangs at step n (a plan
+    runs ~5-40 steps)."""
+    return fake_cores(model=True, faults=("fail", "fail", "hang"), max_step=12)
 
 
 PLAN_SETTINGS = {
@@ -525,7 +479,7 @@ PLAN_SETTINGS = {
 async def test_fault_plan_inproc(
     engine_args: Callable[..., AsyncEngineArgs],
     steps: list[Any],
-    fault: tuple[str, int] | None,
+    fault: FakeCore,
     chunk: int,
     ending: str,
     pressure: bool,
@@ -546,7 +500,7 @@ async def test_fault_plan_inproc(
 async def test_fault_plan_multiprocess(
     engine_args: Callable[..., AsyncEngineArgs],
     steps: list[Any],
-    fault: tuple[str, int] | None,
+    fault: FakeCore,
     chunk: int,
     ending: str,
     pressure: bool,
@@ -566,7 +520,7 @@ async def test_fault_plan_multiprocess(
 async def test_fault_plan_data_parallel(
     engine_args: Callable[..., AsyncEngineArgs],
     steps: list[Any],
-    fault: tuple[str, int] | None,
+    fault: FakeCore,
     ending: str,
     pressure: bool,
 ) -> None:
@@ -587,7 +541,7 @@ async def test_outputs_made_before_the_death_are_delivered_before_engine_dead_er
     error; and utility calls racing the death return stats or raise EngineDeadError, never hang."""
     fault_at = 6
     async with AsyncLLM.from_engine_args(
-        engine_args(), engine_core_factory=fault_at_step(fault_at)
+        engine_args(), engine_core_factory=FakeCore(model=True, fail_at_step=fault_at).factory()
     ) as llm:
         with anyio.fail_after(10):
             async with aclosing(llm.generate(PROMPT, params(100))) as agen:
@@ -625,7 +579,9 @@ async def test_a_death_during_a_draining_shutdown_ends_it_promptly(
         finally:
             started[i].set()
 
-    llm = AsyncLLM.from_engine_args(engine_args(), engine_core_factory=fault_at_step(15))
+    llm = AsyncLLM.from_engine_args(
+        engine_args(), engine_core_factory=FakeCore(model=True, fail_at_step=15).factory()
+    )
     with anyio.fail_after(20):
         async with anyio.create_task_group() as tg:
             await llm.start()
@@ -722,8 +678,7 @@ async def test_a_hung_engine_process_is_killed_at_shutdown(
                     tg.start_soon(consume, llm, i)
                 for event in started:
                     await event.wait()
-                assert llm._client is not None and llm._client.pid is not None
-                os.kill(llm._client.pid, signal.SIGSTOP)
+                kill_core_process(llm, signal.SIGSTOP)
                 t0 = time.monotonic()
             assert time.monotonic() - t0 < 10
     for i in range(5):
@@ -750,7 +705,7 @@ async def test_every_caller_gets_an_engine_dead_error_with_its_own_short_traceba
             record(exc)
 
     async with AsyncLLM.from_engine_args(
-        inproc_engine_args(), engine_core_factory=fault_at_step(3)
+        inproc_engine_args(), engine_core_factory=FakeCore(model=True, fail_at_step=3).factory()
     ) as llm:
         with anyio.fail_after(10):
             async with anyio.create_task_group() as tg:
@@ -772,7 +727,7 @@ async def test_the_death_message_shows_only_the_failure_in_the_step(
     inproc_engine_args: Callable[..., AsyncEngineArgs],
 ) -> None:
     async with AsyncLLM.from_engine_args(
-        inproc_engine_args(), engine_core_factory=fault_at_step(2)
+        inproc_engine_args(), engine_core_factory=FakeCore(model=True, fail_at_step=2).factory()
     ) as llm:
         with anyio.fail_after(10), pytest.raises(EngineDeadError) as info:
             async with aclosing(llm.generate(PROMPT, params(10))) as agen:
@@ -784,16 +739,6 @@ async def test_the_death_message_shows_only_the_failure_in_the_step(
 
 
 # ============================================================================== fake engine-core loops
-
-
-@pytest.fixture
-def fake_core_loop(monkeypatch: pytest.MonkeyPatch) -> Callable[[Any], None]:
-    """Replace the in-process engine-core loop (the real EngineCore is still built)."""
-
-    def install(fake: Any) -> None:
-        monkeypatch.setattr(transport_module, "serve_engine_core", fake)
-
-    return install
 
 
 async def _all_dead(llm: AsyncLLM, count: int) -> list[BaseException | None]:
@@ -874,8 +819,7 @@ async def test_a_call_that_finds_the_core_gone_raises_the_death_with_its_cause(
         with anyio.fail_after(5):
             stream = await llm.add_request("victim", PROMPT, params(5))
             with stream:
-                assert llm._client is not None
-                while llm._client.inputs.statistics().open_receive_streams:  # noqa: ASYNC110
+                while llm.statistics().core_accepting:  # noqa: ASYNC110
                     await anyio.sleep(0.01)
                 for call in (llm.get_engine_stats, llm.check_integrity):
                     with pytest.raises(EngineDeadError, match="boom"):
@@ -907,7 +851,8 @@ async def test_a_hung_in_process_core_is_cancelled_after_the_grace_period(
 
     llm = AsyncLLM.from_engine_args(inproc_engine_args())
     async with anyio.create_task_group() as tg:
-        await llm.start()
+        with mock_clock_patience():  # start-up waits on threads: no busy autojump polling
+            await llm.start()
         try:
             tg.start_soon(consume, llm)
             while not llm.num_unfinished_requests:  # noqa: ASYNC110 - polling
