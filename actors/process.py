@@ -66,8 +66,8 @@ import os
 import signal
 import sys
 import traceback
-from collections.abc import AsyncIterator, Iterator
-from contextlib import asynccontextmanager, contextmanager
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from subprocess import DEVNULL, PIPE
 from typing import Any, Protocol
 
@@ -81,6 +81,7 @@ from anyio.streams.memory import MemoryObjectSendStream
 from triollm.actors import zmq_io
 from triollm.actors.compute import ComputeThread, compute_thread
 from triollm.actors.core_client import OUTPUT_BUFFER, SHUTDOWN_GRACE_S, CoreClient
+from triollm.actors.errors import unwrap_single_error
 from triollm.actors.messages import (
     CoreInput,
     CoreOutput,
@@ -94,9 +95,6 @@ from triollm.actors.messages import (
 from triollm.engine.config import EngineConfig
 from triollm.engine.config_codec import decode_config, encode_config
 from triollm.engine.core import EngineCoreFactory
-
-if sys.version_info < (3, 11):
-    from exceptiongroup import BaseExceptionGroup
 
 __all__ = [
     "ChildSpec",
@@ -224,7 +222,7 @@ async def link_core(child: CoreChild, ends: zmq_io.Endpoints) -> AsyncIterator[C
     that connects to `ends` (the module docstring tells the rules)."""
     stderr = child.stderr
     try:
-        with _unwrap_single_error():
+        with unwrap_single_error():
             async with anyio.create_task_group() as tg:
                 tg.start_soon(child.forward_output)
                 ready = await _handshake(ends.outputs, child)
@@ -494,24 +492,6 @@ class StderrTail:
             pass
         finally:
             self.eof.set()
-
-
-@contextmanager
-def _unwrap_single_error() -> Iterator[None]:
-    """Let one exception (the body's, or `EngineStartupError`) out of a task group unwrapped:
-    the actors never raise, so a group holds at most one, and callers catch it by type."""
-    try:
-        yield
-    except BaseExceptionGroup as group:
-        if len(group.exceptions) != 1:
-            raise
-        exc = group.exceptions[0]
-        context, cause, suppress = exc.__context__, exc.__cause__, exc.__suppress_context__
-        try:
-            raise exc  # as it was raised: its own cause and context, not the group's
-        finally:
-            exc.__context__, exc.__cause__, exc.__suppress_context__ = context, cause, suppress
-            del exc, group
 
 
 # ====================================================================== child

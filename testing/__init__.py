@@ -42,6 +42,7 @@ from triollm.testing.leaks import (
     Snapshot,
     check_no_leaks,
     child_pids,
+    run_in_own_thread,
     wait_for_no_leaks,
     wait_no_new_children,
 )
@@ -64,6 +65,7 @@ __all__ = [
     "chain_taps",
     "check_no_leaks",
     "child_pids",
+    "run_in_own_thread",
     "fake_engine_args",
     "hold_hung_steps",
     "kill_core_process",

@@ -26,19 +26,16 @@ from __future__ import annotations
 
 import json as jsonlib
 import math
-import sys
-from collections.abc import AsyncIterator, Iterable, Iterator
-from contextlib import asynccontextmanager, contextmanager
+from collections.abc import AsyncIterator, Iterable
+from contextlib import asynccontextmanager
 from typing import Any
 
 import anyio
 import anyio.lowlevel
 from anyio.streams.memory import MemoryObjectReceiveStream
 
+from triollm.actors.errors import unwrap_single_error
 from triollm.testing.clock import mock_clock_patience
-
-if sys.version_info < (3, 11):
-    from exceptiongroup import BaseExceptionGroup
 
 __all__ = ["ASGIClient", "ASGIResponse", "AppDidNotEnd", "open_asgi_client"]
 
@@ -149,7 +146,7 @@ class ASGIClient:
                 ended.set()
                 started.set()
 
-        with _unwrap_single_error():
+        with unwrap_single_error():
             async with anyio.create_task_group() as tg:
                 tg.start_soon(run)
                 try:
@@ -216,7 +213,7 @@ async def open_asgi_client(
         if message["type"] == "lifespan.shutdown.failed":
             raise RuntimeError(f"lifespan shutdown failed: {message.get('message', '')}")
 
-    with _unwrap_single_error():
+    with unwrap_single_error():
         async with anyio.create_task_group() as tg, to_app, from_app:
             tg.start_soon(run)
             to_app.send_nowait({"type": "lifespan.startup"})
@@ -236,19 +233,3 @@ async def open_asgi_client(
                 await shutdown()
 
 
-@contextmanager
-def _unwrap_single_error() -> Iterator[None]:
-    """Let the one exception of a task group out unwrapped (the app's tasks never raise: only
-    the client's own body does), so that callers catch it by type."""
-    try:
-        yield
-    except BaseExceptionGroup as group:
-        if len(group.exceptions) != 1:
-            raise
-        exc = group.exceptions[0]
-        context, cause, suppress = exc.__context__, exc.__cause__, exc.__suppress_context__
-        try:
-            raise exc
-        finally:
-            exc.__context__, exc.__cause__, exc.__suppress_context__ = context, cause, suppress
-            del exc, group

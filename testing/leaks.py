@@ -16,13 +16,20 @@ import gc
 import os
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
 import anyio
 
-__all__ = ["Snapshot", "check_no_leaks", "child_pids", "wait_for_no_leaks", "wait_no_new_children"]
+__all__ = [
+    "Snapshot",
+    "check_no_leaks",
+    "child_pids",
+    "run_in_own_thread",
+    "wait_for_no_leaks",
+    "wait_no_new_children",
+]
 
 _WORKER_THREAD_PREFIXES = ("Trio thread", "AnyIO worker thread")
 
@@ -156,3 +163,23 @@ def check_no_leaks(timeout: float = 5.0) -> Iterator[None]:
     yield
     problems = wait_for_no_leaks(before, timeout)
     assert not problems, "leaked: " + "; ".join(problems)
+
+
+def run_in_own_thread(fn: Callable[[], Awaitable[object]], name: str = "triollm-warm-up") -> None:
+    """Run `fn()` under trio in a thread of its own and re-raise its error: for a warm-up that
+    may be set up while a test runner's event loop exists already. A warm-up before the first
+    leak baseline makes the lazily created, process-lifetime resources (torch's thread pools,
+    imports, caches) exist before anything is counted."""
+    errors: list[BaseException] = []
+
+    def target() -> None:
+        try:
+            anyio.run(fn, backend="trio")
+        except BaseException as exc:  # noqa: BLE001 - re-raised below
+            errors.append(exc)
+
+    thread = threading.Thread(target=target, name=name)
+    thread.start()
+    thread.join()
+    if errors:
+        raise errors[0]

@@ -25,13 +25,11 @@ Works under `filterwarnings = error`.
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
-import anyio
 import pytest
 
 from triollm.testing.cores import (
@@ -42,7 +40,7 @@ from triollm.testing.cores import (
     replace_core_loop,
     steps_in_event_loop,
 )
-from triollm.testing.leaks import check_no_leaks
+from triollm.testing.leaks import check_no_leaks, run_in_own_thread
 from triollm.testing.model_dir import fake_engine_args, write_model_dir
 from triollm.testing.taps import InputRecorder
 
@@ -127,19 +125,7 @@ def triollm_warm_up(fake_model_dir: Path) -> None:
             async for _ in llm.generate("warm up", SamplingParams(max_tokens=2)):
                 pass
 
-    errors: list[BaseException] = []
-
-    def target() -> None:
-        try:
-            anyio.run(run, backend="trio")
-        except BaseException as exc:  # noqa: BLE001 - re-raised below
-            errors.append(exc)
-
-    thread = threading.Thread(target=target, name="triollm-warm-up")
-    thread.start()
-    thread.join()
-    if errors:
-        raise errors[0]
+    run_in_own_thread(run)
 
 
 @pytest.fixture

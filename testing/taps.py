@@ -18,13 +18,11 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Callable
 
+from triollm.actors.core_link import InputTap
 from triollm.actors.messages import AbortRequests, AddRequest, CoreInput
 from triollm.engine.request import EngineCoreRequest
 
 __all__ = ["InputRecorder", "InputTap", "chain_taps", "rewrite_adds", "user_request_id"]
-
-InputTap = Callable[[CoreInput], CoreInput]
-
 
 def user_request_id(core_id: str) -> str:
     """The id a core request id was made from: `"r1#7"` -> `"r1"`, `"2_r1#8"` -> `"2_r1"` (an

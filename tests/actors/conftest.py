@@ -14,18 +14,16 @@ The seams come from `triollm.testing`, the module users test their own code with
 from __future__ import annotations
 
 import importlib.util
-import threading
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
-import anyio
 import pytest
 
 from triollm.actors.async_llm import AsyncEngineArgs, AsyncLLM
 from triollm.engine.sampling_params import SamplingParams
-from triollm.testing import CoreLoop, check_no_leaks, replace_core_loop
+from triollm.testing import CoreLoop, check_no_leaks, replace_core_loop, run_in_own_thread
 
 TRANSPORTS = ["inproc", "multiprocess"]
 MAX_MODEL_LEN = 256
@@ -91,20 +89,7 @@ def _warm_process(tiny_model_dir: Path) -> None:
             async for _ in llm.generate("warm up", SamplingParams(max_tokens=2, ignore_eos=True)):
                 pass
 
-    # In a thread of its own: this may be set up while a test runner's event loop exists.
-    errors: list[BaseException] = []
-
-    def target() -> None:
-        try:
-            anyio.run(run, backend="trio")
-        except BaseException as exc:  # noqa: BLE001 - re-raised below
-            errors.append(exc)
-
-    thread = threading.Thread(target=target, name="warm-up")
-    thread.start()
-    thread.join()
-    if errors:
-        raise errors[0]
+    run_in_own_thread(run, name="warm-up")
 
 
 @pytest.fixture

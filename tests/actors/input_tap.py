@@ -1,39 +1,39 @@
-"""`InputTap`: what the frontend sends to the engine core, seen through `AsyncLLM(input_tap=...)`."""
+"""`InputTap`: a shared engine's `input_tap`, an `InputRecorder` (triollm.testing) switched on
+for one test at a time by a fixture, with an optional rewrite of each `AddRequest` (to send the
+core what the frontend would have refused)."""
 
 from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable
 
-from triollm.actors.messages import AbortRequests, AddRequest, CoreInput
+from triollm.actors.messages import AddRequest, CoreInput
+from triollm.testing import InputRecorder
 
 
 class InputTap:
-    """Records what the frontend sends to the core: the shared engine's `input_tap`, switched on
-    for one test at a time by the `tap` fixture. `rewrite` (optional) changes an `AddRequest` on
-    its way, to send the core what the frontend would have refused."""
-
     def __init__(self) -> None:
         self.active = False
         self.rewrite: Callable[[AddRequest], AddRequest] | None = None
-        self.aborted: Counter[str] = Counter()
-        self.added: Counter[str] = Counter()
+        self.recorder = InputRecorder()
+
+    @property
+    def added(self) -> Counter[str]:
+        return self.recorder.added
+
+    @property
+    def aborted(self) -> Counter[str]:
+        return self.recorder.aborted
 
     def __call__(self, msg: CoreInput) -> CoreInput:
         if not self.active:
             return msg
-        if isinstance(msg, AbortRequests):
-            # Core ids are "<user id>#<tag>": count by the user's id.
-            self.aborted.update(rid.rsplit("#", 1)[0] for rid in msg.request_ids)
-        elif isinstance(msg, AddRequest):
-            self.added[msg.request.request_id.rsplit("#", 1)[0]] += 1
-            if self.rewrite is not None:
-                msg = self.rewrite(msg)
-        return msg
+        if self.rewrite is not None and isinstance(msg, AddRequest):
+            msg = self.rewrite(msg)
+        return self.recorder(msg)
 
     def start(self) -> InputTap:
-        self.aborted.clear()
-        self.added.clear()
+        self.recorder = InputRecorder()
         self.rewrite = None
         self.active = True
         return self

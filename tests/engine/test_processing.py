@@ -9,9 +9,6 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from triollm.engine.loading.model_config import ModelConfig
-from triollm.engine.outputs import RequestOutput
-from triollm.engine.processing.detokenizer import StopChecker
 from triollm.engine.frontend import (
     Frontend,
     InputProcessor,
@@ -19,6 +16,9 @@ from triollm.engine.frontend import (
     ProcessedOutputs,
     ProcessedRequest,
 )
+from triollm.engine.loading.model_config import ModelConfig
+from triollm.engine.outputs import RequestOutput
+from triollm.engine.processing.detokenizer import StopChecker
 from triollm.engine.processing.tokenizer import Tokenizer
 from triollm.engine.request import EngineCoreOutput, FinishReason, Logprobs
 from triollm.engine.sampling_params import RequestOutputKind, SamplingParams

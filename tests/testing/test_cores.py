@@ -92,7 +92,8 @@ def test_the_public_names() -> None:
             "FakeCore", "FakeEngineCore", "InputRecorder", "InputTap", "Snapshot", "VOCAB_SIZE",
             "build_fake_core", "chain_taps", "check_no_leaks", "child_pids", "fake_engine_args",
             "hold_hung_steps", "kill_core_process", "mock_clock_patience", "open_asgi_client",
-            "release_hung_steps", "replace_core_loop", "rewrite_adds", "steps_in_event_loop",
+            "release_hung_steps", "replace_core_loop", "rewrite_adds", "run_in_own_thread",
+            "steps_in_event_loop",
             "user_request_id", "wait_for_no_leaks", "wait_no_new_children", "write_model_dir",
         ]
     )
