@@ -52,7 +52,7 @@ from triollm.engine.inputs import PromptType
 from triollm.engine.metrics import Metric
 from triollm.engine.outputs import RequestOutput
 from triollm.engine.pooling_outputs import PoolingOutput, PoolingRequestOutput
-from triollm.engine.pooling_params import PoolingParams
+from triollm.engine.pooling_params import POOLING_TASKS, PoolingParams
 from triollm.engine.processing.tokenizer import Tokenizer
 from triollm.engine.request import EngineCoreRequest
 from triollm.engine.sampling_params import SamplingParams
@@ -65,7 +65,6 @@ log = logging.getLogger("triollm")
 _LARGE_PROMPT = LARGE_INPUT
 
 SUPPORTED_TASKS: tuple[str, ...] = ("generate",)
-POOLING_TASKS: tuple[str, ...] = ("embed", "encode")  # a pooling model's (runner "pooling")
 PauseMode = Literal["abort", "wait", "keep"]
 PAUSE_MODES: tuple[str, ...] = ("abort", "wait", "keep")
 

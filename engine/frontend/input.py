@@ -227,9 +227,7 @@ class InputProcessor:
                 f"prompt: {len(token_ids)} tokens exceed max_model_len ({limit}); shorten it or "
                 "set truncate_prompt_tokens (-1: truncate to max_model_len)"
             )
-        bad = [t for t in token_ids if not 0 <= t < mc.vocab_size]
-        if bad:
-            raise ValueError(f"prompt_token_ids: token ids must be in [0, {mc.vocab_size}) (vocab_size), got {bad[:8]}")
+        self._check_vocab(token_ids)
         arrival = time.time() if arrival_time is None else arrival_time
         [core_id] = core_request_ids(request_id, 1, tag)
         core = EngineCoreRequest(
@@ -295,6 +293,10 @@ class InputProcessor:
                 f"prompt: {len(token_ids)} tokens exceeds max_model_len ({limit}) minus one token "
                 f"to generate; at most {limit - 1} prompt tokens are allowed"
             )
+        self._check_vocab(token_ids)
+
+    def _check_vocab(self, token_ids: list[int]) -> None:
+        """Every prompt token id in the model's vocabulary (generation and pooling alike)."""
         vocab = self.model_config.vocab_size
         bad = [t for t in token_ids if not 0 <= t < vocab]
         if bad:
