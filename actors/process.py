@@ -76,17 +76,19 @@ import anyio.lowlevel
 import msgspec
 import zmq
 from anyio.abc import ByteReceiveStream, Process
-from anyio.streams.memory import MemoryObjectSendStream
+from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from triollm.actors import zmq_io
 from triollm.actors.compute import ComputeThread, compute_thread
 from triollm.actors.core_client import OUTPUT_BUFFER, SHUTDOWN_GRACE_S, CoreClient
 from triollm.actors.errors import unwrap_single_error
 from triollm.actors.messages import (
+    AddRequest,
     CoreInput,
     CoreOutput,
     EngineDead,
     Ready,
+    RequestError,
     Shutdown,
     StartupError,
     input_decoder,
@@ -230,7 +232,7 @@ async def link_core(child: CoreChild, ends: zmq_io.Endpoints) -> AsyncIterator[C
                 in_send, in_recv = anyio.create_memory_object_stream[CoreInput](math.inf)
                 out_send, out_recv = anyio.create_memory_object_stream[CoreOutput](OUTPUT_BUFFER)
                 own_in = in_send.clone()  # Shutdown goes through, whatever the user did
-                tg.start_soon(zmq_io.pump_to_socket, ends.inputs, in_recv, _encoder.encode)
+                tg.start_soon(_pump_inputs, ends.inputs, in_recv, out_send)
                 output_scope = anyio.CancelScope()
                 tg.start_soon(_output_actor, output_scope, ends.outputs, out_send, child)
                 try:
@@ -385,6 +387,29 @@ async def _handshake(sock: zmq.Socket[Any], child: CoreChild) -> Ready:
         case StartupError(message=message, traceback=tb):
             raise EngineStartupError(f"the engine core failed to start: {message}", tb)
     raise EngineStartupError(f"the engine core process sent {type(msg).__name__} before Ready")
+
+
+async def _pump_inputs(
+    sock: zmq.Socket[Any],
+    inputs: MemoryObjectReceiveStream[CoreInput],
+    out_send: MemoryObjectSendStream[CoreOutput],
+) -> None:
+    """`inputs` → socket. A request the wire cannot carry fails alone, answered as the core
+    answers a request it rejects (`RequestError` on the output stream), never the transport:
+    the input processor refuses such values first, so this is a backstop."""
+
+    async def refuse(msg: CoreInput, exc: Exception) -> None:
+        if not isinstance(msg, AddRequest):
+            raise exc
+        rid = msg.request.request_id
+        log.warning("request %.80s cannot be encoded for the engine core: %r", rid, exc)
+        error = RequestError(rid, f"the request cannot be sent to the engine core: {exc}"[:500])
+        try:
+            await out_send.send(error)
+        except (anyio.ClosedResourceError, anyio.BrokenResourceError):
+            pass  # the link is closing: the request ends with it
+
+    await zmq_io.pump_to_socket(sock, inputs, _encoder.encode, on_encode_error=refuse)
 
 
 async def _output_actor(

@@ -98,6 +98,7 @@ class EngineRuntime:
                 max_logprobs=config.actor.max_logprobs,
                 limits=config.limits,
                 kv_cache_tokens=client.ready.num_kv_blocks * client.ready.block_size,
+                scheduling_policy=config.scheduler.policy,
             )
             self.frontend = Frontend(processor, limits=config.limits, max_num_seqs=config.scheduler.max_num_seqs)
             timeout = config.actor.engine_output_timeout_s

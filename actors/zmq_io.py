@@ -30,7 +30,7 @@ import os
 import re
 import shutil
 import tempfile
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -118,22 +118,38 @@ async def send(sock: zmq.Socket[Any], data: bytes) -> None:
 
 
 async def pump_to_socket(
-    sock: zmq.Socket[Any], stream: MemoryObjectReceiveStream[T], encode: Callable[[T], bytes]
+    sock: zmq.Socket[Any],
+    stream: MemoryObjectReceiveStream[T],
+    encode: Callable[[T], bytes],
+    on_encode_error: Callable[[T, Exception], Awaitable[None]] | None = None,
 ) -> None:
     """Send every message of `stream` to `sock` until the stream ends (then close the stream).
 
     After each wake-up everything already queued is sent without waiting again: one checkpoint
-    per batch (the stream's `receive()`), not per message.
+    per batch (the stream's `receive()`), not per message. A message that does not encode goes
+    to `on_encode_error` (which may fail just the request it carried) and is not sent; without
+    it the error propagates.
     """
+
+    async def put(msg: T) -> None:
+        try:
+            data = encode(msg)
+        except Exception as exc:
+            if on_encode_error is None:
+                raise
+            await on_encode_error(msg, exc)
+            return
+        await _send(sock, data)
+
     async with stream:
         async for msg in stream:
-            await _send(sock, encode(msg))
+            await put(msg)
             while True:
                 try:
                     msg = stream.receive_nowait()
                 except (anyio.WouldBlock, anyio.EndOfStream):
                     break
-                await _send(sock, encode(msg))
+                await put(msg)
 
 
 async def pump_from_socket(

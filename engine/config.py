@@ -72,6 +72,7 @@ class SchedulerConfig:
     max_num_batched_tokens: int
     enable_chunked_prefill: bool
     long_prefill_token_threshold: int = 0  # > 0: a prompt takes at most this many tokens per step
+    policy: str = "fcfs"  # "fcfs": arrival order, `priority` must be 0; "priority": by priority
 
 
 @dataclass(frozen=True)
@@ -105,6 +106,8 @@ class LimitsConfig:
 
     max_num_queued_reqs: int | None  # requests admitted but not yet finished, beyond max_num_seqs
     max_num_queued_tokens: int | None  # prompt tokens of the requests waiting for the scheduler
+    # What one request may hold in the engine: sequences x (prompt + token-list entries).
+    max_request_tokens: int
     max_stop_strings: int  # `stop` entries per request
     max_stop_string_len: int  # characters per `stop` entry
     max_token_list_len: int  # entries of stop_token_ids, allowed_token_ids, bad_words, logit_bias
@@ -169,6 +172,7 @@ class CompilationConfig:
         return cls(**kwargs)
 
 
+SCHEDULING_POLICIES = ("fcfs", "priority")  # vLLM's --scheduling-policy
 RUNNERS = ("auto", "generate", "pooling")  # vLLM's --runner ("draft" has no meaning here)
 # Weight-only quantization (kernels/quant.py): a .gguf model's blocks as shipped, or float
 # weights quantized at load.
@@ -269,6 +273,7 @@ class EngineArgs:
     max_num_batched_tokens: int | None = _arg(None, "tokens per step (default: 2048, or max_model_len without chunked prefill)")
     enable_chunked_prefill: bool = _arg(True, "split long prompts across steps")
     long_prefill_token_threshold: int = _arg(0, "with chunked prefill, the most prompt tokens one request takes per step (0: no limit); smaller values keep running decodes' step time steady")
+    scheduling_policy: str = _arg("fcfs", "fcfs (first come, first served; a request's priority must be 0) or priority (a lower priority value is scheduled first, ties by arrival)", choices=SCHEDULING_POLICIES)
     # --- execution
     runner: str = _arg("auto", "auto (from the architecture: *ForCausalLM generate, encoder-only models such as BertModel are pooled into embeddings), generate or pooling", choices=RUNNERS)
     device: str = _arg("auto", "auto (cuda if available), cpu or cuda", choices=("auto", "cpu", "cuda"))
@@ -288,8 +293,9 @@ class EngineArgs:
     zmq_insecure_tcp: bool = _arg(False, "explicit opt-in to PLAIN tcp for a tcp:// zmq_address: no CURVE, so the engine core's link is unauthenticated and unencrypted (anyone who reaches its ports can send it requests and read its outputs); needed only where libzmq lacks CURVE; no effect on ipc")
     engine_output_timeout_s: float | None = _arg(60.0, "with work pending, seconds without any output from the engine core before it is declared dead (hung)")
     # --- request limits and backpressure (a request over a limit fails alone: HTTP 400 / 429)
-    max_num_queued_reqs: int | None = _arg(None, "the most unfinished requests beyond max_num_seqs; more are refused (HTTP 429) (default: no limit)")
-    max_num_queued_tokens: int | None = _arg(None, "the most prompt tokens waiting for the scheduler; more are refused (HTTP 429) (default: no limit)")
+    max_num_queued_reqs: int | None = _arg(4096, "the most unfinished sequences (an n > 1 request counts n) beyond max_num_seqs; more are refused (HTTP 429); offline LLM batches wait instead (None: no limit)")
+    max_num_queued_tokens: int | None = _arg(1 << 20, "the most prompt tokens (counted once per sequence) waiting for the scheduler; more are refused (HTTP 429); offline LLM batches wait instead (None: no limit)")
+    max_request_tokens: int = _arg(1 << 20, "the most tokens one request may hold: its sequences (n) x (prompt tokens + stop_token_ids, allowed_token_ids, logit_bias and bad_words entries); more is refused (HTTP 400)")
     max_stop_strings: int = _arg(64, "the most `stop` strings per request")
     max_stop_string_len: int = _arg(1024, "the longest `stop` string, in characters")
     max_token_list_len: int = _arg(8192, "the most entries in stop_token_ids, allowed_token_ids, bad_words or logit_bias")
@@ -364,6 +370,8 @@ class EngineArgs:
                 f"long_prefill_token_threshold: must be a non-negative integer (0: no limit), "
                 f"got {self.long_prefill_token_threshold!r}"
             )
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling_policy: must be one of {', '.join(SCHEDULING_POLICIES)}, got {self.scheduling_policy!r}")
         if self.num_gpu_blocks_override is not None:
             _positive("num_gpu_blocks_override", self.num_gpu_blocks_override)
         if self.num_threads is not None:
@@ -372,7 +380,7 @@ class EngineArgs:
         for name in ("max_num_queued_reqs", "max_num_queued_tokens"):
             if getattr(self, name) is not None:
                 _positive(name, getattr(self, name))
-        for name in ("max_stop_strings", "max_stop_string_len", "max_token_list_len", "max_prompts_per_request", "max_n"):
+        for name in ("max_stop_strings", "max_stop_string_len", "max_token_list_len", "max_prompts_per_request", "max_n", "max_request_tokens"):
             _positive(name, getattr(self, name))
         multiprocess = _multiprocess(self.multiprocess)
         # External load balancing: this server runs one rank, alone (its share of the threads).
@@ -439,6 +447,7 @@ class EngineArgs:
                 max_num_batched_tokens=budget,
                 enable_chunked_prefill=self.enable_chunked_prefill,
                 long_prefill_token_threshold=self.long_prefill_token_threshold,
+                policy=self.scheduling_policy,
             ),
             device=device,
             seed=self.seed,
@@ -460,6 +469,7 @@ class EngineArgs:
             limits=LimitsConfig(
                 max_num_queued_reqs=self.max_num_queued_reqs,
                 max_num_queued_tokens=self.max_num_queued_tokens,
+                max_request_tokens=self.max_request_tokens,
                 max_stop_strings=self.max_stop_strings,
                 max_stop_string_len=self.max_stop_string_len,
                 max_token_list_len=self.max_token_list_len,

@@ -33,6 +33,7 @@ __all__ = [
     "GuidedDecodingParams",
     "check_utf8",
     "check_wire_int",
+    "check_wire_value",
 ]
 
 # Temperatures below this are greedy sampling.
@@ -86,6 +87,8 @@ class StructuredOutputsParams(msgspec.Struct, kw_only=True, omit_defaults=True):
             )
         if self.json is not None and not isinstance(self.json, str | dict):
             raise ValueError(f"structured_outputs.json: must be a JSON schema (an object or its text), got {self.json!r:.80}")
+        if isinstance(self.json, dict):
+            check_wire_value("structured_outputs.json", self.json)
         for name in ("regex", "grammar", "whitespace_pattern"):
             value = getattr(self, name)
             if value is not None and not isinstance(value, str):
@@ -338,6 +341,39 @@ def check_wire_int(name: str, value: int) -> int:
     if not _WIRE_INT_MIN <= value < _WIRE_INT_MAX:
         raise ValueError(f"{name} must be in [-2**63, 2**64) (a 64-bit integer), got {value}")
     return value
+
+
+# How deep a JSON value the wire takes (msgspec's own limit is far deeper; no schema needs this).
+_WIRE_MAX_DEPTH = 64
+
+
+def check_wire_value(name: str, value: Any) -> None:
+    """`ValueError` naming `name` (and the path inside it) unless `value` is JSON-like data the
+    wire (msgpack) carries: dicts with string keys, lists, strings without lone surrogates,
+    64-bit integers, floats, bools and None, nested at most 64 deep. A JSON schema with
+    `"maximum": 2**64 + 5` is refused here, at validation, rather than failing the encode."""
+    stack: list[tuple[str, Any, int]] = [(name, value, 0)]
+    while stack:
+        path, v, depth = stack.pop()
+        if depth > _WIRE_MAX_DEPTH:
+            raise ValueError(f"{name}: nested more than {_WIRE_MAX_DEPTH} levels deep (at {path[:200]})")
+        if v is None or isinstance(v, bool | float):
+            continue
+        if isinstance(v, int):
+            if not _WIRE_INT_MIN <= v < _WIRE_INT_MAX:
+                raise ValueError(f"{path[:200]}: integers must be in [-2**63, 2**64) (64-bit), got {v:.3e}")
+        elif isinstance(v, str):
+            check_utf8(path[:200], v)
+        elif isinstance(v, dict):
+            for k, item in v.items():
+                if not isinstance(k, str):
+                    raise ValueError(f"{path[:200]}: object keys must be strings, got {k!r:.40}")
+                check_utf8(f"{path[:200]} (a key)", k)
+                stack.append((f"{path[:200]}.{k[:40]}", item, depth + 1))
+        elif isinstance(v, list | tuple):
+            stack.extend((f"{path[:200]}[{i}]", item, depth + 1) for i, item in enumerate(v))
+        else:
+            raise ValueError(f"{path[:200]}: must be JSON data, got a {type(v).__name__}")
 
 
 def check_utf8(name: str, value: str) -> str:

@@ -46,7 +46,9 @@ class SyncEngine:
         self.config = config
         self.tokenizer = tokenizer or Tokenizer.from_pretrained(config.tokenizer)
         self.core = EngineCore(config)
-        self.input = InputProcessor(config.model, self.tokenizer, max_logprobs=config.actor.max_logprobs)
+        self.input = InputProcessor(
+            config.model, self.tokenizer, max_logprobs=config.actor.max_logprobs, scheduling_policy=config.scheduler.policy
+        )
         self.frontend = Frontend(self.input)
         self._delivered: list[RequestOutput] = []
         self._ids = itertools.count()

@@ -1,5 +1,5 @@
 """`triollm bench`: throughput and latency (offline), pipeline (the actor layer), serve (a client),
-quality (quantized weights against the dense model)."""
+quality (quantized weights against the dense model), soak (a mixed hostile load with leak checks)."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from typing import Any
 from triollm.api.bench.pipeline import add_pipeline_parser
 from triollm.api.bench.quality import add_quality_parser
 from triollm.api.bench.serve import add_serve_bench_parser
+from triollm.api.bench.soak import add_soak_parser
 from triollm.api.bench.throughput import add_throughput_parsers
 
 __all__ = ["add_bench_parser"]
@@ -20,3 +21,4 @@ def add_bench_parser(sub: Any) -> None:
     add_pipeline_parser(kinds)
     add_serve_bench_parser(kinds)
     add_quality_parser(kinds)
+    add_soak_parser(kinds)

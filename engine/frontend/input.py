@@ -53,6 +53,7 @@ if TYPE_CHECKING:
 __all__ = [
     "GENERATE_ON_POOLING",
     "LARGE_INPUT",
+    "MAX_REQUEST_ID_LEN",
     "POOLING_ON_GENERATE",
     "POOLING_PLACEHOLDER",
     "InputProcessor",
@@ -76,6 +77,10 @@ POOLING_ON_GENERATE = (
     "{api} is only supported for pooling models. Try passing `--runner pooling` to use "
     "the model as a pooling model."
 )
+# The longest request id, in characters. An id is copied into every core request id, output
+# batch and log line of its request, so it is bounded like any other field; the server caps the
+# ids clients send lower (its own prefixes and suffixes must fit).
+MAX_REQUEST_ID_LEN = 512
 # Inputs larger than this (`input_size`) are processed in a worker thread by the async shell,
 # so that they do not stall the event loop.
 LARGE_INPUT = 8192
@@ -141,14 +146,17 @@ class InputProcessor:
         max_logprobs: int = 20,
         limits: LimitsConfig | None = None,
         kv_cache_tokens: int | None = None,
+        scheduling_policy: str = "fcfs",
     ) -> None:
         """`limits`: the per-request limits (None: none); `kv_cache_tokens`: the KV cache's size
-        in tokens (the core's blocks x block size; None: unknown, not checked)."""
+        in tokens (the core's blocks x block size; None: unknown, not checked);
+        `scheduling_policy`: "fcfs" refuses a non-zero `priority`, as vLLM does."""
         self.model_config = model_config
         self.tokenizer = tokenizer
         self.max_logprobs = max_logprobs  # -1: no limit
         self.limits = limits
         self.kv_cache_tokens = kv_cache_tokens
+        self.scheduling_policy = scheduling_policy
         eos = [*model_config.eos_token_ids]
         if tokenizer.eos_token_id is not None:
             eos.append(tokenizer.eos_token_id)
@@ -165,8 +173,7 @@ class InputProcessor:
         tag: str | None = None,
     ) -> ProcessedRequest:
         """Check and tokenize one generation request; `tag` goes into its core ids."""
-        check_utf8("request_id", request_id)
-        check_wire_int("priority", priority)
+        self._check_request(request_id, priority)
         if self.model_config.runner_type != "generate":
             raise ValueError(GENERATE_ON_POOLING.format(api="Generation (SamplingParams)"))
         if params is None:
@@ -176,6 +183,7 @@ class InputProcessor:
         self._check_prompt(token_ids)
         params = self._resolve_params(params, len(token_ids))
         bad_words = self._bad_words_token_ids(params.bad_words or [])
+        self._check_request_tokens(params, len(token_ids), bad_words)
         arrival = time.time() if arrival_time is None else arrival_time
         children = _child_params(params)
         core_requests = [
@@ -204,8 +212,7 @@ class InputProcessor:
     ) -> ProcessedRequest:
         """A request to a pooling model: tokenized (truncated as `truncate_prompt_tokens` says),
         checked against max_model_len, its parameters resolved against the model's pooler."""
-        check_utf8("request_id", request_id)
-        check_wire_int("priority", priority)
+        self._check_request(request_id, priority)
         mc = self.model_config
         if mc.runner_type != "pooling" or mc.pooler is None:
             raise ValueError(POOLING_ON_GENERATE.format(api="Pooling (PoolingParams)"))
@@ -260,6 +267,39 @@ class InputProcessor:
                 shown = list(allowed) if allowed is not None else f"1 to {mc.hidden_size}"
                 raise ValueError(f"dimensions: {d} is not supported by {mc.path.name}; allowed: {shown}")
         return params
+
+    def _check_request(self, request_id: str, priority: int) -> None:
+        if not isinstance(request_id, str):
+            raise ValueError(f"request_id: must be a string, got {type(request_id).__name__}")
+        if len(request_id) > MAX_REQUEST_ID_LEN:
+            raise ValueError(
+                f"request_id: {len(request_id)} characters exceed the limit of {MAX_REQUEST_ID_LEN}"
+            )
+        check_utf8("request_id", request_id)
+        if isinstance(priority, bool) or not isinstance(priority, int):
+            raise ValueError(f"priority: must be an int, got {priority!r:.40}")
+        check_wire_int("priority", priority)
+        if priority != 0 and self.scheduling_policy != "priority":
+            raise ValueError(
+                f"priority: got {priority}, but priority scheduling is not enabled: only 0 is "
+                f"allowed with scheduling_policy={self.scheduling_policy!r} (start the engine with "
+                "scheduling_policy='priority', --scheduling-policy priority)"
+            )
+
+    def _check_request_tokens(self, params: SamplingParams, prompt_len: int, bad_words: list[list[int]]) -> None:
+        """What the request holds in the engine: each of its `n` sequences has its own copy of
+        the prompt and of every token list (`max_request_tokens`)."""
+        limits = self.limits
+        if limits is None:
+            return
+        lists = sum(len(getattr(params, name) or ()) for name in ("stop_token_ids", "allowed_token_ids", "logit_bias"))
+        lists += sum(map(len, bad_words))
+        cost = params.n * (prompt_len + lists)
+        if cost > limits.max_request_tokens:
+            raise ValueError(
+                f"n: {params.n} sequences x ({prompt_len} prompt tokens + {lists} token-list entries) "
+                f"= {cost} tokens exceed max_request_tokens={limits.max_request_tokens}"
+            )
 
     # ------------------------------------------------------------------ prompt
 
@@ -376,11 +416,15 @@ class InputProcessor:
         )
 
     def _check_logprobs(self, name: str, value: int | None, vocab: int) -> None:
-        if value is None or self.max_logprobs < 0:
+        """At most `max_logprobs`, and never more than the vocabulary (`max_logprobs=-1`: the
+        vocabulary is the limit; -1 asks for all of it)."""
+        if value is None:
             return
         wanted = vocab if value == -1 else value
-        if wanted > self.max_logprobs:
+        if self.max_logprobs >= 0 and wanted > self.max_logprobs:
             raise ValueError(f"{name}: {wanted} exceeds max_logprobs ({self.max_logprobs})")
+        if wanted > vocab:
+            raise ValueError(f"{name}: {wanted} exceeds the vocabulary ({vocab} tokens); ask for at most {vocab}, or -1 for all")
 
     def _bad_words_token_ids(self, words: Sequence[str]) -> list[list[int]]:
         """Each bad word as it would start the text and as a word after a space (vLLM's rule)."""

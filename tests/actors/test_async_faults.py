@@ -62,7 +62,7 @@ from triollm.actors.async_llm import AsyncEngineArgs, AsyncLLM
 from triollm.actors.errors import EngineDeadError
 from triollm.actors.messages import AddRequest, EngineDead, OutputBatch, Shutdown
 from triollm.engine.outputs import RequestOutput
-from triollm.engine.sampling_params import RequestOutputKind, SamplingParams
+from triollm.engine.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 from triollm.testing import (
     FakeCore,
     InputRecorder,
@@ -89,7 +89,9 @@ PLAN_LARGE_PROMPT = 64
 # cache (a request of the plan needs at most 48 + 20 - 1 slots, so each alone fits).
 PRESSURE_BLOCKS = 6
 STOPS = ["e", "th", "a b", "\n", "never-generated-stop"]
-BAD_INPUTS = ["long_prompt", "many_stops", "big_n", "mutated", "kv"]
+BAD_INPUTS = ["long_prompt", "many_stops", "big_n", "mutated", "kv", "big_schema", "huge_id", "fanout"]
+# The plan's max_request_tokens: its largest good request holds 3 x 48 tokens; "fanout" 3,022.
+PLAN_REQUEST_TOKENS = 2000
 # trio warns about async generators collected unexhausted: the plan does that on purpose.
 IGNORE_GC_WARNING = pytest.mark.filterwarnings(
     "ignore:Async generator .* was garbage collected:ResourceWarning"
@@ -130,6 +132,7 @@ class Submit:
     priority: int = 0
     reuse: int | None = None  # take the id of an earlier request (index modulo their number)
     bad: str | None = None  # one of BAD_INPUTS: must fail alone with a ValueError
+    grammar: int | None = None  # a regex of its own (a new grammar for the core to compile)
 
     def prompt(self) -> str:
         if self.bad == "long_prompt":
@@ -148,6 +151,15 @@ class Submit:
         )
         if self.bad == "mutated":
             sp.top_p = 2.0  # valid when built, broken before submission
+        elif self.bad == "big_schema":  # an integer msgpack cannot carry, set after construction
+            so = StructuredOutputsParams(json={"type": "integer"})
+            assert isinstance(so.json, dict)
+            so.json["maximum"] = 2**64 + 5
+            sp.structured_outputs = so
+        elif self.bad == "fanout":  # n x (prompt + lists) over the plan's max_request_tokens
+            sp.n, sp.stop_token_ids = 2, [1] * 1500
+        if self.grammar is not None and self.bad != "big_schema":
+            sp.structured_outputs = StructuredOutputsParams(regex=f"(ab|c){{1,{self.grammar}}}d")
         return sp
 
 
@@ -170,6 +182,7 @@ def submits() -> st.SearchStrategy[Submit]:
         priority=st.sampled_from([0, 0, -1, 1]),
         reuse=st.none() | st.none() | st.none() | st.integers(0, 40),
         bad=st.none() | st.none() | st.none() | st.none() | st.sampled_from(BAD_INPUTS),
+        grammar=st.none() | st.none() | st.none() | st.integers(1, 400),
     ).map(lambda s: s if s.kind != CUMULATIVE else dataclasses.replace(s, n=1))
 
 
@@ -263,7 +276,11 @@ async def run_plan(
     pressure: bool = False,
 ) -> None:
     before = child_pids()
-    overrides: dict[str, Any] = {"output_chunk_size": chunk}
+    overrides: dict[str, Any] = {
+        "output_chunk_size": chunk,
+        "scheduling_policy": "priority",
+        "max_request_tokens": PLAN_REQUEST_TOKENS,
+    }
     if pressure:
         overrides["num_gpu_blocks_override"] = PRESSURE_BLOCKS
     if fault.hang_at_step is not None:
@@ -310,7 +327,9 @@ async def run_step(
             if step.bad == "kv" and not pressure:  # the default cache fits any max_tokens
                 step = dataclasses.replace(step, bad="big_n")
             rid = f"r{len(reqs)}"
-            if step.reuse is not None and reqs:
+            if step.bad == "huge_id":
+                rid = "x" * 600 + rid  # over MAX_REQUEST_ID_LEN (512)
+            elif step.reuse is not None and reqs and reqs[step.reuse % len(reqs)].submit.bad != "huge_id":
                 rid = reqs[step.reuse % len(reqs)].rid
             req = Req(rid, step)
             reqs.append(req)
@@ -405,8 +424,8 @@ def check_outcomes(
             for tokens, text, reason in got.values():
                 if reason == "length":
                     assert tokens == s.max_tokens, f"{where}: {got}"
-                elif reason == "stop":
-                    assert s.stop, f"{where}: stopped without a stop string"
+                elif reason == "stop":  # a stop string, or the end of its grammar
+                    assert s.stop or s.grammar is not None, f"{where}: stopped without a stop string"
                 else:
                     assert reason == "abort", f"{where}: {got}"
                     assert abort_wanted or ending == "shutdown_now", f"{where}: unexplained abort"

@@ -259,7 +259,7 @@ def test_the_request_table_under_random_operations(model_config: ModelConfig, to
 
 def _limits(**kw: int | None) -> LimitsConfig:
     base: dict[str, int | None] = dict(
-        max_num_queued_reqs=None, max_num_queued_tokens=None, max_stop_strings=8,
+        max_num_queued_reqs=None, max_num_queued_tokens=None, max_request_tokens=1 << 20, max_stop_strings=8,
         max_stop_string_len=64, max_token_list_len=64, max_prompts_per_request=8, max_n=8,
     )
     return LimitsConfig(**{**base, **kw})  # type: ignore[arg-type]

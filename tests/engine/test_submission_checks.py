@@ -5,6 +5,7 @@ never fit the KV cache. The engine core's own KV check too."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -19,12 +20,13 @@ from triollm.engine.frontend import InputProcessor
 from triollm.engine.loading.model_config import ModelConfig
 from triollm.engine.processing.tokenizer import Tokenizer
 from triollm.engine.request import EngineCoreRequest
-from triollm.engine.sampling_params import SamplingParams
+from triollm.engine.sampling_params import SamplingParams, StructuredOutputsParams
 
 PROMPT = "Hello world"
 LIMITS = LimitsConfig(
     max_num_queued_reqs=None,
     max_num_queued_tokens=None,
+    max_request_tokens=1000,
     max_stop_strings=4,
     max_stop_string_len=10,
     max_token_list_len=5,
@@ -35,7 +37,7 @@ LIMITS = LimitsConfig(
 
 @pytest.fixture
 def inp(model_config: ModelConfig, tok: Tokenizer) -> InputProcessor:
-    return InputProcessor(model_config, tok, limits=LIMITS)
+    return InputProcessor(model_config, tok, limits=LIMITS, scheduling_policy="priority")
 
 
 def _mutated(**changes: Any) -> SamplingParams:
@@ -172,3 +174,74 @@ def test_the_core_refuses_what_can_never_fit_its_kv_cache(tiny_model_dir: Path) 
         outs.extend(core.step())
     assert sum(len(o.new_token_ids) for o in outs) == 13
     assert core.statistics().num_preemptions == 0
+
+
+def test_max_logprobs_minus_one_is_clamped_to_the_vocabulary(model_config: ModelConfig, tok: Tokenizer) -> None:
+    """`max_logprobs=-1` means "up to the vocabulary", never past it (the sampler's top-k over
+    more than the vocabulary would fail the whole step); -1 asks for all of it."""
+    inp = InputProcessor(model_config, tok, max_logprobs=-1)
+    vocab = model_config.vocab_size
+    for name in ("logprobs", "prompt_logprobs"):
+        with pytest.raises(ValueError, match=rf"{name}: {vocab + 1} exceeds the vocabulary \({vocab} tokens\)"):
+            inp.process(PROMPT, SamplingParams(max_tokens=2, **{name: vocab + 1}), "r")
+        assert inp.process(PROMPT, SamplingParams(max_tokens=2, **{name: -1}), "r").params is not None
+        assert inp.process(PROMPT, SamplingParams(max_tokens=2, **{name: vocab}), "r").params is not None
+
+
+@pytest.mark.parametrize(
+    ("schema", "where"),
+    [
+        ({"type": "integer", "maximum": 2**64 + 5}, "maximum"),
+        ({"default": 10**30}, "default"),
+        ({"enum": [1, 2, -(2**63) - 1]}, r"enum\[2\]"),
+        ({"properties": {"a": {"const": 2**70}}}, r"properties\.a\.const"),
+    ],
+)
+def test_json_schemas_with_integers_the_wire_cannot_carry_are_refused(schema: dict[str, object], where: str) -> None:
+    with pytest.raises(ValueError, match=rf"structured_outputs\.json\.{where}: integers must be in \[-2\*\*63, 2\*\*64\)"):
+        StructuredOutputsParams(json=schema)
+    edge = StructuredOutputsParams(json={"type": "integer", "maximum": 2**64 - 1, "minimum": -(2**63)})
+    msgspec.msgpack.encode(SamplingParams(structured_outputs=edge))
+
+
+def test_json_schemas_too_deep_or_not_json_are_refused() -> None:
+    deep: dict[str, object] = {}
+    node = deep
+    for _ in range(70):
+        node["items"] = node = {}
+    with pytest.raises(ValueError, match="structured_outputs.json: nested more than 64 levels deep"):
+        StructuredOutputsParams(json=deep)
+    with pytest.raises(ValueError, match="must be JSON data, got a set"):
+        StructuredOutputsParams(json={"enum": {1, 2}})
+    with pytest.raises(ValueError, match="object keys must be strings"):
+        StructuredOutputsParams(json={"properties": {1: {}}})
+
+
+def test_request_ids_are_bounded(inp: InputProcessor) -> None:
+    assert inp.process(PROMPT, SamplingParams(max_tokens=2), "r" * 512).request_id == "r" * 512
+    with pytest.raises(ValueError, match="request_id: 513 characters exceed the limit of 512"):
+        inp.process(PROMPT, SamplingParams(max_tokens=2), "r" * 513)
+
+
+def test_a_non_zero_priority_needs_the_priority_policy(model_config: ModelConfig, tok: Tokenizer) -> None:
+    fcfs = InputProcessor(model_config, tok)
+    assert fcfs.process(PROMPT, SamplingParams(max_tokens=2), "r", priority=0).core_requests[0].priority == 0
+    with pytest.raises(ValueError, match=r"priority: got -5, but priority scheduling is not enabled"):
+        fcfs.process(PROMPT, SamplingParams(max_tokens=2), "r", priority=-5)
+    prio = InputProcessor(model_config, tok, scheduling_policy="priority")
+    assert prio.process(PROMPT, SamplingParams(max_tokens=2), "r", priority=-5).core_requests[0].priority == -5
+
+
+def test_what_one_request_holds_is_budgeted(inp: InputProcessor) -> None:
+    """n sequences, each with its own prompt and token lists: `max_request_tokens` (1000 here;
+    max_n is 3 and max_model_len 64, so the lists make the difference)."""
+    many = InputProcessor(inp.model_config, inp.tokenizer, limits=_limits_with(max_request_tokens=100))
+    prompt = {"prompt_token_ids": [5] * 30}
+    assert len(many.process(prompt, SamplingParams(max_tokens=2, n=3), "r").core_requests) == 3  # 90
+    with pytest.raises(ValueError, match=r"n: 3 sequences x \(30 prompt tokens \+ 4 token-list entries\) = 102 tokens exceed max_request_tokens=100"):
+        many.process(prompt, SamplingParams(max_tokens=2, n=3, stop_token_ids=[1] * 4), "r")
+    assert len(many.process(prompt, SamplingParams(max_tokens=2, n=1, stop_token_ids=[1] * 4), "r").core_requests) == 1
+
+
+def _limits_with(**kw: Any) -> LimitsConfig:
+    return dataclasses.replace(LIMITS, **kw)
