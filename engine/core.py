@@ -1,10 +1,11 @@
 """`EngineCore`: the synchronous, sans-IO heart of the engine, for a generative model.
 
 `add_request` / `abort_requests` between steps, `step()` to advance every scheduled request by
-one forward pass. No threads, no awaits: the actor layer wraps it with I/O, and tests drive it
-directly. It is one of the two implementations of `Core` (engine/core_protocol.py); a pooling
-model's core is `PoolingEngineCore`, and `build_engine_core(config)` (engine/cores.py) picks the
-one the model's runner type needs.
+one forward pass. No awaits, and no threads but the grammar compiler's
+(engine/structured_outputs.py): the actor layer wraps it with I/O, and tests drive it directly.
+It is one of the two implementations of `Core` (engine/core_protocol.py); a pooling model's
+core is `PoolingEngineCore`, and `build_engine_core(config)` (engine/cores.py) picks the one
+the model's runner type needs.
 
 Tests and benchmarks replace the forward pass by passing a `runner` (a scripted one, or one
 that raises at a given step: `engine/execution/scripted_runner.py`). Where the core runs in
@@ -24,6 +25,8 @@ import logging
 import math
 import os
 import time
+from concurrent.futures import FIRST_COMPLETED, Future
+from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -38,7 +41,7 @@ from triollm.engine.request import EngineCoreOutput, EngineCoreRequest, FinishRe
 from triollm.engine.scheduling.block_manager import BlockManager
 from triollm.engine.scheduling.request_state import Request, RequestStatus
 from triollm.engine.scheduling.scheduler import ScheduledRequest, Scheduler
-from triollm.engine.structured_outputs import GrammarCompiler
+from triollm.engine.structured_outputs import Grammar, GrammarCompiler
 from triollm.kernels import KVCache, allocate_kv_cache
 
 if TYPE_CHECKING:
@@ -51,6 +54,10 @@ log = logging.getLogger("triollm")
 
 _DEFAULT_CPU_KV_FRACTION = 0.2
 _DEFAULT_CPU_KV_MAX = 2 << 30
+# With nothing to run but grammars compiling, a step waits this long at most for one of them:
+# the inputs that came meanwhile (an abort of the compiling request, say) are applied between
+# two such steps.
+_GRAMMAR_WAIT_S = 0.05
 
 
 class Runner(Protocol):
@@ -81,6 +88,10 @@ class EngineCore:
         self.group: TensorParallelGroup | None = None
         self.model: LlamaForCausalLM | None = None
         self.num_kv_heads = mc.num_kv_heads  # this rank's
+        # Structured outputs: a request's matcher is built in the compiler's threads, and the
+        # request joins the scheduler once it is ready (`_compiling` until then).
+        self.grammars = GrammarCompiler(config.tokenizer, mc.vocab_size)
+        self._compiling: dict[str, tuple[Request, Future[Grammar]]] = {}
         try:
             self._build(runner)
         except BaseException:
@@ -118,10 +129,6 @@ class EngineCore:
             self.runner = ModelRunner(self.model, kv, config.device, self.group, self._capture_graphs(kv, sizes))
         self.requests: dict[str, Request] = {}
         self.num_steps = 0
-        # Structured outputs: matchers are built at the start of a step (on the compute thread),
-        # for the requests added since the last one.
-        self.grammars = GrammarCompiler(config.tokenizer, mc.vocab_size)
-        self._new_structured: list[Request] = []
         log.info(
             "KV cache: %d blocks of %d tokens (%d tokens, %.1f MiB) for %s on %s",
             self.num_blocks,
@@ -162,7 +169,8 @@ class EngineCore:
         return load_model(mc, device, group.shard, group.comm)
 
     def close(self) -> None:
-        """Stop the tensor-parallel workers, if any (idempotent; nothing to do for one rank)."""
+        """Stop the grammar threads and the tensor-parallel workers, if any (idempotent)."""
+        self.grammars.close()
         if self.group is not None:
             self.group.close()
             self.group = None
@@ -230,9 +238,11 @@ class EngineCore:
             )
         req = Request(request, max_tokens)
         self.requests[rid] = req
-        self.scheduler.add_request(req)
-        if request.sampling_params.structured_outputs is not None:
-            self._new_structured.append(req)
+        so = request.sampling_params.structured_outputs
+        if so is None:
+            self.scheduler.add_request(req)
+        else:
+            self._compiling[rid] = (req, self.grammars.submit(so, req.eos_token_ids))
 
     def abort_requests(self, request_ids: list[str] | str) -> None:
         """Finish the requests now and free their blocks; unknown ids are ignored."""
@@ -240,11 +250,17 @@ class EngineCore:
             request_ids = [request_ids]
         for rid in request_ids:
             req = self.requests.pop(rid, None)
-            if req is not None:
+            if req is None:
+                continue
+            compiling = self._compiling.pop(rid, None)
+            if compiling is None:
                 self.scheduler.finish(req, RequestStatus.FINISHED_ABORTED)
+            else:  # not in the scheduler yet: a compile not started is skipped
+                compiling[1].cancel()
+                req.status = RequestStatus.FINISHED_ABORTED
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        return self.scheduler.has_unfinished_requests() or bool(self._compiling)
 
     def reset_prefix_cache(self) -> bool:
         return self.block_manager.reset_prefix_cache()
@@ -252,12 +268,20 @@ class EngineCore:
     # ------------------------------------------------------------------ the step
 
     def step(self) -> list[EngineCoreOutput]:
-        """Run one scheduled batch; return the outputs of the requests that advanced."""
-        outputs = self._build_grammars() if self._new_structured else []
-        if not self.scheduler.has_unfinished_requests():
-            return outputs
-        sched = self.scheduler.schedule()
-        if not sched.scheduled:
+        """Run one scheduled batch; return the outputs of the requests that advanced.
+
+        With nothing to run but grammars compiling, it waits up to `_GRAMMAR_WAIT_S` for one
+        of them instead, and counts as a step (`num_steps`) while any still compiles: the
+        loop calls it again rather than waiting for input that may never come."""
+        outputs = self._take_grammars() if self._compiling else []
+        sched = self.scheduler.schedule() if self.scheduler.has_unfinished_requests() else None
+        if (sched is None or not sched.scheduled) and self._compiling:
+            self._wait_for_a_grammar()
+            outputs += self._take_grammars()
+            sched = self.scheduler.schedule() if self.scheduler.has_unfinished_requests() else None
+            if (sched is None or not sched.scheduled) and self._compiling:
+                self.num_steps += 1
+        if sched is None or not sched.scheduled:
             return outputs
         self.num_steps += 1
         result = self.runner.execute(sched.scheduled)
@@ -270,14 +294,20 @@ class EngineCore:
                     outputs.append(EngineCoreOutput(req.request_id, [], new_prompt_logprobs=prompt_lps))
                 continue
             token = result.sampled[req.request_id]
+            grammar = req.grammar
+            if grammar is not None and not grammar.consume_token(token):
+                # The grammar failed (llguidance raised, or it allows no token the other
+                # constraints do): this request alone ends, without the token.
+                self.scheduler.finish(req, RequestStatus.FINISHED_ABORTED)
+                del self.requests[req.request_id]
+                reason = f"structured_outputs: {grammar.error}"[:2000]
+                outputs.append(
+                    EngineCoreOutput(req.request_id, [], finish_reason=FinishReason.ERROR, stop_reason=reason, new_prompt_logprobs=prompt_lps)
+                )
+                continue
             req.append_output_token(token)
             status = self.scheduler.check_stop(req, token)
-            finish_reason = None
-            if req.grammar is not None and not req.grammar.consume_token(token):
-                # Only when every token was masked (the grammar and other constraints disagree).
-                status, finish_reason = RequestStatus.FINISHED_ABORTED, FinishReason.ERROR
-                req.stop_reason = f"structured_outputs: the grammar does not allow token {token}: {req.grammar.get_error()}"
-            elif status is None and req.grammar is not None and req.grammar.is_stopped():
+            if status is None and grammar is not None and grammar.is_stopped():
                 status = RequestStatus.FINISHED_STOPPED  # the grammar is complete
             if status is not None:
                 self.scheduler.finish(req, status)
@@ -286,7 +316,7 @@ class EngineCore:
                 EngineCoreOutput(
                     req.request_id,
                     [token],
-                    finish_reason=finish_reason or req.finish_reason,
+                    finish_reason=req.finish_reason,
                     stop_reason=req.stop_reason,
                     new_logprobs=result.logprobs.get(req.request_id),
                     new_prompt_logprobs=prompt_lps,
@@ -295,30 +325,37 @@ class EngineCore:
             )
         return outputs
 
-    def _build_grammars(self) -> list[EngineCoreOutput]:
-        """Matchers for the structured requests added since the last step; a grammar that does
-        not compile ends its request with an error (the input processor checked it already,
-        without the vocabulary, so this is rare)."""
+    def _take_grammars(self) -> list[EngineCoreOutput]:
+        """Schedule the structured requests whose matcher is ready; a grammar that failed ends
+        its request with an error (the input processor checked it already, without the
+        vocabulary, so this is rare)."""
         failed: list[EngineCoreOutput] = []
-        for req in self._new_structured:
-            so = req.sampling_params.structured_outputs
-            if req.status.finished or so is None:
-                continue  # aborted before its first step
+        for rid, (req, future) in list(self._compiling.items()):
+            if not future.done():
+                continue
+            del self._compiling[rid]
             try:
-                req.grammar = self.grammars.matcher(so, req.eos_token_ids)
-            except ValueError as exc:
-                self.scheduler.finish(req, RequestStatus.FINISHED_ABORTED)
-                del self.requests[req.request_id]
-                failed.append(EngineCoreOutput(req.request_id, [], finish_reason=FinishReason.ERROR, stop_reason=str(exc)))
-        self._new_structured.clear()
+                req.grammar = future.result()
+            except Exception as exc:  # noqa: BLE001 - whatever llguidance raised: this request's
+                req.status = RequestStatus.FINISHED_ABORTED
+                del self.requests[rid]
+                message = str(exc) if isinstance(exc, ValueError) else f"structured_outputs: {type(exc).__name__}: {exc}"
+                failed.append(EngineCoreOutput(rid, [], finish_reason=FinishReason.ERROR, stop_reason=message[:2000]))
+                continue
+            self.scheduler.add_request(req)
         return failed
+
+    def _wait_for_a_grammar(self) -> None:
+        # Blocks the compute thread only: the compiler's threads hold no lock it needs, and
+        # llguidance compiles without the GIL.
+        wait_futures([f for _, f in self._compiling.values()], _GRAMMAR_WAIT_S, FIRST_COMPLETED)
 
     def statistics(self) -> EngineCoreStats:
         b = self.block_manager.statistics()
         s = self.scheduler.statistics()
         return EngineCoreStats(
             num_running=s.num_running,
-            num_waiting=s.num_waiting,
+            num_waiting=s.num_waiting + len(self._compiling),  # waiting for their grammar
             num_blocks=b.num_blocks,
             num_free_blocks=b.num_free_blocks,
             num_cached_blocks=b.num_cached_blocks,
@@ -328,7 +365,12 @@ class EngineCore:
         )
 
     def check_integrity(self) -> None:
-        self.block_manager.check_integrity(self.scheduler.live_requests())
+        live = list(self.scheduler.live_requests())
+        self.block_manager.check_integrity(live)
+        # Every request is in the scheduler or compiling its grammar, never both, never neither.
+        ids = [r.request_id for r in live] + list(self._compiling)
+        assert sorted(ids) == sorted(self.requests), f"requests {sorted(self.requests)} vs scheduled or compiling {sorted(ids)}"
+        assert all(not r.block_ids for r, _ in self._compiling.values()), "a compiling request holds KV blocks"
 
 
 @dataclass(frozen=True)

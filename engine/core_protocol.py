@@ -48,8 +48,9 @@ class Core(Protocol):
 
     @property
     def num_steps(self) -> int:
-        """Steps that ran a forward pass so far: a `step()` that leaves it unchanged scheduled
-        nothing (the loop then waits for input instead of spinning)."""
+        """Steps that ran a forward pass or waited on a grammar compile so far: a `step()` that
+        leaves it unchanged had nothing to run or wait on (the loop then waits for input
+        instead of spinning)."""
         ...
 
     def add_request(self, request: EngineCoreRequest) -> None:

@@ -160,11 +160,14 @@ def test_a_grammar_that_does_not_compile_in_the_core_ends_only_its_request(tiny_
     core = EngineCore(args.create_engine_config())
     core.add_request(EngineCoreRequest("bad", [5, 6], SamplingParams(max_tokens=4, structured_outputs=S(regex="(x"))))
     core.add_request(EngineCoreRequest("good", [5, 6], SamplingParams(max_tokens=4)))
-    first = core.step()
-    assert [(o.request_id, str(o.finish_reason)) for o in first if o.request_id == "bad"] == [("bad", "error")]
+    outs = []
     while core.has_unfinished_requests():
-        core.step()
+        outs += core.step()
+    assert [(o.request_id, str(o.finish_reason)) for o in outs if o.request_id == "bad"] == [("bad", "error")]
+    assert "regex" in next(str(o.stop_reason) for o in outs if o.request_id == "bad")
+    assert sum(len(o.new_token_ids) for o in outs if o.request_id == "good") == 4
     assert "bad" not in core.requests and core.statistics().num_free_blocks == core.statistics().num_blocks
+    core.close()
 
 
 # ------------------------------------------------------------------------------------ the bundled model
