@@ -21,8 +21,17 @@ its rank, its share of the cores); nothing is resolved again. The frontend above
   synchronisation between ranks.
 - **Death.** The first `EngineDead` from any rank (its step raised, or its process died) is
   forwarded, naming the rank, and ends the merged output stream: the engine is dead as a whole
-  (`EngineDeadError` on every request, /health 503). Every rank is stopped when the client's
-  context exits.
+  (`EngineDeadError` on every request and utility call, /health 503), as in vLLM. Every rank is
+  stopped when the client's context exits.
+- **Hangs.** A rank can hang while the others produce (a deadlocked step, a stopped process or
+  Ray actor), which the frontend's watchdog, hearing the merged stream, would miss. So each
+  rank's forwarder runs a `Watchdog` of its own (`engine_output_timeout_s`): a rank that owes a
+  message (`Router.pending`: an unanswered utility call, or unfinished requests routed to it
+  while not paused) and sent nothing for that long is declared dead like any other death,
+  naming the rank, and gets no shutdown grace (its step will not end). A message the forwarder
+  holds because the frontend lags counts as heard. Rejected: one watchdog with a clock per
+  rank, fed from here: one `Watchdog` per forwarder needs no new interface, and the
+  single-core engine keeps the frontend's.
 - **Shutdown** exits the ranks' contexts (each sends `Shutdown`, then signals, within its grace).
 
 The topology is fixed at start-up, as in vLLM.
@@ -34,13 +43,14 @@ import dataclasses
 import itertools
 import logging
 import math
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import AsyncExitStack, asynccontextmanager
 
 import anyio
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from triollm.actors.core_client import OUTPUT_BUFFER, SHUTDOWN_GRACE_S, CoreClient
+from triollm.actors.errors import EngineDeadError
 from triollm.actors.messages import (
     AbortRequests,
     AddRequest,
@@ -53,10 +63,12 @@ from triollm.actors.messages import (
     Shutdown,
     StepStats,
     UtilityCall,
+    UtilityOp,
     UtilityResult,
 )
 from triollm.actors.process import default_num_threads, open_process_core
 from triollm.actors.ray_core import open_ray_core, ray_session
+from triollm.actors.watchdog import Watchdog
 from triollm.engine.config import EngineConfig
 from triollm.engine.core import EngineCoreFactory
 
@@ -84,8 +96,9 @@ class Router:
         self.queued = [0] * size  # waiting + running, from the rank's latest StepStats
         self.assigned = [0] * size  # requests routed to each rank so far (statistics)
         self.stats: list[StepStats | None] = [None] * size  # each rank's latest
+        self.paused = False  # between a routed PAUSE and the next RESUME: ranks do not step
         self._turn = itertools.cycle(range(size))
-        self._calls: dict[int, list[UtilityResult]] = {}
+        self._calls: dict[int, dict[int, UtilityResult]] = {}  # call id -> the answers, by rank
 
     def assign(self, request_id: str) -> int:
         start = next(self._turn)
@@ -119,8 +132,11 @@ class Router:
             if reason != _NOT_FINISHED:
                 self.release(rid)
 
-    def expect(self, call_id: int) -> None:
-        self._calls[call_id] = []
+    def expect(self, call: UtilityCall) -> None:
+        """`call` goes to every rank: wait for each one's answer."""
+        self._calls[call.call_id] = {}
+        if call.op in (UtilityOp.PAUSE, UtilityOp.RESUME):
+            self.paused = call.op == UtilityOp.PAUSE
 
     def gather(self, rank: int, result: UtilityResult) -> UtilityResult | None:
         """The combined answer once every rank answered `result.call_id`, else None."""
@@ -129,11 +145,18 @@ class Router:
         got = self._calls.get(result.call_id)
         if got is None:
             return None
-        got.append(result)
+        got[rank] = result
         if len(got) < self.size:
             return None
         del self._calls[result.call_id]
-        return _combine(result.call_id, got)
+        return _combine(result.call_id, [got[r] for r in range(self.size)])
+
+    def pending(self, rank: int) -> bool:
+        """Whether `rank` owes the frontend a message: the answer to a utility call, or steps of
+        the requests routed to it that are unfinished (none while paused: it does not step)."""
+        if any(rank not in got for got in self._calls.values()):
+            return True
+        return self.in_flight[rank] > 0 and not self.paused
 
 
 def _combine(call_id: int, results: list[UtilityResult]) -> UtilityResult:
@@ -198,6 +221,7 @@ async def open_data_parallel_client(
                 opened = open_process_core(own, core_factory=core_factory)
             ranks.append(await stack.enter_async_context(opened))
         router = Router(size)
+        timeout = config.actor.engine_output_timeout_s
         ready = Ready(
             min(r.ready.num_kv_blocks for r in ranks),  # a request runs on one rank
             ranks[0].ready.block_size,
@@ -223,13 +247,13 @@ async def open_data_parallel_client(
             forwarders = [anyio.CancelScope() for _ in ranks]
             async with anyio.create_task_group() as merge:
                 for rank, r in enumerate(ranks):
-                    merge.start_soon(_merge_outputs, rank, r.outputs, out_send.clone(), router, forwarders)
+                    merge.start_soon(_merge_outputs, rank, r, out_send.clone(), router, forwarders, timeout)
                 out_send.close()
                 try:
                     yield client
                 finally:
-                    for r in ranks:  # the frontend may have declared the engine hung
-                        r.shutdown_grace_s = client.shutdown_grace_s
+                    for r in ranks:  # the frontend (or a rank's watchdog) may have declared it hung
+                        r.shutdown_grace_s = min(r.shutdown_grace_s, client.shutdown_grace_s)
                     in_send.close()
                     merge.cancel_scope.cancel()
             tg.cancel_scope.cancel()
@@ -261,8 +285,8 @@ async def _route_inputs(
                 case AbortRequests(request_ids=ids):
                     for rank, group in router.abort(ids).items():
                         _send(ranks[rank], AbortRequests(group))
-                case UtilityCall(call_id=cid):
-                    router.expect(cid)
+                case UtilityCall():
+                    router.expect(msg)
                     for stream in ranks:
                         _send(stream, msg)
                 case Shutdown():
@@ -272,29 +296,85 @@ async def _route_inputs(
 
 async def _merge_outputs(
     rank: int,
-    outputs: MemoryObjectReceiveStream[CoreOutput],
+    client: CoreClient,
     merged: MemoryObjectSendStream[CoreOutput],
     router: Router,
     forwarders: list[anyio.CancelScope],
+    silence_s: float | None,
 ) -> None:
+    """Forward rank `rank`'s outputs until its death, which ends every forwarder: its own
+    `EngineDead`, or (with `silence_s`, `engine_output_timeout_s`) its watchdog's finding that it
+    owes a message and sent nothing for `silence_s` seconds."""
     with forwarders[rank], merged:
-        async for msg in outputs:
+        line = _RankLine(rank, client.outputs, merged, router)
+        hung: list[EngineDeadError] = []
+        death: EngineDead | None = None
+        async with anyio.create_task_group() as watch:
+            if silence_s is not None:
+
+                def declare(error: EngineDeadError) -> None:
+                    hung.append(error)
+                    client.shutdown_grace_s = 0.0  # its step will not end: no grace
+                    watch.cancel_scope.cancel()
+
+                watchdog = Watchdog(silence_s, line.owes, declare)
+                line.heard = watchdog.heard
+                watch.start_soon(watchdog.run)
+            death = await line.forward()
+            watch.cancel_scope.cancel()
+        if death is None and hung:
+            death = EngineDead(str(hung[0]))
+        if death is None:
+            return
+        log.error("data parallel rank %d died: %s", rank, death.message)
+        await merged.send(EngineDead(f"data parallel rank {rank}: {death.message}", death.traceback))
+        for scope in forwarders:  # the merged stream ends with the first death
+            scope.cancel()
+
+
+class _RankLine:
+    """One rank's output stream, forwarded into the merged one."""
+
+    def __init__(
+        self,
+        rank: int,
+        outputs: MemoryObjectReceiveStream[CoreOutput],
+        merged: MemoryObjectSendStream[CoreOutput],
+        router: Router,
+    ) -> None:
+        self.rank = rank
+        self.outputs = outputs
+        self.merged = merged
+        self.router = router
+        self.heard: Callable[[], None] = lambda: None  # the rank's watchdog clock
+        self._holding = False  # a message of the rank's not delivered yet (the frontend lags)
+
+    def owes(self) -> bool:
+        """The watchdog's "work pending": the rank owes a message and this forwarder holds none
+        (one held here, waiting for room in the merged stream, is the frontend lagging, not the
+        rank silent)."""
+        return not self._holding and self.router.pending(self.rank)
+
+    async def forward(self) -> EngineDead | None:
+        """Until the rank's stream ends (None) or it reports its death."""
+        rank, router = self.rank, self.router
+        async for msg in self.outputs:
+            self._holding = True
             match msg:
                 case OutputBatch():
                     router.observe(rank, msg)
-                    await merged.send(msg)
+                    await self.merged.send(msg)
                 case RequestError(request_id=rid):
                     router.release(rid)
-                    await merged.send(msg)
+                    await self.merged.send(msg)
                 case UtilityResult():
                     combined = router.gather(rank, msg)
                     if combined is not None:
-                        await merged.send(combined)
-                case EngineDead(message=message, traceback=tb):
-                    log.error("data parallel rank %d died: %s", rank, message)
-                    await merged.send(EngineDead(f"data parallel rank {rank}: {message}", tb))
-                    for scope in forwarders:  # the merged stream ends with the first death
-                        scope.cancel()
-                    return
+                        await self.merged.send(combined)
+                case EngineDead():
+                    return msg
                 case _:
-                    await merged.send(msg)
+                    await self.merged.send(msg)
+            self._holding = False
+            self.heard()  # delivered: the clock runs from here
+        return None

@@ -7,6 +7,11 @@ on every stream, `errored`, new requests refused, `check_health` raises). The co
 torn down by the usual bounded teardown at shutdown (a hung in-process step's thread is
 abandoned; a hung child is killed). It checks every `timeout / 8`, so the death is declared
 between `timeout` and `1.125 * timeout` after the last message.
+
+One watchdog is one clock. The frontend runs one over everything the core client delivers;
+with data parallel (`actors/data_parallel.py`) each rank's forwarder runs one more over that
+rank alone (its `pending`: the rank owes a message), so a rank that hangs while the others
+produce is found too, and its death names the rank.
 """
 
 from __future__ import annotations

@@ -7,7 +7,9 @@ A plan has three parts, each a strategy here, and `fault_plans()` draws all thre
 - the clients: `client_steps()` draws a list of `Submit` (a request), `Stop` (the consumer
   cancels its scope, calls `llm.abort`, or breaks out at its next output; an HTTP client's
   disconnect is a cancel), `Wait` (one checkpoint, a short sleep, or the target's next output)
-  and, with `kill=True`, `Kill` (SIGKILL the engine-core child: `kill_core_process`). A
+  and, with `kill=True`, `Kill` (SIGKILL the engine-core child: `kill_core_process`); with
+  `extra=[hang_ranks(size)]`, `HangRank` (SIGSTOP one data-parallel rank's process: a rank
+  that hangs while the others go on, for its watchdog to find). A
   step's `target` is an index into the requests submitted so far, taken modulo their number,
   so every drawn plan is valid and shrinks well;
 - the ending: `endings()`: "drain" (every consumer ends, then shut down), "shutdown_now"
@@ -33,6 +35,7 @@ __all__ = [
     "ENDINGS",
     "FAULTS",
     "FaultPlan",
+    "HangRank",
     "Kill",
     "Stop",
     "Submit",
@@ -41,6 +44,7 @@ __all__ = [
     "endings",
     "fake_cores",
     "fault_plans",
+    "hang_ranks",
     "stops",
     "submits",
     "waits",
@@ -76,6 +80,15 @@ class Kill:
 
 
 @dataclass(frozen=True)
+class HangRank:
+    """Hang data-parallel rank `rank`: `kill_core_process(llm, signal.SIGSTOP, rank)`. Its
+    streams stop while the other ranks' go on, until `engine_output_timeout_s` (set it short)
+    declares the engine dead naming the rank; shutdown then kills the stopped process."""
+
+    rank: int
+
+
+@dataclass(frozen=True)
 class FaultPlan:
     core: FakeCore
     steps: list[Any] = field(default_factory=list)
@@ -92,6 +105,13 @@ def stops(hows: Sequence[str] = ("cancel", "abort", "break"), max_target: int = 
 
 def waits(hows: Sequence[str] = ("tick", "sleep", "output"), max_target: int = 40) -> st.SearchStrategy[Wait]:
     return st.builds(Wait, st.sampled_from(list(hows)), st.integers(0, max_target))
+
+
+def hang_ranks(size: int = 2) -> st.SearchStrategy[HangRank]:
+    """`HangRank` of one of `size` data-parallel ranks (pass it in `client_steps(extra=...)`)."""
+    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+        raise ValueError(f"size: must be a number of data-parallel ranks >= 1, got {size!r}")
+    return st.builds(HangRank, st.integers(0, size - 1))
 
 
 def client_steps(

@@ -9,21 +9,37 @@ errors. The router's rule itself is unit-tested without processes.
 
 from __future__ import annotations
 
+import math
 import os
 import random
 import signal
-from contextlib import aclosing
+from collections.abc import AsyncIterator
+from contextlib import aclosing, asynccontextmanager
 from pathlib import Path
 
 import anyio
 import psutil
 import pytest
+from anyio.abc import TaskGroup
+from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
+from trio.testing import MockClock
 
 from triollm.actors.async_llm import AsyncEngineArgs, AsyncLLM
-from triollm.actors.data_parallel import Router, rank_threads
+from triollm.actors.core_client import SHUTDOWN_GRACE_S, CoreClient
+from triollm.actors.data_parallel import Router, _merge_outputs, rank_threads
 from triollm.actors.errors import EngineDeadError
 from triollm.actors.llm import LLM
-from triollm.actors.messages import OutputBatch, StepStats
+from triollm.actors.messages import (
+    CoreInput,
+    CoreOutput,
+    EngineDead,
+    OutputBatch,
+    Ready,
+    StepStats,
+    UtilityCall,
+    UtilityOp,
+    UtilityResult,
+)
 from triollm.engine.sampling_params import RequestOutputKind, SamplingParams
 
 pytestmark = pytest.mark.anyio
@@ -71,6 +87,128 @@ def test_aborts_go_to_the_owner_and_unknown_ids_are_dropped() -> None:
     assert by_rank == {owners["a"]: ["a"], owners["c"]: ["c"]}
     assert set(router.owner) == {"b"}
     assert sum(router.in_flight) == 1
+
+
+def test_a_rank_owes_answers_to_calls_and_steps_to_its_unfinished_requests_unless_paused() -> None:
+    router = Router(2)
+    assert not router.pending(0) and not router.pending(1)  # idle
+    rank = router.assign("a")
+    assert router.pending(rank) and not router.pending(1 - rank)
+    router.expect(UtilityCall(1, UtilityOp.PAUSE))  # both owe the answer
+    assert router.pending(0) and router.pending(1)
+    router.gather(rank, UtilityResult(1, True))
+    assert not router.pending(rank) and router.pending(1 - rank)
+    assert router.gather(1 - rank, UtilityResult(1, True)) == UtilityResult(1, True)
+    assert not router.pending(rank)  # paused: its request is frozen, no step owed
+    router.expect(UtilityCall(2, UtilityOp.RESUME))
+    for r in (0, 1):
+        router.gather(r, UtilityResult(2, True))
+    assert router.pending(rank)
+    router.observe(rank, batch(["a"]))
+    assert not router.pending(rank)
+
+
+# ------------------------------------------------------------ each rank's watchdog (virtual time)
+
+MOCK_CLOCK = [pytest.param(("trio", {"clock": MockClock(autojump_threshold=0)}), id="trio-mockclock")]
+
+
+def running(request_ids: list[str]) -> OutputBatch:
+    n = len(request_ids)
+    return OutputBatch(request_ids, [[1]] * n, [-1] * n, [None] * n, [0] * n)
+
+
+@asynccontextmanager
+async def merged_ranks(
+    router: Router, silence_s: float, buffer: int = 64
+) -> AsyncIterator[tuple[list[MemoryObjectSendStream[CoreOutput]], list[CoreClient], MemoryObjectReceiveStream[CoreOutput], TaskGroup]]:
+    """The merge layer of `open_data_parallel_client` over memory streams: what each rank
+    "sends" (`feeds`), the ranks' clients and the merged stream, with rank watchdogs of
+    `silence_s`."""
+    feeds, clients = [], []
+    ready = Ready(16, 16, 256, 256)
+    for _ in range(router.size):
+        in_send, in_recv = anyio.create_memory_object_stream[CoreInput](math.inf)
+        out_send, out_recv = anyio.create_memory_object_stream[CoreOutput](64)
+        in_recv.close()
+        feeds.append(out_send)
+        clients.append(CoreClient(ready, in_send, out_recv))
+    merged_send, merged_recv = anyio.create_memory_object_stream[CoreOutput](buffer)
+    forwarders = [anyio.CancelScope() for _ in clients]
+    try:
+        async with anyio.create_task_group() as tg:
+            for rank, client in enumerate(clients):
+                tg.start_soon(_merge_outputs, rank, client, merged_send.clone(), router, forwarders, silence_s)
+            merged_send.close()
+            yield feeds, clients, merged_recv, tg
+            tg.cancel_scope.cancel()
+    finally:
+        for c in clients:
+            c.inputs.close()
+            c.outputs.close()
+        for feed in feeds:
+            feed.close()
+        merged_recv.close()
+
+
+async def next_death(merged: MemoryObjectReceiveStream[CoreOutput]) -> EngineDead:
+    async for msg in merged:
+        if isinstance(msg, EngineDead):
+            return msg
+    raise AssertionError("the merged stream ended without a death")
+
+
+@pytest.mark.parametrize("anyio_backend", MOCK_CLOCK)
+async def test_a_silent_rank_that_owes_steps_is_declared_hung_while_another_produces() -> None:
+    router = Router(2)
+    assert (router.assign("a"), router.assign("b")) == (0, 1)
+    async with merged_ranks(router, silence_s=1.0) as (feeds, clients, merged, tg):
+
+        async def rank_0() -> None:
+            while True:
+                await feeds[0].send(running(["a"]))
+                await anyio.sleep(0.1)
+
+        tg.start_soon(rank_0)
+        t0 = anyio.current_time()
+        death = await next_death(merged)
+        waited = anyio.current_time() - t0
+    assert 1.0 <= waited <= 1.125 + 1e-9, waited
+    assert death.message == (
+        "data parallel rank 1: the engine core sent nothing for 1.0 s with work pending "
+        "(engine_output_timeout_s=1.0): it is hung"
+    )
+    assert clients[1].shutdown_grace_s == 0.0  # its step will not end: no grace at teardown
+    assert clients[0].shutdown_grace_s == SHUTDOWN_GRACE_S
+
+
+@pytest.mark.parametrize("anyio_backend", MOCK_CLOCK)
+async def test_a_lagging_frontend_or_a_pause_is_no_hang_but_an_unanswered_call_is() -> None:
+    router = Router(2)
+    router.assign("a")
+    router.assign("b")
+    async with merged_ranks(router, silence_s=1.0, buffer=0) as (feeds, _, merged, _):
+        await feeds[1].send(running(["b"]))  # held by rank 1's forwarder: nobody reads
+        feeds[1].send_nowait(running(["b"]))  # and one buffered
+        await feeds[0].send(running(["a"]))
+        await anyio.sleep(10)  # the frontend lags: the ranks are not silent
+        assert isinstance(await merged.receive(), OutputBatch)
+        for _ in range(2):
+            assert isinstance(await merged.receive(), OutputBatch)
+        # Paused (the answers delivered): the requests are frozen, nothing is owed.
+        router.expect(UtilityCall(7, UtilityOp.PAUSE))
+        for feed in feeds:
+            await feed.send(UtilityResult(7, True))
+        assert await merged.receive() == UtilityResult(7, True)
+        await anyio.sleep(10)
+        # A call rank 0 answers and rank 1 does not: rank 1 is hung, paused or not.
+        router.expect(UtilityCall(8, UtilityOp.STATISTICS))
+        await feeds[0].send(UtilityResult(8, StepStats()))
+        t0 = anyio.current_time()
+        death = await next_death(merged)
+        # The clock runs from the last check that found nothing owed: up to 1/8 before the call.
+        assert 0.875 <= anyio.current_time() - t0 <= 1.125 + 1e-9
+    assert death.message.startswith("data parallel rank 1: the engine core sent nothing")
 
 
 def test_threads_are_split_between_ranks() -> None:
