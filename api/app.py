@@ -7,6 +7,11 @@ message ("Unsupported Media Type: Only 'application/json' is allowed"). Bodies a
 incrementally up to a limit (413 above it): `MAX_BODY_BYTES` for generation, the smaller
 `SMALL_BODY_BYTES` for /tokenize and /detokenize. Generation
 endpoints return a `GenerationResponse` (sse.py) that watches for the client's disconnect.
+
+Middleware, outermost first: `RequestLimits` (limits.py: concurrent requests, header count,
+body deadline), CORS when configured, then `APIKeyMiddleware` with `--api-key`: deny by
+default, every route needs the key except the `OPEN_PATHS` (none with `--api-key-all-routes`),
+so a route added later is keyed unless it is opened on purpose.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 import triollm
 from triollm.actors.async_llm import AsyncLLM
+from triollm.api.limits import RequestLimits
 from triollm.api.openai_errors import APIError, bad_request, from_exception
 from triollm.api.openapi import openapi_document
 from triollm.api.protocol import (
@@ -89,8 +95,15 @@ def build_app(state: ServerState) -> Starlette:
         routes.append(metrics)
         api.extra_paths.append("/metrics")
     # ------------------------------------------------------------------------------------------
-    middleware: list[Middleware] = []
-    if settings.allowed_origins:  # outermost: preflight requests never need the API key
+    middleware: list[Middleware] = [
+        Middleware(
+            RequestLimits,
+            limit_concurrency=settings.limit_concurrency,
+            max_header_count=settings.h11_max_header_count,
+            body_timeout=settings.request_body_timeout,
+        )
+    ]
+    if settings.allowed_origins:  # before the key: preflight requests never need it
         middleware.append(
             Middleware(
                 CORSMiddleware,
@@ -104,7 +117,7 @@ def build_app(state: ServerState) -> Starlette:
             Middleware(
                 APIKeyMiddleware,
                 api_key=settings.api_key,
-                extra_paths=KEYED_EXTRA_PATHS if settings.api_key_all_routes else (),
+                open_paths=() if settings.api_key_all_routes else OPEN_PATHS,
             )
         )
     app = Starlette(
@@ -123,25 +136,25 @@ def _metrics_route(state: ServerState) -> BaseRoute | None:
     return Route("/metrics", endpoint, methods=["GET"]) if callable(endpoint) else None
 
 
-# Behind the key too with `--api-key-all-routes` (vLLM leaves them open; so do we by default).
-KEYED_EXTRA_PATHS = ("/tokenize", "/detokenize", "/metrics")
+# Open without the key by default (as vLLM leaves them); behind it with `--api-key-all-routes`.
+# Every other route (/v1/*, /score, and any unknown path) needs the key.
+OPEN_PATHS = ("/health", "/version", "/openapi.json", "/tokenize", "/detokenize", "/metrics")
 
 
 class APIKeyMiddleware:
-    """`Authorization: Bearer <key>` on /v1/* and on `extra_paths` (constant-time compare);
-    other paths (/health, /version, /openapi.json) are open."""
+    """`Authorization: Bearer <key>` on every path but `open_paths` (constant-time compare)."""
 
-    def __init__(self, app: ASGIApp, api_key: str, extra_paths: tuple[str, ...] = ()) -> None:
+    def __init__(self, app: ASGIApp, api_key: str, open_paths: tuple[str, ...] = ()) -> None:
         self.app = app
         self.key = api_key.encode()
-        self.extra_paths = frozenset(p.rstrip("/") for p in extra_paths)
+        self.open_paths = frozenset(p.rstrip("/") for p in open_paths)
 
     def _keyed(self, path: str) -> bool:
-        return path == "/v1" or path.startswith("/v1/") or path.rstrip("/") in self.extra_paths
+        return path.rstrip("/") not in self.open_paths
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         path: str = scope.get("path", "")
-        if scope["type"] == "http" and self._keyed(path):
+        if scope["type"] in ("http", "websocket") and self._keyed(path):
             header = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
             scheme, _, token = header.partition(b" ")
             ok = hmac.compare_digest(token.strip(), self.key)
@@ -254,7 +267,10 @@ class _Endpoints:
             resolve_model(self.state, req.model)
             text, special = req.prompt, req.add_special_tokens
             ids = await maybe_in_thread(lambda: tokenizer.encode(text, special), len(text))
-        strs = tokenizer.convert_ids_to_tokens(ids) if req.return_token_strs else None
+        strs = None
+        if req.return_token_strs:
+            token_ids = ids
+            strs = await maybe_in_thread(lambda: tokenizer.convert_ids_to_tokens(token_ids), len(ids))
         return _json(TokenizeResponse(len(ids), self._model_config().max_model_len, ids, strs))
 
     async def detokenize(self, request: Request) -> Response:
@@ -277,6 +293,7 @@ class _Endpoints:
                 title="triollm OpenAI-compatible API",
                 version=triollm.__version__,
                 api_key=bool(self.state.settings.api_key),
+                all_routes=self.state.settings.api_key_all_routes,
                 extra_paths=self.extra_paths,
             )
             self._openapi = msgspec.json.encode(doc)

@@ -16,6 +16,12 @@ import sys
 from collections.abc import Sequence
 
 from triollm.api.bench import add_bench_parser
+from triollm.api.server import DEFAULT_H11_MAX_INCOMPLETE_EVENT_SIZE, DEFAULT_TIMEOUT_KEEP_ALIVE_S
+from triollm.api.state import (
+    DEFAULT_BODY_TIMEOUT_S,
+    DEFAULT_LIMIT_CONCURRENCY,
+    DEFAULT_MAX_HEADER_COUNT,
+)
 from triollm.engine.config import EngineArgs
 
 DEFAULT_PROMPTS = [
@@ -45,8 +51,13 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--host", default="127.0.0.1", help="(default: %(default)s)")
     serve.add_argument("--port", type=int, default=8000, help="0 picks a free port (default: %(default)s)")
     serve.add_argument("--backlog", type=int, default=2048, help="the listen backlog: connections the kernel queues before the server accepts them (capped by net.core.somaxconn) (default: %(default)s)")
-    serve.add_argument("--api-key", default=os.environ.get("TRIOLLM_API_KEY"), help="require `Authorization: Bearer KEY` on /v1/* (default: $TRIOLLM_API_KEY)")
-    serve.add_argument("--api-key-all-routes", action="store_true", help="with --api-key, require the key on /tokenize, /detokenize and /metrics too (/health and /version stay open)")
+    serve.add_argument("--api-key", default=os.environ.get("TRIOLLM_API_KEY"), help="require `Authorization: Bearer KEY` on every route but /health, /version, /openapi.json, /tokenize, /detokenize and /metrics (default: $TRIOLLM_API_KEY)")
+    serve.add_argument("--api-key-all-routes", action="store_true", help="with --api-key, require the key on every route, /health and /metrics included")
+    serve.add_argument("--timeout-keep-alive", type=float, default=DEFAULT_TIMEOUT_KEEP_ALIVE_S, help="seconds an idle connection stays open, and a new request has to send its headers in (default: %(default)s)")
+    serve.add_argument("--request-body-timeout", type=float, default=DEFAULT_BODY_TIMEOUT_S, help="seconds a request's body has to arrive in, else 408 (default: %(default)s)")
+    serve.add_argument("--limit-concurrency", type=int, default=DEFAULT_LIMIT_CONCURRENCY, help="the most requests served at once, beyond it 503 (/health and /metrics not counted); 0: no cap (default: %(default)s)")
+    serve.add_argument("--h11-max-incomplete-event-size", type=int, default=DEFAULT_H11_MAX_INCOMPLETE_EVENT_SIZE, help="the most bytes of a request line and its headers (default: %(default)s)")
+    serve.add_argument("--h11-max-header-count", type=int, default=DEFAULT_MAX_HEADER_COUNT, help="the most headers in a request, else 431 (default: %(default)s)")
     serve.add_argument("--allowed-origins", default=None, help='CORS origins, a JSON list or comma-separated, e.g. \'["*"]\' (default: no CORS)')
     serve.add_argument("--shutdown-timeout", type=float, default=0.0, help="seconds in-flight requests get on SIGINT/SIGTERM before they are aborted (default: %(default)s)")
     serve.add_argument("--response-role", default="assistant", help="(default: %(default)s)")
@@ -147,8 +158,15 @@ def cmd_serve(ns: argparse.Namespace) -> int:
         chat_template=ns.chat_template,
         max_logprobs=args.max_logprobs,
         disable_log_requests=ns.disable_log_requests,
+        limit_concurrency=ns.limit_concurrency or None,
+        h11_max_header_count=ns.h11_max_header_count,
+        request_body_timeout=ns.request_body_timeout,
     )
-    options = ServeOptions(ns.host, ns.port, settings, ns.shutdown_timeout, ns.worker, ns.backlog)
+    options = ServeOptions(
+        ns.host, ns.port, settings, ns.shutdown_timeout, ns.worker, ns.backlog,
+        timeout_keep_alive=ns.timeout_keep_alive,
+        h11_max_incomplete_event_size=ns.h11_max_incomplete_event_size,
+    )
     return run_server(args, options)
 
 

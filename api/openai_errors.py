@@ -18,6 +18,7 @@ import msgspec
 from starlette.responses import Response
 
 from triollm.actors.errors import EngineBusyError, EngineDeadError, EngineGenerateError
+from triollm.api.log_bounds import shorten
 
 __all__ = [
     "APIError",
@@ -124,8 +125,9 @@ def from_exception(exc: BaseException, *, engine_running: bool = True) -> APIErr
     if isinstance(exc, RuntimeError) and not engine_running:
         return service_unavailable("The server is shutting down")
     if isinstance(exc, EngineGenerateError):
-        log.error("request failed in the engine: %s", exc)
-        return APIError(500, f"The request failed in the engine: {exc}")
+        message = shorten(str(exc))  # it may quote the request's values
+        log.error("request failed in the engine: %s", message)
+        return APIError(500, f"The request failed in the engine: {message}")
     log.error("unexpected error while serving a request", exc_info=exc)
     return APIError(500, f"Internal server error ({type(exc).__name__}); see the server log")
 

@@ -61,8 +61,10 @@ _ERRORS = {
 
 
 def openapi_document(
-    *, title: str, version: str, api_key: bool, extra_paths: list[str]
+    *, title: str, version: str, api_key: bool, extra_paths: list[str], all_routes: bool = False
 ) -> dict[str, Any]:
+    """The document; with `api_key`, the keyed operations carry `security` and a 401 (with
+    `all_routes` every operation, as `--api-key-all-routes` keys every route)."""
     schemas, components = msgspec.json.schema_components(
         _TYPES, ref_template="#/components/schemas/{name}"
     )
@@ -212,4 +214,15 @@ def openapi_document(
     }
     if api_key:
         doc["components"]["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
+    if api_key and all_routes:
+        for methods in paths.values():
+            for op in methods.values():
+                op["security"] = [{"bearer": []}]
+                op["responses"].setdefault(
+                    "401",
+                    {
+                        "description": "Invalid or missing API key",
+                        "content": {"application/json": {"schema": ref[ErrorResponse]}},
+                    },
+                )
     return doc

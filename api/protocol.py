@@ -4,7 +4,9 @@ Requests: unknown fields are ignored (msgspec's default) and listed in one log l
 `decode_request`. JSON nested deeper than msgspec's recursion limit is a `msgspec.DecodeError`
 (a 400), never the parser's `RecursionError` (a 500). Optional sampling fields default to None, meaning "the model's
 generation_config.json default, else OpenAI's". Integers are bounded to int64 so no value
-that passes decoding can overflow a tensor in the engine.
+that passes decoding can overflow a tensor in the engine. Counts that the event loop would
+walk are bounded here too (`MAX_CHAT_MESSAGES`, `MAX_CONTENT_PARTS`, `MAX_ROLE_LEN`), so an
+absurd chat is a 400 naming the field at decoding, before anything is rendered.
 
 Responses: fields OpenAI sends as `null` are present as `null`; stream chunks omit `usage`
 unless it is set, and deltas omit unset `role`/`content` (as vLLM does).
@@ -18,6 +20,9 @@ from typing import Annotated, Any, TypeVar
 import msgspec
 
 __all__ = [
+    "MAX_CHAT_MESSAGES",
+    "MAX_CONTENT_PARTS",
+    "MAX_ROLE_LEN",
     "ChatCompletionChunk",
     "ChatCompletionRequest",
     "ChatCompletionResponse",
@@ -35,6 +40,12 @@ NonNegInt = Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)]
 # OpenAI's own limit on n; each choice is a sequence in the engine.
 NumChoices = Annotated[int, msgspec.Meta(ge=1, le=128)]
 TokenIds = list[Int64]
+# Messages in one chat and content parts in one message (far above any real conversation: each
+# message costs a few template tokens at least), and the length of a role (copied into every
+# choice of the answer).
+MAX_CHAT_MESSAGES = 8192
+MAX_CONTENT_PARTS = 1024
+MAX_ROLE_LEN = 256
 
 T = TypeVar("T")
 
@@ -131,8 +142,8 @@ class ContentPart(msgspec.Struct, kw_only=True):
 
 
 class ChatMessage(msgspec.Struct, kw_only=True):
-    role: str
-    content: str | list[ContentPart] | None = None
+    role: Annotated[str, msgspec.Meta(max_length=MAX_ROLE_LEN)]
+    content: str | Annotated[list[ContentPart], msgspec.Meta(max_length=MAX_CONTENT_PARTS)] | None = None
     name: str | None = None
     tool_call_id: str | None = None
     tool_calls: list[dict[str, Any]] | None = None
@@ -151,7 +162,7 @@ class ChatMessage(msgspec.Struct, kw_only=True):
         return out
 
 
-Messages = Annotated[list[ChatMessage], msgspec.Meta(min_length=1)]
+Messages = Annotated[list[ChatMessage], msgspec.Meta(min_length=1, max_length=MAX_CHAT_MESSAGES)]
 
 
 class ChatCompletionRequest(SamplingFields, kw_only=True):

@@ -13,6 +13,11 @@ The port is bound before the model loads, so a taken port fails at once and earl
 in the listen backlog (`--backlog`, given to Hypercorn too: it re-listens on the socket, with its
 own default of 100 otherwise, and a burst of connections beyond it is reset). Hypercorn's own graceful timeout is only a backstop: the app ends every
 stream itself (Hypercorn's asyncio worker did not exit while an SSE stream stayed open).
+
+Slow clients: Hypercorn closes a connection whose request headers are not complete within
+`--timeout-keep-alive` seconds of its opening (or of its previous response), and refuses
+headers over `--h11-max-incomplete-event-size` bytes; the app times the body and caps
+concurrent requests (api/limits.py, which also says what is not bounded).
 """
 
 from __future__ import annotations
@@ -30,12 +35,22 @@ from triollm.actors.async_llm import AsyncLLM
 from triollm.api.state import ServerSettings, ServerState
 from triollm.engine.config import EngineArgs
 
-__all__ = ["DEFAULT_BACKLOG", "ServeOptions", "default_model_name", "run_server", "serve"]
+__all__ = [
+    "DEFAULT_BACKLOG",
+    "DEFAULT_H11_MAX_INCOMPLETE_EVENT_SIZE",
+    "DEFAULT_TIMEOUT_KEEP_ALIVE_S",
+    "ServeOptions",
+    "default_model_name",
+    "run_server",
+    "serve",
+]
 
 log = logging.getLogger("triollm")
 
 _HYPERCORN_GRACE_S = 3.0
 DEFAULT_BACKLOG = 2048  # the kernel caps it at net.core.somaxconn
+DEFAULT_TIMEOUT_KEEP_ALIVE_S = 5.0  # vLLM's (uvicorn's) and Hypercorn's default
+DEFAULT_H11_MAX_INCOMPLETE_EVENT_SIZE = 16 * 1024  # Hypercorn's default: request line + headers
 
 
 @dataclass(frozen=True)
@@ -46,6 +61,10 @@ class ServeOptions:
     shutdown_timeout: float = 0.0
     worker: str = "trio"
     backlog: int = DEFAULT_BACKLOG
+    # Seconds an idle connection stays open, and a new request has to send its headers in.
+    timeout_keep_alive: float = DEFAULT_TIMEOUT_KEEP_ALIVE_S
+    # The most bytes of a request line and headers (431/400 and the connection closed above).
+    h11_max_incomplete_event_size: int = DEFAULT_H11_MAX_INCOMPLETE_EVENT_SIZE
 
 
 def default_model_name(engine_args: EngineArgs) -> str:
@@ -73,6 +92,12 @@ def run_server(engine_args: EngineArgs, options: ServeOptions) -> int:
         raise ValueError(f"worker: {options.worker!r} is not one of trio, asyncio")
     if options.backlog < 1:
         raise ValueError(f"backlog: must be at least 1, got {options.backlog}")
+    if not 0 < options.timeout_keep_alive < float("inf"):
+        raise ValueError(f"timeout_keep_alive: must be a positive number of seconds, got {options.timeout_keep_alive}")
+    if options.h11_max_incomplete_event_size < 1024:
+        raise ValueError(
+            f"h11_max_incomplete_event_size: must be at least 1024 bytes, got {options.h11_max_incomplete_event_size}"
+        )
     sock = bind_socket(options.host, options.port, options.backlog)
     try:
         return anyio.run(serve, engine_args, options, sock, backend=options.worker)
@@ -94,7 +119,12 @@ async def serve(
         state = ServerState(llm, settings)
         _attach_metrics(state)
         app = build_app(state)
-        config = _hypercorn_config(sock, options.backlog)
+        config = _hypercorn_config(
+            sock,
+            options.backlog,
+            timeout_keep_alive=options.timeout_keep_alive,
+            h11_max_incomplete_event_size=options.h11_max_incomplete_event_size,
+        )
         host, port = sock.getsockname()[:2]
         url = f"http://{host}:{port}"
         stop = anyio.Event()
@@ -165,7 +195,13 @@ async def _watch_signals(stop: anyio.Event, escalate: anyio.Event | None = None)
             stop.set()
 
 
-def _hypercorn_config(sock: socket.socket, backlog: int = DEFAULT_BACKLOG):  # type: ignore[no-untyped-def]
+def _hypercorn_config(  # type: ignore[no-untyped-def]
+    sock: socket.socket,
+    backlog: int = DEFAULT_BACKLOG,
+    *,
+    timeout_keep_alive: float = DEFAULT_TIMEOUT_KEEP_ALIVE_S,
+    h11_max_incomplete_event_size: int = DEFAULT_H11_MAX_INCOMPLETE_EVENT_SIZE,
+):
     from hypercorn.config import Config
 
     config = Config()
@@ -175,7 +211,11 @@ def _hypercorn_config(sock: socket.socket, backlog: int = DEFAULT_BACKLOG):  # t
     config.graceful_timeout = _HYPERCORN_GRACE_S
     config.accesslog = None
     config.errorlog = logging.getLogger("hypercorn.error")
-    config.keep_alive_timeout = 30
+    # Hypercorn's idle timer: from a connection's opening (or its last response) until a
+    # request's headers are complete, whatever bytes trickle in meanwhile; then it closes.
+    config.keep_alive_timeout = timeout_keep_alive
+    config.h11_max_incomplete_size = h11_max_incomplete_event_size
+    config.read_timeout = None  # per read: it would cut a client waiting for a long answer
     return config
 
 

@@ -15,6 +15,7 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import Response
 
+from triollm.api.log_bounds import short_repr
 from triollm.api.openai_errors import bad_request
 from triollm.api.protocol import (
     ChatChoice,
@@ -63,6 +64,7 @@ async def create_chat_completion(
     check_available(state)
     req = await decode_body(request, ChatCompletionRequest)
     model = resolve_model(state, req.model)
+    response_id = f"chatcmpl-{request_id_base(request, req.request_id)}"
     timer = start_timer(state, model)
     stream, include_usage, continuous = stream_flags(req)
     _check_unsupported(req)
@@ -97,12 +99,12 @@ async def create_chat_completion(
         continue_final_message=req.continue_final_message,
         template_kwargs=req.chat_template_kwargs,
     )
-    response_id = f"chatcmpl-{request_id_base(request, req.request_id)}"
     beam = beam_search_params(req, max_tokens, llm.get_model_config().max_model_len)
     job = Job({"prompt": text, "prompt_token_ids": token_ids}, params, response_id, req.priority, beam)
     if not state.settings.disable_log_requests:
         log.info(
-            "Received request %s: %d prompt tokens, params: %r", response_id, len(token_ids), params
+            "Received request %s: %d prompt tokens, params: %s",
+            response_id, len(token_ids), short_repr(params),
         )
     role = state.settings.response_role if req.add_generation_prompt else req.messages[-1].role
     formatter = ChatFormatter(

@@ -1,6 +1,13 @@
 """What the completion, chat and tokenize handlers share: availability and model checks,
-body reading, sampling-parameter building, logprob helpers, and the HTTP side of chat
-rendering (the rendering itself is `Tokenizer.render_chat`)."""
+body reading, request ids, sampling-parameter building, logprob helpers, and the HTTP side of
+chat rendering (the rendering itself is `Tokenizer.render_chat`).
+
+Work on the event loop is sized before it is done: a body is decoded, a chat rendered and
+tokenized, in a worker thread once it is large (`maybe_in_thread`). A chat's size is not its
+text: every string the template may see counts (role, name, tool calls, content parts, the
+template kwargs), plus a fixed cost per message and per part, so fifty thousand one-letter
+messages weigh what they cost to render (`chat_size`). Counts are capped at decoding
+(protocol.py), client ids here (`MAX_REQUEST_ID_LEN`)."""
 
 from __future__ import annotations
 
@@ -16,6 +23,7 @@ import anyio
 import msgspec
 from starlette.requests import ClientDisconnect, Request
 
+from triollm.api.log_bounds import shorten
 from triollm.api.openai_errors import APIError, bad_request, service_unavailable
 from triollm.api.protocol import (
     ChatMessage,
@@ -37,9 +45,12 @@ from triollm.engine.sampling_params import (
 
 __all__ = [
     "MAX_BODY_BYTES",
+    "MAX_REQUEST_ID_LEN",
     "SMALL_BODY_BYTES",
     "beam_search_params",
     "build_sampling_params",
+    "chat_size",
+    "items_size",
     "structured_outputs_params",
     "check_available",
     "check_logprobs",
@@ -63,6 +74,13 @@ SMALL_BODY_BYTES = 1024 * 1024
 LARGE_TEXT = 8192
 # Above this many bytes, a request body is decoded in a worker thread.
 LARGE_BODY = 1024 * 1024
+# The longest request id a client may send (body `request_id`, header `X-Request-Id`), as
+# vLLM-sized ids go: it is copied into every engine request, output batch and log line of the
+# request, with the server's prefix and suffixes (the engine's own bound is above it).
+MAX_REQUEST_ID_LEN = 256
+# What rendering a chat message or content part costs beyond its strings, in characters.
+_MESSAGE_CHARS = 32
+_PART_CHARS = 16
 # Optional sampling fields passed to SamplingParams only when the request sets them (otherwise
 # the model's generation_config.json default, else SamplingParams' own default, applies).
 _OPTIONAL_FIELDS = (
@@ -128,12 +146,20 @@ def resolve_model(state: ServerState, name: str | None) -> str:
     if name is None or name == "":
         return names[0]
     if name not in names:
-        raise APIError(404, f"The model `{name}` does not exist.", "model")
+        raise APIError(404, f"The model `{shorten(name, 100)}` does not exist.", "model")
     return name
 
 
 def request_id_base(request: Request, request_id: str | None) -> str:
-    return request_id or request.headers.get("x-request-id") or uuid.uuid4().hex
+    """The client's id (body `request_id`, else the `X-Request-Id` header), else a fresh one;
+    400 naming the field for an id over `MAX_REQUEST_ID_LEN` characters."""
+    header = request.headers.get("x-request-id")
+    for name, value in (("request_id", request_id), ("X-Request-Id", header)):
+        if value is not None and len(value) > MAX_REQUEST_ID_LEN:
+            raise bad_request(
+                f"{name}: at most {MAX_REQUEST_ID_LEN} characters, got {len(value)}", name
+            )
+    return request_id or header or uuid.uuid4().hex
 
 
 def start_timer(state: ServerState, model: str) -> Any:
@@ -330,13 +356,13 @@ async def render_chat(
     template_kwargs: dict[str, Any] | None,
     add_special_tokens: bool = False,
 ) -> tuple[str, list[int]]:
-    """`Tokenizer.render_chat` for a request's messages, in a worker thread for large chats.
-    Its ValueErrors name the field, so they become 400s with the right `param`."""
-    dicts = [m.to_dict() for m in messages]
+    """`Tokenizer.render_chat` for a request's messages, in a worker thread for large chats
+    (`chat_size` of the messages and `template_kwargs` over `LARGE_TEXT`). Its ValueErrors
+    name the field, so they become 400s with the right `param`."""
 
     def work() -> tuple[str, list[int]]:
         return tokenizer.render_chat(
-            dicts,
+            [m.to_dict() for m in messages],
             add_generation_prompt=add_generation_prompt,
             continue_final_message=continue_final_message,
             chat_template=template,
@@ -344,7 +370,8 @@ async def render_chat(
             add_special_tokens=add_special_tokens,
         )
 
-    return await maybe_in_thread(work, _chat_size(messages))
+    size = chat_size(messages, template_kwargs, stop_above=LARGE_TEXT)
+    return await maybe_in_thread(work, size)
 
 
 async def maybe_in_thread(fn: Callable[[], R], size: int, threshold: int = LARGE_TEXT) -> R:
@@ -353,11 +380,67 @@ async def maybe_in_thread(fn: Callable[[], R], size: int, threshold: int = LARGE
     return fn()
 
 
-def _chat_size(messages: Sequence[ChatMessage]) -> int:
+def items_size(value: object, stop_above: int = LARGE_TEXT) -> int:
+    """A prompt list's size for `maybe_in_thread`: its items plus the lengths of those that are
+    strings or lists (token ids), counted no further than just past `stop_above`."""
+    if not isinstance(value, list | str):
+        return 0
+    if isinstance(value, str) or len(value) > stop_above:
+        return len(value)
+    total = len(value)
+    for item in value:
+        if isinstance(item, list | str):
+            total += len(item)
+            if total > stop_above:
+                break
+    return total
+
+
+def chat_size(messages: Sequence[ChatMessage], *extra: object, stop_above: int | None = None) -> int:
+    """What rendering `messages` (and the JSON values in `extra`: template kwargs, tools) costs,
+    in characters: every string in them, plus `_MESSAGE_CHARS` per message and `_PART_CHARS`
+    per content part or JSON value. With `stop_above`, the count stops as soon as it passes it
+    (the walk then costs O(stop_above), however large the chat)."""
+    limit = stop_above if stop_above is not None else math.inf
     total = 0
     for m in messages:
+        total += _MESSAGE_CHARS + len(m.role) + len(m.name or "") + len(m.tool_call_id or "")
         if isinstance(m.content, str):
             total += len(m.content)
         elif m.content is not None:
-            total += sum(len(p.text or "") for p in m.content)
+            for part in m.content:
+                total += _PART_CHARS + len(part.type) + len(part.text or "")
+                if total > limit:
+                    return total
+        if m.tool_calls is not None:
+            total += _json_size(m.tool_calls, limit - total)
+        if total > limit:
+            return total
+    for value in extra:
+        total += _json_size(value, limit - total)
+        if total > limit:
+            break
+    return total
+
+
+def _json_size(value: object, limit: float) -> int:
+    """The strings in a decoded JSON value plus `_PART_CHARS` per value, walked without
+    recursion and stopped once over `limit`."""
+    total = 0
+    stack = [value]
+    while stack and total <= limit:
+        item = stack.pop()
+        total += _PART_CHARS
+        if isinstance(item, str):
+            total += len(item)
+        elif isinstance(item, dict):
+            for key, child in item.items():
+                total += _PART_CHARS + (len(key) if isinstance(key, str) else 0)
+                stack.append(child)
+                if total > limit:
+                    break
+        elif isinstance(item, list | tuple):
+            # Each child costs at least _PART_CHARS: no more than this many can fit.
+            room = int((limit - total) // _PART_CHARS) + 1 if limit != math.inf else len(item)
+            stack.extend(item[:room])
     return total

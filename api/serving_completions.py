@@ -17,6 +17,7 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import Response
 
+from triollm.api.log_bounds import short_repr
 from triollm.api.openai_errors import bad_request
 from triollm.api.protocol import (
     CompletionChoice,
@@ -35,6 +36,7 @@ from triollm.api.serving_common import (
     clamp_logprob,
     created_now,
     decode_body,
+    maybe_in_thread,
     output_kind,
     prompt_logprobs_out,
     request_id_base,
@@ -62,6 +64,7 @@ async def create_completion(state: ServerState, request: Request) -> Response:
     check_available(state)
     req = await decode_body(request, CompletionRequest)
     model = resolve_model(state, req.model)
+    response_id = f"cmpl-{request_id_base(request, req.request_id)}"
     timer = start_timer(state, model)
     stream, include_usage, continuous = stream_flags(req)
     if req.suffix:
@@ -70,8 +73,14 @@ async def create_completion(state: ServerState, request: Request) -> Response:
         raise bad_request("best_of: only best_of == n is supported", "best_of")
     check_logprobs(state, "logprobs", req.logprobs)
     check_logprobs(state, "prompt_logprobs", req.prompt_logprobs)
-    prompts = normalize_prompts(req.prompt)
+    if isinstance(req.prompt, list) and req.prompt and not isinstance(req.prompt[0], int):
+        check_num_prompts(state, len(req.prompt))  # a list of prompts: counted before any walk
+    prompt = req.prompt
+    prompts = await maybe_in_thread(
+        lambda: normalize_prompts(prompt), len(prompt) if isinstance(prompt, list) else 0
+    )
     check_num_prompts(state, len(prompts))
+    check_num_sequences(state, len(prompts), req.n)
     llm = state.llm
     defaults = llm.get_model_config().generation_defaults
     prompt_logprobs = req.prompt_logprobs
@@ -86,14 +95,16 @@ async def create_completion(state: ServerState, request: Request) -> Response:
         kind=output_kind(stream, timer),
         structured=await structured_outputs_params(req),
     )
-    response_id = f"cmpl-{request_id_base(request, req.request_id)}"
     beam = beam_search_params(req, req.max_tokens, llm.get_model_config().max_model_len)
     jobs = [
         Job(p, params if i == 0 else params.clone(), f"{response_id}-{i}", req.priority, beam)
         for i, p in enumerate(prompts)
     ]
     if not state.settings.disable_log_requests:
-        log.info("Received request %s: %d prompt(s), params: %r", response_id, len(jobs), params)
+        log.info(
+            "Received request %s: %d prompt(s), params: %s",
+            response_id, len(jobs), short_repr(params),
+        )
     formatter = CompletionFormatter(
         response_id=response_id,
         model=model,
@@ -121,6 +132,22 @@ def check_num_prompts(state: ServerState, count: int) -> None:
     if limit is not None and count > limit:
         raise bad_request(
             f"prompt: {count} prompts exceed max_prompts_per_request ({limit})", "prompt"
+        )
+
+
+def check_num_sequences(state: ServerState, num_prompts: int, n: int | None) -> None:
+    """400 for a body whose prompts x `n` sequences exceed what the engine ever holds at once
+    (`max_num_seqs` running + `max_num_queued_reqs` queued): it could only end in 429s, after
+    every sequence was built. Checked before any prompt is tokenized."""
+    config = state.llm.config
+    if config is None or config.limits.max_num_queued_reqs is None or not isinstance(n, int):
+        return
+    room = config.scheduler.max_num_seqs + config.limits.max_num_queued_reqs
+    if num_prompts * n > room:
+        raise bad_request(
+            f"n: {num_prompts} prompt(s) x n={n} = {num_prompts * n} sequences exceed what the "
+            f"engine holds at once (max_num_seqs + max_num_queued_reqs = {room})",
+            "n",
         )
 
 

@@ -43,6 +43,8 @@ from triollm.api.serving_common import (
     check_available,
     created_now,
     decode_body,
+    items_size,
+    maybe_in_thread,
     request_id_base,
     resolve_model,
 )
@@ -77,16 +79,26 @@ async def create_embedding(state: ServerState, request: Request) -> Response:
             f"encoding_format: {req.encoding_format!r} is not one of {', '.join(ENCODING_FORMATS)}",
             "encoding_format",
         )
-    prompts: list[PromptType] = list(embedding_inputs(req.input))
+    rid = f"embd-{request_id_base(request, req.request_id)}"
+    value = req.input
+    if isinstance(value, list) and value and not isinstance(value[0], int):
+        _check_count(state, len(value), "input")  # a list of inputs: counted before any walk
+    prompts: list[PromptType] = list(
+        await maybe_in_thread(lambda: embedding_inputs(value), items_size(value))
+    )
     _check_count(state, len(prompts), "input")
     if not req.add_special_tokens:
         tokenizer = state.llm.get_tokenizer()
-        prompts = [
-            {"prompt": p, "prompt_token_ids": tokenizer.encode(p, add_special_tokens=False)} if isinstance(p, str) else p
-            for p in prompts
-        ]
+        texts = prompts
+        prompts = await maybe_in_thread(
+            lambda: [
+                {"prompt": p, "prompt_token_ids": tokenizer.encode(p, add_special_tokens=False)}
+                if isinstance(p, str) else p
+                for p in texts
+            ],
+            sum(len(p) + 16 for p in texts if isinstance(p, str)),  # 16: a call's fixed cost
+        )
     params = _params(req.truncate_prompt_tokens, req.dimensions, req.normalize)
-    rid = f"embd-{request_id_base(request, req.request_id)}"
     outputs = await _encode_all(state, prompts, params, rid, req.priority, "input")
     data = [
         EmbeddingResponseData(i, _encode_vector(out.outputs.data, req.encoding_format))
@@ -104,8 +116,10 @@ async def create_score(state: ServerState, request: Request) -> Response:
     req = await decode_body(request, ScoreRequest)
     model = resolve_model(state, req.model)
     require_runner(state, "pooling", "Score API")
+    rid = f"score-{request_id_base(request, req.request_id)}"
     name_1, value_1 = _side(req, ("text_1", "data_1", "queries"))
     name_2, value_2 = _side(req, ("text_2", "data_2", "documents"))
+    _check_count(state, _count(value_1) + _count(value_2), name_2)  # before any list is walked
     texts_1, texts_2 = score_texts(value_1, name_1), score_texts(value_2, name_2)
     if len(texts_1) > 1 and len(texts_1) != len(texts_2):
         raise bad_request(
@@ -114,7 +128,6 @@ async def create_score(state: ServerState, request: Request) -> Response:
         )
     _check_count(state, len(texts_1) + len(texts_2), name_2)
     params = _params(req.truncate_prompt_tokens, None, None)
-    rid = f"score-{request_id_base(request, req.request_id)}"
     firsts = await _encode_all(state, list(texts_1), params, f"{rid}-a", req.priority, name_1)
     seconds = await _encode_all(state, list(texts_2), params, f"{rid}-b", req.priority, name_2)
     if len(firsts) == 1:
@@ -126,6 +139,10 @@ async def create_score(state: ServerState, request: Request) -> Response:
     tokens = sum(len(a.prompt_token_ids) + len(b.prompt_token_ids) for a, b in zip(firsts, seconds))
     body = ScoreResponse(id=rid, created=created_now(), model=model, data=data, usage=PoolingUsage(tokens, tokens))
     return _json(body)
+
+
+def _count(value: object) -> int:
+    return len(value) if isinstance(value, list) else 1
 
 
 def _side(req: ScoreRequest, names: tuple[str, ...]) -> tuple[str, Any]:

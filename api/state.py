@@ -13,18 +13,36 @@ from triollm.actors.async_llm import AsyncLLM
 
 __all__ = ["ServerSettings", "ServerState"]
 
+DEFAULT_LIMIT_CONCURRENCY = 2048  # as many as the default listen backlog queues
+DEFAULT_MAX_HEADER_COUNT = 256  # vLLM's default
+DEFAULT_BODY_TIMEOUT_S = 60.0  # a 64 MiB body at about 1 MiB/s
+
 
 @dataclass(frozen=True)
 class ServerSettings:
     served_model_names: tuple[str, ...]
     api_key: str | None = None
-    # `--api-key-all-routes`: /tokenize, /detokenize and /metrics need the key too.
+    # `--api-key-all-routes`: every route needs the key (by default /health, /version,
+    # /openapi.json, /tokenize, /detokenize and /metrics are open).
     api_key_all_routes: bool = False
     allowed_origins: tuple[str, ...] = ()
     response_role: str = "assistant"
     chat_template: str | None = None
     max_logprobs: int = 20
     disable_log_requests: bool = False
+    # What one request may hold (api/limits.py): concurrent requests (None: no cap), headers,
+    # and the seconds its body may take to arrive.
+    limit_concurrency: int | None = DEFAULT_LIMIT_CONCURRENCY
+    h11_max_header_count: int = DEFAULT_MAX_HEADER_COUNT
+    request_body_timeout: float = DEFAULT_BODY_TIMEOUT_S
+
+    def __post_init__(self) -> None:
+        if self.limit_concurrency is not None and self.limit_concurrency < 1:
+            raise ValueError(f"limit_concurrency: must be at least 1 (or None: no cap), got {self.limit_concurrency}")
+        if self.h11_max_header_count < 1:
+            raise ValueError(f"h11_max_header_count: must be at least 1, got {self.h11_max_header_count}")
+        if not 0 < self.request_body_timeout < float("inf"):
+            raise ValueError(f"request_body_timeout: must be a positive number of seconds, got {self.request_body_timeout}")
 
 
 @dataclass

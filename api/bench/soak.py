@@ -55,13 +55,14 @@ def _hostile(model: str) -> list[tuple[str, str, Any]]:
     base = {"model": model, "prompt": "Hello", "max_tokens": 4}
     return [
         ("schema-big-int", c, {**base, "structured_outputs": {"json": {"type": "integer", "maximum": 2**64 + 5}}}),
-        ("schema-big-enum", chat, {"model": model, "messages": [{"role": "user", "content": "hi"}],
+        ("schema-big-enum", chat, {"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4,
                                    "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"enum": [10**30]}}}}),
         ("huge-request-id", c, {**base, "request_id": "x" * 100_000}),
         ("fan-out", c, {**base, "prompt": ["Hello there"] * 1024, "n": 128}),
-        ("many-messages", chat, {"model": model, "messages": [{"role": "user", "content": "a"}] * 50_000}),
-        ("huge-name", chat, {"model": model, "messages": [{"role": "user", "content": "a", "name": "n" * 3_000_000}]}),
-        ("many-parts", chat, {"model": model, "messages": [{"role": "user", "content": [{"type": "text", "text": "a"}] * 20_000}]}),
+        ("many-messages", chat, {"model": model, "max_tokens": 4, "messages": [{"role": "user", "content": "a"}] * 50_000}),
+        ("huge-name", chat, {"model": model, "max_tokens": 4, "messages": [{"role": "user", "content": "a", "name": "n" * 3_000_000}]}),
+        ("many-parts", chat, {"model": model, "max_tokens": 4, "messages": [{"role": "user", "content": [{"type": "text", "text": "a"}] * 20_000}]}),
+        ("deep-grammar", c, {**base, "structured_outputs": {"grammar": "\n".join(f"r{i}: r{i + 1}" for i in range(60_000)) + '\nr60000: "x"\nstart: r0'}}),
         ("priority", c, {**base, "priority": -(2**62)}),
         ("logprobs", c, {**base, "logprobs": 10**6}),
         ("bad-json", c, b'{"model": "x", "prompt": '),

@@ -1,4 +1,6 @@
-"""`--api-key-all-routes`: /tokenize, /detokenize and /metrics behind the API key too."""
+"""`--api-key`: every route but the open ones (/health, /version, /openapi.json, /tokenize,
+/detokenize, /metrics) needs the key, /score and unknown paths included; with
+`--api-key-all-routes` every route does."""
 
 from __future__ import annotations
 
@@ -30,9 +32,16 @@ async def open_client(all_routes: bool, llm: AsyncLLM) -> AsyncIterator[httpx.As
         yield client
 
 
+OPEN = ("/tokenize", "/detokenize", "/metrics", "/health", "/version", "/openapi.json")
+# Keyed by default. /score answers 400 with the key (the tiny model is no pooling model): the
+# point is that without one it never gets that far.
+GENERATION = {"/v1/models": 200, "/score": 400, "/v1/score": 400, "/v1/embeddings": 400}
+
+
 async def _statuses(client: httpx.AsyncClient, headers: dict[str, str]) -> dict[str, int]:
     tokenize = await client.post("/tokenize", json={"model": MODEL, "prompt": "hi"}, headers=headers)
     detokenize = await client.post("/detokenize", json={"model": MODEL, "tokens": [1, 2]}, headers=headers)
+    score = {"model": MODEL, "text_1": "a", "text_2": "b"}
     return {
         "/tokenize": tokenize.status_code,
         "/detokenize": detokenize.status_code,
@@ -40,6 +49,12 @@ async def _statuses(client: httpx.AsyncClient, headers: dict[str, str]) -> dict[
         "/v1/models": (await client.get("/v1/models", headers=headers)).status_code,
         "/health": (await client.get("/health", headers=headers)).status_code,
         "/version": (await client.get("/version", headers=headers)).status_code,
+        "/openapi.json": (await client.get("/openapi.json", headers=headers)).status_code,
+        "/score": (await client.post("/score", json=score, headers=headers)).status_code,
+        "/v1/score": (await client.post("/v1/score", json=score, headers=headers)).status_code,
+        "/v1/embeddings": (
+            await client.post("/v1/embeddings", json={"model": MODEL, "input": "a"}, headers=headers)
+        ).status_code,
     }
 
 
@@ -47,22 +62,23 @@ async def test_all_routes_behind_the_key(llm: AsyncLLM) -> None:
     async with open_client(True, llm) as client:
         for headers in ({}, {"Authorization": "Bearer wrong"}):
             got = await _statuses(client, headers)
-            assert got == {
-                "/tokenize": 401, "/detokenize": 401, "/metrics": 401, "/v1/models": 401,
-                "/health": 200, "/version": 200,
-            }
-            r = await client.get("/metrics/", headers=headers)  # no way around by a slash
-            assert r.status_code in (401, 404) and r.status_code != 200
-        assert set((await _statuses(client, GOOD)).values()) == {200}
-        r = await client.get("/metrics")
+            assert got == dict.fromkeys(got, 401)
+            for path in ("/metrics/", "/health/", "/nowhere"):  # no way around by a slash
+                r = await client.get(path, headers=headers)
+                assert r.status_code == 401, path
+        assert await _statuses(client, GOOD) == {**dict.fromkeys(OPEN, 200), **GENERATION}
+        r = await client.get("/health")
         assert r.status_code == 401 and "API key" in r.json()["error"]["message"]
+        doc = (await client.get("/openapi.json", headers=GOOD)).json()
+        assert all(op.get("security") for methods in doc["paths"].values() for op in methods.values())
 
 
-async def test_default_keeps_those_routes_open(llm: AsyncLLM) -> None:
+async def test_default_keys_every_generation_and_pooling_route(llm: AsyncLLM) -> None:
     async with open_client(False, llm) as client:
         got = await _statuses(client, {})
-        assert got["/v1/models"] == 401
-        assert got["/tokenize"] == got["/detokenize"] == got["/metrics"] == 200
+        assert got == {**dict.fromkeys(OPEN, 200), **dict.fromkeys(GENERATION, 401)}
+        assert (await client.get("/nowhere")).status_code == 401  # deny by default
+        assert await _statuses(client, GOOD) == {**dict.fromkeys(OPEN, 200), **GENERATION}
 
 
 def test_flag() -> None:

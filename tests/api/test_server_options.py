@@ -15,7 +15,14 @@ import pytest
 from anyio.abc import TaskStatus
 
 from triollm.api.cli import build_parser
-from triollm.api.server import DEFAULT_BACKLOG, ServeOptions, _hypercorn_config, bind_socket, serve
+from triollm.api.server import (
+    DEFAULT_BACKLOG,
+    ServeOptions,
+    _hypercorn_config,
+    bind_socket,
+    run_server,
+    serve,
+)
 from triollm.api.state import ServerSettings
 from triollm.engine.config import EngineArgs
 
@@ -69,3 +76,34 @@ async def test_serving_keeps_the_backlog(tiny_model_dir: Path) -> None:
                 assert listen_backlog(port) == 777
                 os.kill(os.getpid(), signal.SIGTERM)  # the server's own signal watcher stops it
         assert exit_code == [0]
+
+
+def test_client_limit_flags_reach_the_settings_and_hypercorn(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`--timeout-keep-alive`, `--h11-max-incomplete-event-size` go to Hypercorn (its read_timeout
+    stays off: it would cut a client waiting for a long answer); `--request-body-timeout`,
+    `--limit-concurrency` (0: no cap), `--h11-max-header-count` to the app's settings."""
+    from triollm.api import cli
+
+    parser = build_parser()
+    ns = parser.parse_args(["serve"])
+    assert (ns.timeout_keep_alive, ns.h11_max_incomplete_event_size) == (5.0, 16 * 1024)
+    assert (ns.request_body_timeout, ns.limit_concurrency, ns.h11_max_header_count) == (60.0, 2048, 256)
+    seen: list[ServeOptions] = []
+    monkeypatch.setattr("triollm.api.server.run_server", lambda args, options: seen.append(options) or 0)
+    argv = [
+        "serve", "--timeout-keep-alive", "2.5", "--h11-max-incomplete-event-size", "4096",
+        "--request-body-timeout", "7", "--limit-concurrency", "0", "--h11-max-header-count", "32",
+    ]
+    assert cli.cmd_serve(parser.parse_args(argv)) == 0
+    [options] = seen
+    assert options.settings is not None
+    assert (options.timeout_keep_alive, options.h11_max_incomplete_event_size) == (2.5, 4096)
+    settings = options.settings
+    assert (settings.request_body_timeout, settings.limit_concurrency, settings.h11_max_header_count) == (7.0, None, 32)
+    with bind_socket("127.0.0.1", 0) as sock:
+        config = _hypercorn_config(sock, timeout_keep_alive=2.5, h11_max_incomplete_event_size=4096)
+        os.close(int(config.bind[0].removeprefix("fd://")))
+    assert (config.keep_alive_timeout, config.h11_max_incomplete_size, config.read_timeout) == (2.5, 4096, None)
+    for field, value in [("timeout_keep_alive", 0.0), ("h11_max_incomplete_event_size", 10)]:
+        with pytest.raises(ValueError, match=field):
+            run_server(EngineArgs(), ServeOptions(**{field: value}))
