@@ -179,6 +179,8 @@ class InputProcessor:
         if params is None:
             params = SamplingParams.with_defaults(self.model_config.generation_defaults)
         self._check_params(params)  # before anything is tokenized
+        if isinstance(prompt, Mapping) and isinstance(prompt.get("prompt_token_ids"), list | tuple):
+            self._check_prompt_len(len(prompt["prompt_token_ids"]))  # before the ids are walked
         text, token_ids = self._tokenize(prompt)
         self._check_prompt(token_ids)
         params = self._resolve_params(params, len(token_ids))
@@ -327,13 +329,16 @@ class InputProcessor:
     def _check_prompt(self, token_ids: list[int]) -> None:
         if not token_ids:
             raise ValueError("prompt: must not be empty (0 tokens)")
+        self._check_prompt_len(len(token_ids))
+        self._check_vocab(token_ids)
+
+    def _check_prompt_len(self, num_tokens: int) -> None:
         limit = self.model_config.max_model_len
-        if len(token_ids) > limit - 1:
+        if num_tokens > limit - 1:
             raise ValueError(
-                f"prompt: {len(token_ids)} tokens exceeds max_model_len ({limit}) minus one token "
+                f"prompt: {num_tokens} tokens exceeds max_model_len ({limit}) minus one token "
                 f"to generate; at most {limit - 1} prompt tokens are allowed"
             )
-        self._check_vocab(token_ids)
 
     def _check_vocab(self, token_ids: list[int]) -> None:
         """Every prompt token id in the model's vocabulary (generation and pooling alike)."""

@@ -245,3 +245,10 @@ def test_what_one_request_holds_is_budgeted(inp: InputProcessor) -> None:
 
 def _limits_with(**kw: Any) -> LimitsConfig:
     return dataclasses.replace(LIMITS, **kw)
+
+
+def test_a_token_id_prompt_too_long_is_refused_before_its_ids_are_walked(inp: InputProcessor) -> None:
+    """The length is known without walking the list: a 5M-entry prompt is refused at once (the
+    entries here are not even ints; walking them would say so instead)."""
+    with pytest.raises(ValueError, match="prompt: 5000000 tokens exceeds max_model_len"):
+        inp.process({"prompt_token_ids": [None] * 5_000_000}, SamplingParams(max_tokens=2), "r")
