@@ -49,8 +49,14 @@ __all__ = ["HOSTILE", "add_soak_parser", "run_soak"]
 READY = re.compile(r"serving .* on (http://\S+) \(ready\)")
 
 
+# Hostile requests a server may also serve, within bounds (a 3 MB `name` is under every cap, and
+# a chat template that ignores names renders a short prompt): a 200 or a 4xx is right for them.
+MAY_BE_SERVED = frozenset({"huge-name"})
+
+
 def _hostile(model: str) -> list[tuple[str, str, Any]]:
-    """(name, path, body): requests a server must refuse with a 4xx, quickly, alone."""
+    """(name, path, body): requests a server must refuse with a 4xx (or, for `MAY_BE_SERVED`,
+    serve), quickly, alone."""
     c, chat = "/v1/completions", "/v1/chat/completions"
     base = {"model": model, "prompt": "Hello", "max_tokens": 4}
     return [
@@ -224,7 +230,7 @@ async def _hostile_loop(client: Any, root: str, model: str, tally: Tally, hang_a
         except Exception as exc:
             tally.errors[f"hostile {name}: {type(exc).__name__}"] += 1
             continue
-        ok = 400 <= status < 500 and isinstance(data.get("error"), dict)
+        ok = (400 <= status < 500 and isinstance(data.get("error"), dict)) or (status == 200 and name in MAY_BE_SERVED)
         tally.hostile[f"{name}: {status}"] += 1
         if not ok:
             tally.errors[f"hostile {name} not refused: {status}"] += 1
@@ -346,7 +352,8 @@ async def run_soak(opts: SoakOptions) -> dict[str, Any]:
             await anyio.sleep(opts.duration)
             stop.set()
         idle = await _wait_idle(client, root)
-        fds_after = server.fds()
+    await anyio.sleep(6)  # the client's pooled connections closed, the keep-alive timer run out
+    fds_after = server.fds()
     engine_pids = [p.pid for p in server.engine_processes()]
     server.proc.send_signal(signal.SIGTERM)
     try:
