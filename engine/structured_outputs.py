@@ -367,15 +367,6 @@ class Grammar:
             self.error = f"is_stopped: {type(exc).__name__}: {exc}"
             return False
 
-    def rollback(self, num_tokens: int) -> bool:
-        if self.error is not None:
-            return False
-        try:
-            return bool(self.matcher.rollback(num_tokens))
-        except Exception as exc:  # noqa: BLE001 - contained to this request
-            self.error = f"rollback: {type(exc).__name__}: {exc}"
-            return False
-
 
 class GrammarCompiler:
     """An engine core's matchers: one per structured request, from compiled grammars cached by

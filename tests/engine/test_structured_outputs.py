@@ -122,7 +122,7 @@ def test_compiled_grammars_are_cached_and_each_request_gets_its_own_matcher(tiny
     b = compiler.matcher(S(regex="ab+"), [0])
     assert len(compiler._compiled) == 1 and a is not b
     assert a.consume_token(Tokenizer.from_pretrained(tiny_model_dir).encode("a", add_special_tokens=False)[0])
-    assert not b.is_stopped() and b.rollback(0)  # b did not move with a
+    assert not b.is_stopped() and b.matcher.rollback(0)  # b did not move with a
 
 
 # ------------------------------------------------------------------------------------ the core
