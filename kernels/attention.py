@@ -28,12 +28,24 @@ torch path below is the reference it is tested against, and the fallback:
   row, so a group whose rows have equal lengths (e.g. batch 1) needs no mask at all.
 - The gathered K/V go into a `DecodeWorkspace` that persists across layers and steps: a fresh
   tens-of-MB tensor per layer costs page faults.
+
+Sliding windows and soft-capping are per call (`window=`, `softcap=`), since one plan serves
+every layer and Gemma 3 alternates windowed and global layers. A query at position i attends
+keys j with i - j < window (transformers' `kv_idx > q_idx - sliding_window`); soft-capping
+(Gemma 2) replaces each score s = q.k * scale by softcap * tanh(s / softcap) before the softmax.
+The native and Triton kernels take both as scalars: they start at the block (tile) holding the
+window's first position and mask the positions before it. The torch decode path builds, on
+first use per window, groups over the rows' tables cut to the window
+(`DecodePlan.window_groups`): blocks wholly before a window are not gathered, and the mask
+covers the first block's positions before it. Prefill with either runs over query chunks with an
+explicit mask and gathers only the keys a chunk's window reaches; soft-capped scores are fp32
+(SDPA cannot cap). With both unset every path is the code that ran before they existed.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -127,16 +139,18 @@ def paged_decode_attention(
     scale: float,
     *,
     native: bool | None = None,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """One query token per sequence. q `[B, H, hd]`; block_tables `[B, M]` (padded with any
     valid block id); context_lens `[B]` counts the tokens to attend to, the query's own included
     (its K/V must already be written). Returns `[B, H, hd]`. (One-shot form of `plan_decode` +
-    `decode_attention`.)"""
+    `decode_attention`, which describes `window` and `softcap`.)"""
     lens = context_lens.tolist()
     bs = v_cache.shape[2]
     tables = [row[: -(-n // bs)] for row, n in zip(block_tables.tolist(), lens)]
     plan = plan_decode(tables, lens, bs, q.device, native=native)
-    return decode_attention(q, k_cache, v_cache, plan, scale)
+    return decode_attention(q, k_cache, v_cache, plan, scale, window=window, softcap=softcap)
 
 
 # Fixed cost of one more decode group, in blocks of padding it must save to pay off: a group's
@@ -184,6 +198,32 @@ class DecodePlan:
     workspace: DecodeWorkspace
     native: tuple[torch.Tensor, torch.Tensor] | None = None
     triton: tuple[torch.Tensor, torch.Tensor] | None = None  # the same, for the Triton kernel
+    # The torch path's rows (block tables, context lengths), block size and device, from which
+    # `window_groups` cuts a window's groups; and those groups, built once per window.
+    rows: tuple[list[list[int]], list[int], int, torch.device] | None = None
+    _windowed: dict[int, list[DecodeGroup]] = field(default_factory=dict, repr=False)
+
+    def window_groups(self, window: int) -> list[DecodeGroup]:
+        """The torch path's groups for a sliding window of `window` tokens: each row's table
+        starts at the block holding its position `len - window`, and the mask also covers that
+        block's positions before it. The plan's own groups when no row is longer than the
+        window. Built on first use and kept: every layer with this window shares them."""
+        groups = self._windowed.get(window)
+        if groups is None:
+            assert self.rows is not None, "window_groups: a plan of the torch path"
+            tables, lens, bs, device = self.rows
+            if max(lens) <= window:
+                groups = self.groups
+            else:
+                firsts = [max(0, n - window) // bs for n in lens]
+                groups = _make_groups(
+                    [t[f:] for t, f in zip(tables, firsts)],
+                    [n - f * bs for n, f in zip(lens, firsts)],
+                    [max(0, n - window) - f * bs for n, f in zip(lens, firsts)],
+                    device,
+                )
+            self._windowed[window] = groups
+        return groups
 
 
 def plan_decode(
@@ -211,6 +251,19 @@ def plan_decode(
         if triton:
             return DecodePlan([], workspace or DecodeWorkspace(), triton=(table_t, lens_t))
         return DecodePlan([], workspace or DecodeWorkspace(), (table_t, lens_t))
+    groups = _make_groups(block_tables, context_lens, None, device)
+    source = (block_tables, context_lens, block_size, torch.device(device))
+    return DecodePlan(groups, workspace or DecodeWorkspace(), rows=source)
+
+
+def _make_groups(
+    block_tables: list[list[int]],
+    context_lens: list[int],
+    firsts: list[int] | None,
+    device: torch.device | str,
+) -> list[DecodeGroup]:
+    """The torch path's groups of the rows; `firsts`: each row's first position attended, the
+    positions before it masked (None: all 0)."""
     groups = []
     for start, end in _cut_groups([len(t) for t in block_tables]):
         tables = block_tables[start:end]
@@ -222,9 +275,13 @@ def plan_decode(
         if min(lens) != length:
             lens_t = torch.tensor(lens, device=device)
             pad = torch.arange(length, device=device)[None, :] >= lens_t[:, None]
+        if firsts is not None and any(firsts[start:end]):
+            firsts_t = torch.tensor(firsts[start:end], device=device)
+            before = torch.arange(length, device=device)[None, :] < firsts_t[:, None]
+            pad = before if pad is None else pad | before
         ids = torch.tensor(flat, dtype=torch.long, device=device)
         groups.append(DecodeGroup(start, end, ids, width, length, pad))
-    return DecodePlan(groups, workspace or DecodeWorkspace())
+    return groups
 
 
 def _cut_groups(num_blocks: list[int]) -> list[tuple[int, int]]:
@@ -256,23 +313,51 @@ def _cut_groups(num_blocks: list[int]) -> list[tuple[int, int]]:
 
 
 def decode_attention(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: DecodePlan, scale: float
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    plan: DecodePlan,
+    scale: float,
+    *,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
-    """One query token per row of the plan. q `[B, H, hd]`; returns `[B, H, hd]`."""
+    """One query token per row of the plan. q `[B, H, hd]`; returns `[B, H, hd]`. `window`: a
+    row of context length n attends only its last `window` positions, `[max(0, n - window), n)`;
+    `softcap`: scores s become softcap * tanh(s / softcap) before the softmax (None: neither)."""
+    if window is not None or softcap is not None:
+        check_window_softcap(window, softcap)
     if plan.native is not None:
         tables, lens = plan.native
-        return cpu_native.paged_decode_attention(q, k_cache, v_cache, tables, lens, scale)
+        return cpu_native.paged_decode_attention(
+            q, k_cache, v_cache, tables, lens, scale, window=window, softcap=softcap
+        )
     if plan.triton is not None:
         from triollm.kernels.triton import attention as triton_attention
 
         tables, lens = plan.triton
-        return triton_attention.paged_decode_attention(q, k_cache, v_cache, tables, lens, scale)
-    if len(plan.groups) == 1:
-        return _group_attention(q, k_cache, v_cache, plan.groups[0], plan.workspace, scale)
+        return triton_attention.paged_decode_attention(
+            q, k_cache, v_cache, tables, lens, scale, window=window, softcap=softcap
+        )
+    groups = plan.groups if window is None else plan.window_groups(window)
+    if len(groups) == 1:
+        return _group_attention(q, k_cache, v_cache, groups[0], plan.workspace, scale, softcap)
     out = torch.empty_like(q)
-    for g in plan.groups:
-        out[g.start : g.end] = _group_attention(q[g.start : g.end], k_cache, v_cache, g, plan.workspace, scale)
+    for g in groups:
+        out[g.start : g.end] = _group_attention(
+            q[g.start : g.end], k_cache, v_cache, g, plan.workspace, scale, softcap
+        )
     return out
+
+
+def check_window_softcap(window: int | None, softcap: float | None) -> None:
+    """ValueError unless `window` is None or a positive int and `softcap` None or finite > 0."""
+    if window is not None and (
+        isinstance(window, bool) or not isinstance(window, int) or window < 1
+    ):
+        raise ValueError(f"window: {window!r} must be a positive number of tokens, or None")
+    if softcap is not None and not 0 < softcap < math.inf:
+        raise ValueError(f"softcap: {softcap!r} must be a finite number > 0, or None")
 
 
 def _group_attention(
@@ -282,6 +367,7 @@ def _group_attention(
     g: DecodeGroup,
     workspace: DecodeWorkspace,
     scale: float,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     kvh, _, bs, hd = v_cache.shape
     b, h, _ = q.shape
@@ -290,6 +376,13 @@ def _group_attention(
     torch.index_select(v_cache, 1, g.block_ids, out=v)
     k = k.view(kvh, b, g.max_blocks * bs, hd)[:, :, : g.length].to(q.dtype)  # a bf16 cache under fp32
     v = v.view(kvh, b, g.max_blocks * bs, hd)[:, :, : g.length].to(q.dtype)
+    if softcap is not None:  # scores, cap and softmax in fp32
+        qh = (q.float() * scale).view(b, kvh, h // kvh, hd).transpose(0, 1)  # [kvh, B, group, hd]
+        scores = _soft_cap(torch.matmul(qh, k.float().transpose(-1, -2)), softcap)
+        if g.pad is not None:
+            scores.masked_fill_(g.pad[None, :, None, :], float("-inf"))
+        out = torch.matmul(torch.softmax(scores, dim=-1), v.float()).to(q.dtype)
+        return out.transpose(0, 1).reshape(b, h, hd)
     if g.pad is None:  # nothing to mask: one fused call (fewer dispatches matter at batch 1)
         qh = q.view(b, kvh, h // kvh, hd).transpose(0, 1)  # [kvh, B, group, hd]
         out = F.scaled_dot_product_attention(qh, k, v, scale=scale)
@@ -311,15 +404,30 @@ def prefill_attention(
     block_ids: torch.Tensor,
     num_context: int,
     scale: float,
+    *,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Causal attention of n new tokens of one sequence. q `[n, H, hd]`, k/v `[n, kvh, hd]` (the
     new tokens, already written to the cache); `num_context` earlier tokens of the sequence live
-    in the cache blocks `block_ids`. Returns `[n, H, hd]`."""
+    in the cache blocks `block_ids`. Returns `[n, H, hd]`. `window`: the token at position i
+    attends positions j with i - j < window; `softcap`: scores s become
+    softcap * tanh(s / softcap) before the softmax (None: neither)."""
+    if window is not None or softcap is not None:
+        check_window_softcap(window, softcap)
     if use_triton(q):
         from triollm.kernels.triton import attention as triton_attention
 
-        return triton_attention.paged_prefill_attention(q, k_cache, v_cache, block_ids, num_context, scale)
+        return triton_attention.paged_prefill_attention(
+            q, k_cache, v_cache, block_ids, num_context, scale, window=window, softcap=softcap
+        )
     n = q.shape[0]
+    if window is not None and window >= num_context + n:
+        window = None  # every token sees its whole causal past
+    if window is not None or softcap is not None:
+        return _masked_prefill(
+            q, k, v, k_cache, v_cache, block_ids, num_context, scale, window, softcap
+        )
     qh = q.transpose(0, 1).unsqueeze(0)  # [1, H, n, hd]
     if num_context == 0:
         kh = k.transpose(0, 1).unsqueeze(0)
@@ -334,6 +442,72 @@ def prefill_attention(
         mask = torch.arange(total, device=q.device)[None, :] <= rows  # [n, total], True = attend
         out = _sdpa(qh, kh, vh, mask, scale)
     return out.squeeze(0).transpose(0, 1)
+
+
+# Windowed or soft-capped prefill runs over chunks of query rows holding at most this many scores
+# (heads x rows x keys): 16 MB of fp32 scores, however long the prompt.
+_PREFILL_CHUNK_SCORES = 1 << 22
+
+
+def _masked_prefill(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_ids: torch.Tensor,
+    num_context: int,
+    scale: float,
+    window: int | None,
+    softcap: float | None,
+) -> torch.Tensor:
+    """`prefill_attention` with a window or a soft-cap: over chunks of query rows, each with an
+    explicit mask over the keys its window reaches (the cache is read from the block holding
+    the first token's window start)."""
+    n, h, hd = q.shape
+    kvh, _, bs, _ = v_cache.shape
+    total = num_context + n
+    first = 0 if window is None else max(0, num_context - window + 1)  # the first key any row sees
+    if num_context == 0:
+        key0 = 0
+        kh, vh = k.transpose(0, 1).to(q.dtype), v.transpose(0, 1).to(q.dtype)  # [kvh, n, hd]
+    else:
+        fb = first // bs
+        key0, ids = fb * bs, block_ids[fb:]
+        kh = gather_k(k_cache, ids).view(kvh, -1, hd)[:, : total - key0].to(q.dtype)
+        vh = v_cache.index_select(1, ids).view(kvh, -1, hd)[:, : total - key0].to(q.dtype)
+    qh = q.transpose(0, 1)  # [H, n, hd]
+    out = q.new_empty(h, n, hd)
+    # A chunk of r <= window rows reaches at most r + window - 1 < 2 * window keys.
+    reach = total - key0 if window is None else min(total - key0, 2 * window)
+    rows = max(1, _PREFILL_CHUNK_SCORES // (h * reach))
+    if window is not None:
+        rows = min(rows, window)
+    for r0 in range(0, n, rows):
+        r1 = min(n, r0 + rows)
+        q_pos = torch.arange(num_context + r0, num_context + r1, device=q.device)[:, None]
+        lo = key0 if window is None else max(key0, num_context + r0 - window + 1)
+        k_pos = torch.arange(lo, num_context + r1, device=q.device)[None, :]
+        allowed = k_pos <= q_pos  # [rows, keys], True = attend
+        if window is not None:
+            allowed &= k_pos > q_pos - window
+        keys = slice(lo - key0, num_context + r1 - key0)
+        ks, vs = kh[:, keys], vh[:, keys]
+        if softcap is None:
+            out[:, r0:r1] = _sdpa(qh[None, :, r0:r1], ks[None], vs[None], allowed, scale)[0]
+            continue
+        # Soft-capped: fp32 scores [kvh, group, rows, keys] (SDPA cannot cap them).
+        qg = qh[:, r0:r1].float().reshape(kvh, h // kvh * (r1 - r0), hd) * scale
+        scores = _soft_cap(torch.matmul(qg, ks.float().transpose(1, 2)), softcap)
+        scores = scores.view(kvh, h // kvh, r1 - r0, -1).masked_fill_(~allowed, float("-inf"))
+        probs = torch.softmax(scores, dim=-1).view(kvh, h // kvh * (r1 - r0), -1)
+        out[:, r0:r1] = torch.matmul(probs, vs.float()).view(h, r1 - r0, hd)
+    return out.transpose(0, 1)
+
+
+def _soft_cap(scores: torch.Tensor, softcap: float) -> torch.Tensor:
+    """softcap * tanh(scores / softcap), in place."""
+    return scores.div_(softcap).tanh_().mul_(softcap)
 
 
 def _sdpa(

@@ -148,10 +148,14 @@ def paged_decode_attention(
     block_tables: torch.Tensor,
     context_lens: torch.Tensor,
     scale: float,
+    *,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
-    """See kernels/csrc/cpu_attention.cpp. Call only when `available()`."""
+    """See kernels/csrc/cpu_attention.cpp (`window`, `softcap`: as `attention.decode_attention`
+    takes them; None is 0 there). Call only when `available()`."""
     return torch.ops.triollm_cpu.paged_decode_attention(
-        q, k_cache, v_cache, block_tables, context_lens, scale
+        q, k_cache, v_cache, block_tables, context_lens, scale, window or 0, softcap or 0.0
     )
 
 

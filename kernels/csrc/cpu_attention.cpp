@@ -12,6 +12,16 @@
 // large batches is most of a decode step's memory traffic.
 // With K transposed, a block's scores are block_size-wide vertical FMAs over head_dim (no
 // horizontal sums), and P.V adds each V row, scaled, to the group's accumulators.
+//
+// Sliding window (Mistral, Qwen2, Gemma 2/3; `window` > 0): a row of length n attends positions
+// [max(0, n - window), n). The start is computed once per pair; the loop begins at the block
+// holding it (blocks wholly before it are never read) and masks that block's positions before
+// it, like the tail past n. window 0 starts at block 0 with nothing masked: the code that ran
+// before windows existed. Soft-capping (Gemma 2; `softcap` > 0): each fp32 score becomes
+// softcap * tanh(score / softcap) before the softmax. It is a template flag (kCap) of the
+// generic and block-16 instances only: the GQA-group instances are never built with it (a
+// soft-capped call takes decode_pair), so the uncapped instances are the same code as before
+// and the build grows by three functions per dtype pair, not seventeen.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -70,21 +80,30 @@ inline const float* as_float<float>(const float* src, float*, int64_t) {
   return src;
 }
 
+// Gemma 2's attention-logit soft-capping of n fp32 scores: cap * tanh(score / cap).
+inline void soft_cap(float* s, int64_t n, float cap) {
+  const float inv = 1.f / cap;
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) s[i] = cap * std::tanh(s[i] * inv);
+}
+
 // One (sequence, kv head) pair: its GQA group of G query heads over the sequence's blocks.
 // BS (block size) and D (head dim) are template parameters where they are common (16 x 64,
 // 16 x 128): the block's scores and the group's partial P.V then live in registers (fixed-size
 // local arrays, fully unrolled); 0 means "the runtime value" (the generic instance, slower).
-template <typename T, typename K, int kBS, int kD>
+// `start` is the first position attended (0 without a window); `cap` the soft-cap (read only
+// when kCap).
+template <typename T, typename K, int kBS, int kD, bool kCap = false>
 void decode_pair(const T* qrow, const K* kp, const K* vp, const int32_t* table, int64_t n,
-                 int64_t G, int64_t NB, int64_t h, int64_t rt_bs, int64_t rt_d, float fscale,
-                 float* qf, float* acc, float* kbuf, float* vbuf, float* s, float* m, float* l,
-                 T* orow) {
+                 int64_t start, int64_t G, int64_t NB, int64_t h, int64_t rt_bs, int64_t rt_d,
+                 float fscale, float cap, float* qf, float* acc, float* kbuf, float* vbuf,
+                 float* s, float* m, float* l, T* orow) {
   const int64_t BS = kBS ? kBS : rt_bs;
   const int64_t D = kD ? kD : rt_d;
   for (int64_t j = 0; j < G * D; ++j) qf[j] = load_f(qrow[j]) * fscale;
   for (int64_t j = 0; j < G * D; ++j) acc[j] = 0.f;
   for (int64_t g = 0; g < G; ++g) m[g] = kNegBig, l[g] = 0.f;
-  for (int64_t blk = 0; blk * BS < n; ++blk) {
+  for (int64_t blk = start / BS; blk * BS < n; ++blk) {
     const int64_t id = table[blk];
     const int64_t cnt = std::min(BS, n - blk * BS);
     const int64_t base = ((h * NB + id) * BS) * D;
@@ -117,7 +136,9 @@ void decode_pair(const T* qrow, const K* kp, const K* vp, const int32_t* table, 
           for (int64_t t = 0; t < BS; ++t) sg[t] += qd * kd[t];
         }
       }
+      if constexpr (kCap) soft_cap(sg, BS, cap);
       for (int64_t t = cnt; t < BS; ++t) sg[t] = kNegBig;  // past the sequence's end
+      for (int64_t t = 0; t < start - blk * BS; ++t) sg[t] = kNegBig;  // before the window
       float mx = m[g];
       for (int64_t t = 0; t < BS; ++t) mx = std::max(mx, sg[t]);
       float sum = 0.f;
@@ -165,8 +186,9 @@ void decode_pair(const T* qrow, const K* kp, const K* vp, const int32_t* table, 
 // widened once, in registers, for the whole group (no fp32 copy of the block).
 template <typename T, typename K, int kD, int kG>
 void decode_pair_group(const T* qrow, const K* kp, const K* vp, const int32_t* table, int64_t n,
-                       int64_t, int64_t NB, int64_t h, int64_t, int64_t, float fscale, float*,
-                       float*, float*, float*, float*, float*, float*, T* orow) {
+                       int64_t start, int64_t, int64_t NB, int64_t h, int64_t, int64_t,
+                       float fscale, float, float*, float*, float*, float*, float*, float*,
+                       float*, T* orow) {
   constexpr int kBS = 16;
   float qf[kG][kD];
   for (int g = 0; g < kG; ++g)
@@ -174,7 +196,7 @@ void decode_pair_group(const T* qrow, const K* kp, const K* vp, const int32_t* t
   float acc[kG][kD] = {};
   float m[kG], l[kG] = {};
   for (int g = 0; g < kG; ++g) m[g] = kNegBig;
-  for (int64_t blk = 0; blk * kBS < n; ++blk) {
+  for (int64_t blk = start / kBS; blk * kBS < n; ++blk) {
     const int64_t id = table[blk];
     const int64_t cnt = std::min<int64_t>(kBS, n - blk * kBS);
     const K* kt = kp + (h * NB + id) * kD * kBS;  // [kD][kBS]
@@ -193,6 +215,7 @@ void decode_pair_group(const T* qrow, const K* kp, const K* vp, const int32_t* t
     float corr[kG];
     for (int g = 0; g < kG; ++g) {
       for (int t = cnt; t < kBS; ++t) s[g][t] = kNegBig;  // past the sequence's end
+      for (int64_t t = 0; t < start - blk * kBS; ++t) s[g][t] = kNegBig;  // before the window
       float mx = m[g];
       for (int t = 0; t < kBS; ++t) mx = std::max(mx, s[g][t]);
       float sum = 0.f;
@@ -244,7 +267,7 @@ PairFn<T, K> group_instance(int64_t G) {
 template <typename T, typename K>
 void decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
             const at::Tensor& block_tables, const at::Tensor& context_lens, double scale,
-            at::Tensor& out) {
+            int64_t window, double softcap, at::Tensor& out) {
   const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
   const int64_t KVH = v_cache.size(0), NB = v_cache.size(1), BS = v_cache.size(2);
   const int64_t G = H / KVH, M = block_tables.size(1);
@@ -254,14 +277,21 @@ void decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
   const int32_t* tables = block_tables.data_ptr<int32_t>();
   const int32_t* lens = context_lens.data_ptr<int32_t>();
   T* op = out.data_ptr<T>();
-  const float fscale = static_cast<float>(scale);
+  const float fscale = static_cast<float>(scale), cap = static_cast<float>(softcap);
   auto pair = &decode_pair<T, K, 0, 0>;
-  if (BS == 16 && D == 64) pair = group_instance<T, K, 64>(G);
-  if (BS == 16 && D == 128) pair = group_instance<T, K, 128>(G);
+  if (cap > 0.f) {
+    pair = &decode_pair<T, K, 0, 0, true>;
+    if (BS == 16 && D == 64) pair = &decode_pair<T, K, 16, 64, true>;
+    if (BS == 16 && D == 128) pair = &decode_pair<T, K, 16, 128, true>;
+  } else {
+    if (BS == 16 && D == 64) pair = group_instance<T, K, 64>(G);
+    if (BS == 16 && D == 128) pair = group_instance<T, K, 128>(G);
+  }
 
   // Small batches run on the calling thread: a pool wake-up costs more than the work.
   int64_t total_tokens = 0;
-  for (int64_t b = 0; b < B; ++b) total_tokens += lens[b];
+  for (int64_t b = 0; b < B; ++b)
+    total_tokens += window > 0 ? std::min<int64_t>(lens[b], window) : lens[b];
   const int64_t grain = total_tokens * KVH * D < (1 << 16) ? B * KVH : 1;
 
   at::parallel_for(0, B * KVH, grain, [&](int64_t begin, int64_t end) {
@@ -269,17 +299,22 @@ void decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
     std::vector<float> m(G), l(G);
     for (int64_t i = begin; i < end; ++i) {
       const int64_t b = i / KVH, h = i % KVH;
-      pair(qp + (b * H + h * G) * D, kp, vp, tables + b * M, lens[b], G, NB, h, BS, D, fscale,
-           qf.data(), acc.data(), kbuf.data(), vbuf.data(), s.data(), m.data(), l.data(),
-           op + (b * H + h * G) * D);
+      const int64_t start = window > 0 ? std::max<int64_t>(0, lens[b] - window) : 0;
+      pair(qp + (b * H + h * G) * D, kp, vp, tables + b * M, lens[b], start, G, NB, h, BS, D,
+           fscale, cap, qf.data(), acc.data(), kbuf.data(), vbuf.data(), s.data(), m.data(),
+           l.data(), op + (b * H + h * G) * D);
     }
   });
 }
 
+// window: 0, or a sliding window of that many positions; softcap: 0, or the logit soft-cap.
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
                                   const at::Tensor& v_cache, const at::Tensor& block_tables,
-                                  const at::Tensor& context_lens, double scale) {
+                                  const at::Tensor& context_lens, double scale, int64_t window,
+                                  double softcap) {
   TORCH_CHECK(q.device().is_cpu() && k_cache.device().is_cpu(), "CPU tensors only");
+  TORCH_CHECK(window >= 0, "window: ", window, " must be >= 1 (0: no window)");
+  TORCH_CHECK(softcap >= 0, "softcap: ", softcap, " must be > 0 (0: no soft-capping)");
   TORCH_CHECK(q.dim() == 3 && v_cache.dim() == 4 && k_cache.dim() == 4 &&
                   k_cache.size(0) == v_cache.size(0) && k_cache.size(1) == v_cache.size(1) &&
                   k_cache.size(2) == v_cache.size(3) && k_cache.size(3) == v_cache.size(2),
@@ -303,11 +338,12 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
   auto lc = context_lens.contiguous();
   auto out = at::empty_like(qc);
   if (qc.scalar_type() != kc.scalar_type()) {
-    decode<float, c10::BFloat16>(qc, kc, vc, tc, lc, scale, out);  // fp32 activations, bf16 cache
+    // fp32 activations, bf16 cache
+    decode<float, c10::BFloat16>(qc, kc, vc, tc, lc, scale, window, softcap, out);
     return out;
   }
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, qc.scalar_type(), "paged_decode", [&] {
-    decode<scalar_t, scalar_t>(qc, kc, vc, tc, lc, scale, out);
+    decode<scalar_t, scalar_t>(qc, kc, vc, tc, lc, scale, window, softcap, out);
   });
   return out;
 }
@@ -484,7 +520,7 @@ TORCH_LIBRARY(triollm_cpu, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("silu_and_mul(Tensor x) -> Tensor");
   m.def("paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
-        "Tensor context_lens, float scale) -> Tensor");
+        "Tensor context_lens, float scale, int window=0, float softcap=0.) -> Tensor");
   m.def("rotary_write_kv(Tensor qkv, Tensor cos, Tensor sin, Tensor(a!) k_cache, "
         "Tensor(b!) v_cache, Tensor slots, int num_heads, int num_kv_heads) -> Tensor");
 }

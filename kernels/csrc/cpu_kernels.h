@@ -14,7 +14,8 @@ at::Tensor rotary_write_kv(const at::Tensor& qkv, const at::Tensor& cos, const a
                            int64_t num_heads, int64_t num_kv_heads);
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
                                   const at::Tensor& v_cache, const at::Tensor& block_tables,
-                                  const at::Tensor& context_lens, double scale);
+                                  const at::Tensor& context_lens, double scale,
+                                  int64_t window = 0, double softcap = 0.0);  // 0: none
 at::Tensor quant_linear_packed(const at::Tensor& x, const at::Tensor& qp, const at::Tensor& dp,
                                const at::Tensor& mp, int64_t bits, int64_t N, bool portable);
 

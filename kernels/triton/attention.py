@@ -36,6 +36,18 @@ Programs are launched heaviest tile (latest queries) first. Every tile applies t
 (a mask-free loop for the tiles wholly below the diagonal would save a few instructions; not
 measured yet).
 
+Sliding window and soft-capping (`window`, `softcap`; constexpr switches `WINDOWED`, `SOFTCAP`,
+so the kernels without them are the code that ran before). A query at position i attends keys
+j with i - j < window. Decode starts at the tile holding `context_len - window` (the splits share
+the tiles from there on) and masks the columns before it; its first column is attended, so the
+running max is still finite from the first tile on. Prefill starts at the tile holding the
+window start of the tile's first query; a later row may then see whole tiles before its own
+window, so the running max starts at -1e30 rather than -inf (rescaling by exp2(-1e30 - -1e30) = 1
+adds exp2(-inf) = 0), and padding rows take the last real token's position (they are never
+stored, but must keep a column to attend). Soft-capping maps each score s (here in log2 units,
+as is the cap) to softcap * tanh(s / softcap), with tanh from exp2 of a non-positive argument
+(no overflow).
+
 What the interpreter (`TRITON_INTERPRET=1`, the CPU tests) cannot check: speed, register
 and shared-memory pressure, load vectorisation, the `tl.dot` shape rules (M, N, K >= 16) and
 bf16 (numpy has no bf16 matmul), and the GPU's numerics: there an fp32 `tl.dot` runs in tf32,
@@ -50,12 +62,14 @@ import torch
 import triton
 import triton.language as tl
 
+from triollm.kernels.attention import check_window_softcap
 from triollm.kernels.triton import AotSpec
 
 __all__ = ["AOT_SPECS", "choose_num_splits", "paged_decode_attention", "paged_prefill_attention"]
 
 _LOG2E = 1.4426950408889634
 _MIN_DOT = 16  # tl.dot needs M, N and K of at least 16
+_NO_WINDOW = 0  # the `window` argument of a kernel built without WINDOWED (unused)
 
 # Split-KV policy: a split covers at least this many KV tiles (below that the reduce kernel and
 # the scratch traffic cost more than the parallelism gains), and there are at most this many.
@@ -73,6 +87,15 @@ _PREFILL_WARPS = 8
 
 
 @triton.jit
+def _soft_cap(scores, softcap):
+    """softcap * tanh(scores / softcap), tanh(x) = sign(x) (1 - e) / (1 + e) with e = exp(-2|x|)."""
+    x = scores / softcap
+    e = tl.exp2(tl.abs(x) * -2.8853900817779268)  # exp(-2|x|), 2 log2(e)
+    t = (1.0 - e) / (1.0 + e)
+    return softcap * tl.where(x < 0, -t, t)
+
+
+@triton.jit
 def _paged_decode_kernel(
     out_ptr,  # [B, H, hd] in q's dtype, or fp32 partials [B, H, S, hd] when split
     max_ptr,  # fp32 [B, H, S] (split only)
@@ -83,6 +106,8 @@ def _paged_decode_kernel(
     block_tables_ptr,
     context_lens_ptr,
     qk_scale,  # softmax scale * log2(e)
+    window,  # sliding window in positions (read only when WINDOWED)
+    softcap,  # soft-cap * log2(e) (read only when SOFTCAP)
     stride_qb,
     stride_qh,
     stride_qd,
@@ -106,6 +131,8 @@ def _paged_decode_kernel(
     BLOCK_SIZE: tl.constexpr,
     TILE_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
+    WINDOWED: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -120,8 +147,14 @@ def _paged_decode_kernel(
 
     context_len = tl.load(context_lens_ptr + seq)
     num_tiles = tl.cdiv(context_len, TILE_N)
-    tiles_per_split = tl.cdiv(num_tiles, NUM_SPLITS)
-    first_tile = split * tiles_per_split
+    if WINDOWED:
+        window_start = tl.maximum(context_len - window, 0)
+        start_tile = window_start // TILE_N
+        tiles_per_split = tl.cdiv(num_tiles - start_tile, NUM_SPLITS)
+        first_tile = start_tile + split * tiles_per_split
+    else:
+        tiles_per_split = tl.cdiv(num_tiles, NUM_SPLITS)
+        first_tile = split * tiles_per_split
     end_tile = tl.minimum(first_tile + tiles_per_split, num_tiles)
 
     table = block_tables_ptr + seq.to(tl.int64) * stride_tb
@@ -135,6 +168,8 @@ def _paged_decode_kernel(
     for tile in range(first_tile, end_tile):
         pos = tile * TILE_N + cols
         in_context = pos < context_len
+        if WINDOWED:
+            in_context = in_context & (pos >= window_start)
         block_ids = tl.load(table + (pos // BLOCK_SIZE) * stride_tm, mask=in_context, other=0)
         k_cols = k_head + block_ids.to(tl.int64) * stride_kb + (pos % BLOCK_SIZE) * stride_kt
         v_rows = v_head + block_ids.to(tl.int64) * stride_vb + (pos % BLOCK_SIZE) * stride_vt
@@ -146,6 +181,8 @@ def _paged_decode_kernel(
         )
 
         scores = tl.dot(q, k_t) * qk_scale
+        if SOFTCAP:
+            scores = _soft_cap(scores, softcap)
         scores = tl.where(in_context[None, :], scores, float("-inf"))
         new_max = tl.maximum(running_max, tl.max(scores, 1))
         rescale = tl.exp2(running_max - new_max)
@@ -212,6 +249,8 @@ def _paged_prefill_kernel(
     num_tokens,
     num_context,
     qk_scale,  # softmax scale * log2(e)
+    window,  # sliding window in positions (read only when WINDOWED)
+    softcap,  # soft-cap * log2(e) (read only when SOFTCAP)
     stride_qn,
     stride_qh,
     stride_qd,
@@ -232,6 +271,8 @@ def _paged_prefill_kernel(
     BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr,
     TILE_N: tl.constexpr,
+    WINDOWED: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
     query_tile = tl.num_programs(0) - 1 - tl.program_id(0)  # heaviest (latest) tiles first
     kv_head = tl.program_id(1)
@@ -254,12 +295,22 @@ def _paged_prefill_kernel(
     v_head = v_ptr + kv_head.to(tl.int64) * stride_vh
     cols = tl.arange(0, TILE_N)
 
-    running_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    if WINDOWED:
+        # From the window start of the tile's first token; padding rows act as the last token.
+        q_pos = num_context + tl.minimum(tokens, num_tokens - 1)
+        kv_start = tl.maximum(num_context + (query_tile * BLOCK_M) // GROUP - window + 1, 0)
+        start_tile = kv_start // TILE_N
+        running_max = tl.full([BLOCK_M], -1e30, tl.float32)  # see the module docstring
+    else:
+        start_tile = 0
+        running_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
     running_sum = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
-    for tile in range(0, tl.cdiv(kv_len, TILE_N)):
+    for tile in range(start_tile, tl.cdiv(kv_len, TILE_N)):
         pos = tile * TILE_N + cols
         in_range = pos < kv_len
+        if WINDOWED:
+            in_range = in_range & (pos >= kv_start)
         block_ids = tl.load(
             block_table_ptr + (pos // BLOCK_SIZE) * stride_tm, mask=in_range, other=0
         )
@@ -271,9 +322,14 @@ def _paged_prefill_kernel(
         v = tl.load(v_rows[:, None] + dims[None, :] * stride_vd, mask=in_range[:, None], other=0.0)
 
         scores = tl.dot(q, k_t) * qk_scale
+        if SOFTCAP:
+            scores = _soft_cap(scores, softcap)
         # Causal: for real rows this also masks every position >= kv_len; padding rows (never
         # stored) may see zero-filled columns, which keeps them finite.
-        scores = tl.where(pos[None, :] <= q_pos[:, None], scores, float("-inf"))
+        attend = pos[None, :] <= q_pos[:, None]
+        if WINDOWED:
+            attend = attend & (pos[None, :] > q_pos[:, None] - window)
+        scores = tl.where(attend, scores, float("-inf"))
         new_max = tl.maximum(running_max, tl.max(scores, 1))
         rescale = tl.exp2(running_max - new_max)
         probs = tl.exp2(scores - new_max[:, None])
@@ -299,20 +355,28 @@ def paged_decode_attention(
     context_lens: torch.Tensor,
     scale: float,
     *,
+    window: int | None = None,
+    softcap: float | None = None,
     num_splits: int | None = None,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One query token per sequence. q `[B, H, hd]`; block_tables `[B, M]` int32 (rows padded
     with any valid block id); context_lens `[B]` int32, each >= 1, counts the tokens to attend
     to, the query's own included (its K/V already written). Returns `[B, H, hd]` in q's dtype
-    (written into `out` if given, any strides). `num_splits` cuts each sequence's KV into that
-    many parts run in parallel (default: chosen from the batch and the table width, no sync)."""
+    (written into `out` if given, any strides). `window`: a row of length n attends positions
+    `[max(0, n - window), n)`; `softcap`: scores s become softcap * tanh(s / softcap) before the
+    softmax. `num_splits` cuts each sequence's KV into that many parts run in parallel
+    (default: chosen from the batch and the table width, no sync)."""
+    if window is not None or softcap is not None:
+        check_window_softcap(window, softcap)
     batch, num_heads, head_dim = q.shape
     kv_heads, _, block_size, _ = v_cache.shape
     group = _check_shapes(num_heads, head_dim, kv_heads, block_size, v_cache.shape[3])
     tile_n = max(block_size, _MIN_DOT)
     if num_splits is None:
         max_tiles = triton.cdiv(block_tables.shape[1] * block_size, tile_n)
+        if window is not None:  # a window spans at most this many tiles
+            max_tiles = min(max_tiles, triton.cdiv(window, tile_n) + 1)
         num_splits = choose_num_splits(batch, kv_heads, max_tiles, _num_sms(q.device))
     if num_splits < 1:
         raise ValueError(f"num_splits: {num_splits} must be >= 1")
@@ -344,6 +408,8 @@ def paged_decode_attention(
         block_tables,
         context_lens,
         scale * _LOG2E,
+        _NO_WINDOW if window is None else window,
+        0.0 if softcap is None else softcap * _LOG2E,
         *q.stride(),
         *k_cache.stride(),
         *v_cache.stride(),
@@ -355,6 +421,8 @@ def paged_decode_attention(
         BLOCK_SIZE=block_size,
         TILE_N=tile_n,
         NUM_SPLITS=num_splits,
+        WINDOWED=window is not None,
+        SOFTCAP=softcap is not None,
         num_warps=4,
         num_stages=2,
     )
@@ -381,12 +449,18 @@ def paged_prefill_attention(
     num_context: int,
     scale: float,
     *,
+    window: int | None = None,
+    softcap: float | None = None,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of n new tokens of one sequence. q `[n, H, hd]`; the new tokens' K/V are
     already in the cache after `num_context` earlier tokens; block_table `[M]` (int32 or int64)
-    covers all `num_context + n` positions. Query i attends positions `0..num_context + i`.
-    Returns `[n, H, hd]` in q's dtype (written into `out` if given, any strides)."""
+    covers all `num_context + n` positions. Query i attends positions `0..num_context + i`, the
+    last `window` of them if given; `softcap`: scores s become softcap * tanh(s / softcap)
+    before the softmax. Returns `[n, H, hd]` in q's dtype (written into `out` if given, any
+    strides)."""
+    if window is not None or softcap is not None:
+        check_window_softcap(window, softcap)
     num_tokens, num_heads, head_dim = q.shape
     kv_heads, _, block_size, _ = v_cache.shape
     group = _check_shapes(num_heads, head_dim, kv_heads, block_size, v_cache.shape[3])
@@ -405,6 +479,8 @@ def paged_prefill_attention(
         num_tokens,
         num_context,
         scale * _LOG2E,
+        _NO_WINDOW if window is None else window,
+        0.0 if softcap is None else softcap * _LOG2E,
         *q.stride(),
         *k_cache.stride(),
         *v_cache.stride(),
@@ -415,6 +491,8 @@ def paged_prefill_attention(
         BLOCK_SIZE=block_size,
         BLOCK_M=block_m,
         TILE_N=_prefill_tile_n(head_dim, block_size),
+        WINDOWED=window is not None,
+        SOFTCAP=softcap is not None,
         num_warps=_PREFILL_WARPS,
         num_stages=2,
     )
@@ -464,8 +542,9 @@ def _num_sms(device: torch.device) -> int:
 
 
 # Ahead-of-time compilation for sm_90 (`kernels/aot.py`): cache dtypes x head dims x GQA groups
-# (3, padded to 16 rows, and 8) at block size 16. Unit strides are constexpr 1, as the JIT
-# specialises them at launch (which is what lets the compiler vectorise the loads).
+# (3, padded to 16 rows, and 8) at block size 16, without window and soft-cap; and each kernel
+# once with both (bf16, head dim 256, group 2: Gemma 2's shape). Unit strides are constexpr 1, as
+# the JIT specialises them at launch (which is what lets the compiler vectorise the loads).
 _AOT_BLOCK_SIZE = 16
 _AOT_SPLITS = 4
 _UNIT_STRIDES = ("stride_qd", "stride_kt", "stride_vd", "stride_tm", "stride_od")
@@ -478,8 +557,9 @@ def _aot_spec(
     constexprs: dict[str, int],
     num_warps: int = 4,
 ) -> AotSpec:
-    """The spec of `kernel`: pointer arguments typed as given, `qk_scale` fp32, unit strides and
-    `constexprs` constexpr, every other argument (strides, lengths) i32."""
+    """The spec of `kernel`: pointer arguments typed as given, `qk_scale` and `softcap` fp32,
+    unit strides and `constexprs` constexpr, every other argument (strides, lengths, window)
+    i32."""
     constexprs = {arg: 1 for arg in _UNIT_STRIDES if arg in kernel.arg_names} | constexprs  # type: ignore[attr-defined]
     signature = {}
     for arg in kernel.arg_names:  # type: ignore[attr-defined]
@@ -488,11 +568,13 @@ def _aot_spec(
         elif arg in pointers:
             signature[arg] = pointers[arg]
         else:
-            signature[arg] = "fp32" if arg == "qk_scale" else "i32"
+            signature[arg] = "fp32" if arg in ("qk_scale", "softcap") else "i32"
     return AotSpec(name, kernel, signature, constexprs, num_warps=num_warps)
 
 
-def _decode_spec(dtype: str, head_dim: int, group: int, num_splits: int) -> AotSpec:
+def _decode_spec(
+    dtype: str, head_dim: int, group: int, num_splits: int, masked: bool = False
+) -> AotSpec:
     pointers = dict.fromkeys(("q_ptr", "k_ptr", "v_ptr"), f"*{dtype}")
     pointers |= {
         "out_ptr": f"*{dtype}" if num_splits == 1 else "*fp32",
@@ -507,8 +589,11 @@ def _decode_spec(dtype: str, head_dim: int, group: int, num_splits: int) -> AotS
         "BLOCK_SIZE": _AOT_BLOCK_SIZE,
         "TILE_N": max(_AOT_BLOCK_SIZE, _MIN_DOT),
         "NUM_SPLITS": num_splits,
+        "WINDOWED": masked,
+        "SOFTCAP": masked,
     }
-    name = f"paged_decode[hd={head_dim}, group={group}, splits={num_splits}, {dtype}]"
+    extra = ", window, softcap" if masked else ""
+    name = f"paged_decode[hd={head_dim}, group={group}, splits={num_splits}, {dtype}{extra}]"
     return _aot_spec(name, _paged_decode_kernel, pointers, constexprs)
 
 
@@ -528,7 +613,7 @@ def _reduce_spec(dtype: str, head_dim: int) -> AotSpec:
     return _aot_spec(name, _split_kv_reduce_kernel, pointers, constexprs, num_warps=1)
 
 
-def _prefill_spec(dtype: str, head_dim: int, group: int) -> AotSpec:
+def _prefill_spec(dtype: str, head_dim: int, group: int, masked: bool = False) -> AotSpec:
     pointers = dict.fromkeys(("out_ptr", "q_ptr", "k_ptr", "v_ptr"), f"*{dtype}")
     pointers["block_table_ptr"] = "*i32"
     constexprs = {
@@ -537,8 +622,11 @@ def _prefill_spec(dtype: str, head_dim: int, group: int) -> AotSpec:
         "BLOCK_SIZE": _AOT_BLOCK_SIZE,
         "BLOCK_M": _PREFILL_BLOCK_M,
         "TILE_N": _prefill_tile_n(head_dim, _AOT_BLOCK_SIZE),
+        "WINDOWED": masked,
+        "SOFTCAP": masked,
     }
-    name = f"paged_prefill[hd={head_dim}, group={group}, {dtype}]"
+    extra = ", window, softcap" if masked else ""
+    name = f"paged_prefill[hd={head_dim}, group={group}, {dtype}{extra}]"
     return _aot_spec(name, _paged_prefill_kernel, pointers, constexprs, _PREFILL_WARPS)
 
 
@@ -555,4 +643,9 @@ AOT_SPECS: list[AotSpec] = [
         _reduce_spec(dtype, head_dim),
         *(_prefill_spec(dtype, head_dim, group) for group in (3, 8)),
     )
+] + [
+    _decode_spec("bf16", 256, 2, 1, masked=True),
+    _decode_spec("bf16", 256, 2, _AOT_SPLITS, masked=True),
+    _reduce_spec("bf16", 256),
+    _prefill_spec("bf16", 256, 2, masked=True),
 ]
