@@ -47,7 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     serve = sub.add_parser("serve", help="the OpenAI-compatible HTTP server (default model: the bundled SmolLM2)")
-    serve.add_argument("model_tag", nargs="?", default=None, metavar="MODEL", help="a local HF directory or .gguf file")
+    serve.add_argument("model_tag", nargs="?", default=None, metavar="MODEL", help="a local HF directory, .gguf file, or Hugging Face Hub repo id")
     serve.add_argument("--host", default="127.0.0.1", help="(default: %(default)s)")
     serve.add_argument("--port", type=int, default=8000, help="0 picks a free port (default: %(default)s)")
     serve.add_argument("--backlog", type=int, default=2048, help="the listen backlog: connections the kernel queues before the server accepts them (capped by net.core.somaxconn) (default: %(default)s)")

@@ -9,7 +9,7 @@ schema: `LLM(**kwargs)`, `EngineArgs(**kwargs)` and the CLI flags (generated fro
   `CompilationConfig`, the deprecated `swap_space` warns and is dropped, and values this engine
   cannot honour (`quantization`, a non-"auto" `kv_cache_dtype`, a `kv_transfer_config`, ...)
   raise `ValueError` naming the field and the allowed values.
-- vLLM arguments that change nothing here (`trust_remote_code`, `revision`, ...) are accepted so
+- vLLM arguments that change nothing here (`trust_remote_code`, `cpu_offload_gb`, ...) are accepted so
   that scripts run; `create_engine_config()` logs one warning per such name per process when it
   is set to something other than its default (`EngineConfig.ignored_args` records them).
 - Settings of the actor layer (transport, output chunking, the ZMQ address and the opt-in to
@@ -37,6 +37,7 @@ from typing import Any
 import torch
 
 from triollm.engine.distributed.sharding import check_tensor_parallel
+from triollm.engine.loading.hub import is_hub_id, resolve_hub
 from triollm.engine.loading.model_config import ModelConfig
 from triollm.engine.loading.model_files import resolve_model
 
@@ -190,10 +191,6 @@ DP_BACKENDS = ("mp", "ray")
 # once per process with the reason. (`_SOMETIMES_IGNORED` join them in some cases.)
 IGNORED_ARGS: dict[str, str] = {
     "trust_remote_code": "no code from a checkpoint is ever run (Llama-family models are built in)",
-    "revision": "models are local directories or .gguf files; nothing is downloaded",
-    "tokenizer_revision": "models are local directories or .gguf files; nothing is downloaded",
-    "download_dir": "nothing is downloaded (imported GGUF files are cached in cache_dir)",
-    "hf_token": "nothing is downloaded",
     "skip_tokenizer_init": "the tokenizer is always loaded (outputs carry text)",
     "distributed_executor_backend": "tensor-parallel ranks are always processes the engine core starts (docs/scaling.md)",
     "disable_custom_all_reduce": "tensor-parallel all-reduces always go through gloo",
@@ -207,6 +204,11 @@ IGNORED_ARGS: dict[str, str] = {
 _SOMETIMES_IGNORED = {
     "gpu_memory_utilization": "it sizes the KV cache on CUDA only",
     "tokenizer_mode": "only fast tokenizers exist here: 'slow' loads the fast one (tokenizer.json)",
+    # Hub options apply to a Hugging Face Hub repo id only (engine/loading/hub.py).
+    "revision": "the model is a local directory or .gguf file, not a Hub repo id",
+    "tokenizer_revision": "the tokenizer is not a Hub repo id (nor the model's, with tokenizer unset)",
+    "download_dir": "neither model nor tokenizer is a Hub repo id (imported GGUF files are cached in cache_dir)",
+    "hf_token": "neither model nor tokenizer is a Hub repo id",
 }
 _warned: set[str] = set()
 
@@ -221,16 +223,16 @@ class EngineArgs:
     """Every user-settable engine knob, with vLLM's names. `create_engine_config()` validates."""
 
     # --- model and tokenizer
-    model: str | None = _arg(None, "a local Hugging Face directory or .gguf file (default: the bundled SmolLM2-135M-Instruct)")
+    model: str | None = _arg(None, "a local Hugging Face directory, a .gguf file, or a Hugging Face Hub repo id (owner/name: the HF cache, else downloaded unless HF_HUB_OFFLINE is set) (default: the bundled SmolLM2-135M-Instruct)")
     served_model_name: str | list[str] | None = _arg(None, "names clients use in `model` (default: the model argument)", nargs="+")
-    tokenizer: str | None = _arg(None, "a tokenizer directory (or .gguf file) other than the model's")
+    tokenizer: str | None = _arg(None, "a tokenizer directory, .gguf file or Hub repo id other than the model's")
     tokenizer_mode: str = _arg("auto", "fast tokenizers only: 'slow' loads the fast one", choices=TOKENIZER_MODES)
     skip_tokenizer_init: bool = _arg(False, "accepted, ignored")
     trust_remote_code: bool = _arg(False, "accepted, ignored (no checkpoint code runs)")
-    revision: str | None = _arg(None, "accepted, ignored (nothing is downloaded)")
-    tokenizer_revision: str | None = _arg(None, "accepted, ignored (nothing is downloaded)")
-    download_dir: str | None = _arg(None, "accepted, ignored (see --cache-dir)")
-    hf_token: str | None = _arg(None, "accepted, ignored (nothing is downloaded)")
+    revision: str | None = _arg(None, "a Hub model's branch, tag or commit hash (default: main)")
+    tokenizer_revision: str | None = _arg(None, "a Hub tokenizer's branch, tag or commit hash (default: main; with tokenizer unset, the model repo's tokenizer at this revision)")
+    download_dir: str | None = _arg(None, "the Hugging Face cache for Hub repo ids, read and downloaded into (default: huggingface_hub's, $HF_HUB_CACHE or $HF_HOME/hub); .gguf imports go to --cache-dir")
+    hf_token: str | None = _arg(None, "the Hugging Face token for gated or private Hub repos (default: huggingface_hub's, $HF_TOKEN or the `hf auth login` one)")
     load_format: str = _arg("auto", "the weights' format (a .gguf model is imported once)", choices=LOAD_FORMATS)
     dtype: str | torch.dtype = _arg("auto", "weights and activations: auto (float32 on CPU), half, float16, bfloat16, float, float32", choices=DTYPES)
     kv_cache_dtype: str = _arg(
@@ -409,7 +411,7 @@ class EngineArgs:
         cache_dir = Path(self.cache_dir) if self.cache_dir else None
         if self.load_format == "gguf" and not (self.model or "").lower().endswith(".gguf"):
             raise ValueError(f"load_format: 'gguf' needs a .gguf model file, got model={self.model!r}")
-        path = resolve_model(self.model, cache_dir)
+        path = resolve_model(self.model, cache_dir, revision=self.revision, download_dir=self.download_dir, token=self.hf_token)
         model = ModelConfig.from_pretrained(path, str(self.dtype), self.max_model_len, device, self.runner)
         quantization = self._quantization(model, device)
         if quantization is not None:
@@ -452,7 +454,7 @@ class EngineArgs:
             device=device,
             seed=self.seed,
             num_threads=self.num_threads,
-            tokenizer=_resolve_tokenizer(self.tokenizer, path, cache_dir),
+            tokenizer=self._resolve_tokenizer(path, cache_dir),
             actor=ActorConfig(
                 multiprocess=multiprocess,
                 output_chunk_size=self.output_chunk_size,
@@ -557,7 +559,25 @@ class EngineArgs:
             names.append("gpu_memory_utilization")
         if self.tokenizer_mode == "slow":
             names.append("tokenizer_mode")
+        hub_model, hub_tokenizer = is_hub_id(self.model), is_hub_id(self.tokenizer)
+        hub_used = {
+            "revision": hub_model,
+            "tokenizer_revision": hub_tokenizer or (hub_model and not self.tokenizer),
+            "download_dir": hub_model or hub_tokenizer,
+            "hf_token": hub_model or hub_tokenizer,
+        }
+        names += [name for name, used in hub_used.items() if not used and getattr(self, name) is not None]
         return tuple(names)
+
+    def _resolve_tokenizer(self, model_path: Path, cache_dir: Path | None) -> Path:
+        """The tokenizer directory: the model's, or `tokenizer` (a directory, .gguf file or Hub id)."""
+        repo = self.tokenizer or (self.model if self.tokenizer_revision is not None else None)
+        if repo is not None and is_hub_id(repo):
+            return resolve_hub(
+                repo, "tokenizer", revision=self.tokenizer_revision, download_dir=self.download_dir,
+                token=self.hf_token, files="tokenizer",
+            )
+        return _local_tokenizer(self.tokenizer, cache_dir) if self.tokenizer else model_path
 
     # ------------------------------------------------------------------ the CLI
 
@@ -624,16 +644,14 @@ def _canonical_dtype(value: object) -> str:
     return _DTYPE_NAMES.get(name, name)
 
 
-def _resolve_tokenizer(tokenizer: str | None, model_path: Path, cache_dir: Path | None) -> Path:
-    if tokenizer is None or tokenizer == "":
-        return model_path
+def _local_tokenizer(tokenizer: str, cache_dir: Path | None) -> Path:
     path = Path(tokenizer).expanduser()
     if path.is_file() and path.suffix.lower() == ".gguf":
         return resolve_model(str(path), cache_dir)  # its tokenizer is rebuilt on import
     if not (path / "tokenizer.json").is_file():
         raise ValueError(
-            f"tokenizer: {tokenizer} is not a directory holding tokenizer.json (or a .gguf file); "
-            "only fast tokenizers are supported and nothing is downloaded"
+            f"tokenizer: {tokenizer} is not a directory holding tokenizer.json, a .gguf file or a Hub repo id; "
+            "only fast tokenizers are supported"
         )
     return path
 

