@@ -36,7 +36,7 @@ from triollm.engine.config import EngineConfig
 from triollm.engine.core_protocol import Core, EngineCoreStats
 from triollm.engine.execution.cuda_graphs import DecodeGraphs, cuda_capture
 from triollm.engine.execution.model_runner import ModelRunner, RunnerOutput
-from triollm.engine.execution.models.llama import LlamaForCausalLM, load_model
+from triollm.engine.execution.models import CausalLM, load_model
 from triollm.engine.request import EngineCoreOutput, EngineCoreRequest, FinishReason
 from triollm.engine.scheduling.block_manager import BlockManager
 from triollm.engine.scheduling.request_state import Request, RequestStatus
@@ -86,7 +86,7 @@ class EngineCore:
             torch.manual_seed(config.seed)
         mc = config.model
         self.group: TensorParallelGroup | None = None
-        self.model: LlamaForCausalLM | None = None
+        self.model: CausalLM | None = None
         self.num_kv_heads = mc.num_kv_heads  # this rank's
         # Structured outputs: a request's matcher is built in the compiler's threads, and the
         # request joins the scheduler once it is ready (`_compiling` until then).
@@ -146,6 +146,9 @@ class EngineCore:
             return None
         assert self.model is not None
         mc, bs = self.config.model, self.config.cache.block_size
+        if mc.moe is not None:  # the experts' routing reads token counts on the host each layer
+            log.info("CUDA graphs are off for %s: routed experts run eagerly", mc.architecture)
+            return None
         start = time.perf_counter()
         try:
             graphs = DecodeGraphs(
@@ -157,7 +160,7 @@ class EngineCore:
         log.info("captured CUDA graphs for decode batch sizes %s in %.1f s", list(sizes), time.perf_counter() - start)
         return graphs
 
-    def _load_shard(self, size: int) -> LlamaForCausalLM:
+    def _load_shard(self, size: int) -> CausalLM:
         """Start the workers and load rank 0's shard; the cores are split between the ranks."""
         from triollm.engine.distributed.group import TensorParallelGroup
 

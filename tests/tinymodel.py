@@ -155,17 +155,14 @@ def make_transformers_model(path: Path, architecture: str, *, seed: int = 0, **c
     """A tiny random model written by the installed transformers' `save_pretrained` (its own
     config.json generation: 5.x writes `rope_parameters` and `dtype`), plus the tiny tokenizer.
 
-    `config` overrides the `LlamaConfig` / `MistralConfig` / `Qwen2Config` arguments (hidden 64,
+    `config` overrides the architecture's config class arguments (`Qwen3Config`, ...: hidden 64,
     2 layers, 4 heads / 2 KV heads, fp32 by default). Weights are redrawn at tinymodel's larger
     scales so the next-token distributions are peaked and greedy ties do not happen."""
     import transformers
 
     eos_id = write_tokenizer(path)
-    config_class = {
-        "LlamaForCausalLM": transformers.LlamaConfig,
-        "MistralForCausalLM": transformers.MistralConfig,
-        "Qwen2ForCausalLM": transformers.Qwen2Config,
-    }[architecture]
+    name = {"Gemma3ForCausalLM": "Gemma3TextConfig"}.get(architecture, architecture.replace("ForCausalLM", "Config"))
+    config_class = getattr(transformers, name)
     args: dict[str, object] = {
         "vocab_size": build_tokenizer().get_vocab_size(),
         "hidden_size": 64,

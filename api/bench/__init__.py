@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from triollm.api.bench.moe import add_moe_parsers
 from triollm.api.bench.pipeline import add_pipeline_parser
 from triollm.api.bench.quality import add_quality_parser
 from triollm.api.bench.serve import add_serve_bench_parser
@@ -22,3 +23,4 @@ def add_bench_parser(sub: Any) -> None:
     add_serve_bench_parser(kinds)
     add_quality_parser(kinds)
     add_soak_parser(kinds)
+    add_moe_parsers(kinds)

@@ -29,7 +29,7 @@ from triollm.engine.distributed.protocol import (
 )
 from triollm.engine.distributed.sharding import TPShard
 from triollm.engine.execution.model_runner import ModelRunner
-from triollm.engine.execution.models.llama import load_model
+from triollm.engine.execution.models import load_model
 from triollm.kernels import allocate_kv_cache
 
 

@@ -30,7 +30,7 @@ from triollm.kernels.attention import DecodePlan, DecodeWorkspace
 from triollm.kernels.triton import use_triton_on
 
 if TYPE_CHECKING:
-    from triollm.engine.execution.models.llama import LlamaForCausalLM
+    from triollm.engine.execution.models.base import CausalLM
 
 __all__ = ["DecodeGraphs", "Replay", "cuda_capture", "default_capture_sizes", "eager_capture"]
 
@@ -81,7 +81,7 @@ def eager_capture() -> Capture:
 class DecodeGraphs:
     def __init__(
         self,
-        model: LlamaForCausalLM,
+        model: CausalLM,
         kv: KVCache,
         device: torch.device,
         sizes: tuple[int, ...],
@@ -110,7 +110,7 @@ class DecodeGraphs:
             self._replays[size] = capture(self._forward(size))
 
     def _forward(self, size: int) -> Callable[[], None]:
-        from triollm.engine.execution.models.llama import AttentionMetadata
+        from triollm.engine.execution.layers.attention import AttentionMetadata
 
         tables, lens = self.tables[:size], self.lens[:size]
         plan = DecodePlan([], self.workspace, triton=(tables, lens)) if self.triton else DecodePlan([], self.workspace, native=(tables, lens))

@@ -24,7 +24,8 @@ import torch
 
 from triollm.engine.distributed.protocol import StepInputs
 from triollm.engine.execution.cuda_graphs import DecodeGraphs
-from triollm.engine.execution.models.llama import AttentionMetadata, LlamaForCausalLM, PrefillChunk
+from triollm.engine.execution.layers.attention import AttentionMetadata, PrefillChunk
+from triollm.engine.execution.models.base import CausalLM
 from triollm.engine.execution.sampler import Sampler, SamplingRow, gather_logprobs
 from triollm.engine.request import Logprobs
 from triollm.engine.scheduling.scheduler import ScheduledRequest
@@ -48,7 +49,7 @@ class RunnerOutput:
 class ModelRunner:
     def __init__(
         self,
-        model: LlamaForCausalLM,
+        model: CausalLM,
         kv_cache: KVCache,
         device: torch.device | str,
         group: TensorParallelGroup | None = None,

@@ -37,11 +37,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import KW_ONLY, dataclass
 from typing import Any
 
 import torch
 
+from triollm.engine.loading.hf_families import MoESpec, family_fields
 from triollm.engine.loading.rope_config import RopeConfig, parse_rope
 
 __all__ = [
@@ -62,20 +63,34 @@ class _Defaults:
     model_type: str
     max_position_embeddings: int
     num_kv_heads: int | None  # None: as many as query heads
-    qkv_bias: bool | None  # None: `attention_bias` decides
+    qkv_bias: bool | None  # None: `attention_bias` decides (q, k, v and o_proj)
     has_mlp_bias: bool  # whether `mlp_bias` is read at all
     sliding_window: int | None
+    head_dim: int | None = None  # None: hidden_size // num_attention_heads
+    tie_word_embeddings: bool = False
+    rms_norm_eps: float = 1e-6
+    hidden_act: str = "silu"
 
 
 _ARCHITECTURES = {
     "LlamaForCausalLM": _Defaults("llama", 2048, None, None, True, None),
     "MistralForCausalLM": _Defaults("mistral", 4096 * 32, 8, False, False, 4096),
     "Qwen2ForCausalLM": _Defaults("qwen2", 32768, 32, True, False, 4096),
+    "Qwen3ForCausalLM": _Defaults("qwen3", 32768, 32, None, False, None, head_dim=128),
+    "Qwen3MoeForCausalLM": _Defaults("qwen3_moe", 32768, 4, None, False, None),
+    "MixtralForCausalLM": _Defaults("mixtral", 4096 * 32, 8, False, False, None, rms_norm_eps=1e-5),
+    "GemmaForCausalLM": _Defaults("gemma", 8192, 16, None, False, None, 256, True, 1e-6, "gelu_pytorch_tanh"),
+    "Gemma2ForCausalLM": _Defaults("gemma2", 8192, 4, None, False, 4096, 256, True, 1e-6, "gelu_pytorch_tanh"),
+    "Gemma3ForCausalLM": _Defaults("gemma3_text", 131072, 4, None, False, 4096, 256, True, 1e-6, "gelu_pytorch_tanh"),
+    "Phi3ForCausalLM": _Defaults("phi3", 4096, None, False, False, None, rms_norm_eps=1e-5),
+    "Olmo2ForCausalLM": _Defaults("olmo2", 2048, None, None, False, None, rms_norm_eps=1e-5),
+    "GraniteForCausalLM": _Defaults("granite", 2048, None, None, True, None),
 }
 # Encoder-only (bidirectional) models: served by the pooling runner (embeddings), never generate.
 ENCODER_ARCHITECTURES = ("BertModel",)
 SUPPORTED_ARCHITECTURES = (*_ARCHITECTURES, *ENCODER_ARCHITECTURES)
-_SILU = ("silu", "swish")  # transformers maps both names to SiLU
+# transformers' activation names, by the function they compute.
+_ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh", "gelu": "gelu"}
 _LAYER_TYPES = ("full_attention", "sliding_attention")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -102,6 +117,29 @@ class HfConfig:
     checkpoint_dtype: torch.dtype | None  # `dtype` / `torch_dtype`, when given
     # Encoder-only models (BERT): what the decoder fields above do not say; None for decoders.
     encoder: EncoderSpec | None
+    # What only some families have (engine/loading/hf_families.py); the defaults are Llama's.
+    _: KW_ONLY
+    hidden_act: str = "silu"  # the MLP's gate activation: "silu", "gelu_tanh" or "gelu"
+    layer_types: tuple[str, ...] = ()  # "full_attention" / "sliding_attention" per layer; (): all full
+    local_rope: RopeConfig | None = None  # the sliding layers' own RoPE (Gemma 3); None: `rope`
+    rotary_dim: int | None = None  # partial rotary: dims of each head that rotate; None: head_dim
+    qk_norm: str | None = None  # RMSNorm of q and k: "head" (over each head) or "full" (OLMo 2)
+    norm_layout: str = "pre"  # "pre" (Llama), "sandwich" (Gemma 2/3: pre and post), "post" (OLMo 2)
+    norm_offset: bool = False  # Gemma's RMSNorm scales by (1 + weight)
+    embedding_multiplier: float = 1.0  # Gemma: sqrt(hidden_size); Granite: embedding_multiplier
+    residual_multiplier: float = 1.0  # Granite
+    attention_scale: float | None = None  # the softmax scale; None: head_dim ** -0.5
+    attn_softcap: float | None = None  # Gemma 2: attention logit soft-capping
+    final_softcap: float | None = None  # Gemma 2: final logit soft-capping
+    logits_divisor: float = 1.0  # Granite: logits_scaling
+    fused_checkpoint: bool = False  # Phi-3: qkv_proj and gate_up_proj stored fused
+    moe: MoESpec | None = None
+
+    def layer_window(self, layer: int) -> int | None:
+        """The sliding window of `layer`, None for full attention."""
+        if self.layer_types and self.layer_types[layer] == "sliding_attention":
+            return self.sliding_window
+        return None
 
 
 @dataclass(frozen=True)
@@ -130,9 +168,10 @@ def parse_hf_config(hf: Mapping[str, Any]) -> HfConfig:
         raise ValueError(
             f"quantization_config: quantized checkpoints ({method}) are not supported; use unquantized weights"
         )
-    act = hf.get("hidden_act", "silu")
-    if act not in _SILU:
-        raise ValueError(f"hidden_act: {act!r} is not supported; supported: silu")
+    act_field = "hidden_activation" if hf.get("hidden_activation") is not None else "hidden_act"
+    act = hf.get(act_field) or d.hidden_act
+    if act not in _ACTIVATIONS:
+        raise ValueError(f"{act_field}: {act!r} is not supported; supported: {', '.join(_ACTIVATIONS)}")
     hidden = _int(hf, "hidden_size")
     num_heads = _int(hf, "num_attention_heads")
     num_layers = _int(hf, "num_hidden_layers")
@@ -141,11 +180,13 @@ def parse_hf_config(hf: Mapping[str, Any]) -> HfConfig:
         raise ValueError(
             f"num_key_value_heads: {num_kv_heads} does not divide num_attention_heads {num_heads}"
         )
-    head_dim = _int(hf, "head_dim", hidden // num_heads, null=hidden // num_heads)
+    head_dim = _int(hf, "head_dim", d.head_dim or hidden // num_heads, null=hidden // num_heads)
     if head_dim % 2:
         raise ValueError(f"head_dim: RoPE needs an even head_dim, got {head_dim}")
     max_pos = _int(hf, "max_position_embeddings", d.max_position_embeddings)
     attention_bias = _bool(hf, "attention_bias", False)
+    window, layer_types = _sliding_window(arch, hf, num_layers)
+    extra = family_fields(arch, hf, num_layers=num_layers, head_dim=head_dim, hidden=hidden, max_pos=max_pos)
     return HfConfig(
         architecture=arch,
         hidden_size=hidden,
@@ -155,16 +196,19 @@ def parse_hf_config(hf: Mapping[str, Any]) -> HfConfig:
         num_kv_heads=num_kv_heads,
         head_dim=head_dim,
         vocab_size=_int(hf, "vocab_size"),
-        rms_norm_eps=_eps(hf),
-        rope=parse_rope(hf, max_pos),
+        rms_norm_eps=_eps(hf, d.rms_norm_eps),
+        rope=extra.pop("rope", None) or parse_rope(hf, max_pos),
         max_position_embeddings=max_pos,
-        tie_word_embeddings=_bool(hf, "tie_word_embeddings", False),
+        tie_word_embeddings=_bool(hf, "tie_word_embeddings", d.tie_word_embeddings),
         qkv_bias=attention_bias if d.qkv_bias is None else d.qkv_bias,
         o_proj_bias=attention_bias if d.qkv_bias is None else False,  # Llama biases o_proj too
         mlp_bias=_bool(hf, "mlp_bias", False) if d.has_mlp_bias else False,
-        sliding_window=_sliding_window(arch, hf, num_layers),
+        sliding_window=window,
         checkpoint_dtype=checkpoint_dtype(hf),
         encoder=None,
+        hidden_act=_ACTIVATIONS[act],
+        layer_types=layer_types,
+        **extra,
     )
 
 
@@ -253,20 +297,36 @@ def _architecture(hf: Mapping[str, Any]) -> str:
     return str(arch)
 
 
-def _sliding_window(arch: str, hf: Mapping[str, Any], num_layers: int) -> int | None:
+# Where each family's windows apply: every layer, or the layers `layer_types` marks (with that
+# family's default pattern when config.json has no layer_types).
+_EVERY_LAYER = ("MistralForCausalLM", "MixtralForCausalLM", "Phi3ForCausalLM")
+_QWEN = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
+_GEMMA_PATTERN = {"Gemma2ForCausalLM": 2, "Gemma3ForCausalLM": 6}
+
+
+def _sliding_window(arch: str, hf: Mapping[str, Any], num_layers: int) -> tuple[int | None, tuple[str, ...]]:
+    """(the window, each layer's type); (None, ()) where no layer has a window."""
     d = _ARCHITECTURES[arch]
-    if arch == "MistralForCausalLM":
-        return _window(hf, d.sliding_window)  # every layer; Mistral ignores layer_types
-    if arch != "Qwen2ForCausalLM":
-        return None  # Llama's modeling code has no window
-    window = _window(hf, d.sliding_window) if _bool(hf, "use_sliding_window", False) else None
-    layer_types = hf.get("layer_types")
-    if layer_types is None:
-        first = _int(hf, "max_window_layers", 28, minimum=0)
-        layer_types = [
-            "sliding_attention" if window is not None and i >= first else "full_attention"
-            for i in range(num_layers)
-        ]
+    if arch in _EVERY_LAYER:  # these ignore layer_types
+        window = _window(hf, d.sliding_window)
+        return window, () if window is None else ("sliding_attention",) * num_layers
+    if arch in _GEMMA_PATTERN:
+        window = _window(hf, d.sliding_window)
+        layer_types = hf.get("layer_types")
+        if layer_types is None:
+            pattern = _int(hf, "sliding_window_pattern", _GEMMA_PATTERN[arch])
+            layer_types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(num_layers)]
+    elif arch in _QWEN:
+        window = _window(hf, d.sliding_window) if _bool(hf, "use_sliding_window", False) else None
+        layer_types = hf.get("layer_types")
+        if layer_types is None:
+            first = _int(hf, "max_window_layers", 28, minimum=0)
+            layer_types = [
+                "sliding_attention" if window is not None and i >= first else "full_attention"
+                for i in range(num_layers)
+            ]
+    else:
+        return None, ()  # Llama, Gemma, OLMo 2 and Granite have no window
     if not isinstance(layer_types, list) or len(layer_types) != num_layers:
         raise ValueError(
             f"layer_types: expected a list of {num_layers} entries (one per layer), got {layer_types!r}"
@@ -277,13 +337,13 @@ def _sliding_window(arch: str, hf: Mapping[str, Any], num_layers: int) -> int | 
             f"layer_types: {', '.join(map(repr, unknown))} not supported; supported: {', '.join(_LAYER_TYPES)}"
         )
     if "sliding_attention" not in layer_types:
-        return None
+        return None, ()
     if window is None:
         raise ValueError(
             "layer_types: layers are marked sliding_attention but there is no window "
             "(use_sliding_window is false or sliding_window is null)"
         )
-    return window
+    return window, tuple(layer_types)
 
 
 def _window(hf: Mapping[str, Any], default: int | None) -> int | None:
@@ -331,10 +391,10 @@ def _bool(hf: Mapping[str, Any], key: str, default: bool) -> bool:
     return value
 
 
-def _eps(hf: Mapping[str, Any]) -> float:
+def _eps(hf: Mapping[str, Any], default: float = 1e-6) -> float:
     value = hf.get("rms_norm_eps")
     if value is None:
-        return 1e-6
+        return default
     if (
         isinstance(value, bool)
         or not isinstance(value, int | float)

@@ -3,7 +3,7 @@
 `ModelConfig.from_pretrained` parses `config.json` of either transformers generation through
 `hf_config.parse_hf_config` (every field that changes the numbers is honoured or refused there,
 with a `ValueError` naming it), decides max_model_len against what the model can serve exactly
-(a sliding window, dynamic RoPE), and reads `generation_config.json` for stop tokens and sampling
+(dynamic RoPE), and reads `generation_config.json` for stop tokens and sampling
 defaults.
 """
 
@@ -34,8 +34,7 @@ RUNNER_TYPES = ("generate", "pooling")
 @dataclass(frozen=True)
 class ModelConfig(HfConfig):
     """What `config.json` says (`HfConfig`: sizes, RoPE, biases, sliding window, ...) and what
-    the engine decided from it and `generation_config.json`. `sliding_window` is never smaller
-    than `max_model_len` (refused at load), so the full-attention kernels are exact."""
+    the engine decided from it and `generation_config.json`."""
 
     path: Path
     max_model_len: int
@@ -133,18 +132,12 @@ def _runner_type(architecture: str, runner: str) -> str:
 
 
 def _max_model_len(spec: HfConfig, requested: int | None) -> int:
-    """The requested length, or the model's own (clamped to its sliding window); refuses what
-    the engine could not serve exactly."""
-    window = spec.sliding_window
+    """The requested length, or the model's own; refuses what the engine could not serve exactly.
+    A sliding window is no limit: windowed layers mask what lies outside it (layers/attention.py)."""
     if requested is None:
-        requested = spec.max_position_embeddings if window is None else min(spec.max_position_embeddings, window)
+        requested = spec.max_position_embeddings
     elif requested <= 0:
         raise ValueError(f"max_model_len: must be a positive integer, got {requested}")
-    if window is not None and requested > window:
-        raise ValueError(
-            f"sliding_window: the model attends over a window of {window} tokens, which triollm's attention "
-            f"does not implement; max_model_len {requested} would exceed it. Use max_model_len <= {window}"
-        )
     spec.rope.check_max_model_len(requested)
     return requested
 

@@ -13,9 +13,10 @@ with transformers 5's precedence (the version the parity tests pin):
 * a top-level `original_max_position_embeddings` wins over the dict's (transformers' Phi-3
   rule), and llama3 / yarn default it to `max_position_embeddings`.
 
-Supported types: default, linear, dynamic, yarn, llama3, each computed as transformers computes it
-(`kernels/rotary.py`). Anything else (longrope, proportional, per-layer-type dicts, a partial
-rotary factor) is a `ValueError` naming the field, never approximated. Dynamic NTK is honoured
+Supported types: default, linear, dynamic, yarn, llama3, longrope (Phi-3), each computed as
+transformers computes it (`kernels/rotary.py`); a per-layer-type dict where the architecture has
+one (Gemma 3) and a partial rotary factor where the architecture honours it (its caller says so).
+Anything else (proportional, ...) is a `ValueError` naming the field, never approximated. Dynamic NTK is honoured
 only where it is exactly the default RoPE: transformers recomputes its frequencies from the
 longest position in each forward call and keeps the K already cached at the old ones, a history
 a paged cache with prefix sharing, chunked prefill and recompute preemption cannot reproduce. So
@@ -40,12 +41,13 @@ from triollm.kernels.rotary import (
     linear_inv_freq,
     llama3_inv_freq,
     ntk_inv_freq,
+    rotary_tables,
     yarn_inv_freq,
 )
 
-__all__ = ["ROPE_TYPES", "RopeConfig", "RopeType", "parse_rope"]
+__all__ = ["ROPE_TYPES", "RopeConfig", "RopeType", "parse_rope", "partial_rotary_factor"]
 
-RopeType = Literal["default", "linear", "dynamic", "yarn", "llama3"]
+RopeType = Literal["default", "linear", "dynamic", "yarn", "llama3", "longrope"]
 ROPE_TYPES: tuple[str, ...] = get_args(RopeType)
 DEFAULT_THETA = 10000.0
 
@@ -64,12 +66,37 @@ class RopeConfig:
     beta_fast: float = 32.0  # yarn
     beta_slow: float = 1.0  # yarn
     truncate: bool = True  # yarn
-    attention_factor: float = 1.0  # yarn: cos and sin are multiplied by it
+    attention_factor: float = 1.0  # yarn, longrope: cos and sin are multiplied by it
+    short_factor: tuple[float, ...] = ()  # longrope: per-frequency divisors below the original length
+    long_factor: tuple[float, ...] = ()  # longrope: from the original length on
+
+    def tables(self, dim: int, max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin `[max_len, dim]` fp32 (attention factor folded in). LongRoPE: the short
+        factors' rows for positions below original_max_position_embeddings, the long factors' from
+        there on (transformers switches a whole sequence to the long factors once it is longer;
+        the two agree on every sequence up to the original length)."""
+        if self.rope_type != "longrope":
+            return rotary_tables(self.inv_freq(dim), max_len, self.attention_factor)
+        assert self.original_max_position_embeddings is not None
+        split = min(self.original_max_position_embeddings, max_len)
+        cos, sin = rotary_tables(self._longrope_inv_freq(dim, self.short_factor), max_len, self.attention_factor)
+        if split < max_len:
+            long_cos, long_sin = rotary_tables(self._longrope_inv_freq(dim, self.long_factor), max_len, self.attention_factor)
+            cos[split:], sin[split:] = long_cos[split:], long_sin[split:]
+        return cos, sin
+
+    def _longrope_inv_freq(self, dim: int, factors: tuple[float, ...]) -> torch.Tensor:
+        if len(factors) != dim // 2:
+            raise ValueError(
+                f"rope_parameters: longrope factors have {len(factors)} entries, expected {dim // 2} (rotary_dim / 2)"
+            )
+        exponents = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
+        return 1.0 / (torch.tensor(factors, dtype=torch.float32) * self.theta**exponents)
 
     def inv_freq(self, head_dim: int) -> torch.Tensor:
         """The fp32 inverse frequencies, `[head_dim // 2]`, as transformers computes them."""
         match self.rope_type:
-            case "default":
+            case "default" | "longrope":  # longrope: see `tables`
                 return default_inv_freq(head_dim, self.theta)
             case "linear":
                 return linear_inv_freq(head_dim, self.theta, self.factor)
@@ -110,9 +137,19 @@ class RopeConfig:
             )
 
 
-def parse_rope(hf: Mapping[str, Any], max_position_embeddings: int) -> RopeConfig:
-    """The RoPE settings of a config.json dict of either transformers generation (module note)."""
+def parse_rope(
+    hf: Mapping[str, Any],
+    max_position_embeddings: int,
+    *,
+    layer_type: str | None = None,
+    allow_partial: bool = False,
+) -> RopeConfig:
+    """The RoPE settings of a config.json dict of either transformers generation (module note).
+    `layer_type`: the entry of a per-layer-type dict (Gemma 3's `rope_parameters`) to read;
+    `allow_partial`: the caller honours `partial_rotary_factor` (see `partial_rotary_factor`)."""
     field, params = _rope_dict(hf)
+    if layer_type is not None and isinstance(params.get(layer_type), Mapping):
+        field, params = f"{field}.{layer_type}", params[layer_type]
     if any(isinstance(v, Mapping) for v in params.values()):
         raise ValueError(
             f"{field}: per-layer-type RoPE parameters are not supported for this architecture"
@@ -126,7 +163,7 @@ def parse_rope(hf: Mapping[str, Any], max_position_embeddings: int) -> RopeConfi
     if theta <= 0:
         raise ValueError(f"{field}.rope_theta: must be positive, got {theta}")
     partial = params.get("partial_rotary_factor", hf.get("partial_rotary_factor"))
-    if partial is not None and partial != 1.0:
+    if partial is not None and partial != 1.0 and not allow_partial:
         raise ValueError(
             f"partial_rotary_factor: partial rotary embeddings are not supported (got {partial}; only 1.0)"
         )
@@ -147,7 +184,43 @@ def parse_rope(hf: Mapping[str, Any], max_position_embeddings: int) -> RopeConfi
                     field, hf, params, max_position_embeddings
                 ),
             )
+        case "longrope":
+            return _longrope(field, hf, params, base)
     return _yarn(field, hf, params, base)
+
+
+def partial_rotary_factor(hf: Mapping[str, Any]) -> float:
+    """`partial_rotary_factor` (in the RoPE dict in 5.x, at the top level in 4.x), 1.0 if absent."""
+    field, params = _rope_dict(hf)
+    value = params.get("partial_rotary_factor", hf.get("partial_rotary_factor"))
+    factor = _number(field, "partial_rotary_factor", value, 1.0)
+    if not 0 < factor <= 1:
+        raise ValueError(f"partial_rotary_factor: expected a number in (0, 1], got {value!r}")
+    return factor
+
+
+def _longrope(field: str, hf: Mapping[str, Any], params: Mapping[str, Any], base: RopeConfig) -> RopeConfig:
+    original = _original_len(field, hf, params, base.max_position_embeddings)
+    factors = {}
+    for key in ("short_factor", "long_factor"):
+        value = params.get(key)
+        if not isinstance(value, list) or not all(isinstance(v, int | float) and not isinstance(v, bool) and v > 0 for v in value):
+            raise ValueError(f"{field}.{key}: required for rope_type 'longrope', a list of positive numbers; got {value!r}")
+        factors[key] = tuple(float(v) for v in value)
+    factor = params.get("factor")
+    factor = base.max_position_embeddings / original if factor is None else _number(field, "factor", factor, 1.0)
+    attention_factor = params.get("attention_factor")
+    if attention_factor is None:
+        attention_factor = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+    return replace(
+        base,
+        rope_type="longrope",
+        factor=factor,
+        original_max_position_embeddings=original,
+        attention_factor=_number(field, "attention_factor", attention_factor, 1.0),
+        short_factor=factors["short_factor"],
+        long_factor=factors["long_factor"],
+    )
 
 
 def _rope_dict(hf: Mapping[str, Any]) -> tuple[str, Mapping[str, Any]]:

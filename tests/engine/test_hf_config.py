@@ -176,7 +176,7 @@ def test_qwen2_windows_follow_use_sliding_window_and_layer_types() -> None:
 
 
 REFUSED: list[tuple[dict[str, Any], str]] = [
-    (hf(rope_parameters={"rope_type": "longrope", "short_factor": [1.0], "long_factor": [1.0]}), r"rope_parameters\.rope_type: 'longrope'"),
+    (hf(rope_parameters={"rope_type": "proportional", "factor": 2.0}), r"rope_parameters\.rope_type: 'proportional'"),
     (hf(rope_scaling={"type": "su", "factor": 2.0}), r"rope_scaling\.rope_type: 'su'"),
     (hf(rope_parameters={"rope_type": "proportional", "rope_theta": 1e4}), r"rope_parameters\.rope_type"),
     (hf(rope_parameters={"rope_type": "llama3", "factor": 8.0, "high_freq_factor": 4.0}), r"rope_parameters\.low_freq_factor"),
@@ -186,7 +186,7 @@ REFUSED: list[tuple[dict[str, Any], str]] = [
     (hf(rope_parameters={"full_attention": {"rope_type": "default"}}), r"rope_parameters: per-layer-type"),
     (hf(rope_parameters={"rope_type": "default", "partial_rotary_factor": 0.5}), r"partial_rotary_factor"),
     (hf(partial_rotary_factor=0.25), r"partial_rotary_factor"),
-    (hf(hidden_act="gelu"), r"hidden_act: 'gelu'"),
+    (hf(hidden_act="quick_gelu"), r"hidden_act: 'quick_gelu'"),
     (hf(quantization_config={"quant_method": "fp8"}), r"quantization_config: .*fp8"),
     (hf(num_key_value_heads=3), r"num_key_value_heads"),
     (hf(head_dim=15), r"head_dim"),
@@ -214,17 +214,6 @@ def write(path: Path, config: dict[str, Any]) -> Path:
     return path
 
 
-def test_sliding_window_clamps_the_default_and_refuses_a_longer_max_model_len(tmp_path: Path) -> None:
-    path = write(tmp_path, hf("mistral", sliding_window=64))
-    assert ModelConfig.from_pretrained(path).max_model_len == 64
-    assert ModelConfig.from_pretrained(path, max_model_len=64).sliding_window == 64
-    with pytest.raises(ValueError, match=r"sliding_window: .*window of 64 .*max_model_len <= 64"):
-        ModelConfig.from_pretrained(path, max_model_len=65)
-    # A window at least max_position_embeddings long changes nothing.
-    path = write(tmp_path / "wide", hf("mistral", sliding_window=4096))
-    assert ModelConfig.from_pretrained(path).max_model_len == 512
-
-
 def test_dynamic_rope_only_within_max_position_embeddings(tmp_path: Path) -> None:
     path = write(tmp_path, hf(rope_parameters={"rope_type": "dynamic", "factor": 2.0}))
     assert ModelConfig.from_pretrained(path).max_model_len == 512
@@ -246,13 +235,21 @@ def _five_x(path: Path, **fields: Any) -> Path:
 @pytest.mark.parametrize(
     ("fields", "max_model_len", "match"),
     [
-        ({"rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4}}, 128, r"rope_parameters\.rope_type: 'longrope'"),
-        ({"architectures": ["MistralForCausalLM"], "model_type": "mistral", "sliding_window": 64}, 128, r"max_model_len <= 64"),
-        ({"hidden_act": "gelu_pytorch_tanh"}, 128, r"hidden_act"),
+        ({"rope_parameters": {"rope_type": "proportional", "rope_theta": 1e4}}, 128, r"rope_parameters\.rope_type: 'proportional'"),
+        ({"hidden_act": "quick_gelu"}, 128, r"hidden_act"),
     ],
-    ids=["rope-type", "sliding-window", "hidden-act"],
+    ids=["rope-type", "hidden-act"],
 )
 def test_engine_refuses_at_load(tmp_path: Path, fields: dict[str, Any], max_model_len: int, match: str) -> None:
     path = _five_x(make_tiny_model(tmp_path / "m"), **fields)
     with pytest.raises(ValueError, match=match):
         EngineArgs(model=str(path), max_model_len=max_model_len).create_engine_config()
+
+
+def test_a_window_shorter_than_max_model_len_is_served(tmp_path: Path) -> None:
+    """Windowed attention is implemented: the window no longer limits max_model_len."""
+    fields = {"architectures": ["MistralForCausalLM"], "model_type": "mistral", "sliding_window": 64}
+    path = _five_x(make_tiny_model(tmp_path / "m"), **fields)
+    config = EngineArgs(model=str(path), max_model_len=128).create_engine_config()
+    assert (config.model.max_model_len, config.model.sliding_window) == (128, 64)
+    assert EngineArgs(model=str(path)).create_engine_config().model.max_model_len == 512

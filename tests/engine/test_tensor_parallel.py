@@ -19,7 +19,7 @@ from triollm import LLM, SamplingParams
 from triollm.actors.errors import EngineDeadError
 from triollm.engine.config import EngineArgs
 from triollm.engine.distributed.sharding import TPShard
-from triollm.engine.execution.models.llama import load_model
+from triollm.engine.execution.models import load_model
 from triollm.engine.loading.model_config import ModelConfig
 from triollm.engine.sync_engine import SyncEngine
 

@@ -132,7 +132,7 @@ def test_the_bundled_gguf_runs_as_shipped(bundled_model_dir: Path) -> None:
     """quantization="gguf": every linear layer and the tied head keep the GGUF's Q4_1 / Q8_0
     blocks (a fifth of the dense fp32 bytes), and the perplexity on 700 tokens of the shipped
     text stays within 1% of the dense model's (the same weights, dequantized)."""
-    from triollm.engine.execution.models.quantized import QuantEmbedding, QuantLinear
+    from triollm.engine.execution.layers.quantized import QuantEmbedding, QuantLinear
     from triollm.engine.sync_engine import SyncEngine
 
     text = (Path(__file__).parents[1] / "data" / "coriolanus.txt").read_text()
@@ -160,7 +160,7 @@ def test_float_weights_quantized_at_load(tiny_model_dir: Path, scheme: str) -> N
     """int8 / int4 on the tiny model through the real engine: its perplexity on a token prompt
     near the dense model's (the random model's logits are nearly flat, so greedy tokens are not
     a stable yardstick here; the bundled model's test above is the real-checkpoint one)."""
-    from triollm.engine.execution.models.quantized import QuantLinear
+    from triollm.engine.execution.layers.quantized import QuantLinear
     from triollm.engine.sync_engine import SyncEngine
 
     args = EngineArgs(model=str(tiny_model_dir), max_model_len=256, num_threads=1)

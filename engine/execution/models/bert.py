@@ -21,10 +21,15 @@ import torch.nn.functional as F
 from safetensors import safe_open
 from torch import nn
 
-from triollm.engine.execution.models.llama import Linear, _checkpoint_files
+from triollm.engine.execution.layers.linear import Linear, column
 from triollm.engine.loading.model_config import ModelConfig
+from triollm.engine.loading.weights import checkpoint_files
 
 __all__ = ["BertModel", "load_bert"]
+
+
+def _dense(in_features: int, out_features: int) -> Linear:
+    return column(in_features, [(0, out_features)], True)
 
 
 class BertLayer(nn.Module):
@@ -33,11 +38,11 @@ class BertLayer(nn.Module):
         assert cfg.encoder is not None
         h, eps = cfg.hidden_size, cfg.encoder.layer_norm_eps
         self.num_heads, self.head_dim = cfg.num_heads, cfg.head_dim
-        self.qkv = Linear(h, 3 * h)
-        self.attn_out = Linear(h, h)
+        self.qkv = _dense(h, 3 * h)
+        self.attn_out = _dense(h, h)
         self.attn_norm = nn.LayerNorm(h, eps=eps)
-        self.intermediate = Linear(h, cfg.intermediate_size)
-        self.output = Linear(cfg.intermediate_size, h)
+        self.intermediate = _dense(h, cfg.intermediate_size)
+        self.output = _dense(cfg.intermediate_size, h)
         self.out_norm = nn.LayerNorm(h, eps=eps)
         self.gelu_approximate = "none" if cfg.encoder.hidden_act == "gelu" else "tanh"
 
@@ -138,7 +143,7 @@ def load_bert(cfg: ModelConfig, device: str | torch.device = "cpu") -> BertModel
     params = dict(model.named_parameters())
     pieces: dict[str, dict[int, torch.Tensor]] = {}
     loaded: dict[str, torch.Tensor] = {}
-    for file in _checkpoint_files(cfg.path):
+    for file in checkpoint_files(cfg.path):
         with safe_open(str(file), framework="pt") as f:
             for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
                 target, piece = _target(name)

@@ -1,6 +1,6 @@
 """Quantized layers (`quantization=`, kernels/quant.py), and the native decoder stack over them.
 
-The model decides where they go (engine/execution/models/llama.py `quantize_model`): with
+The model loader decides where they go (engine/loading/weights.py `quantize_model`): with
 "gguf", the GGUF's own blocks as shipped (the import's QUANTIZED_FILE, Q4_0/Q4_1/Q8_0, read by
 `read_gguf_quantized`), fused the way the model fuses its projections (q|k|v, gate|up); with
 "int8"/"int4", the dense weights quantized at load. A tied embedding in a block format stays
@@ -17,6 +17,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -56,6 +57,14 @@ class QuantLinear(_Packed):
     def __init__(self, weight: QuantWeight, bias: torch.Tensor | None) -> None:
         super().__init__(weight)
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+        # Which checkpoint rows its bias holds (set by the loader, as layers/linear.py's).
+        self.rows: list[tuple[int, int]] = [(0, self.out_features)]
+        self.cols: tuple[int, int] | None = None
+
+    def load(self, leaf: str, piece: int, source: Any) -> None:
+        from triollm.engine.execution.layers.linear import load_rows
+
+        load_rows(self, leaf, piece, source)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return packed_linear(x, self.weight, self.bias)

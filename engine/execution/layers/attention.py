@@ -1,0 +1,135 @@
+"""Attention over the paged KV cache, and the metadata a step hands every layer.
+
+One flat batch per step: the tokens of every scheduled sequence are concatenated (`[T]`) and only
+attention splits them: decode tokens (one per sequence, placed first) go through one batched
+paged-decode call; each prefill chunk gets its own causal attention call (kernels/attention.py).
+
+`PagedAttention` takes the fused projection `qkv` `[T, (H + 2 KVH) * hd]` with Q and K not yet
+rotated (a model with q/k norms normalises them in place first), rotates Q and K, writes K and V
+to the cache and attends. Where the kernels allow it, rotation and cache write are one call: the
+Triton kernel on GPU, the native CPU kernel in an all-decode step (full rotary only). A layer's
+sliding window (`window`: the query at position i sees keys j with i - j < window) and attention
+logit soft-capping (`softcap`, Gemma 2) are passed to every kernel; the decode plan is shared by
+all layers, windowed or not.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from triollm.engine.execution.layers.rotary import RopeStep
+from triollm.kernels import cpu_native, prefill_attention, write_kv
+from triollm.kernels.attention import DecodePlan, decode_attention
+from triollm.kernels.rotary import apply_rotary_signed, rotary_sign
+
+__all__ = ["AttentionMetadata", "PagedAttention", "PrefillChunk"]
+
+
+@dataclass
+class PrefillChunk:
+    start: int  # index of the chunk's first token in the flat batch
+    length: int
+    num_context: int  # tokens of this sequence already in the cache before this chunk
+    block_ids: torch.Tensor  # the sequence's blocks covering num_context + length tokens
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [T] int64: where each token's K/V is written
+    num_decodes: int = 0  # the first num_decodes tokens are single-token decodes
+    decode_plan: DecodePlan | None = None  # their attention plan (kernels.attention.plan_decode)
+    prefills: list[PrefillChunk] = field(default_factory=list)
+    positions: torch.Tensor | None = None  # [T] int64 (the Triton path rotates by position)
+    # Whether this pass runs the Triton kernels (`use_triton`), decided once per forward pass:
+    # the environment lookup behind it costs microseconds, and a layer would pay it four times.
+    triton: bool | None = None
+
+
+class PagedAttention(nn.Module):
+    """No parameters: the attention of one layer's heads (this rank's, under tensor parallelism)."""
+
+    def __init__(
+        self,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        scale: float,
+        *,
+        window: int | None = None,
+        softcap: float | None = None,
+    ) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim, self.scale = num_heads, num_kv_heads, head_dim, scale
+        self.window, self.softcap = window, softcap
+        # Passed to the kernels only when set: the plain call stays the plain call.
+        self.extra: dict[str, Any] = {k: v for k, v in (("window", window), ("softcap", softcap)) if v is not None}
+
+    def forward(
+        self, qkv: torch.Tensor, rope: RopeStep, meta: AttentionMetadata, k_cache: torch.Tensor, v_cache: torch.Tensor
+    ) -> torch.Tensor:
+        t = qkv.shape[0]
+        h, kvh, hd = self.num_heads, self.num_kv_heads, self.head_dim
+        v = qkv[:, (h + kvh) * hd :].view(t, kvh, hd)
+        full = rope.rotary_dim == hd
+        if rope.whole_tables and full:
+            # Rotary on Q and K and the cache write in one Triton kernel.
+            from triollm.kernels.triton import rotary as triton_rotary
+
+            assert meta.positions is not None
+            q, k = triton_rotary.rotary_write_kv(
+                qkv[:, : h * hd].view(t, h, hd), qkv[:, h * hd : (h + kvh) * hd].view(t, kvh, hd), v,
+                rope.cos, rope.sin, meta.positions, k_cache, v_cache, meta.slot_mapping,
+            )  # fmt: skip
+            return self._attend(q, k, v, meta, k_cache, v_cache)
+        plan = meta.decode_plan
+        if full and meta.num_decodes == t and plan is not None and plan.native is not None:
+            # An all-decode step on the native CPU kernels: rotary + cache write in one call.
+            q = cpu_native.rotary_write_kv(qkv, rope.cos, rope.sin, k_cache, v_cache, meta.slot_mapping, h, kvh)
+            return decode_attention(q, k_cache, v_cache, plan, self.scale, **self.extra).view(t, h * hd)
+        qk = self._rotate(qkv[:, : (h + kvh) * hd].view(t, h + kvh, hd), rope, meta)
+        q, k = qk[:, :h], qk[:, h:]
+        write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+        return self._attend(q, k, v, meta, k_cache, v_cache)
+
+    def _rotate(self, qk: torch.Tensor, rope: RopeStep, meta: AttentionMetadata) -> torch.Tensor:
+        """Q and K rotated in one call (a new tensor; the first `rotary_dim` dims only, if partial)."""
+        cos, sin = rope.cos, rope.sin
+        if rope.whole_tables:  # the Triton step's whole tables, here for a partial rotary
+            assert meta.positions is not None
+            cos = cos.index_select(0, meta.positions).to(qk.dtype).unsqueeze(1)
+            sin = (sin.index_select(0, meta.positions) * rotary_sign(rope.rotary_dim).to(sin.device)).to(qk.dtype).unsqueeze(1)
+        d = rope.rotary_dim
+        if d == qk.shape[-1]:
+            return apply_rotary_signed(qk, cos, sin)
+        return torch.cat((apply_rotary_signed(qk[..., :d], cos, sin), qk[..., d:]), dim=-1)
+
+    def _attend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        meta: AttentionMetadata,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+    ) -> torch.Tensor:
+        """Attention of the step's tokens (their K/V already in the cache), `[T, H * hd]`."""
+        t, h, hd = q.shape
+        d = meta.num_decodes
+        if d == t:
+            assert meta.decode_plan is not None
+            out = decode_attention(q, k_cache, v_cache, meta.decode_plan, self.scale, **self.extra)
+        else:
+            out = q.new_empty(q.shape)
+            if d:
+                assert meta.decode_plan is not None
+                out[:d] = decode_attention(q[:d], k_cache, v_cache, meta.decode_plan, self.scale, **self.extra)
+            for c in meta.prefills:
+                s, e = c.start, c.start + c.length
+                out[s:e] = prefill_attention(
+                    q[s:e], k[s:e], v[s:e], k_cache, v_cache, c.block_ids, c.num_context, self.scale, **self.extra
+                )
+        return out.reshape(t, h * hd)

@@ -1,0 +1,121 @@
+"""Linear layers, and which part of the checkpoint each one holds.
+
+CPU speed: weights run through oneDNN, reordered once at load (`Linear.pack`). `F.linear` goes to
+MKL's sgemm, which takes its AVX2 path on AMD CPUs and ran slower at every batch size than oneDNN
+with a packed weight (docs/benchmarks.md); in bf16 on CPUs with native bf16 the packed path is
+faster at batch 1 too.
+
+Loading (nano-vllm's `weight_loader`, without a class per case): a linear layer stacks one or
+more checkpoint tensors along its output rows (q|k|v, gate|up, or just one) and, under tensor
+parallelism, holds only some rows of each (column-parallel) or some input columns (row-parallel).
+`rows[i]` is the `(start, count)` of checkpoint piece i that this rank holds, stacked in order;
+`cols` the `(start, count)` of the input columns. `load` copies a checkpoint tensor (a safetensors
+slice: only the rows or columns it needs are read) into place. A row-parallel layer adds its
+bias on one rank only (`bias_rank0`) and all-reduces its output when `comm` is set.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from triollm.kernels import cpu_native
+
+if TYPE_CHECKING:
+    from triollm.engine.distributed.collectives import Collectives
+
+__all__ = ["Linear", "column", "load_rows", "onednn_linear", "packable", "row"]
+
+
+def packable(weight: torch.Tensor) -> bool:
+    """Whether this weight can run through oneDNN: on CPU with torch's mkldnn ops built in, fp32,
+    or bf16 where the CPU computes bf16 natively (elsewhere oneDNN would emulate it)."""
+    return (
+        weight.device.type == "cpu"
+        and (weight.dtype == torch.float32 or (weight.dtype == torch.bfloat16 and cpu_native.has_native_bf16()))
+        and torch.backends.mkldnn.is_available()
+        and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+    )
+
+
+def pack_weight(weight: torch.Tensor) -> torch.Tensor:
+    """oneDNN's reordered copy of `weight` (an opaque mkldnn tensor of the same shape)."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight)  # type: ignore[no-any-return]
+
+
+def onednn_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")  # type: ignore[no-any-return]
+
+
+class Linear(nn.Linear):
+    """`nn.Linear` that runs through oneDNN on CPU once packed, and loads its share of the
+    checkpoint (module note). Build it with `column` or `row`."""
+
+    packed = False
+
+    def __init__(
+        self,
+        in_features: int,
+        rows: list[tuple[int, int]],
+        bias: bool,
+        *,
+        cols: tuple[int, int] | None = None,
+        bias_rank0: bool = True,
+    ) -> None:
+        super().__init__(in_features if cols is None else cols[1], sum(n for _, n in rows), bias=bias and bias_rank0)
+        self.rows, self.cols = rows, cols
+        self.bias_elsewhere = bias and not bias_rank0  # the checkpoint's bias, added on rank 0
+        self.comm: Collectives | None = None  # row-parallel: all-reduce the output (set at load)
+
+    def pack(self) -> None:
+        """Replace the weight, once loaded, by oneDNN's reordered copy: call it last, after loading
+        and moving the model."""
+        w = self.weight.detach()
+        if not packable(w):
+            return
+        self.weight = nn.Parameter(pack_weight(w), requires_grad=False)
+        self.packed = True
+
+    def load(self, leaf: str, piece: int, source: Any) -> None:
+        load_rows(self, leaf, piece, source)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = onednn_linear(x, self.weight, self.bias) if self.packed else F.linear(x, self.weight, self.bias)
+        return out if self.comm is None else self.comm.all_reduce(out)
+
+
+def load_rows(module: nn.Module, leaf: str, piece: int, source: Any) -> None:
+    """Copy checkpoint piece `piece` (a tensor or safetensors slice) into `module.<leaf>` (weight
+    or bias), at its stacked offset, reading only this rank's rows / columns."""
+    rows: list[tuple[int, int]] = module.rows  # type: ignore[assignment]
+    cols: tuple[int, int] | None = module.cols  # type: ignore[assignment]
+    param = getattr(module, leaf)
+    if param is None:  # a row-parallel bias that another rank adds
+        return
+    if piece >= len(rows):
+        raise ValueError(f"model: piece {piece} of a layer stacking {len(rows)} tensors")
+    start, count = rows[piece]
+    offset = sum(n for _, n in rows[:piece])
+    if leaf == "bias" or cols is None:
+        tensor = source[start : start + count]
+    else:
+        tensor = source[start : start + count, cols[0] : cols[0] + cols[1]]
+    dest = param.data[offset : offset + count]
+    if tuple(dest.shape) != tuple(tensor.shape):
+        raise ValueError(f"model: a tensor of shape {tuple(tensor.shape)} where {tuple(dest.shape)} was expected")
+    dest.copy_(tensor)
+
+
+def column(in_features: int, rows: list[tuple[int, int]], bias: bool) -> Linear:
+    """A layer stacking checkpoint tensors along its output: `rows[i]` is this rank's
+    `(start, count)` of checkpoint piece i."""
+    return Linear(in_features, rows, bias)
+
+
+def row(in_features: int, out_features: int, bias: bool, shard_cols: tuple[int, int] | None = None, rank: int = 0) -> Linear:
+    """A row-parallel layer: this rank holds input columns `shard_cols` (None: all); its bias is
+    added on rank 0 only."""
+    return Linear(in_features, [(0, out_features)], bias, cols=shard_cols, bias_rank0=rank == 0)

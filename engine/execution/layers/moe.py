@@ -1,0 +1,154 @@
+"""The MoE block: top-k routed SwiGLU experts (Qwen3-MoE, Mixtral), cost set by the experts used.
+
+Routing is transformers' (`Qwen3MoeTopKRouter`, `MixtralTopKRouter` in 5.x): a softmax over all
+experts in fp32, `torch.topk` (so ties pick the experts torch picks), the top-k weights divided by
+their sum when `renormalize` (Mixtral always, Qwen3-MoE when `norm_topk_prob`), cast to x's dtype.
+Each selected expert computes `down(silu(gate(x)) * up(x))`, scaled by its weight and summed per
+token. The router's linear layer (`gate`) is the model's: the block takes its logits.
+
+The expert computation is where the issue lies. The T*k (token, expert) pairs are sorted by
+expert (a stable sort of the flat ids; `bincount` gives the run lengths), the tokens' rows are
+gathered once into that order, and each expert that received tokens runs one GEMM pair on its
+own rows: `w13[e]` is a view of the stacked weights, not a copy. Decode with top-2 runs two
+experts per layer whether the layer holds 8 or 128, so a step reads 2 experts' weights, not E.
+The run lengths come to the host once (`tolist()`); each expert costs a handful of torch calls.
+The outputs land in a `[T*k, H]` buffer in pair order (`index_copy_`, the inverse of the sort),
+and each token's weighted sum over its k rows is one batched product with a fixed order of
+summation: no atomics, the same result on every run and device. One token (decode at batch 1)
+skips the sort: its k experts are distinct, so each is a run of one pair, in routing order.
+
+Rejected:
+
+* transformers' eager path: a one-hot `[E, k, T]` mask built and reduced every step, then a
+  `torch.where` over it per expert hit (work and memory in E*T even where 2 experts run);
+* computing every expert for every token then masking: E/k times the work;
+* gathering the selected experts' weights (`w13[topk_ids]`) for a batched matmul: it copies k
+  experts' weights per token, more memory traffic than reading them in place;
+* a C++ kernel: the GEMMs are already oneDNN/MKL calls on contiguous weight views, and what is
+  left per expert is a handful of dispatches (the benchmark `triollm bench moe` measures it).
+
+On CUDA the same code runs (the `tolist()` is one host sync per layer, so a MoE layer is not
+captured in a CUDA graph). The block is for inference: call it under `torch.inference_mode()`
+(the model runner does) or `torch.no_grad()`, as the GEMMs write into preallocated outputs.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = ["EXPERT_WEIGHT_KINDS", "FusedMoE", "fused_experts", "load_expert_weight", "route"]
+
+EXPERT_WEIGHT_KINDS = ("gate", "up", "down", "gate_up")
+
+
+def route(router_logits: torch.Tensor, top_k: int, renormalize: bool, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights [T, k] in `dtype`, expert ids [T, k] int64) as transformers' top-k routers compute them."""
+    probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights.to(dtype), ids
+
+
+class FusedMoE(nn.Module):
+    """Top-k routed SwiGLU experts.
+
+    `w13` `[E, 2I, H]`: rows `[0, I)` the gate projection (Mixtral `w1`), rows `[I, 2I)` the up
+    projection (`w3`); `w2` `[E, H, I]`: the down projection. Both are created with
+    `torch.empty` (build on the meta device, then `load_state_dict(assign=True)` or
+    `load_expert_weight`)."""
+
+    def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int, *, renormalize: bool) -> None:
+        super().__init__()
+        for field, value in (("num_experts", num_experts), ("hidden_size", hidden_size), ("intermediate_size", intermediate_size)):
+            if value < 1:
+                raise ValueError(f"{field} must be >= 1, got {value}")
+        if not 1 <= top_k <= num_experts:
+            raise ValueError(f"top_k must be in [1, num_experts={num_experts}], got {top_k}")
+        self.num_experts = num_experts
+        self.top_k = top_k
+        self.hidden_size = hidden_size
+        self.intermediate_size = intermediate_size
+        self.renormalize = renormalize
+        self.w13 = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size), requires_grad=False)
+        self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size), requires_grad=False)
+
+    def extra_repr(self) -> str:
+        return f"num_experts={self.num_experts}, top_k={self.top_k}, hidden_size={self.hidden_size}, intermediate_size={self.intermediate_size}, renormalize={self.renormalize}"
+
+    def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
+        """x `[T, H]`, router_logits `[T, E]` -> `[T, H]` in x's dtype."""
+        if x.dim() != 2 or x.shape[1] != self.hidden_size:
+            raise ValueError(f"x must be [T, hidden_size={self.hidden_size}], got {list(x.shape)}")
+        if router_logits.shape != (x.shape[0], self.num_experts):
+            raise ValueError(f"router_logits must be [T={x.shape[0]}, num_experts={self.num_experts}], got {list(router_logits.shape)}")
+        weights, ids = route(router_logits, self.top_k, self.renormalize, x.dtype)
+        return fused_experts(x, self.w13, self.w2, weights, ids)
+
+
+def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """`sum_j weights[t, j] * expert_{ids[t, j]}(x[t])`, running only the experts in `ids`.
+
+    x `[T, H]`, w13 `[E, 2I, H]`, w2 `[E, H, I]`, weights `[T, k]` (x's dtype), ids `[T, k]`."""
+    tokens, top_k = ids.shape
+    if tokens == 1:  # decode at batch 1: a token's top-k experts are distinct, one pair each
+        ys = x.new_empty(top_k, x.shape[1])
+        for j, expert in enumerate(ids[0].tolist()):
+            _swiglu(x, w13[expert], w2[expert], ys[j : j + 1])
+        return torch.mm(weights, ys)
+    flat = ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)  # pairs grouped by expert, tokens ascending in each
+    counts = torch.bincount(flat, minlength=w13.shape[0]).tolist()
+    xs = x.index_select(0, order // top_k)  # each pair's token row, in expert order
+    ys = torch.empty_like(xs)
+    start = 0
+    for expert, n in enumerate(counts):
+        if n:
+            _swiglu(xs[start : start + n], w13[expert], w2[expert], ys[start : start + n])
+            start += n
+    per_pair = torch.empty_like(ys).index_copy_(0, order, ys).view(tokens, top_k, x.shape[1])
+    return torch.bmm(weights.unsqueeze(1), per_pair).squeeze(1)
+
+
+def _swiglu(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, out: torch.Tensor) -> None:
+    """out = down(silu(gate(x)) * up(x)) for one expert: w13 `[2I, H]`, w2 `[H, I]`."""
+    h = F.linear(x, w13)
+    inter = w2.shape[1]
+    torch.mm(F.silu(h[:, :inter]).mul_(h[:, inter:]), w2.t(), out=out)
+
+
+def load_expert_weight(moe: FusedMoE, kind: str, expert: int | None, tensor: torch.Tensor) -> None:
+    """Copy one checkpoint tensor into `moe.w13` / `moe.w2` (real tensors by then).
+
+    kind "gate" | "up" | "down" with an expert id: a per-expert `[I, H]` / `[I, H]` / `[H, I]`
+    weight (Qwen3-MoE `experts.{e}.gate_proj.weight`, Mixtral `experts.{e}.w1/w3/w2.weight`);
+    "gate_up" | "down" with expert None: transformers 5's stacked `[E, 2I, H]` / `[E, H, I]`."""
+    if kind not in EXPERT_WEIGHT_KINDS:
+        raise ValueError(f"kind must be one of {', '.join(EXPERT_WEIGHT_KINDS)}, got {kind!r}")
+    if expert is None:
+        if kind == "gate_up":
+            target, name = moe.w13.data, "gate_up_proj"
+        elif kind == "down":
+            target, name = moe.w2.data, "down_proj"
+        else:
+            raise ValueError(f"kind {kind!r} needs an expert id (expert=None is for the stacked kinds gate_up, down)")
+    else:
+        if kind == "gate_up":
+            raise ValueError("kind 'gate_up' is the stacked [E, 2I, H] tensor: expert must be None")
+        if not 0 <= expert < moe.num_experts:
+            raise ValueError(f"expert must be in [0, {moe.num_experts}), got {expert}")
+        inter = moe.intermediate_size
+        if kind == "gate":
+            target, name = moe.w13.data[expert, :inter], f"experts.{expert}.gate_proj"
+        elif kind == "up":
+            target, name = moe.w13.data[expert, inter:], f"experts.{expert}.up_proj"
+        else:
+            target, name = moe.w2.data[expert], f"experts.{expert}.down_proj"
+    if tuple(tensor.shape) != tuple(target.shape):
+        raise ValueError(f"{name} ({kind}) has shape {list(tensor.shape)}, expected {list(target.shape)}")
+    if target.is_meta:
+        raise ValueError(f"cannot load {name}: the MoE weights are still on the meta device (allocate them first)")
+    with torch.no_grad():
+        target.copy_(tensor)

@@ -1,0 +1,169 @@
+"""What only some decoder families have in config.json, read as their transformers classes read it.
+
+`family_fields` returns the `HfConfig` fields (hf_config.py) beyond Llama's for one architecture;
+each value is what the family's modeling file computes with, and a field that would change the
+numbers in a way triollm does not compute is a `ValueError` naming it.
+
+| family | what differs from Llama |
+| --- | --- |
+| Qwen3, Qwen3-MoE | RMSNorm of q and k over each head, before RoPE; Qwen3-MoE: routed experts |
+| Mixtral | routed experts (top-k renormalised) |
+| Gemma | GeLU-tanh, RMSNorm scales by (1 + w), embeddings times sqrt(hidden) |
+| Gemma 2 | Gemma's, plus pre and post norms around attention and MLP, softmax scale from `query_pre_attn_scalar`, attention and final logit soft-capping, sliding windows on alternate layers |
+| Gemma 3 (text) | Gemma 2's without soft-capping by default, q/k norms, local layers with their own RoPE (`rope_local_base_freq` / `rope_parameters.sliding_attention`) |
+| Phi-3 / Phi-4 | q/k/v and gate/up stored fused; partial rotary; LongRoPE |
+| OLMo 2 | norms after attention and MLP (none before), RMSNorm of the whole q and k projections |
+| Granite | embedding, residual, attention and logit multipliers |
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from triollm.engine.loading.rope_config import parse_rope, partial_rotary_factor
+
+__all__ = ["MoESpec", "family_fields"]
+
+
+@dataclass(frozen=True)
+class MoESpec:
+    """Routed experts replacing the MLP in the layers `sparse_layers` marks."""
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int  # each expert's
+    renormalize: bool  # divide the top-k weights by their sum (Mixtral always; Qwen3-MoE: norm_topk_prob)
+    sparse_layers: tuple[bool, ...]
+
+
+def family_fields(arch: str, hf: Mapping[str, Any], *, num_layers: int, head_dim: int, hidden: int, max_pos: int) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    match arch:
+        case "Qwen3ForCausalLM":
+            out["qk_norm"] = "head"
+        case "Qwen3MoeForCausalLM":
+            out["qk_norm"] = "head"
+            out["moe"] = _qwen3_moe(hf, num_layers)
+        case "MixtralForCausalLM":
+            out["moe"] = _mixtral(hf, num_layers)
+        case "GemmaForCausalLM":
+            out |= _gemma(hidden)
+        case "Gemma2ForCausalLM":
+            out |= _gemma(hidden) | _gemma2(hf, head_dim, softcaps=(50.0, 30.0))
+        case "Gemma3ForCausalLM":
+            if hf.get("use_bidirectional_attention"):
+                raise ValueError("use_bidirectional_attention: bidirectional Gemma 3 (an embedding model) is not supported")
+            out |= _gemma(hidden) | _gemma2(hf, head_dim, softcaps=(None, None))
+            out["qk_norm"] = "head"
+            out["rope"] = parse_rope(_gemma3_global(hf), max_pos, layer_type="full_attention")
+            out["local_rope"] = parse_rope(_gemma3_local(hf), max_pos, layer_type="sliding_attention")
+        case "Phi3ForCausalLM":
+            out["fused_checkpoint"] = True
+            factor = partial_rotary_factor(hf)
+            out["rope"] = parse_rope(hf, max_pos, allow_partial=True)
+            if factor != 1.0:
+                rotary = int(head_dim * factor)
+                if rotary % 2 or rotary == 0:
+                    raise ValueError(f"partial_rotary_factor: {factor} gives {rotary} rotary dims of {head_dim}; RoPE needs an even number")
+                out["rotary_dim"] = rotary
+        case "Olmo2ForCausalLM":
+            out["norm_layout"], out["qk_norm"] = "post", "full"
+        case "GraniteForCausalLM":
+            out["embedding_multiplier"] = _positive(hf, "embedding_multiplier", 1.0)
+            out["residual_multiplier"] = _positive(hf, "residual_multiplier", 1.0)
+            out["attention_scale"] = _positive(hf, "attention_multiplier", 1.0)
+            out["logits_divisor"] = _positive(hf, "logits_scaling", 1.0)
+    return out
+
+
+def _gemma(hidden: int) -> dict[str, Any]:
+    return {"norm_offset": True, "embedding_multiplier": hidden**0.5}
+
+
+def _gemma2(hf: Mapping[str, Any], head_dim: int, softcaps: tuple[float | None, float | None]) -> dict[str, Any]:
+    scalar = _positive(hf, "query_pre_attn_scalar", 256.0)
+    return {
+        "norm_layout": "sandwich",
+        "attention_scale": scalar**-0.5,
+        "attn_softcap": _optional_positive(hf, "attn_logit_softcapping", softcaps[0]),
+        "final_softcap": _optional_positive(hf, "final_logit_softcapping", softcaps[1]),
+    }
+
+
+def _gemma3_global(hf: Mapping[str, Any]) -> Mapping[str, Any]:
+    """4.x spelling: `rope_theta` (default 1e6) and `rope_scaling` for the global layers."""
+    if isinstance(hf.get("rope_parameters"), Mapping) and "full_attention" in hf["rope_parameters"]:
+        return hf
+    return {**hf, "rope_theta": hf.get("rope_theta", 1_000_000.0)}
+
+
+def _gemma3_local(hf: Mapping[str, Any]) -> Mapping[str, Any]:
+    """4.x spelling: `rope_local_base_freq` (default 10000), no scaling, for the sliding layers."""
+    if isinstance(hf.get("rope_parameters"), Mapping) and "sliding_attention" in hf["rope_parameters"]:
+        return hf
+    return {"rope_theta": hf.get("rope_local_base_freq", 10_000.0)}
+
+
+def _qwen3_moe(hf: Mapping[str, Any], num_layers: int) -> MoESpec:
+    if hf.get("shared_expert_intermediate_size"):
+        raise ValueError("shared_expert_intermediate_size: shared experts are not supported for Qwen3MoeForCausalLM")
+    step = _int(hf, "decoder_sparse_step", 1)
+    only_mlp = hf.get("mlp_only_layers") or []
+    if not isinstance(only_mlp, list) or not all(isinstance(i, int) for i in only_mlp):
+        raise ValueError(f"mlp_only_layers: expected a list of layer indices, got {only_mlp!r}")
+    num_experts = _int(hf, "num_local_experts", None) if "num_local_experts" in hf else _int(hf, "num_experts", 128)
+    sparse = tuple(i not in only_mlp and num_experts > 0 and (i + 1) % step == 0 for i in range(num_layers))
+    return MoESpec(
+        num_experts=num_experts,
+        top_k=_int(hf, "num_experts_per_tok", 8),
+        intermediate_size=_int(hf, "moe_intermediate_size", 768),
+        renormalize=_flag(hf, "norm_topk_prob", False),
+        sparse_layers=sparse,
+    )
+
+
+def _mixtral(hf: Mapping[str, Any], num_layers: int) -> MoESpec:
+    num_experts = _int(hf, "num_local_experts", 8) if "num_local_experts" in hf else _int(hf, "num_experts", 8)
+    return MoESpec(
+        num_experts=num_experts,
+        top_k=_int(hf, "num_experts_per_tok", 2),
+        intermediate_size=_int(hf, "intermediate_size", 14336),
+        renormalize=True,
+        sparse_layers=(True,) * num_layers,
+    )
+
+
+def _int(hf: Mapping[str, Any], key: str, default: int | None) -> int:
+    value = hf.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{key}: expected an integer >= 1, got {value!r}")
+    return value
+
+
+def _flag(hf: Mapping[str, Any], key: str, default: bool) -> bool:
+    value = hf.get(key, default)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise ValueError(f"{key}: expected true or false, got {value!r}")
+    return value
+
+
+def _positive(hf: Mapping[str, Any], key: str, default: float) -> float:
+    value = hf.get(key, default)
+    if value is None:
+        value = default
+    if isinstance(value, bool) or not isinstance(value, int | float) or not (math.isfinite(value) and value > 0):
+        raise ValueError(f"{key}: expected a positive number, got {value!r}")
+    return float(value)
+
+
+def _optional_positive(hf: Mapping[str, Any], key: str, default: float | None) -> float | None:
+    if key in hf and hf[key] is None:
+        return None
+    if key not in hf and default is None:
+        return None
+    return _positive(hf, key, default or 0.0)
