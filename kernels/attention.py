@@ -51,6 +51,7 @@ import torch
 import torch.nn.functional as F
 
 from triollm.kernels import cpu_native
+from triollm.kernels.masking import check_window_softcap
 from triollm.kernels.triton import use_triton, use_triton_on
 
 __all__ = [
@@ -348,16 +349,6 @@ def decode_attention(
             q[g.start : g.end], k_cache, v_cache, g, plan.workspace, scale, softcap
         )
     return out
-
-
-def check_window_softcap(window: int | None, softcap: float | None) -> None:
-    """ValueError unless `window` is None or a positive int and `softcap` None or finite > 0."""
-    if window is not None and (
-        isinstance(window, bool) or not isinstance(window, int) or window < 1
-    ):
-        raise ValueError(f"window: {window!r} must be a positive number of tokens, or None")
-    if softcap is not None and not 0 < softcap < math.inf:
-        raise ValueError(f"softcap: {softcap!r} must be a finite number > 0, or None")
 
 
 def _group_attention(

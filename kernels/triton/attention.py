@@ -62,7 +62,7 @@ import torch
 import triton
 import triton.language as tl
 
-from triollm.kernels.attention import check_window_softcap
+from triollm.kernels.masking import check_window_softcap
 from triollm.kernels.triton import AotSpec
 
 __all__ = ["AOT_SPECS", "choose_num_splits", "paged_decode_attention", "paged_prefill_attention"]

@@ -1,0 +1,16 @@
+"""The arguments every attention path shares beyond the plain causal mask (kernels/attention.py
+and kernels/triton/attention.py both check them here, below both)."""
+
+from __future__ import annotations
+
+import math
+
+__all__ = ["check_window_softcap"]
+
+
+def check_window_softcap(window: int | None, softcap: float | None) -> None:
+    """ValueError unless `window` is None or a positive int and `softcap` None or finite > 0."""
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+        raise ValueError(f"window: {window!r} must be a positive number of tokens, or None")
+    if softcap is not None and not 0 < softcap < math.inf:
+        raise ValueError(f"softcap: {softcap!r} must be a finite number > 0, or None")
