@@ -114,7 +114,11 @@ class EngineCore:
                 f"({self.num_blocks} blocks x {bs} = {self.num_blocks * bs} tokens); "
                 "raise kv_cache_memory_bytes or lower max_model_len"
             )
-        self.block_manager = BlockManager(self.num_blocks, bs, config.cache.enable_prefix_caching)
+        # Blocks that fell out of the window are given back only if no layer attends to all.
+        windowed = bool(mc.layer_types) and all(t == "sliding_attention" for t in mc.layer_types)
+        w = mc.sliding_window
+        window = w if windowed and w is not None and w < mc.max_model_len else None
+        self.block_manager = BlockManager(self.num_blocks, bs, config.cache.enable_prefix_caching, window)
         self.scheduler = Scheduler(config.scheduler, self.block_manager, mc.max_model_len)
         self.runner: Runner
         if runner is not None:
@@ -365,6 +369,7 @@ class EngineCore:
             kv_cache_usage=b.usage,
             prefix_cache_hit_rate=b.prefix_cache_hit_rate,
             num_preemptions=s.num_preemptions,
+            num_window_released_blocks=b.num_window_released_blocks,
         )
 
     def check_integrity(self) -> None:

@@ -33,6 +33,8 @@ class EngineCoreStats:
     kv_cache_usage: float
     prefix_cache_hit_rate: float
     num_preemptions: int
+    # KV blocks given back mid-request as they fell out of every layer's sliding window.
+    num_window_released_blocks: int = 0
 
 
 @runtime_checkable

@@ -19,6 +19,20 @@ one sha256 over 32 + 8 * block_size bytes: a few times what `hash` cost, paid pe
 prompt and, in decode, once per `block_size` steps (figures: docs/reliability.md). A request's blocks are freed tail first, so the tail of
 a prefix is evicted before its head.
 
+Sliding windows (`window`, set only when every layer has one, smaller than max_model_len):
+the query at position p reads keys j with p - j < window, and a request's next query is at
+position n = num_computed_tokens or later, so its block b (positions [b * bs, (b + 1) * bs)) is
+never read again once (b + 1) * bs - 1 <= n - window: the first (n - window + 1) // bs blocks
+are dead (`dead_blocks`). `release_out_of_window` drops the request's references to them
+(`Request.num_released_blocks` counts them) and puts the unreferenced ones on the free list,
+still hashed: their content is what the hash says until the block is reused, so a later prompt
+with that prefix may still take them. The ids stay in `request.block_ids`, which the model
+runner indexes by position; every kernel skips (native, Triton) or masks (torch) keys outside
+the window, and `cache_full_blocks` never looks at a released id again (another request may own
+that block by then). Rejected: a ring of `window / bs` blocks per request (the runner's block
+tables and the prefix cache both index blocks by position), and releasing in models where some
+layer attends to everything (Gemma 2/3, Qwen2 with `max_window_layers`): those read every block.
+
 `check_integrity()` re-derives every invariant from scratch; tests and debug loops call it.
 """
 
@@ -62,6 +76,7 @@ class BlockManagerStats:
     num_cached_blocks: int  # blocks with a registered prefix hash
     prefix_cache_queries: int  # prompt tokens looked up
     prefix_cache_hits: int  # of which found in the cache
+    num_window_released_blocks: int = 0  # block references dropped as they fell out of the window
 
     @property
     def prefix_cache_hit_rate(self) -> float:
@@ -73,9 +88,15 @@ class BlockManagerStats:
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+    def __init__(
+        self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, window: int | None = None
+    ) -> None:
         if num_blocks <= 0:
             raise ValueError(f"num_blocks: must be positive, got {num_blocks}")
+        if window is not None and window <= 0:
+            raise ValueError(f"window: must be a positive number of tokens or None, got {window}")
+        self.window = window  # every layer's sliding window; None: blocks are held to the end
+        self._released = 0
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
@@ -101,8 +122,15 @@ class BlockManager:
 
     def statistics(self) -> BlockManagerStats:
         return BlockManagerStats(
-            self.num_blocks, len(self._free), len(self._cached), self._queries, self._hits
+            self.num_blocks, len(self._free), len(self._cached), self._queries, self._hits, self._released
         )
+
+    def dead_blocks(self, num_computed_tokens: int) -> int:
+        """How many leading blocks of a request with that many computed tokens no query will
+        read again (0 without a window); see the module docstring."""
+        if self.window is None:
+            return 0
+        return max(0, (num_computed_tokens - self.window + 1) // self.block_size)
 
     # ------------------------------------------------------------------ prefix cache
 
@@ -142,7 +170,8 @@ class BlockManager:
         if not self.enable_prefix_caching or request.skip_prefix_cache:
             return
         self._update_hashes(request, request.num_computed_tokens)
-        for i in range(request.num_computed_tokens // self.block_size):
+        # Released ids may belong to another request by now: never tag them.
+        for i in range(request.num_released_blocks, request.num_computed_tokens // self.block_size):
             block = request.block_ids[i]
             if self._hash[block] is not None:
                 continue
@@ -170,14 +199,30 @@ class BlockManager:
             request.block_ids.append(block)
         return True
 
+    def release_out_of_window(self, request: Request) -> int:
+        """Drop the request's references to its blocks that fell out of the window since the
+        last call (head first); returns how many. Call whenever num_computed_tokens grew."""
+        start, end = request.num_released_blocks, self.dead_blocks(request.num_computed_tokens)
+        if end <= start:
+            return 0
+        for block in request.block_ids[start:end]:
+            self._unref(block)
+        request.num_released_blocks = end
+        self._released += end - start
+        return end - start
+
     def free(self, request: Request) -> None:
         """Drop the request's references (tail first, so tails are evicted first)."""
-        for block in reversed(request.block_ids):
-            self._ref[block] -= 1
-            if self._ref[block] == 0:
-                self._free[block] = None
+        for block in reversed(request.held_block_ids):
+            self._unref(block)
         request.block_ids.clear()
         request.block_hashes.clear()
+        request.num_released_blocks = 0
+
+    def _unref(self, block: int) -> None:
+        self._ref[block] -= 1
+        if self._ref[block] == 0:
+            self._free[block] = None
 
     def _take(self, block: int) -> None:
         if self._ref[block] == 0:
@@ -197,10 +242,15 @@ class BlockManager:
         request currently holding blocks."""
         refs = [0] * self.num_blocks
         for req in live_requests:
-            assert len(set(req.block_ids)) == len(req.block_ids), f"{req}: duplicate blocks"
+            held = req.held_block_ids
+            assert len(set(held)) == len(held), f"{req}: duplicate blocks"
             need = -(-req.num_computed_tokens // self.block_size)
             assert len(req.block_ids) >= need, f"{req}: fewer blocks than computed tokens"
-            for b in req.block_ids:
+            # Released blocks must be out of reach of every query still to come.
+            assert 0 <= req.num_released_blocks <= self.dead_blocks(req.num_computed_tokens), (
+                f"{req}: released blocks still inside the window"
+            )
+            for b in held:
                 refs[b] += 1
             hashed = req.all_token_ids[: len(req.block_hashes) * self.block_size]
             assert req.block_hashes == hash_full_blocks(hashed, self.block_size), (

@@ -55,7 +55,12 @@ class Request:
         self.output_token_ids: list[int] = []
         self.num_computed_tokens = 0
         self.num_cached_tokens = -1  # prefix-cache hit at first schedule; -1 = not yet scheduled
+        # KV blocks by position: block_ids[i] holds tokens [i * block_size, (i + 1) * block_size).
+        # Under a sliding window on every layer the first num_released_blocks of them fell out of
+        # it and went back to the block manager: their ids stay (positions still index the list)
+        # but the request no longer references them and no kernel reads them again.
         self.block_ids: list[int] = []
+        self.num_released_blocks = 0
         self.block_hashes: list[bytes] = []  # chained sha256 of the full blocks of all_token_ids
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
@@ -77,6 +82,11 @@ class Request:
     def num_output_tokens(self) -> int:
         return len(self.output_token_ids)
 
+    @property
+    def held_block_ids(self) -> list[int]:
+        """The blocks the request references: block_ids less those released by the window."""
+        return self.block_ids[self.num_released_blocks :]
+
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
@@ -88,7 +98,8 @@ class Request:
     def __repr__(self) -> str:
         return (
             f"Request({self.request_id!r}, {self.status.name}, tokens={self.num_tokens}, "
-            f"computed={self.num_computed_tokens}, blocks={len(self.block_ids)})"
+            f"computed={self.num_computed_tokens}, blocks={len(self.block_ids)}, "
+            f"released={self.num_released_blocks})"
         )
 
 

@@ -15,7 +15,10 @@ Each step:
    then arrival) while the budget, `max_num_seqs` and the free blocks allow; a new request
    first takes its longest cached prefix from the prefix cache.
 
-Finishing (EOS, stop token, length) and aborts free blocks at once.
+Finishing (EOS, stop token, length) and aborts free blocks at once. Under a sliding window on
+every layer (the block manager's `window`), a request gives back the blocks that fell out of it
+as soon as its computed tokens move past them: after each step (`advance`) and after a
+prefix-cache hit, before its new blocks are allocated.
 
 The waiting queue (`waiting_queue.py`) keeps that order with O(1) pops and removals, so a burst
 of aborts over a long queue costs O(n), not O(n^2). The running list stays a list: it holds at
@@ -138,6 +141,7 @@ class Scheduler:
             if fresh:
                 cached = self.blocks.match_prefix(req)
                 req.num_computed_tokens = cached
+                self.blocks.release_out_of_window(req)
                 if req.num_cached_tokens < 0:
                     req.num_cached_tokens = cached
             n = self._chunk(req)
@@ -188,7 +192,8 @@ class Scheduler:
         forward pass, before appending the sampled token)."""
         req = item.request
         req.num_computed_tokens = item.num_computed_tokens + item.num_new_tokens
-        self.blocks.cache_full_blocks(req)
+        self.blocks.cache_full_blocks(req)  # first: a block hashed before release stays reusable
+        self.blocks.release_out_of_window(req)
 
     def check_stop(self, req: Request, token_id: int) -> RequestStatus | None:
         """After token_id was appended to req: the finished status, or None to go on."""

@@ -12,7 +12,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from triollm.engine.config import SchedulerConfig
 from triollm.engine.request import EngineCoreRequest
 from triollm.engine.sampling_params import SamplingParams
-from triollm.engine.scheduling.block_manager import BlockManager
+from triollm.engine.scheduling.block_manager import BlockManager, hash_full_blocks
 from triollm.engine.scheduling.request_state import Request, RequestStatus
 from triollm.engine.scheduling.scheduler import Scheduler
 
@@ -26,9 +26,15 @@ def make_request(rid: str, prompt: list[int], max_tokens: int = 8, priority: int
     return Request(core, max_tokens)
 
 
-def run_step(sched: Scheduler, next_token) -> list[Request]:
-    """One step with a fake model: returns the requests that finished."""
+def run_step(sched: Scheduler, next_token, kv: dict[int, tuple[int, ...]] | None = None) -> list[Request]:
+    """One step with a fake model: returns the requests that finished. With `kv` (slot -> the
+    prefix whose K/V it holds) it writes each fed token's slot and checks every key the step's
+    queries attend to (those inside the block manager's window) holds its own prefix, in a
+    block some request still references."""
     out = sched.schedule()
+    if kv is not None:
+        for item in out.scheduled:
+            _fake_attention(sched.blocks, item.request, item.num_computed_tokens, item.num_new_tokens, kv)
     finished = []
     for item in out.scheduled:
         sched.advance(item)
@@ -41,6 +47,17 @@ def run_step(sched: Scheduler, next_token) -> list[Request]:
                 sched.finish(req, status)
                 finished.append(req)
     return finished
+
+
+def _fake_attention(bm: BlockManager, req: Request, start: int, n: int, kv: dict[int, tuple[int, ...]]) -> None:
+    bs, tokens = bm.block_size, req.all_token_ids
+    for p in range(start, start + n):
+        kv[req.block_ids[p // bs] * bs + p % bs] = tuple(tokens[: p + 1])
+    first = 0 if bm.window is None else max(0, start - bm.window + 1)  # the chunk's first query
+    for j in range(first, start + n):
+        block = req.block_ids[j // bs]
+        assert j // bs >= req.num_released_blocks and bm._ref[block] > 0, f"{req}: reads freed block {block}"
+        assert kv.get(block * bs + j % bs) == tuple(tokens[: j + 1]), f"{req}: wrong KV at position {j}"
 
 
 # ------------------------------------------------------------------------ block manager units
@@ -136,12 +153,16 @@ def test_long_prefill_token_threshold_caps_each_prompt_per_step() -> None:
 
 
 class SchedulerMachine(RuleBasedStateMachine):
-    """Random add / abort / step / preempt / reset sequences over a small cache."""
+    """Random add / abort / step / preempt / reset sequences over a small cache, on a fake model
+    that checks the KV every step reads."""
+
+    WINDOW: int | None = None
 
     def __init__(self) -> None:
         super().__init__()
         self.rng = random.Random(0)
-        self.bm = BlockManager(num_blocks=12, block_size=4, enable_prefix_caching=True)
+        self.kv: dict[int, tuple[int, ...]] = {}
+        self.bm = BlockManager(num_blocks=12, block_size=4, enable_prefix_caching=True, window=self.WINDOW)
         self.sched = Scheduler(SchedulerConfig(4, 16, True, long_prefill_token_threshold=5), self.bm, max_model_len=40)
         self.live: dict[str, Request] = {}
         self.ended: dict[str, int] = {}
@@ -168,7 +189,7 @@ class SchedulerMachine(RuleBasedStateMachine):
 
     @rule()
     def step(self) -> None:
-        for req in run_step(self.sched, lambda r: self.rng.choice([1, 2, 3, EOS])):
+        for req in run_step(self.sched, lambda r: self.rng.choice([1, 2, 3, EOS]), self.kv):
             assert self.live.pop(req.request_id) is req
             self._ended(req.request_id)
 
@@ -188,6 +209,13 @@ class SchedulerMachine(RuleBasedStateMachine):
     @invariant()
     def integrity(self) -> None:
         self.bm.check_integrity(self.sched.live_requests())
+        # A cached block holds the K/V of the prefix its hash stands for.
+        bs = self.bm.block_size
+        for h, block in self.bm._cached.items():
+            prefix = self.kv[block * bs + bs - 1]
+            assert hash_full_blocks(prefix, bs)[-1] == h, f"block {block}: cached under another prefix's hash"
+            for off in range(bs - 1):
+                assert self.kv[block * bs + off] == prefix[: len(prefix) - bs + off + 1], f"block {block}: stale"
         assert {r.request_id for r in self.sched.live_requests()} == set(self.live)
         assert len(self.sched.running) <= 4
 
@@ -205,3 +233,14 @@ class SchedulerMachine(RuleBasedStateMachine):
 
 TestSchedulerMachine = SchedulerMachine.TestCase
 TestSchedulerMachine.settings = settings(max_examples=60, stateful_step_count=40, deadline=None)
+
+
+class WindowedSchedulerMachine(SchedulerMachine):
+    """The same under a 6-token window on 4-token blocks: blocks are released as requests move
+    on, reused by others, and must never be read again."""
+
+    WINDOW = 6
+
+
+TestWindowedSchedulerMachine = WindowedSchedulerMachine.TestCase
+TestWindowedSchedulerMachine.settings = settings(max_examples=40, stateful_step_count=40, deadline=None)
