@@ -1,5 +1,6 @@
 """`triollm bench`: throughput and latency (offline), pipeline (the actor layer), serve (a client),
-quality (quantized weights against the dense model), soak (a mixed hostile load with leak checks)."""
+quality (quantized weights against the dense model), soak (a mixed hostile load with leak checks),
+moe (the routed-experts block by expert count)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ __all__ = ["add_bench_parser"]
 
 
 def add_bench_parser(sub: Any) -> None:
-    bench = sub.add_parser("bench", help="benchmarks (throughput, latency, pipeline, serve, quality)")
+    bench = sub.add_parser("bench", help="benchmarks (throughput, latency, pipeline, serve, quality, soak, moe)")
     kinds = bench.add_subparsers(dest="bench", required=True)
     add_throughput_parsers(kinds)
     add_pipeline_parser(kinds)

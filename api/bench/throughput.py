@@ -235,7 +235,8 @@ def run_latency(ns: argparse.Namespace) -> int:
         torch.set_num_threads(args.num_threads)
     engine = SyncEngine.from_engine_args(args)
     rng = random.Random(0)
-    prompt = {"prompt_token_ids": [rng.randrange(1000) for _ in range(ns.input_len)]}
+    top = min(1000, engine.config.model.vocab_size)  # a tiny test model has a few hundred ids
+    prompt = {"prompt_token_ids": [rng.randrange(top) for _ in range(ns.input_len)]}
     params = SamplingParams(max_tokens=ns.output_len, ignore_eos=True, temperature=0.0)
     engine.generate([prompt], SamplingParams(max_tokens=4, ignore_eos=True, temperature=0.0))
     engine.add_request(prompt, params)

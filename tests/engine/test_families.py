@@ -189,3 +189,21 @@ def test_families_resolve_by_hub_id_offline(model_dirs: dict[str, Path], tmp_pat
         by_id = llm.generate([{"prompt_token_ids": PROMPTS[1]}], params, use_tqdm=False)[0].outputs[0].token_ids
     ref, _ = engine_greedy(model_dirs["qwen3-moe"], [PROMPTS[1]], "plain")
     assert list(by_id) == ref[0][0][:8]
+
+
+@pytest.mark.parametrize("case", ["gemma3", "phi3-partial-longrope"])
+def test_triton_path_equals_the_torch_path(model_dirs: dict[str, Path], case: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The CUDA code path under the Triton interpreter: Gemma 3's windowed and global layers with
+    their two RoPEs and q/k norms, Phi-3's partial rotary (rotated outside the fused kernel)."""
+    pytest.importorskip("triton", reason="triton is not installed")
+    from test_triton_path import _greedy
+
+    assert _greedy(model_dirs[case], "triton", monkeypatch) == _greedy(model_dirs[case], "torch", monkeypatch)
+
+
+def test_tensor_parallel_gemma3_equals_one_rank(model_dirs: dict[str, Path]) -> None:
+    """Two ranks: q/k norms, windows and the local RoPE on each rank's heads."""
+    from test_tensor_parallel import _generate, _wait_no_workers
+
+    assert _generate(model_dirs["gemma3"], 2) == _generate(model_dirs["gemma3"], 1)
+    _wait_no_workers()

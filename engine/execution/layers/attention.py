@@ -73,8 +73,13 @@ class PagedAttention(nn.Module):
     ) -> torch.Tensor:
         t = qkv.shape[0]
         h, kvh, hd = self.num_heads, self.num_kv_heads, self.head_dim
-        v = qkv[:, (h + kvh) * hd :].view(t, kvh, hd)
         full = rope.rotary_dim == hd
+        plan = meta.decode_plan
+        if full and meta.num_decodes == t and plan is not None and plan.native is not None:
+            # An all-decode step on the native CPU kernels: rotary + cache write in one call.
+            q = cpu_native.rotary_write_kv(qkv, rope.cos, rope.sin, k_cache, v_cache, meta.slot_mapping, h, kvh)
+            return decode_attention(q, k_cache, v_cache, plan, self.scale, **self.extra).view(t, h * hd)
+        v = qkv[:, (h + kvh) * hd :].view(t, kvh, hd)
         if rope.whole_tables and full:
             # Rotary on Q and K and the cache write in one Triton kernel.
             from triollm.kernels.triton import rotary as triton_rotary
@@ -85,11 +90,6 @@ class PagedAttention(nn.Module):
                 rope.cos, rope.sin, meta.positions, k_cache, v_cache, meta.slot_mapping,
             )  # fmt: skip
             return self._attend(q, k, v, meta, k_cache, v_cache)
-        plan = meta.decode_plan
-        if full and meta.num_decodes == t and plan is not None and plan.native is not None:
-            # An all-decode step on the native CPU kernels: rotary + cache write in one call.
-            q = cpu_native.rotary_write_kv(qkv, rope.cos, rope.sin, k_cache, v_cache, meta.slot_mapping, h, kvh)
-            return decode_attention(q, k_cache, v_cache, plan, self.scale, **self.extra).view(t, h * hd)
         qk = self._rotate(qkv[:, : (h + kvh) * hd].view(t, h + kvh, hd), rope, meta)
         q, k = qk[:, :h], qk[:, h:]
         write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
