@@ -67,7 +67,8 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
         {"embedding_multiplier": 3.0, "residual_multiplier": 0.4, "attention_multiplier": 0.1, "logits_scaling": 2.5},
     ),
 }
-PROMPTS = tiny_prompts()[:4]
+PROMPTS = tiny_prompts()  # the second four share prefixes with the first (prefix-cache hits)
+REGIMES = ("chunked", "prefix", "preempt")
 
 
 @pytest.fixture(scope="module")
@@ -78,11 +79,28 @@ def model_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     }
 
 
+@pytest.fixture(scope="module")
+def references(model_dirs: dict[str, Path]) -> dict[str, list[tuple[list[int], list[float]]]]:
+    """transformers' greedy tokens and logprobs per case, computed once, on first use."""
+
+    class Lazy(dict):  # type: ignore[type-arg]
+        def __missing__(self, case: str) -> list[tuple[list[int], list[float]]]:
+            self[case] = hf_greedy(model_dirs[case], PROMPTS)
+            return self[case]  # type: ignore[no-any-return]
+
+    return Lazy()
+
+
+@pytest.mark.parametrize("regime", REGIMES)
 @pytest.mark.parametrize("case", list(CASES))
-def test_family_greedy_parity(model_dirs: dict[str, Path], case: str) -> None:
-    path = model_dirs[case]
-    ours, _ = engine_greedy(path, PROMPTS, "chunked")
-    assert_parity(ours, hf_greedy(path, PROMPTS))
+def test_family_greedy_parity(model_dirs: dict[str, Path], references: dict[str, Any], case: str, regime: str) -> None:
+    ours, core = engine_greedy(model_dirs[case], PROMPTS, regime)
+    assert_parity(ours, references[case])
+    stats = core.statistics()
+    if regime == "prefix":
+        assert stats.prefix_cache_hit_rate > 0.2
+    if regime == "preempt":
+        assert stats.num_preemptions > 0
 
 
 def test_family_configs_parse(model_dirs: dict[str, Path]) -> None:
