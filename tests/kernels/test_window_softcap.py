@@ -53,6 +53,13 @@ def reference(
     return torch.einsum("hnl,lhd->nhd", scores.softmax(-1), v)
 
 
+def assert_decode(out: torch.Tensor, q: torch.Tensor, seqs: Paged, lens: list[int], window: int | None, softcap: float | None, tol: float) -> None:
+    """Each decode row (the query at position n - 1) against the dense reference."""
+    for row, n in enumerate(lens):
+        expected = reference(q[row : row + 1], seqs.k[row], seqs.v[row], n - 1, window, softcap)
+        torch.testing.assert_close(out[row : row + 1], expected, rtol=tol, atol=tol)
+
+
 class Paged:
     """Random K/V of sequences of the given lengths in shuffled blocks of a one-layer cache;
     `k`, `v` hold them as the cache stores them (rounded to its dtype), in fp32."""
@@ -138,9 +145,7 @@ def check_decode(
         window=window,
         softcap=softcap,
     )
-    for row, n in enumerate(lens):
-        expected = reference(q[row : row + 1], seqs.k[row], seqs.v[row], n - 1, window, softcap)
-        torch.testing.assert_close(out[row : row + 1], expected, rtol=tol, atol=tol)
+    assert_decode(out, q, seqs, lens, window, softcap, tol)
 
 
 # (block size, window, lengths): windows below a block, a multiple of it, across blocks;
@@ -223,9 +228,7 @@ def test_triton_decode_split_kv_window(num_splits: int) -> None:
         softcap=CAP,
         num_splits=num_splits,
     )
-    for row, n in enumerate(lens):
-        expected = reference(q[row : row + 1], seqs.k[row], seqs.v[row], n - 1, window, CAP)
-        torch.testing.assert_close(out[row : row + 1], expected, rtol=1e-5, atol=1e-5)
+    assert_decode(out, q, seqs, lens, window, CAP, 1e-5)
 
 
 def test_window_longer_than_every_row_is_no_window(

@@ -7,7 +7,8 @@ paged-decode call; each prefill chunk gets its own causal attention call (kernel
 `PagedAttention` takes the fused projection `qkv` `[T, (H + 2 KVH) * hd]` with Q and K not yet
 rotated (a model with q/k norms normalises them in place first), rotates Q and K, writes K and V
 to the cache and attends. Where the kernels allow it, rotation and cache write are one call: the
-Triton kernel on GPU, the native CPU kernel in an all-decode step (full rotary only). A layer's
+Triton kernel on GPU, the native CPU kernel in an all-decode step (full rotary only: a partial
+rotary's step brings gathered rows, layers/rotary.py). A layer's
 sliding window (`window`: the query at position i sees keys j with i - j < window) and attention
 logit soft-capping (`softcap`, Gemma 2) are passed to every kernel; the decode plan is shared by
 all layers, windowed or not.
@@ -24,7 +25,7 @@ from torch import nn
 from triollm.engine.execution.layers.rotary import RopeStep
 from triollm.kernels import cpu_native, prefill_attention, write_kv
 from triollm.kernels.attention import DecodePlan, decode_attention
-from triollm.kernels.rotary import apply_rotary_signed, rotary_sign
+from triollm.kernels.rotary import apply_rotary_signed
 
 __all__ = ["AttentionMetadata", "PagedAttention", "PrefillChunk"]
 
@@ -80,7 +81,7 @@ class PagedAttention(nn.Module):
             q = cpu_native.rotary_write_kv(qkv, rope.cos, rope.sin, k_cache, v_cache, meta.slot_mapping, h, kvh)
             return decode_attention(q, k_cache, v_cache, plan, self.scale, **self.extra).view(t, h * hd)
         v = qkv[:, (h + kvh) * hd :].view(t, kvh, hd)
-        if rope.whole_tables and full:
+        if rope.whole_tables:
             # Rotary on Q and K and the cache write in one Triton kernel.
             from triollm.kernels.triton import rotary as triton_rotary
 
@@ -90,22 +91,17 @@ class PagedAttention(nn.Module):
                 rope.cos, rope.sin, meta.positions, k_cache, v_cache, meta.slot_mapping,
             )  # fmt: skip
             return self._attend(q, k, v, meta, k_cache, v_cache)
-        qk = self._rotate(qkv[:, : (h + kvh) * hd].view(t, h + kvh, hd), rope, meta)
+        qk = self._rotate(qkv[:, : (h + kvh) * hd].view(t, h + kvh, hd), rope)
         q, k = qk[:, :h], qk[:, h:]
         write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
         return self._attend(q, k, v, meta, k_cache, v_cache)
 
-    def _rotate(self, qk: torch.Tensor, rope: RopeStep, meta: AttentionMetadata) -> torch.Tensor:
+    def _rotate(self, qk: torch.Tensor, rope: RopeStep) -> torch.Tensor:
         """Q and K rotated in one call (a new tensor; the first `rotary_dim` dims only, if partial)."""
-        cos, sin = rope.cos, rope.sin
-        if rope.whole_tables:  # the Triton step's whole tables, here for a partial rotary
-            assert meta.positions is not None
-            cos = cos.index_select(0, meta.positions).to(qk.dtype).unsqueeze(1)
-            sin = (sin.index_select(0, meta.positions) * rotary_sign(rope.rotary_dim).to(sin.device)).to(qk.dtype).unsqueeze(1)
         d = rope.rotary_dim
         if d == qk.shape[-1]:
-            return apply_rotary_signed(qk, cos, sin)
-        return torch.cat((apply_rotary_signed(qk[..., :d], cos, sin), qk[..., d:]), dim=-1)
+            return apply_rotary_signed(qk, rope.cos, rope.sin)
+        return torch.cat((apply_rotary_signed(qk[..., :d], rope.cos, rope.sin), qk[..., d:]), dim=-1)
 
     def _attend(
         self,

@@ -23,6 +23,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from triollm.engine.execution.layers.linear import load_rows
 from triollm.kernels import cpu_native
 from triollm.kernels.quant import PackedWeight, QuantWeight, packed_linear
 
@@ -62,8 +63,6 @@ class QuantLinear(_Packed):
         self.cols: tuple[int, int] | None = None
 
     def load(self, leaf: str, piece: int, source: Any) -> None:
-        from triollm.engine.execution.layers.linear import load_rows
-
         load_rows(self, leaf, piece, source)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -23,8 +23,8 @@ __all__ = ["RopeStep", "RotaryEmbedding"]
 @dataclass
 class RopeStep:
     """One step's rotary rows. Torch and native paths: `cos` and signed `sin` `[T, 1, rotary_dim]`
-    in the activations' dtype (sin carries rotate-half's sign); the Triton path: the whole fp32
-    tables (its kernel gathers by position), plain sin."""
+    in the activations' dtype (sin carries rotate-half's sign); the Triton path with a full rotary:
+    the whole fp32 tables (its fused kernel gathers by position), plain sin."""
 
     cos: torch.Tensor
     sin: torch.Tensor
@@ -35,6 +35,7 @@ class RopeStep:
 class RotaryEmbedding:
     def __init__(self, rope: RopeConfig, head_dim: int, max_len: int, rotary_dim: int | None = None) -> None:
         self.rotary_dim = head_dim if rotary_dim is None else rotary_dim
+        self.partial = self.rotary_dim != head_dim
         with torch.device("cpu"):
             cos, sin = rope.tables(self.rotary_dim, max_len)
             self.cos = cos
@@ -46,7 +47,7 @@ class RotaryEmbedding:
         return self
 
     def step(self, positions: torch.Tensor, dtype: torch.dtype, triton: bool) -> RopeStep:
-        if triton:
+        if triton and not self.partial:  # the fused Triton kernel rotates whole heads only
             return RopeStep(self.cos, self.sin, self.rotary_dim, True)
         cos = self.cos.index_select(0, positions).to(dtype).unsqueeze(1)
         sin = self.sin_signed.index_select(0, positions).to(dtype).unsqueeze(1)

@@ -27,6 +27,7 @@ from triollm.engine.execution.layers.attention import AttentionMetadata, PagedAt
 from triollm.engine.execution.layers.linear import (
     Linear,
     column,
+    load_rows,
     onednn_linear,
     pack_weight,
     packable,
@@ -140,8 +141,6 @@ class Embedding(nn.Embedding):
         self.rows, self.cols = [rows], None
 
     def load(self, leaf: str, piece: int, source: Any) -> None:
-        from triollm.engine.execution.layers.linear import load_rows
-
         load_rows(self, leaf, piece, source)
 
 
