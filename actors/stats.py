@@ -60,15 +60,15 @@ def kv_cache_usage(stats: StepStats) -> float:
 
 
 def engine_metrics(stats: StepStats, frontend: FrontendStatistics) -> list[Metric]:
-    """vLLM's `get_metrics()` shapes, under the server's `triollm:` names."""
+    """vLLM's `get_metrics()` shapes, under the server's `vllm:` names."""
     return [
-        Gauge("triollm:num_requests_running", value=stats.num_running),
-        Gauge("triollm:num_requests_waiting", value=stats.num_waiting),
-        Gauge("triollm:kv_cache_usage_perc", value=kv_cache_usage(stats)),
-        Gauge("triollm:prefix_cache_hit_rate", value=stats.prefix_cache_hit_rate),
-        Counter("triollm:num_preemptions", value=stats.num_preemptions),
-        Counter("triollm:prompt_tokens", value=frontend.num_prompt_tokens),
-        Counter("triollm:generation_tokens", value=frontend.num_generation_tokens),
+        Gauge("vllm:num_requests_running", value=stats.num_running),
+        Gauge("vllm:num_requests_waiting", value=stats.num_waiting),
+        Gauge("vllm:kv_cache_usage_perc", value=kv_cache_usage(stats)),
+        Gauge("vllm:prefix_cache_hit_rate", value=stats.prefix_cache_hit_rate),
+        Counter("vllm:num_preemptions", value=stats.num_preemptions),
+        Counter("vllm:prompt_tokens", value=frontend.num_prompt_tokens),
+        Counter("vllm:generation_tokens", value=frontend.num_generation_tokens),
     ]
 
 

@@ -1,28 +1,41 @@
 """Prometheus metrics for `triollm serve`: GET /metrics.
 
-vLLM v1's names with `triollm:` for `vllm:`, every series labelled `model_name`: the engine's
-with the first served model name (as vLLM does), the per-request ones with the served name the
-request asked for (any other name is recorded under the first):
+vLLM v1's names and labels (`vllm:` prefix, `PREFIX`), so vLLM's Grafana dashboard and KEDA/HPA
+rules read this server unchanged. Every series is labelled `model_name`: the engine's with the
+first served model name (as vLLM does), the per-request ones with the served name the request
+asked for (any other name is recorded under the first). The `triollm:` names of earlier
+releases are gone: serving both would double every scrape.
 
-    engine state, read at scrape time (fresh from the engine core, else the last step's stats)
-      triollm:num_requests_running          gauge    requests in the engine core's running set
-      triollm:num_requests_waiting          gauge    requests queued in the engine core
-      triollm:kv_cache_usage_perc           gauge    fraction of KV blocks in use, 0..1
-      triollm:prefix_cache_hit_rate         gauge    prompt tokens found in the prefix cache / looked up
-      triollm:num_preemptions_total         counter  preemptions since the engine started
+    engine state, read at scrape time (fresh from the engine core, else the last step's stats),
+    one series per engine core (label `engine`)
+      vllm:num_requests_running          gauge    requests in the engine core's running set
+      vllm:num_requests_waiting          gauge    requests queued in the engine core
+      vllm:kv_cache_usage_perc           gauge    fraction of KV blocks in use, 0..1
+      vllm:prefix_cache_hit_rate         gauge    prompt tokens found in the prefix cache / looked up
+      vllm:num_preemptions_total         counter  preemptions since the engine started
 
     per request, recorded by the routes through a `RequestTimer`
-      triollm:prompt_tokens_total           counter
-      triollm:generation_tokens_total       counter
-      triollm:request_success_total         counter  + label finished_reason (stop, length, abort, ...)
-      triollm:time_to_first_token_seconds   histogram
-      triollm:inter_token_latency_seconds   histogram  one observation per output token but the first
-      triollm:request_time_per_output_token_seconds  histogram  per request: decode time / (tokens - 1)
-      triollm:e2e_request_latency_seconds   histogram
+      vllm:prompt_tokens_total           counter
+      vllm:generation_tokens_total       counter
+      vllm:request_success_total         counter  + label finished_reason (stop, length, abort, ...)
+      vllm:request_prompt_tokens         histogram  prompt tokens per finished request
+      vllm:request_generation_tokens     histogram  generated tokens per finished request
+      vllm:time_to_first_token_seconds   histogram
+      vllm:inter_token_latency_seconds   histogram  one observation per output token but the first
+      vllm:request_time_per_output_token_seconds  histogram  per request: decode time / (tokens - 1)
+      vllm:request_decode_time_seconds   histogram  per request: first output token to last
+      vllm:e2e_request_latency_seconds   histogram
 
 `inter_token_latency_seconds` is vLLM v1's current name (it replaced the deprecated
 `time_per_output_token_seconds`); vLLM's per-request TPOT is
-`request_time_per_output_token_seconds`, kept here under the same name.
+`request_time_per_output_token_seconds`, kept here under the same name. The token-count
+histograms use vLLM's 1-2-5 buckets up to the model's `max_model_len`.
+
+Not served, because nothing here measures them (no made-up numbers): vLLM's queue, prefill and
+inference times (the frontend does not see when the core schedules a request), the
+`request_params_*` histograms, and `prefix_cache_queries` / `prefix_cache_hits` (the core
+reports only their ratio, served as `vllm:prefix_cache_hit_rate`, which vLLM itself derives
+from those two counters).
 
 Each `Metrics` owns its `CollectorRegistry`, so several servers can live in one process.
 """
@@ -68,11 +81,29 @@ E2E_BUCKETS = (
 
 _FRESH_STATS_TIMEOUT_S = 1.0
 
+PREFIX = "vllm:"  # every series' name starts with it (vLLM's, for its dashboards and rules)
+_DEFAULT_MAX_MODEL_LEN = 1 << 20  # token-count buckets' top without a model config
+
+
+def _buckets_1_2_5(max_value: int) -> tuple[int, ...]:
+    """vLLM's token-count buckets: 1, 2, 5, 10, 20, 50, ... up to `max_value` inclusive."""
+    out: list[int] = []
+    scale = 1
+    while True:
+        for mantissa in (1, 2, 5):
+            if mantissa * scale > max_value:
+                return tuple(out)
+            out.append(mantissa * scale)
+        scale *= 10
+
 
 class _Series:
     """The children of every per-request metric for one model name, bound once."""
 
-    __slots__ = ("e2e", "generation_tokens", "itl", "metrics", "prompt_tokens", "tpot", "ttft")
+    __slots__ = (
+        "decode", "e2e", "generation_tokens", "itl", "metrics", "prompt_tokens", "request_generation",
+        "request_prompt", "tpot", "ttft",
+    )
 
     def __init__(self, m: Metrics, model: str) -> None:
         self.metrics = m
@@ -82,6 +113,9 @@ class _Series:
         self.itl = m.itl.labels(model)
         self.tpot = m.tpot.labels(model)
         self.e2e = m.e2e.labels(model)
+        self.decode = m.decode.labels(model)
+        self.request_prompt = m.request_prompt_tokens.labels(model)
+        self.request_generation = m.request_generation_tokens.labels(model)
 
 
 class RequestTimer:
@@ -94,8 +128,8 @@ class RequestTimer:
       gap / n: the collector may merge several engine steps into one output, and this keeps
       the histogram per token. Tokens that arrive together with the first one add no ITL.
     finished(finish_reason, prompt_tokens, completion_tokens, now): once per request (later calls
-      are ignored): e2e latency, per-request TPOT, the token counters and
-      request_success_total{finished_reason}.
+      are ignored): e2e latency, per-request decode time and TPOT, the token counters and
+      histograms, and request_success_total{finished_reason}.
     """
 
     __slots__ = ("_series", "_model", "done", "first", "last", "start", "tokens")
@@ -139,8 +173,13 @@ class RequestTimer:
             s.prompt_tokens.inc(prompt_tokens)
         if completion_tokens > 0:
             s.generation_tokens.inc(completion_tokens)
-        if self.first is not None and completion_tokens > 1:
-            s.tpot.observe(max(self.last - self.first, 0.0) / (completion_tokens - 1))
+        s.request_prompt.observe(max(prompt_tokens, 0))
+        s.request_generation.observe(max(completion_tokens, 0))
+        if self.first is not None:
+            decode = max(self.last - self.first, 0.0)
+            s.decode.observe(decode)
+            if completion_tokens > 1:
+                s.tpot.observe(decode / (completion_tokens - 1))
         s.metrics.request_success.labels(self._model, finish_reason or "abort").inc()
 
 
@@ -167,19 +206,19 @@ class _EngineCollector(Collector):
                 fam.add_metric([m.model_name, str(engine)], value(st) if st else 0)
             return fam
 
-        yield family(GaugeMetricFamily, "triollm:num_requests_running", "Number of requests in the engine's running set.", lambda st: st.num_running)
-        yield family(GaugeMetricFamily, "triollm:num_requests_waiting", "Number of requests waiting in the engine's queue.", lambda st: st.num_waiting)
+        yield family(GaugeMetricFamily, PREFIX + "num_requests_running", "Number of requests in the engine's running set.", lambda st: st.num_running)
+        yield family(GaugeMetricFamily, PREFIX + "num_requests_waiting", "Number of requests waiting in the engine's queue.", lambda st: st.num_waiting)
         yield family(
-            GaugeMetricFamily, "triollm:kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0 to 1).",
+            GaugeMetricFamily, PREFIX + "kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0 to 1).",
             lambda st: 1.0 - st.num_free_blocks / st.num_blocks if st.num_blocks else 0.0,
         )
         yield family(
-            GaugeMetricFamily, "triollm:prefix_cache_hit_rate",
+            GaugeMetricFamily, PREFIX + "prefix_cache_hit_rate",
             "Fraction of looked-up prompt tokens found in the prefix cache since start.",
             lambda st: st.prefix_cache_hit_rate,
         )
         yield family(
-            CounterMetricFamily, "triollm:num_preemptions", "Cumulative number of preemptions in the engine.",
+            CounterMetricFamily, PREFIX + "num_preemptions", "Cumulative number of preemptions in the engine.",
             lambda st: st.num_preemptions,
         )
 
@@ -210,30 +249,45 @@ class Metrics:
         self.registry = CollectorRegistry()
         r = self.registry
         ml = ["model_name"]
-        self.prompt_tokens = Counter("triollm:prompt_tokens", "Number of prefill tokens processed.", ml, registry=r)
+        self.prompt_tokens = Counter(PREFIX + "prompt_tokens", "Number of prefill tokens processed.", ml, registry=r)
         self.generation_tokens = Counter(
-            "triollm:generation_tokens", "Number of generation tokens processed.", ml, registry=r
+            PREFIX + "generation_tokens", "Number of generation tokens processed.", ml, registry=r
         )
         self.request_success = Counter(
-            "triollm:request_success", "Count of finished requests, by finish reason.",
+            PREFIX + "request_success", "Count of finished requests, by finish reason.",
             ["model_name", "finished_reason"], registry=r,
         )
         self.ttft = Histogram(
-            "triollm:time_to_first_token_seconds", "Histogram of time to first token in seconds.", ml,
+            PREFIX + "time_to_first_token_seconds", "Histogram of time to first token in seconds.", ml,
             registry=r, buckets=TTFT_BUCKETS,
         )
         self.itl = Histogram(
-            "triollm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.", ml,
+            PREFIX + "inter_token_latency_seconds", "Histogram of inter-token latency in seconds.", ml,
             registry=r, buckets=ITL_BUCKETS,
         )
         self.tpot = Histogram(
-            "triollm:request_time_per_output_token_seconds",
+            PREFIX + "request_time_per_output_token_seconds",
             "Histogram of time per output token (decode time / (tokens - 1)) per request, in seconds.",
             ml, registry=r, buckets=ITL_BUCKETS,
         )
         self.e2e = Histogram(
-            "triollm:e2e_request_latency_seconds", "Histogram of end-to-end request latency in seconds.",
+            PREFIX + "e2e_request_latency_seconds", "Histogram of end-to-end request latency in seconds.",
             ml, registry=r, buckets=E2E_BUCKETS,
+        )
+        self.decode = Histogram(
+            PREFIX + "request_decode_time_seconds",
+            "Histogram of time from a request's first output token to its last, in seconds.",
+            ml, registry=r, buckets=E2E_BUCKETS,
+        )
+        config = getattr(state.llm, "config", None)
+        max_len = config.model.max_model_len if config is not None else _DEFAULT_MAX_MODEL_LEN
+        self.request_prompt_tokens = Histogram(
+            PREFIX + "request_prompt_tokens", "Number of prefill tokens processed, per request.", ml,
+            registry=r, buckets=_buckets_1_2_5(max_len),
+        )
+        self.request_generation_tokens = Histogram(
+            PREFIX + "request_generation_tokens", "Number of generation tokens processed, per request.", ml,
+            registry=r, buckets=_buckets_1_2_5(max_len),
         )
         r.register(_EngineCollector(self))
         # Every served name's series exist from the start (at zero), as vLLM's do.

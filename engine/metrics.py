@@ -1,7 +1,7 @@
 """Metric values read from a running engine: `LLM.get_metrics()` / `AsyncLLM.get_metrics()`.
 
 The shapes of vLLM's `vllm.v1.metrics.reader` (a name, labels, a value), with the server's
-`triollm:` names (`api/metrics.py`), so a script that prints or filters them works unchanged.
+`vllm:` names (`api/metrics.py`), so a script that prints or filters them works unchanged.
 """
 
 from __future__ import annotations

@@ -126,14 +126,14 @@ def wait_idle(url: str, timeout: float = 10.0) -> dict[str, float]:
         text = httpx.get(f"{url}/metrics", timeout=5).text
         values = {}
         for line in text.splitlines():
-            if line.startswith("triollm:") and " " in line:
+            if line.startswith("vllm:") and " " in line:
                 name, value = line.rsplit(" ", 1)
                 key = name.split("{")[0]  # summed over the engines (data parallel ranks)
                 values[key] = values.get(key, 0.0) + float(value)
         if (
-            values.get("triollm:num_requests_running") == 0
-            and values.get("triollm:num_requests_waiting") == 0
-            and values.get("triollm:kv_cache_usage_perc") == 0
+            values.get("vllm:num_requests_running") == 0
+            and values.get("vllm:num_requests_waiting") == 0
+            and values.get("vllm:kv_cache_usage_perc") == 0
         ):
             return values
         time.sleep(0.05)

@@ -34,7 +34,7 @@ def test_two_servers_one_rank_each_serve_independently(tiny_model_dir: Path) -> 
         for k, srv in enumerate((rank0, rank1)):
             wait_idle(srv.url)
             metrics = httpx.get(f"{srv.url}/metrics", timeout=5).text
-            assert f'triollm:num_requests_running{{engine="{k}",model_name="m"}}' in metrics, metrics
+            assert f'vllm:num_requests_running{{engine="{k}",model_name="m"}}' in metrics, metrics
 
         engine1 = rank1.engine_children
         engine1[0].kill()

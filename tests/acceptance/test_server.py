@@ -155,7 +155,7 @@ def test_other_routes(server: Server) -> None:
     text = httpx.post(f"{server.url}/detokenize", json={"model": MODEL, "tokens": toks["tokens"]}).json()["prompt"]
     assert text == "Hello world"
     metrics = httpx.get(f"{server.url}/metrics").text
-    assert "triollm:num_requests_running" in metrics and "triollm:time_to_first_token_seconds" in metrics
+    assert "vllm:num_requests_running" in metrics and "vllm:time_to_first_token_seconds" in metrics
     assert "/v1/chat/completions" in httpx.get(f"{server.url}/openapi.json").json()["paths"]
 
 
@@ -305,7 +305,7 @@ def _wait_in_flight(url: str, n: int, timeout: float = 10.0) -> None:
     while time.monotonic() < deadline:
         total = 0.0
         for line in httpx.get(f"{url}/metrics").text.splitlines():
-            if line.startswith(("triollm:num_requests_running", "triollm:num_requests_waiting")):
+            if line.startswith(("vllm:num_requests_running", "vllm:num_requests_waiting")):
                 total += float(line.rsplit(" ", 1)[1])
         if total >= n:
             return

@@ -211,9 +211,9 @@ async def test_do_log_stats_and_metrics(
             await llm.do_log_stats()
         assert "Avg generation throughput" in caplog.text and "Running: 0 reqs" in caplog.text
         metrics = {m.name: m for m in await llm.get_metrics()}
-        gen = metrics["triollm:generation_tokens"]
+        gen = metrics["vllm:generation_tokens"]
         assert isinstance(gen, Counter) and gen.value == 4
-        assert isinstance(metrics["triollm:num_requests_running"], Gauge)
+        assert isinstance(metrics["vllm:num_requests_running"], Gauge)
     quiet = AsyncLLM.from_engine_args(inproc_engine_args(disable_log_stats=True))
     caplog.clear()
     async with quiet:
@@ -241,5 +241,5 @@ def test_llm_engine_enqueue_and_wait(tiny_model_dir: Path) -> None:
         assert chat.request_id == chat_ids[0] and chat.finished
         assert llm.reset_prefix_cache() is True
         names = {m.name: m.value for m in llm.get_metrics()}
-        assert names["triollm:generation_tokens"] == 4 + 2 + 4 + 4
-        assert names["triollm:num_requests_running"] == 0
+        assert names["vllm:generation_tokens"] == 4 + 2 + 4 + 4
+        assert names["vllm:num_requests_running"] == 0
