@@ -198,11 +198,14 @@ class LLM:
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         chat_template_kwargs: dict[str, Any] | None = None,
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[RequestOutput]:
-        """Generate replies to one conversation or a list of conversations."""
+        """Generate replies to one conversation or a list of conversations. `tools` (OpenAI's
+        function tools) reach the chat template, which decides how they are shown; the reply is
+        text, as in vLLM (force a call with `SamplingParams(structured_outputs=...)`)."""
         self._require_runner("generate", "LLM.chat()")
         prompts = self._render_chats(
-            messages, chat_template, add_generation_prompt, continue_final_message, chat_template_kwargs
+            messages, chat_template, add_generation_prompt, continue_final_message, chat_template_kwargs, tools
         )
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
@@ -356,6 +359,7 @@ class LLM:
         add_generation_prompt: bool,
         continue_final_message: bool,
         chat_template_kwargs: dict[str, Any] | None,
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[PromptType]:
         if messages and isinstance(messages[0], dict):
             conversations = [messages]
@@ -369,6 +373,7 @@ class LLM:
                 add_generation_prompt=add_generation_prompt,
                 continue_final_message=continue_final_message,
                 chat_template=chat_template,
+                tools=tools,
                 chat_template_kwargs=chat_template_kwargs,
             )
             prompts.append({"prompt": text, "prompt_token_ids": ids})  # rendered once: text and ids

@@ -8,17 +8,25 @@ incrementally up to a limit (413 above it): `MAX_BODY_BYTES` for generation, the
 `SMALL_BODY_BYTES` for /tokenize and /detokenize. Generation
 endpoints return a `GenerationResponse` (sse.py) that watches for the client's disconnect.
 
-Middleware, outermost first: `RequestLimits` (limits.py: concurrent requests, header count,
-body deadline), CORS when configured, then `APIKeyMiddleware` with `--api-key`: deny by
-default, every route needs the key except the `OPEN_PATHS` (none with `--api-key-all-routes`),
-so a route added later is keyed unless it is opened on purpose.
+Middleware, outermost first: `RootPath` with `--root-path`, `RequestLimits` (limits.py:
+concurrent requests, header count, body deadline), CORS when configured (`--allowed-origins`,
+`--allowed-methods`, `--allowed-headers`, `--allow-credentials`), then `APIKeyMiddleware` with
+`--api-key` (one key or several, any of them accepted): deny by default, every route needs the
+key except the `OPEN_PATHS` (none with `--api-key-all-routes`), so a route added later is keyed
+unless it is opened on purpose.
+
+`--root-path PREFIX` (uvicorn's, as vLLM passes it): the ASGI `root_path` of every request is
+PREFIX, for an app served behind a path-routing proxy. Starlette routes on the path with the
+prefix taken off when it carries one, so a proxy that strips the prefix (`/v1/models`) and one
+that forwards it (`/api/v1/models`) both reach the routes; the key's open paths are matched the
+same way.
 """
 
 from __future__ import annotations
 
 import hmac
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 import msgspec
@@ -59,6 +67,7 @@ from triollm.api.serving_common import (
 )
 from triollm.api.serving_completions import create_completion
 from triollm.api.serving_pooling import create_embedding, create_score, require_runner
+from triollm.api.serving_responses import ResponsesAPI
 from triollm.api.state import ServerState
 from triollm.engine.config import ModelConfig
 
@@ -78,12 +87,15 @@ def build_app(state: ServerState) -> Starlette:
     routes: list[BaseRoute] = [
         Route("/v1/completions", api.guard(api.completions), methods=["POST"]),
         Route("/v1/chat/completions", api.guard(api.chat), methods=["POST"]),
+        Route("/v1/responses", api.guard(api.responses.create), methods=["POST"]),
+        Route("/v1/responses/{response_id}", api.guard(api.responses.retrieve), methods=["GET"]),
+        Route("/v1/responses/{response_id}", api.guard(api.responses.delete), methods=["DELETE"]),
         Route("/v1/models", api.guard(api.models), methods=["GET"]),
         Route("/health", api.guard(api.health), methods=["GET"]),
         Route("/version", api.guard(api.version), methods=["GET"]),
         Route("/tokenize", api.guard(api.tokenize), methods=["POST"]),
         Route("/detokenize", api.guard(api.detokenize), methods=["POST"]),
-        Route("/openapi.json", api.guard(api.openapi), methods=["GET"]),
+        *([] if settings.disable_docs else [Route("/openapi.json", api.guard(api.openapi), methods=["GET"])]),
         # ------------------------------------------------------ pooling models (serving_pooling.py)
         Route("/v1/embeddings", api.guard(api.embeddings), methods=["POST"]),
         Route("/score", api.guard(api.score), methods=["POST"]),
@@ -95,7 +107,8 @@ def build_app(state: ServerState) -> Starlette:
         routes.append(metrics)
         api.extra_paths.append("/metrics")
     # ------------------------------------------------------------------------------------------
-    middleware: list[Middleware] = [
+    middleware: list[Middleware] = [Middleware(RootPath, root_path=settings.root_path)] if settings.root_path else []
+    middleware += [
         Middleware(
             RequestLimits,
             limit_concurrency=settings.limit_concurrency,
@@ -108,15 +121,16 @@ def build_app(state: ServerState) -> Starlette:
             Middleware(
                 CORSMiddleware,
                 allow_origins=list(settings.allowed_origins),
-                allow_methods=["*"],
-                allow_headers=["*"],
+                allow_methods=list(settings.allowed_methods),
+                allow_headers=list(settings.allowed_headers),
+                allow_credentials=settings.allow_credentials,
             )
         )
-    if settings.api_key:
+    if settings.api_keys:
         middleware.append(
             Middleware(
                 APIKeyMiddleware,
-                api_key=settings.api_key,
+                api_key=settings.api_keys,
                 open_paths=() if settings.api_key_all_routes else OPEN_PATHS,
             )
         )
@@ -141,23 +155,51 @@ def _metrics_route(state: ServerState) -> BaseRoute | None:
 OPEN_PATHS = ("/health", "/version", "/openapi.json", "/tokenize", "/detokenize", "/metrics")
 
 
-class APIKeyMiddleware:
-    """`Authorization: Bearer <key>` on every path but `open_paths` (constant-time compare)."""
+class RootPath:
+    """Sets the ASGI `root_path` of every request to `--root-path` (as uvicorn does)."""
 
-    def __init__(self, app: ASGIApp, api_key: str, open_paths: tuple[str, ...] = ()) -> None:
+    def __init__(self, app: ASGIApp, root_path: str) -> None:
         self.app = app
-        self.key = api_key.encode()
+        self.root_path = root_path
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] in ("http", "websocket"):
+            scope = {**scope, "root_path": self.root_path}
+        await self.app(scope, receive, send)
+
+
+def _route_path(scope: Scope) -> str:
+    """The path the routes match: without the root_path when it starts with it (Starlette's rule)."""
+    path: str = scope.get("path", "")
+    root: str = scope.get("root_path", "")
+    if root and (path == root or path.startswith(root + "/")):
+        return path[len(root):]
+    return path
+
+
+class APIKeyMiddleware:
+    """`Authorization: Bearer <key>` on every path but `open_paths`: any of the keys, each
+    compared in constant time (all of them, whichever matches)."""
+
+    def __init__(self, app: ASGIApp, api_key: str | Sequence[str], open_paths: tuple[str, ...] = ()) -> None:
+        self.app = app
+        keys = [api_key] if isinstance(api_key, str) else list(api_key)
+        if not keys or not all(keys):
+            raise ValueError("api_key: at least one key, and no empty one")
+        self.keys = [k.encode() for k in keys]
         self.open_paths = frozenset(p.rstrip("/") for p in open_paths)
 
     def _keyed(self, path: str) -> bool:
         return path.rstrip("/") not in self.open_paths
 
+    def _accepts(self, token: bytes) -> bool:
+        return sum(hmac.compare_digest(token, key) for key in self.keys) > 0
+
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        path: str = scope.get("path", "")
-        if scope["type"] in ("http", "websocket") and self._keyed(path):
+        if scope["type"] in ("http", "websocket") and self._keyed(_route_path(scope)):
             header = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
             scheme, _, token = header.partition(b" ")
-            ok = hmac.compare_digest(token.strip(), self.key)
+            ok = self._accepts(token.strip())
             if not (ok and scheme.lower() == b"bearer"):
                 error = APIError(
                     401, "Invalid or missing API key (expected `Authorization: Bearer <key>`)"
@@ -191,6 +233,7 @@ class _Endpoints:
         self.llm: AsyncLLM = state.llm
         self.created = int(time.time())
         self.chat_template = resolve_chat_template(state.settings.chat_template)
+        self.responses = ResponsesAPI(state, self.chat_template)  # serving_responses.py, its store
         self.extra_paths: list[str] = []
         self._openapi: bytes | None = None
 
@@ -292,7 +335,7 @@ class _Endpoints:
             doc = openapi_document(
                 title="triollm OpenAI-compatible API",
                 version=triollm.__version__,
-                api_key=bool(self.state.settings.api_key),
+                api_key=bool(self.state.settings.api_keys),
                 all_routes=self.state.settings.api_key_all_routes,
                 extra_paths=self.extra_paths,
             )

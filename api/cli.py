@@ -1,9 +1,14 @@
-"""The `triollm` command line: `generate`, `chat`, `bench`.
+"""The `triollm` command line: `serve`, `generate`, `chat`, `bench`.
 
 Engine flags are generated from the `EngineArgs` dataclass (vLLM's names, `--max-model-len`
 for `max_model_len`, `--served-model-name` included), so the CLI, `LLM(**kwargs)` and the server
 share one schema: a flag vLLM knows and triollm does not is rejected (exit 2) as an unknown
-keyword is rejected by `LLM(...)`.
+keyword is rejected by `LLM(...)`. The server's own flags are in serve_args.py.
+
+As vLLM's `FlexibleArgumentParser`: a flag may be spelled with underscores (`--max_model_len`),
+and `--config FILE.yaml` reads flags from a YAML mapping (`port: 8001`, `max-model-len: 4k`,
+`enable-prefix-caching: false`, lists for flags taking several values), keys in dash or
+underscore form; the command line wins over the file. A key that is no flag exits 2 naming it.
 """
 
 from __future__ import annotations
@@ -11,17 +16,11 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 import sys
 from collections.abc import Sequence
 
 from triollm.api.bench import add_bench_parser
-from triollm.api.server import DEFAULT_H11_MAX_INCOMPLETE_EVENT_SIZE, DEFAULT_TIMEOUT_KEEP_ALIVE_S
-from triollm.api.state import (
-    DEFAULT_BODY_TIMEOUT_S,
-    DEFAULT_LIMIT_CONCURRENCY,
-    DEFAULT_MAX_HEADER_COUNT,
-)
+from triollm.api.serve_args import add_serve_args
 from triollm.engine.config import EngineArgs
 
 DEFAULT_PROMPTS = [
@@ -48,22 +47,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     serve = sub.add_parser("serve", help="the OpenAI-compatible HTTP server (default model: the bundled SmolLM2)")
     serve.add_argument("model_tag", nargs="?", default=None, metavar="MODEL", help="a local HF directory, .gguf file, or Hugging Face Hub repo id")
-    serve.add_argument("--host", default="127.0.0.1", help="(default: %(default)s)")
-    serve.add_argument("--port", type=int, default=8000, help="0 picks a free port (default: %(default)s)")
-    serve.add_argument("--backlog", type=int, default=2048, help="the listen backlog: connections the kernel queues before the server accepts them (capped by net.core.somaxconn) (default: %(default)s)")
-    serve.add_argument("--api-key", default=os.environ.get("TRIOLLM_API_KEY"), help="require `Authorization: Bearer KEY` on every route but /health, /version, /openapi.json, /tokenize, /detokenize and /metrics (default: $TRIOLLM_API_KEY)")
-    serve.add_argument("--api-key-all-routes", action="store_true", help="with --api-key, require the key on every route, /health and /metrics included")
-    serve.add_argument("--timeout-keep-alive", type=float, default=DEFAULT_TIMEOUT_KEEP_ALIVE_S, help="seconds an idle connection stays open, and a new request has to send its headers in (default: %(default)s)")
-    serve.add_argument("--request-body-timeout", type=float, default=DEFAULT_BODY_TIMEOUT_S, help="seconds a request's body has to arrive in, else 408 (default: %(default)s)")
-    serve.add_argument("--limit-concurrency", type=int, default=DEFAULT_LIMIT_CONCURRENCY, help="the most requests served at once, beyond it 503 (/health and /metrics not counted); 0: no cap (default: %(default)s)")
-    serve.add_argument("--h11-max-incomplete-event-size", type=int, default=DEFAULT_H11_MAX_INCOMPLETE_EVENT_SIZE, help="the most bytes of a request line and its headers (default: %(default)s)")
-    serve.add_argument("--h11-max-header-count", type=int, default=DEFAULT_MAX_HEADER_COUNT, help="the most headers in a request, else 431 (default: %(default)s)")
-    serve.add_argument("--allowed-origins", default=None, help='CORS origins, a JSON list or comma-separated, e.g. \'["*"]\' (default: no CORS)')
-    serve.add_argument("--shutdown-timeout", type=float, default=0.0, help="seconds in-flight requests get on SIGINT/SIGTERM before they are aborted (default: %(default)s)")
-    serve.add_argument("--response-role", default="assistant", help="(default: %(default)s)")
-    serve.add_argument("--chat-template", default=None, help="a Jinja chat template, or a file holding one (default: the model's)")
-    serve.add_argument("--disable-log-requests", action="store_true", help="(default: %(default)s)")
-    serve.add_argument("--worker", choices=["trio", "asyncio"], default="trio", help="the event loop Hypercorn runs on (default: %(default)s)")
+    serve.add_argument("--config", default=None, metavar="FILE", help="a YAML file of flags (flag: value); the command line wins over it")
+    add_serve_args(serve)
     _log_flag(serve, "info")
     EngineArgs.add_cli_args(serve)
 
@@ -132,46 +117,86 @@ def cmd_chat(ns: argparse.Namespace) -> int:
                 return 0
 
 
-def _origins(value: str | None) -> tuple[str, ...]:
-    if not value:
-        return ()
-    if value.lstrip().startswith("["):
-        return tuple(json.loads(value))
-    return tuple(v.strip() for v in value.split(",") if v.strip())
-
-
 def cmd_serve(ns: argparse.Namespace) -> int:
-    from triollm.api.server import ServeOptions, default_model_name, run_server
-    from triollm.api.state import ServerSettings
+    from triollm.api import server
+    from triollm.api.serve_args import check_serve_args, serve_options
 
     if ns.model_tag is not None:
         ns.model = ns.model_tag
+    check_serve_args(ns)
     args = EngineArgs.from_cli_args(ns)
     served = args.served_model_name
-    names = tuple([served] if isinstance(served, str) else served or [default_model_name(args)])
-    settings = ServerSettings(
-        served_model_names=names,
-        api_key=ns.api_key or None,
-        api_key_all_routes=ns.api_key_all_routes,
-        allowed_origins=_origins(ns.allowed_origins),
-        response_role=ns.response_role,
-        chat_template=ns.chat_template,
-        max_logprobs=args.max_logprobs,
-        disable_log_requests=ns.disable_log_requests,
-        limit_concurrency=ns.limit_concurrency or None,
-        h11_max_header_count=ns.h11_max_header_count,
-        request_body_timeout=ns.request_body_timeout,
-    )
-    options = ServeOptions(
-        ns.host, ns.port, settings, ns.shutdown_timeout, ns.worker, ns.backlog,
-        timeout_keep_alive=ns.timeout_keep_alive,
-        h11_max_incomplete_event_size=ns.h11_max_incomplete_event_size,
-    )
-    return run_server(args, options)
+    names = tuple([served] if isinstance(served, str) else served or [server.default_model_name(args)])
+    return server.run_server(args, serve_options(ns, names, args.max_logprobs))
+
+
+def expand_argv(parser: argparse.ArgumentParser, argv: Sequence[str]) -> list[str]:
+    """vLLM's spellings: `--flag_name` as `--flag-name`, and a `--config FILE` read in place
+    (after the subcommand and its positional model, so later words win)."""
+    words = [_dashed(w) for w in argv]
+    for i, word in enumerate(words):
+        if word == "--config" or word.startswith("--config="):
+            path = word.partition("=")[2] if "=" in word else (words[i + 1] if i + 1 < len(words) else "")
+            rest = words[i + 1 :] if "=" in word else words[i + 2 :]
+            if not path:
+                parser.error("argument --config: expected one argument")
+            head = words[:i]
+            at = 2 if len(head) > 1 and not head[1].startswith("-") else 1
+            return head[:at] + _config_words(parser, head[0] if head else "", path) + head[at:] + rest
+    return words
+
+
+def _dashed(word: str) -> str:
+    if not word.startswith("--"):
+        return word
+    name, eq, value = word.partition("=")
+    return name.replace("_", "-") + eq + value
+
+
+def _config_words(parser: argparse.ArgumentParser, command: str, path: str) -> list[str]:
+    import yaml  # type: ignore[import-untyped]
+
+    try:
+        with open(path) as f:
+            config = yaml.safe_load(f)
+    except (OSError, yaml.YAMLError) as exc:
+        parser.error(f"argument --config: cannot read {path}: {exc}")
+    if config is None:
+        return []
+    if not isinstance(config, dict):
+        parser.error(f"argument --config: {path} must hold a mapping of flag: value")
+    sub = _subparser(parser, command)
+    known = sub._option_string_actions if sub is not None else {}
+    words: list[str] = []
+    for key, value in config.items():
+        flag = "--" + str(key).replace("_", "-")
+        if flag == "--config" or flag not in known:
+            parser.error(f"argument --config: unknown key {key!r} in {path} (no flag {flag})")
+        if isinstance(value, bool):
+            if value:
+                words.append(flag)
+            elif f"--no-{flag[2:]}" in known:
+                words.append(f"--no-{flag[2:]}")
+        elif isinstance(value, list):
+            words += [flag, *(str(v) for v in value)] if value else []
+        elif isinstance(value, dict):
+            words += [flag, json.dumps(value)]
+        elif value is not None:
+            words += [flag, str(value)]
+    return words
+
+
+def _subparser(parser: argparse.ArgumentParser, command: str) -> argparse.ArgumentParser | None:
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            found = action.choices.get(command)
+            return found if isinstance(found, argparse.ArgumentParser) else None
+    return None
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    ns = build_parser().parse_args(argv)
+    parser = build_parser()
+    ns = parser.parse_args(expand_argv(parser, sys.argv[1:] if argv is None else argv))
     logging.basicConfig(level=getattr(ns, "log_level", "warning").upper(), format="%(levelname)s %(name)s: %(message)s")
     try:
         if ns.command == "serve":

@@ -111,6 +111,9 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     prompt_logprobs: NonNegInt | None = None
     priority: Int64 = 0
     request_id: str | None = None
+    # keep the last k prompt tokens (-1: the last max_model_len), vLLM's left truncation
+    truncate_prompt_tokens: Annotated[int, msgspec.Meta(ge=-1, le=2**63 - 1)] | None = None
+    return_tokens_as_token_ids: bool | None = None
     # --- structured outputs (engine/structured_outputs.py): OpenAI's response_format, vLLM's
     # structured_outputs object, and vLLM's older guided_* names
     response_format: dict[str, Any] | None = None
@@ -173,10 +176,16 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
     top_logprobs: NonNegInt | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = True
     # --- vLLM extras
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    documents: list[dict[str, Any]] | None = None
+    add_special_tokens: bool = False
+    echo: bool = False
+    include_reasoning: bool = True
 
 
 class TokenizeCompletionRequest(msgspec.Struct, kw_only=True):
@@ -280,10 +289,40 @@ class ChatLogprobs(msgspec.Struct):
     content: list[ChatLogprob] | None
 
 
-class ChatResponseMessage(msgspec.Struct):
+class FunctionCall(msgspec.Struct):
+    name: str
+    arguments: str  # a JSON object, as a string (OpenAI's shape)
+
+
+class ToolCall(msgspec.Struct, kw_only=True):
+    id: str
+    type: str = "function"
+    function: FunctionCall
+
+
+class DeltaFunctionCall(msgspec.Struct, omit_defaults=True):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """One piece of a streamed tool call: the first piece of call `index` carries its `id`,
+    `type` and `function.name`; later ones pieces of `function.arguments`."""
+
+    index: int
+    id: str | None = None
+    type: str | None = None
+    function: DeltaFunctionCall | None = None
+
+
+class ChatResponseMessage(msgspec.Struct, kw_only=True):
     role: str
     content: str | None
-    tool_calls: list[dict[str, Any]] = msgspec.field(default_factory=list)
+    # vLLM's current name is `reasoning`; `reasoning_content` (its earlier name, still read by
+    # many clients) carries the same text.
+    reasoning: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[ToolCall] = msgspec.field(default_factory=list)
 
 
 class ChatChoice(msgspec.Struct):
@@ -307,6 +346,9 @@ class ChatCompletionResponse(msgspec.Struct, kw_only=True):
 class DeltaMessage(msgspec.Struct, omit_defaults=True):
     role: str | None = None
     content: str | None = None
+    reasoning: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatStreamChoice(msgspec.Struct):

@@ -14,6 +14,11 @@ in the listen backlog (`--backlog`, given to Hypercorn too: it re-listens on the
 own default of 100 otherwise, and a burst of connections beyond it is reset). Hypercorn's own graceful timeout is only a backstop: the app ends every
 stream itself (Hypercorn's asyncio worker did not exit while an SSE stream stayed open).
 
+Logs: Hypercorn's error log ("hypercorn.error") and an access log ("hypercorn.access", one line
+per request as uvicorn writes it, `127.0.0.1:5555 - "GET /v1/models HTTP/1.1" 200`, the path cut
+to a bounded length) go to the root handler at `--uvicorn-log-level` (vLLM's name for the HTTP
+server's level); `--disable-uvicorn-access-log` drops the access lines.
+
 Slow clients: Hypercorn closes a connection whose request headers are not complete within
 `--timeout-keep-alive` seconds of its opening (or of its previous response), and refuses
 headers over `--h11-max-incomplete-event-size` bytes; the app times the body and caps
@@ -27,6 +32,8 @@ import os
 import signal
 import socket
 from dataclasses import dataclass
+from functools import cache
+from typing import TYPE_CHECKING, Any
 
 import anyio
 from anyio.abc import TaskStatus
@@ -35,10 +42,14 @@ from triollm.actors.async_llm import AsyncLLM
 from triollm.api.state import ServerSettings, ServerState
 from triollm.engine.config import EngineArgs
 
+if TYPE_CHECKING:
+    from hypercorn.logging import Logger
+
 __all__ = [
     "DEFAULT_BACKLOG",
     "DEFAULT_H11_MAX_INCOMPLETE_EVENT_SIZE",
     "DEFAULT_TIMEOUT_KEEP_ALIVE_S",
+    "UVICORN_LOG_LEVELS",
     "ServeOptions",
     "default_model_name",
     "run_server",
@@ -51,6 +62,9 @@ _HYPERCORN_GRACE_S = 3.0
 DEFAULT_BACKLOG = 2048  # the kernel caps it at net.core.somaxconn
 DEFAULT_TIMEOUT_KEEP_ALIVE_S = 5.0  # vLLM's (uvicorn's) and Hypercorn's default
 DEFAULT_H11_MAX_INCOMPLETE_EVENT_SIZE = 16 * 1024  # Hypercorn's default: request line + headers
+# `--uvicorn-log-level` (vLLM's choices): the level of Hypercorn's loggers; trace is uvicorn's 5.
+UVICORN_LOG_LEVELS = {"critical": 50, "error": 40, "warning": 30, "info": 20, "debug": 10, "trace": 5}
+ACCESS_PATH_CHARS = 200  # the most characters of a path (and query) an access line shows
 
 
 @dataclass(frozen=True)
@@ -65,6 +79,8 @@ class ServeOptions:
     timeout_keep_alive: float = DEFAULT_TIMEOUT_KEEP_ALIVE_S
     # The most bytes of a request line and headers (431/400 and the connection closed above).
     h11_max_incomplete_event_size: int = DEFAULT_H11_MAX_INCOMPLETE_EVENT_SIZE
+    uvicorn_log_level: str = "info"  # Hypercorn's loggers (UVICORN_LOG_LEVELS)
+    access_log: bool = True  # one line per request (False: `--disable-uvicorn-access-log`)
 
 
 def default_model_name(engine_args: EngineArgs) -> str:
@@ -94,6 +110,10 @@ def run_server(engine_args: EngineArgs, options: ServeOptions) -> int:
         raise ValueError(f"backlog: must be at least 1, got {options.backlog}")
     if not 0 < options.timeout_keep_alive < float("inf"):
         raise ValueError(f"timeout_keep_alive: must be a positive number of seconds, got {options.timeout_keep_alive}")
+    if options.uvicorn_log_level not in UVICORN_LOG_LEVELS:
+        raise ValueError(
+            f"uvicorn_log_level: {options.uvicorn_log_level!r} is not one of {', '.join(UVICORN_LOG_LEVELS)}"
+        )
     if options.h11_max_incomplete_event_size < 1024:
         raise ValueError(
             f"h11_max_incomplete_event_size: must be at least 1024 bytes, got {options.h11_max_incomplete_event_size}"
@@ -124,6 +144,8 @@ async def serve(
             options.backlog,
             timeout_keep_alive=options.timeout_keep_alive,
             h11_max_incomplete_event_size=options.h11_max_incomplete_event_size,
+            log_level=options.uvicorn_log_level,
+            access_log=options.access_log,
         )
         host, port = sock.getsockname()[:2]
         url = f"http://{host}:{port}"
@@ -201,15 +223,22 @@ def _hypercorn_config(  # type: ignore[no-untyped-def]
     *,
     timeout_keep_alive: float = DEFAULT_TIMEOUT_KEEP_ALIVE_S,
     h11_max_incomplete_event_size: int = DEFAULT_H11_MAX_INCOMPLETE_EVENT_SIZE,
+    log_level: str = "info",
+    access_log: bool = True,
 ):
     from hypercorn.config import Config
 
     config = Config()
+    level = UVICORN_LOG_LEVELS[log_level]
+    for name in ("hypercorn.error", "hypercorn.access"):  # they propagate to the root handler
+        logging.getLogger(name).setLevel(level)
+    config.logger_class = _access_logger_class()
+    config.accesslog = logging.getLogger("hypercorn.access") if access_log else None
+    config.access_log_format = '%(h)s - "%(r)s" %(s)s'  # uvicorn's line (see AccessLogger)
     config.backlog = backlog  # Hypercorn listens again on the socket it is given, with this
     # A duplicate: Hypercorn closes the descriptor it is given when it stops; ours stays ours.
     config.bind = [f"fd://{os.dup(sock.fileno())}"]
     config.graceful_timeout = _HYPERCORN_GRACE_S
-    config.accesslog = None
     config.errorlog = logging.getLogger("hypercorn.error")
     # Hypercorn's idle timer: from a connection's opening (or its last response) until a
     # request's headers are complete, whatever bytes trickle in meanwhile; then it closes.
@@ -239,6 +268,32 @@ async def _hypercorn_serve(app, config, shutdown_trigger) -> None:  # type: igno
     await asyncio_serve(app, config, shutdown_trigger=shutdown_trigger)
     while task is not None and task.cancelling() > pending:
         task.uncancel()
+
+
+@cache
+def _access_logger_class() -> type[Logger]:
+    """Hypercorn's `Logger` with uvicorn's access line. Its own atoms copy every header and
+    every environment variable per request; these are the three the line shows."""
+    from hypercorn.logging import Logger
+
+    from triollm.api.log_bounds import shorten
+
+    class AccessLogger(Logger):
+        async def access(self, request: Any, response: Any, request_time: float) -> None:
+            # None: the client left before a response (Hypercorn logs the request again when
+            # the app's response ends); uvicorn logs one line per response.
+            if response is not None:
+                await super().access(request, response, request_time)
+
+        def atoms(self, request: Any, response: Any, request_time: float) -> dict[str, str]:
+            client = request.get("client")
+            host = f"{client[0]}:{client[1]}" if client and len(client) == 2 else (client[0] if client else "-")
+            query = request.get("query_string", b"").decode("latin1")
+            target = shorten(request.get("path", "") + (f"?{query}" if query else ""), ACCESS_PATH_CHARS)
+            line = f"{request.get('method', 'GET')} {target} HTTP/{request.get('http_version', '1.1')}"
+            return {"h": host, "r": line, "s": str(response["status"])}
+
+    return AccessLogger
 
 
 def _attach_metrics(state: ServerState) -> None:

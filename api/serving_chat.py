@@ -5,18 +5,25 @@ Streaming: one role chunk per choice first (delta `{"role": ..., "content": ""}`
 deltas (a chunk may carry several tokens: the request stream merges them under load), exactly one
 chunk per choice with a finish_reason, then (include_usage) a usage chunk with `choices: []`.
 `top_logprobs` lists the N most likely tokens at each position (by logprob), as OpenAI does.
+
+Tools and reasoning (api/tool_calls.py, api/output_parsing.py): `tools` reach the template;
+a forced call (a named function or "required") is generated under a grammar built from the
+tools' schemas; under "auto" the server's tool-call parser reads the calls from the text, and
+its reasoning parser splits reasoning off first. With none of these in play the text passes
+through untouched. Streamed, each choice's parsers hold back only what may still become part
+of a marker, and the deltas add up to the whole answer's message.
 """
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
+import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 
-from triollm.api.log_bounds import short_repr
 from triollm.api.openai_errors import bad_request
+from triollm.api.output_parsing import OutputParsing, OutputPiece, make_output_parsing
 from triollm.api.protocol import (
     ChatChoice,
     ChatCompletionChunk,
@@ -30,6 +37,7 @@ from triollm.api.protocol import (
     DeltaMessage,
     UsageInfo,
 )
+from triollm.api.request_log import OutputLog, log_request
 from triollm.api.serving_common import (
     beam_search_params,
     build_sampling_params,
@@ -38,24 +46,27 @@ from triollm.api.serving_common import (
     clamp_logprob,
     created_now,
     decode_body,
+    forced_call_params,
     output_kind,
     prompt_logprobs_out,
     render_chat,
     request_id_base,
+    resolve_chat_template,
     resolve_model,
     start_timer,
     stream_flags,
     structured_outputs_params,
     token_text,
+    truncate_prompt,
 )
 from triollm.api.sse import GenerationResponse, Job
 from triollm.api.state import ServerState
-from triollm.engine.outputs import RequestOutput, SampleLogprobs
+from triollm.api.tool_calls import resolve_tool_choice
+from triollm.engine.outputs import Logprob, RequestOutput, SampleLogprobs
 from triollm.engine.processing.tokenizer import Tokenizer
 
 __all__ = ["create_chat_completion"]
 
-log = logging.getLogger("triollm.api")
 
 
 async def create_chat_completion(
@@ -67,7 +78,6 @@ async def create_chat_completion(
     response_id = f"chatcmpl-{request_id_base(request, req.request_id)}"
     timer = start_timer(state, model)
     stream, include_usage, continuous = stream_flags(req)
-    _check_unsupported(req)
     if req.top_logprobs is not None and not req.logprobs:
         raise bad_request(
             "top_logprobs: when using `top_logprobs`, `logprobs` must be set to true.",
@@ -75,9 +85,42 @@ async def create_chat_completion(
         )
     check_logprobs(state, "top_logprobs", req.top_logprobs)
     check_logprobs(state, "prompt_logprobs", req.prompt_logprobs)
+    settings = state.settings
+    if req.chat_template is not None and not settings.trust_request_chat_template:
+        raise bad_request(
+            "chat_template: a chat template in the request needs the server started with "
+            "--trust-request-chat-template",
+            "chat_template",
+        )
+    choice = resolve_tool_choice(
+        req.tools,
+        req.tool_choice,
+        parallel_tool_calls=req.parallel_tool_calls,
+        auto_enabled=settings.enable_auto_tool_choice and settings.tool_call_parser is not None,
+    )
     llm = state.llm
     tokenizer = llm.get_tokenizer()
-    defaults = llm.get_model_config().generation_defaults
+    parsing = make_output_parsing(
+        choice,
+        tokenizer=tokenizer,
+        tool_call_parser=settings.tool_call_parser,
+        reasoning_parser=settings.reasoning_parser,
+        include_reasoning=req.include_reasoning,
+        chat_template_kwargs=req.chat_template_kwargs,
+    )
+    structured = await structured_outputs_params(req)
+    if choice.forced:
+        if structured is not None:
+            raise bad_request(
+                "tool_choice: a forced tool call (a named function or \"required\") cannot be "
+                "combined with response_format or structured outputs",
+                "tool_choice",
+            )
+        structured = await forced_call_params(choice)
+    if parsing.keep_special_tokens and req.skip_special_tokens:
+        req = msgspec.structs.replace(req, skip_special_tokens=False)  # the parser reads them
+    model_config = llm.get_model_config()
+    defaults = model_config.generation_defaults
     max_tokens = (
         req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     )
@@ -89,24 +132,27 @@ async def create_chat_completion(
         max_tokens=max_tokens,
         logprobs=(req.top_logprobs or 0) if req.logprobs else None,
         kind=output_kind(stream, timer),
-        structured=await structured_outputs_params(req),
+        structured=structured,
     )
     text, token_ids = await render_chat(
         tokenizer,
         req.messages,
-        template=chat_template,
+        template=chat_template if req.chat_template is None else resolve_chat_template(req.chat_template),
         add_generation_prompt=req.add_generation_prompt,
         continue_final_message=req.continue_final_message,
         template_kwargs=req.chat_template_kwargs,
+        add_special_tokens=req.add_special_tokens,
+        tools=req.tools,
+        documents=req.documents,
     )
-    beam = beam_search_params(req, max_tokens, llm.get_model_config().max_model_len)
-    job = Job({"prompt": text, "prompt_token_ids": token_ids}, params, response_id, req.priority, beam)
-    if not state.settings.disable_log_requests:
-        log.info(
-            "Received request %s: %d prompt tokens, params: %s",
-            response_id, len(token_ids), short_repr(params),
-        )
-    role = state.settings.response_role if req.add_generation_prompt else req.messages[-1].role
+    prompt: dict[str, Any] = {"prompt": text, "prompt_token_ids": token_ids}
+    if req.truncate_prompt_tokens is not None:
+        token_ids = truncate_prompt(token_ids, req.truncate_prompt_tokens, model_config.max_model_len)
+        prompt = {"prompt_token_ids": token_ids}
+    beam = beam_search_params(req, max_tokens, model_config.max_model_len)
+    job = Job(prompt, params, response_id, req.priority, beam)
+    log_request(settings, response_id, params, prompt=text, prompt_token_ids=token_ids)
+    role = settings.response_role if req.add_generation_prompt else req.messages[-1].role
     formatter = ChatFormatter(
         response_id=response_id,
         model=model,
@@ -117,6 +163,10 @@ async def create_chat_completion(
         continuous_usage=continuous,
         tokenizer=tokenizer,
         prompt_tokens=len(token_ids),
+        parsing=parsing,
+        echo=_echo_text(req, role),
+        tokens_as_ids=bool(req.return_tokens_as_token_ids),
+        output_log=OutputLog(settings, response_id),
     )
     return GenerationResponse(
         llm,
@@ -129,9 +179,17 @@ async def create_chat_completion(
     )
 
 
-def _check_unsupported(req: ChatCompletionRequest) -> None:
-    if req.tools and req.tool_choice != "none":
-        raise bad_request("tools: tool calling is not supported by this server", "tools")
+def _echo_text(req: ChatCompletionRequest, role: str) -> str:
+    """vLLM's `echo` on chat: the last message's content, when that message has the role the
+    answer continues (a continue_final_message request)."""
+    if not req.echo:
+        return ""
+    last = req.messages[-1]
+    if last.role != role or last.content is None:
+        return ""
+    if isinstance(last.content, str):
+        return last.content
+    return "\n".join(p.text or "" for p in last.content)
 
 
 class ChatFormatter:
@@ -147,6 +205,10 @@ class ChatFormatter:
         continuous_usage: bool,
         tokenizer: Tokenizer,
         prompt_tokens: int,
+        parsing: OutputParsing | None = None,
+        echo: str = "",
+        tokens_as_ids: bool = False,
+        output_log: OutputLog | None = None,
     ) -> None:
         self.id = response_id
         self.created = created_now()
@@ -160,17 +222,28 @@ class ChatFormatter:
         self.prompt_tokens = prompt_tokens
         self.completion_tokens = [0] * n
         self.finished = [False] * n
+        self.parsing = parsing if parsing is not None and _parses(parsing) else None
+        self.streams = [self.parsing.stream() for _ in range(n)] if self.parsing is not None else []
+        self.echo = echo
+        self.tokens_as_ids = tokens_as_ids
+        self.output_log = output_log
 
     # ------------------------------------------------------------------ streaming
 
     def stream_start(self) -> list[Any]:
-        return [
+        chunks = [
             self._chunk(
                 ChatStreamChoice(i, DeltaMessage(role=self.role, content=""), None, None),
                 self._usage(i) if self.continuous_usage else None,
             )
             for i in range(self.n)
         ]
+        if self.echo:
+            chunks += [
+                self._chunk(ChatStreamChoice(i, DeltaMessage(content=self.echo), None, None), None)
+                for i in range(self.n)
+            ]
+        return chunks
 
     def stream_output(self, index: int, output: RequestOutput) -> list[Any]:
         self.prompt_tokens = len(output.prompt_token_ids)
@@ -183,15 +256,47 @@ class ChatFormatter:
             if not (c.text or c.token_ids or c.finish_reason is not None):
                 continue
             self.finished[i] = c.finish_reason is not None
+            if self.output_log is not None:
+                self.output_log.add(i, c.text)
+                if c.finish_reason is not None:
+                    self.output_log.done(i, c.finish_reason)
+            delta, finish_reason = self._delta(i, c.text, c.finish_reason)
+            if delta is None and c.finish_reason is None and not c.token_ids:
+                continue
             choice = ChatStreamChoice(
                 i,
-                DeltaMessage(content=c.text),
+                delta or DeltaMessage(),
                 self._logprobs(c.token_ids, c.logprobs),
-                c.finish_reason,
+                finish_reason,
                 c.stop_reason,
             )
             chunks.append(self._chunk(choice, self._usage(i) if self.continuous_usage else None))
         return chunks
+
+    def _delta(self, i: int, text: str, finish_reason: str | None) -> tuple[DeltaMessage | None, str | None]:
+        """The delta of choice `i` (None: everything was held back by the parsers)."""
+        if self.parsing is None:
+            return DeltaMessage(content=text), finish_reason
+        stream = self.streams[i]
+        piece = stream.feed(text)
+        if finish_reason is not None:
+            end = stream.finish()
+            piece = OutputPiece(
+                piece.content + end.content, piece.reasoning + end.reasoning, piece.tool_calls + end.tool_calls
+            )
+            if stream.auto_called:
+                finish_reason = "tool_calls"
+        if not piece:
+            return (DeltaMessage(content="") if finish_reason is not None else None), finish_reason
+        return (
+            DeltaMessage(
+                content=piece.content or None,
+                reasoning=piece.reasoning or None,
+                reasoning_content=piece.reasoning or None,
+                tool_calls=piece.tool_calls or None,
+            ),
+            finish_reason,
+        )
 
     def stream_end(self) -> list[Any]:
         if not self.include_usage:
@@ -223,12 +328,32 @@ class ChatFormatter:
         choices: list[ChatChoice] = []
         for c in sorted(output.outputs, key=lambda c: c.index):
             self.completion_tokens[c.index] = len(c.token_ids)
+            finish_reason = c.finish_reason
+            if self.output_log is not None:
+                self.output_log.add(c.index, c.text)
+                self.output_log.done(c.index, finish_reason)
+            if self.parsing is None:
+                message = ChatResponseMessage(role=self.role, content=self.echo + c.text)
+            else:
+                parsed = self.parsing.whole(c.text)
+                content = parsed.content
+                if self.echo and not parsed.tool_calls:
+                    content = self.echo + (content or "")
+                message = ChatResponseMessage(
+                    role=self.role,
+                    content=content,
+                    reasoning=parsed.reasoning,
+                    reasoning_content=parsed.reasoning,
+                    tool_calls=parsed.tool_calls,
+                )
+                if parsed.auto_called:
+                    finish_reason = "tool_calls"
             choices.append(
                 ChatChoice(
                     c.index,
-                    ChatResponseMessage(self.role, c.text),
+                    message,
                     self._logprobs(c.token_ids, c.logprobs),
-                    c.finish_reason,
+                    finish_reason,
                     c.stop_reason,
                 )
             )
@@ -249,7 +374,7 @@ class ChatFormatter:
         content: list[ChatLogprob] = []
         for k, token_id in enumerate(token_ids):
             row = rows[k] if rows is not None and k < len(rows) else None
-            token = token_text(row, token_id, self.tokenizer)
+            token = self._token(row, token_id)
             entry = None if row is None else row.get(token_id)
             top = sorted((row or {}).items(), key=lambda kv: -kv[1].logprob)[: self.top_logprobs]
             content.append(
@@ -259,7 +384,7 @@ class ChatFormatter:
                     _bytes(token),
                     [
                         ChatTopLogprob(
-                            text := token_text(row, t, self.tokenizer),
+                            text := self._token(row, t),
                             clamp_logprob(lp.logprob),
                             _bytes(text),
                         )
@@ -268,6 +393,16 @@ class ChatFormatter:
                 )
             )
         return ChatLogprobs(content)
+
+    def _token(self, row: dict[int, Logprob] | None, token_id: int) -> str:
+        """A token as logprobs show it: its text, or (`return_tokens_as_token_ids`) vLLM's
+        `token_id:N`, which stays exact where text cannot (a piece of a UTF-8 character)."""
+        return f"token_id:{token_id}" if self.tokens_as_ids else token_text(row, token_id, self.tokenizer)
+
+
+def _parses(parsing: OutputParsing) -> bool:
+    """Whether a request's outputs go through the parsers at all (a plain chat does not)."""
+    return parsing.choice.forced or parsing.tool_parser is not None or parsing.reasoning_parser is not None
 
 
 def _bytes(token: str) -> list[int]:

@@ -33,6 +33,7 @@ from triollm.api.protocol import (
     decode_request,
 )
 from triollm.api.state import ServerState
+from triollm.api.tool_calls import ToolChoice
 from triollm.engine import structured_outputs
 from triollm.engine.beam_search import BeamSearchParams
 from triollm.engine.outputs import Logprob, PromptLogprobs
@@ -54,6 +55,7 @@ __all__ = [
     "structured_outputs_params",
     "check_available",
     "check_logprobs",
+    "forced_call_params",
     "clamp_logprob",
     "decode_body",
     "read_body",
@@ -63,6 +65,7 @@ __all__ = [
     "resolve_model",
     "start_timer",
     "stream_flags",
+    "truncate_prompt",
 ]
 
 # Request body limits (413 above them), enforced while reading, so an oversized body is never
@@ -289,6 +292,33 @@ async def structured_outputs_params(req: SamplingFields) -> StructuredOutputsPar
     return params
 
 
+async def forced_call_params(choice: ToolChoice) -> StructuredOutputsParams:
+    """The grammar of a forced tool call (a named function or "required"), built from the
+    tools' schemas and compiled in a worker thread: a schema llguidance rejects is a 400
+    naming `tools`. Compact JSON: whitespace between tokens is never worth generating in a
+    call's arguments (and a weak model left free to emit it may emit little else)."""
+    params = StructuredOutputsParams(json=choice.schema(), disable_any_whitespace=True)
+    try:
+        await anyio.to_thread.run_sync(structured_outputs.check, params, "tools")
+    except ValueError as exc:
+        message = str(exc)
+        raise bad_request(message if message.startswith("tools") else f"tools: {message}", "tools") from None
+    return params
+
+
+def truncate_prompt(token_ids: list[int], keep: int, max_model_len: int) -> list[int]:
+    """vLLM's `truncate_prompt_tokens` for generation: the last `keep` prompt tokens (-1: the
+    last max_model_len)."""
+    if keep == -1:
+        keep = max_model_len
+    if keep == 0 or keep > max_model_len:
+        raise bad_request(
+            f"truncate_prompt_tokens: must be -1 or between 1 and max_model_len ({max_model_len}); got {keep}",
+            "truncate_prompt_tokens",
+        )
+    return token_ids[-keep:]
+
+
 def _response_format(value: dict[str, Any]) -> dict[str, Any] | None:
     """OpenAI's `response_format` as StructuredOutputsParams fields (None for "text")."""
     kind = value.get("type", "text")
@@ -355,10 +385,16 @@ async def render_chat(
     continue_final_message: bool,
     template_kwargs: dict[str, Any] | None,
     add_special_tokens: bool = False,
+    tools: Sequence[dict[str, Any]] | None = None,
+    documents: Sequence[dict[str, Any]] | None = None,
 ) -> tuple[str, list[int]]:
     """`Tokenizer.render_chat` for a request's messages, in a worker thread for large chats
-    (`chat_size` of the messages and `template_kwargs` over `LARGE_TEXT`). Its ValueErrors
-    name the field, so they become 400s with the right `param`."""
+    (`chat_size` of the messages, tools, documents and `template_kwargs` over `LARGE_TEXT`).
+    Its ValueErrors name the field, so they become 400s with the right `param`. `tools` and
+    `documents` reach the template as the variables of those names (transformers' and vLLM's)."""
+    kwargs = dict(template_kwargs or {})
+    if documents is not None:
+        kwargs["documents"] = list(documents)
 
     def work() -> tuple[str, list[int]]:
         return tokenizer.render_chat(
@@ -366,11 +402,12 @@ async def render_chat(
             add_generation_prompt=add_generation_prompt,
             continue_final_message=continue_final_message,
             chat_template=template,
-            chat_template_kwargs=template_kwargs,
+            tools=tools,
+            chat_template_kwargs=kwargs,
             add_special_tokens=add_special_tokens,
         )
 
-    size = chat_size(messages, template_kwargs, stop_above=LARGE_TEXT)
+    size = chat_size(messages, kwargs, tools, stop_above=LARGE_TEXT)
     return await maybe_in_thread(work, size)
 
 

@@ -11,13 +11,12 @@ token having `null` entries.
 
 from __future__ import annotations
 
-import logging
+import functools
 from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import Response
 
-from triollm.api.log_bounds import short_repr
 from triollm.api.openai_errors import bad_request
 from triollm.api.protocol import (
     CompletionChoice,
@@ -28,6 +27,7 @@ from triollm.api.protocol import (
     CompletionStreamResponse,
     UsageInfo,
 )
+from triollm.api.request_log import log_request
 from triollm.api.serving_common import (
     beam_search_params,
     build_sampling_params,
@@ -45,16 +45,22 @@ from triollm.api.serving_common import (
     stream_flags,
     structured_outputs_params,
     token_text,
+    truncate_prompt,
 )
 from triollm.api.sse import GenerationResponse, Job
 from triollm.api.state import ServerState
 from triollm.engine.inputs import PromptType
-from triollm.engine.outputs import CompletionOutput, PromptLogprobs, RequestOutput, SampleLogprobs
+from triollm.engine.outputs import (
+    CompletionOutput,
+    Logprob,
+    PromptLogprobs,
+    RequestOutput,
+    SampleLogprobs,
+)
 from triollm.engine.processing.tokenizer import Tokenizer
 
 __all__ = ["create_completion"]
 
-log = logging.getLogger("triollm.api")
 _PROMPT_FORMS = (
     "prompt: must be a string, a list of strings, a list of token ids or a list of token-id lists"
 )
@@ -82,6 +88,8 @@ async def create_completion(state: ServerState, request: Request) -> Response:
     check_num_prompts(state, len(prompts))
     check_num_sequences(state, len(prompts), req.n)
     llm = state.llm
+    if req.truncate_prompt_tokens is not None:
+        prompts = await _truncated(llm, prompts, req.truncate_prompt_tokens)
     defaults = llm.get_model_config().generation_defaults
     prompt_logprobs = req.prompt_logprobs
     if prompt_logprobs is None and req.echo and req.logprobs is not None:
@@ -100,11 +108,12 @@ async def create_completion(state: ServerState, request: Request) -> Response:
         Job(p, params if i == 0 else params.clone(), f"{response_id}-{i}", req.priority, beam)
         for i, p in enumerate(prompts)
     ]
-    if not state.settings.disable_log_requests:
-        log.info(
-            "Received request %s: %d prompt(s), params: %s",
-            response_id, len(jobs), short_repr(params),
-        )
+    first = prompts[0]
+    log_request(
+        state.settings, response_id, params,
+        prompt=first if isinstance(first, str) else None,
+        prompt_token_ids=None if isinstance(first, str) else first.get("prompt_token_ids"),  # type: ignore[union-attr]
+    )  # fmt: skip
     formatter = CompletionFormatter(
         response_id=response_id,
         model=model,
@@ -115,6 +124,7 @@ async def create_completion(state: ServerState, request: Request) -> Response:
         include_usage=include_usage,
         continuous_usage=continuous,
         tokenizer=llm.get_tokenizer(),
+        tokens_as_ids=bool(req.return_tokens_as_token_ids),
     )
     return GenerationResponse(
         llm, jobs, formatter,
@@ -123,6 +133,20 @@ async def create_completion(state: ServerState, request: Request) -> Response:
         timer=timer,
         admission=state.admission,
     )
+
+
+async def _truncated(llm: Any, prompts: list[PromptType], keep: int) -> list[PromptType]:
+    """`truncate_prompt_tokens`: each prompt's last `keep` tokens (texts tokenized here)."""
+    tokenizer = llm.get_tokenizer()
+    max_model_len = llm.get_model_config().max_model_len
+    out: list[PromptType] = []
+    for p in prompts:
+        if isinstance(p, str):
+            ids = await maybe_in_thread(functools.partial(tokenizer.encode, p), len(p))
+        else:
+            ids = list(p["prompt_token_ids"])  # type: ignore[index]
+        out.append({"prompt_token_ids": truncate_prompt(ids, keep, max_model_len)})
+    return out
 
 
 def check_num_prompts(state: ServerState, count: int) -> None:
@@ -178,8 +202,10 @@ class CompletionFormatter:
         include_usage: bool,
         continuous_usage: bool,
         tokenizer: Tokenizer,
+        tokens_as_ids: bool = False,
     ) -> None:
         self.id = response_id
+        self.tokens_as_ids = tokens_as_ids  # vLLM's return_tokens_as_token_ids: "token_id:N"
         self.created = created_now()
         self.model = model
         self.n = n
@@ -288,6 +314,9 @@ class CompletionFormatter:
             self._add_logprobs(logprobs, i, c.token_ids, c.logprobs)
         return text, logprobs
 
+    def _token(self, row: dict[int, Logprob] | None, token_id: int) -> str:
+        return f"token_id:{token_id}" if self.tokens_as_ids else token_text(row, token_id, self.tokenizer)
+
     def _add_logprobs(
         self,
         into: CompletionLogProbs,
@@ -299,7 +328,7 @@ class CompletionFormatter:
         top_n = self.logprobs
         for k, token_id in enumerate(token_ids):
             row = rows[k] if rows is not None and k < len(rows) else None
-            token = token_text(row, token_id, self.tokenizer)
+            token = self._token(row, token_id)
             entry = None if row is None else row.get(token_id)
             into.tokens.append(token)
             into.text_offset.append(self.offsets[i])
@@ -311,7 +340,7 @@ class CompletionFormatter:
             into.token_logprobs.append(clamp_logprob(entry.logprob))
             into.top_logprobs.append(
                 {
-                    token_text(row, t, self.tokenizer): clamp_logprob(lp.logprob)
+                    self._token(row, t): clamp_logprob(lp.logprob)
                     for rank, (t, lp) in enumerate(row.items())
                     if rank <= top_n
                 }

@@ -14,7 +14,8 @@ aborts its request in the engine at once (exactly once). While this task is busy
 producer waits on the memory stream and the request's stream merges the tokens that keep coming
 (DELTA), so one event carries several under load. Nothing raises out of
 `__call__`: errors before the response started are sent as an OpenAI error body with the
-right status; after an SSE stream started, as a `data: {"error": ...}` event then `[DONE]`.
+right status; after an SSE stream started, as a `data: {"error": ...}` event then `[DONE]` (the
+Responses API: `event:` lines and no `[DONE]`, `Formatter.named_events`).
 
 Streaming waits for every prompt's first output before sending the headers, so a request the
 engine rejects (prompt too long, token ids outside the vocabulary, a dead engine) gets a 400 /
@@ -45,7 +46,7 @@ from triollm.engine.inputs import PromptType
 from triollm.engine.outputs import RequestOutput
 from triollm.engine.sampling_params import SamplingParams
 
-__all__ = ["DONE", "Formatter", "GenerationResponse", "Job", "sse_event"]
+__all__ = ["DONE", "Formatter", "GenerationResponse", "Job", "named_sse_event", "sse_event"]
 
 log = logging.getLogger("triollm.api")
 
@@ -63,6 +64,13 @@ def sse_event(obj: Any) -> bytes:
     return b"data: " + _encoder.encode(obj) + b"\n\n"
 
 
+def named_sse_event(obj: Any) -> bytes:
+    """The Responses API's framing: `event: TYPE` before the data (its `type` field)."""
+    data = _encoder.encode(obj)
+    kind = getattr(obj, "type", None) or "error"
+    return b"event: " + kind.encode() + b"\ndata: " + data + b"\n\n"
+
+
 @dataclass(frozen=True)
 class Job:
     """One engine request: one prompt of the HTTP request."""
@@ -76,7 +84,9 @@ class Job:
 
 
 class Formatter(Protocol):
-    """Turns engine outputs into response objects; one per request (it keeps counts)."""
+    """Turns engine outputs into response objects; one per request (it keeps counts). A
+    formatter with `named_events = True` (the Responses API) streams `event: TYPE` lines and
+    no `[DONE]`."""
 
     def stream_start(self) -> list[Any]: ...
 
@@ -97,12 +107,14 @@ class _Item:
 class _Output:
     """The ASGI send side; a send failing with OSError (client gone) cancels the request."""
 
-    def __init__(self, send: Send, scope: CancelScope) -> None:
+    def __init__(self, send: Send, scope: CancelScope, done: bytes = DONE) -> None:
         self._send = send
         self._scope = scope
+        self._done = done  # what ends the stream (chat and completions: `data: [DONE]`)
         self.started = False  # headers sent
         self.ending = False  # the last body message is being sent: a hang-up now is no abort
         self.complete = False  # the last body message sent (or the client is gone)
+        self.encode: Callable[[Any], bytes] = sse_event
 
     async def _message(self, message: Message) -> None:
         if self.complete:
@@ -134,7 +146,7 @@ class _Output:
 
     async def end_stream(self, data: bytes = b"") -> None:
         self.ending = True
-        await self._message({"type": "http.response.body", "body": data + DONE, "more_body": False})
+        await self._message({"type": "http.response.body", "body": data + self._done, "more_body": False})
         self.complete = True
 
     async def fail(self, error: APIError) -> None:
@@ -142,7 +154,7 @@ class _Output:
             headers = [(k.encode(), v.encode()) for k, v in error.headers.items()]
             await self.json(error.status, error.body(), headers)
         else:
-            await self.end_stream(sse_event(error.to_struct()))
+            await self.end_stream(self.encode(error.to_struct()))
 
 
 class GenerationResponse(Response):
@@ -175,7 +187,9 @@ class GenerationResponse(Response):
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         async with anyio.create_task_group() as tg:
-            out = _Output(send, tg.cancel_scope)
+            named = getattr(self.formatter, "named_events", False)
+            out = _Output(send, tg.cancel_scope, b"" if named else DONE)
+            out.encode = named_sse_event if named else sse_event
             tg.start_soon(self._watch_disconnect, receive, out, tg.cancel_scope)
             tx, rx = anyio.create_memory_object_stream[_Item](max(1, len(self.jobs)))
             async with tx:
@@ -294,7 +308,7 @@ class GenerationResponse(Response):
         for item in first:
             assert item.output is not None
             chunks.extend(fmt.stream_output(item.index, item.output))
-        await out.events(b"".join(map(sse_event, chunks)))
+        await out.events(b"".join(map(out.encode, chunks)))
         while True:
             try:
                 batch = [await rx.receive()]
@@ -308,12 +322,12 @@ class GenerationResponse(Response):
             chunks = []
             for item in batch:
                 if item.error is not None:
-                    await out.events(b"".join(map(sse_event, chunks)))
+                    await out.events(b"".join(map(out.encode, chunks)))
                     await out.fail(self._error(item.error))
                     return
                 self._observe(item)
                 assert item.output is not None
                 chunks.extend(fmt.stream_output(item.index, item.output))
-            await out.events(b"".join(map(sse_event, chunks)))
-        await out.end_stream(b"".join(map(sse_event, fmt.stream_end())))
+            await out.events(b"".join(map(out.encode, chunks)))
+        await out.end_stream(b"".join(map(out.encode, fmt.stream_end())))
 

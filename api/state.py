@@ -3,7 +3,7 @@ and the admission of generation requests that the drain closes without a gap."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -21,22 +21,54 @@ DEFAULT_BODY_TIMEOUT_S = 60.0  # a 64 MiB body at about 1 MiB/s
 @dataclass(frozen=True)
 class ServerSettings:
     served_model_names: tuple[str, ...]
-    api_key: str | None = None
+    # One key, or several (vLLM's `--api-key a b`): any of them is accepted (`api_keys`).
+    api_key: str | Sequence[str] | None = None
     # `--api-key-all-routes`: every route needs the key (by default /health, /version,
     # /openapi.json, /tokenize, /detokenize and /metrics are open).
     api_key_all_routes: bool = False
-    allowed_origins: tuple[str, ...] = ()
+    allowed_origins: tuple[str, ...] = ()  # CORS: none, no CORS at all
+    allowed_methods: tuple[str, ...] = ("*",)
+    allowed_headers: tuple[str, ...] = ("*",)
+    allow_credentials: bool = False
+    # The ASGI root_path (`--root-path`): the prefix a path-routing proxy serves the app under.
+    root_path: str = ""
+    # `--disable-fastapi-docs`: no /openapi.json (the only docs route here).
+    disable_docs: bool = False
     response_role: str = "assistant"
     chat_template: str | None = None
     max_logprobs: int = 20
     disable_log_requests: bool = False
+    # With request logging: log each request's output text too (`--enable-log-outputs`), and
+    # `--max-log-len`: the most prompt characters / token ids a request line shows (None: the
+    # prompt is not shown, only its length; log lines stay bounded either way).
+    enable_log_outputs: bool = False
+    max_log_len: int | None = None
     # What one request may hold (api/limits.py): concurrent requests (None: no cap), headers,
     # and the seconds its body may take to arrive.
     limit_concurrency: int | None = DEFAULT_LIMIT_CONCURRENCY
     h11_max_header_count: int = DEFAULT_MAX_HEADER_COUNT
     request_body_timeout: float = DEFAULT_BODY_TIMEOUT_S
+    # Tool calling and reasoning output (vLLM's flags): `tool_choice="auto"` needs both of the
+    # first two; the names are checked against the parser registries at start-up.
+    enable_auto_tool_choice: bool = False
+    tool_call_parser: str | None = None
+    reasoning_parser: str | None = None
+    # `--trust-request-chat-template` (vLLM's): a request may bring its own `chat_template`.
+    trust_request_chat_template: bool = False
+
+    @property
+    def api_keys(self) -> tuple[str, ...]:
+        if self.api_key is None:
+            return ()
+        return (self.api_key,) if isinstance(self.api_key, str) else tuple(self.api_key)
 
     def __post_init__(self) -> None:
+        if any(not isinstance(k, str) or not k for k in self.api_keys):
+            raise ValueError("api_key: every key must be a non-empty string (an empty one would accept `Bearer `)")
+        if self.root_path and (not self.root_path.startswith("/") or self.root_path.endswith("/")):
+            raise ValueError(f"root_path: must start with '/' and not end with one (e.g. /api), got {self.root_path!r}")
+        if self.max_log_len is not None and self.max_log_len < 0:
+            raise ValueError(f"max_log_len: must be a non-negative integer or None, got {self.max_log_len}")
         if self.limit_concurrency is not None and self.limit_concurrency < 1:
             raise ValueError(f"limit_concurrency: must be at least 1 (or None: no cap), got {self.limit_concurrency}")
         if self.h11_max_header_count < 1:

@@ -28,6 +28,7 @@ import dataclasses
 import json
 import logging
 import os
+import re
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -38,7 +39,7 @@ import torch
 
 from triollm.engine.distributed.sharding import check_tensor_parallel
 from triollm.engine.loading.hub import is_hub_id, resolve_hub
-from triollm.engine.loading.model_config import ModelConfig
+from triollm.engine.loading.model_config import ModelConfig, check_generation_config
 from triollm.engine.loading.model_files import resolve_model
 
 __all__ = [
@@ -200,6 +201,10 @@ IGNORED_ARGS: dict[str, str] = {
     "data_parallel_rpc_port": "dense models need no data parallel coordinator (ranks never synchronise)",
     "renderer_num_workers": "prompts are tokenized in the request's own task (large ones in a "
     "worker thread); there is no renderer pool",
+    "async_scheduling": "the engine core has one scheduler, which plans each step as the previous one ends",
+    "disable_cascade_attn": "there is no cascade attention to disable",
+    "enable_expert_parallel": "there is no expert-parallel mode (MoE weights follow tensor_parallel_size)",
+    "limit_mm_per_prompt": "prompts are text or token ids only (no multimodal inputs)",
 }
 _SOMETIMES_IGNORED = {
     "gpu_memory_utilization": "it sizes the KV cache on CUDA only",
@@ -249,8 +254,10 @@ class EngineArgs:
         choices=QUANTIZATIONS,
     )
     seed: int = _arg(0, "the engine's random seed")
-    max_model_len: int | None = _arg(None, "context length (default: the model's)")
+    max_model_len: int | None = _arg(None, "context length, e.g. 4096, 4k (4000) or 4K (4096); -1 or auto: the model's (default: the model's)")
     max_logprobs: int = _arg(20, "the most logprobs a request may ask for (-1: no limit)")
+    generation_config: str = _arg("auto", "sampling defaults: auto (the model's generation_config.json), vllm (none: vLLM's and OpenAI's defaults) or a folder holding a generation_config.json")
+    override_generation_config: dict[str, Any] | None = _arg(None, 'a JSON object merged over those defaults, e.g. \'{"temperature": 0.5}\' (keys: temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens)')
     # --- parallelism
     tensor_parallel_size: int = _arg(1, "processes the model is sharded over (CPU, gloo); must divide the attention heads")
     pipeline_parallel_size: int = _arg(1, "1 only")
@@ -270,11 +277,15 @@ class EngineArgs:
     num_gpu_blocks_override: int | None = _arg(None, "the number of KV blocks (overrides the sizing)")
     swap_space: float | None = _arg(None, "deprecated and ignored (preempted requests are recomputed)")
     cpu_offload_gb: float = _arg(0, "accepted, ignored")
+    disable_cascade_attn: bool = _arg(False, "accepted, ignored (no cascade attention)")
     # --- scheduling
     max_num_seqs: int = _arg(128, "the most requests in one batch")
     max_num_batched_tokens: int | None = _arg(None, "tokens per step (default: 2048, or max_model_len without chunked prefill)")
     enable_chunked_prefill: bool = _arg(True, "split long prompts across steps")
     long_prefill_token_threshold: int = _arg(0, "with chunked prefill, the most prompt tokens one request takes per step (0: no limit); smaller values keep running decodes' step time steady")
+    async_scheduling: bool = _arg(False, "accepted, ignored (one scheduler in the engine core)")
+    enable_expert_parallel: bool = _arg(False, "accepted, ignored (no expert-parallel mode)")
+    limit_mm_per_prompt: dict[str, Any] | None = _arg(None, "accepted, ignored (text only)")
     scheduling_policy: str = _arg("fcfs", "fcfs (first come, first served; a request's priority must be 0) or priority (a lower priority value is scheduled first, ties by arrival)", choices=SCHEDULING_POLICIES)
     # --- execution
     runner: str = _arg("auto", "auto (from the architecture: *ForCausalLM generate, encoder-only models such as BertModel are pooled into embeddings), generate or pooling", choices=RUNNERS)
@@ -307,6 +318,9 @@ class EngineArgs:
     def __post_init__(self) -> None:
         # Normalised once, here: every way of building EngineArgs sees the same values.
         self.compilation_config = CompilationConfig.coerce(self.compilation_config)
+        if self.max_model_len == -1:  # vLLM's "auto" (`--max-model-len auto`): the model's own
+            self.max_model_len = None
+        check_generation_config(self.generation_config, self.override_generation_config)
         self.dtype = _canonical_dtype(self.dtype)
         if self.swap_space is not None:
             self.swap_space = None
@@ -412,7 +426,11 @@ class EngineArgs:
         if self.load_format == "gguf" and not (self.model or "").lower().endswith(".gguf"):
             raise ValueError(f"load_format: 'gguf' needs a .gguf model file, got model={self.model!r}")
         path = resolve_model(self.model, cache_dir, revision=self.revision, download_dir=self.download_dir, token=self.hf_token)
-        model = ModelConfig.from_pretrained(path, str(self.dtype), self.max_model_len, device, self.runner)
+        model = ModelConfig.from_pretrained(
+            path, str(self.dtype), self.max_model_len, device, self.runner,
+            generation_config=self.generation_config,
+            override_generation_config=self.override_generation_config,
+        )
         quantization = self._quantization(model, device)
         if quantization is not None:
             self._check_quantization(quantization, model, device)
@@ -604,7 +622,9 @@ class EngineArgs:
             if type_name == "bool":
                 group.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=help)
                 continue
-            kind = _CLI_TYPES.get(type_name, _json_value)
+            kind = human_readable_int if f.name in HUMAN_INT_FIELDS else _CLI_TYPES.get(type_name, _json_value)
+            if f.name == "max_model_len":
+                kind = _human_int_or_auto
             options: dict[str, Any] = {"type": kind, "default": f.default, "help": help}
             if meta.get("choices") is not None:
                 options["choices"] = meta["choices"]
@@ -686,6 +706,45 @@ def _json_value(text: str) -> object:
 
 
 _CLI_TYPES = {"int": int, "float": float, "str": str}
+
+# Token and byte counts whose flags take vLLM's human-readable sizes (`human_readable_int`): vLLM
+# applies it to these three; the last two are triollm's own token counts.
+HUMAN_INT_FIELDS = (
+    "max_model_len", "max_num_batched_tokens", "kv_cache_memory_bytes",
+    "max_num_queued_tokens", "max_request_tokens",
+)
+_DECIMAL_SUFFIXES = {"k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
+_BINARY_SUFFIXES = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+_HUMAN_INT = re.compile(r"(\d+(?:\.\d+)?)([kmgtKMGT])")
+
+
+def human_readable_int(text: str) -> int:
+    """vLLM's sizes: `4096`, `4k` (4000), `4K` (4096), `1.5k` (1500), `1M` (1048576); lowercase
+    suffixes k/m/g/t are decimal and may carry a fraction, uppercase K/M/G/T are binary (whole
+    numbers only)."""
+    value = text.strip()
+    match = _HUMAN_INT.fullmatch(value)
+    if match is None:
+        try:
+            return int(value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"{text!r} is not an integer or a size such as 4096, 4k (4000), 1.5k or 4K (4096)"
+            ) from None
+    number, suffix = match.groups()
+    if suffix in _DECIMAL_SUFFIXES:
+        return int(float(number) * _DECIMAL_SUFFIXES[suffix])
+    if "." in number:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: decimals are not allowed with the binary suffix {suffix} "
+            f"(did you mean {number}{suffix.lower()}?)"
+        )
+    return int(number) * _BINARY_SUFFIXES[suffix]
+
+
+def _human_int_or_auto(text: str) -> int:
+    """`--max-model-len`: a size, or -1 / auto (the model's own length), as vLLM."""
+    return -1 if text.strip().lower() in ("auto", "-1") else human_readable_int(text)
 
 
 def _one_of(name: str, value: object, allowed: Sequence[object], hint: str = "") -> None:

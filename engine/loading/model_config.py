@@ -5,6 +5,13 @@
 with a `ValueError` naming it), decides max_model_len against what the model can serve exactly
 (dynamic RoPE), and reads `generation_config.json` for stop tokens and sampling
 defaults.
+
+Sampling defaults follow vLLM's `generation_config` / `override_generation_config`: "auto" takes
+them from the model's generation_config.json, "vllm" takes none (a request without `temperature`
+gets 1.0, as OpenAI and vLLM), a folder path takes them from the generation_config.json there;
+the override (a dict of those keys) is merged over the result last. Stop tokens (`eos_token_id`)
+come from the same file as the defaults, except under "vllm", where the model's own file still
+gives them (vLLM's behaviour too: stopping is part of the model, not a sampling default).
 """
 
 from __future__ import annotations
@@ -27,9 +34,42 @@ from triollm.engine.loading.pooler_config import PoolerConfig, read_pooler_confi
 from triollm.engine.loading.rope_config import RopeConfig
 from triollm.kernels import cpu_native
 
-__all__ = ["RUNNER_TYPES", "SUPPORTED_ARCHITECTURES", "ModelConfig", "PoolerConfig", "RopeConfig"]
+__all__ = [
+    "GENERATION_CONFIG_KEYS",
+    "RUNNER_TYPES",
+    "SUPPORTED_ARCHITECTURES",
+    "ModelConfig",
+    "PoolerConfig",
+    "RopeConfig",
+    "check_generation_config",
+]
 
 RUNNER_TYPES = ("generate", "pooling")
+# The generation_config.json keys that become sampling defaults (vLLM's list).
+GENERATION_CONFIG_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_new_tokens")
+
+
+def check_generation_config(source: object, override: object) -> None:
+    """`generation_config` ("auto", "vllm" or a folder) and `override_generation_config` (None or
+    a dict of GENERATION_CONFIG_KEYS), refused with a ValueError naming the field."""
+    if not isinstance(source, str) or not source:
+        raise ValueError(f"generation_config: expected 'auto', 'vllm' or a folder path, got {source!r}")
+    if source not in ("auto", "vllm") and not Path(source).expanduser().is_dir():
+        raise ValueError(
+            f"generation_config: {source!r} is not 'auto', 'vllm' or a folder holding a generation_config.json"
+        )
+    if override is None:
+        return
+    if not isinstance(override, dict):
+        raise ValueError(f"override_generation_config: expected a JSON object, got {override!r}")
+    for key, value in override.items():
+        if key not in GENERATION_CONFIG_KEYS:
+            raise ValueError(
+                f"override_generation_config: unknown key {key!r}; allowed: {', '.join(GENERATION_CONFIG_KEYS)}"
+            )
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ValueError(f"override_generation_config.{key}: expected a number, got {value!r}")
+
 
 @dataclass(frozen=True)
 class ModelConfig(HfConfig):
@@ -64,6 +104,9 @@ class ModelConfig(HfConfig):
         max_model_len: int | None = None,
         device: str = "cpu",
         runner: str = "auto",
+        *,
+        generation_config: str = "auto",
+        override_generation_config: dict[str, Any] | None = None,
     ) -> ModelConfig:
         cfg_file = path / "config.json"
         if not cfg_file.is_file():
@@ -80,24 +123,18 @@ class ModelConfig(HfConfig):
                 f"({spec.max_position_embeddings}), the most positions it has embeddings for"
             )
         max_model_len = _max_model_len(spec, max_model_len)
-        gen: dict[str, Any] = {}
-        gen_file = path / "generation_config.json"
-        if gen_file.is_file():
-            gen = json.loads(gen_file.read_text())
+        check_generation_config(generation_config, override_generation_config)
+        own = _read_generation_config(path)
+        gen = own if generation_config in ("auto", "vllm") else _read_generation_config(
+            Path(generation_config).expanduser(), required=True
+        )
         eos: list[int] = []
         for source in (gen.get("eos_token_id"), hf.get("eos_token_id")):
             for tok in source if isinstance(source, list) else [source]:
                 if isinstance(tok, int) and tok not in eos:
                     eos.append(tok)
-        defaults = {
-            k: gen[k]
-            for k in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_new_tokens")
-            if gen.get(k) is not None
-        }
-        if "max_new_tokens" in defaults:
-            defaults["max_tokens"] = defaults.pop("max_new_tokens")
-        if gen.get("do_sample") is False:
-            defaults["temperature"] = 0.0
+        defaults = {} if generation_config == "vllm" else _sampling_defaults(gen)
+        defaults.update(_sampling_defaults(override_generation_config or {}))
         return cls(
             **{f.name: getattr(spec, f.name) for f in fields(HfConfig)},
             path=path,
@@ -109,6 +146,29 @@ class ModelConfig(HfConfig):
             runner_type=runner_type,
             pooler=pooler,
         )
+
+
+def _read_generation_config(folder: Path, *, required: bool = False) -> dict[str, Any]:
+    file = folder / "generation_config.json"
+    if not file.is_file():
+        if required:
+            raise ValueError(f"generation_config: {folder} holds no generation_config.json")
+        return {}
+    data = json.loads(file.read_text())
+    if not isinstance(data, dict):
+        raise ValueError(f"generation_config: {file} does not hold a JSON object")
+    return data
+
+
+def _sampling_defaults(gen: dict[str, Any]) -> dict[str, Any]:
+    """SamplingParams keywords from generation_config keys (`max_new_tokens` is `max_tokens`;
+    `do_sample: false` is greedy)."""
+    defaults = {k: gen[k] for k in GENERATION_CONFIG_KEYS if gen.get(k) is not None}
+    if "max_new_tokens" in defaults:
+        defaults["max_tokens"] = defaults.pop("max_new_tokens")
+    if gen.get("do_sample") is False:
+        defaults["temperature"] = 0.0
+    return defaults
 
 
 def _runner_type(architecture: str, runner: str) -> str:

@@ -454,14 +454,31 @@ def _config_template(value: Any) -> str | None:
 
 
 def _normalize_message(index: int, message: ChatMessage) -> dict[str, Any]:
-    """A plain dict copy whose content is a string when it was a list of text parts."""
+    """A plain dict copy whose content is a string when it was a list of text parts, and whose
+    tool calls carry their arguments as objects: `function.arguments`, a JSON string on the
+    wire, becomes what it encodes, as templates read it (`tool_call.arguments | tojson`; vLLM
+    does the same); arguments that are not JSON stay strings."""
     if not isinstance(message, Mapping):
         raise ValueError(f"messages[{index}]: must be a mapping with 'role' and 'content'")
     out = dict(message)
     content = out.get("content")
     if isinstance(content, list):
         out["content"] = "\n".join(_part_text(index, part) for part in content)
+    calls = out.get("tool_calls")
+    if isinstance(calls, list):
+        out["tool_calls"] = [_call_for_template(call) for call in calls]
     return out
+
+
+def _call_for_template(call: Any) -> Any:
+    fn = call.get("function") if isinstance(call, Mapping) else None
+    if not isinstance(fn, Mapping) or not isinstance(fn.get("arguments"), str):
+        return call
+    try:
+        arguments = json.loads(fn["arguments"])
+    except ValueError:
+        return call
+    return {**call, "function": {**fn, "arguments": arguments}}
 
 
 def _part_text(index: int, part: Any) -> str:

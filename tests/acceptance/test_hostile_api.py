@@ -35,6 +35,7 @@ def server(tiny_model_dir: Path) -> Iterator[Server]:
         "--request-body-timeout", str(BODY_TIMEOUT_S),
         "--limit-concurrency", str(LIMIT),
         "--max-logprobs", "-1",  # "no limit" must still mean "at most the vocabulary"
+        "--enable-log-requests",  # off by default, as in vLLM: test_log_lines_stay_bounded reads them
     )
     with run_server(tiny_model_dir, *args) as srv:
         yield srv

@@ -84,4 +84,5 @@ async def test_default_keys_every_generation_and_pooling_route(llm: AsyncLLM) ->
 def test_flag() -> None:
     parser = build_parser()
     assert parser.parse_args(["serve"]).api_key_all_routes is False
-    assert parser.parse_args(["serve", "--api-key", "k", "--api-key-all-routes"]).api_key_all_routes is True
+    ns = parser.parse_args(["serve", "--api-key", "k", "--api-key-all-routes"])
+    assert ns.api_key_all_routes is True and ns.api_key == ["k"]

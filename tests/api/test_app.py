@@ -656,8 +656,8 @@ async def test_metrics_route_and_timer(llm: AsyncLLM) -> None:
         assert out["usage"] == expected["usage"]
         sse(await post(client, "/v1/completions", {**body, "stream": True}))
         text = (await client.get("/metrics")).text
-    assert 'triollm:request_success_total{finished_reason="length",model_name="tiny"} 2.0' in text
-    assert 'triollm:generation_tokens_total{model_name="tiny"} 40.0' in text
+    assert 'vllm:request_success_total{finished_reason="length",model_name="tiny"} 2.0' in text
+    assert 'vllm:generation_tokens_total{model_name="tiny"} 40.0' in text
 
 
 # ------------------------------------------------------------------------- disconnects

@@ -1,0 +1,190 @@
+"""The flags of `triollm serve` beyond the engine's, with vLLM's names, and what they become:
+`ServerSettings` (the app) and `ServeOptions` (the socket and Hypercorn).
+
+Checked before the model loads, as vLLM checks them (`validate_parsed_serve_args`), each error
+naming the flag: `--enable-auto-tool-choice` needs `--tool-call-parser`, `--enable-log-outputs`
+needs request logging, a parser name must be registered (after the `--*-plugin` files are
+imported). The parser registries are imported only here, when a parser flag is given.
+
+API keys: `--api-key` takes several keys and may be repeated; without it the key comes from
+`$TRIOLLM_API_KEY`, else `$VLLM_API_KEY` (a container written for vLLM keeps its key; when both
+are set triollm's own name wins, and the other is reported ignored).
+
+Request logging is off by default, as in vLLM since 0.10 (`--enable-log-requests` turns it on):
+a line per request costs the event loop under load, and vLLM recipes that add
+`--disable-log-requests` for that reason keep working (it wins over `--enable-log-requests`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+
+from triollm.api.server import (
+    DEFAULT_H11_MAX_INCOMPLETE_EVENT_SIZE,
+    DEFAULT_TIMEOUT_KEEP_ALIVE_S,
+    UVICORN_LOG_LEVELS,
+    ServeOptions,
+)
+from triollm.api.state import (
+    DEFAULT_BODY_TIMEOUT_S,
+    DEFAULT_LIMIT_CONCURRENCY,
+    DEFAULT_MAX_HEADER_COUNT,
+    ServerSettings,
+)
+
+__all__ = ["API_KEY_ENVS", "add_serve_args", "api_keys", "check_serve_args", "serve_options"]
+
+log = logging.getLogger("triollm")
+
+API_KEY_ENVS = ("TRIOLLM_API_KEY", "VLLM_API_KEY")  # in this order
+KEYED = "every route but /health, /version, /openapi.json, /tokenize, /detokenize and /metrics"
+
+
+def add_serve_args(serve: argparse.ArgumentParser) -> None:
+    add = serve.add_argument
+    add("--host", default="127.0.0.1", help="(default: %(default)s)")
+    add("--port", type=int, default=8000, help="0 picks a free port (default: %(default)s)")
+    add("--backlog", type=int, default=2048, help="the listen backlog: connections the kernel queues before the server accepts them (capped by net.core.somaxconn) (default: %(default)s)")
+    add("--root-path", default="", help="the ASGI root_path: the prefix a path-routing proxy serves the app under, e.g. /api (requests with and without it reach the routes)")
+    add("--api-key", action="extend", nargs="+", default=None, metavar="KEY", help=f"require `Authorization: Bearer KEY` (any of the keys; the flag may be repeated) on {KEYED} (default: ${API_KEY_ENVS[0]}, else ${API_KEY_ENVS[1]})")
+    add("--api-key-all-routes", action="store_true", help="with --api-key, require the key on every route, /health and /metrics included")
+    add("--timeout-keep-alive", type=float, default=DEFAULT_TIMEOUT_KEEP_ALIVE_S, help="seconds an idle connection stays open, and a new request has to send its headers in (default: %(default)s)")
+    add("--request-body-timeout", type=float, default=DEFAULT_BODY_TIMEOUT_S, help="seconds a request's body has to arrive in, else 408 (default: %(default)s)")
+    add("--limit-concurrency", type=int, default=DEFAULT_LIMIT_CONCURRENCY, help="the most requests served at once, beyond it 503 (/health and /metrics not counted); 0: no cap (default: %(default)s)")
+    add("--h11-max-incomplete-event-size", type=int, default=DEFAULT_H11_MAX_INCOMPLETE_EVENT_SIZE, help="the most bytes of a request line and its headers (default: %(default)s)")
+    add("--h11-max-header-count", type=int, default=DEFAULT_MAX_HEADER_COUNT, help="the most headers in a request, else 431 (default: %(default)s)")
+    add("--allowed-origins", default=None, help='CORS origins, a JSON list or comma-separated, e.g. \'["*"]\' (default: no CORS)')
+    add("--allowed-methods", type=_json_list("--allowed-methods"), default=["*"], help='with --allowed-origins, the CORS methods, a JSON list (default: ["*"])')
+    add("--allowed-headers", type=_json_list("--allowed-headers"), default=["*"], help='with --allowed-origins, the CORS request headers, a JSON list (default: ["*"])')
+    add("--allow-credentials", action="store_true", help="with --allowed-origins, allow credentials (cookies, Authorization) in CORS requests")
+    add("--shutdown-timeout", type=float, default=0.0, help="seconds in-flight requests get on SIGINT/SIGTERM before they are aborted (default: %(default)s)")
+    add("--response-role", default="assistant", help="(default: %(default)s)")
+    add("--chat-template", default=None, help="a Jinja chat template, or a file holding one (default: the model's)")
+    add("--trust-request-chat-template", action="store_true", help="let a request bring its own `chat_template` (vLLM's; off: such a request is a 400)")
+    add("--enable-log-requests", action=argparse.BooleanOptionalAction, default=False, help="log a line per request (default: off, as vLLM)")
+    add("--disable-log-requests", action="store_true", help="deprecated, as in vLLM: requests are not logged by default (wins over --enable-log-requests)")
+    add("--enable-log-outputs", action="store_true", help="with --enable-log-requests, log each request's output text too (cut to --max-log-len, else 500 chars)")
+    add("--max-log-len", type=int, default=None, help="with --enable-log-requests, show the first N prompt characters and token ids (default: the prompt's length only)")
+    add("--uvicorn-log-level", choices=list(UVICORN_LOG_LEVELS), default="info", help="the HTTP server's log level (Hypercorn's loggers) (default: %(default)s)")
+    add("--disable-uvicorn-access-log", action="store_true", help="no access log line per request")
+    add("--disable-fastapi-docs", action="store_true", help="serve no /openapi.json (the only API docs route here)")
+    add("--enable-auto-tool-choice", action="store_true", help='tool_choice "auto": the model decides, its calls parsed by --tool-call-parser (required with it)')
+    add("--tool-call-parser", default=None, metavar="NAME", help="the tool-call format the model writes (e.g. hermes, llama3_json, mistral, pythonic)")
+    add("--tool-parser-plugin", default="", metavar="PATH", help="a Python file registering more tool parsers, usable by --tool-call-parser")
+    add("--reasoning-parser", default=None, metavar="NAME", help="split the model's reasoning into reasoning_content (e.g. deepseek_r1, qwen3)")
+    add("--reasoning-parser-plugin", default="", metavar="PATH", help="a Python file registering more reasoning parsers")
+    add("--disable-frontend-multiprocessing", action="store_true", help="accepted; no effect (the HTTP server and the engine client share one process already)")
+    add("--worker", choices=["trio", "asyncio"], default="trio", help="the event loop Hypercorn runs on (default: %(default)s)")
+
+
+def _json_list(flag: str):  # type: ignore[no-untyped-def]
+    def parse(text: str) -> list[str]:
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError:
+            value = None
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            raise argparse.ArgumentTypeError(f"expected a JSON list of strings such as '[\"GET\", \"POST\"]', got {text!r}")
+        return value
+
+    parse.__name__ = flag
+    return parse
+
+
+def _origins(value: str | None) -> tuple[str, ...]:
+    if not value:
+        return ()
+    if value.lstrip().startswith("["):
+        return tuple(json.loads(value))
+    return tuple(v.strip() for v in value.split(",") if v.strip())
+
+
+def api_keys(flag: list[str] | None, environ: os._Environ[str] | dict[str, str] = os.environ) -> tuple[str, ...]:
+    """The keys: the flag's, else the first of API_KEY_ENVS that is set and not empty."""
+    if flag:
+        keys = tuple(k for k in flag if k)
+        if len(keys) != len(flag):
+            raise ValueError("--api-key: an empty key is not allowed (it would accept `Bearer `)")
+        return keys
+    found = [(name, environ[name]) for name in API_KEY_ENVS if environ.get(name)]
+    if len(found) == 2 and found[0][1] != found[1][1]:
+        log.warning("both $%s and $%s are set: $%s is used, $%s ignored", *API_KEY_ENVS, *API_KEY_ENVS)
+    return (found[0][1],) if found else ()
+
+
+def check_serve_args(ns: argparse.Namespace) -> None:
+    """vLLM's start-up checks, and the parser names against the registries (ValueError naming
+    the flag; the CLI exits 2 with it)."""
+    if ns.enable_auto_tool_choice and not ns.tool_call_parser:
+        raise ValueError("--enable-auto-tool-choice requires --tool-call-parser NAME")
+    if ns.enable_log_outputs and not _log_requests(ns):
+        raise ValueError("--enable-log-outputs requires --enable-log-requests")
+    if ns.root_path and not ns.root_path.startswith("/"):
+        raise ValueError(f"--root-path: must start with '/' (e.g. /api), got {ns.root_path!r}")
+    if ns.max_log_len is not None and ns.max_log_len < 0:
+        raise ValueError(f"--max-log-len: must be 0 or more, got {ns.max_log_len}")
+    if ns.tool_parser_plugin or ns.tool_call_parser:
+        from triollm.api.tool_parsers import ToolParserManager
+
+        if ns.tool_parser_plugin:
+            _named("--tool-parser-plugin", ToolParserManager.import_tool_parser, ns.tool_parser_plugin)
+        if ns.tool_call_parser:
+            _named("--tool-call-parser", ToolParserManager.get_tool_parser, ns.tool_call_parser)
+    if ns.reasoning_parser_plugin or ns.reasoning_parser:
+        from triollm.api.reasoning_parsers import ReasoningParserManager
+
+        if ns.reasoning_parser_plugin:
+            _named("--reasoning-parser-plugin", ReasoningParserManager.import_reasoning_parser, ns.reasoning_parser_plugin)
+        if ns.reasoning_parser:
+            _named("--reasoning-parser", ReasoningParserManager.get_reasoning_parser, ns.reasoning_parser)
+    if ns.disable_frontend_multiprocessing:
+        log.warning("--disable-frontend-multiprocessing has no effect in triollm: the HTTP server and the engine client share one process")
+
+
+def _named(flag: str, check, value: str) -> None:  # type: ignore[no-untyped-def]
+    try:
+        check(value)
+    except ValueError as exc:
+        message = str(exc)
+        raise ValueError(message if message.startswith(flag) else f"{flag} {value!r}: {message}") from None
+
+
+def _log_requests(ns: argparse.Namespace) -> bool:
+    return bool(ns.enable_log_requests) and not ns.disable_log_requests
+
+
+def serve_options(ns: argparse.Namespace, served_model_names: tuple[str, ...], max_logprobs: int) -> ServeOptions:
+    settings = ServerSettings(
+        served_model_names=served_model_names,
+        api_key=api_keys(ns.api_key) or None,
+        api_key_all_routes=ns.api_key_all_routes,
+        allowed_origins=_origins(ns.allowed_origins),
+        allowed_methods=tuple(ns.allowed_methods),
+        allowed_headers=tuple(ns.allowed_headers),
+        allow_credentials=ns.allow_credentials,
+        root_path=ns.root_path.rstrip("/"),
+        disable_docs=ns.disable_fastapi_docs,
+        response_role=ns.response_role,
+        chat_template=ns.chat_template,
+        max_logprobs=max_logprobs,
+        disable_log_requests=not _log_requests(ns),
+        enable_log_outputs=ns.enable_log_outputs,
+        max_log_len=ns.max_log_len,
+        limit_concurrency=ns.limit_concurrency or None,
+        h11_max_header_count=ns.h11_max_header_count,
+        request_body_timeout=ns.request_body_timeout,
+        enable_auto_tool_choice=ns.enable_auto_tool_choice,
+        tool_call_parser=ns.tool_call_parser,
+        reasoning_parser=ns.reasoning_parser,
+        trust_request_chat_template=ns.trust_request_chat_template,
+    )
+    return ServeOptions(
+        ns.host, ns.port, settings, ns.shutdown_timeout, ns.worker, ns.backlog,
+        timeout_keep_alive=ns.timeout_keep_alive,
+        h11_max_incomplete_event_size=ns.h11_max_incomplete_event_size,
+        uvicorn_log_level=ns.uvicorn_log_level,
+        access_log=not ns.disable_uvicorn_access_log,
+    )
