@@ -12,8 +12,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+import msgspec
+
 from triollm.api.protocol import DeltaToolCall, ToolCall
 from triollm.api.tool_calls import ConstrainedCallStream, ToolChoice, constrained_tool_calls
+from triollm.engine.sampling_params import StructuredOutputsParams
 
 if TYPE_CHECKING:
     from triollm.api.reasoning_parsers import ReasoningParser, ReasoningStream
@@ -59,6 +62,14 @@ class OutputParsing:
     def keep_special_tokens(self) -> bool:
         """The tool parser reads markers that are special tokens: decode them into the text."""
         return self.tool_parser is not None and self.tool_parser.keep_special_tokens
+
+    def gate(self, structured: StructuredOutputsParams | None) -> StructuredOutputsParams | None:
+        """A grammar for this request starts after its reasoning (the reasoning parser's end
+        marker), as in vLLM: the model thinks freely, then answers in the grammar."""
+        if structured is None or self.reasoning_parser is None:
+            return structured
+        ids = self.reasoning_parser.grammar_start_ids()
+        return structured if ids is None else msgspec.structs.replace(structured, start_after_token_ids=ids)
 
     def whole(self, text: str) -> ParsedOutput:
         reasoning, content = self._split(text)

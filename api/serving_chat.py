@@ -132,7 +132,7 @@ async def create_chat_completion(
         max_tokens=max_tokens,
         logprobs=(req.top_logprobs or 0) if req.logprobs else None,
         kind=output_kind(stream, timer),
-        structured=structured,
+        structured=parsing.gate(structured),
     )
     text, token_ids = await render_chat(
         tokenizer,

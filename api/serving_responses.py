@@ -216,7 +216,7 @@ class ResponsesAPI:
         defaults = llm.get_model_config().generation_defaults
         max_tokens = req.max_output_tokens if req.max_output_tokens is not None else defaults.get("max_tokens")
         params = build_sampling_params(
-            fields, defaults, max_tokens=max_tokens, logprobs=None, kind=output_kind(stream, timer), structured=structured
+            fields, defaults, max_tokens=max_tokens, logprobs=None, kind=output_kind(stream, timer), structured=parsing.gate(structured)
         )
         text, token_ids = await render_chat(
             tokenizer,

@@ -343,6 +343,8 @@ class EngineCore:
             del self._compiling[rid]
             try:
                 req.grammar = future.result()
+                after = req.sampling_params.structured_outputs.start_after_token_ids  # type: ignore[union-attr]
+                req.grammar.start_after = tuple(after or ())
             except Exception as exc:  # noqa: BLE001 - whatever llguidance raised: this request's
                 req.status = RequestStatus.FINISHED_ABORTED
                 del self.requests[rid]

@@ -72,6 +72,10 @@ class StructuredOutputsParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     disable_any_whitespace: bool = False
     disable_additional_properties: bool = False
     whitespace_pattern: str | None = None
+    # triollm's: the grammar applies from the output token after these token ids (a reasoning
+    # model's end-of-thinking marker, e.g. Qwen3's `</think>`); until they appear the output is
+    # free. The server sets it from its --reasoning-parser; None: from the first token.
+    start_after_token_ids: list[int] | None = None
 
     KINDS: ClassVar[tuple[str, ...]] = ("json", "regex", "choice", "grammar", "json_object")
 
@@ -95,6 +99,11 @@ class StructuredOutputsParams(msgspec.Struct, kw_only=True, omit_defaults=True):
                 raise ValueError(f"structured_outputs.{name}: must be a string, got {value!r:.80}")
             if value is not None:
                 check_utf8(f"structured_outputs.{name}", value)
+        ids = self.start_after_token_ids
+        if ids is not None and (
+            not isinstance(ids, list) or not 1 <= len(ids) <= 64 or not all(isinstance(i, int) and 0 <= i < 2**31 for i in ids)
+        ):
+            raise ValueError(f"structured_outputs.start_after_token_ids: must be a list of 1 to 64 token ids, got {ids!r:.80}")
         if self.choice is not None:
             if not isinstance(self.choice, list) or not self.choice or not all(
                 isinstance(c, str) and c for c in self.choice

@@ -327,15 +327,23 @@ class Grammar:
     the matcher's error state, leaves `error` set (and the matcher unused from then on); the
     core then ends the request with an error and outputs nothing sampled against it."""
 
-    __slots__ = ("error", "matcher")
+    __slots__ = ("_seen", "error", "matcher", "start_after")
 
     def __init__(self, matcher: llguidance.LLMatcher) -> None:
         self.matcher = matcher
         self.error: str | None = None
+        # `StructuredOutputsParams.start_after_token_ids`: the matcher waits (every token
+        # allowed, none consumed) until the output ends with these ids; `_seen` holds the last
+        # few output tokens meanwhile.
+        self.start_after: tuple[int, ...] = ()
+        self._seen: list[int] = []
 
     def fill_mask(self, row: torch.Tensor) -> None:
         """Write the allowed-token bits into `row` (int32, contiguous); on an error, every bit
         (the token sampled from that row is dropped)."""
+        if self.start_after:
+            row.fill_(-1)
+            return
         if self.error is None:
             try:
                 self.matcher.unsafe_compute_mask_ptr(row.data_ptr(), row.numel() * 4)
@@ -348,6 +356,11 @@ class Grammar:
 
     def consume_token(self, token: int) -> bool:
         """Advance by the sampled token; False (and `error` set) when that fails."""
+        if self.start_after:
+            self._seen = (self._seen + [token])[-len(self.start_after) :]
+            if tuple(self._seen) == self.start_after:
+                self.start_after, self._seen = (), []
+            return True
         if self.error is not None:
             return False
         try:
@@ -358,8 +371,9 @@ class Grammar:
         return self.error is None
 
     def is_stopped(self) -> bool:
-        """Whether the grammar is complete (False on an error: `error` says it)."""
-        if self.error is not None:
+        """Whether the grammar is complete (False on an error: `error` says it, and while it
+        waits for `start_after`)."""
+        if self.error is not None or self.start_after:
             return False
         try:
             return bool(self.matcher.is_stopped())

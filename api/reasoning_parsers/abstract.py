@@ -63,6 +63,16 @@ class ReasoningParser(ABC):
     def stream(self) -> ReasoningStream:
         """A fresh incremental split for one output."""
 
+    def grammar_start_ids(self) -> list[int] | None:
+        """Where a grammar (`response_format`, a forced tool call) starts in this request's
+        output: after the end marker when the output opens in reasoning (vLLM applies the
+        grammar once reasoning ends), None (from the first token) when it does not."""
+        return self.end_token_ids() if self.expects_reasoning() else None
+
+    def expects_reasoning(self) -> bool:
+        """Whether this request's output opens in reasoning (its template opened `<think>`)."""
+        return True
+
     def end_token_ids(self) -> list[int] | None:
         """The end marker as token ids of this tokenizer, or None without a tokenizer or when no
         id sequence decodes back to exactly the marker. A marker that is not one special token

@@ -41,6 +41,9 @@ class ThinkTagReasoningParser(ReasoningParser):
         """Whether an output without the start marker opens in reasoning."""
         return True
 
+    def expects_reasoning(self) -> bool:
+        return self.reasoning_enabled and self.implicit_reasoning
+
     def _find_end(self, text: str, start: int = 0) -> tuple[int, int] | None:
         """(index, length to drop) of the earliest end or content marker at or after `start`."""
         best: tuple[int, int] | None = None

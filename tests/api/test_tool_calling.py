@@ -329,12 +329,15 @@ async def test_the_reasoning_parser_splits_reasoning_off(llm: Any, include_reaso
     from triollm.api.app import build_app
     from triollm.api.state import ServerState
 
-    settings = ServerSettings(served_model_names=("tiny",), reasoning_parser="deepseek_r1", enable_auto_tool_choice=True, tool_call_parser="hermes")
+    settings = ServerSettings(served_model_names=("tiny",), reasoning_parser="qwen3", enable_auto_tool_choice=True, tool_call_parser="hermes")
     state = ServerState(llm, settings)
-    regex = r'Rome is warm\.</think>Sunny\.<tool_call>\{"name": "get_time", "arguments": \{"zone": "UTC"\}\}</tool_call>'
+    # Steered by a regex over the whole output: with thinking switched off the output does not
+    # open in reasoning, so the grammar holds from the first token (and Qwen3's parser still
+    # splits a <think> section the model writes anyway).
+    regex = r'<think>Rome is warm\.</think>Sunny\.<tool_call>\{"name": "get_time", "arguments": \{"zone": "UTC"\}\}</tool_call>'
     body = {
-        "messages": CHAT, "max_tokens": 100, **GREEDY, "tools": [TIME], "include_reasoning": include_reasoning,
-        "structured_outputs": {"regex": regex},
+        "messages": CHAT, "max_tokens": 120, **GREEDY, "tools": [TIME], "include_reasoning": include_reasoning,
+        "structured_outputs": {"regex": regex}, "chat_template_kwargs": {"enable_thinking": False},
     }  # fmt: skip
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=build_app(state)), base_url="http://t") as client:
         whole = (await ok(client, "/v1/chat/completions", body))["choices"][0]
@@ -347,3 +350,27 @@ async def test_the_reasoning_parser_splits_reasoning_off(llm: Any, include_reaso
     content, reasoning, calls, finish = _assemble(events)
     assert (reasoning or None) == expected and content == "Sunny." and finish == ["tool_calls"]
     assert [c["name"] for c in calls.values()] == ["get_time"]
+
+
+async def test_a_grammar_waits_for_the_end_of_the_reasoning(llm: Any) -> None:
+    from triollm.api.app import build_app
+    from triollm.api.output_parsing import make_output_parsing
+    from triollm.api.state import ServerState
+    from triollm.api.tool_calls import ToolChoice
+    from triollm.engine.sampling_params import StructuredOutputsParams
+
+    tokenizer = llm.get_tokenizer()
+    end = tokenizer.encode("</think>", add_special_tokens=False)
+    so = StructuredOutputsParams(json_object=True)
+    for parser, kwargs, gated in [("deepseek_r1", None, True), ("qwen3", None, True), ("qwen3", {"enable_thinking": False}, False)]:
+        parsing = make_output_parsing(ToolChoice("none"), tokenizer=tokenizer, tool_call_parser=None, reasoning_parser=parser, chat_template_kwargs=kwargs)
+        assert parsing.gate(so).start_after_token_ids == (end if gated else None)  # type: ignore[union-attr]
+    assert make_output_parsing(ToolChoice("none"), tokenizer=tokenizer, tool_call_parser=None, reasoning_parser=None).gate(so) is so
+    # Through the server: the tiny model never writes </think>, so its output stays free (all
+    # reasoning); without the wait it would be a JSON object from the first token.
+    state = ServerState(llm, ServerSettings(served_model_names=("tiny",), reasoning_parser="deepseek_r1"))
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=build_app(state)), base_url="http://t") as client:
+        body = {"messages": CHAT, "max_tokens": 8, **GREEDY, "response_format": {"type": "json_object"}}
+        message = (await ok(client, "/v1/chat/completions", body))["choices"][0]["message"]
+        free = (await ok(client, "/v1/chat/completions", {"messages": CHAT, "max_tokens": 8, **GREEDY}))["choices"][0]["message"]
+    assert message["content"] is None and message["reasoning"] == free["reasoning"] and not message["reasoning"].startswith("{")

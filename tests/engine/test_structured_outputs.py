@@ -259,3 +259,21 @@ def test_random_schemas_always_yield_valid_documents(tiny_llm: Any, schema: dict
     for c in out.outputs:
         assert c.finish_reason == "stop", (schema, c.text)
         jsonschema.validate(json.loads(c.text), schema)
+
+
+def test_a_grammar_starts_after_its_start_tokens(tiny_llm: Any) -> None:
+    """`start_after_token_ids` (a reasoning model's end-of-thinking marker): the output is free,
+    token for token the unconstrained one, until it ends with those ids; then the grammar holds.
+    Ids that never come leave the whole output free."""
+    prompt = [{"prompt_token_ids": [5, 6, 7]}]
+    free = tiny_llm.generate(prompt, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), use_tqdm=False)[0].outputs[0]
+    marker = list(free.token_ids[1:3])
+    gated = SamplingParams(temperature=0, max_tokens=40, structured_outputs=S(choice=["yes", "no"], start_after_token_ids=marker))
+    out = tiny_llm.generate(prompt, gated, use_tqdm=False)[0].outputs[0]
+    assert list(out.token_ids[:3]) == list(free.token_ids[:3]) and out.finish_reason == "stop"
+    head = tiny_llm.get_tokenizer().decode(list(free.token_ids[:3]))
+    assert out.text.startswith(head) and out.text[len(head) :] in ("yes", "no")
+    never = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, structured_outputs=S(choice=["yes"], start_after_token_ids=[999_999]))
+    assert list(tiny_llm.generate(prompt, never, use_tqdm=False)[0].outputs[0].token_ids) == list(free.token_ids)
+    with pytest.raises(ValueError, match="start_after_token_ids"):
+        S(choice=["yes"], start_after_token_ids=[])
