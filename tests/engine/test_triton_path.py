@@ -17,7 +17,9 @@ from triollm.engine.sync_engine import SyncEngine
 PROMPTS = ["hello there world " * 3, "a", "the quick brown fox jumps over the lazy dog " * 2]
 
 
-def _greedy(model: Path, kernels: str, monkeypatch: pytest.MonkeyPatch) -> list[list[int]]:
+def _greedy(
+    model: Path, kernels: str, monkeypatch: pytest.MonkeyPatch, prompts: list[str] = PROMPTS, max_tokens: int = 6
+) -> list[list[int]]:
     monkeypatch.setenv("TRIOLLM_KERNELS", kernels)
     engine = SyncEngine.from_engine_args(
         EngineArgs(
@@ -25,11 +27,11 @@ def _greedy(model: Path, kernels: str, monkeypatch: pytest.MonkeyPatch) -> list[
             long_prefill_token_threshold=8,  # prompts arrive in chunks: prefill over cached blocks
         )
     )  # fmt: skip
-    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     outs: dict[str, list[int]] = {}
     cached = 0
     for round_ in range(2):  # the second round hits the prefix cache the first one filled
-        for i, prompt in enumerate(PROMPTS):
+        for i, prompt in enumerate(prompts):
             engine.add_request(prompt + " more" * round_, params, request_id=f"{round_}-{i}")
         for _ in range(200):
             if not engine.has_unfinished_requests():
