@@ -7,12 +7,11 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import ClassVar, TypeVar
+from typing import Any, ClassVar, TypeVar
 
+from triollm.api.parser_registry import ParserRegistry
 from triollm.api.reasoning_parsers.abstract import ReasoningParser, ReasoningStream
 from triollm.api.reasoning_parsers.deepseek import (
     DeepSeekR1ReasoningParser,
@@ -31,61 +30,34 @@ __all__ = [
     "ThinkTagReasoningParser",
 ]
 
-P = TypeVar("P", bound=type[ReasoningParser])
+C = TypeVar("C", bound=type[Any])
 
 
 class ReasoningParserManager:
-    """The registry of reasoning parsers by name (class-level, as vLLM's)."""
+    """The registry of reasoning parsers by name (vLLM's API on api/parser_registry.py)."""
 
-    _parsers: ClassVar[dict[str, type[ReasoningParser]]] = {}
+    registry: ClassVar[ParserRegistry[ReasoningParser]] = ParserRegistry(
+        ReasoningParser, "--reasoning-parser", "--reasoning-parser-plugin"
+    )
 
     @classmethod
-    def register_module(cls, name: str | list[str] | None = None, *, force: bool = True) -> Callable[[P], P]:
+    def register_module(cls, name: str | list[str] | None = None, *, force: bool = True) -> Callable[[C], C]:
         """A class decorator registering a parser under `name` (or each of a list; by default
         the class's `name`). A name already taken is replaced unless `force` is false."""
-
-        def register(parser: P) -> P:
-            if not (isinstance(parser, type) and issubclass(parser, ReasoningParser)):
-                raise TypeError(f"register_module: expected a ReasoningParser subclass, got {parser!r}")
-            names = [name] if isinstance(name, str) else list(name) if name is not None else [parser.name]
-            for n in names:
-                if not force and n in cls._parsers:
-                    raise ValueError(f"--reasoning-parser: {n!r} is already registered to {cls._parsers[n].__name__}")
-                cls._parsers[n] = parser
-            return parser
-
-        return register
+        return cls.registry.decorator(name, force=force)
 
     @classmethod
     def get_reasoning_parser(cls, name: str) -> type[ReasoningParser]:
-        try:
-            return cls._parsers[name]
-        except KeyError:
-            raise ValueError(
-                f"--reasoning-parser: unknown parser {name!r}; known: {', '.join(cls.names())}"
-            ) from None
+        return cls.registry.get(name)
 
     @classmethod
     def names(cls) -> list[str]:
-        return sorted(cls._parsers)
+        return cls.registry.names()
 
     @classmethod
     def import_reasoning_parser(cls, path: str | Path) -> None:
         """Run a plugin module (a .py file) that registers its parsers with `register_module`."""
-        path = Path(path)
-        if not path.is_file():
-            raise ValueError(f"--reasoning-parser-plugin: no such file: {str(path)!r}")
-        module_name = f"triollm_reasoning_plugin_{path.stem}"
-        spec = importlib.util.spec_from_file_location(module_name, path)
-        if spec is None or spec.loader is None:
-            raise ValueError(f"--reasoning-parser-plugin: cannot load {str(path)!r} as a Python module")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[module_name] = module
-        try:
-            spec.loader.exec_module(module)
-        except BaseException:
-            del sys.modules[module_name]
-            raise
+        cls.registry.import_plugin(path)
 
 
 for _parser in (DeepSeekR1ReasoningParser, DeepSeekV3ReasoningParser, Qwen3ReasoningParser):

@@ -11,12 +11,10 @@ Built in: `hermes`, `llama3_json` (`llama4_json`), `mistral`, `pythonic` (`llama
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from collections.abc import Callable
-from pathlib import Path
-from typing import ClassVar, TypeVar
+from typing import Any, ClassVar, TypeVar
 
+from triollm.api.parser_registry import ParserRegistry
 from triollm.api.tool_parsers.abstract import (
     ExtractedToolCalls,
     StreamDelta,
@@ -39,66 +37,33 @@ __all__ = [
     "make_tool_call_id",
 ]
 
-_P = TypeVar("_P", bound=type[ToolParser])
+C = TypeVar("C", bound=type[Any])
 
 
 class ToolParserManager:
-    """The registry of tool-call parsers, by name."""
+    """The registry of tool-call parsers, by name (vLLM's API on api/parser_registry.py)."""
 
-    _parsers: ClassVar[dict[str, type[ToolParser]]] = {}
+    registry: ClassVar[ParserRegistry[ToolParser]] = ParserRegistry(ToolParser, "--tool-call-parser", "--tool-parser-plugin")
 
     @classmethod
-    def register_module(cls, name: str | list[str]) -> Callable[[_P], _P]:
+    def register_module(cls, name: str | list[str]) -> Callable[[C], C]:
         """Class decorator: register the parser under `name` (or each of several names); a
         later registration of a name replaces the earlier one."""
-        names = [name] if isinstance(name, str) else list(name)
-        if not names or not all(isinstance(n, str) and n for n in names):
-            raise ValueError(f"register_module: name must be a non-empty string, got {name!r}")
-
-        def register(parser: _P) -> _P:
-            if not (isinstance(parser, type) and issubclass(parser, ToolParser)):
-                raise ValueError(f"register_module: {parser!r} is not a ToolParser subclass")
-            for n in names:
-                cls._parsers[n] = parser
-            return parser
-
-        return register
+        return cls.registry.decorator(name)
 
     @classmethod
     def get_tool_parser(cls, name: str) -> type[ToolParser]:
-        try:
-            return cls._parsers[name]
-        except KeyError:
-            known = ", ".join(cls.names())
-            raise ValueError(
-                f"--tool-call-parser: unknown parser {name!r}; known parsers: {known}"
-            ) from None
+        return cls.registry.get(name)
 
     @classmethod
     def names(cls) -> list[str]:
-        return sorted(cls._parsers)
+        return cls.registry.names()
 
     @classmethod
     def import_tool_parser(cls, plugin_path: str) -> None:
         """Import the Python file at `plugin_path` (`--tool-parser-plugin`) so that the parsers
         it decorates with `register_module` register."""
-        path = Path(plugin_path)
-        if not path.is_file():
-            raise ValueError(f"--tool-parser-plugin: {plugin_path} is not a file")
-        module_name = f"triollm_tool_parser_plugin_{path.stem}"
-        spec = importlib.util.spec_from_file_location(module_name, path)
-        if spec is None or spec.loader is None:
-            raise ValueError(f"--tool-parser-plugin: {plugin_path} is not a Python module")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[module_name] = module
-        try:
-            spec.loader.exec_module(module)
-        except Exception as exc:
-            del sys.modules[module_name]
-            raise ValueError(
-                f"--tool-parser-plugin: importing {plugin_path} failed: "
-                f"{type(exc).__name__}: {exc}"
-            ) from exc
+        cls.registry.import_plugin(plugin_path)
 
 
 for _names, _parser in (

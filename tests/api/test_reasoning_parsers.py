@@ -151,7 +151,7 @@ def test_register_and_plugin(tmp_path: Path) -> None:
             ReasoningParserManager.register_module("seed_test", force=False)(cls)
     finally:
         for name in ("seed_test", "seed_test2"):
-            ReasoningParserManager._parsers.pop(name, None)
+            ReasoningParserManager.registry.parsers.pop(name, None)
     with pytest.raises(ValueError, match="--reasoning-parser-plugin: no such file"):
         ReasoningParserManager.import_reasoning_parser(tmp_path / "missing.py")
 

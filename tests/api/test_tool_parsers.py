@@ -428,7 +428,7 @@ class Shout(ToolParser):
 
 
 def test_plugin_registers_its_parsers(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(ToolParserManager, "_parsers", dict(ToolParserManager._parsers))
+    monkeypatch.setattr(ToolParserManager.registry, "parsers", dict(ToolParserManager.registry.parsers))
     path = tmp_path / "my_parser.py"
     path.write_text(PLUGIN)
     ToolParserManager.import_tool_parser(str(path))
