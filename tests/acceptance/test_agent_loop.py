@@ -144,3 +144,24 @@ def test_the_same_agent_through_llm_chat(bundled_model_dir: Path) -> None:
         assert f'<tool_call>{{"name": "get_weather", "arguments": {json.dumps(arguments)}}}</tool_call>' in (second.prompt or "")
         assert "<tool_response>sunny, 21 C</tool_response>" in (second.prompt or "")
         assert second.outputs[0].text.strip()
+
+
+def test_the_responses_api_through_the_real_server(client: openai.OpenAI) -> None:
+    """The same forced call and its follow-up as Responses calls (`previous_response_id`), and a
+    stream cut by `max_output_tokens` (it ends with `response.incomplete`)."""
+    tools = [{"type": "function", "name": "get_weather", "parameters": WEATHER["function"]["parameters"]}]  # type: ignore[index]
+    first = client.responses.create(
+        model=MODEL, input="What is the weather in Paris right now?", tools=tools,  # type: ignore[arg-type]
+        tool_choice={"type": "function", "name": "get_weather"}, max_output_tokens=24, temperature=0,
+    )
+    [call] = first.output
+    assert call.type == "function_call" and json.loads(call.arguments)["city"] in ("Paris", "Rome", "Oslo")
+    second = client.responses.create(
+        model=MODEL, previous_response_id=first.id, max_output_tokens=8, temperature=0,
+        input=[{"type": "function_call_output", "call_id": call.call_id, "output": "sunny, 21 C"}],
+    )
+    assert second.output_text.strip() and second.previous_response_id == first.id
+    events = list(client.responses.create(model=MODEL, input="Say hello.", max_output_tokens=6, temperature=0, stream=True))
+    deltas = "".join(e.delta for e in events if e.type == "response.output_text.delta")  # type: ignore[union-attr]
+    final = events[-1].response  # type: ignore[union-attr]
+    assert events[-1].type == "response.incomplete" and deltas == final.output_text and final.status == "incomplete"

@@ -12,7 +12,7 @@ import torch
 from triollm import LLM
 from triollm.engine.beam_search import BeamSearchOutput, BeamSearchParams, beam_search_score
 
-PROMPTS = ["The capital of France is", "Once upon a time", "def fibonacci(n):"]
+PROMPTS = ["The capital of France is", "def fibonacci(n):"]
 
 
 def test_the_best_beam_equals_transformers(bundled_model_dir: Path) -> None:
