@@ -315,7 +315,7 @@ async def _wait_idle(client: Any, root: str) -> dict[str, float | None]:
     with anyio.move_on_after(60):
         while True:
             text = (await client.get(root + "/metrics")).text
-            seen = {n: _metric(text, f"triollm:{n}") for n in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc")}
+            seen = {n: _metric(text, f"vllm:{n}") for n in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc")}
             if all(v == 0 for v in seen.values()):
                 break
             await anyio.sleep(0.5)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import anyio
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -213,6 +214,19 @@ async def test_endpoint_falls_back_when_the_engine_is_dead() -> None:
     m = Metrics(_state(STATS, get_engine_stats=get_engine_stats, errored=False))
     r = await m.endpoint(None)  # type: ignore[arg-type]
     assert _get(_samples(r.body.decode()), "vllm:num_requests_running") == 3
+
+
+@pytest.mark.anyio
+async def test_the_soak_bench_reads_the_served_gauges() -> None:
+    """`triollm bench soak` waits for these gauges to read idle, by their served names."""
+    from triollm.api.bench.soak import _wait_idle
+
+    m = Metrics(_state(StepStats(0, 0, 10, 10, 0, 0.0, 0)))
+    app = Starlette(routes=[m.route()])
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as client:
+        with anyio.fail_after(5):
+            seen = await _wait_idle(client, "")
+    assert seen == {"num_requests_running": 0.0, "num_requests_waiting": 0.0, "kv_cache_usage_perc": 0.0}
 
 
 @pytest.fixture
