@@ -23,13 +23,13 @@ concatenate to the arguments of the whole output).
 from __future__ import annotations
 
 import json
-import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
 from triollm.api.openai_errors import bad_request
 from triollm.api.protocol import DeltaFunctionCall, DeltaToolCall, FunctionCall, ToolCall
+from triollm.api.tool_parsers.abstract import make_tool_call_id
 
 __all__ = [
     "ConstrainedCallStream",
@@ -42,11 +42,6 @@ __all__ = [
 Mode = Literal["none", "auto", "required", "named"]
 _CHOICES = ("none", "auto", "required")
 _EMPTY_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}}
-
-
-def make_tool_call_id() -> str:
-    """vLLM's random tool call id."""
-    return f"chatcmpl-tool-{uuid.uuid4().hex}"
 
 
 @dataclass(frozen=True)
