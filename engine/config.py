@@ -41,6 +41,7 @@ from triollm.engine.distributed.sharding import check_tensor_parallel
 from triollm.engine.loading.hub import is_hub_id, resolve_hub
 from triollm.engine.loading.model_config import ModelConfig, check_generation_config
 from triollm.engine.loading.model_files import resolve_model
+from triollm.engine.loading.quant_checkpoints import ALIASES, METHODS
 
 __all__ = [
     "ActorConfig",
@@ -176,9 +177,10 @@ class CompilationConfig:
 
 SCHEDULING_POLICIES = ("fcfs", "priority")  # vLLM's --scheduling-policy
 RUNNERS = ("auto", "generate", "pooling")  # vLLM's --runner ("draft" has no meaning here)
-# Weight-only quantization (kernels/quant.py): a .gguf model's blocks as shipped, or float
-# weights quantized at load.
-QUANTIZATIONS = ("gguf", "int8", "int4", "none")
+# Weight-only quantization (kernels/quant.py): a .gguf model's blocks as shipped, float
+# weights quantized at load, or a quantized checkpoint's own method (vLLM's spellings,
+# engine/loading/quant_checkpoints.py; the *_marlin names are aliases here).
+QUANTIZATIONS = ("gguf", "int8", "int4", "gptq", "gptq_marlin", "awq", "awq_marlin", "fp8", "compressed-tensors", "none")
 KV_CACHE_DTYPES = ("auto", "bfloat16", "float32")
 DTYPES = ("auto", "half", "float16", "bfloat16", "float", "float32")  # vLLM's --dtype choices
 _DTYPE_NAMES = {"half": "float16", "float": "float32"}
@@ -249,8 +251,10 @@ class EngineArgs:
     quantization: str | None = _arg(
         None,
         "weight-only quantized linear layers on CPU: gguf (a .gguf model's blocks as shipped), int8, int4, "
-        "or none (dense); default: gguf for a .gguf model (the bundled one included) on a CPU with "
-        "AVX-512 VNNI, with dtype auto; dense otherwise",
+        "gptq, awq, fp8, compressed-tensors (a checkpoint's quantization_config: its own codes; gptq_marlin and "
+        "awq_marlin are aliases), or none (dense; a quantized checkpoint dequantized); default: the method of a "
+        "checkpoint with a quantization_config; gguf for a .gguf model (the bundled one included) on a CPU whose "
+        "quantized kernels have a vector path (AVX2+FMA+F16C or AVX-512 VNNI), with dtype auto; dense otherwise",
         choices=QUANTIZATIONS,
     )
     seed: int = _arg(0, "the engine's random seed")
@@ -339,7 +343,11 @@ class EngineArgs:
         _one_of("tokenizer_mode", self.tokenizer_mode, TOKENIZER_MODES, "only fast tokenizers (tokenizer.json) are supported")
         _one_of("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES, "no fp8 KV cache")
         if self.quantization is not None:
-            _one_of("quantization", self.quantization, QUANTIZATIONS, "weight-only CPU kernels: gguf keeps a .gguf model's blocks as shipped")
+            _one_of(
+                "quantization", self.quantization, QUANTIZATIONS,
+                "weight-only CPU kernels: gguf keeps a .gguf model's blocks as shipped; gptq, awq, fp8 and "
+                "compressed-tensors read a checkpoint's quantization_config",
+            )  # fmt: skip
         _positive("data_parallel_size", self.data_parallel_size)
         _positive("tensor_parallel_size", self.tensor_parallel_size)
         self._check_data_parallel()
@@ -504,12 +512,15 @@ class EngineArgs:
     def _quantization(self, model: ModelConfig, device: str) -> str | None:
         """The scheme to run: the one asked for ("none": dense), or by default a .gguf model's
         blocks as shipped where that is the fast path (docs/benchmarks.md, issue 13): on a CPU
-        with AVX-512 VNNI and the native kernels, one rank, dtype auto, a generative model."""
+        with a vector path for the quantized kernels (AVX2 or AVX-512 VNNI) and the
+        native kernels, one rank, dtype auto, a generative model."""
         from triollm.engine.loading.gguf_import import QUANTIZED_FILE
         from triollm.kernels import cpu_native
 
         if self.quantization is not None:
-            return None if self.quantization == "none" else self.quantization
+            return None if self.quantization == "none" else ALIASES.get(self.quantization, self.quantization)
+        if model.checkpoint_quant is not None:  # a quantized checkpoint runs by its own method, as in vLLM
+            return model.checkpoint_quant.method
         gguf = self.model is None or self.model.lower().endswith(".gguf")
         fast = (
             gguf
@@ -518,7 +529,7 @@ class EngineArgs:
             and self.tensor_parallel_size == 1
             and model.runner_type == "generate"
             and (model.path / QUANTIZED_FILE).is_file()
-            and cpu_native.has_vnni()
+            and cpu_native.has_fast_quant()
             and os.environ.get(cpu_native.CPU_KERNELS_ENV, "1") != "0"
         )
         return "gguf" if fast else None
@@ -550,10 +561,22 @@ class EngineArgs:
             raise ValueError(f"quantization: {quantization!r} applies to generative models; use quantization='none'")
         if self.tensor_parallel_size > 1:
             raise ValueError(f"quantization: {quantization!r} does not shard yet; use tensor_parallel_size=1 or quantization='none'")
+        if quantization in METHODS:
+            theirs = None if model.checkpoint_quant is None else model.checkpoint_quant.method
+            if theirs is None:
+                raise ValueError(
+                    f"quantization: {quantization!r} reads a checkpoint's quantization_config, and {model.path} has none; "
+                    "use int8 or int4 to quantize float weights"
+                )
+            if quantization != theirs:
+                raise ValueError(
+                    f"quantization: {quantization!r} does not match the checkpoint's quantization_config.quant_method "
+                    f"{theirs!r}; use {theirs} (or none: dequantized to dense)"
+                )
         if quantization == "gguf" and not (model.path / QUANTIZED_FILE).is_file():
             raise ValueError(
                 f"quantization: 'gguf' keeps a .gguf model's blocks as shipped, and {model.path} is no .gguf import "
-                "(or one without Q4_0/Q4_1/Q8_0 tensors); use int8 or int4 to quantize float weights"
+                "(or one without tensors in a kept block type: Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K); use int8 or int4 to quantize float weights"
             )
 
     def _cuda_graph_sizes(self, device: str) -> tuple[int, ...]:

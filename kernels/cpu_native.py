@@ -23,9 +23,14 @@ import torch
 
 __all__ = [
     "CPU_KERNELS_ENV",
+    "ISA_ENV",
+    "QUANT_ISAS",
     "available",
     "has_native_bf16",
-    "has_vnni",
+    "best_isa",
+    "has_fast_quant",
+    "quant_isa",
+    "supported_isas",
     "paged_decode_attention",
     "rms_norm",
     "rotary_write_kv",
@@ -63,11 +68,46 @@ def has_native_bf16() -> bool:
     return bool({"avx512_bf16", "amx_bf16"} & _cpu_flags())
 
 
+# The quantized linear's compiled paths (kernels/csrc/quant_linear.cpp), best first, with the
+# CPU flags each needs. Every build holds all of them (each function compiled for its own
+# instruction set); which one runs is chosen here, at run time, by what the CPU has.
+ISA_ENV = "TRIOLLM_CPU_ISA"  # force a path (tests, A/B runs): one of QUANT_ISAS the CPU can run
+QUANT_ISAS: dict[str, frozenset[str]] = {
+    "avx512_vnni": frozenset({"avx512f", "avx512bw", "avx512vl", "avx512_vnni"}),
+    "avx2": frozenset({"avx2", "fma", "f16c"}),
+    "scalar": frozenset(),
+}
+
+
+def supported_isas(flags: set[str] | None = None) -> list[str]:
+    """The quantized-kernel paths a CPU with these flags (default: this one's) can run, best first."""
+    have = _cpu_flags() if flags is None else flags
+    return [isa for isa, need in QUANT_ISAS.items() if need <= have]
+
+
+def best_isa(flags: set[str] | None = None) -> str:
+    """The fastest quantized-kernel path for these CPU flags (default: this CPU's)."""
+    return supported_isas(flags)[0]
+
+
 @functools.cache
-def has_vnni() -> bool:
-    """Whether the quantized linears (kernels/csrc/quant_linear.cpp) get their AVX-512 VNNI
-    path here; elsewhere they run plain loops, slower than the dense path."""
-    return {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"} <= _cpu_flags()
+def quant_isa() -> str:
+    """The path the quantized linears take in this process: $TRIOLLM_CPU_ISA if set (one this
+    CPU can run, else a ValueError naming those), else the best one for the CPU's flags."""
+    forced = os.environ.get(ISA_ENV, "").strip().lower()
+    if not forced:
+        return best_isa()
+    if forced not in supported_isas():
+        raise ValueError(
+            f"{ISA_ENV}: {forced!r} is not a path this CPU can run; allowed here: {', '.join(supported_isas())}"
+        )
+    return forced
+
+
+def has_fast_quant() -> bool:
+    """Whether the quantized linears have a vector path here (AVX-512 VNNI, or AVX2 with FMA
+    and F16C): there a quantized model decodes faster than the dense one."""
+    return quant_isa() != "scalar"
 
 
 def _machine_tag() -> str:

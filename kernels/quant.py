@@ -9,7 +9,7 @@ m = -128 d), and what `quantization="int4"` (asymmetric, group 32: Q4_1's scheme
 `PackedWeight` is the same bits in the kernel's layout (rows in groups of 16, codes interleaved
 for 512-bit registers), made once at load. `packed_linear` runs the native kernel
 (kernels/csrc/quant_linear.cpp: int8 activations per block, integer dot products with AVX-512
-VNNI, as llama.cpp does; plain loops over the same arithmetic on other CPUs) where the native
+VNNI or AVX2, whichever the CPU has, as llama.cpp does; plain loops elsewhere) where the native
 kernels are built, else a dense product of the dequantized weight (no compiler: slow, still
 right). `reference_linear` is the kernel's arithmetic in torch, for tests.
 """
@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from triollm.kernels import cpu_native
+from triollm.kernels.kquants import KQUANT_TYPES, decode_kquant
 
 __all__ = [
     "BLOCK",
@@ -38,7 +39,7 @@ BLOCK = 32
 # GGML block layouts (gguf.GGMLQuantizationType values): bytes per block of 32 weights.
 GGML_Q4_0, GGML_Q4_1, GGML_Q8_0 = 2, 3, 8
 _BLOCK_BYTES = {GGML_Q4_0: 18, GGML_Q4_1: 20, GGML_Q8_0: 34}
-QUANT_GGML_TYPES = frozenset(_BLOCK_BYTES)
+QUANT_GGML_TYPES = frozenset(_BLOCK_BYTES) | KQUANT_TYPES  # K-quants: kernels/kquants.py
 
 
 @dataclass
@@ -84,8 +85,12 @@ class QuantWeight:
     def from_ggml(cls, raw: np.ndarray, ggml_type: int, shape: tuple[int, int]) -> QuantWeight:
         """GGUF block bytes (the reader's uint8 array) of a `[N, K]` tensor, kept quantized."""
         n, k = shape
+        if ggml_type in KQUANT_TYPES:
+            return cls(*decode_kquant(raw, ggml_type, shape))
         if ggml_type not in _BLOCK_BYTES:
-            raise ValueError(f"quantization: GGML type {ggml_type} is not kept quantized (Q4_0, Q4_1, Q8_0 are)")
+            raise ValueError(
+                f"quantization: GGML type {ggml_type} is not kept quantized (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K are)"
+            )
         size = _BLOCK_BYTES[ggml_type]
         blocks = np.ascontiguousarray(raw, dtype=np.uint8).reshape(n, k // BLOCK, size)
         d = torch.from_numpy(blocks[..., 0:2].copy().view(np.float16).reshape(n, k // BLOCK))
@@ -177,13 +182,14 @@ class PackedWeight:
         return self.dequantize_rows(torch.arange(self.n, device=self.qp.device), dtype)
 
 
-def packed_linear(x: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None = None, *, portable: bool = False) -> torch.Tensor:
+def packed_linear(x: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None = None, *, isa: str = "auto") -> torch.Tensor:
     """`x @ W.T (+ bias)` for x `[..., K]` over a PackedWeight, in x's dtype (fp32 inside).
-    `portable`: the kernel's plain loops even where VNNI is built (tests)."""
+    `isa`: the kernel's path, "auto" (the best this CPU runs, or $TRIOLLM_CPU_ISA) or one of
+    cpu_native.QUANT_ISAS by name (tests compare them)."""
     lead, k = x.shape[:-1], x.shape[-1]
     flat = x.reshape(-1, k).float()
     if x.device.type == "cpu" and cpu_native.available():
-        out = torch.ops.triollm_cpu.quant_linear_packed(flat, w.qp, w.dp, w.mp, w.bits, w.n, portable)
+        out = torch.ops.triollm_cpu.quant_linear_packed(flat, w.qp, w.dp, w.mp, w.bits, w.n, isa)
     else:
         out = flat @ w.dequantize().to(flat.device).T
     if bias is not None:

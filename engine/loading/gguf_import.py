@@ -10,6 +10,12 @@ rewrites it once, into the files the rest of the engine already reads:
   are interleaved (GPT-J style); we permute them back to HF's half-split layout.
 * `tokenizer.json` / `tokenizer_config.json`: a byte-level BPE rebuilt from the vocabulary and merges
   with the `tokenizers` library, with the pre-tokenizer llama.cpp's `tokenizer.ggml.pre` names.
+* `gguf_quantized.safetensors` (QUANTIZED_FILE, for `quantization="gguf"`): the 2-D tensors in a
+  block format the CPU kernels read, kept quantized (kernels/quant.py `QuantWeight.from_ggml`):
+  Q4_0, Q4_1 and Q8_0 as shipped, the K-quants Q4_K, Q5_K and Q6_K mapped onto blocks of 32
+  (kernels/kquants.py, with its error bounds). A mixed file (`Q4_K_M`: Q4_K, Q6_K and more) is one
+  model; where the parts of a projection the model fuses (q|k|v, gate|up) differ in width, the
+  4-bit parts are widened to 8-bit codes, exactly, so that each fused weight has one format.
 
 GGUF lists tensor dimensions innermost first; the reader's arrays are already in numpy order
 (rows = output features), so only quantized rows need reshaping after dequantization. Sentencepiece
@@ -22,7 +28,7 @@ import json
 import math
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -31,10 +37,13 @@ from gguf.quants import dequantize
 from safetensors.torch import save_file
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 
+if TYPE_CHECKING:
+    from triollm.kernels.quant import QuantWeight
+
 __all__ = ["IMPORT_FORMAT_VERSION", "import_gguf"]
 
 # Bump whenever the files written here change, so cached imports are redone.
-IMPORT_FORMAT_VERSION = 2
+IMPORT_FORMAT_VERSION = 3  # 3: K-quants kept in QUANTIZED_FILE
 # The quantized tensors as shipped (`quantization="gguf"`): kernels/quant.py's QuantWeight parts
 # per HF tensor name ("<name>.q", ".d", ".m"), with the bits per name in the metadata.
 QUANTIZED_FILE = "gguf_quantized.safetensors"
@@ -62,6 +71,8 @@ _LAYER_TENSORS = {
     "ffn_down.weight": "mlp.down_proj.weight",
 }
 _ROPE_FREQS = "rope_freqs.weight"
+# The projections the model runs as one fused weight (engine/execution/models/base.py STACKED).
+_FUSED = (("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), ("mlp.gate_proj", "mlp.up_proj"))
 
 # Pre-tokenizer split regexes, keyed by llama.cpp's `tokenizer.ggml.pre`.
 _LLAMA3_SPLIT = (
@@ -285,13 +296,13 @@ def _convert_weights(
 def _quantized_weights(
     tensors: Mapping[str, ReaderTensor], config: Mapping[str, Any]
 ) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    """The 2-D tensors stored in a block format the CPU kernels read (Q4_0, Q4_1, Q8_0), kept
-    as they are: only Q and K rows are reordered (whole rows, so blocks stay intact)."""
+    """The 2-D tensors stored in a block format the CPU kernels read (kernels/quant.py
+    QUANT_GGML_TYPES: Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K), kept quantized: only Q and K rows are
+    reordered (whole rows, so blocks stay intact), and fused parts brought to one width."""
     from triollm.kernels.quant import QUANT_GGML_TYPES, QuantWeight
 
     heads = {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}
-    out: dict[str, torch.Tensor] = {}
-    bits: dict[str, str] = {}
+    weights: dict[str, QuantWeight] = {}
     for name, tensor in tensors.items():
         if name == _ROPE_FREQS or len(tensor.shape) != 2 or int(tensor.tensor_type) not in QUANT_GGML_TYPES:
             continue
@@ -301,9 +312,29 @@ def _quantized_weights(
         if kind in heads:
             order = unpermute_rope_rows(np.arange(shape[0]), heads[kind])
             weight = weight.rows(torch.from_numpy(order.copy()))
+        weights[hf_name] = weight
+    _one_width_per_fused_weight(weights, config["num_hidden_layers"])
+    out: dict[str, torch.Tensor] = {}
+    for hf_name, weight in weights.items():
         out.update({f"{hf_name}.q": weight.q, f"{hf_name}.d": weight.d, f"{hf_name}.m": weight.m})
-        bits[hf_name] = str(weight.bits)
-    return out, bits
+    return out, {hf_name: str(weight.bits) for hf_name, weight in weights.items()}
+
+
+def _one_width_per_fused_weight(weights: dict[str, QuantWeight], num_layers: int) -> None:
+    """A `Q4_K_M` file mixes types inside a fused projection (Q4_K q and k with a Q6_K v, both
+    kept: 4- and 8-bit codes); its 4-bit parts become 8-bit codes, the same codes, scales and
+    offsets (exact, twice the bytes for those parts), so the parts concatenate."""
+    from triollm.kernels.quant import QuantWeight
+
+    for layer in range(num_layers):
+        for group in _FUSED:
+            names = [f"model.layers.{layer}.{part}.weight" for part in group]
+            present = [n for n in names if n in weights]
+            if len({weights[n].bits for n in present}) > 1:
+                for n in present:
+                    w = weights[n]
+                    if w.bits == 4:
+                        weights[n] = QuantWeight(w.codes().to(torch.uint8), w.d, w.m, 8)
 
 
 def _hf_name(name: str, num_layers: int) -> tuple[str, str]:

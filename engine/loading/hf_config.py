@@ -5,10 +5,11 @@ the model computes, read the way transformers' `LlamaConfig` / `MistralConfig` /
 their modeling files read it, with each architecture's own defaults (a Mistral config without
 `num_key_value_heads` has 8, a Qwen2 one 32; a Mistral without `sliding_window` has a 4096-token
 window). What the engine cannot compute exactly is a `ValueError` naming the field, raised at
-load: an activation other than SiLU, quantised weights, an unsupported RoPE (rope_config.py),
-layer types other than full and sliding attention. Fields that change nothing at inference
-(`attention_dropout`, `initializer_range`, `pretraining_tp`, `use_cache`, `pad_token_id`) are
-ignored, as are fields the architecture's modeling code does not read (`sliding_window` on Llama,
+load: an activation other than SiLU, an unsupported RoPE (rope_config.py), layer types other
+than full and sliding attention, a `quantization_config` that quant_checkpoints.py cannot read
+(it reads GPTQ, AWQ, compressed-tensors and FP8 checkpoints of decoder models). Fields that
+change nothing at inference (`attention_dropout`, `initializer_range`, `pretraining_tp`,
+`use_cache`, `pad_token_id`) are ignored, as are fields the architecture's modeling code does not read (`sliding_window` on Llama,
 `attention_bias` / `mlp_bias` on Mistral and Qwen2).
 
 Encoder-only checkpoints (`BertModel`, served by the pooling runner) are read into the same
@@ -43,6 +44,7 @@ from typing import Any
 import torch
 
 from triollm.engine.loading.hf_families import MoESpec, family_fields
+from triollm.engine.loading.quant_checkpoints import CheckpointQuant, parse_quantization_config
 from triollm.engine.loading.rope_config import RopeConfig, parse_rope
 
 __all__ = [
@@ -134,6 +136,8 @@ class HfConfig:
     logits_divisor: float = 1.0  # Granite: logits_scaling
     fused_checkpoint: bool = False  # Phi-3: qkv_proj and gate_up_proj stored fused
     moe: MoESpec | None = None
+    # config.json's `quantization_config` (quant_checkpoints.py); None: a float checkpoint.
+    checkpoint_quant: CheckpointQuant | None = None
 
     def layer_window(self, layer: int) -> int | None:
         """The sliding window of `layer`, None for full attention."""
@@ -159,15 +163,7 @@ def parse_hf_config(hf: Mapping[str, Any]) -> HfConfig:
     if arch in ENCODER_ARCHITECTURES:
         return _parse_bert(arch, hf)
     d = _ARCHITECTURES[arch]
-    if hf.get("quantization_config"):
-        method = (
-            hf["quantization_config"].get("quant_method", "?")
-            if isinstance(hf["quantization_config"], Mapping)
-            else "?"
-        )
-        raise ValueError(
-            f"quantization_config: quantized checkpoints ({method}) are not supported; use unquantized weights"
-        )
+    quant = parse_quantization_config(hf["quantization_config"]) if hf.get("quantization_config") else None
     act_field = "hidden_activation" if hf.get("hidden_activation") is not None else "hidden_act"
     act = hf.get(act_field) or d.hidden_act
     if act not in _ACTIVATIONS:
@@ -208,6 +204,7 @@ def parse_hf_config(hf: Mapping[str, Any]) -> HfConfig:
         encoder=None,
         hidden_act=_ACTIVATIONS[act],
         layer_types=layer_types,
+        checkpoint_quant=quant,
         **extra,
     )
 
@@ -219,7 +216,7 @@ def _parse_bert(arch: str, hf: Mapping[str, Any]) -> HfConfig:
     """BertModel as transformers' `BertConfig` reads it (its defaults when a field is absent).
     Refused: relative position embeddings, activations other than GELU, quantised weights."""
     if hf.get("quantization_config"):
-        raise ValueError("quantization_config: quantized checkpoints are not supported; use unquantized weights")
+        raise ValueError(f"quantization_config: quantized checkpoints of {arch} are not supported; use unquantized weights")
     position = hf.get("position_embedding_type", "absolute")
     if position != "absolute":
         raise ValueError(f"position_embedding_type: {position!r} is not supported; supported: absolute")

@@ -86,7 +86,8 @@ class ModelConfig(HfConfig):
     runner_type: str = "generate"  # "generate" or "pooling" (resolved from `runner`)
     pooler: PoolerConfig | None = None  # set for pooling models
     # Weight-only quantization of the linear layers (kernels/quant.py): None (dense), "gguf"
-    # (the GGUF's blocks as shipped), "int8" or "int4".
+    # (the GGUF's blocks as shipped), "int8" or "int4" (float weights quantized at load), or a
+    # quantized checkpoint's own method: "gptq", "awq", "fp8", "compressed-tensors".
     quantization: str | None = None
     # The KV cache's dtype where it differs from the activations' (`kv_cache_dtype`): only a
     # bf16 cache under fp32 activations, on CPU. None: the activations' dtype.

@@ -18,11 +18,25 @@ Every parameter must be filled, every piece of it: a tensor the model has no pla
 one, or one of the wrong shape is a `ValueError` naming it. `quantize_model` swaps the decoder
 layers' projections for quantized ones (layers/quantized.py) before loading ("gguf": the GGUF's
 own blocks, whose dense copies are then never read) or after it ("int8"/"int4").
+
+A checkpoint with a `quantization_config` (GPTQ, AWQ, compressed-tensors, FP8:
+quant_checkpoints.py) is read in a first pass, module by module: run by its own method, each
+decoder projection (and an untied lm_head) becomes a QuantLinear of the checkpoint's codes,
+the pieces of a stacked one (q|k|v, gate|up) concatenated; FP8 weights, experts, routers and
+any other quantized tensor are dequantized into their dense layer. Run with quantization
+"none", "int8" or "int4", every quantized weight is dequantized (exactly, in fp32) and loads as
+a float checkpoint's would. A stacked projection whose pieces cannot share one QuantLinear
+(different bits, or act-order permutations that differ) is dequantized too, with a warning: it
+computes the same, in more bytes. The dense pass then skips the tensors read there; biases,
+norms and embeddings load as usual.
 """
 
 from __future__ import annotations
 
 import json
+import logging
+from collections.abc import Iterator
+from contextlib import ExitStack
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -37,6 +51,14 @@ from triollm.engine.execution.layers.quantized import (
     QuantLinear,
     read_gguf_quantized,
 )
+from triollm.engine.loading.quant_checkpoints import (
+    CheckpointQuant,
+    IntLinear,
+    WeightScheme,
+    module_tensors,
+    quantized_modules,
+    read_linear,
+)
 from triollm.kernels.quant import QuantWeight
 
 if TYPE_CHECKING:
@@ -45,6 +67,7 @@ if TYPE_CHECKING:
 __all__ = ["checkpoint_files", "load_weights", "materialize", "quantize_model"]
 
 _EXPERT_KINDS = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down"}
+logger = logging.getLogger("triollm")
 
 
 def checkpoint_files(path: Path) -> list[Path]:
@@ -81,11 +104,19 @@ class _Rows:
 
 def load_weights(model: CausalLM, path: Path) -> None:
     """Fill the model's parameters from the checkpoint in `path` (module note)."""
-    modules = dict(model.named_modules())
     filled: dict[str, set[Any]] = {}
-    for file in checkpoint_files(path):
+    files = checkpoint_files(path)
+    read: set[str] = set()
+    quant = model.cfg.checkpoint_quant
+    if quant is not None:
+        with _Tensors(files) as tensors:
+            read = _load_quantized(model, quant, tensors, filled)
+    modules = dict(model.named_modules())
+    for file in files:
         with safe_open(str(file), framework="pt") as f:
             for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
+                if name in read:
+                    continue
                 ours = model.remap(name)
                 if ours is None:
                     continue
@@ -101,6 +132,112 @@ def load_weights(model: CausalLM, path: Path) -> None:
     ]
     if missing:
         raise ValueError(f"model: checkpoint in {path} lacks tensors: {', '.join(sorted(missing)[:5])}")
+
+
+class _Tensors:
+    """Every tensor of a checkpoint's files by name, opened once (quant_checkpoints.Tensors)."""
+
+    def __init__(self, files: list[Path]) -> None:
+        self._files, self._stack = files, ExitStack()
+        self._where: dict[str, Any] = {}
+
+    def __enter__(self) -> _Tensors:
+        for file in self._files:
+            f = self._stack.enter_context(safe_open(str(file), framework="pt"))
+            self._where.update(dict.fromkeys(f.keys(), f))
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stack.close()
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._where
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._where)
+
+    def get(self, name: str) -> torch.Tensor:
+        return self._where[name].get_tensor(name)  # type: ignore[no-any-return]
+
+
+def _load_quantized(model: CausalLM, quant: CheckpointQuant, tensors: _Tensors, filled: dict[str, set[Any]]) -> set[str]:
+    """The first pass over a quantized checkpoint (module note); the names of the tensors read."""
+    keep = model.cfg.quantization == quant.method
+    read: set[str] = set()
+    stacks: dict[str, dict[int | None, tuple[str, WeightScheme, str]]] = {}
+    dense: list[tuple[str, WeightScheme, str]] = []
+    for prefix, scheme in quantized_modules(tensors, quant).items():
+        read.update(module_tensors(tensors, prefix, scheme))
+        ours = model.remap(f"{prefix}.weight")
+        if ours is None:
+            continue  # a tied lm_head: the embedding is the head
+        path, piece = _target(model, ours)
+        if keep and not scheme.dense and _keeps_quantized(model, path):
+            stacks.setdefault(path, {})[piece] = (prefix, scheme, ours)
+        else:
+            dense.append((prefix, scheme, ours))
+    for path, pieces in stacks.items():
+        if not _quantize_from_checkpoint(model, path, pieces, tensors, quant.zero_offset):
+            dense.extend(pieces.values())
+    modules = dict(model.named_modules())
+    for prefix, scheme, ours in dense:
+        weight = read_linear(tensors, prefix, scheme, quant.zero_offset)
+        where = _load_one(model, modules, ours, weight.dequantize() if isinstance(weight, IntLinear) else weight)
+        if where is None:
+            raise ValueError(f"model: unexpected quantized tensors of {prefix!r} in the checkpoint")
+        filled.setdefault(where[0], set()).update(where[1])
+    return read
+
+
+def _target(model: CausalLM, ours: str) -> tuple[str, int | None]:
+    """The module a checkpoint weight (our name) goes to, and which piece of it: None where the
+    checkpoint holds the module's pieces fused (Phi-3)."""
+    path, _, _ = ours.rpartition(".")
+    owner, _, sub = path.rpartition(".")
+    if sub in model.stacked:
+        stacked, piece = model.stacked[sub]
+        return (f"{owner}.{stacked}" if owner else stacked), piece
+    return path, None if model.fused_pieces(path) is not None else 0
+
+
+def _keeps_quantized(model: CausalLM, path: str) -> bool:
+    """Where a checkpoint's quantized weight stays quantized: the decoder layers' projections
+    (experts and routers stay dense, as with int8/int4) and an untied lm_head."""
+    if path == "lm_head":
+        return model.lm_head is not None
+    return path.startswith("layers.") and ".experts" not in path and not path.endswith(".gate")
+
+
+def _quantize_from_checkpoint(
+    model: CausalLM, path: str, pieces: dict[int | None, tuple[str, WeightScheme, str]], tensors: _Tensors, zero_offset: int
+) -> bool:
+    """Replace Linear `path` by a QuantLinear of the checkpoint's pieces; False (nothing replaced)
+    where they cannot share one (module note)."""
+    dense = model.get_submodule(path)
+    if not isinstance(dense, Linear):
+        return False
+    order: list[int | None] = [None] if None in pieces else list(range(len(dense.rows)))
+    if set(order) != set(pieces):
+        return False  # some pieces stored in float: the layer stays dense
+    parts = [read_linear(tensors, pieces[i][0], pieces[i][1], zero_offset) for i in order]
+    assert all(isinstance(p, IntLinear) for p in parts)  # FP8 (dense) weights never get here
+    ints = [p for p in parts if isinstance(p, IntLinear)]
+    first = ints[0].perm
+    same_perm = all(
+        p.perm is None if first is None else p.perm is not None and torch.equal(p.perm, first) for p in ints
+    )
+    if len({p.bits for p in ints}) != 1 or not same_perm:
+        logger.warning("%s: its pieces differ in bits or act order; dequantized to %s", path, model.cfg.dtype)
+        return False
+    weight = QuantWeight.cat([p.quant_weight(pieces[i][0]) for p, i in zip(ints, order, strict=True)])
+    if weight.shape != (dense.out_features, dense.in_features):
+        raise ValueError(f"model: the quantized {path} is {list(weight.shape)}, expected [{dense.out_features}, {dense.in_features}]")
+    bias = None if dense.bias is None else dense.bias.detach()  # loaded by the dense pass
+    quant = QuantLinear(weight, bias, ints[0].perm)
+    quant.rows, quant.cols = dense.rows, dense.cols
+    owner, _, attr = path.rpartition(".")
+    setattr(model.get_submodule(owner) if owner else model, attr, quant)
+    return True
 
 
 def _load_one(model: CausalLM, modules: dict[str, nn.Module], name: str, source: Any) -> tuple[str, list[Any]] | None:

@@ -5,6 +5,8 @@
 
 #include <ATen/ATen.h>
 
+#include <string>
+
 namespace triollm_cpu {
 
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
@@ -17,6 +19,6 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
                                   const at::Tensor& context_lens, double scale,
                                   int64_t window = 0, double softcap = 0.0);  // 0: none
 at::Tensor quant_linear_packed(const at::Tensor& x, const at::Tensor& qp, const at::Tensor& dp,
-                               const at::Tensor& mp, int64_t bits, int64_t N, bool portable);
+                               const at::Tensor& mp, int64_t bits, int64_t N, const std::string& isa);
 
 }  // namespace triollm_cpu

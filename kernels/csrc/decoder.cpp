@@ -38,7 +38,7 @@ at::Tensor quant_decoder_stack(const at::Tensor& x, at::TensorList weights, at::
     const at::Tensor* w = weights.data() + 14 * i;
     const int64_t* s = shapes.data() + 8 * i;
     auto linear = [&](const at::Tensor& in, int64_t p) {  // projection p: 0 qkv, 1 o, 2 gate_up, 3 down
-      return quant_linear_packed(in, w[2 + 3 * p], w[3 + 3 * p], w[4 + 3 * p], s[2 * p], s[2 * p + 1], false);
+      return quant_linear_packed(in, w[2 + 3 * p], w[3 + 3 * p], w[4 + 3 * p], s[2 * p], s[2 * p + 1], "auto");
     };
     const at::Tensor qkv = linear(rms_norm(h, w[0], eps), 0);
     const at::Tensor q = rotary_write_kv(qkv, cos, sin, k_caches[i], v_caches[i], slots, num_heads, num_kv_heads);

@@ -7,8 +7,16 @@
 //   sum_j w_j x_j = dx * (d * sum_j q_j qx_j + m * sum_j qx_j),
 // and AVX-512 VNNI `vpdpbusd` multiplies 64 unsigned code bytes by 64 signed activation bytes
 // per instruction. The codes are laid out for it (`quant_linear_packed`, below): each weight
-// byte is read once per call and every activation row of the batch uses it. Without VNNI the
-// same integer arithmetic runs as plain loops.
+// byte is read once per call and every activation row of the batch uses it.
+//
+// Three paths over that one layout, each compiled for its own instruction set (a target pragma
+// per path, whatever the build's -march), chosen at run time by what the CPU has (`resolve_isa`;
+// $TRIOLLM_CPU_ISA forces one, for tests and A/B runs): AVX-512 VNNI; AVX2 (+FMA, F16C), which
+// reads each 512-bit vector as two 256-bit halves of 8 rows and multiplies with `vpmaddubsw`
+// (pairs of u8 x s8 products summed into int16 lanes) and `vpmaddwd` (pairs of those into int32,
+// one row per lane), as ggml does; and plain loops. The integer block sums are exact on every
+// path, and the float arithmetic after them is the same operations in the same order, so the
+// three give the same bits (tests/kernels/test_quant.py).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -21,20 +29,16 @@
 #include <cstdint>
 #include <vector>
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#include <cctype>
+#include <cstdlib>
+#include <cstring>
+#include <string>
 #include <immintrin.h>
-#define TRIOLLM_VNNI 1
-#endif
 
 namespace triollm_cpu {
 
 constexpr int64_t kBlock = 32;
 constexpr int64_t kRowsPerPass = 8;  // activation rows whose accumulators live in registers
-#ifdef TRIOLLM_VNNI
-constexpr bool kHasVnni = true;
-#else
-constexpr bool kHasVnni = false;
-#endif
 
 inline float half_to_float(uint16_t h) { return c10::detail::fp16_ieee_to_fp32_value(h); }
 
@@ -71,7 +75,8 @@ void quantize_activations(const float* x, int64_t M, int64_t K, int8_t* qx, floa
 //   dp, mp: fp16 [G, nb, 16], the 16 rows' scales and offsets of block b.
 // Rows past N (the last group's padding) have zero codes and scales and are not stored.
 
-#ifdef TRIOLLM_VNNI
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512vnni,fma,f16c")
 // Block b of a group: its 8 code vectors (4-bit codes split into low and high nibbles) and its
 // 16 rows' scales and offsets. Prefetches 4 KB ahead (past a group's end: the next group's,
 // contiguous): the weights stream from DRAM once per call, and the hardware prefetcher alone
@@ -148,9 +153,106 @@ inline void packed_group_m1(const uint8_t* qg, const uint16_t* dg, const uint16_
   }
   _mm512_mask_storeu_ps(out, store_mask, _mm512_add_ps(acc, acc_m));
 }
-#endif
+#pragma GCC pop_options
 
-// Scalar path over the same packed layout (no VNNI): the code of row `lane`, input `k` of group g.
+// ------------------------------------------------------------------------------------------
+// AVX2: each 64-byte vector of the layout is two 256-bit halves, rows 0-7 and rows 8-15, and
+// a half's 8 int32 lanes are its rows' dot products. `vpmaddubsw` sums two u8 x s8 products
+// into an int16 lane, at most 2 * 15 * 127 = 3810 for 4-bit codes, so the 8 products of a block
+// (32 codes) add up in int16 lanes without overflow (8 * 3810 = 30480 < 32767) before one
+// `vpmaddwd` widens pairs of lanes to a row's int32 sum. 8-bit codes would overflow there, so
+// they go through as two nibble planes, low + 16 * high, each as a 4-bit code would.
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c")
+
+template <bool FourBit>
+inline __m256i block_dot_avx2(const uint8_t* wb, int half, const int32_t* xb) {
+  const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  __m256i s0 = _mm256_setzero_si256(), s1 = _mm256_setzero_si256();
+  if constexpr (FourBit) {
+    for (int t = 0; t < 4; ++t) {
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + t * 64 + half * 32));
+      s0 = _mm256_add_epi16(s0, _mm256_maddubs_epi16(_mm256_and_si256(v, low), _mm256_set1_epi32(xb[t])));
+      s1 = _mm256_add_epi16(s1, _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(v, 4), low),
+                                                     _mm256_set1_epi32(xb[t + 4])));
+    }
+    return _mm256_madd_epi16(_mm256_add_epi16(s0, s1), ones);
+  } else {
+    for (int t = 0; t < 8; ++t) {
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + t * 64 + half * 32));
+      const __m256i x = _mm256_set1_epi32(xb[t]);
+      s0 = _mm256_add_epi16(s0, _mm256_maddubs_epi16(_mm256_and_si256(v, low), x));
+      s1 = _mm256_add_epi16(s1, _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(v, 4), low), x));
+    }
+    return _mm256_add_epi32(_mm256_madd_epi16(s0, ones), _mm256_madd_epi16(s1, _mm256_set1_epi16(16)));
+  }
+}
+
+inline void prefetch_block_avx2(const uint8_t* wb, int64_t bytes, const uint16_t* dg, const uint16_t* mg, int64_t b) {
+  constexpr int64_t kAheadBytes = 4096;
+  const int64_t ahead = kAheadBytes / bytes;
+  for (int64_t c = 0; c < bytes; c += 64) _mm_prefetch(reinterpret_cast<const char*>(wb + kAheadBytes + c), _MM_HINT_T0);
+  _mm_prefetch(reinterpret_cast<const char*>(dg + (b + ahead) * 16), _MM_HINT_T0);
+  _mm_prefetch(reinterpret_cast<const char*>(mg + (b + ahead) * 16), _MM_HINT_T0);
+}
+
+inline __m256 half8_avx2(const uint16_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+
+// The first `valid` of a half's 8 lanes (valid in 0..8).
+inline void store8_avx2(float* out, __m256 v, int64_t valid) {
+  if (valid >= 8) {
+    _mm256_storeu_ps(out, v);
+  } else if (valid > 0) {
+    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    _mm256_maskstore_ps(out, _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(valid)), lane), v);
+  }
+}
+
+template <bool FourBit>
+void packed_group_m1_avx2(const uint8_t* qg, const uint16_t* dg, const uint16_t* mg, int64_t nb, const int8_t* qx,
+                          const float* dx, const float* sx, float* out, int64_t valid) {
+  constexpr int64_t kBytes = FourBit ? 256 : 512;
+  __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()}, acc_m[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* wb = qg + b * kBytes;
+    prefetch_block_avx2(wb, kBytes, dg, mg, b);
+    const int32_t* xb = reinterpret_cast<const int32_t*>(qx + b * kBlock);
+    const __m256 scale = _mm256_set1_ps(dx[b]), offset = _mm256_set1_ps(sx[b]);
+    for (int h = 0; h < 2; ++h) {
+      const __m256 dot = _mm256_cvtepi32_ps(block_dot_avx2<FourBit>(wb, h, xb));
+      acc[h] = _mm256_fmadd_ps(dot, _mm256_mul_ps(half8_avx2(dg + b * 16 + h * 8), scale), acc[h]);
+      acc_m[h] = _mm256_fmadd_ps(half8_avx2(mg + b * 16 + h * 8), offset, acc_m[h]);
+    }
+  }
+  for (int h = 0; h < 2; ++h) store8_avx2(out + h * 8, _mm256_add_ps(acc[h], acc_m[h]), valid - h * 8);
+}
+
+template <bool FourBit>
+void packed_group_avx2(const uint8_t* qg, const uint16_t* dg, const uint16_t* mg, int64_t nb, const int8_t* qx,
+                       const float* dx, const float* sx, int64_t K, int64_t rows, float* out, int64_t ldo,
+                       int64_t valid) {
+  constexpr int64_t kBytes = FourBit ? 256 : 512;
+  for (int h = 0; h < 2 && h * 8 < valid; ++h) {
+    __m256 acc[kRowsPerPass];
+    for (int64_t r = 0; r < rows; ++r) acc[r] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; ++b) {
+      const uint8_t* wb = qg + b * kBytes;
+      if (h == 0) prefetch_block_avx2(wb, kBytes, dg, mg, b);
+      const __m256 dw = half8_avx2(dg + b * 16 + h * 8), mw = half8_avx2(mg + b * 16 + h * 8);
+      for (int64_t r = 0; r < rows; ++r) {
+        const int32_t* xb = reinterpret_cast<const int32_t*>(qx + r * K + b * kBlock);
+        const __m256 dot = _mm256_cvtepi32_ps(block_dot_avx2<FourBit>(wb, h, xb));
+        acc[r] = _mm256_fmadd_ps(dot, _mm256_mul_ps(dw, _mm256_set1_ps(dx[r * nb + b])), acc[r]);
+        acc[r] = _mm256_fmadd_ps(mw, _mm256_set1_ps(sx[r * nb + b]), acc[r]);
+      }
+    }
+    for (int64_t r = 0; r < rows; ++r) store8_avx2(out + r * ldo + h * 8, acc[r], valid - h * 8);
+  }
+}
+#pragma GCC pop_options
+
+
+// The plain loops' view of the packed layout: the code of row `lane`, input `k` of group g.
 inline int32_t packed_code(const uint8_t* qg, bool four_bit, int64_t lane, int64_t k) {
   const int64_t b = k / kBlock, c = k % kBlock, s = c / 4, j = c % 4;
   if (four_bit) {
@@ -160,27 +262,96 @@ inline int32_t packed_code(const uint8_t* qg, bool four_bit, int64_t lane, int64
   return qg[b * 512 + s * 64 + lane * 4 + j];
 }
 
-// The portable path: plain loops over the same layout and the same integer arithmetic.
-void packed_group_portable(const uint8_t* qg, const uint16_t* dg, const uint16_t* mg, int64_t nb, const int8_t* qx,
-                           const float* dx, const float* sx, int64_t K, int64_t M, bool four_bit, int64_t valid,
-                           float* out, int64_t ldo) {
+// The plain loops: the same integer sums, and per output lane the same float operations in the
+// same order as the vector paths (fused multiply-adds, the batch-1 offset sum kept apart), so all
+// paths give the same bits.
+void packed_group_scalar(const uint8_t* qg, const uint16_t* dg, const uint16_t* mg, int64_t nb, const int8_t* qx,
+                         const float* dx, const float* sx, int64_t K, int64_t M, bool four_bit, int64_t valid,
+                         float* out, int64_t ldo) {
   for (int64_t lane = 0; lane < valid; ++lane) {
     for (int64_t r = 0; r < M; ++r) {
-      float total = 0.f;
+      float acc = 0.f, acc_m = 0.f;
       for (int64_t b = 0; b < nb; ++b) {
         int32_t dot = 0;
         for (int64_t c = 0; c < kBlock; ++c) dot += packed_code(qg, four_bit, lane, b * kBlock + c) * qx[r * K + b * kBlock + c];
-        total += half_to_float(dg[b * 16 + lane]) * dx[r * nb + b] * static_cast<float>(dot) +
-                 half_to_float(mg[b * 16 + lane]) * sx[r * nb + b];
+        const float d = half_to_float(dg[b * 16 + lane]), m = half_to_float(mg[b * 16 + lane]);
+        acc = std::fma(static_cast<float>(dot), d * dx[r * nb + b], acc);
+        if (M == 1)
+          acc_m = std::fma(m, sx[b], acc_m);
+        else
+          acc = std::fma(m, sx[r * nb + b], acc);
       }
-      out[r * ldo + lane] = total;
+      out[r * ldo + lane] = M == 1 ? acc + acc_m : acc;
     }
   }
 }
 
-// `portable`: the plain loops even where VNNI is built in (tests compare the two).
+// The quantized kernel's paths, best first.
+enum class QuantIsa { kAvx512Vnni, kAvx2, kScalar };
+
+const char* isa_name(QuantIsa isa) {
+  switch (isa) {
+    case QuantIsa::kAvx512Vnni:
+      return "avx512_vnni";
+    case QuantIsa::kAvx2:
+      return "avx2";
+    default:
+      return "scalar";
+  }
+}
+
+bool cpu_runs(QuantIsa isa) {
+  __builtin_cpu_init();
+  switch (isa) {
+    case QuantIsa::kAvx512Vnni:
+      return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+             __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
+    case QuantIsa::kAvx2:
+      return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+    default:
+      return true;
+  }
+}
+
+std::string runnable_isas() {
+  std::string names;
+  for (QuantIsa isa : {QuantIsa::kAvx512Vnni, QuantIsa::kAvx2, QuantIsa::kScalar})
+    if (cpu_runs(isa)) names += (names.empty() ? "" : ", ") + std::string(isa_name(isa));
+  return names;
+}
+
+// "auto": $TRIOLLM_CPU_ISA if set, else the best path this CPU runs (resolved once per process).
+// A named path the CPU cannot run is an error, never an illegal instruction.
+QuantIsa resolve_isa(const std::string& name) {
+  auto parse = [](const std::string& n) {
+    for (QuantIsa isa : {QuantIsa::kAvx512Vnni, QuantIsa::kAvx2, QuantIsa::kScalar}) {
+      if (n == isa_name(isa)) {
+        TORCH_CHECK(cpu_runs(isa), "quantized kernel path '", n, "' needs CPU features this CPU lacks; allowed here: ",
+                    runnable_isas());
+        return isa;
+      }
+    }
+    TORCH_CHECK(false, "quantized kernel path '", n, "' is unknown; allowed: auto, avx512_vnni, avx2, scalar");
+    return QuantIsa::kScalar;
+  };
+  if (name != "auto") return parse(name);
+  static const QuantIsa chosen = [&] {
+    const char* forced = std::getenv("TRIOLLM_CPU_ISA");
+    if (forced != nullptr && *forced != '\0') {
+      std::string lower(forced);
+      for (char& c : lower) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+      return parse(lower);
+    }
+    for (QuantIsa isa : {QuantIsa::kAvx512Vnni, QuantIsa::kAvx2})
+      if (cpu_runs(isa)) return isa;
+    return QuantIsa::kScalar;
+  }();
+  return chosen;
+}
+
+// `isa`: "auto" (module note), or a path by name (tests compare them).
 at::Tensor quant_linear_packed(const at::Tensor& x, const at::Tensor& qp, const at::Tensor& dp,
-                               const at::Tensor& mp, int64_t bits, int64_t N, bool portable) {
+                               const at::Tensor& mp, int64_t bits, int64_t N, const std::string& isa_name_arg) {
   TORCH_CHECK(bits == 4 || bits == 8, "quant_linear_packed: bits must be 4 or 8, got ", bits);
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "quant_linear_packed: x must be [M, K] float32");
   const int64_t M = x.size(0), K = x.size(1), nb = K / kBlock, G = qp.size(0);
@@ -189,6 +360,7 @@ at::Tensor quant_linear_packed(const at::Tensor& x, const at::Tensor& qp, const 
                   mp.sizes() == dp.sizes() && dp.scalar_type() == at::kHalf && mp.scalar_type() == at::kHalf &&
                   N <= G * 16 && N > (G - 1) * 16,
               "quant_linear_packed: the packed weight does not match x [", M, ", ", K, "] and N=", N);
+  const QuantIsa isa = resolve_isa(isa_name_arg);
   const at::Tensor xc = x.contiguous(), qc = qp.contiguous(), dc = dp.contiguous(), mc = mp.contiguous();
   at::Tensor out = at::empty({M, N}, x.options());
   if (M == 0 || N == 0) return out;
@@ -202,40 +374,58 @@ at::Tensor quant_linear_packed(const at::Tensor& x, const at::Tensor& qp, const 
   const int64_t group_bytes = nb * (bits == 4 ? 256 : 512);
   // Tasks of at least ~32K weight bytes x activation rows: smaller ones cost more to start.
   const int64_t grain = std::max<int64_t>(1, (32 << 10) / (group_bytes * M));
-  const bool plain = portable || !kHasVnni;
+  const bool four = bits == 4;
   at::parallel_for(0, G, grain, [&](int64_t g0, int64_t g1) {
     for (int64_t g = g0; g < g1; ++g) {
       const int64_t valid = std::min<int64_t>(16, N - g * 16);
       const uint8_t* qg = q + g * group_bytes;
       const uint16_t* dg = d + g * nb * 16;
       const uint16_t* mg = m + g * nb * 16;
-      if (plain) {
-        packed_group_portable(qg, dg, mg, nb, qx.data(), dx.data(), sx.data(), K, M, bits == 4, valid, o + g * 16, N);
-        continue;
+      if (isa == QuantIsa::kScalar) {
+        packed_group_scalar(qg, dg, mg, nb, qx.data(), dx.data(), sx.data(), K, M, four, valid, o + g * 16, N);
+      } else if (isa == QuantIsa::kAvx2) {
+        if (M == 1) {
+          if (four)
+            packed_group_m1_avx2<true>(qg, dg, mg, nb, qx.data(), dx.data(), sx.data(), o + g * 16, valid);
+          else
+            packed_group_m1_avx2<false>(qg, dg, mg, nb, qx.data(), dx.data(), sx.data(), o + g * 16, valid);
+          continue;
+        }
+        for (int64_t r0 = 0; r0 < M; r0 += kRowsPerPass) {
+          const int64_t rows = std::min(kRowsPerPass, M - r0);
+          const int8_t* qr = qx.data() + r0 * K;
+          const float *dr = dx.data() + r0 * nb, *sr = sx.data() + r0 * nb;
+          if (four)
+            packed_group_avx2<true>(qg, dg, mg, nb, qr, dr, sr, K, rows, o + r0 * N + g * 16, N, valid);
+          else
+            packed_group_avx2<false>(qg, dg, mg, nb, qr, dr, sr, K, rows, o + r0 * N + g * 16, N, valid);
+        }
+      } else {
+        const __mmask16 mask = static_cast<__mmask16>((1u << valid) - 1u);
+        if (M == 1) {
+          if (four)
+            packed_group_m1<true>(qg, dg, mg, nb, qx.data(), dx.data(), sx.data(), o + g * 16, mask);
+          else
+            packed_group_m1<false>(qg, dg, mg, nb, qx.data(), dx.data(), sx.data(), o + g * 16, mask);
+          continue;
+        }
+        for (int64_t r0 = 0; r0 < M; r0 += kRowsPerPass) {
+          const int64_t rows = std::min(kRowsPerPass, M - r0);
+          if (four)
+            packed_group<true>(qg, dg, mg, nb, qx.data() + r0 * K, dx.data() + r0 * nb, sx.data() + r0 * nb, K, rows,
+                               o + r0 * N + g * 16, N, mask);
+          else
+            packed_group<false>(qg, dg, mg, nb, qx.data() + r0 * K, dx.data() + r0 * nb, sx.data() + r0 * nb, K, rows,
+                                o + r0 * N + g * 16, N, mask);
+        }
       }
-#ifdef TRIOLLM_VNNI
-      const __mmask16 mask = static_cast<__mmask16>((1u << valid) - 1u);
-      if (M == 1) {
-        if (bits == 4)
-          packed_group_m1<true>(qg, dg, mg, nb, qx.data(), dx.data(), sx.data(), o + g * 16, mask);
-        else
-          packed_group_m1<false>(qg, dg, mg, nb, qx.data(), dx.data(), sx.data(), o + g * 16, mask);
-        continue;
-      }
-      for (int64_t r0 = 0; r0 < M; r0 += kRowsPerPass) {
-        const int64_t rows = std::min(kRowsPerPass, M - r0);
-        if (bits == 4)
-          packed_group<true>(qg, dg, mg, nb, qx.data() + r0 * K, dx.data() + r0 * nb, sx.data() + r0 * nb, K, rows,
-                             o + r0 * N + g * 16, N, mask);
-        else
-          packed_group<false>(qg, dg, mg, nb, qx.data() + r0 * K, dx.data() + r0 * nb, sx.data() + r0 * nb, K, rows,
-                              o + r0 * N + g * 16, N, mask);
-      }
-#endif
     }
   });
   return out;
 }
+
+// The path "auto" takes in this process (kernels/cpu_native.py `quant_isa` agrees).
+std::string quant_isa_op() { return isa_name(resolve_isa("auto")); }
 
 // The int8 activations, their scales and scale * sum (for tests: the kernel's exact inputs).
 std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_activations_op(const at::Tensor& x) {
@@ -255,7 +445,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_activations_op(const at:
 using namespace triollm_cpu;
 
 TORCH_LIBRARY_FRAGMENT(triollm_cpu, m) {
-  m.def("quant_linear_packed(Tensor x, Tensor qp, Tensor dp, Tensor mp, int bits, int n, bool portable=False) -> Tensor");
+  m.def("quant_linear_packed(Tensor x, Tensor qp, Tensor dp, Tensor mp, int bits, int n, str isa=\"auto\") -> Tensor");
+  m.def("quant_isa() -> str", &quant_isa_op);
   m.def("quantize_activations(Tensor x) -> (Tensor, Tensor, Tensor)");
 }
 

@@ -18,7 +18,8 @@ import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file
-from tinymodel import CHATML, CORPUS, SPECIALS, make_tiny_model
+from tiny_gguf import write_tiny_gguf
+from tinymodel import CHATML, CORPUS, make_tiny_model
 from tokenizers import Tokenizer
 
 from triollm.engine.loading import gguf_import, model_files
@@ -260,84 +261,12 @@ def test_corrupt_gguf_leaves_no_directory(tmp_path: Path) -> None:
 # tiny synthetic GGUFs written from a known HF checkpoint
 
 
-def _llama_cpp_permute(weight: np.ndarray, n_head: int) -> np.ndarray:
-    """llama.cpp's convert_hf_to_gguf.py Q/K row permutation (HF half-split -> interleaved)."""
-    rows = weight.shape[0]
-    return weight.reshape(n_head, 2, rows // n_head // 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
-
-
-_GGUF_NAMES = {
-    "input_layernorm.weight": "attn_norm.weight",
-    "post_attention_layernorm.weight": "ffn_norm.weight",
-    "self_attn.q_proj.weight": "attn_q.weight",
-    "self_attn.k_proj.weight": "attn_k.weight",
-    "self_attn.v_proj.weight": "attn_v.weight",
-    "self_attn.o_proj.weight": "attn_output.weight",
-    "mlp.gate_proj.weight": "ffn_gate.weight",
-    "mlp.up_proj.weight": "ffn_up.weight",
-    "mlp.down_proj.weight": "ffn_down.weight",
-}
-
-
-def _write_tiny_gguf(
-    hf_dir: Path, out: Path, *, arch: str = "llama", tokenizer_model: str = "gpt2", q8_layer0_q: bool = True
-) -> None:
-    cfg = json.loads((hf_dir / "config.json").read_text())
-    tok = json.loads((hf_dir / "tokenizer.json").read_text())
-    weights = {k: v.numpy() for k, v in load_file(str(hf_dir / "model.safetensors")).items()}
-    writer = gguf.GGUFWriter(str(out), arch)
-    writer.add_block_count(cfg["num_hidden_layers"])
-    writer.add_context_length(cfg["max_position_embeddings"])
-    writer.add_embedding_length(cfg["hidden_size"])
-    writer.add_feed_forward_length(cfg["intermediate_size"])
-    writer.add_head_count(cfg["num_attention_heads"])
-    writer.add_head_count_kv(cfg["num_key_value_heads"])
-    writer.add_rope_dimension_count(cfg["head_dim"])
-    writer.add_rope_freq_base(cfg["rope_theta"])
-    writer.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
-    vocab = sorted(tok["model"]["vocab"].items(), key=lambda kv: kv[1])
-    writer.add_tokenizer_model(tokenizer_model)
-    writer.add_tokenizer_pre("gpt-2")
-    writer.add_token_list([t for t, _ in vocab])
-    writer.add_token_types([3 if t in SPECIALS else 1 for t, _ in vocab])
-    writer.add_token_merges([f"{a} {b}" for a, b in tok["model"]["merges"]])
-    writer.add_eos_token_id(cfg["eos_token_id"])
-    writer.add_add_bos_token(False)
-    writer.add_chat_template(CHATML)
-    for name, array in _gguf_tensors(weights, cfg, q8_layer0_q).items():
-        if array.dtype == np.uint8:
-            writer.add_tensor(name, array, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
-        else:
-            writer.add_tensor(name, array)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-
-
-def _gguf_tensors(weights: dict[str, np.ndarray], cfg: dict[str, Any], q8: bool) -> dict[str, np.ndarray]:
-    out = {"token_embd.weight": weights["model.embed_tokens.weight"], "output_norm.weight": weights["model.norm.weight"]}
-    if "lm_head.weight" in weights:
-        out["output.weight"] = weights["lm_head.weight"]
-    for i in range(cfg["num_hidden_layers"]):
-        for hf, name in _GGUF_NAMES.items():
-            array = weights[f"model.layers.{i}.{hf}"]
-            if name == "attn_q.weight":
-                array = _llama_cpp_permute(array, cfg["num_attention_heads"])
-            elif name == "attn_k.weight":
-                array = _llama_cpp_permute(array, cfg["num_key_value_heads"])
-            out[f"blk.{i}.{name}"] = array
-    if q8:
-        out["blk.0.attn_q.weight"] = gguf.quants.quantize(out["blk.0.attn_q.weight"], gguf.GGMLQuantizationType.Q8_0)
-    return out
-
-
 @pytest.fixture(scope="module")
 def tiny_gguf(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     root = tmp_path_factory.mktemp("tiny-gguf")
     hf_dir = make_tiny_model(root / "hf", num_heads=4, num_kv_heads=2, tie_word_embeddings=False)
     path = root / "tiny.gguf"
-    _write_tiny_gguf(hf_dir, path)
+    write_tiny_gguf(hf_dir, path, types={"blk.0.attn_q.weight": gguf.GGMLQuantizationType.Q8_0})
     return hf_dir, path
 
 
@@ -384,7 +313,7 @@ def test_crash_mid_import_is_not_trusted(
 )
 def test_unsupported_gguf(tiny_gguf: tuple[Path, Path], tmp_path: Path, kwargs: dict[str, str], message: str) -> None:
     path = tmp_path / "other.gguf"
-    _write_tiny_gguf(tiny_gguf[0], path, q8_layer0_q=False, **kwargs)
+    write_tiny_gguf(tiny_gguf[0], path, **kwargs)
     with pytest.raises(ValueError, match=message):
         gguf_import.import_gguf(path, tmp_path / "out")
 

@@ -27,24 +27,81 @@ from triollm.kernels.quant import (
 needs_native = pytest.mark.skipif(not cpu_native.available(), reason="native CPU kernels unavailable")
 
 
-@needs_native
-@pytest.mark.parametrize("portable", [False, True], ids=["vnni", "portable"])
-@pytest.mark.parametrize("bits", [4, 8])
-@pytest.mark.parametrize(("m", "n", "k"), [(1, 1, 32), (1, 1536, 576), (3, 7, 96), (9, 33, 608), (17, 5, 64), (64, 40, 160)])
-def test_kernel_equals_the_integer_reference(bits: int, m: int, n: int, k: int, portable: bool) -> None:
-    """Odd block counts (96, 608, 160: 3, 19, 5 blocks), batches above the kernel's 8 rows per
-    pass, output counts that leave a partial group of 16, one output row; the VNNI path (where
-    the CPU has it) and the plain loops: the integer block sums are exact, so only the fp32
-    accumulation order differs."""
-    gen = torch.Generator().manual_seed(m * 1000 + n + k)
+_SHAPES = [(1, 1, 32), (1, 1536, 576), (3, 7, 96), (9, 33, 608), (17, 5, 64), (64, 40, 160)]
+
+
+def _case(bits: int, m: int, n: int, k: int) -> tuple[QuantWeight, torch.Tensor]:
+    gen = torch.Generator().manual_seed(m * 1000 + n + k + bits)
     w = QuantWeight.quantize(torch.randn(n, k, generator=gen), bits)
     x = torch.randn(m, k, generator=gen) * 3
     x[0, :5] = 0.0  # a partly zero block
     if k >= 64:
         x[-1, 32:64] = 0.0  # a whole zero block: scale 0
-    got = packed_linear(x, PackedWeight.pack(w), portable=portable)
+    return w, x
+
+
+@needs_native
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize(("m", "n", "k"), _SHAPES)
+def test_kernel_equals_the_integer_reference(bits: int, m: int, n: int, k: int) -> None:
+    """Odd block counts (96, 608, 160: 3, 19, 5 blocks), batches above the kernel's 8 rows per
+    pass, output counts that leave a partial group of 16, one output row: the integer block sums
+    are exact, so only the fp32 accumulation order differs from the fp64 reference."""
+    w, x = _case(bits, m, n, k)
+    got = packed_linear(x, PackedWeight.pack(w), isa="scalar")
     ref = reference_linear(x, w)
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-4 * math.sqrt(k))
+
+
+@needs_native
+@pytest.mark.parametrize("isa", [i for i in cpu_native.QUANT_ISAS if i != "scalar"])
+@pytest.mark.parametrize("bits", [4, 8])
+def test_every_compiled_path_gives_the_scalar_paths_bits(isa: str, bits: int) -> None:
+    """Each vector path this CPU runs against the plain loops, bit for bit, on every shape (a
+    path the CPU lacks is skipped here and runs on a machine that has it)."""
+    if isa not in cpu_native.supported_isas():
+        pytest.skip(f"this CPU cannot run the {isa} path")
+    for m, n, k in _SHAPES:
+        w, x = _case(bits, m, n, k)
+        packed = PackedWeight.pack(w)
+        assert torch.equal(packed_linear(x, packed, isa=isa), packed_linear(x, packed, isa="scalar")), (m, n, k)
+
+
+@needs_native
+def test_the_kernel_dispatches_by_the_cpu_flags(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The best path per CPU flags (a table), the C++ and Python choices agree, and a path the
+    CPU cannot run is a clear error, not an illegal instruction."""
+    vnni = {"avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx2", "fma", "f16c"}
+    table = {
+        frozenset(vnni): "avx512_vnni",
+        frozenset({"avx512f", "avx512bw", "avx512vl", "avx2", "fma", "f16c"}): "avx2",  # Skylake-X: no VNNI
+        frozenset({"avx2", "fma", "f16c", "bmi2"}): "avx2",  # Zen 1-3, Haswell
+        frozenset({"avx", "f16c"}): "scalar",  # Sandy/Ivy Bridge
+        frozenset({"avx2", "f16c"}): "scalar",  # no FMA
+        frozenset(): "scalar",
+    }
+    for flags, best in table.items():
+        assert cpu_native.best_isa(set(flags)) == best, sorted(flags)
+    assert torch.ops.triollm_cpu.quant_isa() == cpu_native.quant_isa()
+    w, x = _case(4, 2, 16, 64)
+    lacking = [i for i in cpu_native.QUANT_ISAS if i not in cpu_native.supported_isas()]
+    for isa in lacking:
+        with pytest.raises(RuntimeError, match=f"'{isa}' needs CPU features this CPU lacks; allowed here: "):
+            packed_linear(x, PackedWeight.pack(w), isa=isa)
+    with pytest.raises(RuntimeError, match="allowed: auto, avx512_vnni, avx2, scalar"):
+        packed_linear(x, PackedWeight.pack(w), isa="neon")
+    cpu_native.quant_isa.cache_clear()
+    try:
+        monkeypatch.setenv(cpu_native.ISA_ENV, "scalar")
+        assert cpu_native.quant_isa() == "scalar" and not cpu_native.has_fast_quant()
+        for isa in lacking:
+            cpu_native.quant_isa.cache_clear()
+            monkeypatch.setenv(cpu_native.ISA_ENV, isa)
+            with pytest.raises(ValueError, match=f"TRIOLLM_CPU_ISA: '{isa}' is not a path this CPU can run"):
+                cpu_native.quant_isa()
+    finally:
+        monkeypatch.delenv(cpu_native.ISA_ENV)
+        cpu_native.quant_isa.cache_clear()
 
 
 def test_packing_keeps_every_weight() -> None:
@@ -111,8 +168,8 @@ def test_without_the_native_kernels_it_is_the_dense_product(monkeypatch: pytest.
 
 
 def test_quantization_is_checked_by_name(tiny_model_dir: Path) -> None:
-    with pytest.raises(ValueError, match="quantization: .*'awq'.*gguf, int8, int4"):
-        EngineArgs(model=str(tiny_model_dir), quantization="awq")
+    with pytest.raises(ValueError, match="quantization: .*'bitsandbytes'.*gguf, int8, int4"):
+        EngineArgs(model=str(tiny_model_dir), quantization="bitsandbytes")
     with pytest.raises(ValueError, match="quantization: 'gguf' keeps a .gguf model's blocks"):
         EngineArgs(model=str(tiny_model_dir), quantization="gguf").create_engine_config()
     with pytest.raises(ValueError, match="quantization: 'int8' runs on the CPU only"):
@@ -144,7 +201,7 @@ def test_the_bundled_gguf_runs_as_shipped(bundled_model_dir: Path) -> None:
     linears = [m for m in model.modules() if isinstance(m, QuantLinear)]
     assert len(linears) == 4 * len(model.layers) and {m.bits for m in linears} == {4}
     quant_bytes = sum(b.numel() * b.element_size() for b in model.buffers())
-    ids = quant.tokenizer.encode(text)[: 700 if cpu_native.has_vnni() else 100]
+    ids = quant.tokenizer.encode(text)[: 700 if cpu_native.has_fast_quant() else 100]
     ppl_q = _perplexity(quant, ids)
     del quant, model
     dense = SyncEngine.from_engine_args(dataclasses.replace(args, quantization=None))
@@ -177,7 +234,7 @@ def test_float_weights_quantized_at_load(tiny_model_dir: Path, scheme: str) -> N
 def test_the_bundled_gguf_is_quantized_by_default_where_vnni_makes_it_fast(bundled_model_dir: Path) -> None:
     """The default (quantization=None) keeps a .gguf model's blocks on a CPU with AVX-512 VNNI
     and dtype auto; "none", another dtype, or an HF directory give the dense model."""
-    expected = "gguf" if cpu_native.has_vnni() else None
+    expected = "gguf" if cpu_native.has_fast_quant() else None
     default = EngineArgs().create_engine_config().model
     assert default.quantization == expected
     # Its fp32 activations over a bf16 KV cache (kv_cache_dtype auto), as llama.cpp keeps f16.

@@ -1,9 +1,11 @@
 """Quantized layers (`quantization=`, kernels/quant.py), and the native decoder stack over them.
 
 The model loader decides where they go (engine/loading/weights.py `quantize_model`): with
-"gguf", the GGUF's own blocks as shipped (the import's QUANTIZED_FILE, Q4_0/Q4_1/Q8_0, read by
-`read_gguf_quantized`), fused the way the model fuses its projections (q|k|v, gate|up); with
-"int8"/"int4", the dense weights quantized at load. A tied embedding in a block format stays
+"gguf", the GGUF's own blocks as shipped (the import's QUANTIZED_FILE, Q4_0/Q4_1/Q8_0 and
+Q4_K/Q5_K/Q6_K, read by `read_gguf_quantized`), fused the way the model fuses its projections (q|k|v, gate|up); with
+"int8"/"int4", the dense weights quantized at load; with a GPTQ, AWQ or compressed-tensors
+checkpoint, its own codes and scales (engine/loading/quant_checkpoints.py; act order: an input
+permutation, which the native stack does not take). A tied embedding in a block format stays
 quantized too: the lookup dequantizes only the rows it reads, and the lm_head runs the quantized
 kernel over it. Norms, biases and untied embeddings stay dense. The dense weights are dropped
 once replaced.
@@ -53,11 +55,18 @@ class _Packed(nn.Module):
 
 class QuantLinear(_Packed):
     """A linear layer over quantized blocks (kernels/quant.py `packed_linear`). A quantized
-    model's batch-1 decode does not call these one by one: `DecodeStack` runs them in C++."""
+    model's batch-1 decode does not call these one by one: `DecodeStack` runs them in C++.
+    `perm` (a GPTQ checkpoint's act order): the weight's columns are the input's in this
+    order, so the layer reads `x[..., perm]`."""
 
-    def __init__(self, weight: QuantWeight, bias: torch.Tensor | None) -> None:
+    perm: torch.Tensor | None
+
+    def __init__(self, weight: QuantWeight, bias: torch.Tensor | None, perm: torch.Tensor | None = None) -> None:
         super().__init__(weight)
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+        if perm is not None and tuple(perm.shape) != (self.in_features,):
+            raise ValueError(f"quantization: an input permutation of shape {tuple(perm.shape)} for {self.in_features} inputs")
+        self.register_buffer("perm", None if perm is None else perm.to(torch.long))
         # Which checkpoint rows its bias holds (set by the loader, as layers/linear.py's).
         self.rows: list[tuple[int, int]] = [(0, self.out_features)]
         self.cols: tuple[int, int] | None = None
@@ -66,6 +75,8 @@ class QuantLinear(_Packed):
         load_rows(self, leaf, piece, source)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.perm is not None:
+            x = x.index_select(-1, self.perm)
         return packed_linear(x, self.weight, self.bias)
 
 
@@ -113,12 +124,12 @@ class DecodeStack:
     def supported(layers: Sequence[StackLayer]) -> bool:
         """Whether the native stack computes exactly what these layers would, given that the
         model runs fp32 and unsharded (the model checks that): on CPU with the native kernels,
-        every projection quantized and without a bias."""
+        every projection quantized, without a bias, and reading its input in order (no `perm`)."""
         if not cpu_native.available():
             return False
         for layer in layers:
             for p in layer.projections:
-                if not (isinstance(p, QuantLinear) and p.bias is None and p.qp.device.type == "cpu"):
+                if not (isinstance(p, QuantLinear) and p.bias is None and p.perm is None and p.qp.device.type == "cpu"):
                     return False
         return True
 
