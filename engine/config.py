@@ -76,6 +76,9 @@ class SchedulerConfig:
     enable_chunked_prefill: bool
     long_prefill_token_threshold: int = 0  # > 0: a prompt takes at most this many tokens per step
     policy: str = "fcfs"  # "fcfs": arrival order, `priority` must be 0; "priority": by priority
+    # "auto": beside running decodes a step takes only the prompt tokens that keep it near a
+    # decode-only step's measured time (engine/scheduling/scheduler.py); "off": the whole budget.
+    prefill_budget: str = "auto"
 
 
 @dataclass(frozen=True)
@@ -176,6 +179,7 @@ class CompilationConfig:
 
 
 SCHEDULING_POLICIES = ("fcfs", "priority")  # vLLM's --scheduling-policy
+PREFILL_BUDGETS = ("auto", "off")  # --scheduler-prefill-budget (triollm's)
 RUNNERS = ("auto", "generate", "pooling")  # vLLM's --runner ("draft" has no meaning here)
 # Weight-only quantization (kernels/quant.py): a .gguf model's blocks as shipped, float
 # weights quantized at load, or a quantized checkpoint's own method (vLLM's spellings,
@@ -290,6 +294,7 @@ class EngineArgs:
     async_scheduling: bool = _arg(False, "accepted, ignored (one scheduler in the engine core)")
     enable_expert_parallel: bool = _arg(False, "accepted, ignored (no expert-parallel mode)")
     limit_mm_per_prompt: dict[str, Any] | None = _arg(None, "accepted, ignored (text only)")
+    scheduler_prefill_budget: str = _arg("auto", "with chunked prefill: auto (while requests decode, a step takes only the prompt tokens that keep it within ~1.5x a decode-only step's measured time, at least 32 per step; the whole max_num_batched_tokens when nothing decodes) or off (prompts take the whole budget: higher p99 inter-token latency, lower time to first token)", choices=PREFILL_BUDGETS)
     scheduling_policy: str = _arg("fcfs", "fcfs (first come, first served; a request's priority must be 0) or priority (a lower priority value is scheduled first, ties by arrival)", choices=SCHEDULING_POLICIES)
     # --- execution
     runner: str = _arg("auto", "auto (from the architecture: *ForCausalLM generate, encoder-only models such as BertModel are pooled into embeddings), generate or pooling", choices=RUNNERS)
@@ -394,6 +399,7 @@ class EngineArgs:
                 f"long_prefill_token_threshold: must be a non-negative integer (0: no limit), "
                 f"got {self.long_prefill_token_threshold!r}"
             )
+        _one_of("scheduler_prefill_budget", self.scheduler_prefill_budget, PREFILL_BUDGETS)
         if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise ValueError(f"scheduling_policy: must be one of {', '.join(SCHEDULING_POLICIES)}, got {self.scheduling_policy!r}")
         if self.num_gpu_blocks_override is not None:
@@ -476,6 +482,7 @@ class EngineArgs:
                 enable_chunked_prefill=self.enable_chunked_prefill,
                 long_prefill_token_threshold=self.long_prefill_token_threshold,
                 policy=self.scheduling_policy,
+                prefill_budget=self.scheduler_prefill_budget,
             ),
             device=device,
             seed=self.seed,

@@ -291,7 +291,9 @@ class EngineCore:
         if sched is None or not sched.scheduled:
             return outputs
         self.num_steps += 1
+        start = time.perf_counter()
         result = self.runner.execute(sched.scheduled)
+        self.scheduler.record_step(sched, time.perf_counter() - start)  # the prefill budget's data
         for item in sched.scheduled:
             self.scheduler.advance(item)
             req = item.request

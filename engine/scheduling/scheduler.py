@@ -6,14 +6,32 @@ output) and `num_computed_tokens` with KV in the cache; a step schedules up to
 computed tokens reach its length samples one new token at the end of the step.
 
 Each step:
-1. Running requests, in order, get their tokens (a decode needs 1; a chunked prefill the rest
-   of its prompt, cut to the budget). When KV blocks run out, the lowest-priority running request
-   (the latest, under FCFS) is preempted: its blocks are freed, its computed tokens forgotten, and
-   it goes back to the front of the waiting queue to be recomputed later (its generated tokens
-   are kept, so under greedy decoding it completes with the same tokens).
+1. Running requests get their tokens: first the decodes (1 token each), in order, then those
+   still prefilling (the rest of the prompt, cut to the prefill budget), in order. When KV blocks
+   run out, the lowest-priority running request (the latest, under FCFS) is preempted: its blocks
+   are freed, its computed tokens forgotten, and it goes back to the front of the waiting queue
+   to be recomputed later (its generated tokens are kept, so under greedy decoding it completes
+   with the same tokens).
 2. If nothing was preempted, waiting requests are admitted in order (FCFS, or by `priority`
-   then arrival) while the budget, `max_num_seqs` and the free blocks allow; a new request
-   first takes its longest cached prefix from the prefix cache.
+   then arrival) while the prefill budget, `max_num_seqs` and the free blocks allow; a new
+   request first takes its longest cached prefix from the prefix cache.
+
+The prefill budget (`prefill_budget="auto"`, with chunked prefill). A step's time grows with the
+tokens it carries, and every running request waits for the whole step: on a 2-core CPU, prompt
+chunks of up to `max_num_batched_tokens` beside 16 decodes put those decodes' p99 inter-token
+latency at several times its median (issue 25). So while requests decode, the prompt tokens of a step are limited to those that keep
+it within `TARGET_STEP_RATIO` of a decode-only step, by the step cost measured so far
+(`step_cost.py`: `seconds = a + b * tokens`, fitted to the forward passes the engine core times
+and reports through `record_step`): (ratio - 1) * cost(decodes) / b tokens, never fewer than
+`MIN_PREFILL_CHUNK` (prompts always progress) nor more than the budget left. With nothing
+decoding, before a first fit, or where a decode-only step takes under `_MIN_STEP_S` (no one sees
+that stall, and the timing is mostly noise), prompts take the whole `max_num_batched_tokens`.
+`long_prefill_token_threshold` (vLLM's per-request cap) applies on top. The price is a longer
+time to first token for a prompt that arrives while others decode; `prefill_budget="off"`
+(`--scheduler-prefill-budget off`) gives the whole budget to prompts, as before. Rejected: a
+fixed per-step prompt cap (right on one machine and model only: the cost per token differs by
+orders of magnitude between a CPU and a GPU); a budget in seconds from the user (the ratio to the decode step
+is what inter-token latency percentiles see, whatever the machine).
 
 Finishing (EOS, stop token, length) and aborts free blocks at once. Under a sliding window on
 every layer (the block manager's `window`), a request gives back the blocks that fell out of it
@@ -34,9 +52,14 @@ from dataclasses import dataclass
 from triollm.engine.config import SchedulerConfig
 from triollm.engine.scheduling.block_manager import BlockManager
 from triollm.engine.scheduling.request_state import Request, RequestStatus
+from triollm.engine.scheduling.step_cost import StepCost
 from triollm.engine.scheduling.waiting_queue import WaitingQueue
 
-__all__ = ["ScheduledRequest", "Scheduler", "SchedulerOutput", "SchedulerStats"]
+__all__ = ["MIN_PREFILL_CHUNK", "TARGET_STEP_RATIO", "ScheduledRequest", "Scheduler", "SchedulerOutput", "SchedulerStats"]
+
+TARGET_STEP_RATIO = 1.5  # a step beside decodes: at most this many decode-only steps' time
+MIN_PREFILL_CHUNK = 32  # prompt tokens a step may always take, whatever the cost model says
+_MIN_STEP_S = 1e-3  # decode-only steps faster than this: no prefill limit
 
 
 @dataclass(slots=True)
@@ -77,6 +100,7 @@ class Scheduler:
         self.waiting = WaitingQueue()  # in _order, ties in push order
         self.running: list[Request] = []
         self.num_preemptions = 0
+        self.step_cost = StepCost()
 
     # ---------------------------------------------------------------- queue management
 
@@ -110,11 +134,44 @@ class Scheduler:
     # ---------------------------------------------------------------- the step
 
     def schedule(self) -> SchedulerOutput:
-        budget = self.config.max_num_batched_tokens
         scheduled: list[ScheduledRequest] = []
         preempted: list[Request] = []
-        # Copy: preemption removes from self.running while we walk it.
-        for req in list(self.running):
+        # Decodes first: a decode never waits for a prompt chunk. (Copies: preemption removes
+        # from self.running while we walk them.)
+        decodes = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
+        prefills = [r for r in self.running if r.num_tokens - r.num_computed_tokens != 1]
+        budget = self._schedule_running(decodes, self.config.max_num_batched_tokens, scheduled, preempted)
+        num_decodes = sum(s.request.status == RequestStatus.RUNNING for s in scheduled)
+        budget = self._schedule_running(prefills, self._prefill_budget(num_decodes, budget), scheduled, preempted)
+        # Drop entries of requests preempted after they were scheduled this step.
+        scheduled = [s for s in scheduled if s.request.status == RequestStatus.RUNNING]
+        if not preempted:
+            budget = self._admit_waiting(budget, scheduled)
+        return SchedulerOutput(scheduled, preempted)
+
+    def record_step(self, output: SchedulerOutput, seconds: float) -> None:
+        """The forward pass of `output` took `seconds` (the engine core times every step): the
+        measurements the prefill budget is derived from."""
+        self.step_cost.observe(output.num_tokens, seconds)
+
+    def _prefill_budget(self, num_decodes: int, budget: int) -> int:
+        """The prompt tokens this step may take beside `num_decodes` decodes, of `budget` left."""
+        fit = self.step_cost.fit
+        config = self.config
+        if num_decodes == 0 or fit is None or config.prefill_budget != "auto" or not config.enable_chunked_prefill:
+            return budget
+        decode_step = fit.seconds(num_decodes)
+        if decode_step < _MIN_STEP_S:
+            return budget
+        allowed = int((TARGET_STEP_RATIO - 1) * decode_step / fit.seconds_per_token)
+        return min(budget, max(MIN_PREFILL_CHUNK, allowed))
+
+    def _schedule_running(
+        self, reqs: list[Request], budget: int, scheduled: list[ScheduledRequest], preempted: list[Request]
+    ) -> int:
+        """Schedule running `reqs` in order within `budget`, preempting for KV blocks; returns
+        the budget left."""
+        for req in reqs:
             if req.status != RequestStatus.RUNNING or budget == 0:
                 continue
             n = min(self._chunk(req), budget)
@@ -128,11 +185,7 @@ class Scheduler:
                 continue
             scheduled.append(ScheduledRequest(req, n, req.num_computed_tokens))
             budget -= n
-        # Drop entries of requests preempted after they were scheduled this step.
-        scheduled = [s for s in scheduled if s.request.status == RequestStatus.RUNNING]
-        if not preempted:
-            budget = self._admit_waiting(budget, scheduled)
-        return SchedulerOutput(scheduled, preempted)
+        return budget
 
     def _admit_waiting(self, budget: int, scheduled: list[ScheduledRequest]) -> int:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:

@@ -14,7 +14,13 @@ from triollm.engine.request import EngineCoreRequest
 from triollm.engine.sampling_params import SamplingParams
 from triollm.engine.scheduling.block_manager import BlockManager, hash_full_blocks
 from triollm.engine.scheduling.request_state import Request, RequestStatus
-from triollm.engine.scheduling.scheduler import Scheduler
+from triollm.engine.scheduling.scheduler import (
+    MIN_PREFILL_CHUNK,
+    TARGET_STEP_RATIO,
+    ScheduledRequest,
+    Scheduler,
+)
+from triollm.engine.scheduling.step_cost import StepCost
 
 EOS = 99
 
@@ -147,6 +153,153 @@ def test_long_prefill_token_threshold_caps_each_prompt_per_step() -> None:
                 item.request.append_output_token(5)
     assert [c.get("b") for c in chunks] == [6, 6, 6, 2]
     assert all(c.get("a") == 1 for c in chunks[:3])
+
+
+# ------------------------------------------------------------------------ the prefill budget
+
+
+def test_step_cost_fits_a_line_and_keeps_it_through_alike_steps() -> None:
+    cost = StepCost()
+    assert cost.fit is None
+    for tokens in [200, 16, 16, 48, 16, 80] * 5:
+        cost.observe(tokens, 0.1 + 0.002 * tokens)
+    assert cost.fit is not None
+    assert cost.fit.seconds_per_step == pytest.approx(0.1)
+    assert cost.fit.seconds_per_token == pytest.approx(0.002)
+    for _ in range(150):  # decode-only steps, all alike and noisy: the spread fades
+        cost.observe(16, 0.5 if cost.num_steps % 2 else 0.05)
+    fitted = cost.fit
+    for _ in range(100):  # and then no line is drawn through them: the last good one stays
+        cost.observe(16, 0.5 if cost.num_steps % 2 else 0.05)
+    assert cost.fit is fitted
+    cost.observe(0, 1.0)  # no tokens, or no time: ignored
+    cost.observe(16, 0.0)
+    assert cost.num_steps == 280
+    with pytest.raises(ValueError, match="alpha"):
+        StepCost(alpha=0)
+
+
+def _timed(sched: Scheduler, a: float, b: float, tokens: tuple[int, ...] = (200, 16, 48, 16)) -> None:
+    """Teach the scheduler's cost model `seconds = a + b * tokens` (a fake clock: no model runs)."""
+    for n in tokens * 3:
+        sched.step_cost.observe(n, a + b * n)
+
+
+def _decoding(sched: Scheduler, n: int) -> list[Request]:
+    """n running requests, each past its prompt (the next step is a decode for all)."""
+    reqs = [make_request(f"d{i}", [1, 2, 3], max_tokens=50, t=i) for i in range(n)]
+    for r in reqs:
+        sched.add_request(r)
+    run_step(sched, lambda r: 5)
+    assert all(r.num_tokens - r.num_computed_tokens == 1 for r in reqs)
+    return reqs
+
+
+def _chunks(sched: Scheduler) -> dict[str, int]:
+    out = sched.schedule()
+    for item in out.scheduled:
+        sched.advance(item)
+        if item.samples:
+            item.request.append_output_token(5)
+    return {s.request.request_id: s.num_new_tokens for s in out.scheduled}
+
+
+def test_prefill_budget_keeps_steps_near_the_decode_step() -> None:
+    """Beside 16 decodes a step costing 0.1 s + 1 ms/token takes (1.5 - 1) * 0.116 / 0.001 = 58
+    prompt tokens; the prompt still finishes, and its chunks shrink to fit no further."""
+    sched = Scheduler(SchedulerConfig(32, 2048, True), BlockManager(num_blocks=256, block_size=16), 1024)
+    _decoding(sched, 16)
+    _timed(sched, 0.1, 0.001)
+    sched.add_request(make_request("p", [7] * 300, t=99))
+    steps = [_chunks(sched) for _ in range(6)]
+    assert [s.get("p") for s in steps] == [58, 58, 58, 58, 58, 10]
+    assert all(sum(v == 1 for v in s.values()) == 16 for s in steps)  # every decode, every step
+    # The predicted step: within TARGET_STEP_RATIO of a decode-only one.
+    assert 0.1 + 0.001 * (16 + 58) <= TARGET_STEP_RATIO * (0.1 + 0.001 * 16)
+
+
+def test_prefill_budget_floor_whole_budget_when_nothing_decodes_and_off_switch() -> None:
+    bm = BlockManager(num_blocks=256, block_size=16)
+    sched = Scheduler(SchedulerConfig(32, 512, True), bm, 1024)
+    _timed(sched, 0.1, 0.05)  # a costly token: the budget beside a decode would be 1 token
+    sched.add_request(make_request("alone", [7] * 300))
+    assert _chunks(sched) == {"alone": 300}  # nothing decodes: the whole budget
+    sched.add_request(make_request("p", [8] * 300, t=1))
+    assert _chunks(sched) == {"alone": 1, "p": MIN_PREFILL_CHUNK}  # prompts always progress
+    # Off: the whole budget beside the decode, as before.
+    off = Scheduler(SchedulerConfig(32, 512, True, prefill_budget="off"), BlockManager(256, 16), 1024)
+    _decoding(off, 1)
+    _timed(off, 0.1, 0.05)
+    off.add_request(make_request("p", [8] * 600, t=1))
+    assert _chunks(off) == {"d0": 1, "p": 511}
+    # Without chunked prefill a prompt is never split: no budget either.
+    whole = Scheduler(SchedulerConfig(32, 1024, False), BlockManager(256, 16), 1024)
+    _decoding(whole, 1)
+    _timed(whole, 0.1, 0.05)
+    whole.add_request(make_request("p", [8] * 600, t=1))
+    assert _chunks(whole) == {"d0": 1, "p": 600}
+
+
+def test_prefill_budget_off_for_steps_too_fast_to_matter() -> None:
+    """Decode-only steps under a millisecond (a GPU's tiny batches, scripted runners): no limit."""
+    sched = Scheduler(SchedulerConfig(32, 512, True), BlockManager(256, 16), 1024)
+    _decoding(sched, 2)
+    _timed(sched, 1e-4, 1e-6)
+    sched.add_request(make_request("p", [8] * 600, t=9))
+    assert _chunks(sched)["p"] == 510
+
+
+def test_decodes_first_even_behind_a_running_prefill() -> None:
+    """A decode behind a running request still prefilling gets its token first: with 8 tokens
+    a step, the decode 1 and the prompt 7, every step (the prompt used to take all 8). The
+    running order is set by hand: admission alone rarely puts a decode there."""
+    sched = Scheduler(SchedulerConfig(4, 8, True, prefill_budget="off"), BlockManager(64, 4), 128)
+    _decoding(sched, 1)
+    sched.add_request(make_request("first", [1] * 40, t=1))
+    assert _chunks(sched) == {"d0": 1, "first": 7}
+    sched.running.reverse()  # "first" ahead of the decode
+    for _ in range(3):
+        assert _chunks(sched) == {"d0": 1, "first": 7}
+    sched.blocks.check_integrity(sched.live_requests())
+
+
+def test_engine_core_times_its_steps_for_the_prefill_budget(tiny_model_dir, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The wiring: the core times each forward pass (here on a fake clock the runner advances
+    by 0.1 s + 1 ms per token), and a prompt that arrives while another decodes is cut to
+    (1.5 - 1) * 0.101 / 0.001 = 50 tokens a step."""
+    import types
+
+    import triollm.engine.core as core_module
+    from triollm.engine.config import EngineArgs
+    from triollm.engine.core import EngineCore
+    from triollm.engine.execution.scripted_runner import ScriptedRunner
+
+    clock = [0.0]
+    monkeypatch.setattr(core_module, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
+    config = EngineArgs(model=str(tiny_model_dir), max_model_len=512, num_gpu_blocks_override=64).create_engine_config()
+    assert config.scheduler.prefill_budget == "auto"  # the default
+    scripted = ScriptedRunner(config.model.vocab_size)
+    seen: list[dict[str, int]] = []
+
+    class TimedRunner:
+        def execute(self, scheduled: list[ScheduledRequest]):
+            seen.append({s.request.request_id: s.num_new_tokens for s in scheduled})
+            clock[0] += 0.1 + 0.001 * sum(s.num_new_tokens for s in scheduled)
+            return scripted.execute(scheduled)
+
+    core = EngineCore(config, runner=TimedRunner())
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    core.add_request(EngineCoreRequest("a", [3] * 200, params))
+    core.step()  # "a": 200 tokens alone
+    core.step()  # "a" decodes
+    core.add_request(EngineCoreRequest("b", [4] * 230, params))
+    for _ in range(5):
+        core.step()
+    assert seen[0] == {"a": 200}
+    assert seen[2:6] == [{"a": 1, "b": 50}] * 4
+    assert seen[6] == {"a": 1, "b": 30}
+    with pytest.raises(ValueError, match="scheduler_prefill_budget: 'sometimes'.*auto, off"):
+        EngineArgs(model=str(tiny_model_dir), scheduler_prefill_budget="sometimes").create_engine_config()
 
 
 # ------------------------------------------------------------------------ the state machine
