@@ -188,6 +188,28 @@ inline __m256i block_dot_avx2(const uint8_t* wb, int half, const int32_t* xb) {
   }
 }
 
+// A 4-bit block half's codes, split into its 8 nibble vectors once (the batched path reuses them
+// for every activation row).
+inline void load_codes4_avx2(const uint8_t* wb, int half, __m256i w[8]) {
+  const __m256i low = _mm256_set1_epi8(0x0F);
+  for (int t = 0; t < 4; ++t) {
+    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + t * 64 + half * 32));
+    w[t] = _mm256_and_si256(v, low);
+    w[t + 4] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+  }
+}
+
+// The same sums as block_dot_avx2<true> over codes already split.
+inline __m256i codes4_dot_avx2(const __m256i w[8], const int32_t* xb) {
+  __m256i s0 = _mm256_maddubs_epi16(w[0], _mm256_set1_epi32(xb[0]));
+  __m256i s1 = _mm256_maddubs_epi16(w[4], _mm256_set1_epi32(xb[4]));
+  for (int t = 1; t < 4; ++t) {
+    s0 = _mm256_add_epi16(s0, _mm256_maddubs_epi16(w[t], _mm256_set1_epi32(xb[t])));
+    s1 = _mm256_add_epi16(s1, _mm256_maddubs_epi16(w[t + 4], _mm256_set1_epi32(xb[t + 4])));
+  }
+  return _mm256_madd_epi16(_mm256_add_epi16(s0, s1), _mm256_set1_epi16(1));
+}
+
 inline void prefetch_block_avx2(const uint8_t* wb, int64_t bytes, const uint16_t* dg, const uint16_t* mg, int64_t b) {
   constexpr int64_t kAheadBytes = 4096;
   const int64_t ahead = kAheadBytes / bytes;
@@ -239,9 +261,12 @@ void packed_group_avx2(const uint8_t* qg, const uint16_t* dg, const uint16_t* mg
       const uint8_t* wb = qg + b * kBytes;
       if (h == 0) prefetch_block_avx2(wb, kBytes, dg, mg, b);
       const __m256 dw = half8_avx2(dg + b * 16 + h * 8), mw = half8_avx2(mg + b * 16 + h * 8);
+      __m256i w[8];
+      if constexpr (FourBit) load_codes4_avx2(wb, h, w);
       for (int64_t r = 0; r < rows; ++r) {
         const int32_t* xb = reinterpret_cast<const int32_t*>(qx + r * K + b * kBlock);
-        const __m256 dot = _mm256_cvtepi32_ps(block_dot_avx2<FourBit>(wb, h, xb));
+        const __m256i idot = FourBit ? codes4_dot_avx2(w, xb) : block_dot_avx2<false>(wb, h, xb);
+        const __m256 dot = _mm256_cvtepi32_ps(idot);
         acc[r] = _mm256_fmadd_ps(dot, _mm256_mul_ps(dw, _mm256_set1_ps(dx[r * nb + b])), acc[r]);
         acc[r] = _mm256_fmadd_ps(mw, _mm256_set1_ps(sx[r * nb + b]), acc[r]);
       }
