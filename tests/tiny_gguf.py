@@ -1,12 +1,13 @@
 """Tiny GGUF files written from a tiny HF checkpoint (tinymodel.py), as llama.cpp's converter
 would: its names, its Q/K row permutation, its tokenizer metadata, and any tensor stored in a
 GGML block type (`types`: Q8_0 and the like through gguf's quantizer, K-quants through
-kquant_ref.py)."""
+kquant_ref.py). `requantize_gguf` rewrites any GGUF's tensors in other block types, its
+metadata and tokenizer kept."""
 
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -94,3 +95,40 @@ def gguf_tensors(weights: dict[str, np.ndarray], cfg: dict[str, Any]) -> dict[st
                 array = llama_cpp_permute(array, cfg["num_key_value_heads"])
             out[f"blk.{i}.{name}"] = array
     return out
+
+
+def requantize_gguf(
+    src: Path,
+    out: Path,
+    types: Callable[[str, tuple[int, ...]], gguf.GGMLQuantizationType],
+    file_type: gguf.LlamaFileType | None = None,
+) -> dict[str, gguf.GGMLQuantizationType]:
+    """`src` with each tensor dequantized and stored as `types(name, numpy shape)` (F32: as
+    floats; K-quants through kquant_ref.py, the rest through gguf's quantizer), its metadata
+    copied (`general.file_type` set to `file_type` when given); returns the types written."""
+    reader = gguf.GGUFReader(str(src))
+    writer = gguf.GGUFWriter(str(out), str(reader.fields["general.architecture"].contents()))
+    skip = {"general.architecture", "general.alignment"} | ({"general.file_type"} if file_type is not None else set())
+    for field in reader.fields.values():
+        if field.name in skip or field.name.startswith("GGUF."):
+            continue
+        vtype = field.types[0]
+        sub = field.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
+        writer.add_key_value(field.name, field.contents(), vtype, sub_type=sub)
+    if file_type is not None:
+        writer.add_file_type(int(file_type))
+    written: dict[str, gguf.GGMLQuantizationType] = {}
+    for tensor in reader.tensors:
+        shape = tuple(int(d) for d in reversed(tensor.shape))  # GGUF lists the innermost dim first
+        array = gguf.quants.dequantize(tensor.data, tensor.tensor_type).reshape(shape).astype(np.float32)
+        kind = written[tensor.name] = types(tensor.name, shape)
+        if kind == gguf.GGMLQuantizationType.F32:
+            writer.add_tensor(tensor.name, array)
+        else:
+            raw = quantize_kquant(array, kind)[0] if kind in KQUANTS else gguf.quants.quantize(array, kind)
+            writer.add_tensor(tensor.name, raw, raw_dtype=kind)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return written
