@@ -30,8 +30,11 @@ aot: setup
 
 # The sm_90 compile of every kernel (what `make aot` prints) runs inside pytest too, with each
 # kernel's line checked (tests/kernels/test_aot.py): once per CI run, not twice.
+# Two workers (pytest-xdist, one test file per worker at a time), then the wall-clock-bound
+# files alone (tests/conftest.py). `.venv/bin/pytest -q` runs everything in one process.
 test: lint
-	$(BIN)/pytest -q
+	$(BIN)/pytest -q -n 2 --dist loadgroup -m "not serial"
+	$(BIN)/pytest -q -m serial
 
 bench: setup
 	$(BIN)/triollm bench throughput --compare-hf

@@ -14,6 +14,26 @@ from tinymodel import make_tiny_model  # noqa: E402
 torch.set_num_threads(1)
 
 
+# Files whose tests start Ray clusters and look for Ray's actor processes by name: under
+# pytest-xdist (`make test` runs two workers) they share one worker, one file after another.
+_RAY_FILES = {"test_ray_server.py", "test_ray_backend.py", "test_rank_watchdog.py"}
+# Files with liveness bounds measured on the wall clock (health answers within 0.5 s under 200
+# streams, hostile requests refused within 2 s): `make test` runs them after the parallel part,
+# alone on the machine, since a second worker's load is not what they measure.
+_SERIAL_FILES = {"test_server.py", "test_hostile_api.py"}
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Under `-n N --dist loadgroup`, each test file runs whole on one worker (its module-scoped
+    servers and engines are built once), and the Ray files on one worker together; the files
+    with wall-clock bounds are marked `serial`."""
+    for item in items:
+        name = item.path.name
+        item.add_marker(pytest.mark.xdist_group("ray" if name in _RAY_FILES else str(item.path)))
+        if name in _SERIAL_FILES and item.path.parent.name == "acceptance":
+            item.add_marker(pytest.mark.serial)
+
+
 @pytest.fixture(scope="session", autouse=True)
 def native_cpu_kernels() -> None:
     """Build the native CPU kernels once, up front (a first build takes ~30 s on 2 cores): every

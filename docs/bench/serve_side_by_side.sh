@@ -3,6 +3,8 @@
 # (`triollm bench serve`, which speaks to any OpenAI server) at concurrency 1, 16 and 64.
 # Needs the peers (../shared/peers/setup.sh vllm). Loopback only. Runs from a neutral directory
 # (see side_by_side.sh). Usage (from the project root): bash docs/bench/serve_side_by_side.sh
+# DTYPE=float32 (default bfloat16) for both; TRIOLLM_FLAGS="--scheduler-prefill-budget off" adds
+# flags to triollm's server only, LABEL names its results (default triollm); ENGINES="triollm vllm".
 set -uo pipefail
 root=$(pwd)
 export PEERS=${PEERS:-$HOME/.cache/triollm-peers}
@@ -11,7 +13,7 @@ out=$PEERS/results/serve-$(date +%Y%m%d-%H%M%S)
 mkdir -p "$out"
 cd /tmp
 port=8127
-flags=(--dtype bfloat16 --max-num-seqs 64 --max-model-len 1024 --host 127.0.0.1 --port $port)
+flags=(--dtype "${DTYPE:-bfloat16}" --max-num-seqs 64 --max-model-len 1024 --host 127.0.0.1 --port $port)
 
 wait_up() {  # $1 = the server's pid
   for _ in $(seq 300); do
@@ -33,7 +35,9 @@ measure() {  # $1 = engine label
 
 for engine in ${ENGINES:-triollm vllm}; do
   if [ $engine = triollm ]; then
-    "$root/.venv/bin/triollm" serve "$M" "${flags[@]}" >"$out/$engine-server.log" 2>&1 &
+    engine=${LABEL:-triollm}
+    # shellcheck disable=SC2086
+    "$root/.venv/bin/triollm" serve "$M" "${flags[@]}" ${TRIOLLM_FLAGS:-} >"$out/$engine-server.log" 2>&1 &
   else
     VLLM_CPU_KVCACHE_SPACE=2 VLLM_CPU_OMP_THREADS_BIND=0-$(( $(nproc) - 1 )) VLLM_CPU_NUM_OF_RESERVED_CPU=0 \
       "$PEERS/venv-vllm/bin/python" -m vllm.entrypoints.openai.api_server --model "$M" "${flags[@]}" \
@@ -48,7 +52,7 @@ python3 - "$out" <<'PY'
 import json, pathlib, sys
 out = pathlib.Path(sys.argv[1])
 print(f"{'engine':8} {'conc':>4} {'out tok/s':>10} {'med TTFT':>9} {'med ITL':>8} {'p99 ITL':>8}")
-for engine in ("triollm", "vllm"):
+for engine in sorted({f.name.split("-c")[0] for f in out.glob("*-c*.json")}):
     for c in (1, 16, 64):
         f = out / f"{engine}-c{c}.json"
         if not f.exists():
