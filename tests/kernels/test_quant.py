@@ -231,9 +231,10 @@ def test_float_weights_quantized_at_load(tiny_model_dir: Path, scheme: str) -> N
     assert abs(ppl_q / ppl_d - 1) < (0.03 if scheme == "int8" else 0.1), (ppl_q, ppl_d)
 
 
-def test_the_bundled_gguf_is_quantized_by_default_where_vnni_makes_it_fast(bundled_model_dir: Path) -> None:
-    """The default (quantization=None) keeps a .gguf model's blocks on a CPU with AVX-512 VNNI
-    and dtype auto; "none", another dtype, or an HF directory give the dense model."""
+def test_the_bundled_gguf_is_quantized_by_default_where_a_vector_path_makes_it_fast(bundled_model_dir: Path) -> None:
+    """The default (quantization=None) keeps a .gguf model's blocks on a CPU whose quantized
+    kernel has a vector path (AVX2 or AVX-512 VNNI) and dtype auto; "none", another dtype, or an
+    HF directory give the dense model."""
     expected = "gguf" if cpu_native.has_fast_quant() else None
     default = EngineArgs().create_engine_config().model
     assert default.quantization == expected
