@@ -4,7 +4,8 @@
 # Needs the peers (../shared/peers/setup.sh vllm). Loopback only. Runs from a neutral directory
 # (see side_by_side.sh). Usage (from the project root): bash docs/bench/serve_side_by_side.sh
 # DTYPE=float32 (default bfloat16) for both; TRIOLLM_FLAGS="--scheduler-prefill-budget off" adds
-# flags to triollm's server only, LABEL names its results (default triollm); ENGINES="triollm vllm".
+# flags to triollm's server only, LABEL names its results (default triollm); ENGINES="triollm vllm";
+# CONCS="16 64" measures only those concurrencies.
 set -uo pipefail
 root=$(pwd)
 export PEERS=${PEERS:-$HOME/.cache/triollm-peers}
@@ -25,7 +26,7 @@ wait_up() {  # $1 = the server's pid
 }
 
 measure() {  # $1 = engine label
-  for c in 1 16 64; do
+  for c in ${CONCS:-1 16 64}; do
     n=$(( c == 1 ? 12 : 2 * c ))
     (( n < 64 )) && (( c > 1 )) && n=64
     "$root/.venv/bin/triollm" bench serve --base-url "http://127.0.0.1:$port" --num-prompts $n \
