@@ -75,20 +75,28 @@ void quantize_activations(const float* x, int64_t M, int64_t K, int8_t* qx, floa
 //   dp, mp: fp16 [G, nb, 16], the 16 rows' scales and offsets of block b.
 // Rows past N (the last group's padding) have zero codes and scales and are not stored.
 
+// Every vector path reads block b of a group (`bytes` of codes at wb, then its scales and
+// offsets) after prefetching 4 KB ahead (past a group's end: the next group's, contiguous): the
+// weights stream from DRAM once per call, and the hardware prefetcher alone ramps up too slowly
+// for these short streams (docs/benchmarks.md, quantized second pass). SSE's prefetch: no target.
+inline void prefetch_block(const uint8_t* wb, int64_t bytes, const uint16_t* dg, const uint16_t* mg, int64_t b) {
+  constexpr int64_t kAheadBytes = 4096;
+  const int64_t ahead = kAheadBytes / bytes;
+  for (int64_t c = 0; c < bytes; c += 64) _mm_prefetch(reinterpret_cast<const char*>(wb + kAheadBytes + c), _MM_HINT_T0);
+  _mm_prefetch(reinterpret_cast<const char*>(dg + (b + ahead) * 16), _MM_HINT_T0);
+  _mm_prefetch(reinterpret_cast<const char*>(mg + (b + ahead) * 16), _MM_HINT_T0);
+}
+
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512vnni,fma,f16c")
 // Block b of a group: its 8 code vectors (4-bit codes split into low and high nibbles) and its
-// 16 rows' scales and offsets. Prefetches 4 KB ahead (past a group's end: the next group's,
-// contiguous): the weights stream from DRAM once per call, and the hardware prefetcher alone
-// ramps up too slowly for these short streams (docs/benchmarks.md, quantized second pass).
+// 16 rows' scales and offsets (prefetching ahead: `prefetch_block`).
 template <bool FourBit>
 inline void load_block(const uint8_t* qg, const uint16_t* dg, const uint16_t* mg, int64_t b, __m512i w[8], __m512& dw,
                        __m512& mw) {
-  constexpr int64_t kBytes = FourBit ? 256 : 512, kAheadBytes = 4096, kAhead = kAheadBytes / kBytes;
+  constexpr int64_t kBytes = FourBit ? 256 : 512;
   const uint8_t* wb = qg + b * kBytes;
-  for (int64_t c = 0; c < kBytes; c += 64) _mm_prefetch(reinterpret_cast<const char*>(wb + kAheadBytes + c), _MM_HINT_T0);
-  _mm_prefetch(reinterpret_cast<const char*>(dg + (b + kAhead) * 16), _MM_HINT_T0);
-  _mm_prefetch(reinterpret_cast<const char*>(mg + (b + kAhead) * 16), _MM_HINT_T0);
+  prefetch_block(wb, kBytes, dg, mg, b);
   if constexpr (FourBit) {
     const __m512i low = _mm512_set1_epi8(0x0F);
     for (int t = 0; t < 4; ++t) {
@@ -210,14 +218,6 @@ inline __m256i codes4_dot_avx2(const __m256i w[8], const int32_t* xb) {
   return _mm256_madd_epi16(_mm256_add_epi16(s0, s1), _mm256_set1_epi16(1));
 }
 
-inline void prefetch_block_avx2(const uint8_t* wb, int64_t bytes, const uint16_t* dg, const uint16_t* mg, int64_t b) {
-  constexpr int64_t kAheadBytes = 4096;
-  const int64_t ahead = kAheadBytes / bytes;
-  for (int64_t c = 0; c < bytes; c += 64) _mm_prefetch(reinterpret_cast<const char*>(wb + kAheadBytes + c), _MM_HINT_T0);
-  _mm_prefetch(reinterpret_cast<const char*>(dg + (b + ahead) * 16), _MM_HINT_T0);
-  _mm_prefetch(reinterpret_cast<const char*>(mg + (b + ahead) * 16), _MM_HINT_T0);
-}
-
 inline __m256 half8_avx2(const uint16_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
 
 // The first `valid` of a half's 8 lanes (valid in 0..8).
@@ -237,7 +237,7 @@ void packed_group_m1_avx2(const uint8_t* qg, const uint16_t* dg, const uint16_t*
   __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()}, acc_m[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* wb = qg + b * kBytes;
-    prefetch_block_avx2(wb, kBytes, dg, mg, b);
+    prefetch_block(wb, kBytes, dg, mg, b);
     const int32_t* xb = reinterpret_cast<const int32_t*>(qx + b * kBlock);
     const __m256 scale = _mm256_set1_ps(dx[b]), offset = _mm256_set1_ps(sx[b]);
     for (int h = 0; h < 2; ++h) {
@@ -259,7 +259,7 @@ void packed_group_avx2(const uint8_t* qg, const uint16_t* dg, const uint16_t* mg
     for (int64_t r = 0; r < rows; ++r) acc[r] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; ++b) {
       const uint8_t* wb = qg + b * kBytes;
-      if (h == 0) prefetch_block_avx2(wb, kBytes, dg, mg, b);
+      if (h == 0) prefetch_block(wb, kBytes, dg, mg, b);
       const __m256 dw = half8_avx2(dg + b * 16 + h * 8), mw = half8_avx2(mg + b * 16 + h * 8);
       __m256i w[8];
       if constexpr (FourBit) load_codes4_avx2(wb, h, w);
