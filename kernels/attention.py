@@ -93,7 +93,8 @@ def allocate_kv_cache(
     device: torch.device | str,
 ) -> KVCache:
     # Zeroed, not empty: masked-out slots are multiplied by a zero probability, and 0 * NaN
-    # garbage would poison the output. Large zero allocations are lazily mapped by the OS.
+    # garbage would poison the output. Zeroing writes every page, so the whole cache is resident
+    # from the start: its size is the sizing's choice (kv_cache_memory_bytes), not a lazy reserve.
     k_shape = (num_kv_heads, num_blocks, head_dim, block_size)
     v_shape = (num_kv_heads, num_blocks, block_size, head_dim)
     k = [torch.zeros(k_shape, dtype=dtype, device=device) for _ in range(num_layers)]
