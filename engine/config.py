@@ -79,6 +79,7 @@ class SchedulerConfig:
     # "auto": beside running decodes a step takes only the prompt tokens that keep it near a
     # decode-only step's measured time (engine/scheduling/scheduler.py); "off": the whole budget.
     prefill_budget: str = "auto"
+    max_loras: int = 0  # the most distinct LoRA adapters among running requests (0: LoRA off)
 
 
 @dataclass(frozen=True)
@@ -122,6 +123,16 @@ class LimitsConfig:
 
 
 @dataclass(frozen=True)
+class LoRAConfig:
+    """LoRA adapters (`enable_lora`): lora/ and docs/lora.md."""
+
+    max_loras: int  # adapters in one batch: the slots of the stacked A/B buffers
+    max_lora_rank: int  # the largest r an adapter may have (the slots' width)
+    max_cpu_loras: int  # adapters kept read in memory (LRU), >= max_loras
+    dtype: str  # the A/B buffers' dtype name: the model's with lora_dtype "auto"
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig
     cache: CacheConfig
@@ -138,6 +149,7 @@ class EngineConfig:
     # CUDA: the decode batch sizes replayed from captured graphs (engine/execution/cuda_graphs.py);
     # empty: every step runs eagerly (CPU, enforce_eager, use_cudagraph=False).
     cuda_graph_sizes: tuple[int, ...] = ()
+    lora: LoRAConfig | None = None  # None: LoRA off (enable_lora=False)
 
 
 @dataclass(frozen=True)
@@ -179,6 +191,8 @@ class CompilationConfig:
 
 
 SCHEDULING_POLICIES = ("fcfs", "priority")  # vLLM's --scheduling-policy
+LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vLLM's --max-lora-rank choices
+LORA_DTYPES = ("auto", "float32", "bfloat16", "float16")
 PREFILL_BUDGETS = ("auto", "off")  # --scheduler-prefill-budget (triollm's)
 RUNNERS = ("auto", "generate", "pooling")  # vLLM's --runner ("draft" has no meaning here)
 # Weight-only quantization (kernels/quant.py): a .gguf model's blocks as shipped, float
@@ -297,6 +311,11 @@ class EngineArgs:
     scheduler_prefill_budget: str = _arg("auto", "with chunked prefill: auto (while requests decode, a step takes only the prompt tokens that keep it within ~1.5x a decode-only step's measured time, at least 32 per step; the whole max_num_batched_tokens when nothing decodes) or off (prompts take the whole budget: higher p99 inter-token latency, lower time to first token)", choices=PREFILL_BUDGETS)
     scheduling_policy: str = _arg("fcfs", "fcfs (first come, first served; a request's priority must be 0) or priority (a lower priority value is scheduled first, ties by arrival)", choices=SCHEDULING_POLICIES)
     # --- execution
+    enable_lora: bool = _arg(False, "serve LoRA adapters (PEFT checkpoints) on the base model: lora_request= per request, --lora-modules on the server")
+    max_loras: int = _arg(1, "the most distinct LoRA adapters in one batch")
+    max_lora_rank: int = _arg(16, "the largest LoRA rank r an adapter may have", choices=LORA_RANKS)
+    max_cpu_loras: int | None = _arg(None, "LoRA adapters kept loaded in memory, least recently used dropped first (default: max_loras); at least max_loras")
+    lora_dtype: str = _arg("auto", "the LoRA weights' dtype (auto: the model's)", choices=LORA_DTYPES)
     runner: str = _arg("auto", "auto (from the architecture: *ForCausalLM generate, encoder-only models such as BertModel are pooled into embeddings), generate or pooling", choices=RUNNERS)
     device: str = _arg("auto", "auto (cuda if available), cpu or cuda", choices=("auto", "cpu", "cuda"))
     num_threads: int | None = _arg(None, "torch threads in the engine core (default: every core for the offline LLM; for AsyncLLM and the server every core up to 4, one fewer above)")
@@ -483,6 +502,7 @@ class EngineArgs:
                 long_prefill_token_threshold=self.long_prefill_token_threshold,
                 policy=self.scheduling_policy,
                 prefill_budget=self.scheduler_prefill_budget,
+                max_loras=self.max_loras if self.enable_lora else 0,
             ),
             device=device,
             seed=self.seed,
@@ -514,7 +534,22 @@ class EngineArgs:
             ignored_args=ignored,
             tensor_parallel_size=self.tensor_parallel_size,
             cuda_graph_sizes=self._cuda_graph_sizes(device),
+            lora=self._lora(model),
         )
+
+    def _lora(self, model: ModelConfig) -> LoRAConfig | None:
+        if not self.enable_lora:
+            return None
+        if model.runner_type == "pooling":
+            raise ValueError("enable_lora: LoRA adapters apply to generating models; this one is a pooling model")
+        _positive("max_loras", self.max_loras)
+        _one_of("max_lora_rank", self.max_lora_rank, LORA_RANKS)
+        _one_of("lora_dtype", self.lora_dtype, LORA_DTYPES)
+        cpu = self.max_loras if self.max_cpu_loras is None else self.max_cpu_loras
+        if isinstance(cpu, bool) or not isinstance(cpu, int) or cpu < self.max_loras:
+            raise ValueError(f"max_cpu_loras: must be an integer >= max_loras ({self.max_loras}), got {self.max_cpu_loras!r}")
+        dtype = str(model.dtype).removeprefix("torch.") if self.lora_dtype == "auto" else self.lora_dtype
+        return LoRAConfig(self.max_loras, self.max_lora_rank, cpu, dtype)
 
     def _quantization(self, model: ModelConfig, device: str) -> str | None:
         """The scheme to run: the one asked for ("none": dense), or by default a .gguf model's

@@ -15,6 +15,7 @@ import msgspec
 
 from triollm.engine.pooling_params import PoolingParams
 from triollm.engine.sampling_params import SamplingParams
+from triollm.lora.request import LoRARequest
 
 __all__ = [
     "EngineCoreOutput",
@@ -46,6 +47,8 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     priority: int = 0
     # A request to a pooling model (engine/pooling_core.py): its sampling_params are unused.
     pooling_params: PoolingParams | None = None
+    # The adapter this request runs under (None: the base model); the frontend checked its config.
+    lora_request: LoRARequest | None = None
 
 
 class Logprobs(msgspec.Struct, array_like=True, gc=False):

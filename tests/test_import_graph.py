@@ -178,9 +178,9 @@ def test_edges_resolve_relative_and_deferred_imports(tmp_path: Path) -> None:
 
 
 # The packages in import order: each imports only itself and those before it (docs/architecture.md:
-# `api` -> `actors` -> `engine` -> `kernels`). Nothing below `api` imports the root modules (the
+# `api` -> `actors` -> `engine` -> `lora` -> `kernels`). Nothing below `api` imports the root modules (the
 # facade `triollm/__init__.py` and vLLM's module paths sit above `actors`); `api` is the top.
-LAYERS = ("kernels", "engine", "actors")
+LAYERS = ("kernels", "lora", "engine", "actors")
 
 
 def test_packages_import_one_way() -> None:

@@ -13,7 +13,8 @@ mean equal whole prefixes, unless someone finds a sha256 collision. The cache is
 every client, so the hash must resist crafted collisions: with Python's `hash` (64 bits, not
 collision-resistant, the earlier design) a client could build a prompt whose block hashes equal
 another tenant's, and be served, or make others be served, KV computed from different tokens
-(vLLM moved to sha256 after CVE-2025-25183). The token ids of the new full blocks are packed
+(vLLM moved to sha256 after CVE-2025-25183). Under a LoRA adapter the chain starts from a root
+of the adapter's own (`root_hash`): the same tokens under another adapter are other K/V. The token ids of the new full blocks are packed
 once (`array("q")`, native byte order: the hashes never leave the process) and each block costs
 one sha256 over 32 + 8 * block_size bytes: a few times what `hash` cost, paid per block of a
 prompt and, in decode, once per `block_size` steps (figures: docs/reliability.md). A request's blocks are freed tail first, so the tail of
@@ -48,9 +49,20 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:  # annotations only: this module needs nothing beyond the standard library
     from triollm.engine.scheduling.request_state import Request
 
-__all__ = ["ROOT_BLOCK_HASH", "BlockManager", "BlockManagerStats", "hash_full_blocks"]
+__all__ = ["ROOT_BLOCK_HASH", "BlockManager", "BlockManagerStats", "hash_full_blocks", "root_hash"]
 
 ROOT_BLOCK_HASH = hashlib.sha256(b"triollm prefix cache, chained block hashes v1").digest()
+
+
+def root_hash(request: Request) -> bytes:
+    """The parent of a request's first block: ROOT_BLOCK_HASH under the base model; under a LoRA
+    adapter, a root of its own (its id and path), so K/V computed under one adapter is never
+    reused for another or for the base model."""
+    lora = request.lora_request
+    if lora is None:
+        return ROOT_BLOCK_HASH
+    tag = f"lora {lora.lora_int_id} {lora.lora_path}".encode()
+    return hashlib.sha256(ROOT_BLOCK_HASH + tag).digest()
 _TOKEN_BYTES = array("q").itemsize
 
 
@@ -140,7 +152,7 @@ class BlockManager:
         hashes = request.block_hashes
         start = len(hashes) * bs
         if num_tokens - start >= bs:
-            parent = hashes[-1] if hashes else ROOT_BLOCK_HASH
+            parent = hashes[-1] if hashes else root_hash(request)
             hashes += hash_full_blocks(request.all_token_ids[start:num_tokens], bs, parent)
 
     def match_prefix(self, request: Request) -> int:

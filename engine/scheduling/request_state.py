@@ -48,6 +48,7 @@ class Request:
             req.sampling_params, req.eos_token_ids, req.bad_words_token_ids
         )
         self.priority = req.priority
+        self.lora_request = req.lora_request  # the adapter it runs under (None: the base model)
         self.arrival_time = req.arrival_time
         self.max_tokens = max_tokens
         # all_token_ids = prompt + output; tokens [0, num_computed_tokens) have KV in the cache.

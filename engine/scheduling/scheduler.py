@@ -14,7 +14,11 @@ Each step:
    with the same tokens).
 2. If nothing was preempted, waiting requests are admitted in order (FCFS, or by `priority`
    then arrival) while the prefill budget, `max_num_seqs` and the free blocks allow; a new
-   request first takes its longest cached prefix from the prefix cache.
+   request first takes its longest cached prefix from the prefix cache. Under LoRA at most
+   `max_loras` distinct adapters run at once (the slots of the adapter buffers, lora/): a
+   request whose adapter would be one more waits where it is, and later requests (the base
+   model, adapters already running) are admitted past it, as in vLLM; at most `max_num_seqs`
+   are passed over per step, so a long queue of such requests costs a bounded scan.
 
 The prefill budget (`prefill_budget="auto"`, with chunked prefill). A step's time grows with the
 tokens it carries, and every running request waits for the whole step: on a 2-core CPU, prompt
@@ -188,8 +192,16 @@ class Scheduler:
         return budget
 
     def _admit_waiting(self, budget: int, scheduled: list[ScheduledRequest]) -> int:
+        loras = {r.lora_request.lora_int_id for r in self.running if r.lora_request is not None}
+        skipped: list[Request] = []  # waiting for an adapter slot: back in the queue after
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting.peek()
+            lora = req.lora_request
+            if lora is not None and lora.lora_int_id not in loras and len(loras) >= self.config.max_loras:
+                skipped.append(self.waiting.pop())
+                if len(skipped) < self.config.max_num_seqs:
+                    continue
+                break
             fresh = not req.block_ids
             if fresh:
                 cached = self.blocks.match_prefix(req)
@@ -210,6 +222,10 @@ class Scheduler:
             self.running.append(req)
             scheduled.append(ScheduledRequest(req, n, req.num_computed_tokens))
             budget -= n
+            if lora is not None:
+                loras.add(lora.lora_int_id)
+        for req in reversed(skipped):
+            self.waiting.push(req)
         return budget
 
     def _chunk(self, req: Request) -> int:

@@ -21,14 +21,19 @@ from triollm.engine.scheduling.scheduler import (
     Scheduler,
 )
 from triollm.engine.scheduling.step_cost import StepCost
+from triollm.lora.request import LoRARequest
 
 EOS = 99
 
 
-def make_request(rid: str, prompt: list[int], max_tokens: int = 8, priority: int = 0, t: float = 0.0) -> Request:
+def make_request(
+    rid: str, prompt: list[int], max_tokens: int = 8, priority: int = 0, t: float = 0.0, lora: int | None = None
+) -> Request:
+    adapter = None if lora is None else LoRARequest(f"lora{lora}", lora, f"/adapters/{lora}")
     core = EngineCoreRequest(
-        rid, prompt, SamplingParams(max_tokens=max_tokens), eos_token_ids=[EOS], arrival_time=t, priority=priority
-    )
+        rid, prompt, SamplingParams(max_tokens=max_tokens), eos_token_ids=[EOS], arrival_time=t, priority=priority,
+        lora_request=adapter,
+    )  # fmt: skip
     return Request(core, max_tokens)
 
 
@@ -67,6 +72,51 @@ def _fake_attention(bm: BlockManager, req: Request, start: int, n: int, kv: dict
 
 
 # ------------------------------------------------------------------------ block manager units
+
+
+def test_prefix_cache_keyed_by_adapter() -> None:
+    """K/V computed under one adapter is never reused under another or the base model (the
+    same tokens give other keys and values there); under the same adapter it is."""
+    bm = BlockManager(num_blocks=16, block_size=4)
+    a = make_request("a", list(range(10)), lora=1)
+    assert bm.allocate(a, 3)
+    a.num_computed_tokens = 10
+    bm.cache_full_blocks(a)
+    bm.free(a)
+    for rid, lora, hit in (("other", 2, 0), ("base", None, 0), ("same", 1, 8)):
+        r = make_request(rid, list(range(10)), lora=lora)
+        assert bm.match_prefix(r) == hit, rid
+        bm.free(r)
+    # The same id with another path is another adapter (a reused id must not serve stale K/V).
+    moved = make_request("moved", list(range(10)))
+    moved.lora_request = LoRARequest("lora1", 1, "/adapters/elsewhere")
+    assert bm.match_prefix(moved) == 0
+
+
+def test_at_most_max_loras_adapters_run_at_once() -> None:
+    """max_loras=2: adapters 1 and 2 run, a request under adapter 3 waits while base-model and
+    adapter-1 requests behind it are admitted past it; once adapter 1's requests finish, 3 runs."""
+    sched = Scheduler(SchedulerConfig(8, 512, True, max_loras=2), BlockManager(num_blocks=64, block_size=4), 256)
+    reqs = [
+        make_request("a1", [1, 2, 3], max_tokens=2, t=0, lora=1),
+        make_request("b2", [1, 2, 4], max_tokens=6, t=1, lora=2),
+        make_request("c3", [1, 2, 5], max_tokens=2, t=2, lora=3),
+        make_request("d0", [1, 2, 6], max_tokens=6, t=3),
+        make_request("e1", [1, 2, 7], max_tokens=2, t=4, lora=1),
+    ]
+    for r in reqs:
+        sched.add_request(r)
+    assert set(_chunks(sched)) == {"a1", "b2", "d0", "e1"}
+    assert [r.request_id for r in sched.waiting] == ["c3"]
+    running: list[set[int]] = []
+    for _ in range(12):
+        run_step(sched, lambda r: 5)
+        running.append({r.lora_request.lora_int_id for r in sched.running if r.lora_request is not None})
+        if not sched.has_unfinished_requests():
+            break
+    assert all(len(ids) <= 2 for ids in running)
+    assert any(3 in ids for ids in running)
+    assert not sched.has_unfinished_requests()
 
 
 def test_prefix_cache_hit_and_lru_eviction() -> None:
