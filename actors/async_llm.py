@@ -46,8 +46,8 @@ from triollm.actors.stats import FrontendStatistics, StatsLog, engine_metrics, f
 from triollm.engine.beam_search import BeamSearchParams
 from triollm.engine.config import EngineArgs, EngineConfig, ModelConfig
 from triollm.engine.core import EngineCoreFactory
-from triollm.engine.frontend import Frontend, input_size
-from triollm.engine.frontend.input import LARGE_INPUT
+from triollm.engine.frontend import Frontend, LoRAChecker, input_size
+from triollm.engine.frontend.input import LARGE_INPUT, ProcessedRequest
 from triollm.engine.inputs import PromptType
 from triollm.engine.metrics import Metric
 from triollm.engine.outputs import RequestOutput
@@ -56,6 +56,7 @@ from triollm.engine.pooling_params import POOLING_TASKS, PoolingParams
 from triollm.engine.processing.tokenizer import Tokenizer
 from triollm.engine.request import EngineCoreRequest
 from triollm.engine.sampling_params import SamplingParams
+from triollm.lora.request import LoRARequest
 
 __all__ = ["AsyncEngineArgs", "AsyncLLM", "FrontendStatistics", "PauseMode", "ShutdownCall"]
 
@@ -97,6 +98,7 @@ class AsyncLLM:
         self._link = self._rt.link
         self._request_ids = itertools.count()
         self._stats_log = StatsLog()
+        self._lora = LoRAChecker(self.config.lora)  # every request's adapter passes here
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs, **kwargs: Any) -> AsyncLLM:
@@ -231,6 +233,7 @@ class AsyncLLM:
         priority: int = 0,
         arrival_time: float | None = None,
         wait_for_room: bool = False,
+        lora_request: LoRARequest | None = None,
     ) -> RequestStream:
         """Validate and tokenize the request (in a worker thread when its input is large or it
         has a grammar), send it to the engine and return its `RequestStream`.
@@ -245,6 +248,10 @@ class AsyncLLM:
         Backpressure: over `max_num_queued_reqs` or `max_num_queued_tokens` (the frontend's
         count, `Frontend.busy`) it raises `EngineBusyError` (nothing added, the id free again),
         or with `wait_for_room=True` (offline batches: `LLM`, `LLMEngine`) waits for room.
+
+        `lora_request`: the adapter the request runs under (None: the base model), checked
+        first (`LoRAChecker`: LoRA enabled, the adapter's config; read once per adapter, in a
+        worker thread).
         """
         await self._rt.ensure_started()
         self._require_running()
@@ -256,15 +263,20 @@ class AsyncLLM:
         if self._rt.idle.is_set():
             self._rt.idle = anyio.Event()
         arrival = time.monotonic() if arrival_time is None else arrival_time
+        lora = self._lora
+
+        def process() -> ProcessedRequest:
+            checked = lora.check(lora_request)
+            return table.process(state, prompt, params, arrival_time=arrival, priority=priority, lora_request=checked)
+
         try:
             grammar = isinstance(params, SamplingParams) and params.structured_outputs is not None
-            if input_size(prompt, params) > _LARGE_PROMPT or grammar:  # a grammar is compiled
-                processed = await anyio.to_thread.run_sync(
-                    lambda: table.process(state, prompt, params, arrival_time=arrival, priority=priority)
-                )
+            # A grammar is compiled, an adapter seen for the first time has its config read.
+            if input_size(prompt, params) > _LARGE_PROMPT or grammar or lora.needs_io(lora_request):
+                processed = await anyio.to_thread.run_sync(process)
                 self._require_running()
             else:
-                processed = table.process(state, prompt, params, arrival_time=arrival, priority=priority)
+                processed = process()
             while not state.abort_requested and (busy := table.busy(processed)) is not None:
                 if not wait_for_room:
                     raise EngineBusyError(f"the engine is busy: {busy}; retry later")
@@ -289,12 +301,14 @@ class AsyncLLM:
         sampling_params: SamplingParams | None = None,
         request_id: str | None = None,
         *,
+        lora_request: LoRARequest | None = None,
         priority: int = 0,
     ) -> AsyncGenerator[RequestOutput, None]:
-        """Stream the outputs of one request. Wrap it in `contextlib.aclosing` so that leaving
-        early aborts the request at once rather than when the generator is collected."""
+        """Stream the outputs of one request (under the adapter `lora_request`, None: the base
+        model). Wrap it in `contextlib.aclosing` so that leaving early aborts the request at
+        once rather than when the generator is collected."""
         rid = request_id if request_id is not None else f"req-{next(self._request_ids)}"
-        with await self.add_request(rid, prompt, sampling_params, priority=priority) as stream:
+        with await self.add_request(rid, prompt, sampling_params, priority=priority, lora_request=lora_request) as stream:
             async for output in stream:
                 yield output
 
@@ -332,15 +346,31 @@ class AsyncLLM:
         prompt: PromptType,
         request_id: str,
         params: BeamSearchParams,
-        lora_request: object = None,
+        lora_request: LoRARequest | None = None,
     ) -> AsyncGenerator[RequestOutput, None]:
         """vLLM's `EngineClient.beam_search`: one finished `RequestOutput` whose outputs are the
-        `params.beam_width` best sequences, best first (actors/beam_search.py). Leaving early
-        (cancellation, closing the generator) aborts the round's requests."""
-        if lora_request is not None:
-            raise ValueError("lora_request: LoRA adapters are not supported; allowed: None")
+        `params.beam_width` best sequences, best first (actors/beam_search.py), every beam under
+        the adapter `lora_request`. Leaving early (cancellation, closing the generator) aborts
+        the round's requests."""
         await self._rt.ensure_started()
-        yield await run_beam_search(self, prompt, request_id, params)
+        yield await run_beam_search(self, prompt, request_id, params, await self._checked(lora_request))
+
+    # ------------------------------------------------------------------ LoRA adapters
+
+    async def add_lora(self, lora_request: LoRARequest) -> bool:
+        """vLLM's `add_lora`: check the adapter (LoRA enabled, its `adapter_config.json`: the
+        PEFT fields and `r <= max_lora_rank`; in a worker thread) so that requests under it are
+        accepted without reading it again; `ValueError` naming the field otherwise. The engine
+        core reads the weights when a request first uses the adapter. True once checked."""
+        if not isinstance(lora_request, LoRARequest):
+            raise ValueError(f"lora_request: must be a LoRARequest, got {type(lora_request).__name__}")
+        await self._checked(lora_request)
+        return True
+
+    async def _checked(self, lora_request: LoRARequest | None) -> LoRARequest | None:
+        if self._lora.needs_io(lora_request):
+            return await anyio.to_thread.run_sync(self._lora.check, lora_request)
+        return self._lora.check(lora_request)
 
     async def abort(self, request_id: str | Iterable[str], internal: bool = False) -> None:
         """Abort requests (vLLM's coroutine); their streams end normally with finish_reason

@@ -17,12 +17,16 @@ from triollm.engine.outputs import RequestOutput
 
 if TYPE_CHECKING:
     from triollm.actors.async_llm import AsyncLLM
+    from triollm.lora.request import LoRARequest
 
 __all__ = ["run_beam_search"]
 
 
-async def run_beam_search(llm: AsyncLLM, prompt: PromptType, request_id: str, params: BeamSearchParams) -> RequestOutput:
-    """The finished output of a beam search: the `params.beam_width` best sequences, best first."""
+async def run_beam_search(
+    llm: AsyncLLM, prompt: PromptType, request_id: str, params: BeamSearchParams, lora_request: LoRARequest | None = None
+) -> RequestOutput:
+    """The finished output of a beam search: the `params.beam_width` best sequences, best first;
+    every beam's request runs under the adapter `lora_request` (None: the base model)."""
     tokenizer = llm.get_tokenizer()
     ids = prompt_token_ids(prompt, tokenizer)
     text = prompt if isinstance(prompt, str) else prompt.get("prompt") if isinstance(prompt, dict) else None
@@ -37,7 +41,11 @@ async def run_beam_search(llm: AsyncLLM, prompt: PromptType, request_id: str, pa
             added = [
                 streams.enter_context(
                     await llm.add_request(
-                        f"{request_id}-beam{round_}-{k}", {"prompt_token_ids": beam.tokens}, step.clone(), wait_for_room=True
+                        f"{request_id}-beam{round_}-{k}",
+                        {"prompt_token_ids": beam.tokens},
+                        step.clone(),
+                        wait_for_room=True,
+                        lora_request=lora_request,
                     )
                 )
                 for k, (_, beam) in enumerate(beams)

@@ -50,10 +50,13 @@ from triollm.engine.pooling_outputs import (
 from triollm.engine.pooling_params import POOLING_TASKS, PoolingParams
 from triollm.engine.processing.tokenizer import Tokenizer
 from triollm.engine.sampling_params import RequestOutputKind, SamplingParams
+from triollm.lora.request import LoRARequest
 
 __all__ = ["LLM", "engine_args_from_kwargs"]
 
 _ABORT_WAIT_S = 5.0
+# `lora_request=` of the list-taking calls: one adapter for every prompt, or one per prompt.
+LoRAArg = LoRARequest | Sequence[LoRARequest | None] | None
 
 
 def engine_args_from_kwargs(model: str | None = None, **kwargs: Any) -> EngineArgs:
@@ -149,29 +152,32 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
         use_tqdm: bool | Callable[..., Any] = True,
+        lora_request: LoRAArg = None,
         priority: list[int] | None = None,
     ) -> list[RequestOutput]:
-        """Complete every prompt; outputs in input order."""
+        """Complete every prompt; outputs in input order. `lora_request`: the adapter every
+        prompt runs under, or a list of one per prompt (None entries: the base model)."""
         self._require_runner("generate", "LLM.generate()")
         prompt_list: list[PromptType] = [prompts] if isinstance(prompts, (str, dict)) else list(prompts)  # type: ignore[list-item]
         params = self._params_list(sampling_params, len(prompt_list))
         if priority is not None and len(priority) != len(prompt_list):
             raise ValueError(f"priority: {len(priority)} values given for {len(prompt_list)} prompts")
-        return self._run(prompt_list, params, priority or [0] * len(prompt_list), use_tqdm)
+        loras = _lora_list(lora_request, len(prompt_list))
+        return self._run(prompt_list, params, priority or [0] * len(prompt_list), use_tqdm, loras)
 
     def beam_search(
         self,
         prompts: Sequence[PromptType],
         params: BeamSearchParams,
-        lora_request: object = None,
+        lora_request: LoRAArg = None,
         use_tqdm: bool = False,
         concurrency_limit: int | None = None,
     ) -> list[BeamSearchOutput]:
         """vLLM's beam search (`engine/beam_search.py`): the `params.beam_width` best sequences of
         each prompt, best first. Text prompts are tokenized as `generate` does; a beam ends at
-        EOS (unless `ignore_eos`), after `max_tokens`, or at the context length."""
-        if lora_request is not None:
-            raise ValueError("lora_request: LoRA adapters are not supported; allowed: None")
+        EOS (unless `ignore_eos`), after `max_tokens`, or at the context length. Every beam of a
+        prompt runs under its adapter (`lora_request`: one, or one per prompt)."""
+        loras = _lora_list(lora_request, len(prompts))
         if concurrency_limit is not None and concurrency_limit < 1:
             raise ValueError(f"concurrency_limit: must be a positive integer or None, got {concurrency_limit!r}")
         tokenizer = self.get_tokenizer()
@@ -185,7 +191,8 @@ class LLM:
                 beams = search.live(group)
                 if beams:
                     token_prompts: list[PromptType] = [{"prompt_token_ids": b.tokens} for _, b in beams]
-                    search.advance(group, beams, self.generate(token_prompts, step, use_tqdm=use_tqdm))
+                    beam_loras = [loras[i] for i, _ in beams]
+                    search.advance(group, beams, self.generate(token_prompts, step, use_tqdm=use_tqdm, lora_request=beam_loras))
         return search.results(lambda tokens: tokenizer.decode(tokens, skip_special_tokens=True))
 
     def chat(
@@ -194,20 +201,22 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
         use_tqdm: bool | Callable[..., Any] = True,
+        lora_request: LoRAArg = None,
         chat_template: str | None = None,
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         chat_template_kwargs: dict[str, Any] | None = None,
         tools: list[dict[str, Any]] | None = None,
     ) -> list[RequestOutput]:
-        """Generate replies to one conversation or a list of conversations. `tools` (OpenAI's
-        function tools) reach the chat template, which decides how they are shown; the reply is
-        text, as in vLLM (force a call with `SamplingParams(structured_outputs=...)`)."""
+        """Generate replies to one conversation or a list of conversations (under `lora_request`:
+        one adapter, or one per conversation). `tools` (OpenAI's function tools) reach the chat
+        template, which decides how they are shown; the reply is text, as in vLLM (force a call
+        with `SamplingParams(structured_outputs=...)`)."""
         self._require_runner("generate", "LLM.chat()")
         prompts = self._render_chats(
             messages, chat_template, add_generation_prompt, continue_final_message, chat_template_kwargs, tools
         )
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
 
     # ------------------------------------------------------------------ pooling models
 
@@ -302,6 +311,7 @@ class LLM:
         prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
+        lora_request: LoRAArg = None,
         priority: list[int] | None = None,
         use_tqdm: bool | Callable[..., Any] = False,
     ) -> list[str]:
@@ -311,9 +321,12 @@ class LLM:
         params = self._params_list(sampling_params, len(prompt_list))
         if priority is not None and len(priority) != len(prompt_list):
             raise ValueError(f"priority: {len(priority)} values given for {len(prompt_list)} prompts")
+        loras = _lora_list(lora_request, len(prompt_list))
         ids: list[str] = []
         for i, (prompt, p) in enumerate(zip(prompt_list, params)):
-            rid = self.llm_engine.add_request(f"llm-{next(self._ids)}", prompt, p, priority=priority[i] if priority else 0)
+            rid = self.llm_engine.add_request(
+                f"llm-{next(self._ids)}", prompt, p, priority=priority[i] if priority else 0, lora_request=loras[i]
+            )
             ids.append(rid)
             self._enqueued.append(rid)
         return ids
@@ -323,6 +336,7 @@ class LLM:
         messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
+        lora_request: LoRAArg = None,
         chat_template: str | None = None,
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
@@ -332,7 +346,7 @@ class LLM:
         prompts = self._render_chats(
             messages, chat_template, add_generation_prompt, continue_final_message, chat_template_kwargs
         )
-        return self.enqueue(prompts, sampling_params)
+        return self.enqueue(prompts, sampling_params, lora_request=lora_request)
 
     def wait_for_completion(self, *, use_tqdm: bool | Callable[..., Any] = True) -> list[RequestOutput]:
         """Run the engine until every request added through `llm_engine` (`enqueue`, or
@@ -397,9 +411,11 @@ class LLM:
         params: Sequence[SamplingParams | PoolingParams],
         priorities: list[int],
         use_tqdm: bool | Callable[..., Any],
+        loras: Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         done = threading.Event()
-        future = self._portal.start_task_soon(self._batch, prompts, params, priorities, use_tqdm, done)
+        loras = [None] * len(prompts) if loras is None else loras
+        future = self._portal.start_task_soon(self._batch, prompts, params, priorities, use_tqdm, done, loras)
         try:
             return future.result()
         except KeyboardInterrupt:
@@ -416,6 +432,7 @@ class LLM:
         priorities: list[int],
         use_tqdm: bool | Callable[..., Any],
         done: threading.Event,
+        loras: Sequence[LoRARequest | None],
     ) -> list[RequestOutput]:
         """Add every request, then gather each one's final output (FINAL_ONLY: one per request).
         A batch larger than the engine's queue (`max_num_queued_reqs` / `_tokens`) is normal
@@ -430,9 +447,9 @@ class LLM:
         try:
             with contextlib.ExitStack() as streams:
                 added: list[RequestStream] = []
-                for prompt, p, prio in zip(prompts, params, priorities):
+                for prompt, p, prio, lora in zip(prompts, params, priorities, loras):
                     rid = f"llm-{next(self._ids)}"
-                    stream = await engine.add_request(rid, prompt, p, priority=prio, wait_for_room=True)
+                    stream = await engine.add_request(rid, prompt, p, priority=prio, wait_for_room=True, lora_request=lora)
                     added.append(streams.enter_context(stream))
                 bar = _progress(len(prompts), use_tqdm)
                 async with anyio.create_task_group() as tg:
@@ -457,6 +474,23 @@ def _per_prompt(name: str, value: P | Sequence[P], kind: type[P], n: int) -> lis
     if len(given) != n:
         raise ValueError(
             f"{name}: the list has {len(given)} entries for {n} prompts; pass one {kind.__name__} or one per prompt"
+        )
+    return given
+
+
+def _lora_list(lora_request: LoRAArg, n: int) -> list[LoRARequest | None]:
+    """`lora_request=` of a call over `n` prompts: one adapter (or None) for all, or a list of
+    exactly one per prompt (each entry is checked when its request is added)."""
+    if lora_request is None or isinstance(lora_request, LoRARequest):
+        return [lora_request] * n
+    if isinstance(lora_request, str | bytes) or not isinstance(lora_request, Sequence):
+        raise ValueError(
+            f"lora_request: must be a LoRARequest, a list of one per prompt, or None; got {type(lora_request).__name__}"
+        )
+    given = list(lora_request)
+    if len(given) != n:
+        raise ValueError(
+            f"lora_request: the list has {len(given)} entries for {n} prompts; pass one LoRARequest or one per prompt"
         )
     return given
 

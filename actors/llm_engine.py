@@ -53,6 +53,7 @@ from triollm.engine.metrics import Metric
 from triollm.engine.outputs import RequestOutput
 from triollm.engine.processing.tokenizer import Tokenizer
 from triollm.engine.sampling_params import SamplingParams
+from triollm.lora.request import LoRARequest
 
 __all__ = ["LLMEngine"]
 
@@ -113,10 +114,12 @@ class LLMEngine:
         prompt: PromptType,
         params: SamplingParams | None = None,
         *,
+        lora_request: LoRARequest | None = None,
         priority: int = 0,
     ) -> str:
+        """Add one request (under the adapter `lora_request`, None: the base model); its id."""
         rid = request_id if request_id is not None else f"engine-{next(self._ids)}"
-        self.portal.call(self._loop.add, rid, prompt, params, priority)
+        self.portal.call(self._loop.add, rid, prompt, params, priority, lora_request)
         return rid
 
     def abort_request(self, request_id: str | Sequence[str]) -> None:
@@ -192,12 +195,14 @@ class _Requests:
         return len(self.streams) + (self._error is not None)
 
     async def add(
-        self, rid: str, prompt: PromptType, params: SamplingParams | None, priority: int
+        self, rid: str, prompt: PromptType, params: SamplingParams | None, priority: int, lora_request: LoRARequest | None
     ) -> None:
         if rid in self.streams:
             raise ValueError(f"request_id: {rid!r} is already in use by an unfinished request")
         # Offline scripts add more than the queue holds: wait for room rather than EngineBusyError.
-        stream = await self.llm.add_request(rid, prompt, params, priority=priority, wait_for_room=True)
+        stream = await self.llm.add_request(
+            rid, prompt, params, priority=priority, wait_for_room=True, lora_request=lora_request
+        )
         self.streams[rid] = stream
         self._tg.start_soon(self._forward, stream)
 

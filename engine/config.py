@@ -129,7 +129,7 @@ class LoRAConfig:
     max_loras: int  # adapters in one batch: the slots of the stacked A/B buffers
     max_lora_rank: int  # the largest r an adapter may have (the slots' width)
     max_cpu_loras: int  # adapters kept read in memory (LRU), >= max_loras
-    dtype: str  # the A/B buffers' dtype name: the model's with lora_dtype "auto"
+    dtype: str  # the A/B buffers' dtype name (lora_dtype "auto": the model's; bfloat16 if quantized)
 
 
 @dataclass(frozen=True)
@@ -315,7 +315,7 @@ class EngineArgs:
     max_loras: int = _arg(1, "the most distinct LoRA adapters in one batch")
     max_lora_rank: int = _arg(16, "the largest LoRA rank r an adapter may have", choices=LORA_RANKS)
     max_cpu_loras: int | None = _arg(None, "LoRA adapters kept loaded in memory, least recently used dropped first (default: max_loras); at least max_loras")
-    lora_dtype: str = _arg("auto", "the LoRA weights' dtype (auto: the model's)", choices=LORA_DTYPES)
+    lora_dtype: str = _arg("auto", "the LoRA weights' dtype (auto: the model's; bfloat16 over quantized weights)", choices=LORA_DTYPES)
     runner: str = _arg("auto", "auto (from the architecture: *ForCausalLM generate, encoder-only models such as BertModel are pooled into embeddings), generate or pooling", choices=RUNNERS)
     device: str = _arg("auto", "auto (cuda if available), cpu or cuda", choices=("auto", "cpu", "cuda"))
     num_threads: int | None = _arg(None, "torch threads in the engine core (default: every core for the offline LLM; for AsyncLLM and the server every core up to 4, one fewer above)")
@@ -548,7 +548,11 @@ class EngineArgs:
         cpu = self.max_loras if self.max_cpu_loras is None else self.max_cpu_loras
         if isinstance(cpu, bool) or not isinstance(cpu, int) or cpu < self.max_loras:
             raise ValueError(f"max_cpu_loras: must be an integer >= max_loras ({self.max_loras}), got {self.max_cpu_loras!r}")
-        dtype = str(model.dtype).removeprefix("torch.") if self.lora_dtype == "auto" else self.lora_dtype
+        dtype = self.lora_dtype
+        if dtype == "auto":
+            # The model's, except over quantized weights: there the base is approximate already,
+            # and bf16 slots halve the adapter bytes each decode step reads (docs/lora.md).
+            dtype = "bfloat16" if model.quantization is not None else str(model.dtype).removeprefix("torch.")
         return LoRAConfig(self.max_loras, self.max_lora_rank, cpu, dtype)
 
     def _quantization(self, model: ModelConfig, device: str) -> str | None:

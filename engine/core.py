@@ -16,6 +16,11 @@ so they are neither `EngineArgs` fields nor CLI flags.
 With `tensor_parallel_size` N > 1 the core is rank 0 of N (engine/distributed/group.py): it
 starts N-1 worker processes, holds its own shard of the model and KV cache, and `close()` stops
 the workers (they also leave by themselves when this process exits).
+
+LoRA (`enable_lora`): the core owns the adapters' `LoRAManager` (lora/manager.py). Before each
+forward pass every scheduled request's adapter is put in a slot, read from disk on first use; a
+request whose adapter fails to load (gone, malformed, not fitting the model) ends alone with
+`FinishReason.ERROR` and the reason, and the step runs without it.
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ import os
 import time
 from concurrent.futures import FIRST_COMPLETED, Future
 from concurrent.futures import wait as wait_futures
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
@@ -40,9 +45,10 @@ from triollm.engine.execution.models import CausalLM, load_model
 from triollm.engine.request import EngineCoreOutput, EngineCoreRequest, FinishReason
 from triollm.engine.scheduling.block_manager import BlockManager
 from triollm.engine.scheduling.request_state import Request, RequestStatus
-from triollm.engine.scheduling.scheduler import ScheduledRequest, Scheduler
+from triollm.engine.scheduling.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
 from triollm.engine.structured_outputs import Grammar, GrammarCompiler
 from triollm.kernels import KVCache, allocate_kv_cache
+from triollm.lora.manager import LoRAManager
 
 if TYPE_CHECKING:
     from triollm.engine.distributed.group import TensorParallelGroup
@@ -92,6 +98,7 @@ class EngineCore:
         # request joins the scheduler once it is ready (`_compiling` until then).
         self.grammars = GrammarCompiler(config.tokenizer, mc.vocab_size)
         self._compiling: dict[str, tuple[Request, Future[Grammar]]] = {}
+        self.lora: LoRAManager | None = None  # the adapters' slots (a loaded model with enable_lora)
         try:
             self._build(runner)
         except BaseException:
@@ -104,6 +111,8 @@ class EngineCore:
             self.model = self._load_shard(config.tensor_parallel_size)
         elif runner is None:
             self.model = load_model(mc, config.device)
+        if self.model is not None and config.lora is not None:  # before the KV cache is sized
+            self.lora = LoRAManager(self.model, config.lora, config.device, keep_loads=self.group is not None)
         self.num_blocks = self._num_kv_blocks()
         if self.group is not None:
             self.group.send_cache(self.num_blocks)
@@ -130,7 +139,7 @@ class EngineCore:
             kv = allocate_kv_cache(
                 mc.num_layers, self.num_blocks + (1 if sizes else 0), bs, self.num_kv_heads, mc.head_dim, mc.cache_dtype, config.device
             )
-            self.runner = ModelRunner(self.model, kv, config.device, self.group, self._capture_graphs(kv, sizes))
+            self.runner = ModelRunner(self.model, kv, config.device, self.group, self._capture_graphs(kv, sizes), self.lora)
         self.requests: dict[str, Request] = {}
         self.num_steps = 0
         log.info(
@@ -290,6 +299,10 @@ class EngineCore:
                 self.num_steps += 1
         if sched is None or not sched.scheduled:
             return outputs
+        if self.lora is not None:
+            sched = self._place_adapters(sched, outputs)
+            if not sched.scheduled:
+                return outputs
         self.num_steps += 1
         start = time.perf_counter()
         result = self.runner.execute(sched.scheduled)
@@ -333,6 +346,29 @@ class EngineCore:
                 )
             )
         return outputs
+
+    def _place_adapters(self, sched: SchedulerOutput, outputs: list[EngineCoreOutput]) -> SchedulerOutput:
+        """Every scheduled request's adapter in a slot; a request whose adapter fails to load
+        ends alone, with the reason as its error (in `outputs`), and leaves the step."""
+        assert self.lora is not None
+        wanted = [s.request.lora_request for s in sched.scheduled if s.request.lora_request is not None]
+        if not wanted:
+            return sched
+        running = {r.lora_request.lora_int_id for r in self.scheduler.running if r.lora_request is not None}
+        failed = self.lora.prepare(wanted, running)
+        if not failed:
+            return sched
+        kept: list[ScheduledRequest] = []
+        for item in sched.scheduled:
+            req, lr = item.request, item.request.lora_request
+            if lr is None or lr.lora_int_id not in failed:
+                kept.append(item)
+                continue
+            self.scheduler.finish(req, RequestStatus.FINISHED_ABORTED)
+            del self.requests[req.request_id]
+            reason = failed[lr.lora_int_id][:2000]
+            outputs.append(EngineCoreOutput(req.request_id, [], finish_reason=FinishReason.ERROR, stop_reason=reason))
+        return replace(sched, scheduled=kept)
 
     def _take_grammars(self) -> list[EngineCoreOutput]:
         """Schedule the structured requests whose matcher is ready; a grammar that failed ends

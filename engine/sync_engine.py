@@ -18,11 +18,12 @@ from collections.abc import Iterator, Sequence
 
 from triollm.engine.config import EngineArgs, EngineConfig
 from triollm.engine.core import EngineCore
-from triollm.engine.frontend import Frontend, InputProcessor
+from triollm.engine.frontend import Frontend, InputProcessor, LoRAChecker
 from triollm.engine.inputs import PromptType
 from triollm.engine.outputs import RequestOutput
 from triollm.engine.processing.tokenizer import Tokenizer
 from triollm.engine.sampling_params import RequestOutputKind, SamplingParams
+from triollm.lora.request import LoRARequest
 
 __all__ = ["SyncEngine"]
 
@@ -50,6 +51,7 @@ class SyncEngine:
             config.model, self.tokenizer, max_logprobs=config.actor.max_logprobs, scheduling_policy=config.scheduler.policy
         )
         self.frontend = Frontend(self.input)
+        self.lora = LoRAChecker(config.lora)
         self._delivered: list[RequestOutput] = []
         self._ids = itertools.count()
 
@@ -58,13 +60,25 @@ class SyncEngine:
         return cls(args.create_engine_config())
 
     def add_request(
-        self, prompt: PromptType, params: SamplingParams | None = None, request_id: str | None = None, priority: int = 0
+        self,
+        prompt: PromptType,
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        priority: int = 0,
+        lora_request: LoRARequest | None = None,
     ) -> str:
         rid = request_id if request_id is not None else str(next(self._ids))
         state = self.frontend.open(rid, _Collect(self._delivered))  # rejects an id in use
         added: list[str] = []
         try:
-            processed = self.frontend.process(state, prompt, params, arrival_time=time.monotonic(), priority=priority)
+            processed = self.frontend.process(
+                state,
+                prompt,
+                params,
+                arrival_time=time.monotonic(),
+                priority=priority,
+                lora_request=self.lora.check(lora_request),
+            )
             for core_request in self.frontend.add(processed):
                 self.core.add_request(core_request)
                 added.append(core_request.request_id)
@@ -107,20 +121,25 @@ class SyncEngine:
         self,
         prompts: PromptType | Sequence[PromptType],
         params: SamplingParams | Sequence[SamplingParams] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
-        """Run prompts to completion; outputs in input order."""
+        """Run prompts to completion; outputs in input order (`lora_request`: one adapter, or one
+        per prompt)."""
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         if params is None or isinstance(params, SamplingParams):
             params = [params] * len(prompts)  # type: ignore[list-item]
         if len(params) != len(prompts):
             raise ValueError(f"sampling_params: {len(params)} given for {len(prompts)} prompts")
+        loras = [lora_request] * len(prompts) if lora_request is None or isinstance(lora_request, LoRARequest) else list(lora_request)
+        if len(loras) != len(prompts):
+            raise ValueError(f"lora_request: {len(loras)} given for {len(prompts)} prompts")
         ids: list[str] = []
         try:
-            for prompt, p in zip(prompts, params):
+            for prompt, p, lora in zip(prompts, params, loras):
                 p = (p or SamplingParams(**self.config.model.generation_defaults)).clone()
                 p.output_kind = RequestOutputKind.FINAL_ONLY
-                ids.append(self.add_request(prompt, p))
+                ids.append(self.add_request(prompt, p, lora_request=lora))
             results: dict[str, RequestOutput] = {}
             for out in self.run():
                 if out.finished:

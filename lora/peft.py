@@ -37,7 +37,7 @@ WEIGHTS_FILE = "adapter_model.safetensors"
 # The projections an adapter may target: the attention's and the gated MLP's.
 LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 # Fields whose non-default values change what the adapter computes and are not implemented.
-_REFUSED = {
+_REFUSED: dict[str, tuple[object, ...]] = {
     "use_dora": (False, None),
     "modules_to_save": (None, []),
     "lora_bias": (False, None),

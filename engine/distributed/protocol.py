@@ -2,7 +2,8 @@
 
 A message is a 16-byte header (kind, payload length) and a payload. Setup messages are pickled
 (they travel between processes of one installation, never over a network); a step is the
-`StepInputs` flattened into int64s. End of file is the same as STOP: rank 0 is gone.
+`StepInputs` flattened into int64s, then the bytes of any LoRA slots rank 0 filled. End of
+file is the same as STOP: rank 0 is gone.
 
 Why the pipe and not a gloo broadcast: a worker waits for the next step for as long as the
 engine is idle, and a gloo wait is bounded by the group's timeout; a pipe read is not, and its
@@ -37,6 +38,10 @@ class StepInputs:
     decode_lens: list[int] = field(default_factory=list)  # per decode: context incl. the new token
     prefills: list[tuple[int, int, int, list[int]]] = field(default_factory=list)  # PrefillChunk fields
     logit_rows: list[list[int]] = field(default_factory=list)  # rows of each compute_logits call
+    # LoRA (lora/layers.py): per request fed under an adapter, (slot, first row, rows); and the
+    # slots rank 0 filled since the last step, opaque to this module (lora/manager.py `take_loads`).
+    lora_segments: list[tuple[int, int, int]] = field(default_factory=list)
+    lora_loads: bytes = b""
 
 
 @dataclass(frozen=True)
@@ -75,7 +80,7 @@ def unpickled(payload: bytes) -> Any:
 
 
 def encode_step(s: StepInputs) -> bytes:
-    out = array("q", [len(s.token_ids), len(s.decode_lens), len(s.prefills), len(s.logit_rows)])
+    out = array("q", [len(s.token_ids), len(s.decode_lens), len(s.prefills), len(s.logit_rows), len(s.lora_segments), len(s.lora_loads)])
     out.extend(s.token_ids)
     out.extend(s.positions)
     out.extend(s.slots)
@@ -89,15 +94,19 @@ def encode_step(s: StepInputs) -> bytes:
     for rows in s.logit_rows:
         out.append(len(rows))
         out.extend(rows)
-    return out.tobytes()
+    for segment in s.lora_segments:
+        out.extend(segment)
+    return out.tobytes() + s.lora_loads
 
 
 def decode_step(payload: bytes) -> StepInputs:
+    nl = array("q", payload[40:48])[0]  # the header's sixth int: the LoRA bytes at the end
+    ints, blob = (payload[: len(payload) - nl], payload[len(payload) - nl :]) if nl else (payload, b"")
     v = array("q")
-    v.frombytes(payload)
+    v.frombytes(ints)
     data = v.tolist()
-    t, nd, np_, ng = data[:4]
-    i = 4
+    t, nd, np_, ng, ns = data[:5]
+    i = 6
 
     def take(n: int) -> list[int]:
         nonlocal i
@@ -112,6 +121,10 @@ def decode_step(payload: bytes) -> StepInputs:
         s.prefills.append((start, n, c, take(nb)))
     for _ in range(ng):
         s.logit_rows.append(take(take(1)[0]))
+    for _ in range(ns):
+        slot, start, n = take(3)
+        s.lora_segments.append((slot, start, n))
+    s.lora_loads = blob
     return s
 
 

@@ -13,6 +13,12 @@ Tensor parallel (docs/scaling.md): rank 0's runner has a `group` and sends each 
 (`StepInputs`, plain ints) to the other ranks before its forward pass; they rebuild the same
 tensors and attention metadata (`follow`), run the same forward pass and the same logits
 computations (whose rows rank 0 lists in `logit_rows`), and rank 0 samples.
+
+LoRA (lora/): with a `LoRAManager`, the core has put every scheduled adapter in a slot before
+`execute`; the runner lists each adapted request's rows by slot (`StepInputs.lora_segments`,
+which the other ranks receive too, with any slots just filled) and sets the model's
+`LoRABatch` from them every step. A step with adapter rows never replays a CUDA graph (the
+graphs hold the base model only).
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ from triollm.kernels.attention import DecodeWorkspace, plan_decode
 
 if TYPE_CHECKING:
     from triollm.engine.distributed.group import TensorParallelGroup
+    from triollm.lora.manager import LoRAManager
 
 __all__ = ["ModelRunner", "RunnerOutput"]
 
@@ -54,8 +61,10 @@ class ModelRunner:
         device: torch.device | str,
         group: TensorParallelGroup | None = None,
         graphs: DecodeGraphs | None = None,
+        lora: LoRAManager | None = None,
     ) -> None:
         self.model = model
+        self.lora = lora  # the adapters' slots (rank 0: filled by the core before each step)
         self.group = group  # rank 0 of a tensor-parallel model: the other ranks follow each step
         self.graphs = graphs  # all-decode steps replayed from captured graphs (CUDA)
         self.kv = kv_cache
@@ -80,11 +89,17 @@ class ModelRunner:
             ends.append(total - 1)
         samplers = [i for i, s in enumerate(order) if s.samples]
         inputs = self._gather(decodes, prefills)
+        lora = self.lora
+        if lora is not None:
+            inputs.lora_segments = self._lora_segments(order)
+            lora.set_batch(inputs.lora_segments)
         if self.group is not None:
             inputs.logit_rows = _logit_rows(order, ends, samplers)
+            if lora is not None:
+                inputs.lora_loads = lora.take_loads()
             self.group.send_step(inputs)
         graphs = self.graphs
-        if graphs is not None and not prefills and graphs.size_for(len(decodes)) is not None:
+        if graphs is not None and not prefills and not inputs.lora_segments and graphs.size_for(len(decodes)) is not None:
             hidden = graphs.run(inputs.token_ids, inputs.positions, inputs.slots, inputs.decode_tables, inputs.decode_lens)
         else:
             input_ids, positions, meta = self._tensors(inputs)
@@ -114,10 +129,31 @@ class ModelRunner:
     def follow(self, inputs: StepInputs) -> None:
         """A tensor-parallel worker's step: rank 0's forward pass and logits computations on
         this rank's shard (the collectives inside them pair with rank 0's)."""
+        if inputs.lora_loads:
+            if self.lora is None:
+                from triollm.lora.manager import LoRAManager
+
+                self.lora = LoRAManager.from_loads(self.model, inputs.lora_loads, self.device)
+            else:
+                self.lora.apply_loads(inputs.lora_loads)
+        if self.lora is not None:
+            self.lora.set_batch(inputs.lora_segments)
         input_ids, positions, meta = self._tensors(inputs)
         hidden = self.model(input_ids, positions, meta, self.kv)
         for rows in inputs.logit_rows:
             self.model.compute_logits(hidden.index_select(0, torch.tensor(rows, device=self.device)))
+
+    def _lora_segments(self, order: list[ScheduledRequest]) -> list[tuple[int, int, int]]:
+        """(slot, first row, rows) of each request fed under an adapter, in batch order."""
+        assert self.lora is not None
+        slot_of, row = self.lora.slot_of, 0
+        out: list[tuple[int, int, int]] = []
+        for s in order:
+            lr = s.request.lora_request
+            if lr is not None:
+                out.append((slot_of[lr.lora_int_id], row, s.num_new_tokens))
+            row += s.num_new_tokens
+        return out
 
     def _gather(self, decodes: list[ScheduledRequest], prefills: list[ScheduledRequest]) -> StepInputs:
         bs = self.block_size

@@ -19,6 +19,7 @@ from triollm.engine.frontend.input import (
     core_request_ids,
     input_size,
 )
+from triollm.engine.frontend.lora import LORA_NOT_ENABLED, LoRAChecker
 
 __all__ = [
     "GENERATE_ON_POOLING",
@@ -27,6 +28,8 @@ __all__ = [
     "Frontend",
     "TableStatistics",
     "InputProcessor",
+    "LORA_NOT_ENABLED",
+    "LoRAChecker",
     "OutputSink",
     "Phase",
     "ProcessedOutputs",

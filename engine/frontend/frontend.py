@@ -50,6 +50,7 @@ from triollm.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from triollm.engine.config import LimitsConfig
+    from triollm.lora.request import LoRARequest
 
 __all__ = [
     "Frontend",
@@ -197,15 +198,25 @@ class Frontend:
         *,
         arrival_time: float | None = None,
         priority: int = 0,
+        lora_request: LoRARequest | None = None,
     ) -> ProcessedRequest:
-        """Tokenize and check the request (`InputProcessor`). Reads no table state: safe to run
-        in a worker thread while the table changes."""
+        """Tokenize and check the request (`InputProcessor`; `lora_request` already checked by
+        the shell's `LoRAChecker`). Reads no table state: safe to run in a worker thread while
+        the table changes."""
         if isinstance(params, PoolingParams):
+            if lora_request is not None:
+                raise ValueError("lora_request: LoRA adapters apply to generation, not to pooling requests; allowed: None")
             return self.input.process_pooling(
                 prompt, params, state.request_id, arrival_time=arrival_time, priority=priority, tag=state.tag
             )
         return self.input.process(
-            prompt, params, state.request_id, arrival_time=arrival_time, priority=priority, tag=state.tag
+            prompt,
+            params,
+            state.request_id,
+            arrival_time=arrival_time,
+            priority=priority,
+            tag=state.tag,
+            lora_request=lora_request,
         )
 
     def busy(self, processed: ProcessedRequest) -> str | None:

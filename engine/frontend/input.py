@@ -22,6 +22,10 @@ Differences from vLLM, on purpose:
   when the core's block count is known) is refused: each a `ValueError` naming the field and
   the setting.
 
+A LoRA request's adapter (`lora_request`) was checked by the shell (`LoRAChecker`, lora.py): it
+is copied into every core request of the user request, so the children of `n > 1` (and the
+beams of a search, each a request of its own) run under the same adapter.
+
 Plain code, no I/O: the frontend may run `process` in a worker thread for a large input.
 """
 
@@ -46,6 +50,7 @@ from triollm.engine.sampling_params import (
     check_utf8,
     check_wire_int,
 )
+from triollm.lora.request import LoRARequest
 
 if TYPE_CHECKING:
     from triollm.engine.config import LimitsConfig
@@ -171,9 +176,13 @@ class InputProcessor:
         arrival_time: float | None = None,
         priority: int = 0,
         tag: str | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> ProcessedRequest:
-        """Check and tokenize one generation request; `tag` goes into its core ids."""
+        """Check and tokenize one generation request; `tag` goes into its core ids,
+        `lora_request` (checked by `LoRAChecker`) into every core request."""
         self._check_request(request_id, priority)
+        if lora_request is not None and not isinstance(lora_request, LoRARequest):
+            raise ValueError(f"lora_request: must be a LoRARequest or None, got {type(lora_request).__name__}")
         if self.model_config.runner_type != "generate":
             raise ValueError(GENERATE_ON_POOLING.format(api="Generation (SamplingParams)"))
         if params is None:
@@ -197,6 +206,7 @@ class InputProcessor:
                 bad_words_token_ids=bad_words,
                 arrival_time=arrival,
                 priority=priority,
+                lora_request=lora_request,
             )
             for core_id, child in zip(core_request_ids(request_id, len(children), tag), children)
         ]

@@ -1,4 +1,5 @@
-// A Llama decoder stack over quantized weights for an all-decode step, in one call.
+// A Llama decoder stack over quantized weights for an all-decode step, in one call; and the
+// LoRA update both it and the layer-by-layer path add to a projection's output.
 //
 // Batch-1 decode of a small quantized model is ~120 quantized linears and ~250 other ops per
 // token, each a few microseconds of work; called one by one from Python, the calls cost as much
@@ -9,36 +10,184 @@
 // It covers what an all-decode step of a quantized model needs and nothing more: fp32
 // activations, the four projections quantized (kernels/quant.py's packed layout), no biases,
 // no tensor parallelism; the model checks that before it calls (LlamaForCausalLM.decode_stack).
+//
+// LoRA (lora/layers.py): `lora_apply` adds one adapter slot's update to some rows of a
+// projection's output, out[rows] += (x[rows] A^T) B^T, A `[P*r, in]` and B^T `[P*r, out]` block-
+// diagonal over the P pieces the projection stacks. For a few rows (decode) it is a loop of dot
+// products and row updates that skip the pieces the adapter does not target and B's zero
+// blocks: at::mm and addmm_ on such thin matrices cost several times their arithmetic. For more
+// rows it is at::mm and addmm_ (BLAS wins there). Every output element is one thread's fixed
+// loop, so the result does not depend on the grouping or the thread count, and the stack,
+// calling the same function after each projection, gives the layer path's bits.
 
+#include <ATen/Parallel.h>
 #include <torch/library.h>
+
+#include <algorithm>
+#include <cstring>
+#include <vector>
 
 #include "cpu_kernels.h"
 
 namespace triollm_cpu {
+
+namespace {
+
+constexpr int64_t kLoopRows = 16;  // up to this many rows: the loops, else BLAS
+
+// The slots' weights are float32 or bfloat16 (lora_dtype); activations are float32.
+inline float to_float(float v) { return v; }
+inline float to_float(uint16_t bf16) {
+  const uint32_t bits = static_cast<uint32_t>(bf16) << 16;
+  float v;
+  std::memcpy(&v, &bits, sizeof v);
+  return v;
+}
+
+template <typename W>
+inline float dot(const W* a, const float* b, int64_t n) {
+  float s = 0.f;
+  for (int64_t i = 0; i < n; ++i) s += to_float(a[i]) * b[i];
+  return s;
+}
+
+// The few-rows path of lora_update (below): h = x A^T by dot products over A's rows, then each
+// row's update accumulated over B^T's rows (contiguous, vectorised), only in each piece's own
+// columns, and added to out.
+template <typename W>
+void lora_loops(const std::vector<const float*>& xr, const std::vector<float*>& outr, int64_t in, const W* A,
+                int64_t lda, const W* Bt, int64_t ldb, const int64_t* bounds, int64_t P, int64_t r, int64_t mask) {
+  const int64_t n = static_cast<int64_t>(xr.size()), k = P * r;
+  std::vector<float> h(n * k, 0.f);  // h[j * k + c]: row j's shrunk input
+  at::parallel_for(0, k, k * in * n < (1 << 16) ? k : 8, [&](int64_t c0, int64_t c1) {
+    for (int64_t c = c0; c < c1; ++c) {
+      if (!((mask >> (c / r)) & 1)) continue;
+      for (int64_t j = 0; j < n; ++j) h[j * k + c] = dot(A + c * lda, xr[j], in);
+    }
+  });
+  const int64_t O = bounds[P];
+  at::parallel_for(0, O, O * r * n < (1 << 16) ? O : 256, [&](int64_t o0, int64_t o1) {
+    std::vector<float> delta(o1 - o0);
+    float* __restrict d = delta.data();
+    for (int64_t j = 0; j < n; ++j) {
+      std::fill(delta.begin(), delta.end(), 0.f);
+      for (int64_t p = 0; p < P; ++p) {
+        const int64_t lo = std::max(o0, bounds[p]), hi = std::min(o1, bounds[p + 1]);
+        if (!((mask >> p) & 1) || lo >= hi) continue;
+        for (int64_t t = 0; t < r; ++t) {
+          const float hv = h[j * k + p * r + t];
+          const W* __restrict brow = Bt + (p * r + t) * ldb;
+          for (int64_t o = lo; o < hi; ++o) d[o - o0] += hv * to_float(brow[o]);
+        }
+      }
+      float* __restrict dst = outr[j];
+      for (int64_t o = o0; o < o1; ++o) dst[o] += d[o - o0];
+    }
+  });
+}
+
+// out[rows] += (x[rows] A^T) B^T for one slot: a [>= P*r, in] and bt [>= P*r, out] (B^T) the
+// slot's buffers (rows past P*r unused), bounds[0..P] the pieces' output column boundaries, mask
+// bit p set where piece p is targeted; rows: a long index, or (when empty) [start, start + n).
+void lora_update(at::Tensor& out, const at::Tensor& x, const at::Tensor& a, const at::Tensor& bt,
+                 const int64_t* bounds, int64_t P, int64_t r, int64_t mask, const at::Tensor& rows, int64_t start,
+                 int64_t n) {
+  const bool gathered = rows.numel() > 0;
+  const int64_t k = P * r;
+  if (n > kLoopRows) {
+    const at::Tensor at_ = a.narrow(0, 0, k).t(), bt_ = bt.narrow(0, 0, k);
+    const at::Tensor xs = gathered ? x.index_select(0, rows) : x.narrow(0, start, n);
+    if (a.scalar_type() != at::kFloat) {  // bfloat16 slots: the matmuls in their dtype
+      const at::Tensor delta = at::mm(at::mm(xs.to(a.scalar_type()), at_), bt_).to(at::kFloat);
+      gathered ? out.index_add_(0, rows, delta) : out.narrow(0, start, n).add_(delta);
+    } else if (gathered) {
+      out.index_add_(0, rows, at::mm(at::mm(xs, at_), bt_));
+    } else {
+      out.narrow(0, start, n).addmm_(at::mm(xs, at_), bt_);
+    }
+    return;
+  }
+  TORCH_CHECK(x.stride(1) == 1 && out.stride(1) == 1 && a.stride(1) == 1 && bt.stride(1) == 1,
+              "lora_apply: rows must be contiguous");
+  const int64_t* idx = gathered ? rows.data_ptr<int64_t>() : nullptr;
+  std::vector<const float*> xr(n);
+  std::vector<float*> outr(n);
+  for (int64_t j = 0; j < n; ++j) {
+    const int64_t row = gathered ? idx[j] : start + j;
+    xr[j] = x.data_ptr<float>() + row * x.stride(0);
+    outr[j] = out.data_ptr<float>() + row * out.stride(0);
+  }
+  const int64_t in = x.size(1), lda = a.stride(0), ldb = bt.stride(0);
+  if (a.scalar_type() == at::kFloat) {
+    lora_loops(xr, outr, in, a.data_ptr<float>(), lda, bt.data_ptr<float>(), ldb, bounds, P, r, mask);
+  } else {
+    const auto* A = reinterpret_cast<const uint16_t*>(a.data_ptr<at::BFloat16>());
+    const auto* Bt = reinterpret_cast<const uint16_t*>(bt.data_ptr<at::BFloat16>());
+    lora_loops(xr, outr, in, A, lda, Bt, ldb, bounds, P, r, mask);
+  }
+}
+
+}  // namespace
+
+// The op the layer path calls (lora/layers.py LoRALayer.apply): CPU tensors, fp32 activations,
+// fp32 or bf16 slots, `out` updated in place.
+void lora_apply(at::Tensor out, const at::Tensor& x, const at::Tensor& a, const at::Tensor& bt, at::IntArrayRef bounds,
+                int64_t rank, int64_t mask, const at::Tensor& rows, int64_t start, int64_t n) {
+  TORCH_CHECK(out.scalar_type() == at::kFloat && x.scalar_type() == at::kFloat &&
+                  (a.scalar_type() == at::kFloat || a.scalar_type() == at::kBFloat16) &&
+                  bt.scalar_type() == a.scalar_type(),
+              "lora_apply: float32 activations, float32 or bfloat16 weights");
+  const int64_t P = static_cast<int64_t>(bounds.size()) - 1;
+  TORCH_CHECK(P >= 1 && bounds[P] == out.size(1) && a.size(0) >= P * rank && bt.size(0) >= P * rank && bt.size(1) == out.size(1),
+              "lora_apply: bounds, rank and buffers disagree");
+  lora_update(out, x, a, bt, bounds.data(), P, rank, mask, rows, start, n);
+}
 
 // x [B, hidden] fp32, the B decode tokens' embeddings; per layer, `weights` holds 14 tensors:
 // the input and post-attention norm weights, then (qp, dp, mp) of qkv_proj, o_proj,
 // gate_up_proj and down_proj; `shapes` holds 8 ints: (bits, out_features) of the same four.
 // k_caches/v_caches: each layer's cache; cos/sin [B, head_dim] (sin signed, as rotary_write_kv
 // takes it); slots [B]; block_tables [B, max_blocks] and context_lens [B] as the paged decode
-// attention takes them. Returns the residual stream after the last layer (before the final norm).
+// attention takes them. LoRA, for G groups of rows (G = lora_rows.size(), 0: none): per group,
+// layer and projection, lora_weights holds the slot's (A, B^T) (an empty pair where the group's
+// adapter does not target the projection) and lora_ints (rank, mask); lora_bounds holds, per
+// layer and projection, 5 ints: its pieces P, then their P + 1 output row boundaries, padded;
+// group g's rows are lora_rows[g] (a long index) or, where that is empty,
+// [lora_ranges[2g], + lora_ranges[2g+1]). Returns the residual stream after the last layer
+// (before the final norm).
 at::Tensor quant_decoder_stack(const at::Tensor& x, at::TensorList weights, at::IntArrayRef shapes,
                                at::TensorList k_caches, at::TensorList v_caches, const at::Tensor& cos,
                                const at::Tensor& sin, const at::Tensor& slots, const at::Tensor& block_tables,
                                const at::Tensor& context_lens, int64_t num_heads, int64_t num_kv_heads,
-                               double eps, double scale) {
+                               double eps, double scale, at::TensorList lora_weights, at::IntArrayRef lora_ints,
+                               at::IntArrayRef lora_bounds, at::IntArrayRef lora_ranges, at::TensorList lora_rows) {
   const int64_t L = static_cast<int64_t>(k_caches.size());
+  const int64_t G = static_cast<int64_t>(lora_rows.size());
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "quant_decoder_stack: x must be [B, hidden] float32");
   TORCH_CHECK(static_cast<int64_t>(weights.size()) == 14 * L && static_cast<int64_t>(shapes.size()) == 8 * L &&
                   static_cast<int64_t>(v_caches.size()) == L,
               "quant_decoder_stack: per layer 14 weights, 8 shape ints and one K and V cache");
+  TORCH_CHECK(static_cast<int64_t>(lora_weights.size()) == G * L * 8 && static_cast<int64_t>(lora_ints.size()) == G * L * 8 &&
+                  static_cast<int64_t>(lora_ranges.size()) == 2 * G &&
+                  (G == 0 || static_cast<int64_t>(lora_bounds.size()) == L * 20),
+              "quant_decoder_stack: per LoRA group 8 tensors and 8 ints per layer, and 2 range ints; 20 bound ints per layer");
   const int64_t B = x.size(0), D = v_caches.empty() ? 0 : v_caches[0].size(3);
   at::Tensor h = x;
   for (int64_t i = 0; i < L; ++i) {
     const at::Tensor* w = weights.data() + 14 * i;
     const int64_t* s = shapes.data() + 8 * i;
     auto linear = [&](const at::Tensor& in, int64_t p) {  // projection p: 0 qkv, 1 o, 2 gate_up, 3 down
-      return quant_linear_packed(in, w[2 + 3 * p], w[3 + 3 * p], w[4 + 3 * p], s[2 * p], s[2 * p + 1], "auto");
+      at::Tensor out = quant_linear_packed(in, w[2 + 3 * p], w[3 + 3 * p], w[4 + 3 * p], s[2 * p], s[2 * p + 1], "auto");
+      for (int64_t g = 0; g < G; ++g) {
+        const int64_t at_ = ((g * L + i) * 4 + p) * 2;
+        if (lora_weights[at_].numel() == 0) continue;
+        const int64_t* e = lora_bounds.data() + (i * 4 + p) * 5;  // P, then P + 1 bounds (padded to 4)
+        const at::Tensor& rows = lora_rows[g];
+        const int64_t n = rows.numel() > 0 ? rows.numel() : lora_ranges[2 * g + 1];
+        lora_update(out, in, lora_weights[at_], lora_weights[at_ + 1], e + 1, e[0], lora_ints[at_], lora_ints[at_ + 1], rows,
+                    lora_ranges[2 * g], n);
+      }
+      return out;
     };
     const at::Tensor qkv = linear(rms_norm(h, w[0], eps), 0);
     const at::Tensor q = rotary_write_kv(qkv, cos, sin, k_caches[i], v_caches[i], slots, num_heads, num_kv_heads);
@@ -54,7 +203,13 @@ at::Tensor quant_decoder_stack(const at::Tensor& x, at::TensorList weights, at::
 TORCH_LIBRARY_FRAGMENT(triollm_cpu, m) {
   m.def("quant_decoder_stack(Tensor x, Tensor[] weights, int[] shapes, Tensor(a!)[] k_caches, "
         "Tensor(b!)[] v_caches, Tensor cos, Tensor sin, Tensor slots, Tensor block_tables, "
-        "Tensor context_lens, int num_heads, int num_kv_heads, float eps, float scale) -> Tensor");
+        "Tensor context_lens, int num_heads, int num_kv_heads, float eps, float scale, "
+        "Tensor[] lora_weights, int[] lora_ints, int[] lora_bounds, int[] lora_ranges, Tensor[] lora_rows) -> Tensor");
+  m.def("lora_apply(Tensor(a!) out, Tensor x, Tensor a, Tensor bt, int[] bounds, int rank, int mask, Tensor rows, "
+        "int start, int n) -> ()");
 }
 
-TORCH_LIBRARY_IMPL(triollm_cpu, CPU, m) { m.impl("quant_decoder_stack", &triollm_cpu::quant_decoder_stack); }
+TORCH_LIBRARY_IMPL(triollm_cpu, CPU, m) {
+  m.impl("quant_decoder_stack", &triollm_cpu::quant_decoder_stack);
+  m.impl("lora_apply", &triollm_cpu::lora_apply);
+}

@@ -12,6 +12,11 @@ parallelism, holds only some rows of each (column-parallel) or some input column
 `cols` the `(start, count)` of the input columns. `load` copies a checkpoint tensor (a safetensors
 slice: only the rows or columns it needs are read) into place. A row-parallel layer adds its
 bias on one rank only (`bias_rank0`) and all-reduces its output when `comm` is set.
+
+LoRA (lora/layers.py): a projection an adapter may target gets a `lora` (its adapter slots) when
+the engine serves adapters; each step's low-rank updates are added to the base output before the
+all-reduce, so a row-parallel layer's partial updates are summed with its partial products.
+`lora` is None otherwise, and costs one attribute read.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from triollm.kernels import cpu_native
 
 if TYPE_CHECKING:
     from triollm.engine.distributed.collectives import Collectives
+    from triollm.lora.layers import LoRALayer
 
 __all__ = ["Linear", "column", "load_rows", "onednn_linear", "packable", "row"]
 
@@ -55,6 +61,7 @@ class Linear(nn.Linear):
     checkpoint (module note). Build it with `column` or `row`."""
 
     packed = False
+    lora: LoRALayer | None = None  # adapter slots (set by lora/manager.py)
 
     def __init__(
         self,
@@ -84,6 +91,8 @@ class Linear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = onednn_linear(x, self.weight, self.bias) if self.packed else F.linear(x, self.weight, self.bias)
+        if self.lora is not None and self.lora.batch.groups:
+            out = self.lora.apply(x, out)
         return out if self.comm is None else self.comm.all_reduce(out)
 
 

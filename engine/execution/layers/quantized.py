@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from safetensors import safe_open
@@ -28,6 +28,13 @@ from torch import nn
 from triollm.engine.execution.layers.linear import load_rows
 from triollm.kernels import cpu_native
 from triollm.kernels.quant import PackedWeight, QuantWeight, packed_linear
+
+if TYPE_CHECKING:
+    from triollm.lora.layers import LoRABatch, LoRALayer
+
+    # The native stack's LoRA arguments (DecodeStack.lora_args): the slots' A and B, their ranks
+    # and masks, the pieces' bounds, the groups' row ranges and row indices.
+    LoRAArgs = tuple[list[torch.Tensor], list[int], list[int], list[int], list[torch.Tensor]]
 
 __all__ = ["DecodeStack", "QuantEmbedding", "QuantLinear", "StackLayer", "read_gguf_quantized"]
 
@@ -60,6 +67,7 @@ class QuantLinear(_Packed):
     order, so the layer reads `x[..., perm]`."""
 
     perm: torch.Tensor | None
+    lora: LoRALayer | None = None  # adapter slots (set by lora/manager.py), as layers/linear.py's
 
     def __init__(self, weight: QuantWeight, bias: torch.Tensor | None, perm: torch.Tensor | None = None) -> None:
         super().__init__(weight)
@@ -75,9 +83,11 @@ class QuantLinear(_Packed):
         load_rows(self, leaf, piece, source)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.perm is not None:
-            x = x.index_select(-1, self.perm)
-        return packed_linear(x, self.weight, self.bias)
+        xq = x if self.perm is None else x.index_select(-1, self.perm)
+        out = packed_linear(xq, self.weight, self.bias)
+        if self.lora is not None and self.lora.batch.groups:  # the adapter reads x in its own order
+            out = self.lora.apply(x, out)
+        return out
 
 
 class QuantEmbedding(_Packed):
@@ -107,11 +117,19 @@ class DecodeStack:
     """The arguments of the native decoder stack (kernels/csrc/decoder.cpp): every layer's
     norms and packed projections as one flat list, gathered once. It runs an all-decode step
     of a quantized model in one call instead of a dozen Python-level calls per layer, whose
-    dispatch cost is a large share of a small model's batch-1 token (docs/benchmarks.md)."""
+    dispatch cost is a large share of a small model's batch-1 token (docs/benchmarks.md).
+
+    LoRA: a step with adapter rows passes `lora_args(batch)` (each group's slot of every
+    projection, gathered once per set of slots and slot contents, and its rows); the native
+    stack adds the updates by the function `LoRALayer.apply` calls (`lora_apply`)."""
 
     def __init__(self, layers: Sequence[StackLayer], num_heads: int, num_kv_heads: int, scale: float, eps: float) -> None:
         self.weights: list[torch.Tensor] = []
         self.shapes: list[int] = []
+        self.projections: list[QuantLinear] = []  # every layer's four, in the stack's order
+        self._empty = torch.empty(0)
+        self._lora_key: tuple[int, tuple[int, ...]] | None = None
+        self._lora_args: tuple[list[torch.Tensor], list[int], list[int]] = ([], [], [])
         self.num_heads, self.num_kv_heads, self.scale, self.eps = num_heads, num_kv_heads, scale, eps
         for layer in layers:
             self.weights += [layer.input_norm, layer.post_attention_norm]
@@ -119,6 +137,7 @@ class DecodeStack:
                 assert isinstance(proj, QuantLinear)
                 self.weights += [proj.qp, proj.dp, proj.mp]
                 self.shapes += [proj.bits, proj.n]
+                self.projections.append(proj)
 
     @staticmethod
     def supported(layers: Sequence[StackLayer]) -> bool:
@@ -142,13 +161,51 @@ class DecodeStack:
         plan: tuple[torch.Tensor, torch.Tensor],
         k: list[torch.Tensor],
         v: list[torch.Tensor],
+        lora: LoRAArgs | None = None,
     ) -> torch.Tensor:
         """The residual stream after the last layer, before the final norm. x `[B, hidden]`;
-        cos and signed sin `[B, 1, head_dim]`; `plan`: the native decode plan's tables and lengths."""
+        cos and signed sin `[B, 1, head_dim]`; `plan`: the native decode plan's tables and lengths;
+        `lora`: `lora_args` of the step's adapter rows, if any."""
+        weights, ints, bounds, ranges, rows = ([], [], [], [], []) if lora is None else lora
         return torch.ops.triollm_cpu.quant_decoder_stack(  # type: ignore[no-any-return]
             x, self.weights, self.shapes, k, v, cos, sin, slots, plan[0], plan[1],
-            self.num_heads, self.num_kv_heads, self.eps, self.scale,
+            self.num_heads, self.num_kv_heads, self.eps, self.scale, weights, ints, bounds, ranges, rows,
         )  # fmt: skip
+
+    def lora_args(self, batch: LoRABatch) -> LoRAArgs | None:
+        """The native stack's LoRA arguments for this step's groups (kernels/csrc/decoder.cpp);
+        None where it cannot take them (slots `lora_apply` does not take: float16)."""
+        key = (batch.version, tuple(slot for slot, _ in batch.groups))
+        if key != self._lora_key:
+            weights: list[torch.Tensor] = []
+            ints: list[int] = []
+            bounds: list[int] = []
+            for proj in self.projections:
+                b = [0, proj.out_features] if proj.lora is None else proj.lora.bounds
+                bounds += [len(b) - 1, *b, *[b[-1]] * (4 - len(b))]
+            for slot, _ in batch.groups:
+                for proj in self.projections:
+                    lora = proj.lora
+                    info = None if lora is None else lora.info[slot]
+                    if lora is None or info is None:
+                        weights += (self._empty, self._empty)
+                        ints += (0, 0)
+                    elif not lora.native:
+                        return None
+                    else:
+                        weights += lora.slot_ab[slot]
+                        ints += info
+            self._lora_key, self._lora_args = key, (weights, ints, bounds)
+        ranges: list[int] = []
+        rows: list[torch.Tensor] = []
+        for _, r in batch.groups:
+            if isinstance(r, slice):
+                ranges += (r.start, r.stop - r.start)
+                rows.append(self._empty)
+            else:
+                ranges += (0, 0)
+                rows.append(r)
+        return (*self._lora_args, ranges, rows)
 
 
 def read_gguf_quantized(path: Path) -> dict[str, QuantWeight]:

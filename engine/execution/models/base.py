@@ -11,6 +11,9 @@ Tensor parallel (`shard` set, docs/scaling.md): each rank holds its heads, its s
 and its vocabulary slice (engine/distributed/sharding.py), loads only those slices
 (layers/linear.py), and the row-parallel layers and the embedding run the collectives. With
 `shard` None the model is exactly the unsharded one.
+
+LoRA (lora/): the projections carry the adapter slots and `lora_batch` says which rows use
+which slot this step; a quantized model's native decode stack applies them too (in fp32).
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ from triollm.kernels.triton import use_triton
 
 if TYPE_CHECKING:
     from triollm.engine.distributed.collectives import Collectives
+    from triollm.lora.layers import LoRABatch
 
 __all__ = ["CausalLM", "Embedding", "GatedMLP", "SelfAttention"]
 
@@ -149,6 +153,8 @@ class CausalLM(nn.Module):
 
     # Checkpoint names stacked into our projections (see STACKED); a family may change them.
     stacked: ClassVar[dict[str, tuple[str, int]]] = STACKED
+    # The step's rows by LoRA adapter slot (lora/layers.py), set when the engine serves adapters.
+    lora_batch: LoRABatch | None = None
 
     def __init__(self, cfg: ModelConfig, shard: TPShard | None = None) -> None:
         super().__init__()
@@ -204,10 +210,17 @@ class CausalLM(nn.Module):
             x = x * self.embed_scale
         meta.triton = use_triton(x)
         ropes = [r.step(positions, x.dtype, meta.triton) for r in self.rotaries]
-        plan, stack = meta.decode_plan, self.decode_stack
-        if stack is not None and plan is not None and plan.native is not None and meta.num_decodes == x.shape[0]:
+        plan, stack, lora = meta.decode_plan, self.decode_stack, self.lora_batch
+        native = stack is not None and plan is not None and plan.native is not None and meta.num_decodes == x.shape[0]
+        lora_args = None
+        if native and lora is not None and lora.active:
+            assert stack is not None
+            lora_args = stack.lora_args(lora)
+            native = lora_args is not None  # None: slots the native stack cannot take
+        if native:
             # A quantized model's all-decode step: every layer in one native call, same bits.
-            x = stack(x, ropes[0].cos, ropes[0].sin, meta.slot_mapping, plan.native, kv.k, kv.v)
+            assert stack is not None and plan is not None and plan.native is not None
+            x = stack(x, ropes[0].cos, ropes[0].sin, meta.slot_mapping, plan.native, kv.k, kv.v, lora_args)
         else:
             for i, layer in enumerate(self.layers):
                 x = layer.forward(x, ropes, meta, kv.k[i], kv.v[i])

@@ -1,0 +1,233 @@
+"""`LoRAManager`: the engine core's adapters, read on demand, cached on the CPU, placed in slots.
+
+The manager attaches a `LoRALayer` (lora/layers.py) to every LoRA-able projection of the model
+(q|k|v, o, gate|up, down: those an MoE layer has outside its experts) and owns the step's
+`LoRABatch`. Before each forward pass the core calls `prepare` with the adapters of the
+scheduled requests: each one missing from the slots is taken from the CPU cache or read from
+disk (lora/peft.py, then checked against the model: every tensor's shape, and no target the
+model lacks, such as the MLP of a mixture-of-experts layer), and copied into a slot. An adapter
+that fails to load is reported by id with the reason, and the core fails the requests that
+asked for it alone. The CPU cache keeps the `max_cpu_loras` most recently used adapters, read
+in float32 and whole; a slot holds its own copy, in the LoRA dtype and sharded as its layer.
+
+A slot is taken for a new adapter only if it is empty or holds an adapter that no running
+request uses (the scheduler never runs more than `max_loras` distinct adapters, so one always
+is), the least recently used first. A slot is filled whole: every LoRA-able projection gets the
+adapter's pieces (zeros where it targets nothing), scaled, in this rank's share.
+
+Tensor parallel: the other ranks never read adapter files. Rank 0's manager (`keep_loads`)
+keeps each slot it filled since the last step, and the model runner sends them with the step
+(`take_loads`: the adapter's float32 tensors, pickled; a few MB, only when a slot changes);
+a worker's runner builds its manager from the first such message (`from_loads`) and fills the
+same slots with its own shares. A file deleted or changed after rank 0 read it cannot make the
+ranks disagree.
+"""
+
+from __future__ import annotations
+
+import pickle
+from collections import OrderedDict
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from triollm.lora.layers import LoRABatch, LoRALayer
+from triollm.lora.peft import LORA_MODULES, read_adapter_config, read_adapter_weights
+
+if TYPE_CHECKING:
+    from triollm.engine.config import LoRAConfig
+    from triollm.engine.execution.models.base import CausalLM
+    from triollm.lora.request import LoRARequest
+
+__all__ = ["Adapter", "LoRAManager"]
+
+_ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
+
+
+@dataclass(frozen=True)
+class Adapter:
+    """An adapter read and checked: float32 A `[r, in]` and B `[out, r]` by (layer, module)."""
+
+    lora_int_id: int
+    path: str
+    rank: int
+    scaling: float
+    weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
+
+
+@dataclass(frozen=True)
+class _Target:
+    layer: LoRALayer
+    piece: int
+    rows: tuple[int, int]  # this rank's (start, count) of the checkpoint piece's output rows
+    offset: int  # where those rows sit in the projection's output
+    cols: tuple[int, int] | None  # a row-parallel projection's (start, count) of the input columns
+
+
+class LoRAManager:
+    def __init__(self, model: CausalLM, config: LoRAConfig, device: torch.device | str, *, keep_loads: bool = False) -> None:
+        self.config, self.device = config, torch.device(device)
+        self.cfg = model.cfg
+        self.num_layers = model.cfg.num_layers
+        self.batch = LoRABatch(config.max_loras)
+        dtype = getattr(torch, config.dtype)
+        self.targets: dict[tuple[int, str], _Target] = {}
+        for i, layer in enumerate(model.layers):
+            built: dict[str, LoRALayer] = {}
+            for module in LORA_MODULES:
+                ours, piece = model.stacked.get(module, (module, 0))
+                proj = _find(layer, f"{'self_attn' if module in _ATTENTION else 'mlp'}.{ours}")
+                if proj is None:
+                    continue
+                rows: list[tuple[int, int]] = proj.rows
+                if ours not in built:
+                    built[ours] = LoRALayer(self.batch, [n for _, n in rows], proj.in_features, proj.out_features, config.max_lora_rank, dtype, self.device)
+                    proj.lora = built[ours]
+                offset = sum(n for _, n in rows[:piece])
+                self.targets[(i, module)] = _Target(built[ours], piece, rows[piece], offset, proj.cols)
+        self.layers = list({id(t.layer): t.layer for t in self.targets.values()}.values())
+        model.lora_batch = self.batch
+        self.cpu: OrderedDict[int, Adapter] = OrderedDict()
+        self.slots: list[int | None] = [None] * config.max_loras  # the adapter id in each slot
+        self.slot_of: dict[int, int] = {}  # adapter id -> its slot
+        self._used = [0] * config.max_loras  # when each slot last served a step
+        self._clock = 0
+        self.keep_loads = keep_loads
+        self._loads: list[tuple[int, Adapter]] = []
+
+    # ------------------------------------------------------------------ the core's side
+
+    def prepare(self, wanted: Sequence[LoRARequest], running: Collection[int]) -> dict[int, str]:
+        """Put every adapter in `wanted` (this step's) into a slot; the ones that could not be
+        loaded, by id, with the reason. `running`: the adapter ids of every running request,
+        whose slots are not reused."""
+        self._clock += 1
+        failed: dict[int, str] = {}
+        needed = {r.lora_int_id: r for r in wanted}
+        for lid, req in needed.items():
+            slot = self.slot_of.get(lid)
+            if slot is None:
+                try:
+                    adapter = self._adapter(req)
+                except Exception as exc:  # noqa: BLE001 - whatever reading it raised: this adapter's requests fail
+                    failed[lid] = str(exc) if isinstance(exc, ValueError) else f"lora_path: {req.lora_path!r}: {type(exc).__name__}: {exc}"
+                    continue
+                slot = self._free_slot(set(needed) | set(running))
+                self.load_slot(slot, adapter)
+            self._used[slot] = self._clock
+        return failed
+
+    def _adapter(self, req: LoRARequest) -> Adapter:
+        adapter = self.cpu.get(req.lora_int_id)
+        if adapter is not None:
+            self.cpu.move_to_end(req.lora_int_id)
+            return adapter
+        adapter = self.read(req)
+        self.cpu[req.lora_int_id] = adapter
+        while len(self.cpu) > self.config.max_cpu_loras:
+            self.cpu.popitem(last=False)
+        return adapter
+
+    def read(self, req: LoRARequest) -> Adapter:
+        """The adapter's tensors, checked against the model: `ValueError` naming the path and
+        the module or tensor otherwise."""
+        config = read_adapter_config(req.lora_path, max_lora_rank=self.config.max_lora_rank)
+        where = f"lora_path: {req.lora_path!r}"
+        missing = [m for m in config.target_modules if any((i, m) not in self.targets for i in range(self.num_layers))]
+        if missing:
+            moe = self.cfg.moe is not None and any(m not in _ATTENTION for m in missing)
+            why = "LoRA on a mixture-of-experts MLP's experts is not supported" if moe else "this model has no such LoRA-able projection"
+            raise ValueError(f"{where}: target_modules {', '.join(missing)}: {why}")
+        weights = read_adapter_weights(config, self.num_layers)
+        shapes = self._shapes()
+        for (layer, module), (a, b) in weights.items():
+            n_in, n_out = shapes[module]
+            if a.shape[1] != n_in:
+                raise ValueError(
+                    f"{where}: tensor layers.{layer}.{module}.lora_A has shape {tuple(a.shape)}; the model's {module} takes {n_in} inputs"
+                )
+            if b.shape[0] != n_out:
+                raise ValueError(
+                    f"{where}: tensor layers.{layer}.{module}.lora_B has shape {tuple(b.shape)}; the model's {module} has {n_out} outputs"
+                )
+        return Adapter(req.lora_int_id, req.lora_path, config.rank, config.scaling, weights)
+
+    def _shapes(self) -> dict[str, tuple[int, int]]:
+        """(inputs, outputs) of each module, unsharded, as the checkpoint's weights have them."""
+        c = self.cfg
+        q, kv, h, i = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.hidden_size, c.intermediate_size
+        return {
+            "q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
+            "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h),
+        }  # fmt: skip
+
+    def _free_slot(self, keep: set[int]) -> int:
+        free = [s for s, lid in enumerate(self.slots) if lid is None or lid not in keep]
+        if not free:
+            raise RuntimeError(
+                f"max_loras: {len(self.slots)} slots all hold adapters of running requests; the scheduler "
+                "must not run more distinct adapters at once"
+            )
+        return min(free, key=lambda s: (self.slots[s] is not None, self._used[s]))
+
+    # ------------------------------------------------------------------ slots (every rank)
+
+    def load_slot(self, slot: int, adapter: Adapter) -> None:
+        """Fill `slot` with `adapter`: its pieces, scaled, in this rank's share; zeros elsewhere."""
+        old = self.slots[slot]
+        if old is not None:
+            self.slot_of.pop(old, None)
+        for layer in self.layers:
+            layer.clear(slot)
+        r, scale = adapter.rank, adapter.scaling
+        for key, (a, b) in adapter.weights.items():
+            t = self.targets[key]
+            if t.cols is not None:
+                a = a[:, t.cols[0] : t.cols[0] + t.cols[1]]
+            b = b[t.rows[0] : t.rows[0] + t.rows[1]] * scale
+            t.layer.fill(slot, r, t.piece, a, b, (t.offset, t.rows[1]))
+        self.slots[slot] = adapter.lora_int_id
+        self.slot_of[adapter.lora_int_id] = slot
+        self.batch.ranks[slot] = r
+        self.batch.version += 1
+        if self.keep_loads:
+            self._loads.append((slot, adapter))
+
+    def set_batch(self, segments: Sequence[tuple[int, int, int]]) -> None:
+        self.batch.set(segments, self.device)
+
+    def take_loads(self) -> bytes:
+        """The slots filled since the last call, for the other ranks (module note); b"" if none."""
+        if not self._loads:
+            return b""
+        loads, self._loads = self._loads, []
+        return pickle.dumps((self.config, loads))
+
+    @classmethod
+    def from_loads(cls, model: CausalLM, payload: bytes, device: torch.device | str) -> LoRAManager:
+        """A worker's manager, built from the first slots rank 0 sent, and those slots filled."""
+        config, loads = _unpickle(payload)
+        manager = cls(model, config, device)
+        for slot, adapter in loads:
+            manager.load_slot(slot, adapter)
+        return manager
+
+    def apply_loads(self, payload: bytes) -> None:
+        """Fill the slots rank 0 filled (`take_loads`)."""
+        for slot, adapter in _unpickle(payload)[1]:
+            self.load_slot(slot, adapter)
+
+
+def _find(layer: torch.nn.Module, path: str) -> Any:
+    """The projection at `path` in a decoder layer, or None (an MoE block has no gate_up_proj)."""
+    try:
+        proj = layer.get_submodule(path)
+    except AttributeError:
+        return None
+    return proj if hasattr(proj, "rows") and hasattr(proj, "in_features") else None
+
+
+def _unpickle(payload: bytes) -> tuple[LoRAConfig, list[tuple[int, Adapter]]]:
+    return pickle.loads(payload)  # noqa: S301 (from rank 0, our own parent process)
