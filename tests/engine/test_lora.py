@@ -313,3 +313,19 @@ def test_step_inputs_carry_the_lora_rows_and_loads() -> None:
     assert decode_step(encode_step(s)) == s
     plain = StepInputs([1], [0], [4])
     assert decode_step(encode_step(plain)) == plain
+
+
+def test_bundled_model_with_an_adapter_gives_pefts_tokens(bundled_model_dir: Path, tmp_path: Path) -> None:
+    """The bundled SmolLM2 (its dense import, fp32) under a peft-written adapter on q/v/down:
+    peft's greedy tokens, and not the base model's."""
+    adapter = make_peft_adapter(bundled_model_dir, tmp_path / "smol", seed=5, r=8, target_modules=("q_proj", "v_proj", "down_proj"), scale=0.05)
+    prompt = [1, 504, 3458, 282, 4649, 314]  # six ids of the bundled vocabulary
+    ref = peft_greedy(bundled_model_dir, adapter, prompt, NEW_TOKENS)
+    base = peft_greedy(bundled_model_dir, None, prompt, NEW_TOKENS)
+    assert ref != base
+    c = make_core(bundled_model_dir, quantization="none", max_loras=1, num_threads=2)
+    try:
+        tokens, errors = run(c, [("smol", prompt, LoRARequest("smol", 1, str(adapter))), ("plain", prompt, None)])
+    finally:
+        c.close()
+    assert not errors and tokens == {"smol": ref, "plain": base}
