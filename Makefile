@@ -3,8 +3,15 @@ PY ?= python3
 VENV := .venv
 BIN := $(abspath $(VENV))/bin
 
-.PHONY: run test lint aot setup bench peers-gguf
-setup: $(VENV)/.installed
+.PHONY: run test lint aot setup browser bench peers-gguf gpu-bundle
+setup: $(VENV)/.installed browser
+
+# The browser tests (tests/acceptance/test_browser.py) drive Debian's headless Chromium through
+# chromedriver: installed with apt-get where missing; without apt (or root) they are skipped.
+browser:
+	@command -v chromedriver >/dev/null && command -v chromium >/dev/null || \
+	{ command -v apt-get >/dev/null && apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium chromium-driver; } || \
+	echo "no chromium and chromium-driver (apt-get unavailable or failed): the browser tests will be skipped"
 
 $(VENV)/.installed: pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -38,6 +45,12 @@ test: lint
 
 bench: setup
 	$(BIN)/triollm bench throughput --compare-hf
+
+# What tests/gpu_check.py needs on a bare GPU machine beside the checkout (docs/benchmarks.md,
+# "GPU: expected"): cp312 manylinux wheels of the engine's small dependencies and the bundled
+# model's config and tokenizer, under 16 MB (docs/bench/gpu_bundle.py).
+gpu-bundle: setup
+	$(BIN)/python docs/bench/gpu_bundle.py --out build/gpu-bundle
 
 # ../shared/peers/run.sh runs triollm on its HF-format copies of the model (dense); this runs the
 # bundled GGUF as shipped (triollm's default there) next to llama.cpp on the same file, with the

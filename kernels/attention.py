@@ -3,7 +3,11 @@
 Layout (a detail of this module; callers only hand over block ids and slot numbers): per layer,
 V is `[num_kv_heads, num_blocks, block_size, head_dim]` and K the same with each block
 transposed, `[num_kv_heads, num_blocks, head_dim, block_size]` (`k_blocks` gives the untransposed
-view). Head-major keeps one head's blocks contiguous, so the decode gather is one `index_select`
+view). That is K's shape everywhere; its storage depends on who reads it. For the CPU kernels
+the transposed blocks are contiguous; where the Triton kernels run (CUDA), `allocate_kv_cache`
+stores K with head_dim innermost, as V, and hands out the transposed view of it: the GPU loads
+then read `head_dim` contiguous elements per position (kernels/triton/attention.py, "Layout").
+Every function here takes K by its strides, so both storages work everywhere. Head-major keeps one head's blocks contiguous, so the decode gather is one `index_select`
 over whole blocks and the two attention matmuls run batched with the GQA group folded into the
 query rows. That was faster than vLLM's `[num_blocks, block_size, kv_heads, head_dim]` layout
 with a permuted matmul (docs/benchmarks.md, "Figures that stood in the source"). Transposed K blocks let the native kernel compute a block's scores as
@@ -29,6 +33,11 @@ torch path below is the reference it is tested against, and the fallback:
 - The gathered K/V go into a `DecodeWorkspace` that persists across layers and steps: a fresh
   tens-of-MB tensor per layer costs page faults.
 
+Host-to-device work per step stays small on CUDA: the decode plan's tables and lengths go up in
+one copy from one pinned buffer (`upload_int32`), filled by numpy (`fill_tables`), not one tensor
+per row; the prefill plan (`plan_prefill`) likewise, and its chunks then run as one varlen
+Triton launch per layer (`prefill_attention_chunks`).
+
 Sliding windows and soft-capping are per call (`window=`, `softcap=`), since one plan serves
 every layer and Gemma 3 alternates windowed and global layers. A query at position i attends
 keys j with i - j < window (transformers' `kv_idx > q_idx - sliding_window`); soft-capping
@@ -45,8 +54,11 @@ explicit mask and gathers only the keys a chunk's window reaches; soft-capped sc
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from itertools import chain
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -59,11 +71,17 @@ __all__ = [
     "k_blocks",
     "DecodeWorkspace",
     "KVCache",
+    "PrefillPlan",
     "allocate_kv_cache",
     "decode_attention",
+    "fill_tables",
+    "host_int32",
     "paged_decode_attention",
     "plan_decode",
+    "plan_prefill",
     "prefill_attention",
+    "prefill_attention_chunks",
+    "upload_int32",
     "write_kv",
 ]
 
@@ -91,15 +109,54 @@ def allocate_kv_cache(
     head_dim: int,
     dtype: torch.dtype,
     device: torch.device | str,
+    *,
+    k_head_dim_last: bool | None = None,
 ) -> KVCache:
+    """A zeroed cache. K has the shape `[kv_heads, num_blocks, head_dim, block_size]` either way;
+    `k_head_dim_last` (default: where the Triton kernels run, `use_triton_on(device)`) stores it
+    with head_dim innermost, as the GPU kernels read it best, else as contiguous transposed
+    blocks, as the native CPU kernel reads it (see the module docstring)."""
+    if k_head_dim_last is None:
+        k_head_dim_last = use_triton_on(device)
     # Zeroed, not empty: masked-out slots are multiplied by a zero probability, and 0 * NaN
     # garbage would poison the output. Zeroing writes every page, so the whole cache is resident
     # from the start: its size is the sizing's choice (kv_cache_memory_bytes), not a lazy reserve.
     k_shape = (num_kv_heads, num_blocks, head_dim, block_size)
     v_shape = (num_kv_heads, num_blocks, block_size, head_dim)
-    k = [torch.zeros(k_shape, dtype=dtype, device=device) for _ in range(num_layers)]
+    if k_head_dim_last:
+        k = [torch.zeros(v_shape, dtype=dtype, device=device).transpose(2, 3) for _ in range(num_layers)]
+    else:
+        k = [torch.zeros(k_shape, dtype=dtype, device=device) for _ in range(num_layers)]
     v = [torch.zeros(v_shape, dtype=dtype, device=device) for _ in range(num_layers)]
     return KVCache(k, v, num_blocks, block_size)
+
+
+def host_int32(host: np.ndarray, device: torch.device | str) -> torch.Tensor:
+    """The int32 array `host` as the source of a copy to `device`: pinned when that is CUDA (so
+    the copy is asynchronous; torch's caching host allocator keeps the buffer until the copy is
+    done), else a view of the array."""
+    if torch.device(device).type != "cuda":
+        return torch.from_numpy(host)
+    pinned = torch.empty(host.shape, dtype=torch.int32, pin_memory=True)
+    pinned.numpy()[...] = host
+    return pinned
+
+
+def upload_int32(host: np.ndarray, device: torch.device | str) -> torch.Tensor:
+    """The int32 array `host` on `device`, in one copy that does not wait (`host_int32`)."""
+    return host_int32(host, device).to(device, non_blocking=True)
+
+
+def fill_tables(out: np.ndarray, tables: Sequence[Sequence[int]], pad: int) -> None:
+    """Write the rows `tables` into the 2-D int array `out` (`[>= len(tables), width]`), each row
+    padded with `pad`: one vectorised scatter, not a tensor or a loop step per row."""
+    out.fill(pad)
+    lengths = np.fromiter(map(len, tables), dtype=np.int64, count=len(tables))
+    total = int(lengths.sum())
+    if total:
+        rows = np.repeat(np.arange(len(tables)), lengths)
+        cols = np.arange(total) - np.repeat(np.cumsum(lengths) - lengths, lengths)
+        out[rows, cols] = np.fromiter(chain.from_iterable(tables), dtype=out.dtype, count=total)
 
 
 def k_blocks(k_cache: torch.Tensor) -> torch.Tensor:
@@ -246,10 +303,13 @@ def plan_decode(
     elif native and not cpu_native.available():
         raise RuntimeError("plan_decode(native=True): the native CPU kernels are not available")
     if native or triton:
-        width = max(map(len, block_tables))
-        rows = [t + [0] * (width - len(t)) for t in block_tables]
-        table_t = torch.tensor(rows, dtype=torch.int32, device=device)
-        lens_t = torch.tensor(context_lens, dtype=torch.int32, device=device)
+        # One host buffer, one copy: [B] lengths, then the [B, width] tables padded with block 0.
+        batch, width = len(block_tables), max(map(len, block_tables))
+        host = np.empty(batch * (1 + width), dtype=np.int32)
+        host[:batch] = context_lens
+        fill_tables(host[batch:].reshape(batch, width), block_tables, 0)
+        both = upload_int32(host, device)
+        lens_t, table_t = both[:batch], both[batch:].view(batch, width)
         if triton:
             return DecodePlan([], workspace or DecodeWorkspace(), triton=(table_t, lens_t))
         return DecodePlan([], workspace or DecodeWorkspace(), (table_t, lens_t))
@@ -434,6 +494,85 @@ def prefill_attention(
         mask = torch.arange(total, device=q.device)[None, :] <= rows  # [n, total], True = attend
         out = _sdpa(qh, kh, vh, mask, scale)
     return out.squeeze(0).transpose(0, 1)
+
+
+@dataclass
+class PrefillPlan:
+    """A step's prefill chunks, prepared once and shared by every layer (`plan_prefill`): their
+    new tokens are consecutive rows of the prefill part of the batch. The torch path runs each
+    chunk (`chunks`: first row, rows, earlier tokens, block ids as int64); the Triton path runs
+    them all in one launch from `triton` (int32 query starts `[N + 1]`, context lengths `[N]`,
+    block tables `[N, M]`) and `max_tokens`."""
+
+    chunks: list[tuple[int, int, int, torch.Tensor]]
+    max_tokens: int
+    triton: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+
+
+def plan_prefill(
+    chunks: Sequence[tuple[int, int, Sequence[int]]], device: torch.device | str
+) -> PrefillPlan:
+    """Plan prefill chunks, each `(new tokens, earlier tokens, block ids covering both)`, in the
+    order their tokens sit in the batch. One host-to-device copy either way."""
+    n = len(chunks)
+    lengths = [length for length, _, _ in chunks]
+    starts = np.zeros(n + 1, dtype=np.int64)
+    np.cumsum(lengths, out=starts[1:])
+    if use_triton_on(device):
+        width = max((len(blocks) for _, _, blocks in chunks), default=1)
+        host = np.empty(2 * n + 1 + n * width, dtype=np.int32)
+        host[: n + 1] = starts
+        host[n + 1 : 2 * n + 1] = [c for _, c, _ in chunks]
+        fill_tables(host[2 * n + 1 :].reshape(n, width), [b for _, _, b in chunks], 0)
+        up = upload_int32(host, device)
+        tables = up[2 * n + 1 :].view(n, width)
+        plan = (up[: n + 1], up[n + 1 : 2 * n + 1], tables)
+        rows = [(int(starts[i]), lengths[i], chunks[i][1], tables[i]) for i in range(n)]
+        return PrefillPlan(rows, max(lengths, default=0), plan)
+    flat = np.fromiter(chain.from_iterable(b for _, _, b in chunks), dtype=np.int64)
+    ids = torch.from_numpy(flat).to(device, non_blocking=True)
+    rows, used = [], 0
+    for i, (length, context, blocks) in enumerate(chunks):
+        rows.append((int(starts[i]), length, context, ids[used : used + len(blocks)]))
+        used += len(blocks)
+    return PrefillPlan(rows, max(lengths, default=0))
+
+
+def prefill_attention_chunks(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    plan: PrefillPlan,
+    scale: float,
+    *,
+    window: int | None = None,
+    softcap: float | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """`prefill_attention` of every chunk of `plan`: q `[P, H, hd]` and k/v `[P, kvh, hd]` are the
+    rows of the prefill tokens (K/V already written). Returns `[P, H, hd]` (into `out` if
+    given). On the Triton path one launch runs them all."""
+    if window is not None or softcap is not None:
+        check_window_softcap(window, softcap)
+    if plan.triton is not None:
+        from triollm.kernels.triton import attention as triton_attention
+
+        starts, contexts, tables = plan.triton
+        return triton_attention.paged_prefill_attention_varlen(
+            q, k_cache, v_cache, tables, starts, contexts, max(plan.max_tokens, 1), scale,
+            window=window, softcap=softcap, out=out,
+        )  # fmt: skip
+    if out is None:
+        out = q.new_empty(q.shape)
+    for start, length, context, block_ids in plan.chunks:
+        rows = slice(start, start + length)
+        out[rows] = prefill_attention(
+            q[rows], k[rows], v[rows], k_cache, v_cache, block_ids, context, scale,
+            window=window, softcap=softcap,
+        )  # fmt: skip
+    return out
 
 
 # Windowed or soft-capped prefill runs over chunks of query rows holding at most this many scores

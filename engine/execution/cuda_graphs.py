@@ -2,12 +2,20 @@
 
 A small model's decode step on a GPU is launch-bound (30 layers x ~10 kernels); a CUDA graph
 replays the whole forward pass with one launch. Only all-decode steps use graphs: their shapes
-depend on the batch size alone. The step's inputs are copied into static buffers the graphs read
-(token ids, positions, cache slots, block tables, context lengths), the smallest captured size
-that holds the batch is replayed, and the first rows of its static output are the hidden states;
-the logits and the sampler run eagerly after it. Rows past the batch are padding: one token of
-context in a spare KV block (`pad_block`, allocated beyond the block manager's blocks), so they
-read and write nothing that belongs to a request.
+depend on the batch size alone. The smallest captured size that holds the batch is replayed, and
+the first rows of its static output are the hidden states; the logits and the sampler run
+eagerly after it. Rows past the batch are padding: one token of context in a spare KV block
+(`pad_block`, allocated beyond the block manager's blocks), so they read and write nothing that
+belongs to a request.
+
+Inputs. A step's inputs (token ids, positions, cache slots, context lengths, block tables, the
+padding rows' values included) are packed on the host into one int32 array, filled by numpy
+(`fill_tables`: no tensor per table row), and sent in one copy from pinned memory into a
+device staging buffer (`host_int32`); the graph itself begins by widening the first three into its
+int64 static buffers, and reads the lengths and tables in place. So the host's work per step is
+that one array and one asynchronous copy, whatever the batch, where it was five pageable copies,
+five fills and a tensor per row. Each size has its own packing, `[ids | positions | slots | lens]`
+of `size` entries each, then `[size, max_blocks]` tables, at the start of the staging buffer.
 
 The capture is injectable (`capture`): `cuda_capture` on CUDA; tests on CPU pass one that
 records the function and re-runs it at replay (`eager_capture`), which exercises everything here
@@ -23,10 +31,11 @@ import bisect
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 
 from triollm.kernels import KVCache, cpu_native
-from triollm.kernels.attention import DecodePlan, DecodeWorkspace
+from triollm.kernels.attention import DecodePlan, DecodeWorkspace, fill_tables, host_int32
 from triollm.kernels.triton import use_triton_on
 
 if TYPE_CHECKING:
@@ -95,11 +104,13 @@ class DecodeGraphs:
         self.sizes = sorted(set(sizes))
         self.pad_block = pad_block
         top, width = self.sizes[-1], max_blocks_per_seq
+        self.width = width
         self.input_ids = torch.zeros(top, dtype=torch.long, device=device)
         self.positions = torch.zeros(top, dtype=torch.long, device=device)
         self.slots = torch.full((top,), pad_block * kv.block_size, dtype=torch.long, device=device)
-        self.tables = torch.full((top, width), pad_block, dtype=torch.int32, device=device)
-        self.lens = torch.ones(top, dtype=torch.int32, device=device)
+        # The packed inputs of the captured sizes (module docstring); before each capture, all
+        # padding in that size's packing.
+        self.staging = torch.empty((4 + width) * top, dtype=torch.int32, device=device)
         self.hidden = torch.empty(top, model.cfg.hidden_size, dtype=model.cfg.dtype, device=device)
         self.workspace = DecodeWorkspace()
         self.triton = use_triton_on(device)
@@ -107,21 +118,46 @@ class DecodeGraphs:
             raise ValueError("decode graphs read static block tables: they need the Triton or the native CPU decode kernel")
         self._replays: dict[int, Replay] = {}
         for size in reversed(self.sizes):  # the largest first: the others reuse its memory
+            padding = self._pack(size, [], [], [], [], [])
+            self.staging[: padding.size].copy_(torch.from_numpy(padding))
             self._replays[size] = capture(self._forward(size))
 
     def _forward(self, size: int) -> Callable[[], None]:
         from triollm.engine.execution.layers.attention import AttentionMetadata
 
-        tables, lens = self.tables[:size], self.lens[:size]
+        packed = self.staging[: 4 * size].view(4, size)  # ids, positions, slots, lens
+        tables = self.staging[4 * size : (4 + self.width) * size].view(size, self.width)
+        lens = packed[3]
         plan = DecodePlan([], self.workspace, triton=(tables, lens)) if self.triton else DecodePlan([], self.workspace, native=(tables, lens))
-        meta = AttentionMetadata(
-            slot_mapping=self.slots[:size], num_decodes=size, decode_plan=plan, positions=self.positions[:size]
-        )
+        ids, positions, slots = self.input_ids[:size], self.positions[:size], self.slots[:size]
+        meta = AttentionMetadata(slot_mapping=slots, num_decodes=size, decode_plan=plan, positions=positions)
 
         def forward() -> None:
-            self.hidden[:size].copy_(self.model(self.input_ids[:size], self.positions[:size], meta, self.kv))
+            ids.copy_(packed[0])
+            positions.copy_(packed[1])
+            slots.copy_(packed[2])
+            self.hidden[:size].copy_(self.model(ids, positions, meta, self.kv))
 
         return forward
+
+    def _pack(
+        self,
+        size: int,
+        token_ids: list[int],
+        positions: list[int],
+        slots: list[int],
+        block_tables: list[list[int]],
+        context_lens: list[int],
+    ) -> np.ndarray:
+        """The packed int32 inputs of a step of `len(token_ids)` rows for the graph of `size`,
+        rows past the batch padding (one token in the spare block)."""
+        b, width = len(token_ids), self.width
+        host = np.empty((4 + width) * size, dtype=np.int32)
+        packed = host[: 4 * size].reshape(4, size)
+        packed[:, :b] = (token_ids, positions, slots, context_lens) if b else 0
+        packed[:, b:] = np.array([[0], [0], [self.pad_block * self.kv.block_size], [1]], dtype=np.int32)
+        fill_tables(host[4 * size :].reshape(size, width), block_tables, self.pad_block)
+        return host
 
     def size_for(self, batch: int) -> int | None:
         """The smallest captured size that holds `batch` decodes (None: too many)."""
@@ -140,20 +176,8 @@ class DecodeGraphs:
         b = len(token_ids)
         size = self.size_for(b)
         assert size is not None, b
-        dev = self.device
-        self.input_ids[:b].copy_(torch.tensor(token_ids, dtype=torch.long), non_blocking=True)
-        self.positions[:b].copy_(torch.tensor(positions, dtype=torch.long), non_blocking=True)
-        self.slots[:b].copy_(torch.tensor(slots, dtype=torch.long), non_blocking=True)
-        self.lens[:b].copy_(torch.tensor(context_lens, dtype=torch.int32), non_blocking=True)
-        rows = torch.full((b, self.tables.shape[1]), self.pad_block, dtype=torch.int32)
-        for i, table in enumerate(block_tables):
-            rows[i, : len(table)] = torch.tensor(table, dtype=torch.int32)
-        self.tables[:b].copy_(rows.to(dev), non_blocking=True)
-        # Padding rows (b..size): one token in the spare block, wherever an earlier step left them.
-        self.input_ids[b:size].zero_()
-        self.positions[b:size].zero_()
-        self.slots[b:size].fill_(self.pad_block * self.kv.block_size)
-        self.tables[b:size].fill_(self.pad_block)
-        self.lens[b:size].fill_(1)
+        host = self._pack(size, token_ids, positions, slots, block_tables, context_lens)
+        self.staging[: host.size].copy_(host_int32(host, self.device), non_blocking=True)
         self._replays[size]()
         return self.hidden[:b]
+

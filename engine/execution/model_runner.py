@@ -36,7 +36,7 @@ from triollm.engine.execution.sampler import Sampler, SamplingRow, gather_logpro
 from triollm.engine.request import Logprobs
 from triollm.engine.scheduling.scheduler import ScheduledRequest
 from triollm.kernels import KVCache, cpu_native
-from triollm.kernels.attention import DecodeWorkspace, plan_decode
+from triollm.kernels.attention import DecodeWorkspace, plan_decode, plan_prefill
 
 if TYPE_CHECKING:
     from triollm.engine.distributed.group import TensorParallelGroup
@@ -186,8 +186,10 @@ class ModelRunner:
             meta.decode_plan = plan_decode(
                 inputs.decode_tables, inputs.decode_lens, self.block_size, dev, self.decode_workspace
             )
-        for start, n, c, blocks in inputs.prefills:
-            meta.prefills.append(PrefillChunk(start, n, c, torch.tensor(blocks, dtype=torch.long, device=dev)))
+        if inputs.prefills:
+            d = len(inputs.decode_lens)
+            meta.prefill_plan = plan = plan_prefill([(n, c, blocks) for _, n, c, blocks in inputs.prefills], dev)
+            meta.prefills = [PrefillChunk(d + s, n, c, ids) for s, n, c, ids in plan.chunks]
         meta.slot_mapping = torch.tensor(inputs.slots, dtype=torch.long, device=dev)
         input_ids = torch.tensor(inputs.token_ids, dtype=torch.long, device=dev)
         positions = torch.tensor(inputs.positions, dtype=torch.long, device=dev)

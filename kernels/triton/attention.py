@@ -6,8 +6,15 @@ Layout. Per layer, V is `[kv_heads, num_blocks, block_size, head_dim]` and K the
 block transposed, `[kv_heads, num_blocks, head_dim, block_size]`; a sequence's token at position
 p lives in block `table[p // block_size]` at offset `p % block_size`. Every stride is a kernel
 argument (nothing assumes contiguity) and `block_id * stride` is computed in int64, so caches
-past 2**31 elements are addressed correctly. Loading a K tile through the transposed blocks
-gives `K^T` `[head_dim, TILE_N]` directly, the right operand of `q @ K^T`.
+past 2**31 elements are addressed correctly. Loading a K tile through the transposed view gives
+`K^T` `[head_dim, TILE_N]` directly, the right operand of `q @ K^T`. Where these kernels run,
+`allocate_kv_cache` stores K with head_dim innermost (`stride_kd == 1`, as vLLM keeps it) behind
+that same transposed view: each column of the tile is then `head_dim` contiguous elements, and
+the loads are 16-byte vectors (asynchronous copies into shared memory, pipelined over the
+tiles). With the contiguous transposed blocks (`stride_kt == 1`, the CPU kernel's layout) the
+same code is correct but, since every column has its own gathered block id, the compiler can
+prove no contiguity along the positions and loads K one 2-byte element at a time;
+tests/kernels/test_triton_launches.py reads that off the sm_90 PTX of real launches.
 
 Tiles. A KV tile is `TILE_N` consecutive positions of one sequence, a power of two that is a
 multiple of the block size and at least 16 (`tl.dot` needs M, N, K >= 16 on the GPU): with
@@ -18,7 +25,10 @@ accumulator by `exp2(m_old - m_new)` whenever the running max grows. Masked-out 
 each loop starts at position 0 or at a split's first tile, whose first column every row may
 attend, so the running max is finite from the first tile on and no NaN can appear.
 
-Decode. Grid `(sequence, kv head, split)`. The GQA group (the `H // kv_heads` query heads
+Decode. Grid `(sequence, kv head, split)`. A tile is `TILE_N` positions (default
+`DECODE_TILE_N`, at least the block size) run by `num_warps` warps (`DECODE_NUM_WARPS`); both are
+arguments of `paged_decode_attention` so that tests/gpu_check.py's sweep can time others on the
+device. The GQA group (the `H // kv_heads` query heads
 sharing a KV head) is folded into the M dimension of `tl.dot`, padded to at least 16 rows
 (padding rows load zeros and are never stored), so each K/V tile is read once per group rather
 than once per head. Split-KV: when `B * kv_heads` programs cannot fill the GPU and contexts
@@ -28,11 +38,16 @@ kernel (grid `(sequence, head)`) merges them, weighting split s by `exp2(m_s - m
 empty split (a context shorter than the splits) leaves max -inf and sum 0 and weighs nothing.
 With one split the kernel normalises and writes the output directly.
 
-Prefill. Grid `(query tile, kv head)`; rows of a query tile are (token, group member) pairs,
+Prefill. Grid `(sequence, query tile, kv head)`: `paged_prefill_attention` runs one sequence's
+new tokens, `paged_prefill_attention_varlen` every prefill chunk of a step in one launch (the
+chunks' tokens concatenated, their starts, context lengths and block tables as int32 tensors
+built once per step, `kernels.attention.plan_prefill`); a sequence with fewer query tiles than
+the longest leaves its surplus programs to return at once. Rows of a query tile are (token,
+group member) pairs,
 `row = token * group + member`, so GQA is folded into M here too. Token i of the new ones sits
 at position `num_context + i` and attends positions `0..num_context + i` (its own K/V, like the
 earlier context, is already in the cache); a tile's loop stops at its last row's position.
-Programs are launched heaviest tile (latest queries) first. Every tile applies the causal mask
+Programs are launched heaviest tile (latest queries) first, across the sequences. Every tile applies the causal mask
 (a mask-free loop for the tiles wholly below the diagonal would save a few instructions; not
 measured yet).
 
@@ -48,12 +63,22 @@ stored, but must keep a column to attend). Soft-capping maps each score s (here 
 as is the cap) to softcap * tanh(s / softcap), with tanh from exp2 of a non-positive argument
 (no overflow).
 
+Numerics. An fp32 `tl.dot` runs in tf32 on the GPU unless told otherwise (about 3e-4 relative
+error, where fp32 would be 1e-6): with an fp32 cache the dots here ask for "ieee" (constexpr
+`DOT_PRECISION`); fp16 and bf16 operands are unaffected.
+
+Recompiles. Triton specialises integer arguments on their value (1, or a multiple of 16) and
+compiles one variant per combination: an argument that changes every step (a prefill's token
+and context counts, the width of a step's block tables) would compile new variants inside
+timed steps. Those arguments are `do_not_specialize`; tests/kernels/test_triton_launches.py
+checks that two different steps bind to the same compiled variant.
+
 What the interpreter (`TRITON_INTERPRET=1`, the CPU tests) cannot check: speed, register
-and shared-memory pressure, load vectorisation, the `tl.dot` shape rules (M, N, K >= 16) and
-bf16 (numpy has no bf16 matmul), and the GPU's numerics: there an fp32 `tl.dot` runs in tf32,
-so fp32 inputs, used by the CPU tests, would not meet their tolerance on the GPU (the model
-runs fp16/bf16 caches). `AOT_SPECS` compiles every kernel for sm_90 without a GPU
-(`kernels/aot.py`); checking the numbers on a GPU is a separate run.
+and shared-memory pressure, the `tl.dot` shape rules (M, N, K >= 16) and bf16 (numpy has no
+bf16 matmul), and the GPU's numerics. `AOT_SPECS` compiles every kernel for sm_90 without a
+GPU (`kernels/aot.py`), and `kernels/triton/launches.py` compiles the variant a given launch
+would compile, which is how the tests read load widths and dot precision off the PTX;
+tests/gpu_check.py checks the numbers and the speed on a GPU.
 """
 
 from __future__ import annotations
@@ -65,11 +90,26 @@ import triton.language as tl
 from triollm.kernels.masking import check_window_softcap
 from triollm.kernels.triton import AotSpec
 
-__all__ = ["AOT_SPECS", "choose_num_splits", "paged_decode_attention", "paged_prefill_attention"]
+__all__ = [
+    "AOT_SPECS",
+    "DECODE_NUM_STAGES",
+    "DECODE_NUM_WARPS",
+    "DECODE_TILE_N",
+    "choose_num_splits",
+    "paged_decode_attention",
+    "paged_prefill_attention",
+    "paged_prefill_attention_varlen",
+]
 
 _LOG2E = 1.4426950408889634
 _MIN_DOT = 16  # tl.dot needs M, N and K of at least 16
 _NO_WINDOW = 0  # the `window` argument of a kernel built without WINDOWED (unused)
+
+# Decode launch defaults: KV tiles of this many positions (or the block size, if larger), this
+# many warps and pipeline stages. tests/gpu_check.py's `sweep` part times the alternatives.
+DECODE_TILE_N = 16
+DECODE_NUM_WARPS = 4
+DECODE_NUM_STAGES = 2
 
 # Split-KV policy: a split covers at least this many KV tiles (below that the reduce kernel and
 # the scratch traffic cost more than the parallelism gains), and there are at most this many.
@@ -95,7 +135,8 @@ def _soft_cap(scores, softcap):
     return softcap * tl.where(x < 0, -t, t)
 
 
-@triton.jit
+# The table width changes with the step's longest context (see "Recompiles" above).
+@triton.jit(do_not_specialize=["stride_tb"])
 def _paged_decode_kernel(
     out_ptr,  # [B, H, hd] in q's dtype, or fp32 partials [B, H, S, hd] when split
     max_ptr,  # fp32 [B, H, S] (split only)
@@ -133,6 +174,7 @@ def _paged_decode_kernel(
     NUM_SPLITS: tl.constexpr,
     WINDOWED: tl.constexpr,
     SOFTCAP: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -180,7 +222,7 @@ def _paged_decode_kernel(
             v_rows[:, None] + dims[None, :] * stride_vd, mask=in_context[:, None], other=0.0
         )
 
-        scores = tl.dot(q, k_t) * qk_scale
+        scores = tl.dot(q, k_t, input_precision=DOT_PRECISION) * qk_scale
         if SOFTCAP:
             scores = _soft_cap(scores, softcap)
         scores = tl.where(in_context[None, :], scores, float("-inf"))
@@ -188,7 +230,9 @@ def _paged_decode_kernel(
         rescale = tl.exp2(running_max - new_max)
         probs = tl.exp2(scores - new_max[:, None])
         running_sum = running_sum * rescale + tl.sum(probs, 1)
-        acc = acc * rescale[:, None] + tl.dot(probs.to(v.dtype), v)
+        acc = acc * rescale[:, None] + tl.dot(
+            probs.to(v.dtype), v, input_precision=DOT_PRECISION
+        )
         running_max = new_max
 
     out_ptrs = (
@@ -239,15 +283,18 @@ def _split_kv_reduce_kernel(
     tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty))
 
 
-@triton.jit
+# A prefill's token and context counts change every call, and so does the varlen tables' width.
+@triton.jit(do_not_specialize=["num_tokens", "num_context", "stride_tb"])
 def _paged_prefill_kernel(
     out_ptr,  # [n, H, hd]
     q_ptr,
     k_ptr,
     v_ptr,
-    block_table_ptr,
-    num_tokens,
-    num_context,
+    block_table_ptr,  # [M], or [N, M] when VARLEN
+    query_start_ptr,  # int32 [N + 1] (VARLEN only): sequence s's tokens are rows start[s]..start[s+1]
+    num_context_ptr,  # int32 [N] (VARLEN only)
+    num_tokens,  # (not VARLEN)
+    num_context,  # (not VARLEN)
     qk_scale,  # softmax scale * log2(e)
     window,  # sliding window in positions (read only when WINDOWED)
     softcap,  # soft-cap * log2(e) (read only when SOFTCAP)
@@ -262,6 +309,7 @@ def _paged_prefill_kernel(
     stride_vb,
     stride_vt,
     stride_vd,
+    stride_tb,  # (VARLEN only)
     stride_tm,
     stride_on,
     stride_oh,
@@ -273,9 +321,21 @@ def _paged_prefill_kernel(
     TILE_N: tl.constexpr,
     WINDOWED: tl.constexpr,
     SOFTCAP: tl.constexpr,
+    VARLEN: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
-    query_tile = tl.num_programs(0) - 1 - tl.program_id(0)  # heaviest (latest) tiles first
-    kv_head = tl.program_id(1)
+    seq = tl.program_id(0)
+    query_tile = tl.num_programs(1) - 1 - tl.program_id(1)  # heaviest (latest) tiles first
+    kv_head = tl.program_id(2)
+    if VARLEN:
+        first_token = tl.load(query_start_ptr + seq)
+        num_tokens = tl.load(query_start_ptr + seq + 1) - first_token
+        num_context = tl.load(num_context_ptr + seq)
+        block_table_ptr += seq.to(tl.int64) * stride_tb
+        q_ptr += first_token.to(tl.int64) * stride_qn
+        out_ptr += first_token.to(tl.int64) * stride_on
+    if query_tile * BLOCK_M >= num_tokens * GROUP:
+        return  # a shorter sequence than the launch's longest: no rows here
 
     rows = query_tile * BLOCK_M + tl.arange(0, BLOCK_M)
     tokens = rows // GROUP
@@ -321,7 +381,7 @@ def _paged_prefill_kernel(
         )
         v = tl.load(v_rows[:, None] + dims[None, :] * stride_vd, mask=in_range[:, None], other=0.0)
 
-        scores = tl.dot(q, k_t) * qk_scale
+        scores = tl.dot(q, k_t, input_precision=DOT_PRECISION) * qk_scale
         if SOFTCAP:
             scores = _soft_cap(scores, softcap)
         # Causal: for real rows this also masks every position >= kv_len; padding rows (never
@@ -334,7 +394,9 @@ def _paged_prefill_kernel(
         rescale = tl.exp2(running_max - new_max)
         probs = tl.exp2(scores - new_max[:, None])
         running_sum = running_sum * rescale + tl.sum(probs, 1)
-        acc = acc * rescale[:, None] + tl.dot(probs.to(v.dtype), v)
+        acc = acc * rescale[:, None] + tl.dot(
+            probs.to(v.dtype), v, input_precision=DOT_PRECISION
+        )
         running_max = new_max
 
     out = acc / running_sum[:, None]
@@ -359,6 +421,9 @@ def paged_decode_attention(
     softcap: float | None = None,
     num_splits: int | None = None,
     out: torch.Tensor | None = None,
+    tile_n: int | None = None,
+    num_warps: int = DECODE_NUM_WARPS,
+    num_stages: int = DECODE_NUM_STAGES,
 ) -> torch.Tensor:
     """One query token per sequence. q `[B, H, hd]`; block_tables `[B, M]` int32 (rows padded
     with any valid block id); context_lens `[B]` int32, each >= 1, counts the tokens to attend
@@ -366,13 +431,23 @@ def paged_decode_attention(
     (written into `out` if given, any strides). `window`: a row of length n attends positions
     `[max(0, n - window), n)`; `softcap`: scores s become softcap * tanh(s / softcap) before the
     softmax. `num_splits` cuts each sequence's KV into that many parts run in parallel
-    (default: chosen from the batch and the table width, no sync)."""
+    (default: chosen from the batch and the table width, no sync). `tile_n` (a power of two, at
+    least 16 and the block size; default `DECODE_TILE_N` or the block size), `num_warps` and
+    `num_stages` are the launch's tuning knobs (tests/gpu_check.py sweeps them)."""
     if window is not None or softcap is not None:
         check_window_softcap(window, softcap)
     batch, num_heads, head_dim = q.shape
     kv_heads, _, block_size, _ = v_cache.shape
     group = _check_shapes(num_heads, head_dim, kv_heads, block_size, v_cache.shape[3])
-    tile_n = max(block_size, _MIN_DOT)
+    floor = max(block_size, _MIN_DOT)
+    if tile_n is None:
+        tile_n = max(floor, DECODE_TILE_N)
+    elif tile_n < floor or not _is_power_of_two(tile_n):
+        raise ValueError(f"tile_n: {tile_n} must be a power of two >= {floor} (16 and the block size)")
+    if num_warps not in (1, 2, 4, 8, 16):
+        raise ValueError(f"num_warps: {num_warps} must be one of 1, 2, 4, 8, 16")
+    if num_stages < 1:
+        raise ValueError(f"num_stages: {num_stages} must be >= 1")
     if num_splits is None:
         max_tiles = triton.cdiv(block_tables.shape[1] * block_size, tile_n)
         if window is not None:  # a window spans at most this many tiles
@@ -423,8 +498,9 @@ def paged_decode_attention(
         NUM_SPLITS=num_splits,
         WINDOWED=window is not None,
         SOFTCAP=softcap is not None,
-        num_warps=4,
-        num_stages=2,
+        DOT_PRECISION=_dot_precision(q, k_cache, v_cache),
+        num_warps=num_warps,
+        num_stages=num_stages,
     )
     if num_splits > 1:
         _split_kv_reduce_kernel[(batch, num_heads)](
@@ -459,6 +535,66 @@ def paged_prefill_attention(
     last `window` of them if given; `softcap`: scores s become softcap * tanh(s / softcap)
     before the softmax. Returns `[n, H, hd]` in q's dtype (written into `out` if given, any
     strides)."""
+    if block_table.dim() != 1:
+        raise ValueError(f"block_table: must be 1-D, got shape {tuple(block_table.shape)}")
+    unused = block_table  # the varlen pointers: never read without VARLEN
+    return _launch_prefill(
+        q, k_cache, v_cache, block_table, unused, unused, 1, q.shape[0], num_context, scale,
+        window, softcap, out, varlen=False,
+    )  # fmt: skip
+
+
+def paged_prefill_attention_varlen(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start: torch.Tensor,
+    num_context: torch.Tensor,
+    max_tokens: int,
+    scale: float,
+    *,
+    window: int | None = None,
+    softcap: float | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """`paged_prefill_attention` for N sequences in one launch. q `[T, H, hd]` holds their new
+    tokens one sequence after another: sequence s's are rows `query_start[s]..query_start[s+1]`
+    (int32 `[N + 1]`, from 0), after `num_context[s]` earlier tokens (int32 `[N]`), in the
+    blocks of row s of `block_tables` (int32 `[N, M]`, padded with any valid id). `max_tokens`
+    (a host int: no sync) bounds every sequence's new tokens; it sizes the grid. Returns
+    `[T, H, hd]` (into `out` if given, any strides)."""
+    n = num_context.shape[0]
+    if block_tables.dim() != 2 or block_tables.shape[0] != n or query_start.shape != (n + 1,):
+        raise ValueError(
+            f"block_tables {tuple(block_tables.shape)}, query_start {tuple(query_start.shape)}: "
+            f"must be [N, M] and [N + 1] for num_context [N = {n}]"
+        )
+    if max_tokens < 1:
+        raise ValueError(f"max_tokens: {max_tokens} must be >= 1")
+    return _launch_prefill(
+        q, k_cache, v_cache, block_tables, query_start, num_context, n, max_tokens, 0, scale,
+        window, softcap, out, varlen=True,
+    )  # fmt: skip
+
+
+def _launch_prefill(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    tables: torch.Tensor,
+    query_start: torch.Tensor,
+    contexts: torch.Tensor,
+    num_seqs: int,
+    max_tokens: int,
+    num_context: int,
+    scale: float,
+    window: int | None,
+    softcap: float | None,
+    out: torch.Tensor | None,
+    *,
+    varlen: bool,
+) -> torch.Tensor:
     if window is not None or softcap is not None:
         check_window_softcap(window, softcap)
     num_tokens, num_heads, head_dim = q.shape
@@ -466,16 +602,19 @@ def paged_prefill_attention(
     group = _check_shapes(num_heads, head_dim, kv_heads, block_size, v_cache.shape[3])
     if out is None:
         out = torch.empty_like(q)
-    if num_tokens == 0:
+    if num_tokens == 0 or num_seqs == 0:
         return out
-    block_m = min(_PREFILL_BLOCK_M, max(_MIN_DOT, triton.next_power_of_2(num_tokens * group)))
-    grid = (triton.cdiv(num_tokens * group, block_m), kv_heads)
+    block_m = min(_PREFILL_BLOCK_M, max(_MIN_DOT, triton.next_power_of_2(max_tokens * group)))
+    grid = (num_seqs, triton.cdiv(max_tokens * group, block_m), kv_heads)
+    table_strides = tables.stride() if varlen else (0, tables.stride(0))
     _paged_prefill_kernel[grid](
         out,
         q,
         k_cache,
         v_cache,
-        block_table,
+        tables,
+        query_start,
+        contexts,
         num_tokens,
         num_context,
         scale * _LOG2E,
@@ -484,7 +623,7 @@ def paged_prefill_attention(
         *q.stride(),
         *k_cache.stride(),
         *v_cache.stride(),
-        *block_table.stride(),
+        *table_strides,
         *out.stride(),
         GROUP=group,
         HEAD_DIM=head_dim,
@@ -493,6 +632,8 @@ def paged_prefill_attention(
         TILE_N=_prefill_tile_n(head_dim, block_size),
         WINDOWED=window is not None,
         SOFTCAP=softcap is not None,
+        VARLEN=varlen,
+        DOT_PRECISION=_dot_precision(q, k_cache, v_cache),
         num_warps=_PREFILL_WARPS,
         num_stages=2,
     )
@@ -531,6 +672,11 @@ def _prefill_tile_n(head_dim: int, block_size: int) -> int:
     return max(block_size, min(_PREFILL_TILE_N, _PREFILL_TILE_ELEMENTS // head_dim))
 
 
+def _dot_precision(*tensors: torch.Tensor) -> str:
+    """"ieee" when an operand is fp32 (Triton would run its dots in tf32), else the default."""
+    return "ieee" if any(t.dtype == torch.float32 for t in tensors) else "tf32"
+
+
 def _is_power_of_two(n: int) -> bool:
     return n > 0 and n & (n - 1) == 0
 
@@ -543,18 +689,20 @@ def _num_sms(device: torch.device) -> int:
 
 # Ahead-of-time compilation for sm_90 (`kernels/aot.py`): cache dtypes x head dims x GQA groups
 # (3, padded to 16 rows, and 8) at block size 16, without window and soft-cap; and each kernel
-# once with both (bf16, head dim 256, group 2: Gemma 2's shape). Unit strides are constexpr 1, as
-# the JIT specialises them at launch (which is what lets the compiler vectorise the loads).
+# once with both (bf16, head dim 256, group 2: Gemma 2's shape); prefill once and varlen. Unit
+# strides are constexpr 1, as the JIT specialises them at launch: K's is head_dim's, the layout
+# `allocate_kv_cache` gives the GPU. (These specs carry no divisibility hints, so their loads
+# are narrower than a real launch's: `kernels/triton/launches.py` compiles a launch as it is.)
 _AOT_BLOCK_SIZE = 16
 _AOT_SPLITS = 4
-_UNIT_STRIDES = ("stride_qd", "stride_kt", "stride_vd", "stride_tm", "stride_od")
+_UNIT_STRIDES = ("stride_qd", "stride_kd", "stride_vd", "stride_tm", "stride_od")
 
 
 def _aot_spec(
     name: str,
     kernel: object,
     pointers: dict[str, str],
-    constexprs: dict[str, int],
+    constexprs: dict[str, object],
     num_warps: int = 4,
 ) -> AotSpec:
     """The spec of `kernel`: pointer arguments typed as given, `qk_scale` and `softcap` fp32,
@@ -591,6 +739,7 @@ def _decode_spec(
         "NUM_SPLITS": num_splits,
         "WINDOWED": masked,
         "SOFTCAP": masked,
+        "DOT_PRECISION": "tf32",
     }
     extra = ", window, softcap" if masked else ""
     name = f"paged_decode[hd={head_dim}, group={group}, splits={num_splits}, {dtype}{extra}]"
@@ -613,9 +762,11 @@ def _reduce_spec(dtype: str, head_dim: int) -> AotSpec:
     return _aot_spec(name, _split_kv_reduce_kernel, pointers, constexprs, num_warps=1)
 
 
-def _prefill_spec(dtype: str, head_dim: int, group: int, masked: bool = False) -> AotSpec:
+def _prefill_spec(
+    dtype: str, head_dim: int, group: int, masked: bool = False, varlen: bool = False
+) -> AotSpec:
     pointers = dict.fromkeys(("out_ptr", "q_ptr", "k_ptr", "v_ptr"), f"*{dtype}")
-    pointers["block_table_ptr"] = "*i32"
+    pointers |= dict.fromkeys(("block_table_ptr", "query_start_ptr", "num_context_ptr"), "*i32")
     constexprs = {
         "GROUP": group,
         "HEAD_DIM": head_dim,
@@ -624,8 +775,10 @@ def _prefill_spec(dtype: str, head_dim: int, group: int, masked: bool = False) -
         "TILE_N": _prefill_tile_n(head_dim, _AOT_BLOCK_SIZE),
         "WINDOWED": masked,
         "SOFTCAP": masked,
+        "VARLEN": varlen,
+        "DOT_PRECISION": "tf32",
     }
-    extra = ", window, softcap" if masked else ""
+    extra = (", window, softcap" if masked else "") + (", varlen" if varlen else "")
     name = f"paged_prefill[hd={head_dim}, group={group}, {dtype}{extra}]"
     return _aot_spec(name, _paged_prefill_kernel, pointers, constexprs, _PREFILL_WARPS)
 
@@ -642,6 +795,7 @@ AOT_SPECS: list[AotSpec] = [
         ),
         _reduce_spec(dtype, head_dim),
         *(_prefill_spec(dtype, head_dim, group) for group in (3, 8)),
+        _prefill_spec(dtype, head_dim, 3, varlen=True),
     )
 ] + [
     _decode_spec("bf16", 256, 2, 1, masked=True),

@@ -24,7 +24,7 @@ from torch import nn
 
 from triollm.engine.execution.layers.rotary import RopeStep
 from triollm.kernels import cpu_native, prefill_attention, write_kv
-from triollm.kernels.attention import DecodePlan, decode_attention
+from triollm.kernels.attention import DecodePlan, PrefillPlan, decode_attention, prefill_attention_chunks
 from triollm.kernels.rotary import apply_rotary_signed
 
 __all__ = ["AttentionMetadata", "PagedAttention", "PrefillChunk"]
@@ -44,6 +44,7 @@ class AttentionMetadata:
     num_decodes: int = 0  # the first num_decodes tokens are single-token decodes
     decode_plan: DecodePlan | None = None  # their attention plan (kernels.attention.plan_decode)
     prefills: list[PrefillChunk] = field(default_factory=list)
+    prefill_plan: PrefillPlan | None = None  # the same chunks, planned once a step (kernels.attention.plan_prefill)
     positions: torch.Tensor | None = None  # [T] int64 (the Triton path rotates by position)
     # Whether this pass runs the Triton kernels (`use_triton`), decided once per forward pass:
     # the environment lookup behind it costs microseconds, and a layer would pay it four times.
@@ -123,6 +124,11 @@ class PagedAttention(nn.Module):
             if d:
                 assert meta.decode_plan is not None
                 out[:d] = decode_attention(q[:d], k_cache, v_cache, meta.decode_plan, self.scale, **self.extra)
+            if meta.prefill_plan is not None:  # every chunk in one call (one launch on the Triton path)
+                prefill_attention_chunks(
+                    q[d:], k[d:], v[d:], k_cache, v_cache, meta.prefill_plan, self.scale, out=out[d:], **self.extra
+                )
+                return out.reshape(t, h * hd)
             for c in meta.prefills:
                 s, e = c.start, c.start + c.length
                 out[s:e] = prefill_attention(
