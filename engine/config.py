@@ -560,7 +560,7 @@ class EngineArgs:
         blocks as shipped where that is the fast path (docs/benchmarks.md, issue 13): on a CPU
         with a vector path for the quantized kernels (AVX2 or AVX-512 VNNI) and the
         native kernels, one rank, dtype auto, a generative model."""
-        from triollm.engine.loading.gguf_import import QUANTIZED_FILE
+        from triollm.engine.loading.model_config import QUANTIZED_FILE
         from triollm.kernels import cpu_native
 
         if self.quantization is not None:
@@ -599,7 +599,7 @@ class EngineArgs:
         return want
 
     def _check_quantization(self, quantization: str, model: ModelConfig, device: str) -> None:
-        from triollm.engine.loading.gguf_import import QUANTIZED_FILE
+        from triollm.engine.loading.model_config import QUANTIZED_FILE
 
         if device != "cpu":
             raise ValueError(f"quantization: {quantization!r} runs on the CPU only (device {device!r}); use quantization='none'")

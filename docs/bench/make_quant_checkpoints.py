@@ -121,7 +121,7 @@ def linear_widths(model_dir: Path) -> set[int]:
 def write_checkpoints(out: Path, model_dir: Path, gguf_src: Path | None, formats: list[str], seed: int = 0) -> list[Path]:
     """Each of `formats` (FORMATS) of the model in `model_dir` (GGUF mixes from `gguf_src`)
     written into `out`; the paths written."""
-    from triollm.engine.loading.gguf_import import QUANTIZED_FILE
+    from triollm.engine.loading.model_config import QUANTIZED_FILE
 
     out.mkdir(parents=True, exist_ok=True)
     widths = linear_widths(model_dir)

@@ -37,6 +37,8 @@ from gguf.quants import dequantize
 from safetensors.torch import save_file
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 
+from triollm.engine.loading.model_config import QUANTIZED_FILE
+
 if TYPE_CHECKING:
     from triollm.kernels.quant import QuantWeight
 
@@ -44,9 +46,9 @@ __all__ = ["IMPORT_FORMAT_VERSION", "import_gguf"]
 
 # Bump whenever the files written here change, so cached imports are redone.
 IMPORT_FORMAT_VERSION = 3  # 3: K-quants kept in QUANTIZED_FILE
-# The quantized tensors as shipped (`quantization="gguf"`): kernels/quant.py's QuantWeight parts
-# per HF tensor name ("<name>.q", ".d", ".m"), with the bits per name in the metadata.
-QUANTIZED_FILE = "gguf_quantized.safetensors"
+# QUANTIZED_FILE (model_config.py) holds the quantized tensors as shipped (`quantization="gguf"`):
+# kernels/quant.py's QuantWeight parts per HF tensor name ("<name>.q", ".d", ".m"), with the bits
+# per name in the metadata.
 
 _TOKEN_CONTROL = 3
 _TOKEN_USER_DEFINED = 4

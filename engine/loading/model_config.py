@@ -36,6 +36,7 @@ from triollm.kernels import cpu_native
 
 __all__ = [
     "GENERATION_CONFIG_KEYS",
+    "QUANTIZED_FILE",
     "RUNNER_TYPES",
     "SUPPORTED_ARCHITECTURES",
     "ModelConfig",
@@ -43,6 +44,10 @@ __all__ = [
     "RopeConfig",
     "check_generation_config",
 ]
+
+# A .gguf import's quantized tensors as shipped (`quantization="gguf"`; engine/loading/gguf_import.py
+# writes it): here, so that the config and the loader look for it without importing gguf.
+QUANTIZED_FILE = "gguf_quantized.safetensors"
 
 RUNNER_TYPES = ("generate", "pooling")
 # The generation_config.json keys that become sampling defaults (vLLM's list).

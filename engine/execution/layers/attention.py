@@ -24,7 +24,12 @@ from torch import nn
 
 from triollm.engine.execution.layers.rotary import RopeStep
 from triollm.kernels import cpu_native, prefill_attention, write_kv
-from triollm.kernels.attention import DecodePlan, PrefillPlan, decode_attention, prefill_attention_chunks
+from triollm.kernels.attention import (
+    DecodePlan,
+    PrefillPlan,
+    decode_attention,
+    prefill_attention_chunks,
+)
 from triollm.kernels.rotary import apply_rotary_signed
 
 __all__ = ["AttentionMetadata", "PagedAttention", "PrefillChunk"]

@@ -210,7 +210,7 @@ class DecodeStack:
 
 def read_gguf_quantized(path: Path) -> dict[str, QuantWeight]:
     """The import's quantized tensors by HF name (engine/loading/gguf_import.py)."""
-    from triollm.engine.loading.gguf_import import QUANTIZED_FILE
+    from triollm.engine.loading.model_config import QUANTIZED_FILE
 
     file = path / QUANTIZED_FILE
     out: dict[str, QuantWeight] = {}
