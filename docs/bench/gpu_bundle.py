@@ -90,11 +90,12 @@ def model_source(model_dir: Path | None) -> Path:
 def manifest(bundle: Path, pinned: dict[str, str], final: Path | None = None, limit: int = LIMIT_BYTES) -> dict[str, Any]:
     """Every file of `bundle` with its size and sha256, and the commands for it at `final` (its
     place once complete; default `bundle`); refuses a folder over `limit` bytes."""
-    files = {}
+    files: dict[str, dict[str, Any]] = {}
+    total = 0
     for path in sorted(p for p in bundle.rglob("*") if p.is_file() and p.name != "MANIFEST.json"):
         data = path.read_bytes()
         files[str(path.relative_to(bundle))] = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
-    total = sum(f["bytes"] for f in files.values())
+        total += len(data)
     if total > limit:
         raise ValueError(f"bundle: {total} bytes, over the {limit} byte limit")
     rel = _shown(final or bundle)

@@ -97,8 +97,11 @@ void lora_update(at::Tensor& out, const at::Tensor& x, const at::Tensor& a, cons
   if (n > kLoopRows) {
     const at::Tensor at_ = a.narrow(0, 0, k).t(), bt_ = bt.narrow(0, 0, k);
     const at::Tensor xs = gathered ? x.index_select(0, rows) : x.narrow(0, start, n);
-    if (a.scalar_type() != at::kFloat) {  // bfloat16 slots: the matmuls in their dtype
-      const at::Tensor delta = at::mm(at::mm(xs.to(a.scalar_type()), at_), bt_).to(at::kFloat);
+    if (a.scalar_type() != at::kFloat) {
+      // bfloat16 slots: the weights widened to fp32 (k x (in + out) values, against n x k x
+      // (in + out) products), the matmuls in fp32 as the loops compute; a bf16 matmul on a CPU
+      // without native bf16 is emulated, and was 50x slower at prefill sizes.
+      const at::Tensor delta = at::mm(at::mm(xs, at_.to(at::kFloat)), bt_.to(at::kFloat));
       gathered ? out.index_add_(0, rows, delta) : out.narrow(0, start, n).add_(delta);
     } else if (gathered) {
       out.index_add_(0, rows, at::mm(at::mm(xs, at_), bt_));
