@@ -15,11 +15,22 @@ concurrent requests, header count, body deadline), CORS when configured (`--allo
 key except the `OPEN_PATHS` (none with `--api-key-all-routes`), so a route added later is keyed
 unless it is opened on purpose.
 
+LoRA adapters (serving_models.py): `GET /v1/models` lists them after the base model's names, a
+generation request names one in `model`, and with `VLLM_ALLOW_RUNTIME_LORA_UPDATING` set (the
+`allow_runtime_lora_updating` setting) `POST /v1/load_lora_adapter` and `/v1/unload_lora_adapter`
+exist; without it they are 404, as in vLLM.
+
+The browser pages (playground.py): the chat playground at `/` (off with `--disable-playground`:
+`build_app(state, playground=False)`) and Swagger UI at `/docs` (off with the docs, as
+/openapi.json is); their paths are open without the key as the `OPEN_PATHS` are, since a browser
+cannot send one to load a page, and the API they call stays keyed.
+
 `--root-path PREFIX` (uvicorn's, as vLLM passes it): the ASGI `root_path` of every request is
 PREFIX, for an app served behind a path-routing proxy. Starlette routes on the path with the
 prefix taken off when it carries one, so a proxy that strips the prefix (`/v1/models`) and one
 that forwards it (`/api/v1/models`) both reach the routes; the key's open paths are matched the
-same way.
+same way. /openapi.json then names the prefix as its server (FastAPI's `servers`), so Swagger
+UI's "try it out" calls the API under it.
 """
 
 from __future__ import annotations
@@ -42,8 +53,10 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 import triollm
 from triollm.actors.async_llm import AsyncLLM
 from triollm.api.limits import RequestLimits
+from triollm.api.log_bounds import shorten
 from triollm.api.openai_errors import APIError, bad_request, from_exception
 from triollm.api.openapi import openapi_document
+from triollm.api.playground import page_paths, page_routes
 from triollm.api.protocol import (
     DetokenizeRequest,
     DetokenizeResponse,
@@ -66,6 +79,7 @@ from triollm.api.serving_common import (
     resolve_model,
 )
 from triollm.api.serving_completions import create_completion
+from triollm.api.serving_models import LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest
 from triollm.api.serving_pooling import create_embedding, create_score, require_runner
 from triollm.api.serving_responses import ResponsesAPI
 from triollm.api.state import ServerState
@@ -79,7 +93,8 @@ Endpoint = Callable[[Request], Awaitable[Response]]
 UNSUPPORTED_MEDIA_TYPE = "Unsupported Media Type: Only 'application/json' is allowed"
 
 
-def build_app(state: ServerState) -> Starlette:
+def build_app(state: ServerState, *, playground: bool = True) -> Starlette:
+    """The app; `playground=False` (`--disable-playground`) serves no chat page at `/`."""
     settings = state.settings
     if not settings.served_model_names:
         raise ValueError("served_model_names: at least one name is needed")
@@ -101,6 +116,15 @@ def build_app(state: ServerState) -> Starlette:
         Route("/score", api.guard(api.score), methods=["POST"]),
         Route("/v1/score", api.guard(api.score), methods=["POST"]),
     ]
+    # ---------------------------------------------------- LoRA adapters at runtime (serving_models.py)
+    if settings.allow_runtime_lora_updating:  # vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING; else 404
+        routes += [
+            Route("/v1/load_lora_adapter", api.guard(api.load_lora_adapter), methods=["POST"]),
+            Route("/v1/unload_lora_adapter", api.guard(api.unload_lora_adapter), methods=["POST"]),
+        ]
+    # ------------------------------------------- the browser pages: / and /docs (playground.py)
+    pages = {"playground": playground, "docs": not settings.disable_docs}
+    routes += page_routes(**pages)
     # ---------------------------------------------------------------- /metrics (api/metrics.py)
     metrics = _metrics_route(state)
     if metrics is not None:
@@ -131,7 +155,7 @@ def build_app(state: ServerState) -> Starlette:
             Middleware(
                 APIKeyMiddleware,
                 api_key=settings.api_keys,
-                open_paths=() if settings.api_key_all_routes else OPEN_PATHS,
+                open_paths=() if settings.api_key_all_routes else OPEN_PATHS + page_paths(**pages),
             )
         )
     app = Starlette(
@@ -268,6 +292,8 @@ class _Endpoints:
         return await create_score(self.state, request)
 
     async def models(self, request: Request) -> Response:
+        """The base model's names, then each LoRA adapter (`root` its path, `parent` the base
+        model's served name), as vLLM lists them."""
         config = self._model_config()
         cards = [
             ModelCard(
@@ -278,7 +304,28 @@ class _Endpoints:
             )
             for name in self.state.settings.served_model_names
         ]
+        models = self.state.models
+        cards += [
+            ModelCard(
+                id=lora.lora_name,
+                created=self.created,
+                root=lora.lora_path,
+                parent=models.parent(lora),
+                max_model_len=config.max_model_len,
+            )
+            for lora in models.adapters()
+        ]
         return _json(ModelList(data=cards))
+
+    async def load_lora_adapter(self, request: Request) -> Response:
+        req = decode_request(await read_body(request, SMALL_BODY_BYTES), LoadLoRAAdapterRequest)
+        lora = await self.state.models.load(self.llm, req)
+        return Response(f"Success: LoRA adapter '{shorten(lora.lora_name, 100)}' added successfully.", media_type="text/plain")
+
+    async def unload_lora_adapter(self, request: Request) -> Response:
+        req = decode_request(await read_body(request, SMALL_BODY_BYTES), UnloadLoRAAdapterRequest)
+        lora = self.state.models.unload(req)
+        return Response(f"Success: LoRA adapter '{shorten(lora.lora_name, 100)}' removed successfully.", media_type="text/plain")
 
     async def health(self, request: Request) -> Response:
         if self.llm.errored:
@@ -339,5 +386,7 @@ class _Endpoints:
                 all_routes=self.state.settings.api_key_all_routes,
                 extra_paths=self.extra_paths,
             )
+            if self.state.settings.root_path:  # where the API is, for Swagger UI's "try it out"
+                doc["servers"] = [{"url": self.state.settings.root_path}]
             self._openapi = msgspec.json.encode(doc)
         return Response(self._openapi, media_type="application/json")

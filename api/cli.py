@@ -1,5 +1,10 @@
 """The `triollm` command line: `serve`, `generate`, `chat`, `bench`.
 
+`triollm chat` says on stderr what it loads (model, dtype, quantization, threads), when it is
+ready (as resolved) and, interactive, how to start over (/clear) and leave (Ctrl-D, exit); the
+answers alone go to stdout. `triollm serve` prints the playground's and /docs's URLs once it
+listens (server.py).
+
 Engine flags are generated from the `EngineArgs` dataclass (vLLM's names, `--max-model-len`
 for `max_model_len`, `--served-model-name` included), so the CLI, `LLM(**kwargs)` and the server
 share one schema: a flag vLLM knows and triollm does not is rejected (exit 2) as an unknown
@@ -17,6 +22,7 @@ import argparse
 import json
 import logging
 import sys
+import time
 from collections.abc import Sequence
 
 from triollm.api.bench import add_bench_parser
@@ -77,34 +83,70 @@ def _params(ns: argparse.Namespace):  # type: ignore[no-untyped-def]
     )
 
 
-def _llm(ns: argparse.Namespace):  # type: ignore[no-untyped-def]
+def _llm(args: EngineArgs):  # type: ignore[no-untyped-def]
     from triollm.actors.llm import LLM
 
-    return LLM.from_engine_args(EngineArgs.from_cli_args(ns))
+    return LLM.from_engine_args(args)
 
 
 def cmd_generate(ns: argparse.Namespace) -> int:
-    with _llm(ns) as llm:
+    with _llm(EngineArgs.from_cli_args(ns)) as llm:
         prompts = ns.prompts or DEFAULT_PROMPTS
         for out in llm.generate(prompts, _params(ns), use_tqdm=False):
             print(f"{out.prompt!r} -> {out.outputs[0].text!r}")
     return 0
 
 
+CHAT_HELP = "Type a message and press Enter. /clear starts a new conversation; Ctrl-D (or exit) leaves."
+
+
+def loading_line(args: EngineArgs) -> str:
+    """What `triollm chat` says as the model starts loading (seconds, for the bundled one)."""
+    model = args.model or "the bundled SmolLM2-135M-Instruct"
+    quant = args.quantization or "auto"
+    threads = args.num_threads or "auto"
+    return f"triollm: loading {model} (dtype {args.dtype}, quantization {quant}, threads {threads})..."
+
+
+def ready_line(llm, seconds: float) -> str:  # type: ignore[no-untyped-def]
+    """What was loaded, as the engine resolved it: dtype, quantization, threads, context."""
+    config = llm.llm_engine.model_config
+    dtype = str(config.dtype).removeprefix("torch.")
+    threads = llm.args.num_threads
+    return (
+        f"triollm: ready in {seconds:.1f} s: {config.path.name}, {dtype}, quantization "
+        f"{config.quantization or 'none'}, {threads} thread{'' if threads == 1 else 's'}, "
+        f"{config.max_model_len} tokens of context"
+    )
+
+
 def cmd_chat(ns: argparse.Namespace) -> int:
-    """One message answered, or (no message) an interactive conversation until EOF / "exit"."""
-    with _llm(ns) as llm:
-        conversation = [{"role": "system", "content": ns.system}] if ns.system else []
-        interactive = ns.message is None
+    """One message answered, or (no message) an interactive conversation until EOF / "exit".
+    What loads, when it is ready and (interactive) how to clear and leave go to stderr, so the
+    answer alone is on stdout."""
+    interactive = ns.message is None
+    args = EngineArgs.from_cli_args(ns)
+    print(loading_line(args), file=sys.stderr, flush=True)
+    start = time.perf_counter()
+    with _llm(args) as llm:
+        print(ready_line(llm, time.perf_counter() - start), file=sys.stderr)
+        if interactive:
+            print(CHAT_HELP, file=sys.stderr, flush=True)
+        system = [{"role": "system", "content": ns.system}] if ns.system else []
+        conversation = list(system)
         while True:
             if interactive:
                 try:
                     message = input("> ")
-                except EOFError:
+                except (EOFError, KeyboardInterrupt):
                     print()
                     return 0
-                if message.strip() in ("exit", "quit"):
+                if message.strip() in ("exit", "quit", "/exit", "/quit"):
                     return 0
+                if message.strip() == "/clear":
+                    conversation = list(system)
+                    print("(a new conversation)", file=sys.stderr, flush=True)
+                    continue
                 if not message.strip():
                     continue
             else:

@@ -10,9 +10,16 @@ API keys: `--api-key` takes several keys and may be repeated; without it the key
 `$TRIOLLM_API_KEY`, else `$VLLM_API_KEY` (a container written for vLLM keeps its key; when both
 are set triollm's own name wins, and the other is reported ignored).
 
+LoRA (serving_models.py): `--lora-modules name=path ...` (or vLLM's JSON form) needs
+`--enable-lora`, and each adapter is checked before the model loads (`check_lora_modules`, called
+by `run_server`); `$VLLM_ALLOW_RUNTIME_LORA_UPDATING` is read here, once, into the settings.
+
 Request logging is off by default, as in vLLM since 0.10 (`--enable-log-requests` turns it on):
 a line per request costs the event loop under load, and vLLM recipes that add
 `--disable-log-requests` for that reason keep working (it wins over `--enable-log-requests`).
+
+The browser pages (api/playground.py): `--disable-playground` turns the chat page at `/` off,
+`--disable-fastapi-docs` (vLLM's) turns `/docs` off with /openapi.json.
 """
 
 from __future__ import annotations
@@ -28,6 +35,12 @@ from triollm.api.server import (
     UVICORN_LOG_LEVELS,
     ServeOptions,
 )
+from triollm.api.serving_models import (
+    RUNTIME_LORA_ENV,
+    LoRAModulePath,
+    parse_lora_module,
+    runtime_lora_updating,
+)
 from triollm.api.state import (
     DEFAULT_BODY_TIMEOUT_S,
     DEFAULT_LIMIT_CONCURRENCY,
@@ -40,7 +53,7 @@ __all__ = ["API_KEY_ENVS", "add_serve_args", "api_keys", "check_serve_args", "se
 log = logging.getLogger("triollm")
 
 API_KEY_ENVS = ("TRIOLLM_API_KEY", "VLLM_API_KEY")  # in this order
-KEYED = "every route but /health, /version, /openapi.json, /tokenize, /detokenize and /metrics"
+KEYED = "every route but the browser pages (/, /docs), /health, /version, /openapi.json, /tokenize, /detokenize and /metrics"
 
 
 def add_serve_args(serve: argparse.ArgumentParser) -> None:
@@ -70,7 +83,8 @@ def add_serve_args(serve: argparse.ArgumentParser) -> None:
     add("--max-log-len", type=int, default=None, help="with --enable-log-requests, show the first N prompt characters and token ids (default: the prompt's length only)")
     add("--uvicorn-log-level", choices=list(UVICORN_LOG_LEVELS), default="info", help="the HTTP server's log level (Hypercorn's loggers) (default: %(default)s)")
     add("--disable-uvicorn-access-log", action="store_true", help="no access log line per request")
-    add("--disable-fastapi-docs", action="store_true", help="serve no /openapi.json (the only API docs route here)")
+    add("--disable-fastapi-docs", action="store_true", help="serve neither the API reference page /docs nor /openapi.json")
+    add("--disable-playground", action="store_true", help="serve no chat playground page at / (the API and /docs stay)")
     add("--enable-auto-tool-choice", action="store_true", help='tool_choice "auto": the model decides, its calls parsed by --tool-call-parser (required with it)')
     add("--tool-call-parser", default=None, metavar="NAME", help="the tool-call format the model writes (e.g. hermes, llama3_json, mistral, pythonic)")
     add("--tool-parser-plugin", default="", metavar="PATH", help="a Python file registering more tool parsers, usable by --tool-call-parser")
@@ -78,6 +92,7 @@ def add_serve_args(serve: argparse.ArgumentParser) -> None:
     add("--reasoning-parser-plugin", default="", metavar="PATH", help="a Python file registering more reasoning parsers")
     add("--disable-frontend-multiprocessing", action="store_true", help="accepted; no effect (the HTTP server and the engine client share one process already)")
     add("--worker", choices=["trio", "asyncio"], default="trio", help="the event loop Hypercorn runs on (default: %(default)s)")
+    add("--lora-modules", action="extend", nargs="+", type=_lora_module, default=None, metavar="MODULE", help="with --enable-lora, LoRA adapters served by name from start-up (clients put the name in `model`): name=path, or JSON '{\"name\": ..., \"path\": ..., \"base_model_name\": ...}'; several may follow the flag, which may be repeated")
 
 
 def _json_list(flag: str):  # type: ignore[no-untyped-def]
@@ -92,6 +107,13 @@ def _json_list(flag: str):  # type: ignore[no-untyped-def]
 
     parse.__name__ = flag
     return parse
+
+
+def _lora_module(text: str) -> LoRAModulePath:
+    try:
+        return parse_lora_module(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc).removeprefix("--lora-modules: ")) from None
 
 
 def _origins(value: str | None) -> tuple[str, ...]:
@@ -157,6 +179,13 @@ def _log_requests(ns: argparse.Namespace) -> bool:
 
 
 def serve_options(ns: argparse.Namespace, served_model_names: tuple[str, ...], max_logprobs: int) -> ServeOptions:
+    runtime_lora = runtime_lora_updating()
+    if runtime_lora:
+        log.warning(
+            "LoRA dynamic loading & unloading is enabled in the API server ($%s): /v1/load_lora_adapter and "
+            "/v1/unload_lora_adapter take adapters from any client. This should ONLY be used for local development!",
+            RUNTIME_LORA_ENV,
+        )
     settings = ServerSettings(
         served_model_names=served_model_names,
         api_key=api_keys(ns.api_key) or None,
@@ -180,6 +209,8 @@ def serve_options(ns: argparse.Namespace, served_model_names: tuple[str, ...], m
         tool_call_parser=ns.tool_call_parser,
         reasoning_parser=ns.reasoning_parser,
         trust_request_chat_template=ns.trust_request_chat_template,
+        lora_modules=tuple(ns.lora_modules or ()),
+        allow_runtime_lora_updating=runtime_lora,
     )
     return ServeOptions(
         ns.host, ns.port, settings, ns.shutdown_timeout, ns.worker, ns.backlog,
@@ -187,4 +218,5 @@ def serve_options(ns: argparse.Namespace, served_model_names: tuple[str, ...], m
         h11_max_incomplete_event_size=ns.h11_max_incomplete_event_size,
         uvicorn_log_level=ns.uvicorn_log_level,
         access_log=not ns.disable_uvicorn_access_log,
+        playground=not ns.disable_playground,
     )

@@ -1,6 +1,6 @@
 """`triollm serve`: the OpenAI-compatible app on Hypercorn, with a lifecycle the app drives.
 
-    bind the port ──▶ start AsyncLLM ──▶ log the URL ──▶ serve until a stop reason
+    bind the port ──▶ start AsyncLLM ──▶ log the URLs ──▶ serve until a stop reason
                                                             │
             SIGINT / SIGTERM, or the engine's death ────────┘
                                                             ▼
@@ -8,6 +8,9 @@
     (a second SIGINT / SIGTERM cuts this short)
     ──▶ abort the rest (streams end with finish_reason "abort") ──▶ Hypercorn stops
     ──▶ the engine shuts down (child process gone) ──▶ exit 0 (1 if the engine died)
+
+Once it listens it logs the API's URL (the line ends "(ready)"), then the playground's and
+/docs's (playground.py), a wildcard host shown as the loopback address a local browser opens.
 
 The port is bound before the model loads, so a taken port fails at once and early clients wait
 in the listen backlog (`--backlog`, given to Hypercorn too: it re-listens on the socket, with its
@@ -39,6 +42,7 @@ import anyio
 from anyio.abc import TaskStatus
 
 from triollm.actors.async_llm import AsyncLLM
+from triollm.api.playground import page_urls
 from triollm.api.state import ServerSettings, ServerState
 from triollm.engine.config import EngineArgs
 
@@ -81,6 +85,7 @@ class ServeOptions:
     h11_max_incomplete_event_size: int = DEFAULT_H11_MAX_INCOMPLETE_EVENT_SIZE
     uvicorn_log_level: str = "info"  # Hypercorn's loggers (UVICORN_LOG_LEVELS)
     access_log: bool = True  # one line per request (False: `--disable-uvicorn-access-log`)
+    playground: bool = True  # the chat page at / (False: `--disable-playground`)
 
 
 def default_model_name(engine_args: EngineArgs) -> str:
@@ -118,6 +123,10 @@ def run_server(engine_args: EngineArgs, options: ServeOptions) -> int:
         raise ValueError(
             f"h11_max_incomplete_event_size: must be at least 1024 bytes, got {options.h11_max_incomplete_event_size}"
         )
+    if options.settings is not None:  # before the port and the model: a bad adapter fails at once
+        from triollm.api.serving_models import check_lora_modules
+
+        check_lora_modules(options.settings.lora_modules, options.settings.served_model_names, engine_args)
     sock = bind_socket(options.host, options.port, options.backlog)
     try:
         return anyio.run(serve, engine_args, options, sock, backend=options.worker)
@@ -138,7 +147,7 @@ async def serve(
     async with AsyncLLM.from_engine_args(engine_args, chat_template=settings.chat_template) as llm:
         state = ServerState(llm, settings)
         _attach_metrics(state)
-        app = build_app(state)
+        app = build_app(state, playground=options.playground)
         config = _hypercorn_config(
             sock,
             options.backlog,
@@ -174,6 +183,9 @@ async def serve(
                     "runs that rank alone)", actor.data_parallel_rank, actor.data_parallel_world,
                 )
             log.warning("triollm: serving %s on %s (ready)", ", ".join(settings.served_model_names), url)
+            pages = page_urls(host, port, settings.root_path, playground=options.playground, docs=not settings.disable_docs)
+            for name, page in pages.items():
+                log.warning("triollm: %s: %s", name, page)
             task_status.started(url)
             await _hypercorn_serve(app, config, shutdown_trigger)
             tg.cancel_scope.cancel()

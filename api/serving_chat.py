@@ -52,6 +52,7 @@ from triollm.api.serving_common import (
     render_chat,
     request_id_base,
     resolve_chat_template,
+    resolve_lora,
     resolve_model,
     start_timer,
     stream_flags,
@@ -75,6 +76,7 @@ async def create_chat_completion(
     check_available(state)
     req = await decode_body(request, ChatCompletionRequest)
     model = resolve_model(state, req.model)
+    lora = resolve_lora(state, model)
     response_id = f"chatcmpl-{request_id_base(request, req.request_id)}"
     timer = start_timer(state, model)
     stream, include_usage, continuous = stream_flags(req)
@@ -150,7 +152,7 @@ async def create_chat_completion(
         token_ids = truncate_prompt(token_ids, req.truncate_prompt_tokens, model_config.max_model_len)
         prompt = {"prompt_token_ids": token_ids}
     beam = beam_search_params(req, max_tokens, model_config.max_model_len)
-    job = Job(prompt, params, response_id, req.priority, beam)
+    job = Job(prompt, params, response_id, req.priority, beam, lora)
     log_request(settings, response_id, params, prompt=text, prompt_token_ids=token_ids)
     role = settings.response_role if req.add_generation_prompt else req.messages[-1].role
     formatter = ChatFormatter(

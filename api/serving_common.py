@@ -43,6 +43,7 @@ from triollm.engine.sampling_params import (
     SamplingParams,
     StructuredOutputsParams,
 )
+from triollm.lora.request import LoRARequest
 
 __all__ = [
     "MAX_BODY_BYTES",
@@ -62,6 +63,7 @@ __all__ = [
     "render_chat",
     "request_id_base",
     "resolve_chat_template",
+    "resolve_lora",
     "resolve_model",
     "start_timer",
     "stream_flags",
@@ -145,12 +147,20 @@ async def decode_body(request: Request, type_: type[T], limit: int | None = None
 
 
 def resolve_model(state: ServerState, name: str | None) -> str:
+    """The served name the request asked for (none: the first base name): a base model's or a
+    LoRA adapter's (`state.models`); 404 otherwise."""
     names = state.settings.served_model_names
     if name is None or name == "":
         return names[0]
-    if name not in names:
+    if not state.models.is_served(name):
         raise APIError(404, f"The model `{shorten(name, 100)}` does not exist.", "model")
     return name
+
+
+def resolve_lora(state: ServerState, model: str) -> LoRARequest | None:
+    """The adapter a resolved `model` names (None: a base model), taken when the request
+    arrives: unloading the adapter later does not change what the request runs under."""
+    return state.models.lora_request(model)
 
 
 def request_id_base(request: Request, request_id: str | None) -> str:

@@ -40,6 +40,7 @@ from triollm.api.serving_common import (
     output_kind,
     prompt_logprobs_out,
     request_id_base,
+    resolve_lora,
     resolve_model,
     start_timer,
     stream_flags,
@@ -70,6 +71,7 @@ async def create_completion(state: ServerState, request: Request) -> Response:
     check_available(state)
     req = await decode_body(request, CompletionRequest)
     model = resolve_model(state, req.model)
+    lora = resolve_lora(state, model)
     response_id = f"cmpl-{request_id_base(request, req.request_id)}"
     timer = start_timer(state, model)
     stream, include_usage, continuous = stream_flags(req)
@@ -105,7 +107,7 @@ async def create_completion(state: ServerState, request: Request) -> Response:
     )
     beam = beam_search_params(req, req.max_tokens, llm.get_model_config().max_model_len)
     jobs = [
-        Job(p, params if i == 0 else params.clone(), f"{response_id}-{i}", req.priority, beam)
+        Job(p, params if i == 0 else params.clone(), f"{response_id}-{i}", req.priority, beam, lora)
         for i, p in enumerate(prompts)
     ]
     first = prompts[0]

@@ -80,6 +80,7 @@ from triollm.api.serving_common import (
     output_kind,
     render_chat,
     request_id_base,
+    resolve_lora,
     resolve_model,
     start_timer,
     structured_outputs_params,
@@ -176,6 +177,7 @@ class ResponsesAPI:
         require_runner(state, "generate", "Responses API")
         req = await decode_body(request, ResponsesRequest)
         model = resolve_model(state, req.model)
+        lora = resolve_lora(state, model)
         engine_id = f"resp_{request_id_base(request, req.request_id)}"
         timer = start_timer(state, model)
         stream = bool(req.stream)
@@ -256,7 +258,7 @@ class ResponsesAPI:
                 store.put(response, conversation + output_messages(response.output))
 
         formatter = ResponsesFormatter(skeleton, parsing, tokenizer, on_done)
-        job = Job({"prompt": text, "prompt_token_ids": token_ids}, params, engine_id, req.priority)
+        job = Job({"prompt": text, "prompt_token_ids": token_ids}, params, engine_id, req.priority, lora_request=lora)
         return GenerationResponse(
             llm, [job], formatter, stream=stream, label=skeleton.id, timer=timer, admission=state.admission
         )

@@ -45,6 +45,7 @@ from triollm.engine.beam_search import BeamSearchParams
 from triollm.engine.inputs import PromptType
 from triollm.engine.outputs import RequestOutput
 from triollm.engine.sampling_params import SamplingParams
+from triollm.lora.request import LoRARequest
 
 __all__ = ["DONE", "Formatter", "GenerationResponse", "Job", "named_sse_event", "sse_event"]
 
@@ -81,6 +82,8 @@ class Job:
     priority: int = 0
     # Set: the prompt runs as a beam search (`AsyncLLM.beam_search`), one final output.
     beam: BeamSearchParams | None = None
+    # The adapter the request's `model` named (None: the base model).
+    lora_request: LoRARequest | None = None
 
 
 class Formatter(Protocol):
@@ -256,13 +259,14 @@ class GenerationResponse(Response):
                     # aborts the round in flight, which ends the search with "abort".
                     with self.admission():
                         pass
-                    async with aclosing(self.llm.beam_search(job.prompt, job.request_id, job.beam)) as beams:
+                    search = self.llm.beam_search(job.prompt, job.request_id, job.beam, job.lora_request)
+                    async with aclosing(search) as beams:
                         async for output in beams:
                             await tx.send(_Item(index, output))
                     return
                 with self.admission():
                     stream = await self.llm.add_request(
-                        job.request_id, job.prompt, job.params, priority=job.priority
+                        job.request_id, job.prompt, job.params, priority=job.priority, lora_request=job.lora_request
                     )
                 with stream:
                     async for output in stream:

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 import anyio
 
 from triollm.actors.async_llm import AsyncLLM
+from triollm.api.serving_models import LoRAModulePath, ServedModels
 
 __all__ = ["ServerSettings", "ServerState"]
 
@@ -55,6 +56,10 @@ class ServerSettings:
     reasoning_parser: str | None = None
     # `--trust-request-chat-template` (vLLM's): a request may bring its own `chat_template`.
     trust_request_chat_template: bool = False
+    # LoRA adapters served from start-up (`--lora-modules`, serving_models.py), and the load /
+    # unload routes (`VLLM_ALLOW_RUNTIME_LORA_UPDATING`, read once by serve_args.py).
+    lora_modules: tuple[LoRAModulePath, ...] = ()
+    allow_runtime_lora_updating: bool = False
 
     @property
     def api_keys(self) -> tuple[str, ...]:
@@ -84,8 +89,12 @@ class ServerState:
     # False once shutdown began: new generation requests get 503, in-flight ones go on.
     accepting: bool = True
     metrics: object | None = field(default=None)  # api.metrics.Metrics, when enabled
+    models: ServedModels = field(init=False)  # the base model's names and the LoRA adapters
     _entering: int = field(default=0, repr=False)  # requests inside `admission()`
     _entered: anyio.Event | None = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        self.models = ServedModels(self.settings.served_model_names, self.settings.lora_modules)
 
     @contextmanager
     def admission(self) -> Iterator[None]:

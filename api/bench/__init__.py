@@ -1,11 +1,12 @@
 """`triollm bench`: throughput and latency (offline), pipeline (the actor layer), serve (a client),
 quality (quantized weights against the dense model), soak (a mixed hostile load with leak checks),
-moe (the routed-experts block by expert count)."""
+moe (the routed-experts block by expert count), lora (adapters against the base model)."""
 
 from __future__ import annotations
 
 from typing import Any
 
+from triollm.api.bench.lora import add_lora_parser
 from triollm.api.bench.moe import add_moe_parsers
 from triollm.api.bench.pipeline import add_pipeline_parser
 from triollm.api.bench.quality import add_quality_parser
@@ -17,7 +18,7 @@ __all__ = ["add_bench_parser"]
 
 
 def add_bench_parser(sub: Any) -> None:
-    bench = sub.add_parser("bench", help="benchmarks (throughput, latency, pipeline, serve, quality, soak, moe)")
+    bench = sub.add_parser("bench", help="benchmarks (throughput, latency, pipeline, serve, quality, soak, moe, lora)")
     kinds = bench.add_subparsers(dest="bench", required=True)
     add_throughput_parsers(kinds)
     add_pipeline_parser(kinds)
@@ -25,3 +26,4 @@ def add_bench_parser(sub: Any) -> None:
     add_quality_parser(kinds)
     add_soak_parser(kinds)
     add_moe_parsers(kinds)
+    add_lora_parser(kinds)
