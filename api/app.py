@@ -385,6 +385,7 @@ class _Endpoints:
                 api_key=bool(self.state.settings.api_keys),
                 all_routes=self.state.settings.api_key_all_routes,
                 extra_paths=self.extra_paths,
+                lora_updating=self.state.settings.allow_runtime_lora_updating,
             )
             if self.state.settings.root_path:  # where the API is, for Swagger UI's "try it out"
                 doc["servers"] = [{"url": self.state.settings.root_path}]

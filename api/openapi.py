@@ -28,6 +28,13 @@ from triollm.api.protocol_pooling import (
     ScoreRequest,
     ScoreResponse,
 )
+from triollm.api.protocol_responses import (
+    DeletedResponse,
+    ResponseEvent,
+    ResponseObject,
+    ResponsesRequest,
+)
+from triollm.api.serving_models import LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest
 
 __all__ = ["openapi_document"]
 
@@ -49,6 +56,12 @@ _TYPES: tuple[type, ...] = (
     EmbeddingResponse,
     ScoreRequest,
     ScoreResponse,
+    ResponsesRequest,
+    ResponseObject,
+    ResponseEvent,
+    DeletedResponse,
+    LoadLoRAAdapterRequest,
+    UnloadLoRAAdapterRequest,
     ErrorResponse,
 )
 _ERRORS = {
@@ -61,10 +74,17 @@ _ERRORS = {
 
 
 def openapi_document(
-    *, title: str, version: str, api_key: bool, extra_paths: list[str], all_routes: bool = False
+    *,
+    title: str,
+    version: str,
+    api_key: bool,
+    extra_paths: list[str],
+    all_routes: bool = False,
+    lora_updating: bool = False,
 ) -> dict[str, Any]:
     """The document; with `api_key`, the keyed operations carry `security` and a 401 (with
-    `all_routes` every operation, as `--api-key-all-routes` keys every route)."""
+    `all_routes` every operation, as `--api-key-all-routes` keys every route); with
+    `lora_updating` (VLLM_ALLOW_RUNTIME_LORA_UPDATING) the adapter load and unload routes."""
     schemas, components = msgspec.json.schema_components(
         _TYPES, ref_template="#/components/schemas/{name}"
     )
@@ -200,10 +220,42 @@ def openapi_document(
             }
             for path, op_id in (("/score", "create_score"), ("/v1/score", "create_score_v1"))
         },
+        "/v1/responses": {
+            "post": operation(
+                "create_response",
+                "Create a response (the Responses API)",
+                responses(ref[ResponseObject], stream=ref[ResponseEvent], errors=generation_errors, secured=api_key),
+                json_body(ref[ResponsesRequest]),
+                secured=True,
+            )
+        },
+        "/v1/responses/{response_id}": {
+            method: {
+                **operation(
+                    f"{method}_response",
+                    summary,
+                    responses(ref[ok], errors=("404",), secured=api_key),
+                    secured=True,
+                ),
+                "parameters": [{"name": "response_id", "in": "path", "required": True, "schema": {"type": "string"}}],
+            }
+            for method, summary, ok in (
+                ("get", "Retrieve a stored response", ResponseObject),
+                ("delete", "Delete a stored response", DeletedResponse),
+            )
+        },
         "/openapi.json": {
             "get": operation("openapi", "This document", responses({"type": "object"}, errors=()))
         },
     }
+    if lora_updating:
+        for path, op_id, summary, body in (
+            ("/v1/load_lora_adapter", "load_lora_adapter", "Load a LoRA adapter by name and path", LoadLoRAAdapterRequest),
+            ("/v1/unload_lora_adapter", "unload_lora_adapter", "Unload a LoRA adapter by name", UnloadLoRAAdapterRequest),
+        ):
+            resp = responses(None, errors=("400", "404"), secured=api_key)
+            resp["200"]["content"] = {"text/plain": {"schema": {"type": "string"}}}
+            paths[path] = {"post": operation(op_id, summary, resp, json_body(ref[body]), secured=True)}
     for path in extra_paths:
         paths[path] = {"get": operation(path.strip("/"), path, responses(None, errors=()))}
     doc: dict[str, Any] = {

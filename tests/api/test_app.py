@@ -640,6 +640,34 @@ async def test_openapi(client: httpx.AsyncClient) -> None:
     assert "POST /v1/chat/completions" in operations
 
 
+async def test_openapi_documents_every_route(llm: AsyncLLM) -> None:
+    """Every API route the app serves, with its methods, is an operation of /openapi.json (so
+    /docs lists it), the runtime LoRA routes included when they exist; the browser pages are
+    not API operations."""
+    from starlette.routing import Route
+
+    from triollm.api.playground import page_paths
+
+    settings = ServerSettings(served_model_names=(MODEL,), allow_runtime_lora_updating=True)
+    state = ServerState(llm, settings)
+    app = build_app(state)
+    async with open_client(state) as client:
+        doc = (await client.get("/openapi.json")).json()
+    served = {
+        (route.path, method.lower())
+        for route in app.routes
+        if isinstance(route, Route) and route.methods is not None
+        for method in route.methods - {"HEAD"}
+    }
+    pages = set(page_paths(playground=True, docs=True))
+    assert pages and pages <= {p for p, _ in served}
+    documented = {(path, method) for path, ops in doc["paths"].items() for method in ops}
+    missing = {(p, m) for p, m in served if p not in pages} - documented
+    assert not missing, missing
+    assert ("/v1/load_lora_adapter", "post") in documented and ("/v1/responses/{response_id}", "delete") in documented
+    schemathesis.openapi.from_dict(doc)  # a valid document
+
+
 async def test_metrics_route_and_timer(llm: AsyncLLM) -> None:
     from triollm.api.metrics import Metrics
 
