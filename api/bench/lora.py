@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from triollm.api.bench.throughput import random_workload
 from triollm.engine.config import EngineArgs
 
 __all__ = ["add_lora_parser", "write_random_adapter"]
@@ -74,18 +75,6 @@ def write_random_adapter(out: Path, model: Any, rank: int, seed: int) -> Path:
     return out
 
 
-def _workload(ns: argparse.Namespace, vocab: int) -> list[tuple[list[int], int]]:
-    rng = random.Random(0)
-    top = min(vocab, 10000)
-    return [
-        (
-            [rng.randrange(top) for _ in range(rng.randint(ns.min_input_len, ns.max_input_len))],
-            rng.randint(ns.min_output_len, ns.max_output_len),
-        )
-        for _ in range(ns.num_prompts)
-    ]
-
-
 def _throughput(engine: Any, work: list[tuple[list[int], int]], loras: list[Any]) -> float:
     from triollm.engine.sampling_params import SamplingParams
 
@@ -130,7 +119,7 @@ def run_lora(ns: argparse.Namespace) -> int:
     engine = SyncEngine.from_engine_args(base_args)
     model = engine.config.model
     vocab = model.vocab_size
-    work = _workload(ns, vocab)
+    work = random_workload(ns, vocab)
     none: list[Any] = [None] * len(work)
     print(f"model {model.path} dtype {model.dtype} quantization {model.quantization} threads {torch.get_num_threads()}")
     res: dict[str, float] = {}
