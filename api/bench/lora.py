@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from triollm.api.bench.throughput import random_workload
+from triollm.api.bench.throughput import add_workload_args, random_workload
 from triollm.engine.config import EngineArgs
 
 __all__ = ["add_lora_parser", "write_random_adapter"]
@@ -33,11 +33,7 @@ __all__ = ["add_lora_parser", "write_random_adapter"]
 
 def add_lora_parser(kinds: Any) -> None:
     p = kinds.add_parser("lora", help="LoRA adapters: throughput over several adapters and batch-1 decode, against the base model")
-    p.add_argument("--num-prompts", type=int, default=64, help="(default: %(default)s)")
-    p.add_argument("--min-input-len", type=int, default=32, help="(default: %(default)s)")
-    p.add_argument("--max-input-len", type=int, default=256, help="(default: %(default)s)")
-    p.add_argument("--min-output-len", type=int, default=32, help="(default: %(default)s)")
-    p.add_argument("--max-output-len", type=int, default=256, help="(default: %(default)s)")
+    add_workload_args(p)
     p.add_argument("--num-adapters", type=int, default=4, help="adapters the prompts are spread over (default: %(default)s)")
     p.add_argument("--rank", type=int, default=16, help="the random adapters' rank r (default: %(default)s)")
     p.add_argument("--adapters", nargs="+", default=None, metavar="DIR", help="PEFT adapter directories to use instead of random ones")

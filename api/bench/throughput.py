@@ -27,13 +27,18 @@ TEXT_TOPICS = [
 ]
 
 
+def add_workload_args(p: argparse.ArgumentParser) -> None:
+    """The random workload's size (`random_workload`): prompts and their length ranges."""
+    p.add_argument("--num-prompts", type=int, default=64, help="(default: %(default)s)")
+    p.add_argument("--min-input-len", type=int, default=32, help="(default: %(default)s)")
+    p.add_argument("--max-input-len", type=int, default=256, help="(default: %(default)s)")
+    p.add_argument("--min-output-len", type=int, default=32, help="(default: %(default)s)")
+    p.add_argument("--max-output-len", type=int, default=256, help="(default: %(default)s)")
+
+
 def add_throughput_parsers(kinds: Any) -> None:
     tp = kinds.add_parser("throughput", help="offline throughput on random token prompts and text prompts")
-    tp.add_argument("--num-prompts", type=int, default=64, help="(default: %(default)s)")
-    tp.add_argument("--min-input-len", type=int, default=32, help="(default: %(default)s)")
-    tp.add_argument("--max-input-len", type=int, default=256, help="(default: %(default)s)")
-    tp.add_argument("--min-output-len", type=int, default=32, help="(default: %(default)s)")
-    tp.add_argument("--max-output-len", type=int, default=256, help="(default: %(default)s)")
+    add_workload_args(tp)
     tp.add_argument("--workload", choices=["random", "text", "both"], default="both", help="(default: %(default)s)")
     tp.add_argument("--compare-hf", action="store_true", help="also run transformers' batched generate")
     tp.add_argument("--structured", action="store_true", help="also run the text prompts held to a JSON schema, against the same prompts unconstrained with the same token counts (the grammar's overhead)")
