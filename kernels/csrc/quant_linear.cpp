@@ -16,7 +16,8 @@
 // (pairs of u8 x s8 products summed into int16 lanes) and `vpmaddwd` (pairs of those into int32,
 // one row per lane), as ggml does; and plain loops. The integer block sums are exact on every
 // path, and the float arithmetic after them is the same operations in the same order, so the
-// three give the same bits (tests/kernels/test_quant.py).
+// three give the same bits (tests/kernels/test_quant.py), and a row's output is the same at every
+// batch size (its offset term is summed apart on every path, as batch 1 does).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -121,6 +122,7 @@ inline void packed_group(const uint8_t* qg, const uint16_t* dg, const uint16_t* 
     __m512i w[8];
     __m512 dw, mw;
     load_block<FourBit>(qg, dg, mg, b, w, dw, mw);
+    (void)mw;  // the offsets: a pass of their own, below
     for (int64_t r = 0; r < rows; ++r) {
       const int32_t* xb = reinterpret_cast<const int32_t*>(qx + r * K + b * kBlock);
       __m512i d0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[0], _mm512_set1_epi32(xb[0]));
@@ -133,10 +135,18 @@ inline void packed_group(const uint8_t* qg, const uint16_t* dg, const uint16_t* 
       d1 = _mm512_dpbusd_epi32(d1, w[7], _mm512_set1_epi32(xb[7]));
       const __m512 dot = _mm512_cvtepi32_ps(_mm512_add_epi32(d0, d1));
       acc[r] = _mm512_fmadd_ps(dot, _mm512_mul_ps(dw, _mm512_set1_ps(dx[r * (K / kBlock) + b])), acc[r]);
-      acc[r] = _mm512_fmadd_ps(mw, _mm512_set1_ps(sx[r * (K / kBlock) + b]), acc[r]);
     }
   }
-  for (int64_t r = 0; r < rows; ++r) _mm512_mask_storeu_ps(out + r * ldo, store_mask, acc[r]);
+  // The offset term summed apart, block by block, and added last: exactly batch 1's arithmetic
+  // (packed_group_m1), so a row's output does not depend on the rows beside it. Speculative
+  // decoding's greedy output equals plain decoding's only because of that (engine/speculative/).
+  __m512 acc_m[kRowsPerPass];
+  for (int64_t r = 0; r < rows; ++r) acc_m[r] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const __m512 mw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(mg + b * 16)));
+    for (int64_t r = 0; r < rows; ++r) acc_m[r] = _mm512_fmadd_ps(mw, _mm512_set1_ps(sx[r * (K / kBlock) + b]), acc_m[r]);
+  }
+  for (int64_t r = 0; r < rows; ++r) _mm512_mask_storeu_ps(out + r * ldo, store_mask, _mm512_add_ps(acc[r], acc_m[r]));
 }
 
 // Batch 1 (a decode token), the bandwidth-bound case: the same arithmetic with four independent
@@ -260,7 +270,7 @@ void packed_group_avx2(const uint8_t* qg, const uint16_t* dg, const uint16_t* mg
     for (int64_t b = 0; b < nb; ++b) {
       const uint8_t* wb = qg + b * kBytes;
       if (h == 0) prefetch_block(wb, kBytes, dg, mg, b);
-      const __m256 dw = half8_avx2(dg + b * 16 + h * 8), mw = half8_avx2(mg + b * 16 + h * 8);
+      const __m256 dw = half8_avx2(dg + b * 16 + h * 8);
       __m256i w[8];
       if constexpr (FourBit) load_codes4_avx2(wb, h, w);
       for (int64_t r = 0; r < rows; ++r) {
@@ -268,10 +278,16 @@ void packed_group_avx2(const uint8_t* qg, const uint16_t* dg, const uint16_t* mg
         const __m256i idot = FourBit ? codes4_dot_avx2(w, xb) : block_dot_avx2<false>(wb, h, xb);
         const __m256 dot = _mm256_cvtepi32_ps(idot);
         acc[r] = _mm256_fmadd_ps(dot, _mm256_mul_ps(dw, _mm256_set1_ps(dx[r * nb + b])), acc[r]);
-        acc[r] = _mm256_fmadd_ps(mw, _mm256_set1_ps(sx[r * nb + b]), acc[r]);
       }
     }
-    for (int64_t r = 0; r < rows; ++r) store8_avx2(out + r * ldo + h * 8, acc[r], valid - h * 8);
+    // The offset term apart and added last, as batch 1 does (see packed_group).
+    __m256 acc_m[kRowsPerPass];
+    for (int64_t r = 0; r < rows; ++r) acc_m[r] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; ++b) {
+      const __m256 mw = half8_avx2(mg + b * 16 + h * 8);
+      for (int64_t r = 0; r < rows; ++r) acc_m[r] = _mm256_fmadd_ps(mw, _mm256_set1_ps(sx[r * nb + b]), acc_m[r]);
+    }
+    for (int64_t r = 0; r < rows; ++r) store8_avx2(out + r * ldo + h * 8, _mm256_add_ps(acc[r], acc_m[r]), valid - h * 8);
   }
 }
 #pragma GCC pop_options
@@ -288,8 +304,8 @@ inline int32_t packed_code(const uint8_t* qg, bool four_bit, int64_t lane, int64
 }
 
 // The plain loops: the same integer sums, and per output lane the same float operations in the
-// same order as the vector paths (fused multiply-adds, the batch-1 offset sum kept apart), so all
-// paths give the same bits.
+// same order as the vector paths (fused multiply-adds, the offset sum kept apart), so all paths
+// give the same bits, and a row the same bits at every batch size.
 void packed_group_scalar(const uint8_t* qg, const uint16_t* dg, const uint16_t* mg, int64_t nb, const int8_t* qx,
                          const float* dx, const float* sx, int64_t K, int64_t M, bool four_bit, int64_t valid,
                          float* out, int64_t ldo) {
@@ -301,12 +317,9 @@ void packed_group_scalar(const uint8_t* qg, const uint16_t* dg, const uint16_t* 
         for (int64_t c = 0; c < kBlock; ++c) dot += packed_code(qg, four_bit, lane, b * kBlock + c) * qx[r * K + b * kBlock + c];
         const float d = half_to_float(dg[b * 16 + lane]), m = half_to_float(mg[b * 16 + lane]);
         acc = std::fma(static_cast<float>(dot), d * dx[r * nb + b], acc);
-        if (M == 1)
-          acc_m = std::fma(m, sx[b], acc_m);
-        else
-          acc = std::fma(m, sx[r * nb + b], acc);
+        acc_m = std::fma(m, sx[r * nb + b], acc_m);
       }
-      out[r * ldo + lane] = M == 1 ? acc + acc_m : acc;
+      out[r * ldo + lane] = acc + acc_m;
     }
   }
 }

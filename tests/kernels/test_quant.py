@@ -68,6 +68,23 @@ def test_every_compiled_path_gives_the_scalar_paths_bits(isa: str, bits: int) ->
 
 
 @needs_native
+@pytest.mark.parametrize("isa", cpu_native.QUANT_ISAS)
+@pytest.mark.parametrize("bits", [4, 8])
+def test_a_row_has_the_same_bits_at_every_batch_size(isa: str, bits: int) -> None:
+    """Row i of a batch equals that row alone (batch 1 takes its own, faster code): plain and
+    speculative decoding, whose verification feeds several rows per request, then give the same
+    greedy tokens (engine/speculative/)."""
+    if isa not in cpu_native.supported_isas():
+        pytest.skip(f"this CPU cannot run the {isa} path")
+    for m, n, k in _SHAPES:
+        w, x = _case(bits, max(m, 2), n, k)
+        packed = PackedWeight.pack(w)
+        batch = packed_linear(x, packed, isa=isa)
+        for i in range(x.shape[0]):
+            assert torch.equal(batch[i : i + 1], packed_linear(x[i : i + 1], packed, isa=isa)), (m, n, k, i)
+
+
+@needs_native
 def test_the_kernel_dispatches_by_the_cpu_flags(monkeypatch: pytest.MonkeyPatch) -> None:
     """The best path per CPU flags (a table), the C++ and Python choices agree, and a path the
     CPU cannot run is a clear error, not an illegal instruction."""
