@@ -133,6 +133,19 @@ class LoRAConfig:
 
 
 @dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding (`speculative_config`, engine/speculative/, docs/speculative.md)."""
+
+    method: str  # "ngram" (prompt lookup) or "draft_model" (a smaller model, or the same one cheaper)
+    num_speculative_tokens: int  # drafts proposed per request per step
+    prompt_lookup_min: int = 0  # ngram: the shortest and longest tail looked up
+    prompt_lookup_max: int = 0
+    draft: ModelConfig | None = None  # draft_model: the draft's resolved config
+    # Speculation is off for a step once this many requests decode (None: never off).
+    disable_by_batch_size: int | None = None
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig
     cache: CacheConfig
@@ -150,6 +163,7 @@ class EngineConfig:
     # empty: every step runs eagerly (CPU, enforce_eager, use_cudagraph=False).
     cuda_graph_sizes: tuple[int, ...] = ()
     lora: LoRAConfig | None = None  # None: LoRA off (enable_lora=False)
+    speculative: SpeculativeConfig | None = None  # None: no speculative decoding
 
 
 @dataclass(frozen=True)
@@ -191,6 +205,12 @@ class CompilationConfig:
 
 
 SCHEDULING_POLICIES = ("fcfs", "priority")  # vLLM's --scheduling-policy
+SPECULATIVE_METHODS = ("ngram", "draft_model")
+SPECULATIVE_KEYS = (
+    "method", "model", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "quantization",
+    "disable_by_batch_size", "draft_tensor_parallel_size", "revision",
+)  # fmt: skip
+MAX_SPECULATIVE_TOKENS = 32
 LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vLLM's --max-lora-rank choices
 LORA_DTYPES = ("auto", "float32", "bfloat16", "float16")
 PREFILL_BUDGETS = ("auto", "off")  # --scheduler-prefill-budget (triollm's)
@@ -316,6 +336,15 @@ class EngineArgs:
     max_lora_rank: int = _arg(16, "the largest LoRA rank r an adapter may have", choices=LORA_RANKS)
     max_cpu_loras: int | None = _arg(None, "LoRA adapters kept loaded in memory, least recently used dropped first (default: max_loras); at least max_loras")
     lora_dtype: str = _arg("auto", "the LoRA weights' dtype (auto: the model's; bfloat16 over quantized weights)", choices=LORA_DTYPES)
+    # --- speculative decoding
+    speculative_config: dict[str, Any] | None = _arg(
+        None,
+        'speculative decoding, vLLM\'s keys as a JSON object: {"method": "ngram", "num_speculative_tokens": 4, '
+        '"prompt_lookup_min": 2, "prompt_lookup_max": 4} (prompt lookup), {"model": PATH, "num_speculative_tokens": 4} '
+        '(a draft model with the same tokenizer), or {"method": "draft_model", "quantization": "gguf"|"int4"|"int8", '
+        '"num_speculative_tokens": 4} with no model (a self-draft: this checkpoint under a cheaper quantization); '
+        'optional "disable_by_batch_size": N (no speculation while N or more requests decode)',
+    )
     runner: str = _arg("auto", "auto (from the architecture: *ForCausalLM generate, encoder-only models such as BertModel are pooled into embeddings), generate or pooling", choices=RUNNERS)
     device: str = _arg("auto", "auto (cuda if available), cpu or cuda", choices=("auto", "cpu", "cuda"))
     num_threads: int | None = _arg(None, "torch threads in the engine core (default: every core for the offline LLM; for AsyncLLM and the server every core up to 4, one fewer above)")
@@ -535,6 +564,7 @@ class EngineArgs:
             tensor_parallel_size=self.tensor_parallel_size,
             cuda_graph_sizes=self._cuda_graph_sizes(device),
             lora=self._lora(model),
+            speculative=self._speculative(model, device, cache_dir),
         )
 
     def _lora(self, model: ModelConfig) -> LoRAConfig | None:
@@ -554,6 +584,101 @@ class EngineArgs:
             # and bf16 slots halve the adapter bytes each decode step reads (docs/lora.md).
             dtype = "bfloat16" if model.quantization is not None else str(model.dtype).removeprefix("torch.")
         return LoRAConfig(self.max_loras, self.max_lora_rank, cpu, dtype)
+
+    def _speculative(self, model: ModelConfig, device: str, cache_dir: Path | None) -> SpeculativeConfig | None:
+        """`speculative_config` checked and resolved (the draft model's config loaded); every
+        error is a ValueError naming the key and what it allows."""
+        spec = self.speculative_config
+        if spec is None:
+            return None
+        if not isinstance(spec, dict):
+            raise ValueError(f"speculative_config: expected a JSON object (a dict), got {type(spec).__name__}")
+        unknown = sorted(set(spec) - set(SPECULATIVE_KEYS))
+        if unknown:
+            raise ValueError(f"speculative_config: unknown key {unknown[0]!r}; allowed: {', '.join(SPECULATIVE_KEYS)}")
+        if model.runner_type != "generate":
+            raise ValueError("speculative_config: speculative decoding applies to generative models; this one is a pooling model")
+        method = spec.get("method")
+        if method in ("[ngram]", None) and spec.get("model") in ("ngram", "[ngram]"):
+            method = "ngram"  # vLLM's older spelling: model "[ngram]"
+        elif method is None:
+            method = "draft_model" if "model" in spec or "quantization" in spec else None
+        if method not in SPECULATIVE_METHODS:
+            raise ValueError(
+                f"speculative_config.method: {method!r} is not supported; allowed: {', '.join(SPECULATIVE_METHODS)} "
+                "(EAGLE, Medusa and MTP heads are not implemented)"
+            )
+        k = spec.get("num_speculative_tokens")
+        if isinstance(k, bool) or not isinstance(k, int) or k <= 0:
+            raise ValueError(f"speculative_config.num_speculative_tokens: must be a positive integer, got {k!r}")
+        if k > MAX_SPECULATIVE_TOKENS:
+            raise ValueError(f"speculative_config.num_speculative_tokens: {k} is more than {MAX_SPECULATIVE_TOKENS}")
+        disable = spec.get("disable_by_batch_size")
+        if disable is not None:
+            _positive("speculative_config.disable_by_batch_size", disable)
+        tp = spec.get("draft_tensor_parallel_size", 1)
+        if tp != 1:
+            raise ValueError(f"speculative_config.draft_tensor_parallel_size: {tp!r} is not supported; allowed: 1")
+        if method == "ngram":
+            for key in ("model", "quantization"):
+                if spec.get(key) is not None and spec.get(key) not in ("ngram", "[ngram]"):
+                    raise ValueError(f"speculative_config.{key}: the ngram method uses no draft model; remove {key}")
+            lo, hi = spec.get("prompt_lookup_min"), spec.get("prompt_lookup_max")
+            if lo is None and hi is None:
+                lo = hi = 5  # vLLM's defaults
+            lo = hi if lo is None else lo
+            hi = lo if hi is None else hi
+            assert lo is not None and hi is not None
+            _positive("speculative_config.prompt_lookup_min", lo)
+            _positive("speculative_config.prompt_lookup_max", hi)
+            if lo > hi:
+                raise ValueError(f"speculative_config.prompt_lookup_min: {lo} is more than prompt_lookup_max ({hi})")
+            return SpeculativeConfig("ngram", k, lo, hi, disable_by_batch_size=disable)
+        for key in ("prompt_lookup_min", "prompt_lookup_max"):
+            if spec.get(key) is not None:
+                raise ValueError(f"speculative_config.{key}: applies to the ngram method only; remove {key}")
+        return SpeculativeConfig("draft_model", k, draft=self._draft_model(spec, model, device, cache_dir), disable_by_batch_size=disable)
+
+    def _draft_model(self, spec: dict[str, Any], target: ModelConfig, device: str, cache_dir: Path | None) -> ModelConfig:
+        """The draft's config: `model` (another checkpoint with the target's vocabulary) or, with
+        no model, the target's own checkpoint (a self-draft) under `quantization`."""
+        if self.tensor_parallel_size > 1:
+            raise ValueError("speculative_config: a draft model runs with tensor_parallel_size=1 only; use the ngram method")
+        quant = spec.get("quantization")
+        if quant is not None:
+            _one_of("speculative_config.quantization", quant, QUANTIZATIONS)
+        own = spec.get("model") in (None, self.model)
+        if own and quant is None:
+            raise ValueError(
+                "speculative_config.quantization: a self-draft (no draft model given) is this checkpoint under a "
+                "cheaper quantization; allowed: gguf (a .gguf model's blocks), int4, int8"
+            )
+        draft_args = dataclasses.replace(
+            self, model=self.model if own else spec["model"], quantization=quant, speculative_config=None,
+            revision=spec.get("revision", self.revision if own else None),
+        )
+        path = resolve_model(draft_args.model, cache_dir, revision=draft_args.revision, download_dir=self.download_dir, token=self.hf_token)
+        draft = ModelConfig.from_pretrained(path, str(self.dtype), target.max_model_len, device, "generate")
+        scheme = draft_args._quantization(draft, device)
+        if scheme is not None:
+            draft_args._check_quantization(scheme, draft, device)
+            draft = dataclasses.replace(draft, quantization=scheme)
+        if own and scheme == target.quantization:
+            raise ValueError(
+                f"speculative_config.quantization: {quant!r} is the target's own scheme, so the draft would be the "
+                "target itself; choose a cheaper one (gguf, int4, int8) than the target's"
+            )
+        if draft.vocab_size != target.vocab_size:
+            raise ValueError(
+                f"speculative_config.model: the draft's vocabulary ({draft.vocab_size} tokens, {path}) is not the "
+                f"target's ({target.vocab_size}); a draft model must share the target's tokenizer"
+            )
+        if draft.max_model_len < target.max_model_len:
+            raise ValueError(
+                f"speculative_config.model: the draft holds {draft.max_model_len} positions, fewer than the target's "
+                f"max_model_len ({target.max_model_len}); lower max_model_len"
+            )
+        return dataclasses.replace(draft, kv_cache_dtype=draft_args._kv_cache_dtype(draft, device))
 
     def _quantization(self, model: ModelConfig, device: str) -> str | None:
         """The scheme to run: the one asked for ("none": dense), or by default a .gguf model's

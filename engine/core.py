@@ -37,15 +37,16 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
-from triollm.engine.config import EngineConfig
+from triollm.engine.config import EngineConfig, SpeculativeConfig
 from triollm.engine.core_protocol import Core, EngineCoreStats
 from triollm.engine.execution.cuda_graphs import DecodeGraphs, cuda_capture
 from triollm.engine.execution.model_runner import ModelRunner, RunnerOutput
 from triollm.engine.execution.models import CausalLM, load_model
-from triollm.engine.request import EngineCoreOutput, EngineCoreRequest, FinishReason
+from triollm.engine.request import EngineCoreOutput, EngineCoreRequest, FinishReason, Logprobs
 from triollm.engine.scheduling.block_manager import BlockManager
 from triollm.engine.scheduling.request_state import Request, RequestStatus
 from triollm.engine.scheduling.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
+from triollm.engine.speculative import DraftModel, Speculator
 from triollm.engine.structured_outputs import Grammar, GrammarCompiler
 from triollm.kernels import KVCache, allocate_kv_cache
 from triollm.lora.manager import LoRAManager
@@ -99,6 +100,8 @@ class EngineCore:
         self.grammars = GrammarCompiler(config.tokenizer, mc.vocab_size)
         self._compiling: dict[str, tuple[Request, Future[Grammar]]] = {}
         self.lora: LoRAManager | None = None  # the adapters' slots (a loaded model with enable_lora)
+        self.draft_model: CausalLM | None = None  # speculative decoding's draft (draft_model method)
+        self.speculator: Speculator | None = None
         try:
             self._build(runner)
         except BaseException:
@@ -113,6 +116,9 @@ class EngineCore:
             self.model = load_model(mc, config.device)
         if self.model is not None and config.lora is not None:  # before the KV cache is sized
             self.lora = LoRAManager(self.model, config.lora, config.device, keep_loads=self.group is not None)
+        spec = config.speculative
+        if spec is not None and spec.draft is not None and self.model is not None:  # before the KV cache is sized
+            self.draft_model = load_model(spec.draft, config.device)
         self.num_blocks = self._num_kv_blocks()
         if self.group is not None:
             self.group.send_cache(self.num_blocks)
@@ -140,6 +146,8 @@ class EngineCore:
                 mc.num_layers, self.num_blocks + (1 if sizes else 0), bs, self.num_kv_heads, mc.head_dim, mc.cache_dtype, config.device
             )
             self.runner = ModelRunner(self.model, kv, config.device, self.group, self._capture_graphs(kv, sizes), self.lora)
+        if spec is not None:
+            self.speculator = self._speculator(spec)
         self.requests: dict[str, Request] = {}
         self.num_steps = 0
         log.info(
@@ -151,6 +159,18 @@ class EngineCore:
             mc.path.name,
             config.device,
         )
+
+    def _speculator(self, spec: SpeculativeConfig) -> Speculator | None:
+        """The speculator, with the draft model's runner over a KV cache of its own (same blocks)."""
+        mc = self.config.model
+        if spec.draft is None:
+            return Speculator(spec, mc.max_model_len)
+        if self.draft_model is None:  # an injected runner (tests): no model, so no draft either
+            log.info("speculative decoding is off: the engine core runs an injected runner, not the model")
+            return None
+        d = spec.draft
+        kv = allocate_kv_cache(d.num_layers, self.num_blocks, self.config.cache.block_size, d.num_kv_heads, d.head_dim, d.cache_dtype, self.config.device)
+        return Speculator(spec, mc.max_model_len, DraftModel(ModelRunner(self.draft_model, kv, self.config.device)))
 
     def _capture_graphs(self, kv: KVCache, sizes: tuple[int, ...]) -> DecodeGraphs | None:
         """CUDA graphs for decode steps; a capture that fails leaves the engine eager, with a
@@ -194,10 +214,14 @@ class EngineCore:
     # ------------------------------------------------------------------ sizing
 
     def _bytes_per_block(self) -> int:
-        mc = self.config.model
-        return KVCache.bytes_per_block(
-            mc.num_layers, self.num_kv_heads, mc.head_dim, self.config.cache.block_size, mc.cache_dtype
-        )
+        """KV bytes per block: the model's and, with a draft model, the draft's (same blocks)."""
+        mc, bs = self.config.model, self.config.cache.block_size
+        size = KVCache.bytes_per_block(mc.num_layers, self.num_kv_heads, mc.head_dim, bs, mc.cache_dtype)
+        spec = self.config.speculative
+        if spec is not None and spec.draft is not None and self.draft_model is not None:
+            d = spec.draft
+            size += KVCache.bytes_per_block(d.num_layers, d.num_kv_heads, d.head_dim, bs, d.cache_dtype)
+        return size
 
     def _num_kv_blocks(self) -> int:
         cache = self.config.cache
@@ -290,11 +314,11 @@ class EngineCore:
         of them instead, and counts as a step (`num_steps`) while any still compiles: the
         loop calls it again rather than waiting for input that may never come."""
         outputs = self._take_grammars() if self._compiling else []
-        sched = self.scheduler.schedule() if self.scheduler.has_unfinished_requests() else None
+        sched = self._schedule()
         if (sched is None or not sched.scheduled) and self._compiling:
             self._wait_for_a_grammar()
             outputs += self._take_grammars()
-            sched = self.scheduler.schedule() if self.scheduler.has_unfinished_requests() else None
+            sched = self._schedule()
             if (sched is None or not sched.scheduled) and self._compiling:
                 self.num_steps += 1
         if sched is None or not sched.scheduled:
@@ -303,49 +327,78 @@ class EngineCore:
             sched = self._place_adapters(sched, outputs)
             if not sched.scheduled:
                 return outputs
+        if self.speculator is not None:
+            self.speculator.fill(sched.scheduled)
         self.num_steps += 1
         start = time.perf_counter()
         result = self.runner.execute(sched.scheduled)
         self.scheduler.record_step(sched, time.perf_counter() - start)  # the prefill budget's data
         for item in sched.scheduled:
-            self.scheduler.advance(item)
             req = item.request
-            prompt_lps = result.prompt_logprobs.get(req.request_id)
+            rid = req.request_id
+            # With drafts: the accepted ones and the target's own token, appended before
+            # `advance` (the accepted drafts' K/V is computed); a plain step advances first.
+            tokens = result.spec_tokens.get(rid) if item.num_draft else None
+            if tokens is None:
+                self.scheduler.advance(item)
+            elif self.speculator is not None:
+                self.speculator.record(item.num_draft, len(tokens) - 1)
+            prompt_lps = result.prompt_logprobs.get(rid)
             if not item.samples:
                 if prompt_lps is not None:
-                    outputs.append(EngineCoreOutput(req.request_id, [], new_prompt_logprobs=prompt_lps))
+                    outputs.append(EngineCoreOutput(rid, [], new_prompt_logprobs=prompt_lps))
                 continue
-            token = result.sampled[req.request_id]
+            spec = tokens is not None
+            if tokens is None:
+                tokens = [result.sampled[rid]]
             grammar = req.grammar
-            if grammar is not None and not grammar.consume_token(token):
+            if grammar is not None and not grammar.consume_token(tokens[0]):
                 # The grammar failed (llguidance raised, or it allows no token the other
                 # constraints do): this request alone ends, without the token.
                 self.scheduler.finish(req, RequestStatus.FINISHED_ABORTED)
-                del self.requests[req.request_id]
+                del self.requests[rid]
                 reason = f"structured_outputs: {grammar.error}"[:2000]
                 outputs.append(
-                    EngineCoreOutput(req.request_id, [], finish_reason=FinishReason.ERROR, stop_reason=reason, new_prompt_logprobs=prompt_lps)
+                    EngineCoreOutput(rid, [], finish_reason=FinishReason.ERROR, stop_reason=reason, new_prompt_logprobs=prompt_lps)
                 )
                 continue
-            req.append_output_token(token)
-            status = self.scheduler.check_stop(req, token)
-            if status is None and grammar is not None and grammar.is_stopped():
-                status = RequestStatus.FINISHED_STOPPED  # the grammar is complete
+            status = None
+            for n, token in enumerate(tokens, 1):  # a stop among them drops the tokens after it
+                req.append_output_token(token)
+                status = self.scheduler.check_stop(req, token)
+                if status is None and grammar is not None and grammar.is_stopped():
+                    status = RequestStatus.FINISHED_STOPPED  # the grammar is complete
+                if status is not None:
+                    del tokens[n:]
+                    break
+            if spec:  # computed: every emitted token but the last (the rejected drafts' slots are free)
+                self.scheduler.advance(item, item.num_new_tokens - len(tokens))
+                req.draft_computed = min(req.draft_computed, req.num_computed_tokens)
             if status is not None:
                 self.scheduler.finish(req, status)
-                del self.requests[req.request_id]
+                del self.requests[rid]
+            lps = result.logprobs.get(rid)
+            if lps is not None and len(lps.token_ids) > len(tokens):
+                lps = Logprobs(lps.token_ids[: len(tokens)], lps.logprobs[: len(tokens)], lps.ranks[: len(tokens)])
             outputs.append(
                 EngineCoreOutput(
-                    req.request_id,
-                    [token],
+                    rid,
+                    tokens,
                     finish_reason=req.finish_reason,
                     stop_reason=req.stop_reason,
-                    new_logprobs=result.logprobs.get(req.request_id),
+                    new_logprobs=lps,
                     new_prompt_logprobs=prompt_lps,
                     num_cached_tokens=max(req.num_cached_tokens, 0),
                 )
             )
         return outputs
+
+    def _schedule(self) -> SchedulerOutput | None:
+        if not self.scheduler.has_unfinished_requests():
+            return None
+        if self.speculator is not None:
+            self.speculator.prepare(self.scheduler.running)
+        return self.scheduler.schedule()
 
     def _place_adapters(self, sched: SchedulerOutput, outputs: list[EngineCoreOutput]) -> SchedulerOutput:
         """Every scheduled request's adapter in a slot; a request whose adapter fails to load
@@ -410,7 +463,19 @@ class EngineCore:
             prefix_cache_hit_rate=b.prefix_cache_hit_rate,
             num_preemptions=s.num_preemptions,
             num_window_released_blocks=b.num_window_released_blocks,
+            **self._spec_statistics(),
         )
+
+    def _spec_statistics(self) -> dict[str, Any]:
+        sp = self.speculator
+        if sp is None:
+            return {}
+        return {
+            "spec_num_drafts": sp.num_drafts,
+            "spec_num_draft_tokens": sp.num_draft_tokens,
+            "spec_num_accepted_tokens": sp.num_accepted_tokens,
+            "spec_accepted_per_pos": tuple(sp.accepted_per_pos),
+        }
 
     def check_integrity(self) -> None:
         live = list(self.scheduler.live_requests())

@@ -35,6 +35,14 @@ class EngineCoreStats:
     num_preemptions: int
     # KV blocks given back mid-request as they fell out of every layer's sliding window.
     num_window_released_blocks: int = 0
+    # Speculative decoding (engine/speculative/), cumulative since start; vLLM's
+    # `vllm:spec_decode_*` counters. A draft is one request's proposals verified in one step.
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    # Accepted drafts by position: [i] counts drafts whose token i was accepted. Its length is
+    # num_speculative_tokens with speculation configured, () without (no spec metrics then).
+    spec_accepted_per_pos: tuple[int, ...] = ()
 
 
 @runtime_checkable

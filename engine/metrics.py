@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-__all__ = ["Counter", "Gauge", "Metric"]
+__all__ = ["Counter", "Gauge", "Metric", "Vector"]
 
 
 @dataclass(frozen=True)
@@ -29,3 +29,11 @@ class Gauge(Metric):
     """A value at the time of reading."""
 
     value: float = 0.0
+
+
+@dataclass(frozen=True)
+class Vector(Metric):
+    """Counts by position since the engine started (vLLM's: speculative decoding's accepted
+    tokens per draft position)."""
+
+    values: list[int] = field(default_factory=list)

@@ -43,10 +43,11 @@ class _Collect:
 
 
 class SyncEngine:
-    def __init__(self, config: EngineConfig, tokenizer: Tokenizer | None = None) -> None:
+    def __init__(self, config: EngineConfig, tokenizer: Tokenizer | None = None, core: EngineCore | None = None) -> None:
+        """`core`: an engine core built elsewhere (tests inject a runner into one)."""
         self.config = config
         self.tokenizer = tokenizer or Tokenizer.from_pretrained(config.tokenizer)
-        self.core = EngineCore(config)
+        self.core = core or EngineCore(config)
         self.input = InputProcessor(
             config.model, self.tokenizer, max_logprobs=config.actor.max_logprobs, scheduling_policy=config.scheduler.policy
         )

@@ -23,7 +23,7 @@ graphs hold the base model only).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -51,6 +51,10 @@ class RunnerOutput:
     sampled: dict[str, int]
     logprobs: dict[str, Logprobs]
     prompt_logprobs: dict[str, Logprobs]
+    # Per request that fed drafts (speculative decoding): the tokens it emits, the accepted
+    # drafts and then the target's own token (its first is also `sampled`; `logprobs` has a row
+    # per token).
+    spec_tokens: dict[str, list[int]] = field(default_factory=dict)
 
 
 class ModelRunner:
@@ -77,9 +81,11 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, scheduled: list[ScheduledRequest]) -> RunnerOutput:
-        decodes = [s for s in scheduled if s.num_new_tokens == 1]
+        # A decode with drafts feeds its token and the drafts as decode rows of their own, each
+        # attending to the rows before it (the K/V of every row is written before any attends).
+        decodes = [s for s in scheduled if s.num_new_tokens - s.num_draft == 1]
         decodes.sort(key=lambda s: s.num_computed_tokens, reverse=True)
-        prefills = [s for s in scheduled if s.num_new_tokens > 1]
+        prefills = [s for s in scheduled if s.num_new_tokens - s.num_draft > 1]
         order = decodes + prefills
         # Flat index of each request's last fed token.
         ends: list[int] = []
@@ -99,7 +105,8 @@ class ModelRunner:
                 inputs.lora_loads = lora.take_loads()
             self.group.send_step(inputs)
         graphs = self.graphs
-        if graphs is not None and not prefills and not inputs.lora_segments and graphs.size_for(len(decodes)) is not None:
+        rows = len(inputs.decode_lens)
+        if graphs is not None and not prefills and not inputs.lora_segments and graphs.size_for(rows) is not None:
             hidden = graphs.run(inputs.token_ids, inputs.positions, inputs.slots, inputs.decode_tables, inputs.decode_lens)
         else:
             input_ids, positions, meta = self._tensors(inputs)
@@ -107,16 +114,7 @@ class ModelRunner:
 
         out = RunnerOutput({}, {}, {})
         if samplers:
-            idx = torch.tensor([ends[i] for i in samplers], device=self.device)
-            logits = self.model.compute_logits(hidden.index_select(0, idx))
-            rows = [_sampling_row(order[i]) for i in samplers]
-            result = self.sampler(logits, rows)
-            for j, i in enumerate(samplers):
-                rid = order[i].request.request_id
-                out.sampled[rid] = result.token_ids[j]
-                if result.logprobs is not None and order[i].request.sampling_params.logprobs is not None:
-                    lp = result.logprobs
-                    out.logprobs[rid] = Logprobs([lp.token_ids[j]], [lp.logprobs[j]], [lp.ranks[j]])
+            self._sample(hidden, order, ends, samplers, out)
         for i, s in enumerate(order):
             k = s.request.sampling_params.prompt_logprobs
             if k is not None:
@@ -124,6 +122,36 @@ class ModelRunner:
                 if rows_lp is not None:
                     out.prompt_logprobs[s.request.request_id] = rows_lp
         return out
+
+    def _sample(self, hidden: torch.Tensor, order: list[ScheduledRequest], ends: list[int], samplers: list[int], out: RunnerOutput) -> None:
+        """Sample every sampling request's token, or check its drafts (one row per fed token:
+        row j sees the drafts before it as output, for penalties and bad words)."""
+        idx: list[int] = []
+        rows: list[SamplingRow] = []
+        drafts: list[int] = []
+        for i in samplers:
+            s = order[i]
+            d, draft = s.num_draft, s.draft_token_ids
+            idx.extend(range(ends[i] - d, ends[i] + 1))
+            rows.extend(_sampling_row(s, draft[:j]) for j in range(d + 1))
+            drafts.extend(draft)
+            drafts.append(-1)
+        logits = self.model.compute_logits(hidden.index_select(0, torch.tensor(idx, device=self.device)))
+        result = self.sampler(logits, rows, drafts if len(drafts) > len(samplers) else None)
+        lp, first = result.logprobs, 0
+        for i in samplers:
+            s = order[i]
+            rid, d = s.request.request_id, s.num_draft
+            n = 0  # drafts accepted: a prefix
+            while n < d and result.accepted is not None and result.accepted[first + n]:
+                n += 1
+            out.sampled[rid] = result.token_ids[first]
+            if d:
+                out.spec_tokens[rid] = result.token_ids[first : first + n + 1]
+            if lp is not None and s.request.sampling_params.logprobs is not None:
+                span = slice(first, first + n + 1)
+                out.logprobs[rid] = Logprobs(lp.token_ids[span], lp.logprobs[span], lp.ranks[span])
+            first += d + 1
 
     @torch.inference_mode()
     def follow(self, inputs: StepInputs) -> None:
@@ -143,6 +171,37 @@ class ModelRunner:
         for rows in inputs.logit_rows:
             self.model.compute_logits(hidden.index_select(0, torch.tensor(rows, device=self.device)))
 
+    @torch.inference_mode()
+    def last_hidden(self, feeds: list[tuple[list[int], int, list[int]]]) -> torch.Tensor:
+        """The hidden state of each feed's last token, in feed order: a feed is (token ids, the
+        position of the first, the sequence's block ids). The draft model's passes
+        (engine/speculative/draft.py) run through this, on the draft's own KV cache; one-token
+        feeds are decode rows (placed first, as `execute` does), longer ones prefill chunks."""
+        bs = self.block_size
+        order = sorted(range(len(feeds)), key=lambda i: len(feeds[i][0]) > 1)
+        inputs = StepInputs()
+        ends: list[int] = [0] * len(feeds)
+        for i in order:
+            ids, start, blocks = feeds[i]
+            n = len(ids)
+            if n == 1:
+                inputs.token_ids.append(ids[0])
+                inputs.positions.append(start)
+                inputs.slots.append(blocks[start // bs] * bs + start % bs)
+                inputs.decode_tables.append(blocks[: start // bs + 1])
+                inputs.decode_lens.append(start + 1)
+            else:
+                first = len(inputs.token_ids)
+                used = blocks[: -(-(start + n) // bs)]
+                inputs.token_ids.extend(ids)
+                inputs.positions.extend(range(start, start + n))
+                inputs.slots.extend(_slots(used, start, n, bs))
+                inputs.prefills.append((first, n, start, used))
+            ends[i] = len(inputs.token_ids) - 1
+        input_ids, positions, meta = self._tensors(inputs)
+        hidden = self.model(input_ids, positions, meta, self.kv)
+        return hidden.index_select(0, torch.tensor(ends, device=self.device))
+
     def _lora_segments(self, order: list[ScheduledRequest]) -> list[tuple[int, int, int]]:
         """(slot, first row, rows) of each request fed under an adapter, in batch order."""
         assert self.lora is not None
@@ -159,15 +218,19 @@ class ModelRunner:
         bs = self.block_size
         inputs = StepInputs()
         ids, pos, slots = inputs.token_ids, inputs.positions, inputs.slots
+        tables = inputs.decode_tables
         for s in decodes:
             req = s.request
-            p = s.num_computed_tokens
-            ids.append(req.all_token_ids[p])
-            pos.append(p)
-            slots.append(req.block_ids[p // bs] * bs + p % bs)
+            c = s.num_computed_tokens
+            blocks = req.block_ids
+            for j in range(1 + s.num_draft):  # the request's token, then its drafts
+                p = c + j
+                ids.append(req.all_token_ids[p] if j == 0 else s.draft_token_ids[j - 1])
+                pos.append(p)
+                slots.append(blocks[p // bs] * bs + p % bs)
+                tables.append(blocks[: p // bs + 1])
         if decodes:
-            inputs.decode_lens = lens = [p + 1 for p in pos]
-            inputs.decode_tables = [s.request.block_ids[: -(-n // bs)] for s, n in zip(decodes, lens)]
+            inputs.decode_lens = [p + 1 for p in pos]
         for s in prefills:
             req, c, n = s.request, s.num_computed_tokens, s.num_new_tokens
             start = len(ids)
@@ -223,7 +286,7 @@ def _num_prompt_logprob_rows(s: ScheduledRequest) -> int:
 
 def _logit_rows(order: list[ScheduledRequest], ends: list[int], samplers: list[int]) -> list[list[int]]:
     """The rows of each `compute_logits` call `execute` makes, in its order."""
-    rows = [[ends[i] for i in samplers]] if samplers else []
+    rows = [[r for i in samplers for r in range(ends[i] - order[i].num_draft, ends[i] + 1)]] if samplers else []
     for i, s in enumerate(order):
         if s.request.sampling_params.prompt_logprobs is not None:
             n = _num_prompt_logprob_rows(s)
@@ -245,12 +308,13 @@ def _slots(blocks: list[int], start: int, n: int, bs: int) -> list[int]:
     return out
 
 
-def _sampling_row(s: ScheduledRequest) -> SamplingRow:
+def _sampling_row(s: ScheduledRequest, drafts: list[int] | None = None) -> SamplingRow:
+    """The request's row; at a draft row, with the drafts before it as if already output."""
     req = s.request
     return SamplingRow(
         params=req.sampling_params,
         prompt_token_ids=req.prompt_token_ids,
-        output_token_ids=req.output_token_ids,
+        output_token_ids=req.output_token_ids + drafts if drafts else req.output_token_ids,
         generator=req.generator,
         eos_token_ids=req.eos_token_ids,
         bad_words_token_ids=req.bad_words_token_ids,

@@ -65,6 +65,8 @@ class SamplerOutput:
     # Per row: [sampled, top-k...] with k = that row's params.logprobs (-1: the whole vocab).
     # Rows that did not ask get empty lists and rank 0. None when no row asked.
     logprobs: Logprobs | None
+    # With drafts (speculative decoding): per row, whether its draft token was accepted.
+    accepted: list[bool] | None = None
 
 
 def gather_logprobs(
@@ -90,7 +92,9 @@ def _num_logprobs(params: SamplingParams, vocab_size: int) -> int | None:
 
 
 class Sampler:
-    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
+    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow], drafts: list[int] | None = None) -> SamplerOutput:
+        """Sample a token per row; with `drafts` (speculative decoding: per row the draft token
+        its sample is checked against, or -1), check each draft row's token instead (`verify`)."""
         if logits.dim() != 2 or logits.shape[0] != len(rows):
             raise ValueError(f"logits must be [len(rows)={len(rows)}, V], got {logits.shape}")
         logits = logits.float()
@@ -105,9 +109,13 @@ class Sampler:
         ks = [_num_logprobs(r.params, vocab) for r in rows]
         raw_logprobs = None if all(k is None for k in ks) else logits.log_softmax(-1)
         logits = process_logits(logits, rows)
-        token_ids = self._sample(logits, rows)
+        accepted = None
+        if drafts is not None and any(d >= 0 for d in drafts):
+            token_ids, accepted = verify(logits, rows, drafts)
+        else:
+            token_ids = self._sample(logits, rows)
         output = None if raw_logprobs is None else _logprobs_output(raw_logprobs, token_ids, ks)
-        return SamplerOutput(token_ids=token_ids.tolist(), logprobs=output)
+        return SamplerOutput(token_ids=token_ids.tolist(), logprobs=output, accepted=accepted)
 
     def _sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         greedy = [r.params.is_greedy for r in rows]
@@ -119,6 +127,48 @@ class Sampler:
         idx = [i for i, g in enumerate(greedy) if not g]
         token_ids[idx] = _random_sample(logits[idx], [rows[i] for i in idx])
         return token_ids
+
+
+def verify(logits: torch.Tensor, rows: list[SamplingRow], drafts: list[int]) -> tuple[torch.Tensor, list[bool]]:
+    """Speculative decoding's check of draft tokens against the target's processed logits.
+
+    Row i with a draft d (`drafts[i] >= 0`) is the target's distribution p at the position d was
+    proposed for. Greedy rows accept d when it is p's argmax, and otherwise emit the argmax.
+    Random rows follow Leviathan et al.'s rule for a deterministic proposal (the n-gram lookup and
+    the draft model propose their argmax, so q is one-hot at d): accept d with probability p(d);
+    on rejection emit a sample of p with d removed, renormalised (the residual max(0, p - q)).
+    Either way the emitted token is distributed exactly as p: P(d) = p(d), and P(x != d) =
+    (1 - p(d)) p(x) / (1 - p(d)) = p(x). Rows without a draft (the bonus row after a request's
+    last draft, and requests without drafts) sample as usual. The uniform and the noise come
+    from a seeded row's own generator, in row order, so seeded runs repeat.
+
+    Returns the token per row (for an accepted row: its draft) and per row whether its draft was
+    accepted (False for rows without one)."""
+    token_ids = logits.argmax(-1)
+    draft_t = torch.tensor(drafts, device=logits.device)
+    accepted_t = (token_ids == draft_t) & (draft_t >= 0)
+    random_rows = [i for i, r in enumerate(rows) if not r.params.is_greedy]
+    if random_rows:
+        sub = [rows[i] for i in random_rows]
+        probs = _probs(logits[random_rows], sub)
+        sub_drafts = draft_t[random_rows]
+        has = (sub_drafts >= 0).nonzero().squeeze(1)
+        residual = probs.clone()
+        residual[has, sub_drafts[has]] = 0.0
+        ok = torch.zeros(len(sub), dtype=torch.bool, device=logits.device)
+        if len(has):
+            drafted = has.tolist()
+            p = probs[has] / probs[has].sum(-1, keepdim=True)  # the check reads p(d) itself
+            picked = p.gather(1, sub_drafts[has].unsqueeze(1)).squeeze(1)
+            # p(d) = 1 up to rounding leaves no residual: accept (u < p(d) failing is rounding).
+            ok[has] = (_uniform(probs, [sub[i] for i in drafted]) < picked) | (residual[has].sum(-1) <= 0)
+        # A row without a draft races over p exactly as `_random_sample` does (same draws, same
+        # bits), so a seeded row's draws depend on its own drafts only, not its neighbours'.
+        race = torch.where(ok.unsqueeze(1), probs, residual)
+        sampled = (race / _exponential_noise(race, sub)).argmax(-1)
+        token_ids[random_rows] = torch.where(ok, sub_drafts, sampled)
+        accepted_t[random_rows] = ok
+    return token_ids, accepted_t.tolist()
 
 
 def _logprobs_output(
@@ -251,6 +301,13 @@ def _penalize(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
 
 
 def _random_sample(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    probs = _probs(logits, rows)
+    return (probs / _exponential_noise(probs, rows)).argmax(-1)
+
+
+def _probs(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """The distribution random rows are sampled from, up to scale: temperature, top-k, top-p,
+    then min-p (whose zeros are not renormalised away: the race ignores scale)."""
     temps = [r.params.temperature for r in rows]
     if any(t != 1.0 for t in temps):
         logits = logits / torch.tensor(temps, device=logits.device).unsqueeze(1)
@@ -262,7 +319,7 @@ def _random_sample(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tenso
     min_p = _rows_where(rows, lambda r: r.params.min_p > 0.0)
     if min_p:
         probs[min_p] = _min_p(probs[min_p], [rows[i].params.min_p for i in min_p])
-    return (probs / _exponential_noise(probs, rows)).argmax(-1)
+    return probs
 
 
 def _top_k_top_p(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
@@ -292,6 +349,16 @@ def _top_k_top_p(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
 def _min_p(probs: torch.Tensor, min_ps: list[float]) -> torch.Tensor:
     threshold = probs.amax(-1, keepdim=True) * torch.tensor(min_ps, device=probs.device).unsqueeze(1)
     return probs.masked_fill(probs < threshold, 0.0)
+
+
+def _uniform(probs: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """U(0, 1) per row: the unseeded rows from the global RNG, each seeded row from its own
+    generator (drawn before that row's noise)."""
+    u = torch.rand(len(rows), device=probs.device) if any(r.generator is None for r in rows) else torch.empty(len(rows), device=probs.device)
+    for i, r in enumerate(rows):
+        if r.generator is not None:
+            u[i] = torch.rand(1, generator=r.generator).item()
+    return u
 
 
 def _exponential_noise(probs: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:

@@ -18,7 +18,7 @@ Differences from vLLM, on purpose:
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING
 
 from triollm.engine.outputs import (
@@ -112,7 +112,17 @@ class SequenceState:
         return self.finish_reason is not None
 
     def update(self, out: EngineCoreOutput) -> bool:
-        """Apply one core output; True when a stop string (not the core) finished the sequence."""
+        """Apply one core output; True when a stop string (not the core) finished the sequence.
+
+        An output of several tokens (speculative decoding) meets the stop strings one token at
+        a time, as it would have one step at a time: a stop string that ends at its second token
+        leaves the tokens after it (and their logprobs) out, so the text, token ids and logprobs
+        are those of plain decoding."""
+        if self.stops is not None and len(out.new_token_ids) > 1:
+            return any(self._update(part) for part in _one_token_each(out))
+        return self._update(out)
+
+    def _update(self, out: EngineCoreOutput) -> bool:
         new_ids = out.new_token_ids
         self.token_ids.extend(new_ids)
         self.num_cached_tokens = max(self.num_cached_tokens, out.num_cached_tokens)
@@ -187,6 +197,20 @@ class SequenceState:
             logprobs=logprobs,
             finish_reason=self.finish_reason,
             stop_reason=self.stop_reason,
+        )
+
+
+def _one_token_each(out: EngineCoreOutput) -> Iterator[EngineCoreOutput]:
+    """`out` as one output per token: the finish on the last, the logprobs row by row."""
+    lps, last = out.new_logprobs, len(out.new_token_ids) - 1
+    for i, token in enumerate(out.new_token_ids):
+        yield EngineCoreOutput(
+            out.request_id,
+            [token],
+            finish_reason=out.finish_reason if i == last else None,
+            stop_reason=out.stop_reason if i == last else None,
+            new_logprobs=None if lps is None else Logprobs(lps.token_ids[i : i + 1], lps.logprobs[i : i + 1], lps.ranks[i : i + 1]),
+            num_cached_tokens=out.num_cached_tokens,
         )
 
 

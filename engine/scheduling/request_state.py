@@ -74,6 +74,14 @@ class Request:
         self.grammar: Any = None
         # Prompt logprobs need logits at every prompt position: skip the prefix cache for them.
         self.skip_prefix_cache = req.sampling_params.prompt_logprobs is not None
+        # Speculative decoding (engine/speculative/): the draft tokens this request asks to have
+        # verified in the coming step (set by the speculator before each schedule; 0: a plain
+        # decode), the n-gram proposal behind them, the method's per-request state (an n-gram
+        # index), and how many of its tokens have K/V in the draft model's cache.
+        self.spec_wanted = 0
+        self.spec_proposal: list[int] = []
+        self.spec_state: Any = None
+        self.draft_computed = 0
 
     @property
     def num_tokens(self) -> int:

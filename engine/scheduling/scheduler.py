@@ -42,6 +42,14 @@ every layer (the block manager's `window`), a request gives back the blocks that
 as soon as its computed tokens move past them: after each step (`advance`) and after a
 prefix-cache hit, before its new blocks are allocated.
 
+Speculative decoding (engine/speculative/): before each schedule the speculator sets how many
+draft tokens each running request would have verified (`Request.spec_wanted`). Once the decodes,
+the prompt chunks and the admitted requests have their tokens, each scheduled decode gets its
+drafts from the budget left, with the KV slots for them (`ScheduledRequest.num_draft`): fewer if
+the budget is short, none if the blocks are not free (drafts never preempt), and a prompt is cut
+into the same chunks as without speculation. After the forward pass, `advance` counts the
+rejected drafts out again.
+
 The waiting queue (`waiting_queue.py`) keeps that order with O(1) pops and removals, so a burst
 of aborts over a long queue costs O(n), not O(n^2). The running list stays a list: it holds at
 most `max_num_seqs` requests. Per-request token-id sets (EOS, stop token ids) are prepared once
@@ -51,7 +59,7 @@ when the request is created (`Request.sampling_plan`), not rebuilt each step.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from triollm.engine.config import SchedulerConfig
 from triollm.engine.scheduling.block_manager import BlockManager
@@ -70,13 +78,17 @@ _MIN_STEP_S = 1e-3  # decode-only steps faster than this: no prefill limit
 class ScheduledRequest:
     request: Request
     num_new_tokens: int
-    # Tokens [num_computed, num_computed + num_new_tokens) are fed this step.
+    # Tokens [num_computed, num_computed + num_new_tokens) are fed this step: the request's own,
+    # then its `num_draft` draft tokens (speculative decoding), which are not its tokens yet.
     num_computed_tokens: int
+    num_draft: int = 0
+    draft_token_ids: list[int] = field(default_factory=list)  # filled by the speculator
 
     @property
     def samples(self) -> bool:
-        """Whether this step ends with a new token sampled for the request."""
-        return self.num_computed_tokens + self.num_new_tokens == self.request.num_tokens
+        """Whether this step ends with a new token sampled for the request (with drafts: with
+        the drafts checked and one to several tokens accepted)."""
+        return self.num_computed_tokens + self.num_new_tokens - self.num_draft == self.request.num_tokens
 
 
 @dataclass
@@ -151,7 +163,23 @@ class Scheduler:
         scheduled = [s for s in scheduled if s.request.status == RequestStatus.RUNNING]
         if not preempted:
             budget = self._admit_waiting(budget, scheduled)
+        self._add_drafts(scheduled, budget)
         return SchedulerOutput(scheduled, preempted)
+
+    def _add_drafts(self, scheduled: list[ScheduledRequest], budget: int) -> None:
+        """Give the scheduled decodes their drafts from the budget the prompts left: drafts are
+        optional work, so a prompt's chunks are the same with speculation as without."""
+        for item in scheduled:
+            req = item.request
+            if budget <= 0:
+                return
+            if not req.spec_wanted or item.num_new_tokens != 1 or req.num_tokens - item.num_computed_tokens != 1:
+                continue
+            drafts = min(req.spec_wanted, budget)
+            if self.blocks.allocate(req, self.blocks.blocks_needed(req, 1 + drafts)):  # never preempts
+                item.num_new_tokens += drafts
+                item.num_draft = drafts
+                budget -= drafts
 
     def record_step(self, output: SchedulerOutput, seconds: float) -> None:
         """The forward pass of `output` took `seconds` (the engine core times every step): the
@@ -248,6 +276,7 @@ class Scheduler:
         self.running.remove(req)
         self.blocks.free(req)
         req.num_computed_tokens = 0
+        req.draft_computed = 0  # the draft model's K/V lived in those blocks too
         req.num_preemptions += 1
         self.num_preemptions += 1
         req.status = RequestStatus.PREEMPTED
@@ -256,11 +285,13 @@ class Scheduler:
 
     # ---------------------------------------------------------------- after the forward pass
 
-    def advance(self, item: ScheduledRequest) -> None:
+    def advance(self, item: ScheduledRequest, num_rejected: int = 0) -> None:
         """Mark the scheduled tokens computed (call for every scheduled request after the
-        forward pass, before appending the sampled token)."""
+        forward pass, before appending the sampled tokens). Of a step with drafts, the last
+        `num_rejected` drafts were rejected: their K/V slots hold no token of the request and are
+        overwritten by the next step's (a rollback is this count: the blocks stay)."""
         req = item.request
-        req.num_computed_tokens = item.num_computed_tokens + item.num_new_tokens
+        req.num_computed_tokens = item.num_computed_tokens + item.num_new_tokens - num_rejected
         self.blocks.cache_full_blocks(req)  # first: a block hashed before release stays reusable
         self.blocks.release_out_of_window(req)
 
