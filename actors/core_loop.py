@@ -67,6 +67,10 @@ def step_stats(core: Core) -> StepStats:
         s.num_cached_blocks,
         s.prefix_cache_hit_rate,
         s.num_preemptions,
+        s.spec_num_drafts,
+        s.spec_num_draft_tokens,
+        s.spec_num_accepted_tokens,
+        list(s.spec_accepted_per_pos),
     )
 
 

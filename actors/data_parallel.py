@@ -176,9 +176,23 @@ def _combine(call_id: int, results: list[UtilityResult]) -> UtilityResult:
                 num_cached_blocks=sum(s.num_cached_blocks for s in stats),
                 prefix_cache_hit_rate=sum(s.prefix_cache_hit_rate for s in stats) / len(stats),
                 num_preemptions=sum(s.num_preemptions for s in stats),
+                spec_num_drafts=sum(s.spec_num_drafts for s in stats),
+                spec_num_draft_tokens=sum(s.spec_num_draft_tokens for s in stats),
+                spec_num_accepted_tokens=sum(s.spec_num_accepted_tokens for s in stats),
+                spec_accepted_per_pos=_sum_per_pos([s.spec_accepted_per_pos for s in stats]),
             ),
         )
     return UtilityResult(call_id, all(bool(v) for v in values))
+
+
+def _sum_per_pos(lists: list[list[int]]) -> list[int]:
+    """Elementwise sum; a shorter list (a rank that has not reported speculation) counts as
+    zeros in the positions it lacks, so the result is as long as the longest."""
+    out = [0] * max((len(v) for v in lists), default=0)
+    for v in lists:
+        for i, n in enumerate(v):
+            out[i] += n
+    return out
 
 
 def rank_config(config: EngineConfig, rank: int) -> EngineConfig:

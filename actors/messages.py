@@ -94,6 +94,12 @@ class StepStats(msgspec.Struct, array_like=True, gc=False):
     num_cached_blocks: int = 0
     prefix_cache_hit_rate: float = 0.0
     num_preemptions: int = 0
+    # Speculative decoding, cumulative since start (EngineCoreStats' fields of the same names).
+    # `spec_accepted_per_pos` is empty without speculation: the frontend serves no spec metrics.
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_accepted_per_pos: list[int] = []
 
 
 class LogprobColumns(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):

@@ -2,6 +2,13 @@
 
 Both combine the engine core's `StepStats` (a utility call's answer) with the frontend's own
 counters (`AsyncLLM.statistics()`); neither keeps state beyond the last log line's mark.
+
+Speculative decoding adds vLLM's `vllm:spec_decode_*` counters and its second log line
+(`SpecDecodingLogging`), both only when the core reports speculation (a non-empty
+`spec_accepted_per_pos`), as vLLM has them only with a speculative config. The core's counters
+are cumulative; the log line wants the interval since the previous line, so the mark keeps the
+previous values and the line reports differences (vLLM sums per-step stats it reset at each
+line instead: the same numbers, without a list that grows between lines).
 """
 
 from __future__ import annotations
@@ -13,7 +20,7 @@ from dataclasses import dataclass
 from triollm.actors.core_client import CoreClient
 from triollm.actors.messages import StepStats
 from triollm.engine.frontend import Frontend
-from triollm.engine.metrics import Counter, Gauge, Metric
+from triollm.engine.metrics import Counter, Gauge, Metric, Vector
 
 __all__ = ["FrontendStatistics", "StatsLog", "engine_metrics", "frontend_statistics"]
 
@@ -69,24 +76,84 @@ def engine_metrics(stats: StepStats, frontend: FrontendStatistics) -> list[Metri
         Counter("vllm:num_preemptions", value=stats.num_preemptions),
         Counter("vllm:prompt_tokens", value=frontend.num_prompt_tokens),
         Counter("vllm:generation_tokens", value=frontend.num_generation_tokens),
+        *_spec_decode_metrics(stats),
     ]
 
 
+def _spec_decode_metrics(stats: StepStats) -> list[Metric]:
+    """vLLM's `vllm:spec_decode_*` counters; none without speculation. The per-position counts
+    are one `Vector` (its `values` by draft position), as vLLM's reader gives them."""
+    if not stats.spec_accepted_per_pos:
+        return []
+    return [
+        Counter("vllm:spec_decode_num_drafts", value=stats.spec_num_drafts),
+        Counter("vllm:spec_decode_num_draft_tokens", value=stats.spec_num_draft_tokens),
+        Counter("vllm:spec_decode_num_accepted_tokens", value=stats.spec_num_accepted_tokens),
+        Vector("vllm:spec_decode_num_accepted_tokens_per_pos", values=list(stats.spec_accepted_per_pos)),
+    ]
+
+
+@dataclass(frozen=True)
+class _Mark:
+    """The counters when the previous stats line was written: the next reports the difference."""
+
+    time: float
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    spec_drafts: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
+    spec_accepted_per_pos: tuple[int, ...] = ()
+
+
 class StatsLog:
-    """vLLM's periodic stats line: throughput since the previous line, requests, caches."""
+    """vLLM's periodic stats line: throughput since the previous line, requests, caches; and,
+    with speculative decoding, vLLM's `SpecDecoding metrics` line for the same interval."""
 
     def __init__(self) -> None:
-        self._mark = (time.monotonic(), 0, 0)  # (time, prompt tokens, generation tokens)
+        self._mark = _Mark(time.monotonic())
 
     def log(self, stats: StepStats, frontend: FrontendStatistics) -> None:
         now = time.monotonic()
-        then, prompt0, gen0 = self._mark
-        elapsed = max(now - then, 1e-9)
+        prev = self._mark
+        elapsed = max(now - prev.time, 1e-9)
         prompt, gen = frontend.num_prompt_tokens, frontend.num_generation_tokens
-        self._mark = (now, prompt, gen)
+        self._mark = _Mark(
+            now, prompt, gen, stats.spec_num_drafts, stats.spec_num_draft_tokens,
+            stats.spec_num_accepted_tokens, tuple(stats.spec_accepted_per_pos),
+        )
         log.info(
             "Avg prompt throughput: %.1f tokens/s, Avg generation throughput: %.1f tokens/s, "
             "Running: %d reqs, Waiting: %d reqs, KV cache usage: %.1f%%, Prefix cache hit rate: %.1f%%",
-            (prompt - prompt0) / elapsed, (gen - gen0) / elapsed, stats.num_running,
-            stats.num_waiting, 100 * kv_cache_usage(stats), 100 * stats.prefix_cache_hit_rate,
+            (prompt - prev.prompt_tokens) / elapsed, (gen - prev.generation_tokens) / elapsed,
+            stats.num_running, stats.num_waiting, 100 * kv_cache_usage(stats),
+            100 * stats.prefix_cache_hit_rate,
         )
+        if stats.spec_accepted_per_pos:
+            _log_spec_decoding(stats, prev, elapsed)
+
+
+def _log_spec_decoding(stats: StepStats, prev: _Mark, elapsed: float) -> None:
+    """vLLM's `SpecDecodingLogging.log()` line over the interval since `prev`; nothing when no
+    draft was verified in it (vLLM logs nothing then either)."""
+    drafts = stats.spec_num_drafts - prev.spec_drafts
+    if drafts <= 0:
+        return
+    drafted = stats.spec_num_draft_tokens - prev.spec_draft_tokens
+    accepted = stats.spec_num_accepted_tokens - prev.spec_accepted_tokens
+    before = prev.spec_accepted_per_pos  # () at the first line: the interval began at zero
+    per_pos = [
+        n - (before[i] if i < len(before) else 0) for i, n in enumerate(stats.spec_accepted_per_pos)
+    ]
+    log.info(
+        "SpecDecoding metrics: Mean acceptance length: %.2f, Accepted throughput: %.2f tokens/s, "
+        "Drafted throughput: %.2f tokens/s, Accepted: %d tokens, Drafted: %d tokens, "
+        "Per-position acceptance rate: %s, Avg Draft acceptance rate: %.1f%%",
+        1 + accepted / drafts,  # conventionally counts the bonus token, as vLLM's does
+        accepted / elapsed,
+        drafted / elapsed,
+        accepted,
+        drafted,
+        ", ".join(f"{n / drafts:.3f}" for n in per_pos),
+        100 * accepted / drafted if drafted > 0 else float("nan"),
+    )

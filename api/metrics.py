@@ -14,6 +14,14 @@ releases are gone: serving both would double every scrape.
       vllm:prefix_cache_hit_rate         gauge    prompt tokens found in the prefix cache / looked up
       vllm:num_preemptions_total         counter  preemptions since the engine started
 
+    speculative decoding, the same way, only when an engine core reports it (a speculative
+    config: its statistics' `spec_accepted_per_pos` is non-empty), as vLLM has them only then
+      vllm:spec_decode_num_drafts_total           counter  drafts verified (one request, one step)
+      vllm:spec_decode_num_draft_tokens_total     counter  draft tokens proposed
+      vllm:spec_decode_num_accepted_tokens_total  counter  draft tokens accepted
+      vllm:spec_decode_num_accepted_tokens_per_pos_total  counter  + label position (0, 1, ...):
+                                         drafts whose token at that position was accepted
+
     per request, recorded by the routes through a `RequestTimer`
       vllm:prompt_tokens_total           counter
       vllm:generation_tokens_total       counter
@@ -184,7 +192,8 @@ class RequestTimer:
 
 
 class _EngineCollector(Collector):
-    """Gauges (and the preemption counter) filled from the engine's `StepStats` at scrape time."""
+    """Gauges and counters (preemptions, speculative decoding) filled from the engine's
+    `StepStats` at scrape time."""
 
     def __init__(self, metrics: Metrics) -> None:
         self._metrics = metrics
@@ -221,6 +230,33 @@ class _EngineCollector(Collector):
             CounterMetricFamily, PREFIX + "num_preemptions", "Cumulative number of preemptions in the engine.",
             lambda st: st.num_preemptions,
         )
+        # vLLM registers these only with a speculative config; here, only while some engine
+        # reports speculation (all ranks share one config, so it is all of them or none).
+        num_pos = max((len(st.spec_accepted_per_pos) for _, st in engines if st), default=0)
+        if not num_pos:
+            return
+        yield family(
+            CounterMetricFamily, PREFIX + "spec_decode_num_drafts", "Number of spec decoding drafts.",
+            lambda st: st.spec_num_drafts,
+        )
+        yield family(
+            CounterMetricFamily, PREFIX + "spec_decode_num_draft_tokens", "Number of draft tokens.",
+            lambda st: st.spec_num_draft_tokens,
+        )
+        yield family(
+            CounterMetricFamily, PREFIX + "spec_decode_num_accepted_tokens", "Number of accepted tokens.",
+            lambda st: st.spec_num_accepted_tokens,
+        )
+        per_pos = CounterMetricFamily(
+            PREFIX + "spec_decode_num_accepted_tokens_per_pos", "Accepted tokens per draft position.",
+            labels=[*names, "position"],
+        )
+        for engine, st in engines:
+            counts = st.spec_accepted_per_pos if st else []
+            for pos in range(num_pos):
+                n = counts[pos] if pos < len(counts) else 0
+                per_pos.add_metric([m.model_name, str(engine), str(pos)], n)
+        yield per_pos
 
 
 class _WithoutCreated:
