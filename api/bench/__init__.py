@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from triollm.api.bench.latency import add_latency_parser
 from triollm.api.bench.lora import add_lora_parser
 from triollm.api.bench.moe import add_moe_parsers
 from triollm.api.bench.pipeline import add_pipeline_parser
@@ -21,6 +22,7 @@ def add_bench_parser(sub: Any) -> None:
     bench = sub.add_parser("bench", help="benchmarks (throughput, latency, pipeline, serve, quality, soak, moe, lora)")
     kinds = bench.add_subparsers(dest="bench", required=True)
     add_throughput_parsers(kinds)
+    add_latency_parser(kinds)
     add_pipeline_parser(kinds)
     add_serve_bench_parser(kinds)
     add_quality_parser(kinds)

@@ -5,8 +5,7 @@ token-id prompts, input and output lengths uniform in [min, max], `ignore_eos`, 
 text-prompt workload. `--compare-hf` runs Hugging Face transformers' batched `generate` on the
 same prompts, model and dtype in the same process, one after the other, and prints the ratio.
 
-latency: batch-1 decode time per token against the memory-bandwidth floor (weight bytes /
-measured copy bandwidth).
+latency: api/bench/latency.py.
 """
 
 from __future__ import annotations
@@ -45,11 +44,6 @@ def add_throughput_parsers(kinds: Any) -> None:
     tp.add_argument("--output-json", default=None, help="write the results here")
     EngineArgs.add_cli_args(tp)
     tp.set_defaults(func=run_throughput)
-    lat = kinds.add_parser("latency", help="batch-1 decode latency vs the memory-bandwidth floor")
-    lat.add_argument("--input-len", type=int, default=32, help="(default: %(default)s)")
-    lat.add_argument("--output-len", type=int, default=128, help="(default: %(default)s)")
-    EngineArgs.add_cli_args(lat)
-    lat.set_defaults(func=run_latency)
 
 
 def random_workload(ns: argparse.Namespace, vocab: int) -> list[tuple[list[int], int]]:
@@ -215,54 +209,4 @@ def run_throughput(ns: argparse.Namespace) -> int:
     if ns.output_json:
         with open(ns.output_json, "w") as f:
             json.dump(results, f, indent=2)
-    return 0
-
-
-def measure_bandwidth(nbytes: int = 512 << 20, repeats: int = 5) -> float:
-    """Copy bandwidth in bytes/s (read + write counted) on preallocated buffers."""
-    src = torch.ones(nbytes // 4)
-    dst = torch.empty_like(src)
-    dst.copy_(src)
-    best = float("inf")
-    for _ in range(repeats):
-        t = time.perf_counter()
-        dst.copy_(src)
-        best = min(best, time.perf_counter() - t)
-    return 2 * nbytes / best
-
-
-def run_latency(ns: argparse.Namespace) -> int:
-    from triollm.engine.sampling_params import SamplingParams
-    from triollm.engine.sync_engine import SyncEngine
-
-    args = EngineArgs.from_cli_args(ns)
-    if args.num_threads:
-        torch.set_num_threads(args.num_threads)
-    engine = SyncEngine.from_engine_args(args)
-    rng = random.Random(0)
-    top = min(1000, engine.config.model.vocab_size)  # a tiny test model has a few hundred ids
-    prompt = {"prompt_token_ids": [rng.randrange(top) for _ in range(ns.input_len)]}
-    params = SamplingParams(max_tokens=ns.output_len, ignore_eos=True, temperature=0.0)
-    engine.generate([prompt], SamplingParams(max_tokens=4, ignore_eos=True, temperature=0.0))
-    engine.add_request(prompt, params)
-    times = []
-    t = time.perf_counter()
-    for _ in engine.run():
-        now = time.perf_counter()
-        times.append(now - t)
-        t = now
-    decode = sorted(times[1:])
-    per_token = decode[len(decode) // 2]
-    model = engine.core.model
-    assert model is not None  # built from EngineArgs: always a real model
-    # The bytes a decode step must read: every parameter once (a tied embedding, read as the
-    # lm_head, counted once; the rows looked up are negligible), and quantized weights' blocks
-    # (buffers: codes, scales, offsets).
-    tensors = [*model.parameters(), *model.buffers()]
-    weight_bytes = sum(int(p.numel()) * p.element_size() for p in tensors)
-    bw = measure_bandwidth()
-    floor = weight_bytes / bw
-    print(f"threads {torch.get_num_threads()}, weights {weight_bytes / 1e6:.0f} MB, copy bandwidth {bw / 1e9:.1f} GB/s, floor {floor * 1e3:.1f} ms/token")
-    print(f"TTFT {times[0] * 1e3:.1f} ms, decode median {per_token * 1e3:.1f} ms/token "
-          f"({1 / per_token:.1f} tok/s), {per_token / floor:.2f}x the floor")
     return 0
