@@ -342,7 +342,7 @@ class EngineCore:
             if tokens is None:
                 self.scheduler.advance(item)
             elif self.speculator is not None:
-                self.speculator.record(item.num_draft, len(tokens) - 1)
+                self.speculator.record(req, item.num_draft, len(tokens) - 1)
             prompt_lps = result.prompt_logprobs.get(rid)
             if not item.samples:
                 if prompt_lps is not None:

@@ -15,7 +15,8 @@ agrees with is kept, plus one token of its own: 1 to k + 1 tokens for the weight
   core appends the accepted tokens one by one through the stop checks, and `Scheduler.advance`
   counts the rejected drafts' K/V slots out of the computed tokens (the rollback).
 - Requests with structured outputs, and steps where `disable_by_batch_size` or more requests
-  decode, run plain decodes.
+  decode, run plain decodes. A request proposes at most 2 * (its last accepted drafts) + 1
+  tokens (`Speculator.record`), so free text, where drafts rarely hold, costs little.
 """
 
 from __future__ import annotations
@@ -56,7 +57,7 @@ class Speculator:
         cfg = self.config
         for r in decoding:
             # Every emitted token must fit max_tokens and the context: 1 + drafts of them.
-            room = min(self.k, r.max_tokens - r.num_output_tokens - 1, self.max_model_len - r.num_tokens - 1)
+            room = min(r.spec_limit or self.k, r.max_tokens - r.num_output_tokens - 1, self.max_model_len - r.num_tokens - 1)
             if room <= 0 or r.grammar is not None:
                 continue
             if self.draft is not None:
@@ -76,7 +77,12 @@ class Speculator:
         for s in items:
             s.draft_token_ids = s.request.spec_proposal[: s.num_draft]
 
-    def record(self, num_draft: int, num_accepted: int) -> None:
+    def record(self, request: Request, num_draft: int, num_accepted: int) -> None:
+        """Count a verified draft, and set how many drafts the request proposes next: up to
+        2 * accepted + 1 (at most k). A request whose drafts keep failing proposes one token at
+        a time, which costs one row per step instead of k; one whose drafts are accepted gets
+        back to k within two steps (1, 3, 7)."""
+        request.spec_limit = min(self.k, 2 * num_accepted + 1)
         self.num_drafts += 1
         self.num_draft_tokens += num_draft
         self.num_accepted_tokens += num_accepted

@@ -78,6 +78,9 @@ def test_draft_with_another_vocabulary_is_refused(tiny_model_dir: Path, tmp_path
 def test_config_defaults_follow_vllm(tiny_model_dir: Path) -> None:
     spec = EngineArgs(model=str(tiny_model_dir), speculative_config={"method": "ngram", "num_speculative_tokens": 3}).create_engine_config().speculative
     assert spec is not None and (spec.method, spec.prompt_lookup_min, spec.prompt_lookup_max) == ("ngram", 5, 5)
+    assert spec.disable_by_batch_size == 8  # triollm's measured default (vLLM: never)
+    never = {"method": "ngram", "num_speculative_tokens": 3, "disable_by_batch_size": None}
+    assert EngineArgs(model=str(tiny_model_dir), speculative_config=never).create_engine_config().speculative.disable_by_batch_size is None  # type: ignore[union-attr]
     spec = EngineArgs(model=str(tiny_model_dir), speculative_config={"model": "[ngram]", "num_speculative_tokens": 3, "prompt_lookup_max": 4}).create_engine_config().speculative
     assert spec is not None and (spec.method, spec.prompt_lookup_min, spec.prompt_lookup_max) == ("ngram", 4, 4)
     spec = EngineArgs(model=str(tiny_model_dir), speculative_config={"num_speculative_tokens": 2, "quantization": "int4"}).create_engine_config().speculative
@@ -211,7 +214,7 @@ def _markov_engine(tiny_model_dir: Path, spec: dict[str, Any] | None, blocks: in
 def test_sampled_output_follows_the_target_chain(tiny_model_dir: Path) -> None:
     """Every transition the engine emits with n-gram speculation (accepted drafts, corrections
     and bonus tokens alike) against the chain's probabilities: chi-square, fixed seeds."""
-    engine, lm = _markov_engine(tiny_model_dir, NGRAM)
+    engine, lm = _markov_engine(tiny_model_dir, {**NGRAM, "disable_by_batch_size": None})  # 64 at once
     prompt = {"prompt_token_ids": [0, 1, 2, 3, 4, 5] * 3}
     params = [SamplingParams(temperature=1.0, seed=s, max_tokens=24, ignore_eos=True) for s in range(160)]
     outs = engine.generate([prompt] * len(params), params)
