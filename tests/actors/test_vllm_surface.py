@@ -25,7 +25,7 @@ import psutil
 import pytest
 
 from triollm import LLM, AsyncEngineArgs, AsyncLLM, LLMEngine, SamplingParams
-from triollm.engine.metrics import Counter, Gauge
+from triollm.engine.metrics import Counter, Gauge, Vector
 
 pytestmark = pytest.mark.anyio
 
@@ -220,6 +220,31 @@ async def test_do_log_stats_and_metrics(
         with caplog.at_level(logging.INFO, logger="triollm"):
             await quiet.do_log_stats()
     assert "throughput" not in caplog.text
+
+
+async def test_spec_decode_metrics_and_stats_line(
+    engine_args: Callable[..., AsyncEngineArgs], caplog: pytest.LogCaptureFixture
+) -> None:
+    """Speculation's counters from the real core, through either transport, in get_metrics()
+    (vLLM's shapes: Counters and the per-position Vector) and vLLM's SpecDecoding line."""
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+    async with AsyncLLM.from_engine_args(engine_args(speculative_config=spec)) as llm:
+        prompt = {"prompt_token_ids": [7, 8, 9, 10] * 6}
+        params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+        async for out in llm.generate(prompt, params, "spec-1"):
+            pass
+        assert len(out.outputs[0].token_ids) == 24
+        with caplog.at_level(logging.INFO, logger="triollm"):
+            await llm.do_log_stats()
+        metrics = {m.name: m for m in await llm.get_metrics()}
+        drafts = metrics["vllm:spec_decode_num_drafts"]
+        tokens = metrics["vllm:spec_decode_num_draft_tokens"]
+        accepted = metrics["vllm:spec_decode_num_accepted_tokens"]
+        per_pos = metrics["vllm:spec_decode_num_accepted_tokens_per_pos"]
+        assert isinstance(drafts, Counter) and isinstance(tokens, Counter) and isinstance(accepted, Counter)
+        assert isinstance(per_pos, Vector) and len(per_pos.values) == 3
+        assert drafts.value > 0 and tokens.value >= drafts.value and sum(per_pos.values) == accepted.value
+        assert "SpecDecoding metrics: Mean acceptance length:" in caplog.text
 
 
 # ------------------------------------------------------------------ LLM
