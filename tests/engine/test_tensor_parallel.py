@@ -109,6 +109,13 @@ def test_tp2_greedy_equals_tp1(tiny_model_dir: Path) -> None:
     _wait_no_workers()
 
 
+def test_tp2_with_ngram_speculation_equals_tp1(tiny_model_dir: Path) -> None:
+    """The drafts' rows and their logits rows reach the other rank (StepInputs.logit_rows)."""
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 2}
+    assert _generate(tiny_model_dir, 2, speculative_config=spec) == _generate(tiny_model_dir, 1)
+    _wait_no_workers()
+
+
 def test_tp4_replicated_kv_heads_and_prompt_logprobs(tiny_model_dir: Path) -> None:
     """4 ranks over 2 KV heads (each held by 2 ranks), with small chunks (prefill beside
     decodes) and prompt logprobs (extra logits gathers)."""
