@@ -17,6 +17,12 @@ With `tensor_parallel_size` N > 1 the core is rank 0 of N (engine/distributed/gr
 starts N-1 worker processes, holds its own shard of the model and KV cache, and `close()` stops
 the workers (they also leave by themselves when this process exits).
 
+Speculative decoding (`speculative_config`, engine/speculative/): the core owns the `Speculator`
+(and a draft model with its own KV cache over the same blocks). Before each schedule it sets how
+many drafts each decoding request wants, after scheduling it fills them in, and after the
+forward pass the accepted drafts and the model's own token go through the stop checks one by one
+before `Scheduler.advance` counts the rejected drafts' slots out (docs/speculative.md).
+
 LoRA (`enable_lora`): the core owns the adapters' `LoRAManager` (lora/manager.py). Before each
 forward pass every scheduled request's adapter is put in a slot, read from disk on first use; a
 request whose adapter fails to load (gone, malformed, not fitting the model) ends alone with

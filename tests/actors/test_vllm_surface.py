@@ -231,9 +231,8 @@ async def test_spec_decode_metrics_and_stats_line(
     async with AsyncLLM.from_engine_args(engine_args(speculative_config=spec)) as llm:
         prompt = {"prompt_token_ids": [7, 8, 9, 10] * 6}
         params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
-        async for out in llm.generate(prompt, params, "spec-1"):
-            pass
-        assert len(out.outputs[0].token_ids) == 24
+        outs = [out async for out in llm.generate(prompt, params, "spec-1")]
+        assert len(outs[-1].outputs[0].token_ids) == 24
         with caplog.at_level(logging.INFO, logger="triollm"):
             await llm.do_log_stats()
         metrics = {m.name: m for m in await llm.get_metrics()}
