@@ -183,20 +183,10 @@ class ModelRunner:
         ends: list[int] = [0] * len(feeds)
         for i in order:
             ids, start, blocks = feeds[i]
-            n = len(ids)
-            if n == 1:
-                inputs.token_ids.append(ids[0])
-                inputs.positions.append(start)
-                inputs.slots.append(blocks[start // bs] * bs + start % bs)
-                inputs.decode_tables.append(blocks[: start // bs + 1])
-                inputs.decode_lens.append(start + 1)
+            if len(ids) == 1:
+                _add_decode_row(inputs, ids[0], start, blocks, bs)
             else:
-                first = len(inputs.token_ids)
-                used = blocks[: -(-(start + n) // bs)]
-                inputs.token_ids.extend(ids)
-                inputs.positions.extend(range(start, start + n))
-                inputs.slots.extend(_slots(used, start, n, bs))
-                inputs.prefills.append((first, n, start, used))
+                _add_prefill(inputs, ids, start, blocks, bs)
             ends[i] = len(inputs.token_ids) - 1
         input_ids, positions, meta = self._tensors(inputs)
         hidden = self.model(input_ids, positions, meta, self.kv)
@@ -217,29 +207,14 @@ class ModelRunner:
     def _gather(self, decodes: list[ScheduledRequest], prefills: list[ScheduledRequest]) -> StepInputs:
         bs = self.block_size
         inputs = StepInputs()
-        ids, pos, slots = inputs.token_ids, inputs.positions, inputs.slots
-        tables = inputs.decode_tables
         for s in decodes:
-            req = s.request
-            c = s.num_computed_tokens
-            blocks = req.block_ids
-            for j in range(1 + s.num_draft):  # the request's token, then its drafts
-                p = c + j
-                ids.append(req.all_token_ids[p] if j == 0 else s.draft_token_ids[j - 1])
-                pos.append(p)
-                slots.append(blocks[p // bs] * bs + p % bs)
-                tables.append(blocks[: p // bs + 1])
-        if decodes:
-            inputs.decode_lens = [p + 1 for p in pos]
+            req, c = s.request, s.num_computed_tokens
+            _add_decode_row(inputs, req.all_token_ids[c], c, req.block_ids, bs)
+            for j, token in enumerate(s.draft_token_ids[: s.num_draft], 1):  # then its drafts
+                _add_decode_row(inputs, token, c + j, req.block_ids, bs)
         for s in prefills:
             req, c, n = s.request, s.num_computed_tokens, s.num_new_tokens
-            start = len(ids)
-            ids.extend(req.all_token_ids[c : c + n])
-            pos.extend(range(c, c + n))
-            used = -(-(c + n) // bs)
-            blocks = req.block_ids[:used]
-            slots.extend(_slots(blocks, c, n, bs))
-            inputs.prefills.append((start, n, c, blocks))
+            _add_prefill(inputs, req.all_token_ids[c : c + n], c, req.block_ids, bs)
         return inputs
 
     def _tensors(self, inputs: StepInputs) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
@@ -294,6 +269,24 @@ def _logit_rows(order: list[ScheduledRequest], ends: list[int], samplers: list[i
                 start = ends[i] - s.num_new_tokens + 1
                 rows.append(list(range(start, start + n)))
     return rows
+
+
+def _add_decode_row(inputs: StepInputs, token: int, p: int, blocks: list[int], bs: int) -> None:
+    """A one-token row at position p of a sequence with `blocks`: it attends to positions 0..p."""
+    inputs.token_ids.append(token)
+    inputs.positions.append(p)
+    inputs.slots.append(blocks[p // bs] * bs + p % bs)
+    inputs.decode_tables.append(blocks[: p // bs + 1])
+    inputs.decode_lens.append(p + 1)
+
+
+def _add_prefill(inputs: StepInputs, ids: list[int], start: int, blocks: list[int], bs: int) -> None:
+    """A prefill chunk: `ids` at positions start.. of a sequence with `blocks`."""
+    n, used = len(ids), blocks[: -(-(start + len(ids)) // bs)]
+    inputs.prefills.append((len(inputs.token_ids), n, start, used))
+    inputs.token_ids.extend(ids)
+    inputs.positions.extend(range(start, start + n))
+    inputs.slots.extend(_slots(used, start, n, bs))
 
 
 def _slots(blocks: list[int], start: int, n: int, bs: int) -> list[int]:

@@ -357,17 +357,19 @@ def test_draft_model_checkpoint(tiny_model_dir: Path, tmp_path: Path) -> None:
 
 
 def test_disable_by_batch_size_and_limits(tiny_model_dir: Path) -> None:
-    """No drafts once that many requests decode; max_tokens is never overshot by drafts."""
-    spec = {**NGRAM, "disable_by_batch_size": 2}
-    engine = SyncEngine.from_engine_args(EngineArgs(model=str(tiny_model_dir), max_model_len=128, speculative_config=spec))
-    cycle = {"prompt_token_ids": [7, 8, 9] * 8}
-    many = engine.generate([cycle] * 3, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
+    """No drafts once that many requests decode; max_tokens is never overshot by drafts (the
+    chain model drafts on nearly every step, so both would show)."""
+    engine, _ = _markov_engine(tiny_model_dir, {**NGRAM, "disable_by_batch_size": 2})
+    cycle = {"prompt_token_ids": [0, 1, 2, 3, 4, 5] * 4}
+    greedy = [SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)] * 2
+    sampled = SamplingParams(temperature=1.0, seed=3, max_tokens=12, ignore_eos=True)
+    many = engine.generate([cycle] * 3, [*greedy, sampled])
     assert engine.core.statistics().spec_num_drafts == 0
     assert all(len(o.outputs[0].token_ids) == 12 for o in many)
-    for max_tokens in (1, 2, 5):
+    for max_tokens in (1, 2, 5, 9):
         out = engine.generate([cycle], SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True))
         assert len(out[0].outputs[0].token_ids) == max_tokens
-
+    assert engine.core.statistics().spec_num_accepted_tokens > 0
 
 def test_stop_strings_logprobs_and_structured_outputs_with_drafts(bundled_model_dir: Path) -> None:
     """A stop string inside a multi-token step cuts the text, tokens and logprobs where plain

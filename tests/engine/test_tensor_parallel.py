@@ -112,7 +112,15 @@ def test_tp2_greedy_equals_tp1(tiny_model_dir: Path) -> None:
 def test_tp2_with_ngram_speculation_equals_tp1(tiny_model_dir: Path) -> None:
     """The drafts' rows and their logits rows reach the other rank (StepInputs.logit_rows)."""
     spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 2}
-    assert _generate(tiny_model_dir, 2, speculative_config=spec) == _generate(tiny_model_dir, 1)
+    engine = SyncEngine.from_engine_args(
+        EngineArgs(model=str(tiny_model_dir), tensor_parallel_size=2, num_threads=2, max_model_len=256, speculative_config=spec)
+    )
+    try:
+        outs = [list(o.outputs[0].token_ids) for o in engine.generate(PROMPTS, GREEDY)]
+        assert engine.core.statistics().spec_num_drafts > 0  # the rank-1 worker saw draft rows
+    finally:
+        engine.core.close()
+    assert outs == _generate(tiny_model_dir, 1)
     _wait_no_workers()
 
 
