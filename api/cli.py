@@ -25,7 +25,7 @@ import sys
 import time
 from collections.abc import Sequence
 
-from triollm.api.bench import add_bench_parser
+from triollm.bench import add_bench_parser
 from triollm.api.serve_args import add_serve_args
 from triollm.engine.config import EngineArgs
 

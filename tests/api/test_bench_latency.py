@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from tinymodel import make_tiny_model
 
-from triollm.api.bench.latency import (
+from triollm.bench.latency import (
     TEXT_LATENCY_WORKLOADS,
     _first_difference,
     latency_prompt_ids,

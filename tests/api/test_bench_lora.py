@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from triollm.api.bench.lora import write_random_adapter
+from triollm.bench.lora import write_random_adapter
 from triollm.api.cli import main
 
 

@@ -17,7 +17,7 @@ from quant_formats import Kind
 from tiny_gguf import write_tiny_gguf
 from tinymodel import make_tiny_model
 
-from triollm.api.bench.quality import add_quality_parser, checkpoint_label
+from triollm.bench.quality import add_quality_parser, checkpoint_label
 from triollm.engine.config import EngineArgs
 
 SCRIPT = Path(__file__).resolve().parents[2] / "docs" / "bench" / "make_quant_checkpoints.py"

@@ -22,7 +22,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 
-from triollm.api.bench.serve import (
+from triollm.bench.serve import (
     RequestResult,
     ServeBenchOptions,
     StreamAccumulator,

@@ -219,7 +219,7 @@ async def test_endpoint_falls_back_when_the_engine_is_dead() -> None:
 @pytest.mark.anyio
 async def test_the_soak_bench_reads_the_served_gauges() -> None:
     """`triollm bench soak` waits for these gauges to read idle, by their served names."""
-    from triollm.api.bench.soak import _wait_idle
+    from triollm.bench.soak import _wait_idle
 
     m = Metrics(_state(StepStats(0, 0, 10, 10, 0, 0.0, 0)))
     app = Starlette(routes=[m.route()])

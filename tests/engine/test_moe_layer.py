@@ -19,8 +19,8 @@ from transformers import MixtralConfig, Qwen3MoeConfig
 from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
 
-from triollm.api.bench import add_bench_parser
-from triollm.api.bench.moe import bench_moe
+from triollm.bench import add_bench_parser
+from triollm.bench.moe import bench_moe
 from triollm.engine.execution.layers.moe import FusedMoE, load_expert_weight
 
 H, INTER = 32, 16  # hidden, expert intermediate

@@ -5,7 +5,7 @@ token-id prompts, input and output lengths uniform in [min, max], `ignore_eos`, 
 text-prompt workload. `--compare-hf` runs Hugging Face transformers' batched `generate` on the
 same prompts, model and dtype in the same process, one after the other, and prints the ratio.
 
-latency: api/bench/latency.py.
+latency: bench/latency.py.
 """
 
 from __future__ import annotations

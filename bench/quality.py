@@ -103,7 +103,7 @@ class Measurement(msgspec.Struct):
     peak_rss_bytes: int  # the child's VmHWM: loading and measuring
 
 
-_CHILD_MAIN = "from triollm.api.bench.quality import child_main; raise SystemExit(child_main())"
+_CHILD_MAIN = "from triollm.bench.quality import child_main; raise SystemExit(child_main())"
 
 
 def child_main() -> int:

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from triollm.api.bench.throughput import add_workload_args, random_workload
+from triollm.bench.throughput import add_workload_args, random_workload
 from triollm.engine.config import EngineArgs
 
 __all__ = ["add_lora_parser", "write_random_adapter"]

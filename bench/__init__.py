@@ -6,14 +6,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from triollm.api.bench.latency import add_latency_parser
-from triollm.api.bench.lora import add_lora_parser
-from triollm.api.bench.moe import add_moe_parsers
-from triollm.api.bench.pipeline import add_pipeline_parser
-from triollm.api.bench.quality import add_quality_parser
-from triollm.api.bench.serve import add_serve_bench_parser
-from triollm.api.bench.soak import add_soak_parser
-from triollm.api.bench.throughput import add_throughput_parsers
+from triollm.bench.latency import add_latency_parser
+from triollm.bench.lora import add_lora_parser
+from triollm.bench.moe import add_moe_parsers
+from triollm.bench.pipeline import add_pipeline_parser
+from triollm.bench.quality import add_quality_parser
+from triollm.bench.serve import add_serve_bench_parser
+from triollm.bench.soak import add_soak_parser
+from triollm.bench.throughput import add_throughput_parsers
 
 __all__ = ["add_bench_parser"]
 
