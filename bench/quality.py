@@ -62,7 +62,7 @@ CHAT_PROMPTS = [
     "Describe a cat in one sentence.",
     "Why is the sky blue?",
 ]
-DEFAULT_TEXT = Path(__file__).resolve().parents[2] / "tests" / "data" / "coriolanus.txt"
+DEFAULT_TEXT = Path(__file__).resolve().parents[1] / "tests" / "data" / "coriolanus.txt"
 CHAT_TOKENS = 256  # room for a chat prompt of CHAT_PROMPTS with its template
 _MIB = 1 << 20
 
