@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from triollm.engine.config import EngineArgs
+from triollm import EngineArgs
 
 __all__ = ["add_latency_parser", "latency_prompt_ids", "measure_bandwidth", "run_latency"]
 
@@ -171,7 +171,7 @@ def latency_prompt_ids(workload: str, tokenizer: Any) -> list[int]:
 
 
 def _latency_request(ns: argparse.Namespace, engine: Any) -> tuple[list[int], Any]:
-    from triollm.engine.sampling_params import SamplingParams
+    from triollm import SamplingParams
 
     if ns.workload == "random":
         rng = random.Random(0)
@@ -292,6 +292,7 @@ def _first_difference(a: list[int], b: list[int]) -> int | None:
 
 
 def _dump_prompts(args: EngineArgs, path: str) -> int:
+    # Not public: the engine's chat rendering, without loading the model (LLM.get_tokenizer).
     from triollm.engine.processing.tokenizer import Tokenizer
 
     tokenizer = Tokenizer.from_pretrained(args.create_engine_config().tokenizer)
@@ -303,6 +304,7 @@ def _dump_prompts(args: EngineArgs, path: str) -> int:
 
 
 def run_latency(ns: argparse.Namespace) -> int:
+    # Not LLM: it times each engine step and reads the core's counters and weights.
     from triollm.engine.sync_engine import SyncEngine
 
     if ns.repeat < 1:
