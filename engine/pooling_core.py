@@ -22,6 +22,7 @@ import logging
 
 import torch
 
+from triollm.engine import request_rules
 from triollm.engine.config import EngineConfig
 from triollm.engine.core_protocol import EngineCoreStats
 from triollm.engine.execution.models.bert import BertModel, load_bert
@@ -71,20 +72,14 @@ class PoolingEngineCore:
         """Queue a request. Raises ValueError (and changes nothing) if it is invalid."""
         mc = self.config.model
         rid = request.request_id
-        if rid in self.waiting:
-            raise ValueError(f"request_id: {rid!r} is already running")
+        request_rules.check_new_request_id(rid, self.waiting)
         if request.pooling_params is None:
             raise ValueError(
                 "pooling_params: this is a pooling model, which computes embeddings, not tokens; "
                 "send PoolingParams (LLM.embed, AsyncLLM.encode, /v1/embeddings)"
             )
         ids = request.prompt_token_ids
-        if not ids:
-            raise ValueError("prompt: the prompt is empty")
-        if len(ids) > mc.max_model_len:
-            raise ValueError(f"prompt: {len(ids)} tokens exceed max_model_len ({mc.max_model_len})")
-        if min(ids) < 0 or max(ids) >= mc.vocab_size:
-            raise ValueError(f"prompt_token_ids: token ids must be in [0, {mc.vocab_size})")
+        request_rules.check_prompt_tokens(ids, mc.max_model_len, mc.vocab_size, generate=False)
         self.waiting[rid] = request
 
     def abort_requests(self, request_ids: list[str] | str) -> None:

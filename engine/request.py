@@ -10,6 +10,7 @@ blocks, the torch generator, the grammar matcher) is no wire type: it lives with
 from __future__ import annotations
 
 import enum
+from dataclasses import dataclass, field
 
 import msgspec
 
@@ -22,6 +23,7 @@ __all__ = [
     "EngineCoreRequest",
     "FinishReason",
     "Logprobs",
+    "RunnerOutput",
 ]
 
 
@@ -81,3 +83,17 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+
+@dataclass
+class RunnerOutput:
+    """What one forward pass returns to the scheduler (`Scheduler.update_from_output`)."""
+
+    # Per sampling request id: the sampled token, and its logprobs row (or None).
+    sampled: dict[str, int]
+    logprobs: dict[str, Logprobs]
+    prompt_logprobs: dict[str, Logprobs]
+    # Per request that fed drafts (speculative decoding): the tokens it emits, the accepted
+    # drafts and then the target's own token (its first is also `sampled`; `logprobs` has a row
+    # per token).
+    spec_tokens: dict[str, list[int]] = field(default_factory=dict)

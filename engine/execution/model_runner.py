@@ -23,7 +23,6 @@ graphs hold the base model only).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -33,7 +32,7 @@ from triollm.engine.execution.cuda_graphs import DecodeGraphs
 from triollm.engine.execution.layers.attention import AttentionMetadata, PrefillChunk
 from triollm.engine.execution.models.base import CausalLM
 from triollm.engine.execution.sampler import Sampler, SamplingRow, gather_logprobs
-from triollm.engine.request import Logprobs
+from triollm.engine.request import Logprobs, RunnerOutput
 from triollm.engine.scheduling.scheduler import ScheduledRequest
 from triollm.kernels import KVCache, cpu_native
 from triollm.kernels.attention import DecodeWorkspace, plan_decode, plan_prefill
@@ -43,18 +42,6 @@ if TYPE_CHECKING:
     from triollm.lora.manager import LoRAManager
 
 __all__ = ["ModelRunner", "RunnerOutput"]
-
-
-@dataclass
-class RunnerOutput:
-    # Per sampling request id: the sampled token, and its logprobs row (or None).
-    sampled: dict[str, int]
-    logprobs: dict[str, Logprobs]
-    prompt_logprobs: dict[str, Logprobs]
-    # Per request that fed drafts (speculative decoding): the tokens it emits, the accepted
-    # drafts and then the target's own token (its first is also `sampled`; `logprobs` has a row
-    # per token).
-    spec_tokens: dict[str, list[int]] = field(default_factory=dict)
 
 
 class ModelRunner:

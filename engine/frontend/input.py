@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from triollm.engine import structured_outputs
+from triollm.engine import request_rules, structured_outputs
 from triollm.engine.inputs import PromptType
 from triollm.engine.loading.model_config import ModelConfig
 from triollm.engine.pooling_params import PoolingParams
@@ -183,15 +183,17 @@ class InputProcessor:
         self._check_request(request_id, priority)
         if lora_request is not None and not isinstance(lora_request, LoRARequest):
             raise ValueError(f"lora_request: must be a LoRARequest or None, got {type(lora_request).__name__}")
-        if self.model_config.runner_type != "generate":
+        mc = self.model_config
+        if mc.runner_type != "generate":
             raise ValueError(GENERATE_ON_POOLING.format(api="Generation (SamplingParams)"))
         if params is None:
             params = SamplingParams.with_defaults(self.model_config.generation_defaults)
         self._check_params(params)  # before anything is tokenized
         if isinstance(prompt, Mapping) and isinstance(prompt.get("prompt_token_ids"), list | tuple):
-            self._check_prompt_len(len(prompt["prompt_token_ids"]))  # before the ids are walked
+            # Before the ids are walked:
+            request_rules.check_prompt_len(len(prompt["prompt_token_ids"]), mc.max_model_len)
         text, token_ids = self._tokenize(prompt)
-        self._check_prompt(token_ids)
+        request_rules.check_prompt_tokens(token_ids, mc.max_model_len, mc.vocab_size)
         params = self._resolve_params(params, len(token_ids))
         bad_words = self._bad_words_token_ids(params.bad_words or [])
         self._check_request_tokens(params, len(token_ids), bad_words)
@@ -239,14 +241,7 @@ class InputProcessor:
             # A text is cut as the tokenizer cuts it (its special tokens kept), token ids as given.
             from_text = isinstance(prompt, str) or "prompt_token_ids" not in prompt
             token_ids = self.tokenizer.encode_truncated(text, keep) if from_text and text is not None else token_ids[:keep]
-        if not token_ids:
-            raise ValueError("prompt: must not be empty (0 tokens)")
-        if len(token_ids) > limit:
-            raise ValueError(
-                f"prompt: {len(token_ids)} tokens exceed max_model_len ({limit}); shorten it or "
-                "set truncate_prompt_tokens (-1: truncate to max_model_len)"
-            )
-        self._check_vocab(token_ids)
+        request_rules.check_prompt_tokens(token_ids, limit, mc.vocab_size, generate=False)
         arrival = time.time() if arrival_time is None else arrival_time
         [core_id] = core_request_ids(request_id, 1, tag)
         core = EngineCoreRequest(
@@ -336,29 +331,6 @@ class InputProcessor:
             raise ValueError("prompt: needs 'prompt' or 'prompt_token_ids'")
         return text, self.tokenizer.encode(text)
 
-    def _check_prompt(self, token_ids: list[int]) -> None:
-        if not token_ids:
-            raise ValueError("prompt: must not be empty (0 tokens)")
-        self._check_prompt_len(len(token_ids))
-        self._check_vocab(token_ids)
-
-    def _check_prompt_len(self, num_tokens: int) -> None:
-        limit = self.model_config.max_model_len
-        if num_tokens > limit - 1:
-            raise ValueError(
-                f"prompt: {num_tokens} tokens exceeds max_model_len ({limit}) minus one token "
-                f"to generate; at most {limit - 1} prompt tokens are allowed"
-            )
-
-    def _check_vocab(self, token_ids: list[int]) -> None:
-        """Every prompt token id in the model's vocabulary (generation and pooling alike)."""
-        vocab = self.model_config.vocab_size
-        bad = [t for t in token_ids if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(
-                f"prompt_token_ids: token ids must be in [0, {vocab}) (vocab_size), got {bad[:8]}"
-            )
-
     # ------------------------------------------------------------------ params
 
     def _check_params(self, params: SamplingParams) -> None:
@@ -410,25 +382,10 @@ class InputProcessor:
             )
         if params.top_k >= vocab:  # the same as no top-k, and within what the sampler handles
             params = msgspec.structs.replace(params, top_k=0)
-        self._check_kv_fit(prompt_len, params)
-        return params
-
-    def _check_kv_fit(self, prompt_len: int, params: SamplingParams) -> None:
-        """A sequence that needs more KV slots than the cache has would preempt itself forever.
-        The last sampled token is never fed back, so prompt + max_tokens - 1 slots suffice."""
-        capacity = self.kv_cache_tokens
         assert params.max_tokens is not None  # resolved
-        if capacity is None or prompt_len + params.max_tokens - 1 <= capacity:
-            return
-        if prompt_len >= capacity:
-            raise ValueError(
-                f"prompt: {prompt_len} tokens do not fit in the KV cache ({capacity} tokens)"
-            )
-        raise ValueError(
-            f"max_tokens: {params.max_tokens} tokens after a prompt of {prompt_len} need "
-            f"{prompt_len + params.max_tokens - 1} KV cache slots, more than the KV cache's "
-            f"{capacity} tokens; ask for at most {capacity - prompt_len + 1}"
-        )
+        if self.kv_cache_tokens is not None:
+            request_rules.check_kv_fit(prompt_len, params.max_tokens, self.kv_cache_tokens)
+        return params
 
     def _check_logprobs(self, name: str, value: int | None, vocab: int) -> None:
         """At most `max_logprobs`, and never more than the vocabulary (`max_logprobs=-1`: the

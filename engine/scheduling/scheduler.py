@@ -47,8 +47,12 @@ draft tokens each running request would have verified (`Request.spec_wanted`). O
 the prompt chunks and the admitted requests have their tokens, each scheduled decode gets its
 drafts from the budget left, with the KV slots for them (`ScheduledRequest.num_draft`): fewer if
 the budget is short, none if the blocks are not free (drafts never preempt), and a prompt is cut
-into the same chunks as without speculation. After the forward pass, `advance` counts the
-rejected drafts out again.
+into the same chunks as without speculation.
+
+After the forward pass, `update_from_output` does every request's bookkeeping (vLLM v1's
+name): the computed tokens counted (`advance`), the new tokens appended through the stop checks
+(`check_stop`) and the grammar, the rejected drafts' slots counted out again (a rollback is a
+count: the blocks stay), the logprobs cut to the tokens kept, finished requests freed.
 
 The waiting queue (`waiting_queue.py`) keeps that order with O(1) pops and removals, so a burst
 of aborts over a long queue costs O(n), not O(n^2). The running list stays a list: it holds at
@@ -62,6 +66,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from triollm.engine.config import SchedulerConfig
+from triollm.engine.request import EngineCoreOutput, FinishReason, Logprobs, RunnerOutput
 from triollm.engine.scheduling.block_manager import BlockManager
 from triollm.engine.scheduling.request_state import Request, RequestStatus
 from triollm.engine.scheduling.step_cost import StepCost
@@ -284,6 +289,74 @@ class Scheduler:
         self.waiting.push(req)
 
     # ---------------------------------------------------------------- after the forward pass
+
+    def update_from_output(
+        self, output: SchedulerOutput, result: RunnerOutput
+    ) -> list[EngineCoreOutput]:
+        """After the forward pass of `output`: each scheduled request's tokens are counted
+        computed, its new tokens appended through the stop checks (with drafts: the accepted
+        ones and the model's own token one by one, a stop dropping those after it), its grammar
+        advanced, its rejected drafts rolled back and its logprobs cut to the tokens it keeps.
+        A request that finished leaves with its blocks freed. Returns the outputs of the
+        requests that advanced (a prompt chunk yields one only with prompt logprobs)."""
+        outputs = []
+        for item in output.scheduled:
+            out = self._update(item, result)
+            if out is not None:
+                outputs.append(out)
+        return outputs
+
+    def _update(self, item: ScheduledRequest, result: RunnerOutput) -> EngineCoreOutput | None:
+        req = item.request
+        rid = req.request_id
+        # With drafts, the accepted ones and the target's own token are appended before
+        # `advance` (the accepted drafts' K/V is computed); a plain step advances first.
+        drafted = result.spec_tokens.get(rid) if item.num_draft else None
+        if drafted is None:
+            self.advance(item)
+        prompt_lps = result.prompt_logprobs.get(rid)
+        if not item.samples:
+            if prompt_lps is None:
+                return None
+            return EngineCoreOutput(rid, [], new_prompt_logprobs=prompt_lps)
+        tokens = [result.sampled[rid]] if drafted is None else list(drafted)
+        grammar = req.grammar
+        if grammar is not None and not grammar.consume_token(tokens[0]):
+            # The grammar failed (llguidance raised, or it allows no token the other
+            # constraints do): this request alone ends, without the token.
+            self.finish(req, RequestStatus.FINISHED_ABORTED)
+            reason = f"structured_outputs: {grammar.error}"[:2000]
+            return EngineCoreOutput(
+                rid, [], finish_reason=FinishReason.ERROR, stop_reason=reason,
+                new_prompt_logprobs=prompt_lps,
+            )
+        status = None
+        for n, token in enumerate(tokens, 1):  # a stop among them drops the tokens after it
+            req.append_output_token(token)
+            status = self.check_stop(req, token)
+            if status is None and grammar is not None and grammar.is_stopped():
+                status = RequestStatus.FINISHED_STOPPED  # the grammar is complete
+            if status is not None:
+                del tokens[n:]
+                break
+        if drafted is not None:  # computed: every token kept but the last; the rest roll back
+            self.advance(item, num_rejected=item.num_new_tokens - len(tokens))
+            req.draft_computed = min(req.draft_computed, req.num_computed_tokens)
+        if status is not None:
+            self.finish(req, status)
+        lps = result.logprobs.get(rid)
+        if lps is not None and len(lps.token_ids) > len(tokens):
+            n = len(tokens)
+            lps = Logprobs(lps.token_ids[:n], lps.logprobs[:n], lps.ranks[:n])
+        return EngineCoreOutput(
+            rid,
+            tokens,
+            finish_reason=req.finish_reason,
+            stop_reason=req.stop_reason,
+            new_logprobs=lps,
+            new_prompt_logprobs=prompt_lps,
+            num_cached_tokens=max(req.num_cached_tokens, 0),
+        )
 
     def advance(self, item: ScheduledRequest, num_rejected: int = 0) -> None:
         """Mark the scheduled tokens computed (call for every scheduled request after the

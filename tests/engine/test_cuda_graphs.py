@@ -46,7 +46,7 @@ def _with_graphs(engine: SyncEngine) -> tuple[list[int], torch.Tensor]:
     cache."""
     core = engine.core
     mc, bs = core.config.model, core.config.cache.block_size
-    kv = allocate_kv_cache(mc.num_layers, core.num_blocks + 1, bs, core.num_kv_heads, mc.head_dim, mc.dtype, "cpu")
+    kv = allocate_kv_cache(mc.num_layers, core.num_blocks + 1, bs, core.executor.num_kv_heads, mc.head_dim, mc.dtype, "cpu")
     assert core.model is not None
     graphs = DecodeGraphs(core.model, kv, torch.device("cpu"), SIZES, -(-mc.max_model_len // bs), core.num_blocks, eager_capture())
     replays: list[int] = []

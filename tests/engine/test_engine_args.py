@@ -18,7 +18,7 @@ from triollm import LLM, SamplingParams, TokensPrompt
 from triollm.actors.llm import engine_args_from_kwargs
 from triollm.api.cli import build_parser
 from triollm.engine import config as config_module
-from triollm.engine import core as core_module
+from triollm.engine.execution import executor as core_module
 from triollm.engine.config import IGNORED_ARGS, EngineArgs
 from triollm.engine.processing.tokenizer import Tokenizer
 

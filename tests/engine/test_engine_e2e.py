@@ -193,7 +193,7 @@ def _core_request(engine: SyncEngine, rid: str, ids: list[int]) -> EngineCoreReq
 
 CORE_BAD: dict[str, tuple[Callable[[SyncEngine], EngineCoreRequest], str]] = {
     "duplicate_id": (lambda e: _core_request(e, "code", [1, 2, 3]), r"^request_id: 'code'"),
-    "empty": (lambda e: _core_request(e, "x", []), r"^prompt: the prompt is empty"),
+    "empty": (lambda e: _core_request(e, "x", []), r"^prompt: must not be empty"),
     "too_long": (
         lambda e: _core_request(e, "x", [3] * MAX_LEN),
         rf"^prompt: {MAX_LEN} tokens .*max_model_len \({MAX_LEN}\)",

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from triollm.engine.config import SchedulerConfig
-from triollm.engine.request import EngineCoreRequest
+from triollm.engine.request import EngineCoreRequest, FinishReason, Logprobs, RunnerOutput
 from triollm.engine.sampling_params import SamplingParams
 from triollm.engine.scheduling.block_manager import BlockManager, hash_full_blocks
 from triollm.engine.scheduling.request_state import Request, RequestStatus
@@ -447,3 +447,74 @@ class WindowedSchedulerMachine(SchedulerMachine):
 
 TestWindowedSchedulerMachine = WindowedSchedulerMachine.TestCase
 TestWindowedSchedulerMachine.settings = settings(max_examples=40, stateful_step_count=40, deadline=None)
+
+
+# ---------------------------------------------------------------- update_from_output, no model
+
+
+def _rows(tokens: list[int]) -> Logprobs:
+    return Logprobs([[t] for t in tokens], [[-0.5] for _ in tokens], [1 for _ in tokens])
+
+
+def _prefilled(sched: Scheduler, rid: str = "r", prompt_len: int = 8) -> Request:
+    req = make_request(rid, list(range(1, prompt_len + 1)), max_tokens=16)
+    sched.add_request(req)
+    out = sched.schedule()
+    [first] = sched.update_from_output(out, RunnerOutput({rid: 5}, {}, {}))
+    assert first.new_token_ids == [5] and req.num_computed_tokens == prompt_len
+    return req
+
+
+def _drafting_step(sched: Scheduler, req: Request, drafts: int, emitted: list[int]):
+    """Schedule `req` with `drafts` drafts; the forward pass emits `emitted`: the accepted
+    drafts, then the model's own token."""
+    req.spec_wanted = drafts
+    out = sched.schedule()
+    [item] = out.scheduled
+    assert item.num_draft == drafts and item.num_new_tokens == 1 + drafts
+    rid = req.request_id
+    result = RunnerOutput({rid: emitted[0]}, {rid: _rows(emitted)}, {}, {rid: list(emitted)})
+    return out, sched.update_from_output(out, result)
+
+
+def test_update_from_output_rolls_back_rejected_drafts() -> None:
+    """3 drafts, 1 accepted plus the model's own token: 2 tokens emitted, the 2 rejected drafts'
+    slots counted out (K/V computed for every token but the last), blocks kept."""
+    sched = Scheduler(SchedulerConfig(8, 512, True), BlockManager(16, 4), 64)
+    req = _prefilled(sched)
+    computed, blocks = req.num_computed_tokens, list(req.block_ids)
+    _, [out] = _drafting_step(sched, req, 3, [7, 8])
+    assert out.new_token_ids == [7, 8] and out.finish_reason is None
+    assert req.output_token_ids == [5, 7, 8]
+    assert req.num_computed_tokens == computed + 2 == req.num_tokens - 1
+    assert req.block_ids[: len(blocks)] == blocks  # a rollback is a count: the blocks stay
+    assert out.new_logprobs is not None and len(out.new_logprobs.token_ids) == 2
+    sched.blocks.check_integrity(list(sched.live_requests()))
+
+
+def test_update_from_output_stops_inside_the_drafts() -> None:
+    """An EOS among the accepted drafts ends the request there: the tokens after it, and their
+    logprobs rows, are dropped, and its blocks are freed."""
+    sched = Scheduler(SchedulerConfig(8, 512, True), BlockManager(16, 4), 64)
+    req = _prefilled(sched)
+    free = sched.blocks.statistics().num_free_blocks
+    _, [out] = _drafting_step(sched, req, 3, [7, EOS, 8, 9])
+    assert out.new_token_ids == [7, EOS] and out.finish_reason == FinishReason.STOP
+    assert out.new_logprobs is not None and out.new_logprobs.token_ids == [[7], [EOS]]
+    assert req.status == RequestStatus.FINISHED_STOPPED and not sched.has_unfinished_requests()
+    assert sched.blocks.statistics().num_free_blocks > free
+    sched.blocks.check_integrity([])
+
+
+def test_update_from_output_without_drafts_advances_first() -> None:
+    """A plain decode: counted computed, then the sampled token appended; a prompt chunk that
+    samples nothing yields an output only with prompt logprobs."""
+    sched = Scheduler(SchedulerConfig(8, 512, True, long_prefill_token_threshold=4), BlockManager(16, 4), 64)
+    req = make_request("p", list(range(1, 9)))
+    sched.add_request(req)
+    assert sched.update_from_output(sched.schedule(), RunnerOutput({}, {}, {})) == []
+    assert req.num_computed_tokens == 4 and req.output_token_ids == []
+    rows = _rows([3, 4, 5])
+    [out] = sched.update_from_output(sched.schedule(), RunnerOutput({"p": 6}, {}, {"p": rows}))
+    assert out.new_token_ids == [6] and out.new_prompt_logprobs is rows
+    assert req.num_computed_tokens == 8 and req.num_tokens == 9

@@ -1,0 +1,281 @@
+"""`Executor`: the device side of a generative engine core, built in one explicit order.
+
+`Executor.build(config)` owns everything that holds device memory or processes, so the engine
+core (engine/core.py) holds only bookkeeping: the scheduler, the block manager, the grammars.
+Its build order is the one place the dependencies between device resources are written down:
+
+1. process knobs: torch's thread count and seed;
+2. the model, or rank 0's shard with the tensor-parallel workers started (their share of the
+   cores set first);
+3. the LoRA manager: its adapter buffers are allocated beside the weights, before the KV cache
+   takes what memory is left;
+4. the draft model (speculative decoding's `draft_model` method), for the same reason;
+5. the KV block count: `cache.num_kv_blocks`, or the budget (`kv_cache_memory_bytes`, or
+   measured now that the weights are loaded: `default_kv_budget`) over the bytes of one block
+   of the model's cache and the draft's; sent to the TP workers; checked against
+   max_model_len;
+6. the KV cache, CUDA graphs captured over it, and the runner; the draft's runner over a KV
+   cache of its own (the same block ids).
+
+With an injected `runner` (tests, benchmarks) steps 2-4 and 6 are skipped: no model, no KV
+memory, and the block count comes from the model's configuration alone. `close()` stops the
+TP workers (idempotent); a build that raises closes what it started.
+
+Rejected: the core building these itself (the order was held by comments such as "before the
+KV cache is sized"), and a worker class per device as in vLLM: one process drives the device
+here, and tensor parallelism is the group the runner already talks to.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import time
+from typing import TYPE_CHECKING, Protocol
+
+import torch
+
+from triollm.engine.config import EngineConfig
+from triollm.engine.execution.cuda_graphs import DecodeGraphs, cuda_capture
+from triollm.engine.execution.model_runner import ModelRunner, RunnerOutput
+from triollm.engine.execution.models import CausalLM, load_model
+from triollm.engine.scheduling.scheduler import ScheduledRequest
+from triollm.engine.speculative.draft import DraftModel
+from triollm.kernels import KVCache, allocate_kv_cache
+from triollm.lora.manager import LoRAManager
+
+if TYPE_CHECKING:
+    from triollm.engine.distributed.group import TensorParallelGroup
+
+__all__ = ["Executor", "Runner", "default_kv_budget"]
+
+log = logging.getLogger("triollm")
+
+_DEFAULT_CPU_KV_FRACTION = 0.2
+_DEFAULT_CPU_KV_MAX = 2 << 30
+
+
+class Runner(Protocol):
+    """What the core needs of a model runner: one forward pass (and sampling) per step."""
+
+    def execute(self, scheduled: list[ScheduledRequest]) -> RunnerOutput: ...
+
+
+class Executor:
+    """The built device resources; see the module docstring for the order. Attributes:
+    `runner` (executes a step), `num_blocks` (KV blocks, this rank's), `num_kv_heads` (this
+    rank's), `model` and `lora` (None with an injected runner), `draft` (the draft model's
+    runner, with a draft model only), `group` (the TP workers, with tensor_parallel_size > 1)."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.group: TensorParallelGroup | None = None
+        self.model: CausalLM | None = None
+        self.lora: LoRAManager | None = None
+        self.draft_model: CausalLM | None = None
+        self.draft: DraftModel | None = None
+        self.num_kv_heads = config.model.num_kv_heads
+        self.num_blocks = 0
+        self.runner: Runner
+
+    @classmethod
+    def build(cls, config: EngineConfig, runner: Runner | None = None) -> Executor:
+        self = cls(config)
+        try:
+            self._build(runner)
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def _build(self, runner: Runner | None) -> None:
+        config, mc = self.config, self.config.model
+        if config.num_threads is not None:
+            torch.set_num_threads(config.num_threads)
+        if config.seed is not None:
+            torch.manual_seed(config.seed)
+        if runner is None:
+            self.model = self._load_model()
+            if config.lora is not None:
+                keep_loads = self.group is not None
+                self.lora = LoRAManager(self.model, config.lora, config.device, keep_loads=keep_loads)
+            spec = config.speculative
+            if spec is not None and spec.draft is not None:
+                self.draft_model = load_model(spec.draft, config.device)
+        self.num_blocks = self._num_kv_blocks()
+        if self.group is not None:
+            self.group.send_cache(self.num_blocks)
+        self._check_fits_max_model_len()
+        if runner is not None:
+            self.runner = runner
+        else:
+            self.runner = self._model_runner()
+            self.draft = self._draft_runner()
+        log.info(
+            "KV cache: %d blocks of %d tokens (%d tokens, %.1f MiB) for %s on %s",
+            self.num_blocks,
+            config.cache.block_size,
+            self.num_blocks * config.cache.block_size,
+            self.num_blocks * self.bytes_per_block() / 2**20,
+            mc.path.name,
+            config.device,
+        )
+
+    def close(self) -> None:
+        """Stop the tensor-parallel workers, if any (idempotent)."""
+        if self.group is not None:
+            self.group.close()
+            self.group = None
+
+    # ------------------------------------------------------------------ the model
+
+    def _load_model(self) -> CausalLM:
+        """The whole model, or with tensor_parallel_size N > 1 rank 0's shard after starting
+        the N-1 workers (the cores are split between the ranks)."""
+        from triollm.engine.distributed.group import TensorParallelGroup
+
+        config, mc = self.config, self.config.model
+        size = config.tensor_parallel_size
+        if size == 1:
+            return load_model(mc, config.device)
+        threads = max(1, (config.num_threads or torch.get_num_threads()) // size)
+        torch.set_num_threads(threads)
+        block_size = config.cache.block_size
+        self.group = group = TensorParallelGroup(size, threads, mc, config.device, block_size)
+        self.num_kv_heads = group.shard.kv_heads(mc.num_heads, mc.num_kv_heads)[1]
+        return load_model(mc, config.device, group.shard, group.comm)
+
+    def _model_runner(self) -> ModelRunner:
+        """The KV cache (with CUDA graphs, one spare block beyond the block manager's: the
+        padding rows' slot), the graphs, and the runner over them."""
+        assert self.model is not None
+        config, mc = self.config, self.config.model
+        sizes = config.cuda_graph_sizes
+        kv = allocate_kv_cache(
+            mc.num_layers,
+            self.num_blocks + (1 if sizes else 0),
+            config.cache.block_size,
+            self.num_kv_heads,
+            mc.head_dim,
+            mc.cache_dtype,
+            config.device,
+        )
+        graphs = self._capture_graphs(kv, sizes)
+        return ModelRunner(self.model, kv, config.device, self.group, graphs, self.lora)
+
+    def _draft_runner(self) -> DraftModel | None:
+        """The draft model's runner over a KV cache of its own (the same block ids)."""
+        spec = self.config.speculative
+        if spec is None or spec.draft is None or self.draft_model is None:
+            return None
+        d, config = spec.draft, self.config
+        kv = allocate_kv_cache(
+            d.num_layers,
+            self.num_blocks,
+            config.cache.block_size,
+            d.num_kv_heads,
+            d.head_dim,
+            d.cache_dtype,
+            config.device,
+        )
+        return DraftModel(ModelRunner(self.draft_model, kv, config.device))
+
+    def _capture_graphs(self, kv: KVCache, sizes: tuple[int, ...]) -> DecodeGraphs | None:
+        """CUDA graphs for decode steps; a capture that fails leaves the engine eager, with a
+        warning that names the cause."""
+        if not sizes:
+            return None
+        assert self.model is not None
+        mc, bs = self.config.model, self.config.cache.block_size
+        if mc.moe is not None:  # the experts' routing reads token counts on the host each layer
+            log.info("CUDA graphs are off for %s: routed experts run eagerly", mc.architecture)
+            return None
+        start = time.perf_counter()
+        device = torch.device(self.config.device)
+        max_blocks = -(-mc.max_model_len // bs)
+        try:
+            graphs = DecodeGraphs(
+                self.model, kv, device, sizes, max_blocks, self.num_blocks, cuda_capture()
+            )
+        except Exception as exc:  # noqa: BLE001 - eager still works; say why graphs are off
+            log.warning(
+                "CUDA graphs are off, every step runs eagerly: capture failed (%s: %s)",
+                type(exc).__name__,
+                exc,
+            )
+            return None
+        elapsed = time.perf_counter() - start
+        log.info("captured CUDA graphs for decode batch sizes %s in %.1f s", list(sizes), elapsed)
+        return graphs
+
+    # ------------------------------------------------------------------ KV sizing
+
+    def bytes_per_block(self) -> int:
+        """KV bytes per block: the model's and, with a draft model, the draft's (same blocks)."""
+        mc, bs = self.config.model, self.config.cache.block_size
+        size = KVCache.bytes_per_block(mc.num_layers, self.num_kv_heads, mc.head_dim, bs, mc.cache_dtype)
+        spec = self.config.speculative
+        if spec is not None and spec.draft is not None and self.draft_model is not None:
+            d = spec.draft
+            size += KVCache.bytes_per_block(d.num_layers, d.num_kv_heads, d.head_dim, bs, d.cache_dtype)
+        return size
+
+    def _num_kv_blocks(self) -> int:
+        cache = self.config.cache
+        if cache.num_kv_blocks is not None:
+            return cache.num_kv_blocks
+        budget = cache.kv_cache_memory_bytes
+        if budget is None:
+            budget = default_kv_budget(self.config.device, cache.gpu_memory_utilization)
+        blocks = budget // self.bytes_per_block()
+        # More blocks than every sequence at full length could use would only waste memory.
+        per_seq = math.ceil(self.config.model.max_model_len / cache.block_size)
+        blocks = min(blocks, self.config.scheduler.max_num_seqs * per_seq + 1)
+        if blocks <= 0:
+            raise ValueError(
+                f"kv_cache_memory_bytes: {budget} bytes hold no KV block "
+                f"(one block needs {self.bytes_per_block()} bytes)"
+            )
+        return int(blocks)
+
+    def _check_fits_max_model_len(self) -> None:
+        cache, max_len = self.config.cache, self.config.model.max_model_len
+        tokens = self.num_blocks * cache.block_size
+        if tokens < max_len and cache.num_kv_blocks is None:
+            raise ValueError(
+                f"max_model_len: {max_len} tokens do not fit in the KV cache "
+                f"({self.num_blocks} blocks x {cache.block_size} = {tokens} tokens); "
+                "raise kv_cache_memory_bytes or lower max_model_len"
+            )
+
+
+def default_kv_budget(device: str, gpu_memory_utilization: float) -> int:
+    """KV cache bytes when `kv_cache_memory_bytes` is not set, measured after the model loaded.
+
+    CUDA, as vLLM: this engine may use `gpu_memory_utilization` of the GPU's total memory, and
+    the KV cache gets what of that share the weights (and anything else) left free. CPU: a
+    fifth of the available memory, at most 2 GiB.
+    """
+    if device == "cuda":
+        free, total = torch.cuda.mem_get_info()
+        budget = int(free - (1.0 - gpu_memory_utilization) * total)
+        if budget <= 0:
+            used = (total - free) / 2**30
+            raise ValueError(
+                f"gpu_memory_utilization: {gpu_memory_utilization} of {total / 2**30:.1f} GiB "
+                f"leaves no room for the KV cache ({used:.1f} GiB are already in use); raise it"
+            )
+        return budget
+    return int(min(_available_memory() * _DEFAULT_CPU_KV_FRACTION, _DEFAULT_CPU_KV_MAX))
+
+
+def _available_memory() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
