@@ -1,6 +1,15 @@
-"""`triollm bench`: throughput and latency (offline), pipeline (the actor layer), serve (a client),
-quality (quantized weights against the dense model), soak (a mixed hostile load with leak checks),
-moe (the routed-experts block by expert count), lora (adapters against the base model)."""
+"""`triollm bench`: throughput and latency (offline), pipeline (the actor layer), serve (a
+client), quality (quantized weights against the dense model), soak (a mixed hostile load with leak
+checks), moe (the routed-experts block by expert count), lora (adapters against the base model).
+
+The rule: a benchmark uses what a user can: `triollm`'s exports (`LLM`, `AsyncLLM`, `EngineArgs`,
+`SamplingParams`), the HTTP server (serve and soak are clients of `triollm serve`), the vLLM
+paths (`triollm.lora.request`) and `triollm.testing`. An import from below that surface says at
+the import, in one line, why it may not: the offline yardsticks drive the engine directly
+(`SyncEngine`: no portal, no actors, each step timed), quality sends its children resolved
+configs, and moe times one layer alone. Nothing in the server package imports a benchmark but
+the CLI, which registers these commands.
+"""
 
 from __future__ import annotations
 
@@ -19,7 +28,9 @@ __all__ = ["add_bench_parser"]
 
 
 def add_bench_parser(sub: Any) -> None:
-    bench = sub.add_parser("bench", help="benchmarks (throughput, latency, pipeline, serve, quality, soak, moe, lora)")
+    bench = sub.add_parser(
+        "bench", help="benchmarks (throughput, latency, pipeline, serve, quality, soak, moe, lora)"
+    )
     kinds = bench.add_subparsers(dest="bench", required=True)
     add_throughput_parsers(kinds)
     add_latency_parser(kinds)

@@ -25,8 +25,8 @@ from typing import Any
 
 import torch
 
+from triollm import EngineArgs
 from triollm.bench.throughput import add_workload_args, random_workload
-from triollm.engine.config import EngineArgs
 
 __all__ = ["add_lora_parser", "write_random_adapter"]
 
@@ -72,7 +72,7 @@ def write_random_adapter(out: Path, model: Any, rank: int, seed: int) -> Path:
 
 
 def _throughput(engine: Any, work: list[tuple[list[int], int]], loras: list[Any]) -> float:
-    from triollm.engine.sampling_params import SamplingParams
+    from triollm import SamplingParams
 
     prompts = [{"prompt_token_ids": ids} for ids, _ in work]
     params = [SamplingParams(max_tokens=n, ignore_eos=True, temperature=0.0) for _, n in work]
@@ -88,7 +88,7 @@ def _throughput(engine: Any, work: list[tuple[list[int], int]], loras: list[Any]
 
 def _batch1(engine: Any, vocab: int, tokens: int, lora: Any) -> float:
     """Median seconds per decode step of one request (its first step, the prompt, excluded)."""
-    from triollm.engine.sampling_params import SamplingParams
+    from triollm import SamplingParams
 
     rng = random.Random(1)
     prompt = {"prompt_token_ids": [rng.randrange(min(1000, vocab)) for _ in range(32)]}
@@ -104,6 +104,7 @@ def _batch1(engine: Any, vocab: int, tokens: int, lora: Any) -> float:
 
 
 def run_lora(ns: argparse.Namespace) -> int:
+    # Not LLM: batch-1 times each engine step, and the throughput run is bench throughput's.
     from triollm.engine.sync_engine import SyncEngine
     from triollm.lora.request import LoRARequest
 

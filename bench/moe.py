@@ -61,6 +61,7 @@ def bench_moe(
     ratio of the median to the first expert count's at the same token count."""
     import torch
 
+    # Not public: this times the layer alone, which no engine API exposes.
     from triollm.engine.execution.layers.moe import FusedMoE
 
     for field, value in (("layers", layers), ("iters", iters)):

@@ -1,10 +1,10 @@
 """`triollm bench pipeline`: the actor pipeline alone, and `LLM`'s overhead on the real model.
 
-Part 1 replays scripted tokens in the engine core (no forward pass: the core is built by the
-`SCRIPTED` factory of engine/execution/scripted_runner.py, passed as `engine_core_factory`, which
-reaches the engine-core child process too), so what is measured is everything around the model: scheduling, the wire (ZMQ + msgspec in the
-multiprocess transport), the output actor (detokenizing, building RequestOutputs), collectors
-and consumers. 256 concurrent DELTA streams, for each transport and event-loop backend; a
+Part 1 replays scripted tokens in the engine core (no forward pass: the core is
+`triollm.testing`'s `FakeCore()`, scripted tokens at full speed, passed as `engine_core_factory`,
+which reaches the engine-core child process too), so what is measured is everything around the
+model: scheduling, the wire (ZMQ + msgspec in the multiprocess transport), the output actor
+(detokenizing, building RequestOutputs), collectors and consumers. 256 concurrent DELTA streams, for each transport and event-loop backend; a
 heartbeat task sleeping 1 ms records the longest event-loop stall.
 
 Part 2 runs one workload on the real model twice: driving the engine directly (`SyncEngine`:
@@ -21,9 +21,7 @@ from typing import Any
 
 import anyio
 
-from triollm.engine.config import EngineArgs
-from triollm.engine.execution.scripted_runner import SCRIPTED
-from triollm.engine.sampling_params import RequestOutputKind, SamplingParams
+from triollm import EngineArgs, RequestOutputKind, SamplingParams
 
 
 def add_pipeline_parser(kinds: Any) -> None:
@@ -38,7 +36,8 @@ def add_pipeline_parser(kinds: Any) -> None:
 
 
 async def _stream_all(args: EngineArgs, streams: int, tokens: int) -> dict[str, float]:
-    from triollm.actors.async_llm import AsyncLLM
+    from triollm import AsyncLLM
+    from triollm.testing import FakeCore
 
     params = SamplingParams(max_tokens=tokens, ignore_eos=True, output_kind=RequestOutputKind.DELTA)
     received = 0
@@ -56,7 +55,7 @@ async def _stream_all(args: EngineArgs, streams: int, tokens: int) -> dict[str, 
         async for out in llm.generate({"prompt_token_ids": [10 + i % 100] * 16}, params, f"s{i}"):
             received += len(out.outputs[0].token_ids)
 
-    async with AsyncLLM.from_engine_args(args, engine_core_factory=SCRIPTED) as llm:
+    async with AsyncLLM.from_engine_args(args, engine_core_factory=FakeCore().factory()) as llm:
         async with anyio.create_task_group() as beat:
             beat.start_soon(heartbeat)
             start = time.perf_counter()
@@ -70,7 +69,9 @@ async def _stream_all(args: EngineArgs, streams: int, tokens: int) -> dict[str, 
 
 
 def _overhead(args: EngineArgs, n: int) -> tuple[float, float]:
-    from triollm.actors.llm import LLM
+    from triollm import LLM
+
+    # Not public: the engine driven directly is the baseline LLM's overhead is measured against.
     from triollm.engine.sync_engine import SyncEngine
 
     rng = random.Random(0)
@@ -91,7 +92,6 @@ def _overhead(args: EngineArgs, n: int) -> tuple[float, float]:
 
 
 def run_pipeline(ns: argparse.Namespace) -> int:
-
     base = EngineArgs.from_cli_args(ns)
     print(f"{ns.streams} streams x {ns.tokens_per_stream} tokens, scripted engine core")
     for transport in ns.transports.split(","):

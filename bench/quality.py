@@ -48,7 +48,10 @@ from typing import Any
 
 import msgspec
 
-from triollm.engine.config import QUANTIZATIONS, EngineArgs, EngineConfig
+from triollm import EngineArgs
+
+# Not public: each run's config is resolved and checked here, then sent to its child process.
+from triollm.engine.config import QUANTIZATIONS, EngineConfig
 
 __all__ = ["add_quality_parser", "checkpoint_label", "child_main"]
 
@@ -108,7 +111,7 @@ _CHILD_MAIN = "from triollm.bench.quality import child_main; raise SystemExit(ch
 
 def child_main() -> int:
     """One run in this process: the `_Job` on stdin, its `Measurement` on stdout."""
-    from triollm.engine.config_codec import decode_config
+    from triollm.engine.config_codec import decode_config  # not public: the parent resolved it
 
     job = msgspec.msgpack.decode(sys.stdin.buffer.read(), type=_Job)
     result = os.fdopen(os.dup(1), "wb")
@@ -121,7 +124,9 @@ def child_main() -> int:
 
 
 def measure(config: EngineConfig, text: str, window: int, max_tokens: int) -> Measurement:
-    from triollm.engine.sampling_params import SamplingParams
+    from triollm import SamplingParams
+
+    # Not LLM: the child's load time and peak memory are the engine's, without actor threads.
     from triollm.engine.sync_engine import SyncEngine
 
     start = time.perf_counter()
@@ -167,7 +172,7 @@ def peak_rss_bytes() -> int:
 
 
 def _run_child(label: str, config: EngineConfig, text: str, window: int, max_tokens: int) -> Measurement:
-    from triollm.engine.config_codec import encode_config
+    from triollm.engine.config_codec import encode_config  # not public: sent resolved
 
     job = _Job(encode_config(config), text, window, max_tokens, logging.getLogger().getEffectiveLevel())
     proc = subprocess.run([sys.executable, "-c", _CHILD_MAIN], input=msgspec.msgpack.encode(job), stdout=subprocess.PIPE, check=False)

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from triollm.engine.config import EngineArgs
+from triollm import EngineArgs
 
 TEXT_TOPICS = [
     "a lighthouse keeper", "the history of bread", "how rainbows form", "a robot learning to paint",
@@ -68,7 +68,7 @@ def text_workload(ns: argparse.Namespace, tokenizer: Any) -> list[tuple[list[int
 
 
 def _run_triollm(engine: Any, work: list[tuple[list[int], int]]) -> dict[str, float]:
-    from triollm.engine.sampling_params import SamplingParams
+    from triollm import SamplingParams
 
     prompts = [{"prompt_token_ids": ids} for ids, _ in work]
     params = [SamplingParams(max_tokens=n, ignore_eos=True, temperature=0.0, detokenize=True) for _, n in work]
@@ -99,7 +99,7 @@ def _run_structured(engine: Any, work: list[tuple[list[int], int]]) -> dict[str,
     """The prompts held to PERSON_SCHEMA (the grammar ends them), then the same prompts
     unconstrained with `ignore_eos` and each one's token count from the first run: the same
     work, so the ratio is the grammar's cost (matcher, bitmask, masking)."""
-    from triollm.engine.sampling_params import SamplingParams, StructuredOutputsParams
+    from triollm import SamplingParams, StructuredOutputsParams
 
     prompts = [{"prompt_token_ids": ids} for ids, _ in work]
     so = StructuredOutputsParams(json=PERSON_SCHEMA)
@@ -177,6 +177,7 @@ def _print(name: str, res: dict[str, float]) -> None:
 
 
 def run_throughput(ns: argparse.Namespace) -> int:
+    # Not LLM: the engine alone, no portal or actors (bench pipeline measures what LLM adds).
     from triollm.engine.sync_engine import SyncEngine
 
     args = EngineArgs.from_cli_args(ns)
