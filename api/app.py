@@ -15,6 +15,9 @@ concurrent requests, header count, body deadline), CORS when configured (`--allo
 key except the `OPEN_PATHS` (none with `--api-key-all-routes`), so a route added later is keyed
 unless it is opened on purpose.
 
+The routes are the route table's (routes.py), the same records /openapi.json is built from;
+their handlers are endpoints.py's.
+
 LoRA adapters (serving_models.py): `GET /v1/models` lists them after the base model's names, a
 generation request names one in `model`, and with `VLLM_ALLOW_RUNTIME_LORA_UPDATING` set (the
 `allow_runtime_lora_updating` setting) `POST /v1/load_lora_adapter` and `/v1/unload_lora_adapter`
@@ -36,9 +39,7 @@ UI's "try it out" calls the API under it.
 from __future__ import annotations
 
 import hmac
-import time
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Any
 
 import msgspec
 from starlette.applications import Starlette
@@ -51,43 +52,15 @@ from starlette.routing import BaseRoute, Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 import triollm
-from triollm.actors.async_llm import AsyncLLM
+from triollm.api.endpoints import Endpoints
 from triollm.api.limits import RequestLimits
-from triollm.api.log_bounds import shorten
-from triollm.api.openai_errors import APIError, bad_request, from_exception
+from triollm.api.openai_errors import APIError, from_exception
 from triollm.api.openapi import openapi_document
 from triollm.api.playground import page_paths, page_routes
-from triollm.api.protocol import (
-    DetokenizeRequest,
-    DetokenizeResponse,
-    ModelCard,
-    ModelList,
-    TokenizeChatRequest,
-    TokenizeCompletionRequest,
-    TokenizeResponse,
-    VersionResponse,
-    decode_json,
-    decode_request,
-)
-from triollm.api.serving_chat import create_chat_completion
-from triollm.api.serving_common import (
-    SMALL_BODY_BYTES,
-    maybe_in_thread,
-    read_body,
-    render_chat,
-    resolve_chat_template,
-    resolve_model,
-)
-from triollm.api.serving_completions import create_completion
-from triollm.api.serving_models import LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest
-from triollm.api.serving_pooling import create_embedding, create_score, require_runner
-from triollm.api.serving_responses import ResponsesAPI
+from triollm.api.routes import OPEN_PATHS, RouteSpec, served_routes
 from triollm.api.state import ServerState
-from triollm.engine.config import ModelConfig
 
 __all__ = ["build_app"]
-
-Endpoint = Callable[[Request], Awaitable[Response]]
 
 # vLLM's check and answer (its `validate_json_request`: a validation error, so a 400).
 UNSUPPORTED_MEDIA_TYPE = "Unsupported Media Type: Only 'application/json' is allowed"
@@ -98,40 +71,18 @@ def build_app(state: ServerState, *, playground: bool = True) -> Starlette:
     settings = state.settings
     if not settings.served_model_names:
         raise ValueError("served_model_names: at least one name is needed")
-    api = _Endpoints(state)
+    specs = served_routes(state)
+    api = Endpoints(state, lambda: _openapi_json(state, specs))
     routes: list[BaseRoute] = [
-        Route("/v1/completions", api.guard(api.completions), methods=["POST"]),
-        Route("/v1/chat/completions", api.guard(api.chat), methods=["POST"]),
-        Route("/v1/responses", api.guard(api.responses.create), methods=["POST"]),
-        Route("/v1/responses/{response_id}", api.guard(api.responses.retrieve), methods=["GET"]),
-        Route("/v1/responses/{response_id}", api.guard(api.responses.delete), methods=["DELETE"]),
-        Route("/v1/models", api.guard(api.models), methods=["GET"]),
-        Route("/health", api.guard(api.health), methods=["GET"]),
-        Route("/version", api.guard(api.version), methods=["GET"]),
-        Route("/tokenize", api.guard(api.tokenize), methods=["POST"]),
-        Route("/detokenize", api.guard(api.detokenize), methods=["POST"]),
-        *([] if settings.disable_docs else [Route("/openapi.json", api.guard(api.openapi), methods=["GET"])]),
-        # ------------------------------------------------------ pooling models (serving_pooling.py)
-        Route("/v1/embeddings", api.guard(api.embeddings), methods=["POST"]),
-        Route("/score", api.guard(api.score), methods=["POST"]),
-        Route("/v1/score", api.guard(api.score), methods=["POST"]),
+        Route(spec.path, _guard(api, spec), methods=[spec.method]) for spec in specs
     ]
-    # ---------------------------------------------------- LoRA adapters at runtime (serving_models.py)
-    if settings.allow_runtime_lora_updating:  # vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING; else 404
-        routes += [
-            Route("/v1/load_lora_adapter", api.guard(api.load_lora_adapter), methods=["POST"]),
-            Route("/v1/unload_lora_adapter", api.guard(api.unload_lora_adapter), methods=["POST"]),
-        ]
     # ------------------------------------------- the browser pages: / and /docs (playground.py)
     pages = {"playground": playground, "docs": not settings.disable_docs}
     routes += page_routes(**pages)
-    # ---------------------------------------------------------------- /metrics (api/metrics.py)
-    metrics = _metrics_route(state)
-    if metrics is not None:
-        routes.append(metrics)
-        api.extra_paths.append("/metrics")
     # ------------------------------------------------------------------------------------------
-    middleware: list[Middleware] = [Middleware(RootPath, root_path=settings.root_path)] if settings.root_path else []
+    middleware: list[Middleware] = []
+    if settings.root_path:
+        middleware.append(Middleware(RootPath, root_path=settings.root_path))
     middleware += [
         Middleware(
             RequestLimits,
@@ -167,16 +118,35 @@ def build_app(state: ServerState, *, playground: bool = True) -> Starlette:
     return app
 
 
-def _metrics_route(state: ServerState) -> BaseRoute | None:
-    """GET /metrics, served by `state.metrics` (an `api.metrics.Metrics`, which the server sets
-    when metrics are enabled); None without it."""
-    endpoint = getattr(state.metrics, "endpoint", None)
-    return Route("/metrics", endpoint, methods=["GET"]) if callable(endpoint) else None
+def _guard(api: Endpoints, spec: RouteSpec) -> Callable[[Request], Awaitable[Response]]:
+    """The route's handler, wrapped so that no exception escapes it: a POST body must be JSON,
+    and whatever goes wrong becomes an OpenAI error body."""
+    handler = spec.handler
+
+    async def endpoint(request: Request) -> Response:
+        try:
+            if request.method == "POST":
+                _require_json(request)
+            return await handler(api, request)
+        except Exception as exc:
+            return from_exception(exc, engine_running=api.llm.is_running).response()
+
+    endpoint.__name__ = handler.__name__
+    return endpoint
 
 
-# Open without the key by default (as vLLM leaves them); behind it with `--api-key-all-routes`.
-# Every other route (/v1/*, /score, and any unknown path) needs the key.
-OPEN_PATHS = ("/health", "/version", "/openapi.json", "/tokenize", "/detokenize", "/metrics")
+def _openapi_json(state: ServerState, specs: Sequence[RouteSpec]) -> bytes:
+    settings = state.settings
+    doc = openapi_document(
+        specs,
+        title="triollm OpenAI-compatible API",
+        version=triollm.__version__,
+        api_key=bool(settings.api_keys),
+        all_routes=settings.api_key_all_routes,
+    )
+    if settings.root_path:  # where the API is, for Swagger UI's "try it out"
+        doc["servers"] = [{"url": settings.root_path}]
+    return msgspec.json.encode(doc)
 
 
 class RootPath:
@@ -193,7 +163,8 @@ class RootPath:
 
 
 def _route_path(scope: Scope) -> str:
-    """The path the routes match: without the root_path when it starts with it (Starlette's rule)."""
+    """The path the routes match: without the root_path when it starts with it (Starlette's
+    rule)."""
     path: str = scope.get("path", "")
     root: str = scope.get("root_path", "")
     if root and (path == root or path.startswith(root + "/")):
@@ -205,7 +176,9 @@ class APIKeyMiddleware:
     """`Authorization: Bearer <key>` on every path but `open_paths`: any of the keys, each
     compared in constant time (all of them, whichever matches)."""
 
-    def __init__(self, app: ASGIApp, api_key: str | Sequence[str], open_paths: tuple[str, ...] = ()) -> None:
+    def __init__(
+        self, app: ASGIApp, api_key: str | Sequence[str], open_paths: tuple[str, ...] = ()
+    ) -> None:
         self.app = app
         keys = [api_key] if isinstance(api_key, str) else list(api_key)
         if not keys or not all(keys):
@@ -245,149 +218,3 @@ def _require_json(request: Request) -> None:
     content_type = request.headers.get("content-type", "")
     if content_type.split(";", 1)[0].strip().lower() != "application/json":
         raise APIError(400, UNSUPPORTED_MEDIA_TYPE)
-
-
-def _json(obj: Any, status: int = 200) -> Response:
-    return Response(msgspec.json.encode(obj), status_code=status, media_type="application/json")
-
-
-class _Endpoints:
-    def __init__(self, state: ServerState) -> None:
-        self.state = state
-        self.llm: AsyncLLM = state.llm
-        self.created = int(time.time())
-        self.chat_template = resolve_chat_template(state.settings.chat_template)
-        self.responses = ResponsesAPI(state, self.chat_template)  # serving_responses.py, its store
-        self.extra_paths: list[str] = []
-        self._openapi: bytes | None = None
-
-    def guard(self, fn: Endpoint) -> Endpoint:
-        async def endpoint(request: Request) -> Response:
-            try:
-                if request.method == "POST":
-                    _require_json(request)
-                return await fn(request)
-            except Exception as exc:
-                return from_exception(exc, engine_running=self.llm.is_running).response()
-
-        endpoint.__name__ = fn.__name__
-        return endpoint
-
-    def _model_config(self) -> ModelConfig:
-        config = self.llm.config
-        return config.model if config is not None else self.llm.get_model_config()
-
-    async def completions(self, request: Request) -> Response:
-        require_runner(self.state, "generate", "Completions API")
-        return await create_completion(self.state, request)
-
-    async def chat(self, request: Request) -> Response:
-        require_runner(self.state, "generate", "Chat Completions API")
-        return await create_chat_completion(self.state, request, self.chat_template)
-
-    async def embeddings(self, request: Request) -> Response:
-        return await create_embedding(self.state, request)
-
-    async def score(self, request: Request) -> Response:
-        return await create_score(self.state, request)
-
-    async def models(self, request: Request) -> Response:
-        """The base model's names, then each LoRA adapter (`root` its path, `parent` the base
-        model's served name), as vLLM lists them."""
-        config = self._model_config()
-        cards = [
-            ModelCard(
-                id=name,
-                created=self.created,
-                root=str(config.path),
-                max_model_len=config.max_model_len,
-            )
-            for name in self.state.settings.served_model_names
-        ]
-        models = self.state.models
-        cards += [
-            ModelCard(
-                id=lora.lora_name,
-                created=self.created,
-                root=lora.lora_path,
-                parent=models.parent(lora),
-                max_model_len=config.max_model_len,
-            )
-            for lora in models.adapters()
-        ]
-        return _json(ModelList(data=cards))
-
-    async def load_lora_adapter(self, request: Request) -> Response:
-        req = decode_request(await read_body(request, SMALL_BODY_BYTES), LoadLoRAAdapterRequest)
-        lora = await self.state.models.load(self.llm, req)
-        return Response(f"Success: LoRA adapter '{shorten(lora.lora_name, 100)}' added successfully.", media_type="text/plain")
-
-    async def unload_lora_adapter(self, request: Request) -> Response:
-        req = decode_request(await read_body(request, SMALL_BODY_BYTES), UnloadLoRAAdapterRequest)
-        lora = self.state.models.unload(req)
-        return Response(f"Success: LoRA adapter '{shorten(lora.lora_name, 100)}' removed successfully.", media_type="text/plain")
-
-    async def health(self, request: Request) -> Response:
-        if self.llm.errored:
-            raise from_exception(self.llm.dead_error or RuntimeError("engine dead"))
-        return Response(status_code=200)
-
-    async def version(self, request: Request) -> Response:
-        return _json(VersionResponse(triollm.__version__))
-
-    async def tokenize(self, request: Request) -> Response:
-        body = await read_body(request, SMALL_BODY_BYTES)
-        keys = decode_json(body, dict[str, msgspec.Raw])
-        tokenizer = self.llm.get_tokenizer()
-        req: TokenizeChatRequest | TokenizeCompletionRequest
-        if "messages" in keys:
-            req = decode_request(body, TokenizeChatRequest)
-            resolve_model(self.state, req.model)
-            _, ids = await render_chat(
-                tokenizer,
-                req.messages,
-                template=self.chat_template,
-                add_generation_prompt=req.add_generation_prompt,
-                continue_final_message=req.continue_final_message,
-                template_kwargs=req.chat_template_kwargs,
-                add_special_tokens=req.add_special_tokens,
-            )
-        else:
-            req = decode_request(body, TokenizeCompletionRequest)
-            resolve_model(self.state, req.model)
-            text, special = req.prompt, req.add_special_tokens
-            ids = await maybe_in_thread(lambda: tokenizer.encode(text, special), len(text))
-        strs = None
-        if req.return_token_strs:
-            token_ids = ids
-            strs = await maybe_in_thread(lambda: tokenizer.convert_ids_to_tokens(token_ids), len(ids))
-        return _json(TokenizeResponse(len(ids), self._model_config().max_model_len, ids, strs))
-
-    async def detokenize(self, request: Request) -> Response:
-        req = decode_request(await read_body(request, SMALL_BODY_BYTES), DetokenizeRequest)
-        resolve_model(self.state, req.model)
-        tokenizer = self.llm.get_tokenizer()
-        vocab = self._model_config().vocab_size
-        bad = [t for t in req.tokens if not 0 <= t < vocab]
-        if bad:
-            raise bad_request(f"tokens: token ids must be in [0, {vocab}), got {bad[:8]}", "tokens")
-        ids = req.tokens
-        text = await maybe_in_thread(
-            lambda: tokenizer.decode(ids, skip_special_tokens=False), len(ids)
-        )
-        return _json(DetokenizeResponse(text))
-
-    async def openapi(self, request: Request) -> Response:
-        if self._openapi is None:
-            doc = openapi_document(
-                title="triollm OpenAI-compatible API",
-                version=triollm.__version__,
-                api_key=bool(self.state.settings.api_keys),
-                all_routes=self.state.settings.api_key_all_routes,
-                extra_paths=self.extra_paths,
-                lora_updating=self.state.settings.allow_runtime_lora_updating,
-            )
-            if self.state.settings.root_path:  # where the API is, for Swagger UI's "try it out"
-                doc["servers"] = [{"url": self.state.settings.root_path}]
-            self._openapi = msgspec.json.encode(doc)
-        return Response(self._openapi, media_type="application/json")

@@ -42,6 +42,7 @@ import anyio
 from anyio.abc import TaskStatus
 
 from triollm.actors.async_llm import AsyncLLM
+from triollm.api.metrics import Metrics
 from triollm.api.playground import page_urls
 from triollm.api.state import ServerSettings, ServerState
 from triollm.engine.config import EngineArgs
@@ -309,8 +310,4 @@ def _access_logger_class() -> type[Logger]:
 
 
 def _attach_metrics(state: ServerState) -> None:
-    try:
-        from triollm.api.metrics import Metrics
-    except ImportError:
-        return
     state.metrics = Metrics(state)

@@ -6,16 +6,17 @@ deltas (a chunk may carry several tokens: the request stream merges them under l
 chunk per choice with a finish_reason, then (include_usage) a usage chunk with `choices: []`.
 `top_logprobs` lists the N most likely tokens at each position (by logprob), as OpenAI does.
 
-Tools and reasoning (api/tool_calls.py, api/output_parsing.py): `tools` reach the template;
-a forced call (a named function or "required") is generated under a grammar built from the
-tools' schemas; under "auto" the server's tool-call parser reads the calls from the text, and
-its reasoning parser splits reasoning off first. With none of these in play the text passes
+Tools and reasoning (`plan_tool_output` of api/output_plan.py, as for the Responses API):
+`tools` reach the template; a forced call (a named function or "required") is generated under
+a grammar built from the tools' schemas; under "auto" the server's tool-call parser reads the
+calls from the text, and its reasoning parser splits reasoning off first. With none of these in play the text passes
 through untouched. Streamed, each choice's parsers hold back only what may still become part
 of a marker, and the deltas add up to the whole answer's message.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import msgspec
@@ -23,7 +24,8 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from triollm.api.openai_errors import bad_request
-from triollm.api.output_parsing import OutputParsing, OutputPiece, make_output_parsing
+from triollm.api.output_parsing import OutputParsing, OutputPiece
+from triollm.api.output_plan import plan_tool_output, structured_outputs_params
 from triollm.api.protocol import (
     ChatChoice,
     ChatCompletionChunk,
@@ -41,44 +43,34 @@ from triollm.api.request_log import OutputLog, log_request
 from triollm.api.serving_common import (
     beam_search_params,
     build_sampling_params,
-    check_available,
     check_logprobs,
     clamp_logprob,
     created_now,
-    decode_body,
-    forced_call_params,
     output_kind,
     prompt_logprobs_out,
     render_chat,
-    request_id_base,
     resolve_chat_template,
-    resolve_lora,
-    resolve_model,
-    start_timer,
+    start_generation,
     stream_flags,
-    structured_outputs_params,
     token_text,
     truncate_prompt,
 )
 from triollm.api.sse import GenerationResponse, Job
 from triollm.api.state import ServerState
-from triollm.api.tool_calls import resolve_tool_choice
 from triollm.engine.outputs import Logprob, RequestOutput, SampleLogprobs
 from triollm.engine.processing.tokenizer import Tokenizer
 
 __all__ = ["create_chat_completion"]
 
 
-
 async def create_chat_completion(
     state: ServerState, request: Request, chat_template: str | None
 ) -> Response:
-    check_available(state)
-    req = await decode_body(request, ChatCompletionRequest)
-    model = resolve_model(state, req.model)
-    lora = resolve_lora(state, model)
-    response_id = f"chatcmpl-{request_id_base(request, req.request_id)}"
-    timer = start_timer(state, model)
+    start = await start_generation(
+        state, request, ChatCompletionRequest, api="Chat Completions API", id_prefix="chatcmpl-"
+    )
+    req, model, lora = start.req, start.model, start.lora
+    response_id, timer = start.request_id, start.timer
     stream, include_usage, continuous = stream_flags(req)
     if req.top_logprobs is not None and not req.logprobs:
         raise bad_request(
@@ -94,31 +86,18 @@ async def create_chat_completion(
             "--trust-request-chat-template",
             "chat_template",
         )
-    choice = resolve_tool_choice(
+    plan = await plan_tool_output(
+        state,
         req.tools,
         req.tool_choice,
         parallel_tool_calls=req.parallel_tool_calls,
-        auto_enabled=settings.enable_auto_tool_choice and settings.tool_call_parser is not None,
-    )
-    llm = state.llm
-    tokenizer = llm.get_tokenizer()
-    parsing = make_output_parsing(
-        choice,
-        tokenizer=tokenizer,
-        tool_call_parser=settings.tool_call_parser,
-        reasoning_parser=settings.reasoning_parser,
+        constraint=functools.partial(structured_outputs_params, req),
+        constraint_name="response_format or structured outputs",
         include_reasoning=req.include_reasoning,
         chat_template_kwargs=req.chat_template_kwargs,
     )
-    structured = await structured_outputs_params(req)
-    if choice.forced:
-        if structured is not None:
-            raise bad_request(
-                "tool_choice: a forced tool call (a named function or \"required\") cannot be "
-                "combined with response_format or structured outputs",
-                "tool_choice",
-            )
-        structured = await forced_call_params(choice)
+    llm = state.llm
+    tokenizer, parsing = plan.tokenizer, plan.parsing
     if parsing.keep_special_tokens and req.skip_special_tokens:
         req = msgspec.structs.replace(req, skip_special_tokens=False)  # the parser reads them
     model_config = llm.get_model_config()
@@ -134,7 +113,7 @@ async def create_chat_completion(
         max_tokens=max_tokens,
         logprobs=(req.top_logprobs or 0) if req.logprobs else None,
         kind=output_kind(stream, timer),
-        structured=parsing.gate(structured),
+        structured=plan.structured,
     )
     text, token_ids = await render_chat(
         tokenizer,

@@ -1,6 +1,8 @@
-"""What the completion, chat and tokenize handlers share: availability and model checks,
-body reading, request ids, sampling-parameter building, logprob helpers, and the HTTP side of
-chat rendering (the rendering itself is `Tokenizer.render_chat`).
+"""What the completion, chat, Responses and tokenize handlers share: the start every generation
+route makes (`start_generation`: availability, runner, body, model, adapter, id, timer), body
+reading, sampling-parameter building, logprob helpers, and the HTTP side of chat rendering (the
+rendering itself is `Tokenizer.render_chat`). The grammar and parsers of a request's output
+are output_plan.py's.
 
 Work on the event loop is sized before it is done: a body is decoded, a chat rendered and
 tokenized, in a worker thread once it is large (`maybe_in_thread`). A chat's size is not its
@@ -16,14 +18,15 @@ import time
 import uuid
 from collections.abc import Callable, Sequence
 from contextlib import aclosing
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Generic, Protocol, TypeVar
 
 import anyio
-import msgspec
 from starlette.requests import ClientDisconnect, Request
 
 from triollm.api.log_bounds import shorten
+from triollm.api.metrics import RequestTimer
 from triollm.api.openai_errors import APIError, bad_request, service_unavailable
 from triollm.api.protocol import (
     ChatMessage,
@@ -33,8 +36,6 @@ from triollm.api.protocol import (
     decode_request,
 )
 from triollm.api.state import ServerState
-from triollm.api.tool_calls import ToolChoice
-from triollm.engine import structured_outputs
 from triollm.engine.beam_search import BeamSearchParams
 from triollm.engine.outputs import Logprob, PromptLogprobs
 from triollm.engine.processing.tokenizer import Tokenizer
@@ -49,22 +50,23 @@ __all__ = [
     "MAX_BODY_BYTES",
     "MAX_REQUEST_ID_LEN",
     "SMALL_BODY_BYTES",
+    "Started",
     "beam_search_params",
     "build_sampling_params",
     "chat_size",
     "items_size",
-    "structured_outputs_params",
     "check_available",
     "check_logprobs",
-    "forced_call_params",
     "clamp_logprob",
     "decode_body",
     "read_body",
     "render_chat",
     "request_id_base",
+    "require_runner",
     "resolve_chat_template",
     "resolve_lora",
     "resolve_model",
+    "start_generation",
     "start_timer",
     "stream_flags",
     "truncate_prompt",
@@ -107,6 +109,46 @@ R = TypeVar("R")
 T = TypeVar("T")
 
 
+class _Addressed(Protocol):
+    """What a generation request names besides its work: the model, and maybe its own id."""
+
+    @property
+    def model(self) -> str | None: ...
+
+    @property
+    def request_id(self) -> str | None: ...
+
+
+Req = TypeVar("Req", bound=_Addressed)
+
+
+@dataclass(frozen=True)
+class Started(Generic[Req]):
+    """A generation request past the start every generation route shares."""
+
+    req: Req
+    model: str  # the served name it asked for (a base model's or an adapter's)
+    lora: LoRARequest | None  # the adapter, taken now: a later unload does not change it
+    request_id: str  # the route's prefix + the client's id (or a fresh one)
+    timer: RequestTimer | None  # the metrics' timer of this request, when metrics are on
+
+
+async def start_generation(
+    state: ServerState, request: Request, type_: type[Req], *, api: str, id_prefix: str
+) -> Started[Req]:
+    """The first checks of a generation route, in this order, each an OpenAI error: the engine
+    runs and the server accepts (503), the model generates (400 naming `api`), the body
+    decodes into `type_` (400, 413), the model is served (404), the client's id fits (400).
+    Then the metrics' timer starts."""
+    check_available(state)
+    require_runner(state, "generate", api)
+    req = await decode_body(request, type_)
+    model = resolve_model(state, req.model)
+    lora = resolve_lora(state, model)
+    request_id = id_prefix + request_id_base(request, req.request_id)
+    return Started(req, model, lora, request_id, start_timer(state, model))
+
+
 def check_available(state: ServerState) -> None:
     """503 when the engine is dead or the server is shutting down."""
     llm = state.llm
@@ -116,6 +158,17 @@ def check_available(state: ServerState) -> None:
         raise service_unavailable(f"The engine is dead: {first_line}")
     if not state.accepting or not llm.is_running:
         raise service_unavailable("The server is shutting down and accepts no new requests")
+
+
+def require_runner(state: ServerState, runner: str, api: str) -> None:
+    """vLLM's answer when the served model cannot serve this endpoint: a 400 naming the API."""
+    current = state.llm.get_model_config().runner_type
+    if current != runner:
+        raise APIError(
+            400,
+            f"The model does not support {api} (it runs with runner {current!r}; this API needs "
+            f"a model served with `--runner {runner}`)",
+        )
 
 
 async def read_body(request: Request, limit: int | None = None) -> bytes:
@@ -175,13 +228,13 @@ def request_id_base(request: Request, request_id: str | None) -> str:
     return request_id or header or uuid.uuid4().hex
 
 
-def start_timer(state: ServerState, model: str) -> Any:
+def start_timer(state: ServerState, model: str) -> RequestTimer | None:
     """The metrics' per-request timer (`state.metrics.request_started`), or None."""
-    request_started = getattr(state.metrics, "request_started", None)
-    return request_started(model) if callable(request_started) else None
+    metrics = state.metrics
+    return metrics.request_started(model) if metrics is not None else None
 
 
-def output_kind(stream: bool, timer: Any) -> RequestOutputKind:
+def output_kind(stream: bool, timer: RequestTimer | None) -> RequestOutputKind:
     """DELTA when streaming or timing tokens (TTFT/ITL); otherwise one final output."""
     return RequestOutputKind.DELTA if stream or timer is not None else RequestOutputKind.FINAL_ONLY
 
@@ -261,61 +314,6 @@ def beam_search_params(req: SamplingFields, max_tokens: int | None, max_model_le
         raise bad_request(str(exc)) from None
 
 
-# vLLM's older request fields, each one kind of constraint.
-_GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
-_RESPONSE_FORMATS = ("text", "json_object", "json_schema")
-
-
-async def structured_outputs_params(req: SamplingFields) -> StructuredOutputsParams | None:
-    """The request's grammar constraint, from whichever field set it (`response_format`,
-    `structured_outputs` or a `guided_*` field; more than one is a 400), checked by compiling
-    it in a worker thread: an invalid schema, regex or grammar is a 400 naming the field."""
-    found: list[tuple[str, dict[str, Any]]] = []
-    if req.response_format is not None:
-        spec = _response_format(req.response_format)
-        if spec is not None:
-            found.append(("response_format", spec))
-    if req.structured_outputs is not None:
-        found.append(("structured_outputs", dict(req.structured_outputs)))
-    for name, kind in _GUIDED_FIELDS.items():
-        value = getattr(req, name)
-        if value is not None:
-            found.append((name, {kind: value}))
-    if not found:
-        return None
-    if len(found) > 1:
-        names = ", ".join(name for name, _ in found)
-        raise bad_request(f"{found[1][0]}: only one kind of structured outputs constraint may be set; got {names}", found[1][0])
-    field, spec = found[0]
-    if req.guided_whitespace_pattern is not None and field != "structured_outputs":
-        spec["whitespace_pattern"] = req.guided_whitespace_pattern
-    try:
-        params = msgspec.convert(spec, StructuredOutputsParams)
-    except (ValueError, TypeError, msgspec.ValidationError) as exc:
-        message = str(exc) if field == "structured_outputs" else str(exc).replace("structured_outputs", field)
-        raise bad_request(message if message.startswith(field) else f"{field}: {message}", field) from None
-    name = f"structured_outputs.{params.kind}" if field == "structured_outputs" else field
-    try:
-        await anyio.to_thread.run_sync(structured_outputs.check, params, name)
-    except ValueError as exc:
-        raise bad_request(str(exc), name) from None
-    return params
-
-
-async def forced_call_params(choice: ToolChoice) -> StructuredOutputsParams:
-    """The grammar of a forced tool call (a named function or "required"), built from the
-    tools' schemas and compiled in a worker thread: a schema llguidance rejects is a 400
-    naming `tools`. Compact JSON: whitespace between tokens is never worth generating in a
-    call's arguments (and a weak model left free to emit it may emit little else)."""
-    params = StructuredOutputsParams(json=choice.schema(), disable_any_whitespace=True)
-    try:
-        await anyio.to_thread.run_sync(structured_outputs.check, params, "tools")
-    except ValueError as exc:
-        message = str(exc)
-        raise bad_request(message if message.startswith("tools") else f"tools: {message}", "tools") from None
-    return params
-
-
 def truncate_prompt(token_ids: list[int], keep: int, max_model_len: int) -> list[int]:
     """vLLM's `truncate_prompt_tokens` for generation: the last `keep` prompt tokens (-1: the
     last max_model_len)."""
@@ -327,24 +325,6 @@ def truncate_prompt(token_ids: list[int], keep: int, max_model_len: int) -> list
             "truncate_prompt_tokens",
         )
     return token_ids[-keep:]
-
-
-def _response_format(value: dict[str, Any]) -> dict[str, Any] | None:
-    """OpenAI's `response_format` as StructuredOutputsParams fields (None for "text")."""
-    kind = value.get("type", "text")
-    if kind not in _RESPONSE_FORMATS:
-        raise bad_request(f"response_format: type must be one of {', '.join(_RESPONSE_FORMATS)}; got {kind!r:.80}", "response_format")
-    if kind == "text":
-        return None
-    if kind == "json_object":
-        return {"json_object": True}
-    spec = value.get("json_schema")
-    schema = spec.get("schema", spec.get("json_schema")) if isinstance(spec, dict) else None
-    if not isinstance(schema, dict):
-        raise bad_request(
-            "response_format: type 'json_schema' needs json_schema.schema, a JSON schema object", "response_format"
-        )
-    return {"json": schema}
 
 
 def clamp_logprob(value: float) -> float:

@@ -18,6 +18,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from triollm.api.openai_errors import bad_request
+from triollm.api.output_plan import structured_outputs_params
 from triollm.api.protocol import (
     CompletionChoice,
     CompletionLogProbs,
@@ -31,20 +32,14 @@ from triollm.api.request_log import log_request
 from triollm.api.serving_common import (
     beam_search_params,
     build_sampling_params,
-    check_available,
     check_logprobs,
     clamp_logprob,
     created_now,
-    decode_body,
     maybe_in_thread,
     output_kind,
     prompt_logprobs_out,
-    request_id_base,
-    resolve_lora,
-    resolve_model,
-    start_timer,
+    start_generation,
     stream_flags,
-    structured_outputs_params,
     token_text,
     truncate_prompt,
 )
@@ -68,12 +63,11 @@ _PROMPT_FORMS = (
 
 
 async def create_completion(state: ServerState, request: Request) -> Response:
-    check_available(state)
-    req = await decode_body(request, CompletionRequest)
-    model = resolve_model(state, req.model)
-    lora = resolve_lora(state, model)
-    response_id = f"cmpl-{request_id_base(request, req.request_id)}"
-    timer = start_timer(state, model)
+    start = await start_generation(
+        state, request, CompletionRequest, api="Completions API", id_prefix="cmpl-"
+    )
+    req, model, lora = start.req, start.model, start.lora
+    response_id, timer = start.request_id, start.timer
     stream, include_usage, continuous = stream_flags(req)
     if req.suffix:
         raise bad_request("suffix: is not supported", "suffix")

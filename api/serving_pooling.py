@@ -46,6 +46,7 @@ from triollm.api.serving_common import (
     items_size,
     maybe_in_thread,
     request_id_base,
+    require_runner,
     resolve_model,
 )
 from triollm.api.state import ServerState
@@ -53,20 +54,9 @@ from triollm.engine.inputs import PromptType
 from triollm.engine.pooling_outputs import PoolingOutput, PoolingRequestOutput, pack_pooled
 from triollm.engine.pooling_params import PoolingParams
 
-__all__ = ["create_embedding", "create_score", "require_runner"]
+__all__ = ["create_embedding", "create_score"]
 
 _PROMPT_FIELDS = ("prompt_token_ids", "prompt")
-
-
-def require_runner(state: ServerState, runner: str, api: str) -> None:
-    """vLLM's answer when the served model cannot serve this endpoint: a 400 naming the API."""
-    current = state.llm.get_model_config().runner_type
-    if current != runner:
-        raise APIError(
-            400,
-            f"The model does not support {api} (it runs with runner {current!r}; this API needs "
-            f"a model served with `--runner {runner}`)",
-        )
 
 
 async def create_embedding(state: ServerState, request: Request) -> Response:

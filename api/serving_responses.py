@@ -5,8 +5,8 @@ A request becomes a chat: `instructions` (a system message), then the stored con
 `previous_response_id`, then the `input` items (messages; `function_call` items as assistant
 `tool_calls`; `function_call_output` items as `tool` messages), rendered with the chat template
 and the `tools` (converted from Responses' flat shape to the chat one). Tool choice, the forced
-call's grammar and the output parsers are the chat route's (api/tool_calls.py,
-api/output_parsing.py); `text.format` is the structured-outputs constraint.
+call's grammar and the output parsers are the chat route's (`plan_tool_output` of
+api/output_plan.py); `text.format` is the structured-outputs constraint.
 
 The answer is one `response` object whose `output` holds a `reasoning` item (when the server's
 reasoning parser split reasoning off), a `message` item with one `output_text` part, and a
@@ -29,6 +29,7 @@ between apps (each `build_app` has its own, like its other state).
 
 from __future__ import annotations
 
+import functools
 import logging
 import uuid
 from collections import OrderedDict
@@ -42,7 +43,8 @@ from starlette.responses import Response
 
 from triollm.api.log_bounds import short_repr, shorten
 from triollm.api.openai_errors import APIError, bad_request
-from triollm.api.output_parsing import ChoiceStream, OutputParsing, OutputPiece, make_output_parsing
+from triollm.api.output_parsing import ChoiceStream, OutputParsing, OutputPiece
+from triollm.api.output_plan import plan_tool_output, structured_outputs_params
 from triollm.api.protocol import MAX_CONTENT_PARTS, ChatMessage, ContentPart, SamplingFields
 from triollm.api.protocol_responses import (
     ContentPartEvent,
@@ -73,24 +75,16 @@ from triollm.api.protocol_responses import (
 from triollm.api.serving_common import (
     build_sampling_params,
     chat_size,
-    check_available,
     created_now,
-    decode_body,
-    forced_call_params,
     output_kind,
     render_chat,
-    request_id_base,
-    resolve_lora,
-    resolve_model,
-    start_timer,
-    structured_outputs_params,
+    start_generation,
 )
-from triollm.api.serving_pooling import require_runner
 from triollm.api.sse import GenerationResponse, Job
 from triollm.api.state import ServerState
-from triollm.api.tool_calls import resolve_tool_choice
 from triollm.engine.outputs import RequestOutput
 from triollm.engine.processing.tokenizer import Tokenizer
+from triollm.engine.sampling_params import StructuredOutputsParams
 
 __all__ = ["STORE_MAX_BYTES", "STORE_MAX_RESPONSES", "ResponseStore", "ResponsesAPI", "ResponsesFormatter"]
 
@@ -173,13 +167,11 @@ class ResponsesAPI:
 
     async def create(self, request: Request) -> Response:
         state = self.state
-        check_available(state)
-        require_runner(state, "generate", "Responses API")
-        req = await decode_body(request, ResponsesRequest)
-        model = resolve_model(state, req.model)
-        lora = resolve_lora(state, model)
-        engine_id = f"resp_{request_id_base(request, req.request_id)}"
-        timer = start_timer(state, model)
+        start = await start_generation(
+            state, request, ResponsesRequest, api="Responses API", id_prefix="resp_"
+        )
+        req, model, lora = start.req, start.model, start.lora
+        engine_id, timer = start.request_id, start.timer
         stream = bool(req.stream)
         if req.max_output_tokens is not None and req.max_output_tokens < 1:
             raise bad_request(f"max_output_tokens: must be at least 1, got {req.max_output_tokens}", "max_output_tokens")
@@ -190,26 +182,16 @@ class ResponsesAPI:
         messages = ([ChatMessage(role="system", content=req.instructions)] if req.instructions else []) + conversation
         tools, chat_tools = convert_tools(req.tools)
         settings = state.settings
-        choice = resolve_tool_choice(
+        plan = await plan_tool_output(
+            state,
             chat_tools or None,
             chat_tool_choice(req.tool_choice, bool(chat_tools)),
             parallel_tool_calls=req.parallel_tool_calls,
-            auto_enabled=settings.enable_auto_tool_choice and settings.tool_call_parser is not None,
+            constraint=functools.partial(_text_format_params, req.text),
+            constraint_name="a json text.format",
         )
         llm = state.llm
-        tokenizer = llm.get_tokenizer()
-        parsing = make_output_parsing(
-            choice, tokenizer=tokenizer, tool_call_parser=settings.tool_call_parser, reasoning_parser=settings.reasoning_parser
-        )
-        structured = await _text_format_params(req.text)
-        if choice.forced:
-            if structured is not None:
-                raise bad_request(
-                    'tool_choice: a forced tool call (a named function or "required") cannot be combined with a '
-                    "json text.format",
-                    "tool_choice",
-                )
-            structured = await forced_call_params(choice)
+        tokenizer, parsing = plan.tokenizer, plan.parsing
         fields = SamplingFields(
             temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, min_p=req.min_p,
             repetition_penalty=req.repetition_penalty, seed=req.seed, stop=req.stop,
@@ -218,8 +200,9 @@ class ResponsesAPI:
         defaults = llm.get_model_config().generation_defaults
         max_tokens = req.max_output_tokens if req.max_output_tokens is not None else defaults.get("max_tokens")
         params = build_sampling_params(
-            fields, defaults, max_tokens=max_tokens, logprobs=None, kind=output_kind(stream, timer), structured=parsing.gate(structured)
-        )
+            fields, defaults, max_tokens=max_tokens, logprobs=None, kind=output_kind(stream, timer),
+            structured=plan.structured,
+        )  # fmt: skip
         text, token_ids = await render_chat(
             tokenizer,
             messages,
@@ -398,7 +381,7 @@ def chat_tool_choice(value: str | dict[str, Any] | None, has_tools: bool) -> Any
     return {"type": "function", "function": {"name": name}}
 
 
-async def _text_format_params(text: dict[str, Any] | None) -> Any:
+async def _text_format_params(text: dict[str, Any] | None) -> StructuredOutputsParams | None:
     """`text.format` as the structured-outputs constraint (None for plain text), compiled to
     check it: a bad schema is a 400 naming `text.format`."""
     fmt = (text or {}).get("format")

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 import anyio
 
 from triollm.actors.async_llm import AsyncLLM
+from triollm.api.metrics import Metrics
 from triollm.api.serving_models import LoRAModulePath, ServedModels
 
 __all__ = ["ServerSettings", "ServerState"]
@@ -88,7 +89,7 @@ class ServerState:
     settings: ServerSettings
     # False once shutdown began: new generation requests get 503, in-flight ones go on.
     accepting: bool = True
-    metrics: object | None = field(default=None)  # api.metrics.Metrics, when enabled
+    metrics: Metrics | None = None  # the /metrics route and request timers, when enabled
     models: ServedModels = field(init=False)  # the base model's names and the LoRA adapters
     _entering: int = field(default=0, repr=False)  # requests inside `admission()`
     _entered: anyio.Event | None = field(default=None, repr=False)

@@ -664,6 +664,7 @@ async def test_openapi_documents_every_route(llm: AsyncLLM) -> None:
     documented = {(path, method) for path, ops in doc["paths"].items() for method in ops}
     missing = {(p, m) for p, m in served if p not in pages} - documented
     assert not missing, missing
+    assert documented <= served  # and nothing documented that is not served
     assert ("/v1/load_lora_adapter", "post") in documented and ("/v1/responses/{response_id}", "delete") in documented
     schemathesis.openapi.from_dict(doc)  # a valid document
 
