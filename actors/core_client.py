@@ -6,7 +6,8 @@ from dataclasses import dataclass
 
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
-from triollm.actors.messages import CoreInput, CoreOutput, Ready, StepStats
+from triollm.actors.messages import CoreInput, CoreOutput, Ready
+from triollm.engine.core_protocol import EngineCoreStats
 
 __all__ = ["OUTPUT_BUFFER", "SHUTDOWN_GRACE_S", "CoreClient"]
 
@@ -28,4 +29,4 @@ class CoreClient:
     # rank so far and each rank's latest statistics (both live lists).
     rank_pids: tuple[int, ...] = ()
     assigned: list[int] | None = None
-    rank_stats: list[StepStats | None] | None = None
+    rank_stats: list[EngineCoreStats | None] | None = None

@@ -19,11 +19,11 @@ from triollm.actors.errors import EngineDeadError
 from triollm.actors.messages import (
     AbortRequests,
     CoreInput,
-    StepStats,
     UtilityCall,
     UtilityOp,
     UtilityResult,
 )
+from triollm.engine.core_protocol import EngineCoreStats
 
 __all__ = ["DEATH_REPORT_WAIT_S", "CoreLink", "InputTap"]
 
@@ -108,7 +108,7 @@ class CoreLink:
     def calls_pending(self) -> bool:
         return bool(self._calls)
 
-    async def call(self, op: UtilityOp) -> StepStats | bool | None:
+    async def call(self, op: UtilityOp) -> EngineCoreStats | bool | None:
         """Ask the core and wait for its answer; `EngineDeadError` if it dies first."""
         cid = next(self._call_ids)
         done = anyio.Event()

@@ -39,14 +39,13 @@ from triollm.actors.messages import (
     OutputBatch,
     RequestError,
     Shutdown,
-    StepStats,
     UtilityCall,
     UtilityOp,
     UtilityResult,
 )
-from triollm.engine.core_protocol import Core
+from triollm.engine.core_protocol import Core, EngineCoreStats
 
-__all__ = ["MAX_INPUTS_PER_STEP", "serve_engine_core", "step_stats"]
+__all__ = ["MAX_INPUTS_PER_STEP", "serve_engine_core"]
 
 log = logging.getLogger("triollm")
 
@@ -55,23 +54,6 @@ log = logging.getLogger("triollm")
 # Applying one input costs microseconds, a step milliseconds: 256 keeps the added latency per
 # step small and still drains a burst at ~256 inputs per step.
 MAX_INPUTS_PER_STEP = 256
-
-
-def step_stats(core: Core) -> StepStats:
-    s = core.statistics()
-    return StepStats(
-        s.num_running,
-        s.num_waiting,
-        s.num_blocks,
-        s.num_free_blocks,
-        s.num_cached_blocks,
-        s.prefix_cache_hit_rate,
-        s.num_preemptions,
-        s.spec_num_drafts,
-        s.spec_num_draft_tokens,
-        s.spec_num_accepted_tokens,
-        list(s.spec_accepted_per_pos),
-    )
 
 
 async def serve_engine_core(
@@ -134,7 +116,7 @@ async def _step(core: Core, outputs: ObjectSendStream[CoreOutput], compute: Comp
             await outputs.send(EngineDead(f"engine core failed: {exc!r}", traceback.format_exc()))
         raise
     if result:
-        await outputs.send(OutputBatch.from_outputs(result, step_stats(core)))
+        await outputs.send(OutputBatch.from_outputs(result, core.statistics()))
 
 
 def _apply(core: Core, msg: CoreInput) -> CoreOutput | None:
@@ -158,10 +140,10 @@ def _apply(core: Core, msg: CoreInput) -> CoreOutput | None:
     return None
 
 
-def _utility(core: Core, op: UtilityOp) -> StepStats | bool:
+def _utility(core: Core, op: UtilityOp) -> EngineCoreStats | bool:
     match op:
         case UtilityOp.STATISTICS:
-            return step_stats(core)
+            return core.statistics()
         case UtilityOp.RESET_PREFIX_CACHE:
             return core.reset_prefix_cache()
         case UtilityOp.CHECK_INTEGRITY:

@@ -4,7 +4,7 @@
 ```
 AsyncLLM ── client.inputs ─▶ router ─┬─▶ rank 0: open_process_core (its own KV cache, threads)
                                      └─▶ rank 1: ...
-AsyncLLM ◀─ client.outputs ◀─ merge ◀┬── rank 0 outputs (OutputBatch carries the rank's StepStats)
+AsyncLLM ◀─ client.outputs ◀─ merge ◀┬── rank 0 outputs (each OutputBatch: the rank's statistics)
                                      └── rank 1 outputs
 ```
 
@@ -15,10 +15,10 @@ its rank, its share of the cores); nothing is resolved again. The frontend above
 
 - **Routing.** `AddRequest` goes to the rank with the lowest load score, vLLM's rule:
   `max(in flight, waiting + running)`, with the in-flight count kept here and waiting + running
-  from the `StepStats` riding on the rank's latest `OutputBatch`; ties rotate. An abort goes to
-  the rank that owns the request. A utility call goes to every rank and its answers are combined
-  (statistics summed, booleans and-ed, the first error wins). Dense models need no step
-  synchronisation between ranks.
+  from the `EngineCoreStats` riding on the rank's latest `OutputBatch`; ties rotate. An abort
+  goes to the rank that owns the request. A utility call goes to every rank and its answers are
+  combined (statistics by `EngineCoreStats.merge`, booleans and-ed, the first error wins). Dense
+  models need no step synchronisation between ranks.
 - **Death.** The first `EngineDead` from any rank (its step raised, or its process died) is
   forwarded, naming the rank, and ends the merged output stream: the engine is dead as a whole
   (`EngineDeadError` on every request and utility call, /health 503), as in vLLM. Every rank is
@@ -61,7 +61,6 @@ from triollm.actors.messages import (
     Ready,
     RequestError,
     Shutdown,
-    StepStats,
     UtilityCall,
     UtilityOp,
     UtilityResult,
@@ -71,6 +70,7 @@ from triollm.actors.ray_core import open_ray_core, ray_session
 from triollm.actors.watchdog import Watchdog
 from triollm.engine.config import EngineConfig
 from triollm.engine.core import EngineCoreFactory
+from triollm.engine.core_protocol import EngineCoreStats
 
 __all__ = ["Router", "open_data_parallel_client", "rank_config", "rank_threads"]
 
@@ -93,9 +93,9 @@ class Router:
         self.size = size
         self.owner: dict[str, int] = {}  # core request id -> rank, while it runs
         self.in_flight = [0] * size
-        self.queued = [0] * size  # waiting + running, from the rank's latest StepStats
+        self.queued = [0] * size  # waiting + running, from the rank's latest statistics
         self.assigned = [0] * size  # requests routed to each rank so far (statistics)
-        self.stats: list[StepStats | None] = [None] * size  # each rank's latest
+        self.stats: list[EngineCoreStats | None] = [None] * size  # each rank's latest
         self.paused = False  # between a routed PAUSE and the next RESUME: ranks do not step
         self._turn = itertools.cycle(range(size))
         self._calls: dict[int, dict[int, UtilityResult]] = {}  # call id -> the answers, by rank
@@ -140,7 +140,7 @@ class Router:
 
     def gather(self, rank: int, result: UtilityResult) -> UtilityResult | None:
         """The combined answer once every rank answered `result.call_id`, else None."""
-        if isinstance(result.result, StepStats):
+        if isinstance(result.result, EngineCoreStats):
             self.stats[rank] = result.result
         got = self._calls.get(result.call_id)
         if got is None:
@@ -164,35 +164,10 @@ def _combine(call_id: int, results: list[UtilityResult]) -> UtilityResult:
     if errors:
         return UtilityResult(call_id, None, error=errors[0])
     values = [r.result for r in results]
-    if all(isinstance(v, StepStats) for v in values):
-        stats = [v for v in values if isinstance(v, StepStats)]
-        return UtilityResult(
-            call_id,
-            StepStats(
-                num_running=sum(s.num_running for s in stats),
-                num_waiting=sum(s.num_waiting for s in stats),
-                num_blocks=sum(s.num_blocks for s in stats),
-                num_free_blocks=sum(s.num_free_blocks for s in stats),
-                num_cached_blocks=sum(s.num_cached_blocks for s in stats),
-                prefix_cache_hit_rate=sum(s.prefix_cache_hit_rate for s in stats) / len(stats),
-                num_preemptions=sum(s.num_preemptions for s in stats),
-                spec_num_drafts=sum(s.spec_num_drafts for s in stats),
-                spec_num_draft_tokens=sum(s.spec_num_draft_tokens for s in stats),
-                spec_num_accepted_tokens=sum(s.spec_num_accepted_tokens for s in stats),
-                spec_accepted_per_pos=_sum_per_pos([s.spec_accepted_per_pos for s in stats]),
-            ),
-        )
+    stats = [v for v in values if isinstance(v, EngineCoreStats)]
+    if len(stats) == len(values):
+        return UtilityResult(call_id, EngineCoreStats.merge(stats))
     return UtilityResult(call_id, all(bool(v) for v in values))
-
-
-def _sum_per_pos(lists: list[list[int]]) -> list[int]:
-    """Elementwise sum; a shorter list (a rank that has not reported speculation) counts as
-    zeros in the positions it lacks, so the result is as long as the longest."""
-    out = [0] * max((len(v) for v in lists), default=0)
-    for v in lists:
-        for i, n in enumerate(v):
-            out[i] += n
-    return out
 
 
 def rank_config(config: EngineConfig, rank: int) -> EngineConfig:

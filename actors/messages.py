@@ -17,6 +17,7 @@ import enum
 
 import msgspec
 
+from triollm.engine.core_protocol import EngineCoreStats
 from triollm.engine.request import EngineCoreOutput, EngineCoreRequest, FinishReason, Logprobs
 
 __all__ = [
@@ -31,7 +32,6 @@ __all__ = [
     "RequestError",
     "Shutdown",
     "StartupError",
-    "StepStats",
     "UtilityCall",
     "UtilityOp",
     "UtilityResult",
@@ -51,7 +51,7 @@ class AbortRequests(msgspec.Struct, tag=True, array_like=True, gc=False):
 
 
 class UtilityOp(enum.IntEnum):
-    STATISTICS = 0  # -> EngineStats
+    STATISTICS = 0  # -> EngineCoreStats
     RESET_PREFIX_CACHE = 1  # -> bool
     CHECK_INTEGRITY = 2  # -> True, or the call fails with the assertion text
     PAUSE = 3  # stop stepping; queued and running requests stay where they are -> True
@@ -86,20 +86,9 @@ class StartupError(msgspec.Struct, tag=True, array_like=True):
     traceback: str
 
 
-class StepStats(msgspec.Struct, array_like=True, gc=False):
-    num_running: int = 0
-    num_waiting: int = 0
-    num_blocks: int = 0
-    num_free_blocks: int = 0
-    num_cached_blocks: int = 0
-    prefix_cache_hit_rate: float = 0.0
-    num_preemptions: int = 0
-    # Speculative decoding, cumulative since start (EngineCoreStats' fields of the same names).
-    # `spec_accepted_per_pos` is empty without speculation: the frontend serves no spec metrics.
-    spec_num_drafts: int = 0
-    spec_num_draft_tokens: int = 0
-    spec_num_accepted_tokens: int = 0
-    spec_accepted_per_pos: list[int] = []
+# The core's `EngineCoreStats` travels as it is (engine/core_protocol.py). Old name, kept for
+# actors/async_llm.py until it says EngineCoreStats.
+StepStats = EngineCoreStats
 
 
 class LogprobColumns(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
@@ -154,12 +143,14 @@ class OutputBatch(msgspec.Struct, tag=True, array_like=True, omit_defaults=True,
     num_cached_tokens: list[int]
     logprobs: LogprobColumns | None = None
     prompt_logprobs: LogprobColumns | None = None
-    stats: StepStats | None = None
+    stats: EngineCoreStats | None = None
     # A pooling model's step: every entry's embedding (float32 bytes); None for a generative one.
     pooled: list[bytes | None] | None = None
 
     @classmethod
-    def from_outputs(cls, outputs: list[EngineCoreOutput], stats: StepStats | None = None) -> OutputBatch:
+    def from_outputs(
+        cls, outputs: list[EngineCoreOutput], stats: EngineCoreStats | None = None
+    ) -> OutputBatch:
         # One core is either generative or pooling, so its first output tells which (O(1) here).
         if outputs and outputs[0].pooled is not None:
             return cls(
@@ -225,7 +216,7 @@ class RequestError(msgspec.Struct, tag=True, array_like=True):
 
 class UtilityResult(msgspec.Struct, tag=True, array_like=True):
     call_id: int
-    result: StepStats | bool | None = None
+    result: EngineCoreStats | bool | None = None
     error: str | None = None
 
 

@@ -26,9 +26,9 @@ from triollm.actors.messages import (
     EngineDead,
     OutputBatch,
     RequestError,
-    StepStats,
     UtilityResult,
 )
+from triollm.engine.core_protocol import EngineCoreStats
 from triollm.engine.frontend import Frontend
 
 __all__ = ["OutputActor"]
@@ -51,7 +51,7 @@ class OutputActor:
         self.frontend = frontend
         self.link = link
         self.chunk_size = chunk_size
-        self.last_stats: StepStats | None = None
+        self.last_stats: EngineCoreStats | None = None
         self._on_message = on_message
         self._on_progress = on_progress
 

@@ -1,14 +1,14 @@
 """The frontend's view of the engine's numbers: vLLM's `get_metrics()` list and its stats line.
 
-Both combine the engine core's `StepStats` (a utility call's answer) with the frontend's own
-counters (`AsyncLLM.statistics()`); neither keeps state beyond the last log line's mark.
+Both combine the engine core's `EngineCoreStats` (a utility call's answer) with the frontend's
+own counters (`AsyncLLM.statistics()`); neither keeps state beyond the last log line's mark.
 
 Speculative decoding adds vLLM's `vllm:spec_decode_*` counters and its second log line
-(`SpecDecodingLogging`), both only when the core reports speculation (a non-empty
-`spec_accepted_per_pos`), as vLLM has them only with a speculative config. The core's counters
-are cumulative; the log line wants the interval since the previous line, so the mark keeps the
-previous values and the line reports differences (vLLM sums per-step stats it reset at each
-line instead: the same numbers, without a list that grows between lines).
+(`SpecDecodingLogging`), both only when the core reports speculation (`EngineCoreStats.spec`),
+as vLLM has them only with a speculative config. The core's counters are cumulative; the log
+line wants the interval since the previous line, so the mark keeps the previous counters and the
+line reports the difference (`SpecDecodingStats.since`; vLLM sums per-step stats it reset at
+each line instead: the same numbers, without a list that grows between lines).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import time
 from dataclasses import dataclass
 
 from triollm.actors.core_client import CoreClient
-from triollm.actors.messages import StepStats
+from triollm.engine.core_protocol import EngineCoreStats, SpecDecodingStats
 from triollm.engine.frontend import Frontend
 from triollm.engine.metrics import Counter, Gauge, Metric, Vector
 
@@ -62,34 +62,30 @@ def frontend_statistics(frontend: Frontend | None, client: CoreClient | None) ->
     )
 
 
-def kv_cache_usage(stats: StepStats) -> float:
-    return 1.0 - stats.num_free_blocks / stats.num_blocks if stats.num_blocks else 0.0
-
-
-def engine_metrics(stats: StepStats, frontend: FrontendStatistics) -> list[Metric]:
+def engine_metrics(stats: EngineCoreStats, frontend: FrontendStatistics) -> list[Metric]:
     """vLLM's `get_metrics()` shapes, under the server's `vllm:` names."""
     return [
         Gauge("vllm:num_requests_running", value=stats.num_running),
         Gauge("vllm:num_requests_waiting", value=stats.num_waiting),
-        Gauge("vllm:kv_cache_usage_perc", value=kv_cache_usage(stats)),
+        Gauge("vllm:kv_cache_usage_perc", value=stats.kv_cache_usage),
         Gauge("vllm:prefix_cache_hit_rate", value=stats.prefix_cache_hit_rate),
         Counter("vllm:num_preemptions", value=stats.num_preemptions),
         Counter("vllm:prompt_tokens", value=frontend.num_prompt_tokens),
         Counter("vllm:generation_tokens", value=frontend.num_generation_tokens),
-        *_spec_decode_metrics(stats),
+        *_spec_decode_metrics(stats.spec),
     ]
 
 
-def _spec_decode_metrics(stats: StepStats) -> list[Metric]:
+def _spec_decode_metrics(spec: SpecDecodingStats | None) -> list[Metric]:
     """vLLM's `vllm:spec_decode_*` counters; none without speculation. The per-position counts
     are one `Vector` (its `values` by draft position), as vLLM's reader gives them."""
-    if not stats.spec_accepted_per_pos:
+    if spec is None:
         return []
     return [
-        Counter("vllm:spec_decode_num_drafts", value=stats.spec_num_drafts),
-        Counter("vllm:spec_decode_num_draft_tokens", value=stats.spec_num_draft_tokens),
-        Counter("vllm:spec_decode_num_accepted_tokens", value=stats.spec_num_accepted_tokens),
-        Vector("vllm:spec_decode_num_accepted_tokens_per_pos", values=list(stats.spec_accepted_per_pos)),
+        Counter("vllm:spec_decode_num_drafts", value=spec.num_drafts),
+        Counter("vllm:spec_decode_num_draft_tokens", value=spec.num_draft_tokens),
+        Counter("vllm:spec_decode_num_accepted_tokens", value=spec.num_accepted_tokens),
+        Vector("vllm:spec_decode_num_accepted_tokens_per_pos", values=list(spec.accepted_per_pos)),
     ]
 
 
@@ -100,10 +96,7 @@ class _Mark:
     time: float
     prompt_tokens: int = 0
     generation_tokens: int = 0
-    spec_drafts: int = 0
-    spec_draft_tokens: int = 0
-    spec_accepted_tokens: int = 0
-    spec_accepted_per_pos: tuple[int, ...] = ()
+    spec: SpecDecodingStats | None = None
 
 
 class StatsLog:
@@ -113,47 +106,42 @@ class StatsLog:
     def __init__(self) -> None:
         self._mark = _Mark(time.monotonic())
 
-    def log(self, stats: StepStats, frontend: FrontendStatistics) -> None:
+    def log(self, stats: EngineCoreStats, frontend: FrontendStatistics) -> None:
         now = time.monotonic()
         prev = self._mark
         elapsed = max(now - prev.time, 1e-9)
         prompt, gen = frontend.num_prompt_tokens, frontend.num_generation_tokens
-        self._mark = _Mark(
-            now, prompt, gen, stats.spec_num_drafts, stats.spec_num_draft_tokens,
-            stats.spec_num_accepted_tokens, tuple(stats.spec_accepted_per_pos),
-        )
+        self._mark = _Mark(now, prompt, gen, stats.spec)
         log.info(
             "Avg prompt throughput: %.1f tokens/s, Avg generation throughput: %.1f tokens/s, "
-            "Running: %d reqs, Waiting: %d reqs, KV cache usage: %.1f%%, Prefix cache hit rate: %.1f%%",
+            "Running: %d reqs, Waiting: %d reqs, KV cache usage: %.1f%%, "
+            "Prefix cache hit rate: %.1f%%",
             (prompt - prev.prompt_tokens) / elapsed, (gen - prev.generation_tokens) / elapsed,
-            stats.num_running, stats.num_waiting, 100 * kv_cache_usage(stats),
+            stats.num_running, stats.num_waiting, 100 * stats.kv_cache_usage,
             100 * stats.prefix_cache_hit_rate,
         )
-        if stats.spec_accepted_per_pos:
-            _log_spec_decoding(stats, prev, elapsed)
+        if stats.spec is not None:
+            # The first line's interval began at zero (prev.spec None).
+            _log_spec_decoding(stats.spec.since(prev.spec), elapsed)
 
 
-def _log_spec_decoding(stats: StepStats, prev: _Mark, elapsed: float) -> None:
-    """vLLM's `SpecDecodingLogging.log()` line over the interval since `prev`; nothing when no
-    draft was verified in it (vLLM logs nothing then either)."""
-    drafts = stats.spec_num_drafts - prev.spec_drafts
+def _log_spec_decoding(interval: SpecDecodingStats, elapsed: float) -> None:
+    """vLLM's `SpecDecodingLogging.log()` line over an interval's counts; nothing when no draft
+    was verified in it (vLLM logs nothing then either)."""
+    drafts = interval.num_drafts
     if drafts <= 0:
         return
-    drafted = stats.spec_num_draft_tokens - prev.spec_draft_tokens
-    accepted = stats.spec_num_accepted_tokens - prev.spec_accepted_tokens
-    before = prev.spec_accepted_per_pos  # () at the first line: the interval began at zero
-    per_pos = [
-        n - (before[i] if i < len(before) else 0) for i, n in enumerate(stats.spec_accepted_per_pos)
-    ]
+    drafted, accepted = interval.num_draft_tokens, interval.num_accepted_tokens
+    rate = interval.acceptance_rate
     log.info(
         "SpecDecoding metrics: Mean acceptance length: %.2f, Accepted throughput: %.2f tokens/s, "
         "Drafted throughput: %.2f tokens/s, Accepted: %d tokens, Drafted: %d tokens, "
         "Per-position acceptance rate: %s, Avg Draft acceptance rate: %.1f%%",
-        1 + accepted / drafts,  # conventionally counts the bonus token, as vLLM's does
+        interval.mean_acceptance_length,  # counts the target's own token, as vLLM's does
         accepted / elapsed,
         drafted / elapsed,
         accepted,
         drafted,
-        ", ".join(f"{n / drafts:.3f}" for n in per_pos),
-        100 * accepted / drafted if drafted > 0 else float("nan"),
+        ", ".join(f"{n / drafts:.3f}" for n in interval.accepted_per_pos),
+        100 * rate if rate is not None else float("nan"),
     )

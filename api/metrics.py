@@ -15,7 +15,7 @@ releases are gone: serving both would double every scrape.
       vllm:num_preemptions_total         counter  preemptions since the engine started
 
     speculative decoding, the same way, only when an engine core reports it (a speculative
-    config: its statistics' `spec_accepted_per_pos` is non-empty), as vLLM has them only then
+    config: its statistics' `spec` is set), as vLLM has them only then
       vllm:spec_decode_num_drafts_total           counter  drafts verified (one request, one step)
       vllm:spec_decode_num_draft_tokens_total     counter  draft tokens proposed
       vllm:spec_decode_num_accepted_tokens_total  counter  draft tokens accepted
@@ -68,6 +68,8 @@ from prometheus_client.registry import Collector
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
+
+from triollm.engine.core_protocol import EngineCoreStats, SpecDecodingStats
 
 __all__ = ["Metrics", "RequestTimer"]
 
@@ -193,7 +195,7 @@ class RequestTimer:
 
 class _EngineCollector(Collector):
     """Gauges and counters (preemptions, speculative decoding) filled from the engine's
-    `StepStats` at scrape time."""
+    `EngineCoreStats` at scrape time."""
 
     def __init__(self, metrics: Metrics) -> None:
         self._metrics = metrics
@@ -206,10 +208,17 @@ class _EngineCollector(Collector):
         per_rank = getattr(m.state.llm, "rank_stats", None)
         config = getattr(m.state.llm, "config", None)
         own_rank = config.actor.data_parallel_rank if config is not None else 0
-        engines = list(enumerate(per_rank)) if per_rank else [(own_rank, m.current_stats())]
+        engines: list[tuple[int, EngineCoreStats | None]] = (
+            list(enumerate(per_rank)) if per_rank else [(own_rank, m.current_stats())]
+        )
         names = ["model_name", "engine"]
 
-        def family(kind: type[GaugeMetricFamily] | type[CounterMetricFamily], name: str, doc: str, value: Callable[[Any], float]) -> Metric:
+        def family(
+            kind: type[GaugeMetricFamily] | type[CounterMetricFamily],
+            name: str,
+            doc: str,
+            value: Callable[[EngineCoreStats], float],
+        ) -> Metric:
             fam = kind(name, doc, labels=names)
             for engine, st in engines:
                 fam.add_metric([m.model_name, str(engine)], value(st) if st else 0)
@@ -219,7 +228,7 @@ class _EngineCollector(Collector):
         yield family(GaugeMetricFamily, PREFIX + "num_requests_waiting", "Number of requests waiting in the engine's queue.", lambda st: st.num_waiting)
         yield family(
             GaugeMetricFamily, PREFIX + "kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0 to 1).",
-            lambda st: 1.0 - st.num_free_blocks / st.num_blocks if st.num_blocks else 0.0,
+            lambda st: st.kv_cache_usage,
         )
         yield family(
             GaugeMetricFamily, PREFIX + "prefix_cache_hit_rate",
@@ -232,27 +241,33 @@ class _EngineCollector(Collector):
         )
         # vLLM registers these only with a speculative config; here, only while some engine
         # reports speculation (all ranks share one config, so it is all of them or none).
-        num_pos = max((len(st.spec_accepted_per_pos) for _, st in engines if st), default=0)
-        if not num_pos:
+        specs = [(engine, st.spec if st else None) for engine, st in engines]
+        if all(sp is None for _, sp in specs):
             return
-        yield family(
-            CounterMetricFamily, PREFIX + "spec_decode_num_drafts", "Number of spec decoding drafts.",
-            lambda st: st.spec_num_drafts,
+
+        def spec_counter(name: str, doc: str, value: Callable[[SpecDecodingStats], int]) -> Metric:
+            return family(
+                CounterMetricFamily, PREFIX + name, doc, lambda st: value(st.spec) if st.spec else 0
+            )
+
+        yield spec_counter(
+            "spec_decode_num_drafts", "Number of spec decoding drafts.", lambda sp: sp.num_drafts
         )
-        yield family(
-            CounterMetricFamily, PREFIX + "spec_decode_num_draft_tokens", "Number of draft tokens.",
-            lambda st: st.spec_num_draft_tokens,
+        yield spec_counter(
+            "spec_decode_num_draft_tokens", "Number of draft tokens.",
+            lambda sp: sp.num_draft_tokens,
         )
-        yield family(
-            CounterMetricFamily, PREFIX + "spec_decode_num_accepted_tokens", "Number of accepted tokens.",
-            lambda st: st.spec_num_accepted_tokens,
+        yield spec_counter(
+            "spec_decode_num_accepted_tokens", "Number of accepted tokens.",
+            lambda sp: sp.num_accepted_tokens,
         )
         per_pos = CounterMetricFamily(
             PREFIX + "spec_decode_num_accepted_tokens_per_pos", "Accepted tokens per draft position.",
             labels=[*names, "position"],
         )
-        for engine, st in engines:
-            counts = st.spec_accepted_per_pos if st else []
+        num_pos = max((len(sp.accepted_per_pos) for _, sp in specs if sp), default=0)
+        for engine, sp in specs:
+            counts = sp.accepted_per_pos if sp else ()
             for pos in range(num_pos):
                 n = counts[pos] if pos < len(counts) else 0
                 per_pos.add_metric([m.model_name, str(engine), str(pos)], n)
@@ -281,7 +296,7 @@ class Metrics:
         self.model_name: str = names[0]
         self._names = frozenset(names)
         self.fresh_stats = fresh_stats
-        self._fresh: Any = None  # StepStats fetched for the scrape in progress
+        self._fresh: Any = None  # EngineCoreStats fetched for the scrape in progress
         self.registry = CollectorRegistry()
         r = self.registry
         ml = ["model_name"]

@@ -30,9 +30,11 @@ import statistics
 import time
 from typing import Any
 
+import msgspec
 import torch
 
 from triollm import EngineArgs
+from triollm.engine.core_protocol import SpecDecodingStats  # Not public: the core's counters
 
 __all__ = ["add_latency_parser", "latency_prompt_ids", "measure_bandwidth", "run_latency"]
 
@@ -182,10 +184,9 @@ def _latency_request(ns: argparse.Namespace, engine: Any) -> tuple[list[int], An
     return ids, SamplingParams(max_tokens=ns.output_len, temperature=0.0)
 
 
-def _spec_counters(engine: Any) -> tuple[int, int, int, tuple[int, ...]]:
+def _spec_counters(engine: Any) -> SpecDecodingStats:
     """The core's cumulative speculation counters (zeros without speculation)."""
-    s = engine.core.statistics()
-    return s.spec_num_drafts, s.spec_num_draft_tokens, s.spec_num_accepted_tokens, s.spec_accepted_per_pos
+    return engine.core.statistics().spec or SpecDecodingStats()
 
 
 def _latency_once(engine: Any, ids: list[int], params: Any) -> dict[str, Any]:
@@ -230,9 +231,7 @@ def _measure_latency(engine: Any, ids: list[int], params: Any, repeat: int) -> d
     warmup = _latency_once(engine, ids, params)
     before = _spec_counters(engine)
     runs = [_latency_once(engine, ids, params) for _ in range(repeat)]
-    after = _spec_counters(engine)
-    drafts, draft_tokens, accepted = (a - b for a, b in zip(after[:3], before[:3]))
-    per_pos = [a - b for a, b in zip(after[3], before[3])] if len(after[3]) == len(before[3]) else list(after[3])
+    spec = _spec_counters(engine).since(before)
     return {
         "ttft_ms": _median([r["ttft_ms"] for r in runs]),
         "ms_per_token": _median([r["ms_per_token"] for r in runs]),
@@ -244,10 +243,9 @@ def _measure_latency(engine: Any, ids: list[int], params: Any, repeat: int) -> d
         "runs": [{k: v for k, v in r.items() if k != "token_ids"} for r in runs],
         "warmup": {k: v for k, v in warmup.items() if k != "token_ids"},
         "spec": {
-            "num_drafts": drafts, "num_draft_tokens": draft_tokens, "num_accepted_tokens": accepted,
-            "accepted_per_pos": per_pos,
-            "acceptance_rate": accepted / draft_tokens if draft_tokens else None,
-            "mean_acceptance_length": 1 + accepted / drafts if drafts else None,
+            **msgspec.structs.asdict(spec), "accepted_per_pos": list(spec.accepted_per_pos),
+            "acceptance_rate": spec.acceptance_rate,
+            "mean_acceptance_length": spec.mean_acceptance_length,
         },
     }  # fmt: skip
 

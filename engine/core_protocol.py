@@ -10,39 +10,110 @@ Rejected: a base class whose `__new__` returned its pooling subclass for a pooli
 made `EngineCore(config)` return an object of another class, and tied the two modules into an
 import circle; a protocol with two implementations says what is meant.
 
+The statistics are one record, `EngineCoreStats` (speculation's counters nested in it as
+`SpecDecodingStats`), which is also what crosses the wire to the frontend and what data parallel
+merges: a new counter is one field, its producer and its consumers, not a copy per layer.
+
 This module sits below both implementations (it imports neither), so each may name it.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from collections.abc import Sequence
+from typing import Any, Protocol, runtime_checkable
+
+import msgspec
 
 from triollm.engine.request import EngineCoreOutput, EngineCoreRequest
 
-__all__ = ["Core", "EngineCoreStats"]
+__all__ = ["Core", "EngineCoreStats", "SpecDecodingStats"]
 
 
-@dataclass(frozen=True)
-class EngineCoreStats:
-    num_running: int
-    num_waiting: int
-    num_blocks: int
-    num_free_blocks: int
-    num_cached_blocks: int
-    kv_cache_usage: float
-    prefix_cache_hit_rate: float
-    num_preemptions: int
+class SpecDecodingStats(msgspec.Struct, array_like=True, frozen=True, gc=False):
+    """Speculative decoding's counters (engine/speculative/: `Speculator.statistics()`),
+    cumulative since start: vLLM's `vllm:spec_decode_*`. A draft is one request's proposals
+    verified in one step."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    # [i] counts the drafts whose token i was accepted: num_speculative_tokens entries.
+    accepted_per_pos: tuple[int, ...] = ()
+
+    @classmethod
+    def merge(cls, stats: Sequence[SpecDecodingStats]) -> SpecDecodingStats:
+        """The sum over data-parallel ranks. A shorter `accepted_per_pos` counts as zeros in the
+        positions it lacks, so the sum is as long as the longest."""
+        per_pos = [0] * max((len(s.accepted_per_pos) for s in stats), default=0)
+        for s in stats:
+            for i, n in enumerate(s.accepted_per_pos):
+                per_pos[i] += n
+        counts: dict[str, Any] = {f: sum(getattr(s, f) for s in stats) for f in _SPEC_COUNTS}
+        return cls(**counts, accepted_per_pos=tuple(per_pos))
+
+    def since(self, earlier: SpecDecodingStats | None) -> SpecDecodingStats:
+        """The counts of the interval from `earlier` (None: the start) to these."""
+        if earlier is None:
+            return self
+        before = list(earlier.accepted_per_pos)
+        before += [0] * (len(self.accepted_per_pos) - len(before))
+        per_pos = (n - b for n, b in zip(self.accepted_per_pos, before))
+        counts: dict[str, Any] = {f: getattr(self, f) - getattr(earlier, f) for f in _SPEC_COUNTS}
+        return SpecDecodingStats(**counts, accepted_per_pos=tuple(per_pos))
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        """Accepted draft tokens per proposed one; None before any draft."""
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else None
+
+    @property
+    def mean_acceptance_length(self) -> float | None:
+        """Tokens per verified draft, the target's own token included (vLLM's convention)."""
+        return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else None
+
+
+_SPEC_COUNTS = tuple(f for f in SpecDecodingStats.__struct_fields__ if f != "accepted_per_pos")
+
+
+class EngineCoreStats(msgspec.Struct, array_like=True, frozen=True, omit_defaults=True, gc=False):
+    """`Core.statistics()`, and the value on the wire: the core loop sends it as it is with each
+    step's `OutputBatch` and as the answer to a statistics call (actors/messages.py).
+
+    Every field is a count that data parallel sums (`merge`) except the two rates and `spec`: a
+    new count is one field here, its producer and its consumers."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    num_blocks: int = 0
+    num_free_blocks: int = 0
+    num_cached_blocks: int = 0
+    kv_cache_usage: float = 0.0  # fraction of the KV blocks in use
+    prefix_cache_hit_rate: float = 0.0  # of the prompt tokens looked up since start
+    num_preemptions: int = 0
     # KV blocks given back mid-request as they fell out of every layer's sliding window.
     num_window_released_blocks: int = 0
-    # Speculative decoding (engine/speculative/), cumulative since start; vLLM's
-    # `vllm:spec_decode_*` counters. A draft is one request's proposals verified in one step.
-    spec_num_drafts: int = 0
-    spec_num_draft_tokens: int = 0
-    spec_num_accepted_tokens: int = 0
-    # Accepted drafts by position: [i] counts drafts whose token i was accepted. Its length is
-    # num_speculative_tokens with speculation configured, () without (no spec metrics then).
-    spec_accepted_per_pos: tuple[int, ...] = ()
+    spec: SpecDecodingStats | None = None  # None without speculation (no spec metrics then)
+
+    @classmethod
+    def merge(cls, stats: Sequence[EngineCoreStats]) -> EngineCoreStats:
+        """One record for the data-parallel ranks: the counts summed, the KV usage of the pooled
+        blocks, the ranks' mean prefix-cache hit rate (they report no lookup counts to weigh it
+        by), and the speculation counters of the ranks that report them summed."""
+        if not stats:
+            return cls()
+        fields = [f for f in cls.__struct_fields__ if f not in _NOT_COUNTS]
+        counts: dict[str, Any] = {f: sum(getattr(s, f) for s in stats) for f in fields}
+        blocks, free = counts["num_blocks"], counts["num_free_blocks"]
+        specs = [s.spec for s in stats if s.spec is not None]
+        return cls(
+            **counts,
+            kv_cache_usage=1.0 - free / blocks if blocks else 0.0,
+            prefix_cache_hit_rate=sum(s.prefix_cache_hit_rate for s in stats) / len(stats),
+            spec=SpecDecodingStats.merge(specs) if specs else None,
+        )
+
+
+_NOT_COUNTS = ("kv_cache_usage", "prefix_cache_hit_rate", "spec")
 
 
 @runtime_checkable

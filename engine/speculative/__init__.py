@@ -22,6 +22,7 @@ agrees with is kept, plus one token of its own: 1 to k + 1 tokens for the weight
 from __future__ import annotations
 
 from triollm.engine.config import SpeculativeConfig
+from triollm.engine.core_protocol import SpecDecodingStats
 from triollm.engine.scheduling.request_state import Request
 from triollm.engine.scheduling.scheduler import ScheduledRequest
 from triollm.engine.speculative.draft import DraftModel
@@ -88,3 +89,12 @@ class Speculator:
         self.num_accepted_tokens += num_accepted
         for i in range(num_accepted):
             self.accepted_per_pos[i] += 1
+
+    def statistics(self) -> SpecDecodingStats:
+        """The counters since start, for the core's `EngineCoreStats.spec`."""
+        return SpecDecodingStats(
+            num_drafts=self.num_drafts,
+            num_draft_tokens=self.num_draft_tokens,
+            num_accepted_tokens=self.num_accepted_tokens,
+            accepted_per_pos=tuple(self.accepted_per_pos),
+        )

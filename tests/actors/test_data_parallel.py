@@ -35,11 +35,11 @@ from triollm.actors.messages import (
     EngineDead,
     OutputBatch,
     Ready,
-    StepStats,
     UtilityCall,
     UtilityOp,
     UtilityResult,
 )
+from triollm.engine.core_protocol import EngineCoreStats
 from triollm.engine.sampling_params import RequestOutputKind, SamplingParams
 
 pytestmark = pytest.mark.anyio
@@ -65,7 +65,7 @@ def batch(finished: list[str], running: int = 0, waiting: int = 0) -> OutputBatc
         finish_reasons=[1 for _ in finished],
         stop_reasons=[None for _ in finished],
         num_cached_tokens=[0 for _ in finished],
-        stats=StepStats(num_running=running, num_waiting=waiting),
+        stats=EngineCoreStats(num_running=running, num_waiting=waiting),
     )
 
 
@@ -203,7 +203,7 @@ async def test_a_lagging_frontend_or_a_pause_is_no_hang_but_an_unanswered_call_i
         await anyio.sleep(10)
         # A call rank 0 answers and rank 1 does not: rank 1 is hung, paused or not.
         router.expect(UtilityCall(8, UtilityOp.STATISTICS))
-        await feeds[0].send(UtilityResult(8, StepStats()))
+        await feeds[0].send(UtilityResult(8, EngineCoreStats()))
         t0 = anyio.current_time()
         death = await next_death(merged)
         # The clock runs from the last check that found nothing owed: up to 1/8 before the call.

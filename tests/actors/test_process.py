@@ -33,7 +33,6 @@ from triollm.actors.messages import (
     OutputBatch,
     Ready,
     RequestError,
-    StepStats,
     UtilityCall,
     UtilityOp,
     UtilityResult,
@@ -42,6 +41,7 @@ from triollm.actors.process import EngineStartupError, open_process_core
 from triollm.engine.config import EngineArgs
 from triollm.engine.config_codec import decode_config
 from triollm.engine.core import EngineCoreFactory
+from triollm.engine.core_protocol import EngineCoreStats
 from triollm.engine.execution.scripted_runner import fault_at_step
 from triollm.engine.request import EngineCoreRequest, FinishReason
 from triollm.engine.sampling_params import SamplingParams
@@ -168,7 +168,7 @@ async def test_abort_and_utility_calls(client: CoreClient) -> None:
         replies = [await client.outputs.receive() for _ in range(2)]
     assert all(isinstance(r, UtilityResult) for r in replies)
     stats, integrity = replies
-    assert isinstance(stats, UtilityResult) and isinstance(stats.result, StepStats)
+    assert isinstance(stats, UtilityResult) and isinstance(stats.result, EngineCoreStats)
     assert stats.call_id == 7 and stats.result.num_running == 0 and stats.result.num_waiting == 0
     assert (
         isinstance(integrity, UtilityResult) and integrity.call_id == 8 and integrity.result is True

@@ -1,8 +1,8 @@
 """Speculative decoding's counters from the engine core's statistics to the frontend: the wire
 struct, the data-parallel sum, `get_metrics()`, the stats log line and `/metrics`.
 
-Fakes throughout (made-up `StepStats`, a namespace for the core and the server state): the real
-path, a core that speculates, is tested end to end with the engine.
+Fakes throughout (made-up `EngineCoreStats`, a namespace for the server state): the real path,
+a core that speculates, is tested end to end with the engine.
 """
 
 from __future__ import annotations
@@ -15,25 +15,24 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from triollm.actors import stats as stats_module
-from triollm.actors.core_loop import step_stats
 from triollm.actors.data_parallel import _combine
-from triollm.actors.messages import OutputBatch, StepStats, UtilityResult, output_decoder
+from triollm.actors.messages import OutputBatch, UtilityResult, output_decoder
 from triollm.actors.stats import FrontendStatistics, StatsLog, engine_metrics
 from triollm.api.metrics import Metrics
 from triollm.api.state import ServerSettings
-from triollm.engine.core_protocol import EngineCoreStats
+from triollm.engine.core_protocol import EngineCoreStats, SpecDecodingStats
 from triollm.engine.metrics import Counter, Vector
 
-SPEC = StepStats(
+SPEC = EngineCoreStats(
     num_running=2,
     num_blocks=100,
     num_free_blocks=50,
-    spec_num_drafts=10,
-    spec_num_draft_tokens=30,
-    spec_num_accepted_tokens=18,
-    spec_accepted_per_pos=[9, 6, 3],
+    kv_cache_usage=0.5,
+    spec=SpecDecodingStats(
+        num_drafts=10, num_draft_tokens=30, num_accepted_tokens=18, accepted_per_pos=(9, 6, 3)
+    ),
 )
-NO_SPEC = StepStats(num_running=1, num_blocks=100, num_free_blocks=90)
+NO_SPEC = EngineCoreStats(num_running=1, num_blocks=100, num_free_blocks=90, kv_cache_usage=0.1)
 
 
 def _frontend(prompt: int = 0, generation: int = 0) -> FrontendStatistics:
@@ -53,35 +52,56 @@ def test_step_stats_round_trip_through_msgpack() -> None:
         assert back == msg
     # Without speculation the fields keep their defaults.
     back = output_decoder.decode(msgspec.msgpack.encode(UtilityResult(4, NO_SPEC)))
-    assert isinstance(back, UtilityResult) and isinstance(back.result, StepStats)
-    assert back.result.spec_accepted_per_pos == [] and back.result.spec_num_drafts == 0
+    assert isinstance(back, UtilityResult) and isinstance(back.result, EngineCoreStats)
+    assert back.result.spec is None
 
 
-def test_step_stats_copies_the_core_counters() -> None:
+def test_the_core_stats_travel_as_they_are() -> None:
+    """What the core reports is the wire value: every field arrives, none copied by hand."""
     core_stats = EngineCoreStats(
         num_running=1, num_waiting=0, num_blocks=8, num_free_blocks=4, num_cached_blocks=0,
-        kv_cache_usage=0.5, prefix_cache_hit_rate=0.0, num_preemptions=0, spec_num_drafts=5,
-        spec_num_draft_tokens=10, spec_num_accepted_tokens=7, spec_accepted_per_pos=(4, 3),
+        kv_cache_usage=0.5, prefix_cache_hit_rate=0.0, num_preemptions=0,
+        num_window_released_blocks=3, spec=SpecDecodingStats(5, 10, 7, (4, 3)),
     )
-    got = step_stats(SimpleNamespace(statistics=lambda: core_stats))  # type: ignore[arg-type]
-    assert (got.spec_num_drafts, got.spec_num_draft_tokens, got.spec_num_accepted_tokens) == (5, 10, 7)
-    assert got.spec_accepted_per_pos == [4, 3]  # a list on the wire: msgspec encodes both alike
+    back = output_decoder.decode(msgspec.msgpack.encode(OutputBatch.from_outputs([], core_stats)))
+    assert isinstance(back, OutputBatch) and back.stats == core_stats
+    got = back.stats.spec
+    assert got is not None
+    assert (got.num_drafts, got.num_draft_tokens, got.num_accepted_tokens) == (5, 10, 7)
+    assert got.accepted_per_pos == (4, 3)
 
 
 def test_data_parallel_sums_the_counters() -> None:
-    other = StepStats(
-        spec_num_drafts=4, spec_num_draft_tokens=12, spec_num_accepted_tokens=5,
-        spec_accepted_per_pos=[3, 1, 1],
-    )
+    other = EngineCoreStats(spec=SpecDecodingStats(4, 12, 5, (3, 1, 1)))
     combined = _combine(7, [UtilityResult(7, SPEC), UtilityResult(7, other)]).result
-    assert isinstance(combined, StepStats)
-    assert combined.spec_num_drafts == 14
-    assert combined.spec_num_draft_tokens == 42
-    assert combined.spec_num_accepted_tokens == 23
-    assert combined.spec_accepted_per_pos == [12, 7, 4]
+    assert isinstance(combined, EngineCoreStats) and combined.spec is not None
+    assert combined.spec.num_drafts == 14
+    assert combined.spec.num_draft_tokens == 42
+    assert combined.spec.num_accepted_tokens == 23
+    assert combined.spec.accepted_per_pos == (12, 7, 4)
     # Ranks without speculation add nothing, and the sum stays empty.
     none = _combine(8, [UtilityResult(8, NO_SPEC), UtilityResult(8, NO_SPEC)]).result
-    assert isinstance(none, StepStats) and none.spec_accepted_per_pos == []
+    assert isinstance(none, EngineCoreStats) and none.spec is None
+
+
+def test_data_parallel_merges_every_field() -> None:
+    """Counts are summed; the KV usage is that of the pooled blocks, the hit rate the mean."""
+    a = EngineCoreStats(
+        num_running=1, num_waiting=2, num_blocks=100, num_free_blocks=50, num_cached_blocks=4,
+        kv_cache_usage=0.5, prefix_cache_hit_rate=0.2, num_preemptions=1,
+        num_window_released_blocks=3,
+    )
+    b = EngineCoreStats(
+        num_running=2, num_blocks=300, num_free_blocks=250, kv_cache_usage=1 / 6,
+        prefix_cache_hit_rate=0.6, num_window_released_blocks=1,
+    )
+    merged = EngineCoreStats.merge([a, b])
+    assert merged.prefix_cache_hit_rate == pytest.approx(0.4)
+    assert merged == EngineCoreStats(
+        num_running=3, num_waiting=2, num_blocks=400, num_free_blocks=300, num_cached_blocks=4,
+        kv_cache_usage=0.25, prefix_cache_hit_rate=merged.prefix_cache_hit_rate,
+        num_preemptions=1, num_window_released_blocks=4, spec=None,
+    )
 
 
 # ------------------------------------------------------------------ get_metrics()
@@ -129,10 +149,7 @@ def test_stats_log_adds_vllm_spec_line_over_the_interval(
     # The next line covers only what happened since: 5 drafts, 10 tokens, 8 accepted, in 2 s.
     caplog.clear()
     now[0] = 112.0
-    later = msgspec.structs.replace(
-        SPEC, spec_num_drafts=15, spec_num_draft_tokens=40, spec_num_accepted_tokens=26,
-        spec_accepted_per_pos=[14, 9, 3],
-    )
+    later = msgspec.structs.replace(SPEC, spec=SpecDecodingStats(15, 40, 26, (14, 9, 3)))
     stats_log.log(later, _frontend())
     assert caplog.records[1].getMessage() == (
         "SpecDecoding metrics: Mean acceptance length: 2.60, Accepted throughput: 4.00 tokens/s, "
@@ -157,7 +174,7 @@ def test_stats_log_without_speculation_has_one_line(caplog: pytest.LogCaptureFix
 # ------------------------------------------------------------------ /metrics
 
 
-def _render(stats: StepStats | None, **llm: object) -> str:
+def _render(stats: EngineCoreStats | None, **llm: object) -> str:
     state = SimpleNamespace(
         llm=SimpleNamespace(last_stats=stats, **llm),
         settings=ServerSettings(served_model_names=("tiny",)),
@@ -190,7 +207,9 @@ def test_prometheus_spec_counters() -> None:
 
 
 def test_prometheus_spec_counters_per_data_parallel_rank() -> None:
-    other = StepStats(spec_num_drafts=2, spec_num_draft_tokens=6, spec_accepted_per_pos=[1, 1, 0])
+    other = EngineCoreStats(
+        spec=SpecDecodingStats(num_drafts=2, num_draft_tokens=6, accepted_per_pos=(1, 1, 0))
+    )
     s = _samples(_render(SPEC, rank_stats=[SPEC, other, None]))
     assert [s[_key("vllm:spec_decode_num_drafts_total", e)] for e in "012"] == [10, 2, 0]
     per_pos = "vllm:spec_decode_num_accepted_tokens_per_pos_total"
@@ -199,7 +218,7 @@ def test_prometheus_spec_counters_per_data_parallel_rank() -> None:
 
 
 @pytest.mark.parametrize("stats", [NO_SPEC, None])
-def test_prometheus_without_speculation_has_no_spec_series(stats: StepStats | None) -> None:
+def test_prometheus_without_speculation_has_no_spec_series(stats: EngineCoreStats | None) -> None:
     text = _render(stats)
     assert "vllm:num_preemptions_total" in text
     assert "spec_decode" not in text

@@ -10,13 +10,13 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from starlette.applications import Starlette
 
-from triollm.actors.messages import StepStats
 from triollm.api.metrics import Metrics
 from triollm.api.state import ServerSettings
+from triollm.engine.core_protocol import EngineCoreStats
 
 
 def _state(
-    stats: StepStats | None, names: tuple[str, ...] = ("tiny", "alias"), **llm: object
+    stats: EngineCoreStats | None, names: tuple[str, ...] = ("tiny", "alias"), **llm: object
 ) -> SimpleNamespace:
     return SimpleNamespace(
         llm=SimpleNamespace(last_stats=stats, **llm),
@@ -46,12 +46,13 @@ def _get(samples: dict, name: str, **labels: str) -> float:
     return samples[(name, tuple(sorted({**base, **labels}.items())))]
 
 
-STATS = StepStats(
+STATS = EngineCoreStats(
     num_running=3,
     num_waiting=2,
     num_blocks=100,
     num_free_blocks=75,
     num_cached_blocks=10,
+    kv_cache_usage=0.25,
     prefix_cache_hit_rate=0.5,
     num_preemptions=4,
 )
@@ -66,7 +67,7 @@ def test_engine_gauges_from_last_stats() -> None:
     assert _get(s, "vllm:prefix_cache_hit_rate") == 0.5
     assert _get(s, "vllm:num_preemptions_total") == 4
     # Read at scrape time: a new step's stats show up in the next scrape.
-    m.state.llm.last_stats = StepStats(0, 0, 100, 100, 0, 0.0, 5)
+    m.state.llm.last_stats = EngineCoreStats(0, 0, 100, 100, 0, 0.0, 0.0, 5)
     s = _samples(m.render().decode())
     assert _get(s, "vllm:num_requests_running") == 0
     assert _get(s, "vllm:kv_cache_usage_perc") == 0
@@ -74,7 +75,7 @@ def test_engine_gauges_from_last_stats() -> None:
 
 
 def test_each_data_parallel_rank_has_its_own_series() -> None:
-    idle = StepStats(0, 0, 100, 100, 0, 0.0, 1)
+    idle = EngineCoreStats(0, 0, 100, 100, 0, 0.0, 0.0, 1)
     m = Metrics(_state(STATS, rank_stats=[STATS, idle, None]))
     s = _samples(m.render().decode())
     assert [_get(s, "vllm:num_requests_running", engine=e) for e in "012"] == [3, 0, 0]
@@ -187,9 +188,9 @@ def test_two_instances_do_not_clash() -> None:
 async def test_endpoint_fetches_fresh_stats() -> None:
     calls = []
 
-    async def get_engine_stats() -> StepStats:
+    async def get_engine_stats() -> EngineCoreStats:
         calls.append(1)
-        return StepStats(9, 1, 10, 1, 0, 0.25, 0)
+        return EngineCoreStats(9, 1, 10, 1, 0, 0.9, 0.25, 0)
 
     m = Metrics(_state(STATS, get_engine_stats=get_engine_stats, errored=False))
     app = Starlette(routes=[m.route()])
@@ -208,7 +209,7 @@ async def test_endpoint_fetches_fresh_stats() -> None:
 
 @pytest.mark.anyio
 async def test_endpoint_falls_back_when_the_engine_is_dead() -> None:
-    async def get_engine_stats() -> StepStats:
+    async def get_engine_stats() -> EngineCoreStats:
         raise RuntimeError("engine dead")
 
     m = Metrics(_state(STATS, get_engine_stats=get_engine_stats, errored=False))
@@ -221,7 +222,7 @@ async def test_the_soak_bench_reads_the_served_gauges() -> None:
     """`triollm bench soak` waits for these gauges to read idle, by their served names."""
     from triollm.bench.soak import _wait_idle
 
-    m = Metrics(_state(StepStats(0, 0, 10, 10, 0, 0.0, 0)))
+    m = Metrics(_state(EngineCoreStats(0, 0, 10, 10, 0, 0.0, 0.0, 0)))
     app = Starlette(routes=[m.route()])
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as client:
         with anyio.fail_after(5):

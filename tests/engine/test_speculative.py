@@ -219,7 +219,7 @@ def test_sampled_output_follows_the_target_chain(tiny_model_dir: Path) -> None:
     params = [SamplingParams(temperature=1.0, seed=s, max_tokens=24, ignore_eos=True) for s in range(160)]
     outs = engine.generate([prompt] * len(params), params)
     stats = engine.core.statistics()
-    assert stats.spec_num_drafts > 100 and 0 < stats.spec_num_accepted_tokens < stats.spec_num_draft_tokens
+    assert stats.spec.num_drafts > 100 and 0 < stats.spec.num_accepted_tokens < stats.spec.num_draft_tokens
     counts = torch.zeros(6, 6, dtype=torch.float64)
     for out in outs:
         seq = [5, *out.outputs[0].token_ids]
@@ -261,7 +261,7 @@ def test_greedy_ngram_identical_on_the_bundled_model(bundled_model_dir: Path, ba
     plain, _ = _generate(bundled_model_dir, None, batch, quantization="gguf")
     spec, stats = _generate(bundled_model_dir, NGRAM, batch, quantization="gguf")
     assert spec == plain
-    assert stats.spec_num_accepted_tokens > 0 and stats.spec_accepted_per_pos[0] > 0
+    assert stats.spec.num_accepted_tokens > 0 and stats.spec.accepted_per_pos[0] > 0
 
 
 def test_greedy_identical_under_chunked_prefill_and_aborts(bundled_model_dir: Path) -> None:
@@ -293,7 +293,7 @@ def test_greedy_identical_under_chunked_prefill_and_aborts(bundled_model_dir: Pa
         engine.core.check_integrity()
         runs.append(([done[i] for i in ids], engine.core.statistics()))
     (plain, _), (spec, spec_stats) = runs
-    assert spec_stats.spec_num_accepted_tokens > 0
+    assert spec_stats.spec.num_accepted_tokens > 0
     assert spec == plain
 
 
@@ -319,7 +319,7 @@ def test_preemption_and_aborts_with_drafts(tiny_model_dir: Path) -> None:
         assert stats.num_preemptions > 0
         outputs.append(([done[i] for i in ids], stats))
     (plain, _), (spec_out, stats) = outputs
-    assert spec_out == plain and stats.spec_num_accepted_tokens > 0
+    assert spec_out == plain and stats.spec.num_accepted_tokens > 0
 
 
 def _run(engine: SyncEngine) -> Any:
@@ -333,7 +333,7 @@ def test_greedy_self_draft_identical(bundled_model_dir: Path) -> None:
     plain, _ = _generate(bundled_model_dir, None, 2, quantization="int8")
     spec, stats = _generate(bundled_model_dir, self_draft, 2, quantization="int8")
     assert spec == plain
-    assert stats.spec_num_drafts > 0 and stats.spec_num_accepted_tokens > stats.spec_num_draft_tokens // 2
+    assert stats.spec.num_drafts > 0 and stats.spec.num_accepted_tokens > stats.spec.num_draft_tokens // 2
 
 
 def test_draft_model_checkpoint(tiny_model_dir: Path, tmp_path: Path) -> None:
@@ -352,8 +352,8 @@ def test_draft_model_checkpoint(tiny_model_dir: Path, tmp_path: Path) -> None:
         results[name] = (engine.generate([prompt, prompt], params)[0].outputs[0].token_ids, engine.core.statistics())
     assert results["same"][0] == results["plain"][0] == results["other"][0]
     same_stats, other_stats = results["same"][1], results["other"][1]
-    assert same_stats.spec_num_accepted_tokens == same_stats.spec_num_draft_tokens > 0
-    assert other_stats.spec_num_accepted_tokens < other_stats.spec_num_draft_tokens
+    assert same_stats.spec.num_accepted_tokens == same_stats.spec.num_draft_tokens > 0
+    assert other_stats.spec.num_accepted_tokens < other_stats.spec.num_draft_tokens
 
 
 def test_disable_by_batch_size_and_limits(tiny_model_dir: Path) -> None:
@@ -364,12 +364,12 @@ def test_disable_by_batch_size_and_limits(tiny_model_dir: Path) -> None:
     greedy = [SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)] * 2
     sampled = SamplingParams(temperature=1.0, seed=3, max_tokens=12, ignore_eos=True)
     many = engine.generate([cycle] * 3, [*greedy, sampled])
-    assert engine.core.statistics().spec_num_drafts == 0
+    assert engine.core.statistics().spec.num_drafts == 0
     assert all(len(o.outputs[0].token_ids) == 12 for o in many)
     for max_tokens in (1, 2, 5, 9):
         out = engine.generate([cycle], SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True))
         assert len(out[0].outputs[0].token_ids) == max_tokens
-    assert engine.core.statistics().spec_num_accepted_tokens > 0
+    assert engine.core.statistics().spec.num_accepted_tokens > 0
 
 def test_stop_strings_logprobs_and_structured_outputs_with_drafts(bundled_model_dir: Path) -> None:
     """A stop string inside a multi-token step cuts the text, tokens and logprobs where plain
@@ -388,7 +388,7 @@ def test_stop_strings_logprobs_and_structured_outputs_with_drafts(bundled_model_
         outs = engine.generate([code, code, {"prompt_token_ids": code["prompt_token_ids"][:40]}], stops)
         results.append(([(o.outputs[0].text, o.outputs[0].token_ids, o.outputs[0].finish_reason, o.outputs[0].stop_reason) for o in outs], outs[0].outputs[0].logprobs, engine.core.statistics()))
     (plain, plain_lps, _), (spec, spec_lps, stats) = results
-    assert stats.spec_num_accepted_tokens > 0
+    assert stats.spec.num_accepted_tokens > 0
     assert spec == plain
     assert plain[0][2] == "stop" and plain[0][3] == "len(values)" and plain[1][0].endswith("sum("), plain
     assert plain_lps is not None and spec_lps is not None and len(spec_lps) == len(plain[0][1])

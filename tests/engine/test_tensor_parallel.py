@@ -117,7 +117,7 @@ def test_tp2_with_ngram_speculation_equals_tp1(tiny_model_dir: Path) -> None:
     )
     try:
         outs = [list(o.outputs[0].token_ids) for o in engine.generate(PROMPTS, GREEDY)]
-        assert engine.core.statistics().spec_num_drafts > 0  # the rank-1 worker saw draft rows
+        assert engine.core.statistics().spec.num_drafts > 0  # the rank-1 worker saw draft rows
     finally:
         engine.core.close()
     assert outs == _generate(tiny_model_dir, 1)

@@ -68,5 +68,5 @@ def test_speculative_decoding_on_the_triton_path(tiny_model_dir: Path, monkeypat
         )
         runs.append(([o.outputs[0].token_ids for o in engine.generate(prompts, params)], engine.core.statistics()))
     (plain, _), (with_drafts, stats) = runs
-    assert stats.spec_num_drafts > 0
+    assert stats.spec.num_drafts > 0
     assert with_drafts == plain
