@@ -7,9 +7,10 @@ RequestStream ◀──Frontend.on_outputs──── OutputActor ◀── cor
 
 The request table, the id scheme, the queue count, pause and hold, and what an abort must send
 live in `engine/frontend/` (no awaits there); the running parts (task group, output actor,
-watchdog, the root task for an engine nobody entered) in `EngineRuntime` (actors/runtime.py).
-This class is vLLM's API over them, and the waiting that requests need: processing a large
-input in a worker thread, waiting for queue room, utility calls, pause modes.
+watchdog, the root task for an engine nobody entered) and a request's way in (processing in a
+worker thread, waiting for queue room, sending: `EngineRuntime.admit`) in `EngineRuntime`
+(actors/runtime.py). This class is vLLM's API over them: which requests go to a thread, utility
+calls, pause modes.
 
 Requests: `add_request()` returns the request's `RequestStream` (request_stream.py), the one
 public handle every consumer uses; `generate()` is a thin async generator over it. A consumer
@@ -29,11 +30,10 @@ from collections.abc import AsyncGenerator, Iterable
 from typing import Any, Literal, cast
 
 import anyio
-import anyio.lowlevel
 
 from triollm.actors.beam_search import run_beam_search
 from triollm.actors.core_link import InputTap
-from triollm.actors.errors import EngineBusyError, EngineDeadError
+from triollm.actors.errors import EngineDeadError
 from triollm.actors.host import ShutdownCall
 from triollm.actors.messages import (
     AddRequest,
@@ -135,7 +135,7 @@ class AsyncLLM:
     @property
     def _table(self) -> Frontend:
         if self._rt.frontend is None:
-            self._require_running()  # raises: not started
+            self._rt.require_running()  # raises: not started
         assert self._rt.frontend is not None
         return self._rt.frontend
 
@@ -179,7 +179,7 @@ class AsyncLLM:
         return self.config.model
 
     def get_tokenizer(self) -> Tokenizer:
-        self._require_running()
+        self._rt.require_running()
         assert self.tokenizer is not None
         return self.tokenizer
 
@@ -211,16 +211,7 @@ class AsyncLLM:
         if self._link.dead is not None:
             raise self._link.dead_error()
         if not self._rt.hosted:
-            self._require_running()
-
-    def _require_running(self) -> None:
-        if self._link.dead is not None:
-            raise self._link.dead_error()
-        if not self.is_running:
-            raise RuntimeError(
-                "AsyncLLM is not running: use `async with AsyncLLM.from_engine_args(args) as llm:` "
-                "(or `await llm.start()` ... `await llm.shutdown()`)"
-            )
+            self._rt.require_running()
 
     # ------------------------------------------------------------------ requests
 
@@ -254,45 +245,23 @@ class AsyncLLM:
         worker thread).
         """
         await self._rt.ensure_started()
-        self._require_running()
+        self._rt.require_running()
         table = self._table
         if params is None:
             params = SamplingParams(**self.config.model.generation_defaults)
+        lora = self._lora
+        grammar = isinstance(params, SamplingParams) and params.structured_outputs is not None
+        # A grammar is compiled, an adapter seen for the first time has its config read.
+        slow = input_size(prompt, params) > _LARGE_PROMPT or grammar or lora.needs_io(lora_request)
         stream = RequestStream(request_id, params.output_kind, self._release)
         state = table.open(request_id, stream)  # the id is reserved before any await
-        if self._rt.idle.is_set():
-            self._rt.idle = anyio.Event()
         arrival = time.monotonic() if arrival_time is None else arrival_time
-        lora = self._lora
 
         def process() -> ProcessedRequest:
             checked = lora.check(lora_request)
             return table.process(state, prompt, params, arrival_time=arrival, priority=priority, lora_request=checked)
 
-        try:
-            grammar = isinstance(params, SamplingParams) and params.structured_outputs is not None
-            # A grammar is compiled, an adapter seen for the first time has its config read.
-            if input_size(prompt, params) > _LARGE_PROMPT or grammar or lora.needs_io(lora_request):
-                processed = await anyio.to_thread.run_sync(process)
-                self._require_running()
-            else:
-                processed = process()
-            while not state.abort_requested and (busy := table.busy(processed)) is not None:
-                if not wait_for_room:
-                    raise EngineBusyError(f"the engine is busy: {busy}; retry later")
-                self._rt.room_waiters += 1
-                try:
-                    await self._rt.room.wait()
-                finally:
-                    self._rt.room_waiters -= 1
-                self._require_running()
-            to_send = table.add(processed)
-            for core_request in to_send:
-                await self._link.send_or_raise(AddRequest(core_request))
-        except BaseException:
-            table.discard(request_id)
-            self._rt.check_idle()
-            raise
+        await self._rt.admit(state, process, in_thread=slow, wait_for_room=wait_for_room)
         return stream
 
     async def generate(
@@ -393,7 +362,7 @@ class AsyncLLM:
 
     async def _call(self, op: UtilityOp) -> StepStats | bool | None:
         await self._rt.ensure_started()
-        self._require_running()
+        self._rt.require_running()
         return await self._link.call(op)
 
     async def get_engine_stats(self) -> StepStats:
@@ -447,7 +416,7 @@ class AsyncLLM:
             )
             mode = "wait"
         await self._rt.ensure_started()
-        self._require_running()
+        self._rt.require_running()
         table = self._table
         inflight = table.request_ids()
         table.pause()
@@ -466,7 +435,7 @@ class AsyncLLM:
     async def resume_generation(self) -> None:
         """Generate again: frozen requests continue and held ones go to the engine core."""
         await self._rt.ensure_started()
-        self._require_running()
+        self._rt.require_running()
         if not self._table.paused:
             return
         await self._call(UtilityOp.RESUME)

@@ -9,21 +9,47 @@ in the engine); leaving early closes their streams, which aborts them.
 from __future__ import annotations
 
 from contextlib import ExitStack
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from triollm.engine.beam_search import BeamSearch, BeamSearchParams, prompt_token_ids
 from triollm.engine.inputs import PromptType
 from triollm.engine.outputs import RequestOutput
 
 if TYPE_CHECKING:
-    from triollm.actors.async_llm import AsyncLLM
+    from triollm.actors.request_stream import RequestStream
+    from triollm.engine.config import ModelConfig
+    from triollm.engine.processing.tokenizer import Tokenizer
+    from triollm.engine.sampling_params import SamplingParams
     from triollm.lora.request import LoRARequest
 
-__all__ = ["run_beam_search"]
+__all__ = ["BeamEngine", "run_beam_search"]
+
+
+class BeamEngine(Protocol):
+    """What beam search needs of the engine: `AsyncLLM` is one (named here, not imported, so
+    that this module stays below the class that uses it)."""
+
+    def get_tokenizer(self) -> Tokenizer: ...
+
+    def get_model_config(self) -> ModelConfig: ...
+
+    async def add_request(
+        self,
+        request_id: str,
+        prompt: PromptType,
+        params: SamplingParams,
+        *,
+        wait_for_room: bool = ...,
+        lora_request: LoRARequest | None = ...,
+    ) -> RequestStream: ...
 
 
 async def run_beam_search(
-    llm: AsyncLLM, prompt: PromptType, request_id: str, params: BeamSearchParams, lora_request: LoRARequest | None = None
+    llm: BeamEngine,
+    prompt: PromptType,
+    request_id: str,
+    params: BeamSearchParams,
+    lora_request: LoRARequest | None = None,
 ) -> RequestOutput:
     """The finished output of a beam search: the `params.beam_width` best sequences, best first;
     every beam's request runs under the adapter `lora_request` (None: the base model)."""

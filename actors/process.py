@@ -1,17 +1,15 @@
-"""The engine core in a child process, linked to the frontend by ZMQ.
+"""The engine core in a child process, linked to the frontend by ZMQ: the parent's side.
 
-Parent side: `open_process_core(config)` yields the same `CoreClient` as the in-process
-transport. Child side: `main()` below, run as `python -c "...main()" SPEC`. SPEC (JSON) holds
-the parent's resolved `EngineConfig` itself (`child_config`: multiprocess off, the threads
-counted; MessagePack inside, engine/config_codec.py), the two socket addresses, the log level
-and, for tests and benchmarks only, an `EngineCoreFactory` ("module:function" and its keyword
-arguments) that builds the core in place of `build_engine_core(config)`. The child never resolves
-anything again (no `create_engine_config`: no second reading of the machine or the model's
-files, and no second warning about ignored vLLM arguments), so the two processes cannot
+`open_process_core(config)` yields the same `CoreClient` as the in-process transport. The child
+is `python -m triollm.actors.child SPEC` (actors/child.py: its program, and the contract this
+side writes: `ChildSpec`, the CURVE keys in its environment, `STOP_BYTE` on its stdin). SPEC
+(JSON) holds the parent's resolved `EngineConfig` itself (`child_config`: multiprocess off, the
+threads counted), the two socket addresses, the log level and, for tests and benchmarks only,
+an `EngineCoreFactory`. The child never resolves anything again, so the two processes cannot
 disagree about dtype, quantization, threads or the KV cache's dtype.
 
 ```
-parent                                              child (`process.main()`, its own interpreter)
+parent                                              child (actors/child.py, its own interpreter)
 client.inputs ─▶ pump_to_socket ─▶ PUSH ══ipc/tcp══▶ PULL ─▶ pump_from_socket ─▶ serve_engine_core
 client.outputs ◀─ output actor ◀── PULL ◀═ipc/tcp═══ PUSH ◀─ pump_to_socket ◀──┘   (steps in a thread)
                    (+ watcher on proc.wait())
@@ -22,7 +20,8 @@ Start-up is a handshake on the output socket: the child sends `Ready` (what it m
 `StartupError` (message and traceback), and the parent raises `EngineStartupError` for the
 latter, or when the child exits first (exit code and the tail of its stderr), or when the
 handshake is not one of those. The parent binds, the child connects, so the child never needs
-a free port or a path of its own.
+a free port or a path of its own. `link_core` (the handshake, the pumps, the watcher, the
+teardown) serves a child process and a Ray actor (actors/ray_core.py) alike: a `CoreChild`.
 
 Failure and shutdown, decided by structure rather than flags:
 
@@ -36,20 +35,13 @@ Failure and shutdown, decided by structure rather than flags:
   child's stdin for when the event loop is ending and has cancelled the socket pump) → wait →
   SIGTERM → wait → SIGKILL → wait → close the sockets and the ZMQ context → remove the ipc
   directory.
-- The child exits when its stdin reaches EOF, which happens when the parent dies in any way
-  (SIGKILL included), since only the parent holds the pipe's write end. Rejected: `PR_SET_PDEATHSIG`
-  (fires when the *thread* that spawned the child exits, and trio spawns from worker threads)
-  and `multiprocessing` (blocking start, re-imported `__main__`, pickled arguments).
-- The child ignores SIGINT: a Ctrl-C in a terminal reaches the whole process group, and the
-  parent decides how the engine stops (it may want to drain first).
+- The parent's death, however it dies, ends the child: only the parent holds the write end of
+  the child's stdin, and the child exits on EOF (actors/child.py says what was rejected).
 
-The child runs on trio: its worker threads are daemon threads, so a child whose parent died
-mid-load exits at once instead of waiting for the load to finish (anyio's asyncio workers are
-not daemon threads); steps per second measured the same on both backends. Torch runs
-`num_threads` intra-op threads. Unset (AsyncLLM, the server): every core torch would use on a
-machine of up to `SHARED_CORES_UP_TO` cores, one fewer above. On the 2-core machine the server
-with 2 engine threads beat 1 at every concurrency tried (docs/benchmarks.md, Threads); the
-streaming frontend's share is small next to half the forward pass. On larger
+Torch runs `num_threads` intra-op threads in the child. Unset (AsyncLLM, the server): every core
+torch would use on a machine of up to `SHARED_CORES_UP_TO` cores, one fewer above. On the 2-core
+machine the server with 2 engine threads beat 1 at every concurrency tried (docs/benchmarks.md,
+Threads); the streaming frontend's share is small next to half the forward pass. On larger
 machines one core stays with the frontend (vLLM's reserve): an OpenMP region waits for its
 slowest thread, and a thread that shares its core with the frontend is that thread (not measured
 here). The offline `LLM` always takes every core (docs/benchmarks.md, Threads).
@@ -59,13 +51,11 @@ from __future__ import annotations
 
 import codecs
 import dataclasses
-import gc
 import logging
 import math
 import os
 import signal
 import sys
-import traceback
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from subprocess import DEVNULL, PIPE
@@ -79,7 +69,7 @@ from anyio.abc import ByteReceiveStream, Process
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from triollm.actors import zmq_io
-from triollm.actors.compute import ComputeThread, compute_thread
+from triollm.actors.child import CURVE_KEYS_ENV, STOP_BYTE, ChildSpec
 from triollm.actors.core_client import OUTPUT_BUFFER, SHUTDOWN_GRACE_S, CoreClient
 from triollm.actors.errors import unwrap_single_error
 from triollm.actors.messages import (
@@ -91,15 +81,13 @@ from triollm.actors.messages import (
     RequestError,
     Shutdown,
     StartupError,
-    input_decoder,
     output_decoder,
 )
 from triollm.engine.config import EngineConfig
-from triollm.engine.config_codec import decode_config, encode_config
+from triollm.engine.config_codec import encode_config
 from triollm.engine.core import EngineCoreFactory
 
 __all__ = [
-    "ChildSpec",
     "CoreChild",
     "EngineStartupError",
     "StderrTail",
@@ -107,24 +95,20 @@ __all__ = [
     "child_spec",
     "default_num_threads",
     "link_core",
-    "main",
     "open_process_core",
 ]
 
 log = logging.getLogger("triollm")
 
-CHILD_BACKEND = "trio"
 TERM_GRACE_S = 2.0  # after SIGTERM
 KILL_WAIT_S = 5.0  # after SIGKILL (only a process stuck in the kernel takes longer)
 LAST_WORDS_S = 0.5  # a child that exited by itself: time for its last message to arrive
-FLUSH_S = 2.0  # child: time to hand its last messages to the parent
 STDERR_TAIL_CHARS = 4000
-STOP_BYTE = b"q"  # parent -> child stdin: stop after the current step (see _request_stop)
 # The child must answer the handshake (Ready or StartupError) within this many seconds, or it is
 # killed and start-up fails naming this setting. Generous: loading a large model from a slow disk
 # takes minutes.
 HANDSHAKE_TIMEOUT_S = 600.0
-CURVE_KEYS_ENV = "TRIOLLM_ZMQ_CURVE_KEYS"  # parent -> child: zmq_io.ClientKeys for tcp
+CHILD_MODULE = "triollm.actors.child"  # run with `python -m`
 
 
 class EngineStartupError(RuntimeError):
@@ -142,26 +126,7 @@ class EngineStartupError(RuntimeError):
         return f"{self.message}\n\n--- engine core process ---\n{self.child_traceback.rstrip()}"
 
 
-class ChildSpec(msgspec.Struct):
-    """Everything the child needs, JSON-encoded as its only argument."""
-
-    # The parent's resolved EngineConfig as the core runs it (`child_config`), encoded by
-    # engine/config_codec.py: MessagePack (base64 in the JSON), so every float is exact.
-    config: bytes
-    inputs: str  # address of the parent's PUSH socket (the child connects a PULL)
-    outputs: str  # address of the parent's PULL socket (the child connects a PUSH)
-    log_level: int = logging.WARNING
-    core_factory: EngineCoreFactory | None = None  # tests and benchmarks: builds the core
-
-    def engine_config(self) -> EngineConfig:
-        """The config to run, as the parent resolved it (never resolved again here)."""
-        return decode_config(self.config)
-
-
 _encoder = msgspec.msgpack.Encoder()
-
-
-# ====================================================================== parent
 
 
 @asynccontextmanager
@@ -236,7 +201,9 @@ async def link_core(child: CoreChild, ends: zmq_io.Endpoints) -> AsyncIterator[C
                 output_scope = anyio.CancelScope()
                 tg.start_soon(_output_actor, output_scope, ends.outputs, out_send, child)
                 try:
-                    yield (client := CoreClient(ready, in_send, out_recv, child.pid, SHUTDOWN_GRACE_S))
+                    yield (
+                        client := CoreClient(ready, in_send, out_recv, child.pid, SHUTDOWN_GRACE_S)
+                    )
                 finally:
                     with anyio.CancelScope(shield=True):
                         output_scope.cancel()  # the exit we are about to cause is no death
@@ -311,9 +278,9 @@ def _child_command(
     config: EngineConfig, ends: zmq_io.Endpoints, core_factory: EngineCoreFactory | None
 ) -> list[str]:
     spec = child_spec(config, ends, core_factory)
-    # `-c` rather than `-m triollm.actors.process`: importing the package imports this module
-    # (AsyncLLM -> transport -> process), so runpy would run a second copy as __main__ (and warn).
-    return [sys.executable, "-c", _CHILD_MAIN, msgspec.json.encode(spec).decode()]
+    # runpy runs the child's module as __main__: nothing it imports may import it back (that
+    # would be a second copy, and a warning), which the import-cycle test keeps true.
+    return [sys.executable, "-m", CHILD_MODULE, msgspec.json.encode(spec).decode()]
 
 
 def child_config(config: EngineConfig) -> EngineConfig:
@@ -325,6 +292,18 @@ def child_config(config: EngineConfig) -> EngineConfig:
     threads = config.num_threads or default_num_threads()
     actor = dataclasses.replace(config.actor, multiprocess=False)
     return dataclasses.replace(config, num_threads=threads, actor=actor)
+
+
+SHARED_CORES_UP_TO = 4
+
+
+def default_num_threads() -> int:
+    """Torch threads in the engine-core process when `num_threads` is not set: every core on a
+    small machine, else one core for the frontend and the rest for the forward pass."""
+    import torch
+
+    cores = torch.get_num_threads()
+    return cores if cores <= SHARED_CORES_UP_TO else cores - 1
 
 
 def child_spec(
@@ -339,9 +318,6 @@ def child_spec(
         log.getEffectiveLevel(),
         core_factory,
     )
-
-
-_CHILD_MAIN = "from triollm.actors.process import main; raise SystemExit(main())"
 
 
 async def _handshake(sock: zmq.Socket[Any], child: CoreChild) -> Ready:
@@ -517,186 +493,3 @@ class StderrTail:
             pass
         finally:
             self.eof.set()
-
-
-# ====================================================================== child
-
-
-def main(argv: list[str] | None = None) -> int:
-    """The engine-core process: `python -m triollm.actors.process SPEC_JSON`."""
-    argv = sys.argv[1:] if argv is None else argv
-    if len(argv) != 1:
-        print(
-            "usage: python -m triollm.actors.process SPEC_JSON (started by the frontend)",
-            file=sys.stderr,
-        )
-        return 2
-    spec = msgspec.json.decode(argv[0], type=ChildSpec)
-    config = spec.engine_config()
-    keys = os.environ.pop(CURVE_KEYS_ENV, None)  # not inherited by anything we start
-    curve = zmq_io.ClientKeys.decode(keys) if keys else None
-    os.dup2(2, 1)  # nothing reads our stdout: stray prints join stderr, which the parent forwards
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    logging.basicConfig(
-        level=spec.log_level,
-        format=f"(engine core pid {os.getpid()}) %(levelname)s %(name)s: %(message)s",
-    )
-    import torch
-
-    # Before any worker thread exists: threads started later inherit the setting (the parent
-    # counted them: `child_config`).
-    if config.num_threads is not None:
-        torch.set_num_threads(config.num_threads)
-    try:
-        return anyio.run(_child_main, spec, config, curve, backend=CHILD_BACKEND)
-    except Exception:
-        # Our stderr goes to the parent, which forwards it and keeps its tail for the error.
-        log.exception("the engine core process exits on an unexpected error")
-        return 1
-
-
-SHARED_CORES_UP_TO = 4
-
-
-def default_num_threads() -> int:
-    """Torch threads in the engine-core process when `num_threads` is not set: every core on a
-    small machine, else one core for the frontend and the rest for the forward pass."""
-    import torch
-
-    cores = torch.get_num_threads()
-    return cores if cores <= SHARED_CORES_UP_TO else cores - 1
-
-
-async def _child_main(
-    spec: ChildSpec,
-    config: EngineConfig,
-    curve: zmq_io.ClientKeys | None = None,
-    stop_requested: anyio.Event | None = None,
-) -> int:
-    """The engine core (`config`: `spec.engine_config()`, decoded once by the caller) behind its
-    two sockets until it stops. A child process watches its stdin
-    (`_watch_parent`); a Ray actor passes `stop_requested` (set by its `stop()` call) instead,
-    and Ray ends it with the process that created it."""
-    ctx: zmq.Context[Any] = zmq.Context()
-    outputs = zmq_io.connect(ctx, zmq.PUSH, spec.outputs, curve)
-    inputs = zmq_io.connect(ctx, zmq.PULL, spec.inputs, curve)
-    parent_alive = False
-    code = 0
-    try:
-        async with anyio.create_task_group() as tg:
-            if stop_requested is None:
-                stop_requested = anyio.Event()
-                tg.start_soon(_watch_parent, tg.cancel_scope, stop_requested)
-            code = await _run_engine(spec, config, inputs, outputs, stop_requested)
-            parent_alive = True
-            tg.cancel_scope.cancel()
-    finally:
-        zmq_io.close(inputs)
-        # Deliver what is still queued (Ready, StartupError, EngineDead) unless nobody listens.
-        zmq_io.close(outputs, linger=int(FLUSH_S * 1000) if parent_alive else 0)
-        ctx.term()
-    return code
-
-
-async def _watch_parent(scope: anyio.CancelScope, stop_requested: anyio.Event) -> None:
-    """Our stdin is a pipe from the parent. `STOP_BYTE` asks for an orderly stop (as `Shutdown`
-    does: the core loop ends after its current step); EOF means the parent is gone."""
-    fd = 0
-    while True:
-        await anyio.wait_readable(fd)
-        data = os.read(fd, 4096)
-        if not data:
-            break
-        if STOP_BYTE in data:
-            stop_requested.set()
-    if not stop_requested.is_set():
-        log.warning("the parent process is gone; the engine core exits")
-    scope.cancel()
-
-
-async def _run_engine(
-    spec: ChildSpec,
-    config: EngineConfig,
-    inputs: zmq.Socket[Any],
-    outputs: zmq.Socket[Any],
-    stop_requested: anyio.Event,
-) -> int:
-    with compute_thread() as compute:
-        return await _serve(spec, config, inputs, outputs, stop_requested, compute)
-
-
-async def _serve(
-    spec: ChildSpec,
-    config: EngineConfig,
-    inputs: zmq.Socket[Any],
-    outputs: zmq.Socket[Any],
-    stop_requested: anyio.Event,
-    compute: ComputeThread,
-) -> int:
-    from triollm.actors.core_loop import serve_engine_core
-    from triollm.engine.cores import build_engine_core
-
-    try:
-        _check_checkpoint(config)
-        build = build_engine_core if spec.core_factory is None else spec.core_factory.build
-        core = await compute.run(build, config)
-    except Exception as exc:
-        log.exception("the engine core failed to start")
-        message = str(exc) if isinstance(exc, ValueError) else f"{type(exc).__name__}: {exc}"
-        await zmq_io.send(outputs, _encoder.encode(StartupError(message, traceback.format_exc())))
-        return 1
-    gc.collect()
-    gc.freeze()  # the model and torch leave the collector's view: no long GC pauses in the loop
-    ready = Ready(
-        core.num_blocks,
-        config.cache.block_size,
-        config.model.max_model_len,
-        config.model.vocab_size,
-    )
-    await zmq_io.send(outputs, _encoder.encode(ready))
-
-    in_send, in_recv = anyio.create_memory_object_stream[CoreInput](math.inf)
-    out_send, out_recv = anyio.create_memory_object_stream[CoreOutput](OUTPUT_BUFFER)
-    failed = False
-    async with anyio.create_task_group() as tg:
-        tg.start_soon(_shutdown_when_asked, stop_requested, in_send.clone())
-        tg.start_soon(zmq_io.pump_from_socket, inputs, in_send, input_decoder.decode)
-        async with anyio.create_task_group() as out_tg:
-            out_tg.start_soon(zmq_io.pump_to_socket, outputs, out_recv, _encoder.encode)
-            try:
-                await serve_engine_core(core, in_recv, out_send, compute)
-            except Exception:
-                # serve_engine_core queued EngineDead with the traceback and closed out_send:
-                # the output pump must still flush it, so this must not cancel the pump.
-                log.exception("the engine core failed; the process exits")
-                failed = True
-            out_tg.cancel_scope.deadline = anyio.current_time() + FLUSH_S
-        tg.cancel_scope.cancel()
-    with anyio.CancelScope(shield=True):  # its tensor-parallel workers, if any (bounded waits)
-        await anyio.to_thread.run_sync(core.close)
-    return 1 if failed else 0
-
-
-def _check_checkpoint(config: EngineConfig) -> None:
-    """The parent resolved `config` from the model directory; one that has lost its config.json
-    since (deleted, or being replaced) is no longer the checkpoint the parent read: refuse it,
-    naming the file, rather than load whatever weights are left."""
-    path = config.model.path
-    if not (path / "config.json").is_file():
-        raise ValueError(
-            f"model: {path} has no config.json any more (the engine's configuration was resolved "
-            "from it at start-up); the model directory changed while the engine started"
-        )
-
-
-async def _shutdown_when_asked(stop_requested: anyio.Event, inputs: MemoryObjectSendStream[CoreInput]) -> None:
-    with inputs:
-        await stop_requested.wait()
-        try:
-            inputs.send_nowait(Shutdown())
-        except (anyio.ClosedResourceError, anyio.BrokenResourceError):
-            pass
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -4,7 +4,7 @@ backend, for ranks on other machines of a Ray cluster.
 ```
 frontend (this process, a Ray driver)                       Ray actor (any node of the cluster)
 Endpoints.bind("tcp://ADDRESS")  ── PUSH ══tcp+CURVE══▶ PULL ─▶ EngineCoreActor.run():
-                                 ◀─ PULL ◀══tcp+CURVE══ PUSH ◀─   process._child_main (trio)
+                                 ◀─ PULL ◀══tcp+CURVE══ PUSH ◀─   child.serve_core (trio)
 watcher: ray.wait on run()'s ObjectRef (the long-running call) = the actor's liveness
 ```
 
@@ -48,9 +48,9 @@ import anyio.lowlevel
 import msgspec
 
 from triollm.actors import zmq_io
+from triollm.actors.child import ChildSpec, configure_core_process
 from triollm.actors.core_client import CoreClient
 from triollm.actors.process import (
-    ChildSpec,
     EngineStartupError,
     StderrTail,
     child_spec,
@@ -96,7 +96,7 @@ async def ray_session() -> AsyncIterator[Any]:
 
 
 class EngineCoreActor:
-    """The engine core in a Ray actor: `run()` is `process._child_main` on trio, for as long as
+    """The engine core in a Ray actor: `run()` is `child.serve_core` on trio, for as long as
     the core runs; `stop()` asks it to stop after its current step."""
 
     def __init__(self, spec_json: str, curve_keys: str | None) -> None:
@@ -105,14 +105,7 @@ class EngineCoreActor:
         self._curve = zmq_io.ClientKeys.decode(curve_keys) if curve_keys else None
         self._token: Any = None
         self._stop: anyio.Event | None = None
-        logging.basicConfig(
-            level=self._spec.log_level,
-            format=f"(engine core pid {os.getpid()}) %(levelname)s %(name)s: %(message)s",
-        )
-        import torch
-
-        if self._config.num_threads is not None:  # counted by the driver (`child_config`)
-            torch.set_num_threads(self._config.num_threads)
+        configure_core_process(self._spec, self._config)  # the log format, the torch threads
 
     def pid(self) -> int:
         return os.getpid()
@@ -136,12 +129,12 @@ class EngineCoreActor:
         return result[0]
 
     async def _main(self) -> int:
-        from triollm.actors.process import _child_main
+        from triollm.actors.child import serve_core
 
         self._stop = anyio.Event()
         self._token = anyio.lowlevel.current_token()
         try:
-            return await _child_main(self._spec, self._config, self._curve, self._stop)
+            return await serve_core(self._spec, self._config, self._curve, self._stop)
         finally:
             self._token = None
 

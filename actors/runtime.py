@@ -9,6 +9,9 @@ EngineRuntime ── task group ──┬── core client (actors/transport.py
    └── Frontend (the request table; engine/frontend/, no awaits)
 ```
 
+A request's way in is `admit`: process it (in a worker thread when `AsyncLLM` says so), wait for
+queue room on the events the output actor sets (`notify_room`), send it; any failure discards it.
+
 Ownership: `async with` on the `AsyncLLM` (or `start()` ... `shutdown()` from one task) enters
 the task group here; when nobody entered it, the first use hands the same `start` and
 `stop` to a root task of the running loop (`EngineHost`, actors/host.py). Actors never raise
@@ -22,20 +25,22 @@ from __future__ import annotations
 
 import gc
 import logging
+from collections.abc import Callable
 from contextlib import AsyncExitStack
 
 import anyio
 from anyio.abc import TaskGroup
 
 from triollm.actors.core_link import CoreLink, InputTap
-from triollm.actors.errors import EngineDeadError
+from triollm.actors.errors import EngineBusyError, EngineDeadError
 from triollm.actors.host import EngineHost, ShutdownCall
+from triollm.actors.messages import AddRequest
 from triollm.actors.output_actor import OutputActor
 from triollm.actors.transport import open_core_client
 from triollm.actors.watchdog import Watchdog
 from triollm.engine.config import EngineConfig
 from triollm.engine.core import EngineCoreFactory
-from triollm.engine.frontend import Frontend, InputProcessor
+from triollm.engine.frontend import Frontend, InputProcessor, ProcessedRequest, RequestState
 from triollm.engine.processing.tokenizer import Tokenizer
 
 __all__ = ["EngineRuntime"]
@@ -133,6 +138,56 @@ class EngineRuntime:
             await self._host.ready.wait()
             if self._host.error is not None:
                 raise RuntimeError(f"AsyncLLM failed to start: {self._host.error}") from self._host.error
+
+    def require_running(self) -> None:
+        """Raise unless the engine serves: its death (`EngineDeadError`), else not started."""
+        if self.link.dead is not None:
+            raise self.link.dead_error()
+        if not self.running:
+            raise RuntimeError(
+                "AsyncLLM is not running: use `async with AsyncLLM.from_engine_args(args) as llm:` "
+                "(or `await llm.start()` ... `await llm.shutdown()`)"
+            )
+
+    # ------------------------------------------------------------------ admission
+
+    async def admit(
+        self,
+        state: RequestState,
+        process: Callable[[], ProcessedRequest],
+        *,
+        in_thread: bool,
+        wait_for_room: bool,
+    ) -> None:
+        """The way in of a request the frontend has opened (`state`): `process` it (in a worker
+        thread when `in_thread`), wait while the frontend says the engine is busy (or raise
+        `EngineBusyError` unless `wait_for_room`), send it to the core. On any failure,
+        cancellation included, the request is discarded (its id free again) and it re-raises."""
+        table = self.frontend
+        assert table is not None
+        if self.idle.is_set():
+            self.idle = anyio.Event()
+        try:
+            if in_thread:
+                processed = await anyio.to_thread.run_sync(process)
+                self.require_running()
+            else:
+                processed = process()
+            while not state.abort_requested and (busy := table.busy(processed)) is not None:
+                if not wait_for_room:
+                    raise EngineBusyError(f"the engine is busy: {busy}; retry later")
+                self.room_waiters += 1
+                try:
+                    await self.room.wait()
+                finally:
+                    self.room_waiters -= 1
+                self.require_running()
+            for core_request in table.add(processed):
+                await self.link.send_or_raise(AddRequest(core_request))
+        except BaseException:
+            table.discard(state.request_id)
+            self.check_idle()
+            raise
 
     # ------------------------------------------------------------------ shutdown
 
