@@ -35,17 +35,14 @@ from triollm.actors.beam_search import run_beam_search
 from triollm.actors.core_link import InputTap
 from triollm.actors.errors import EngineDeadError
 from triollm.actors.host import ShutdownCall
-from triollm.actors.messages import (
-    AddRequest,
-    StepStats,
-    UtilityOp,
-)
+from triollm.actors.messages import AddRequest, UtilityOp
 from triollm.actors.request_stream import RequestStream
 from triollm.actors.runtime import EngineRuntime
 from triollm.actors.stats import FrontendStatistics, StatsLog, engine_metrics, frontend_statistics
 from triollm.engine.beam_search import BeamSearchParams
 from triollm.engine.config import EngineArgs, EngineConfig, ModelConfig
-from triollm.engine.core import EngineCoreFactory
+from triollm.engine.core_factory import EngineCoreFactory
+from triollm.engine.core_protocol import EngineCoreStats
 from triollm.engine.frontend import Frontend, LoRAChecker, input_size
 from triollm.engine.frontend.input import LARGE_INPUT, ProcessedRequest
 from triollm.engine.inputs import PromptType
@@ -161,12 +158,12 @@ class AsyncLLM:
         return self._link.dead
 
     @property
-    def last_stats(self) -> StepStats | None:
+    def last_stats(self) -> EngineCoreStats | None:
         """The engine core's statistics from its latest step that carried them."""
         return None if self._rt.outputs is None else self._rt.outputs.last_stats
 
     @property
-    def rank_stats(self) -> list[StepStats | None] | None:
+    def rank_stats(self) -> list[EngineCoreStats | None] | None:
         """Data parallel: each rank's latest statistics, by rank; None with one engine core."""
         client = self._link.client
         return None if client is None or client.rank_stats is None else list(client.rank_stats)
@@ -360,15 +357,15 @@ class AsyncLLM:
 
     # ------------------------------------------------------------------ utilities
 
-    async def _call(self, op: UtilityOp) -> StepStats | bool | None:
+    async def _call(self, op: UtilityOp) -> EngineCoreStats | bool | None:
         await self._rt.ensure_started()
         self._rt.require_running()
         return await self._link.call(op)
 
-    async def get_engine_stats(self) -> StepStats:
+    async def get_engine_stats(self) -> EngineCoreStats:
         """Fresh statistics from the engine core (running, waiting, KV blocks, prefix cache)."""
         result = await self._call(UtilityOp.STATISTICS)
-        assert isinstance(result, StepStats)
+        assert isinstance(result, EngineCoreStats)
         return result
 
     async def reset_prefix_cache(self) -> bool:

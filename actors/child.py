@@ -72,7 +72,7 @@ from triollm.actors.messages import (
 )
 from triollm.engine.config import EngineConfig
 from triollm.engine.config_codec import decode_config
-from triollm.engine.core import EngineCoreFactory
+from triollm.engine.core_factory import EngineCoreFactory
 
 __all__ = [
     "CURVE_KEYS_ENV",

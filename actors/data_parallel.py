@@ -69,7 +69,7 @@ from triollm.actors.process import default_num_threads, open_process_core
 from triollm.actors.ray_core import open_ray_core, ray_session
 from triollm.actors.watchdog import Watchdog
 from triollm.engine.config import EngineConfig
-from triollm.engine.core import EngineCoreFactory
+from triollm.engine.core_factory import EngineCoreFactory
 from triollm.engine.core_protocol import EngineCoreStats
 
 __all__ = ["Router", "open_data_parallel_client", "rank_config", "rank_threads"]

@@ -36,7 +36,7 @@ from triollm.engine.beam_search import (
     prompt_token_ids,
 )
 from triollm.engine.config import EngineArgs
-from triollm.engine.core import EngineCoreFactory
+from triollm.engine.core_factory import EngineCoreFactory
 from triollm.engine.frontend import GENERATE_ON_POOLING, POOLING_ON_GENERATE
 from triollm.engine.inputs import PromptType
 from triollm.engine.metrics import Metric

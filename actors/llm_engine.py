@@ -46,7 +46,7 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 from triollm.actors.async_llm import AsyncLLM
 from triollm.actors.request_stream import RequestStream
 from triollm.engine.config import EngineArgs
-from triollm.engine.core import EngineCoreFactory
+from triollm.engine.core_factory import EngineCoreFactory
 from triollm.engine.inputs import PromptType
 from triollm.engine.loading.model_config import ModelConfig
 from triollm.engine.metrics import Metric

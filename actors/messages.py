@@ -86,11 +86,6 @@ class StartupError(msgspec.Struct, tag=True, array_like=True):
     traceback: str
 
 
-# The core's `EngineCoreStats` travels as it is (engine/core_protocol.py). Old name, kept for
-# actors/async_llm.py until it says EngineCoreStats.
-StepStats = EngineCoreStats
-
-
 class LogprobColumns(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     """Logprobs of several batch entries, flattened. Entry `index[j]` owns `num_rows[j]` rows of
     `width[j]` values each, stored row-major in `token_ids` / `logprobs`, and one rank per row."""

@@ -85,7 +85,7 @@ from triollm.actors.messages import (
 )
 from triollm.engine.config import EngineConfig
 from triollm.engine.config_codec import encode_config
-from triollm.engine.core import EngineCoreFactory
+from triollm.engine.core_factory import EngineCoreFactory
 
 __all__ = [
     "CoreChild",

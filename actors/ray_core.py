@@ -57,7 +57,7 @@ from triollm.actors.process import (
     link_core,
 )
 from triollm.engine.config import EngineConfig
-from triollm.engine.core import EngineCoreFactory
+from triollm.engine.core_factory import EngineCoreFactory
 
 __all__ = ["EngineCoreActor", "open_ray_core", "ray_session"]
 

@@ -39,7 +39,7 @@ from triollm.actors.output_actor import OutputActor
 from triollm.actors.transport import open_core_client
 from triollm.actors.watchdog import Watchdog
 from triollm.engine.config import EngineConfig
-from triollm.engine.core import EngineCoreFactory
+from triollm.engine.core_factory import EngineCoreFactory
 from triollm.engine.frontend import Frontend, InputProcessor, ProcessedRequest, RequestState
 from triollm.engine.processing.tokenizer import Tokenizer
 

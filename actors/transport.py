@@ -37,7 +37,7 @@ from triollm.actors.data_parallel import open_data_parallel_client, rank_threads
 from triollm.actors.messages import CoreInput, CoreOutput, Ready, Shutdown
 from triollm.actors.process import open_process_core
 from triollm.engine.config import EngineConfig
-from triollm.engine.core import EngineCoreFactory
+from triollm.engine.core_factory import EngineCoreFactory
 from triollm.engine.cores import build_engine_core
 
 __all__ = ["open_core_client"]

@@ -25,8 +25,8 @@ import sys
 import time
 from collections.abc import Sequence
 
-from triollm.bench import add_bench_parser
 from triollm.api.serve_args import add_serve_args
+from triollm.bench import add_bench_parser
 from triollm.engine.config import EngineArgs
 
 DEFAULT_PROMPTS = [

@@ -140,16 +140,7 @@ class PoolingEngineCore:
         return batch
 
     def statistics(self) -> EngineCoreStats:
-        return EngineCoreStats(
-            num_running=0,
-            num_waiting=len(self.waiting),
-            num_blocks=0,
-            num_free_blocks=0,
-            num_cached_blocks=0,
-            kv_cache_usage=0.0,
-            prefix_cache_hit_rate=0.0,
-            num_preemptions=0,
-        )
+        return EngineCoreStats(num_waiting=len(self.waiting))  # no KV cache, nothing running
 
     def check_integrity(self) -> None:
         for rid, req in self.waiting.items():

@@ -12,7 +12,7 @@ from triollm.actors.async_llm import AsyncEngineArgs, AsyncLLM
 from triollm.actors.errors import EngineDeadError
 from triollm.actors.process import EngineStartupError
 from triollm.engine.config import EngineArgs, EngineConfig
-from triollm.engine.core import EngineCoreFactory
+from triollm.engine.core_factory import EngineCoreFactory
 from triollm.engine.execution.scripted_runner import SCRIPTED, fault_at_step
 from triollm.engine.sampling_params import SamplingParams
 

@@ -40,7 +40,7 @@ from triollm.actors.messages import (
 from triollm.actors.process import EngineStartupError, open_process_core
 from triollm.engine.config import EngineArgs
 from triollm.engine.config_codec import decode_config
-from triollm.engine.core import EngineCoreFactory
+from triollm.engine.core_factory import EngineCoreFactory
 from triollm.engine.core_protocol import EngineCoreStats
 from triollm.engine.execution.scripted_runner import fault_at_step
 from triollm.engine.request import EngineCoreRequest, FinishReason

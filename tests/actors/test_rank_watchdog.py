@@ -30,7 +30,7 @@ from local_ray import local_ray
 import triollm.actors.process as process_module
 from triollm.actors.async_llm import AsyncEngineArgs, AsyncLLM
 from triollm.actors.errors import EngineDeadError
-from triollm.engine.core import EngineCoreFactory
+from triollm.engine.core_factory import EngineCoreFactory
 from triollm.engine.sampling_params import SamplingParams
 from triollm.testing import FakeCore, kill_core_process
 from triollm.testing.strategies import HangRank, hang_ranks

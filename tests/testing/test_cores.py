@@ -15,7 +15,7 @@ import pytest
 import triollm.actors.transport as transport_module
 import triollm.testing
 from triollm import LLM, AsyncEngineArgs, AsyncLLM, EngineDeadError, SamplingParams
-from triollm.engine.core import EngineCoreFactory
+from triollm.engine.core_factory import EngineCoreFactory
 from triollm.testing import (
     FakeCore,
     kill_core_process,
