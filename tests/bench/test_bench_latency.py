@@ -14,12 +14,12 @@ from pathlib import Path
 import pytest
 from tinymodel import make_tiny_model
 
+from triollm.api.cli import main
 from triollm.bench.latency import (
     TEXT_LATENCY_WORKLOADS,
     _first_difference,
     latency_prompt_ids,
 )
-from triollm.api.cli import main
 
 FIGURES = ("ttft_ms", "ms_per_token", "step_ms_median", "output_tokens", "token_ids", "repeats_identical", "runs", "warmup", "spec")
 SPEC_KEYS = ("num_drafts", "num_draft_tokens", "num_accepted_tokens", "accepted_per_pos", "acceptance_rate", "mean_acceptance_length")

@@ -6,8 +6,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from triollm.bench.lora import write_random_adapter
 from triollm.api.cli import main
+from triollm.bench.lora import write_random_adapter
 
 
 def test_bench_lora_reports_both_ratios(tiny_model_dir: Path, tmp_path: Path) -> None:
