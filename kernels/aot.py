@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import os
 import re
 import subprocess
 import sys
@@ -41,6 +40,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from triollm.kernels.envs import clear_triton_interpret, triton_cache_dir
 from triollm.kernels.triton import AotSpec
 
 __all__ = [
@@ -198,25 +198,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="compile this module's AOT_SPECS instead of triollm's kernels (repeatable)",
     )
     args = parser.parse_args(argv)
-    os.environ.pop("TRITON_INTERPRET", None)  # read when the kernels are decorated (see above)
+    clear_triton_interpret()  # read when the kernels are decorated (see above)
 
     collected = collect_specs(args.modules)
     for error in collected.errors:
         print(error)
     results = []
-    previous_cache = os.environ.get("TRITON_CACHE_DIR")
-    with tempfile.TemporaryDirectory(prefix="triton-aot-") as cache:
-        os.environ["TRITON_CACHE_DIR"] = cache
-        try:
-            for spec in collected.specs:
-                result = compile_spec(spec, args.arch)
-                print(result.line(), flush=True)
-                results.append(result)
-        finally:
-            if previous_cache is None:
-                del os.environ["TRITON_CACHE_DIR"]
-            else:
-                os.environ["TRITON_CACHE_DIR"] = previous_cache
+    with tempfile.TemporaryDirectory(prefix="triton-aot-") as cache, triton_cache_dir(cache):
+        for spec in collected.specs:
+            result = compile_spec(spec, args.arch)
+            print(result.line(), flush=True)
+            results.append(result)
     compiled = sum(r.ok for r in results)
     failed = len(results) - compiled
     summary = f"{compiled} kernels compiled for sm_{args.arch}"

@@ -16,12 +16,13 @@ import fcntl
 import functools
 import hashlib
 import logging
-import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
 import torch
+
+from triollm.kernels.envs import CPU_KERNELS_ENV, ISA_ENV, cpu_kernels_enabled, forced_cpu_isa
 
 __all__ = [
     "CPU_KERNELS_ENV",
@@ -41,7 +42,6 @@ __all__ = [
 
 log = logging.getLogger("triollm")
 
-CPU_KERNELS_ENV = "TRIOLLM_CPU_KERNELS"  # "0": never build or use the native kernels
 _SOURCES = [Path(__file__).parent / "csrc" / name for name in ("cpu_attention.cpp", "quant_linear.cpp", "decoder.cpp")]
 # -ffast-math lets the compiler vectorise exp (glibc's vector math); the kernel keeps its values
 # finite for it (kernels/csrc/cpu_attention.cpp). -fopenmp: ATen's parallel_for is a header
@@ -73,7 +73,6 @@ def has_native_bf16() -> bool:
 # The quantized linear's compiled paths (kernels/csrc/quant_linear.cpp), best first, with the
 # CPU flags each needs. Every build holds all of them (each function compiled for its own
 # instruction set); which one runs is chosen here, at run time, by what the CPU has.
-ISA_ENV = "TRIOLLM_CPU_ISA"  # force a path (tests, A/B runs): one of QUANT_ISAS the CPU can run
 QUANT_ISAS: dict[str, frozenset[str]] = {
     "avx512_vnni": frozenset({"avx512f", "avx512bw", "avx512vl", "avx512_vnni"}),
     "avx2": frozenset({"avx2", "fma", "f16c"}),
@@ -96,7 +95,7 @@ def best_isa(flags: set[str] | None = None) -> str:
 def quant_isa() -> str:
     """The path the quantized linears take in this process: $TRIOLLM_CPU_ISA if set (one this
     CPU can run, else a ValueError naming those), else the best one for the CPU's flags."""
-    forced = os.environ.get(ISA_ENV, "").strip().lower()
+    forced = forced_cpu_isa()
     if not forced:
         return best_isa()
     if forced not in supported_isas():
@@ -134,7 +133,7 @@ def _machine_tag() -> str:
 @functools.cache
 def available() -> bool:
     """Build (or load the cached build of) the native kernels once per process."""
-    if os.environ.get(CPU_KERNELS_ENV, "1") == "0":
+    if not cpu_kernels_enabled():
         return False
     try:
         from torch.utils import cpp_extension

@@ -32,6 +32,7 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
+from triollm.engine import envs
 from triollm.engine.distributed.collectives import Collectives
 from triollm.engine.distributed.protocol import (
     CACHE,
@@ -71,7 +72,7 @@ class TensorParallelGroup:
         self._listener.listen(size)
         port = int(self._listener.getsockname()[1])
         timeout = timedelta(seconds=TIMEOUT_S)
-        os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+        envs.gloo_over_loopback()  # this rank's gloo; the workers inherit it
         env = {**os.environ, "OMP_NUM_THREADS": str(num_threads)}
         try:
             for rank in range(1, size):

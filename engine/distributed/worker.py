@@ -16,6 +16,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from triollm.engine import envs
 from triollm.engine.distributed.collectives import Collectives
 from triollm.engine.distributed.protocol import (
     CACHE,
@@ -40,7 +41,7 @@ def serve() -> None:
         return  # rank 0 left before the setup
     setup: WorkerSetup = unpickled(payload)
     torch.set_num_threads(setup.num_threads)
-    os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+    envs.gloo_over_loopback()
     timeout = timedelta(seconds=setup.timeout_s)
     store = dist.TCPStore("127.0.0.1", setup.port, setup.size, is_master=False, timeout=timeout)
     store.set(joined_key(setup.rank), "1")  # rank 0 waits for this, watching that we live

@@ -34,9 +34,10 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 from pathlib import Path
 from typing import Literal
+
+from triollm.engine import envs
 
 __all__ = ["MODEL_PATTERNS", "TOKENIZER_PATTERNS", "hub_offline", "is_hub_id", "resolve_hub"]
 
@@ -66,8 +67,7 @@ def hub_offline() -> bool:
     """`HF_HUB_OFFLINE` is set truthy (as huggingface_hub read it at import, or now)."""
     from huggingface_hub import constants
 
-    env = os.environ.get("HF_HUB_OFFLINE", "")
-    return bool(constants.HF_HUB_OFFLINE) or env.upper() in constants.ENV_VARS_TRUE_VALUES
+    return bool(constants.HF_HUB_OFFLINE) or envs.hf_hub_offline()
 
 
 def resolve_hub(

@@ -24,6 +24,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from triollm.engine import envs
 from triollm.engine.loading.hub import is_hub_id, resolve_hub
 
 __all__ = ["BUNDLED_GGUF", "BUNDLED_PACKAGE", "bundled_gguf_path", "default_cache_dir", "resolve_model"]
@@ -39,10 +40,7 @@ _MODEL_KINDS = "a local Hugging Face directory, a .gguf file, or a Hugging Face 
 
 def default_cache_dir() -> Path:
     """Where imported models are cached: `$TRIOLLM_CACHE_DIR`, else `~/.cache/triollm`."""
-    env = os.environ.get("TRIOLLM_CACHE_DIR")
-    if env:
-        return Path(env)
-    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "triollm"
+    return envs.cache_dir()
 
 
 def resolve_model(

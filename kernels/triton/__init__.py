@@ -12,16 +12,14 @@ Each kernel module lists `AOT_SPECS`: representative signatures (`AotSpec`) that
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-__all__ = ["KERNELS_ENV", "AotSpec", "use_triton", "use_triton_on"]
+from triollm.kernels.envs import KERNELS_ENV, kernels_choice
 
-KERNELS_ENV = "TRIOLLM_KERNELS"  # "auto" (default), "triton" or "torch"
-_CHOICES = ("auto", "triton", "torch")
+__all__ = ["KERNELS_ENV", "AotSpec", "use_triton", "use_triton_on"]
 
 
 @dataclass(frozen=True)
@@ -45,10 +43,8 @@ def use_triton(t: torch.Tensor) -> bool:
 
 
 def use_triton_on(device: torch.device | str) -> bool:
-    """`use_triton` for a device."""
-    choice = os.environ.get(KERNELS_ENV, "auto")
-    if choice not in _CHOICES:
-        raise ValueError(f"{KERNELS_ENV}: {choice!r} is not one of {', '.join(_CHOICES)}")
+    """`use_triton` for a device ($TRIOLLM_KERNELS read now: `kernels/envs.py`)."""
+    choice = kernels_choice()
     if choice == "auto":
         return torch.device(device).type == "cuda"
     return choice == "triton"

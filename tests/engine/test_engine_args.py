@@ -63,7 +63,7 @@ VLLM_USAGE: dict[str, tuple[Any, list[str]]] = {
 @pytest.fixture(autouse=True)
 def fresh_warnings(monkeypatch: pytest.MonkeyPatch) -> None:
     """Each test starts as a fresh process would: nothing warned about yet."""
-    monkeypatch.setattr(config_module, "_warned", set())
+    monkeypatch.setattr(config_module.ignored, "_warned", set())
 
 
 def serve_args(*words: str) -> EngineArgs:

@@ -276,7 +276,7 @@ def test_hub_id_detection(tmp_path: Path) -> None:
 
 
 def test_hub_options_on_a_local_model_are_ignored(tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(config_module, "_warned", set())
+    monkeypatch.setattr(config_module.ignored, "_warned", set())
     config = EngineArgs(model=str(tiny_model_dir), tokenizer_revision="v1", hf_token="x").create_engine_config()
     assert sorted(config.ignored_args) == ["hf_token", "tokenizer_revision"]
 

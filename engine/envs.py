@@ -1,0 +1,94 @@
+"""The environment variables triollm's engine reads: each one typed, read in this module only.
+
+Every knob a user sets is an `EngineArgs` field and a CLI flag; the variables below are the few
+that are not (overrides for tests and A/B runs, and other libraries' conventions). Each is read
+by a function here when the engine starts (`create_engine_config`, the model's resolution, the
+tensor-parallel group), never at import, so a test's `monkeypatch.setenv` before building an
+engine is seen, and never per step.
+
+| variable | read by | meaning |
+| --- | --- | --- |
+| `TRIOLLM_MULTIPROCESS` | `multiprocess()` | 0/1: the engine core in a child process (default 1) |
+| `TRIOLLM_CACHE_DIR` | `cache_dir()` | where imported .gguf models are cached |
+| `XDG_CACHE_HOME` | `cache_dir()` | its default's parent (`~/.cache`) |
+| `HF_HUB_OFFLINE` | `hf_hub_offline()` | no Hub downloads (huggingface_hub's variable) |
+| `GLOO_SOCKET_IFNAME` | `gloo_over_loopback()` | set, not read: gloo talks over `lo` |
+| `TRIOLLM_KERNELS` | `kernels_choice()` | auto, triton or torch (kernels/envs.py) |
+| `TRIOLLM_CPU_KERNELS` | `cpu_kernels_enabled()` | 0: no native CPU kernels (kernels/envs.py) |
+| `TRIOLLM_CPU_ISA` | `forced_cpu_isa()` | force a quantized-kernel path (kernels/envs.py) |
+
+The last three are read in `kernels/envs.py`, re-exported here: `kernels/` imports nothing above
+it. A child process's environment is built where the child is started
+(`engine/distributed/group.py`: the tensor-parallel workers get `OMP_NUM_THREADS`).
+
+Not here: the frontend's own (`actors/`: the CURVE keys handed to the engine-core child,
+`RAY_ADDRESS`; `api/`: the API keys) and `lora/peft.py`'s `HF_HUB_OFFLINE` (below `engine/`).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from triollm.kernels.envs import (
+    CPU_KERNELS_ENV,
+    ISA_ENV,
+    KERNELS_ENV,
+    cpu_kernels_enabled,
+    forced_cpu_isa,
+    kernels_choice,
+)
+
+__all__ = [
+    "CACHE_DIR_ENV",
+    "CPU_KERNELS_ENV",
+    "HF_HUB_OFFLINE_ENV",
+    "ISA_ENV",
+    "KERNELS_ENV",
+    "MULTIPROCESS_ENV",
+    "cache_dir",
+    "cpu_kernels_enabled",
+    "forced_cpu_isa",
+    "gloo_over_loopback",
+    "hf_hub_offline",
+    "kernels_choice",
+    "multiprocess",
+]
+
+MULTIPROCESS_ENV = "TRIOLLM_MULTIPROCESS"
+CACHE_DIR_ENV = "TRIOLLM_CACHE_DIR"
+HF_HUB_OFFLINE_ENV = "HF_HUB_OFFLINE"
+
+
+def multiprocess() -> bool | None:
+    """$TRIOLLM_MULTIPROCESS: True for "1", False for "0", None when unset or empty (the
+    `multiprocess` field decides, else True); anything else is a ValueError naming it."""
+    env = os.environ.get(MULTIPROCESS_ENV, "")
+    if env == "":
+        return None
+    if env not in ("0", "1"):
+        raise ValueError(f"{MULTIPROCESS_ENV}: {env!r} is not 0 or 1")
+    return env == "1"
+
+
+def cache_dir() -> Path:
+    """Where imported models are cached: `$TRIOLLM_CACHE_DIR`, else `$XDG_CACHE_HOME/triollm`,
+    else `~/.cache/triollm`."""
+    env = os.environ.get(CACHE_DIR_ENV)
+    if env:
+        return Path(env)
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "triollm"
+
+
+def hf_hub_offline() -> bool:
+    """`HF_HUB_OFFLINE` is set truthy now (huggingface_hub's spelling: 1, ON, YES, TRUE).
+    huggingface_hub reads it once at its import; `engine/loading/hub.py` honours both."""
+    from huggingface_hub import constants
+
+    return os.environ.get(HF_HUB_OFFLINE_ENV, "").upper() in constants.ENV_VARS_TRUE_VALUES
+
+
+def gloo_over_loopback() -> None:
+    """Make gloo in this process use the loopback interface: the tensor-parallel ranks are
+    processes of one machine, and the default (the hostname's interface) may not reach them."""
+    os.environ["GLOO_SOCKET_IFNAME"] = "lo"
