@@ -27,21 +27,21 @@ from __future__ import annotations
 
 import pickle
 from collections import OrderedDict
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
+from torch import nn
 
+from triollm.lora.config import LoRAConfig
 from triollm.lora.layers import LoRABatch, LoRALayer
 from triollm.lora.peft import LORA_MODULES, read_adapter_config, read_adapter_weights
 
 if TYPE_CHECKING:
-    from triollm.engine.config import LoRAConfig
-    from triollm.engine.execution.models.base import CausalLM
     from triollm.lora.request import LoRARequest
 
-__all__ = ["Adapter", "LoRAManager"]
+__all__ = ["Adapter", "LoRAManager", "LoRAModel"]
 
 _ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
 
@@ -66,8 +66,24 @@ class _Target:
     cols: tuple[int, int] | None  # a row-parallel projection's (start, count) of the input columns
 
 
+class LoRAModel(Protocol):
+    """What the manager needs of a model: engine/execution/models/base.py's `CausalLM` (named
+    by this Protocol because lora/ sits below engine/)."""
+
+    lora_batch: LoRABatch | None  # set to the manager's batch: which rows use which slot
+
+    @property
+    def cfg(self) -> Any: ...  # its ModelConfig: layer count, MoE, projection sizes
+
+    @property
+    def layers(self) -> Iterable[nn.Module]: ...
+
+    @property
+    def stacked(self) -> Mapping[str, tuple[str, int]]: ...  # checkpoint name -> (ours, piece)
+
+
 class LoRAManager:
-    def __init__(self, model: CausalLM, config: LoRAConfig, device: torch.device | str, *, keep_loads: bool = False) -> None:
+    def __init__(self, model: LoRAModel, config: LoRAConfig, device: torch.device | str, *, keep_loads: bool = False) -> None:
         self.config, self.device = config, torch.device(device)
         self.cfg = model.cfg
         self.num_layers = model.cfg.num_layers
@@ -206,7 +222,7 @@ class LoRAManager:
         return pickle.dumps((self.config, loads))
 
     @classmethod
-    def from_loads(cls, model: CausalLM, payload: bytes, device: torch.device | str) -> LoRAManager:
+    def from_loads(cls, model: LoRAModel, payload: bytes, device: torch.device | str) -> LoRAManager:
         """A worker's manager, built from the first slots rank 0 sent, and those slots filled."""
         config, loads = _unpickle(payload)
         manager = cls(model, config, device)

@@ -2,27 +2,16 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Protocol
 
 from triollm.engine.config.checks import one_of, positive
 from triollm.engine.loading.model_config import ModelConfig
+from triollm.lora.config import LoRAConfig
 
 __all__ = ["LORA_DTYPES", "LORA_RANKS", "LoRAConfig", "resolve_lora"]
 
 LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vLLM's --max-lora-rank choices
 LORA_DTYPES = ("auto", "float32", "bfloat16", "float16")
-
-
-@dataclass(frozen=True)
-class LoRAConfig:
-    """LoRA adapters (`enable_lora`): lora/ and docs/lora.md."""
-
-    max_loras: int  # adapters in one batch: the slots of the stacked A/B buffers
-    max_lora_rank: int  # the largest r an adapter may have (the slots' width)
-    max_cpu_loras: int  # adapters kept read in memory (LRU), >= max_loras
-    # The A/B buffers' dtype name (lora_dtype "auto": the model's; bfloat16 if quantized).
-    dtype: str
 
 
 class LoRAArgs(Protocol):

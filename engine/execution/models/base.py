@@ -159,6 +159,9 @@ class CausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig, shard: TPShard | None = None) -> None:
         super().__init__()
         self.cfg, self.shard = cfg, shard
+        # Whether the forward passes run the Triton kernels: $TRIOLLM_KERNELS and the device,
+        # decided at the first pass (the weights' device is known then) and kept.
+        self.triton: bool | None = None
         self.comm: Collectives | None = None  # set by load_model when sharded
         vocab = (0, cfg.vocab_size)
         if shard is not None:
@@ -208,7 +211,9 @@ class CausalLM(nn.Module):
             x = self.comm.embed(self.embed_tokens.weight, input_ids)
         if self.embed_scale != 1.0:
             x = x * self.embed_scale
-        meta.triton = use_triton(x)
+        if self.triton is None:
+            self.triton = use_triton(x)
+        meta.triton = self.triton
         ropes = [r.step(positions, x.dtype, meta.triton) for r in self.rotaries]
         plan, stack, lora = meta.decode_plan, self.decode_stack, self.lora_batch
         native = stack is not None and plan is not None and plan.native is not None and meta.num_decodes == x.shape[0]
