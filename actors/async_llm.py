@@ -274,7 +274,9 @@ class AsyncLLM:
         model). Wrap it in `contextlib.aclosing` so that leaving early aborts the request at
         once rather than when the generator is collected."""
         rid = request_id if request_id is not None else f"req-{next(self._request_ids)}"
-        with await self.add_request(rid, prompt, sampling_params, priority=priority, lora_request=lora_request) as stream:
+        with await self.add_request(
+            rid, prompt, sampling_params, priority=priority, lora_request=lora_request
+        ) as stream:
             async for output in stream:
                 yield output
 

@@ -9,11 +9,11 @@ batch-1 decode step runs markedly slower in any thread but the one that built th
 (`docs/benchmarks.md`, "one compute thread").
 
 The event loop hands a job to the thread and awaits its end; the thread wakes the loop without
-waiting for it (a loop that has ended is not woken). Cancellation abandons the job (as `to_thread.run_sync(..., abandon_on_cancel=True)`
-did): a hung forward pass keeps its thread, nobody touches its core again, and the teardown
-stays bounded. When its context exits, an idle thread is ended and joined (a thread still ending
-while the process exits races the C++ teardown: "terminate called without an active exception");
-a busy one, abandoned, is a daemon and ends with the process.
+waiting for it (a loop that has ended is not woken). Cancellation abandons the job (as
+`to_thread.run_sync(..., abandon_on_cancel=True)` did): a hung forward pass keeps its thread, nobody
+touches its core again, and the teardown stays bounded. When its context exits, an idle thread is
+ended and joined (a thread still ending while the process exits races the C++ teardown: "terminate
+called without an active exception"); a busy one, abandoned, is a daemon and ends with the process.
 """
 
 from __future__ import annotations

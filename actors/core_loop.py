@@ -1,16 +1,16 @@
 """The engine-core loop: the one place an engine core is driven, in-process or in a child process
 (a `Core`: `EngineCore`, or `PoolingEngineCore` for a pooling model).
 
-It owns the core. Between steps it applies the queued inputs without waiting (adds, aborts,
-utility calls), then runs `step()` in the core's compute thread (`actors/compute.py`: the one
-thread that built the core) so the event loop stays free for the transport's actors; with nothing to do it waits on the input stream (no polling). One output
-message per step. While requests run, at most `MAX_INPUTS_PER_STEP` inputs (an abort counting
-once per request id) are applied between two steps, then the loop steps before taking more: a
-burst of a million aborts or adds delays the running requests by a step per batch instead of
-stopping them until the whole burst is applied. With nothing to step (idle, stuck or paused) it
-applies inputs as they come. `UtilityOp.PAUSE` stops stepping (requests keep their place and
-their KV blocks; adds and aborts are still applied) until `UtilityOp.RESUME`. A `Shutdown`
-message or the end of the input stream ends it cleanly.
+It owns the core. Between steps it applies the queued inputs without waiting (adds, aborts, utility
+calls), then runs `step()` in the core's compute thread (`actors/compute.py`: the one thread that
+built the core) so the event loop stays free for the transport's actors; with nothing to do it waits
+on the input stream (no polling). One output message per step. While requests run, at most
+`MAX_INPUTS_PER_STEP` inputs (an abort counting once per request id) are applied between two steps,
+then the loop steps before taking more: a burst of a million aborts or adds delays the running
+requests by a step per batch instead of stopping them until the whole burst is applied. With nothing
+to step (idle, stuck or paused) it applies inputs as they come. `UtilityOp.PAUSE` stops stepping
+(requests keep their place and their KV blocks; adds and aborts are still applied) until
+`UtilityOp.RESUME`. A `Shutdown` message or the end of the input stream ends it cleanly.
 
 A step still running when the loop is cancelled (a hung forward pass, after the transport's
 grace period) is abandoned in its thread and logged, so the teardown stays bounded.

@@ -192,7 +192,9 @@ class LLM:
                 if beams:
                     token_prompts: list[PromptType] = [{"prompt_token_ids": b.tokens} for _, b in beams]
                     beam_loras = [loras[i] for i, _ in beams]
-                    search.advance(group, beams, self.generate(token_prompts, step, use_tqdm=use_tqdm, lora_request=beam_loras))
+                    search.advance(
+                        group, beams, self.generate(token_prompts, step, use_tqdm=use_tqdm, lora_request=beam_loras)
+                    )
         return search.results(lambda tokens: tokenizer.decode(tokens, skip_special_tokens=True))
 
     def chat(
@@ -249,7 +251,11 @@ class LLM:
         sentence-transformers configuration says (`pooling_params` may override)."""
         self._require_runner("pooling", "LLM.embed()")
         items = self.encode(
-            prompts, pooling_params, truncate_prompt_tokens=truncate_prompt_tokens, use_tqdm=use_tqdm, pooling_task="embed"
+            prompts,
+            pooling_params,
+            truncate_prompt_tokens=truncate_prompt_tokens,
+            use_tqdm=use_tqdm,
+            pooling_task="embed",
         )
         return [EmbeddingRequestOutput.from_base(item) for item in items]
 
@@ -268,7 +274,11 @@ class LLM:
         self._require_runner("pooling", "LLM.score()")
         texts_1, texts_2 = score_pairs(data_1, data_2)
         embedded = self.encode(
-            [*texts_1, *texts_2], pooling_params, truncate_prompt_tokens=truncate_prompt_tokens, use_tqdm=use_tqdm, pooling_task="embed"
+            [*texts_1, *texts_2],
+            pooling_params,
+            truncate_prompt_tokens=truncate_prompt_tokens,
+            use_tqdm=use_tqdm,
+            pooling_task="embed",
         )
         firsts, seconds = embedded[: len(texts_1)], embedded[len(texts_1) :]
         if len(firsts) == 1:
@@ -282,7 +292,9 @@ class LLM:
         task: str | None,
         truncate_prompt_tokens: int | None,
     ) -> list[PoolingParams]:
-        given = _per_prompt("pooling_params", PoolingParams() if pooling_params is None else pooling_params, PoolingParams, n)
+        given = _per_prompt(
+            "pooling_params", PoolingParams() if pooling_params is None else pooling_params, PoolingParams, n
+        )
         out = []
         for p in given:
             p = p.clone()
@@ -449,7 +461,9 @@ class LLM:
                 added: list[RequestStream] = []
                 for prompt, p, prio, lora in zip(prompts, params, priorities, loras):
                     rid = f"llm-{next(self._ids)}"
-                    stream = await engine.add_request(rid, prompt, p, priority=prio, wait_for_room=True, lora_request=lora)
+                    stream = await engine.add_request(
+                        rid, prompt, p, priority=prio, wait_for_room=True, lora_request=lora
+                    )
                     added.append(streams.enter_context(stream))
                 bar = _progress(len(prompts), use_tqdm)
                 async with anyio.create_task_group() as tg:
@@ -561,9 +575,13 @@ def score_pairs(data_1: str | Sequence[str], data_2: str | Sequence[str]) -> tup
     return texts_1, texts_2
 
 
-def cosine_score(a: PoolingRequestOutput[PoolingOutput], b: PoolingRequestOutput[PoolingOutput]) -> ScoringRequestOutput:
+def cosine_score(
+    a: PoolingRequestOutput[PoolingOutput], b: PoolingRequestOutput[PoolingOutput]
+) -> ScoringRequestOutput:
     """The cosine similarity of two embeddings as vLLM's `ScoringRequestOutput` (its
     prompt_token_ids are both prompts', joined)."""
     score = torch.nn.functional.cosine_similarity(a.outputs.data.float(), b.outputs.data.float(), dim=0)
-    base = PoolingRequestOutput(f"{a.request_id}_{b.request_id}", PoolingOutput(score), a.prompt_token_ids + b.prompt_token_ids, True)
+    base = PoolingRequestOutput(
+        f"{a.request_id}_{b.request_id}", PoolingOutput(score), a.prompt_token_ids + b.prompt_token_ids, True
+    )
     return ScoringRequestOutput.from_base(base)

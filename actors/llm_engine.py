@@ -195,7 +195,12 @@ class _Requests:
         return len(self.streams) + (self._error is not None)
 
     async def add(
-        self, rid: str, prompt: PromptType, params: SamplingParams | None, priority: int, lora_request: LoRARequest | None
+        self,
+        rid: str,
+        prompt: PromptType,
+        params: SamplingParams | None,
+        priority: int,
+        lora_request: LoRARequest | None,
     ) -> None:
         if rid in self.streams:
             raise ValueError(f"request_id: {rid!r} is already in use by an unfinished request")

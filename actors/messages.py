@@ -4,11 +4,11 @@ One tagged union per direction, decoded by one reused typed decoder, so a messag
 way fails at decode. The same Structs travel over memory object streams in one process (no
 encoding) and as msgpack over ZMQ between processes.
 
-Outputs travel as one struct-of-arrays batch per engine step (`OutputBatch`): request ids,
-new token ids, finish and stop reasons side by side, and logprobs as columnar arrays
-(`LogprobColumns`), because many small per-request objects encode far slower than a few flat
-lists (docs/benchmarks.md, "Figures that stood in the source"). All are `array_like` (msgspec needs one encoding per union); hot messages are also
-`omit_defaults` and `gc=False`.
+Outputs travel as one struct-of-arrays batch per engine step (`OutputBatch`): request ids, new token
+ids, finish and stop reasons side by side, and logprobs as columnar arrays (`LogprobColumns`),
+because many small per-request objects encode far slower than a few flat lists (docs/benchmarks.md,
+"Figures that stood in the source"). All are `array_like` (msgspec needs one encoding per union);
+hot messages are also `omit_defaults` and `gc=False`.
 """
 
 from __future__ import annotations

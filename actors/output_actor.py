@@ -56,7 +56,10 @@ class OutputActor:
         self._on_progress = on_progress
 
     async def run(
-        self, outputs: MemoryObjectReceiveStream[CoreOutput], *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED
+        self,
+        outputs: MemoryObjectReceiveStream[CoreOutput],
+        *,
+        task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED,
     ) -> None:
         task_status.started()
         try:

@@ -271,7 +271,9 @@ async def open_ray_core(
         try:
             pid = await anyio.to_thread.run_sync(lambda: ray.get(actor.pid.remote(), timeout=PLACEMENT_TIMEOUT_S))
         except Exception as exc:  # noqa: BLE001 - the actor could not be created
-            raise EngineStartupError(f"data parallel rank {rank}: the Ray actor did not start: {_first_line(exc)}") from None
+            raise EngineStartupError(
+                f"data parallel rank {rank}: the Ray actor did not start: {_first_line(exc)}"
+            ) from None
         log.info("data parallel rank %d: Ray actor pid %d up in %.1f s", rank, pid, time.monotonic() - started)
         child = _RayChild(ray, actor, actor.run.remote(), pid, rank)
         async with link_core(child, ends) as client:

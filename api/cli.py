@@ -37,7 +37,9 @@ DEFAULT_PROMPTS = [
 ]
 
 def _log_flag(parser: argparse.ArgumentParser, default: str) -> None:
-    parser.add_argument("--log-level", default=default, choices=["debug", "info", "warning", "error"], help="(default: %(default)s)")
+    parser.add_argument(
+        "--log-level", default=default, choices=["debug", "info", "warning", "error"], help="(default: %(default)s)"
+    )
 
 
 def _sampling_flags(parser: argparse.ArgumentParser, max_tokens: int) -> None:
@@ -52,8 +54,19 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     serve = sub.add_parser("serve", help="the OpenAI-compatible HTTP server (default model: the bundled SmolLM2)")
-    serve.add_argument("model_tag", nargs="?", default=None, metavar="MODEL", help="a local HF directory, .gguf file, or Hugging Face Hub repo id")
-    serve.add_argument("--config", default=None, metavar="FILE", help="a YAML file of flags (flag: value); the command line wins over it")
+    serve.add_argument(
+        "model_tag",
+        nargs="?",
+        default=None,
+        metavar="MODEL",
+        help="a local HF directory, .gguf file, or Hugging Face Hub repo id",
+    )
+    serve.add_argument(
+        "--config",
+        default=None,
+        metavar="FILE",
+        help="a YAML file of flags (flag: value); the command line wins over it",
+    )
     add_serve_args(serve)
     _log_flag(serve, "info")
     EngineArgs.add_cli_args(serve)

@@ -78,7 +78,9 @@ class _Writer:
             return self._items(open_, close, value, len(value), self.value)
         if isinstance(value, msgspec.Struct):  # the fields that differ from their defaults
             shown = ((name, getattr(value, name)) for name, default in _defaults(type(value)))
-            changed = ((name, v) for (name, v), (_, default) in zip(shown, _defaults(type(value))) if not _same(v, default))
+            changed = (
+                (name, v) for (name, v), (_, default) in zip(shown, _defaults(type(value))) if not _same(v, default)
+            )
             return self.write(type(value).__name__) and self._items("(", ")", changed, None, self._field)
         return self.write(repr(value))  # anything else is small (numbers, enums, None)
 

@@ -224,8 +224,18 @@ class _EngineCollector(Collector):
                 fam.add_metric([m.model_name, str(engine)], value(st) if st else 0)
             return fam
 
-        yield family(GaugeMetricFamily, PREFIX + "num_requests_running", "Number of requests in the engine's running set.", lambda st: st.num_running)
-        yield family(GaugeMetricFamily, PREFIX + "num_requests_waiting", "Number of requests waiting in the engine's queue.", lambda st: st.num_waiting)
+        yield family(
+            GaugeMetricFamily,
+            PREFIX + "num_requests_running",
+            "Number of requests in the engine's running set.",
+            lambda st: st.num_running,
+        )
+        yield family(
+            GaugeMetricFamily,
+            PREFIX + "num_requests_waiting",
+            "Number of requests waiting in the engine's queue.",
+            lambda st: st.num_waiting,
+        )
         yield family(
             GaugeMetricFamily, PREFIX + "kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0 to 1).",
             lambda st: st.kv_cache_usage,

@@ -34,7 +34,9 @@ class ParserRegistry(Generic[T]):
         def register(parser: C) -> C:
             if not (isinstance(parser, type) and issubclass(parser, self.base)):
                 raise TypeError(f"register_module: expected a {self.base.__name__} subclass, got {parser!r}")
-            names = [name] if isinstance(name, str) else list(name) if name is not None else [getattr(parser, "name", "")]
+            names = (
+                [name] if isinstance(name, str) else list(name) if name is not None else [getattr(parser, "name", "")]
+            )
             if not names or not all(isinstance(n, str) and n for n in names):
                 raise ValueError(f"register_module: names must be non-empty strings, got {name!r}")
             for n in names:
@@ -70,4 +72,6 @@ class ParserRegistry(Generic[T]):
             spec.loader.exec_module(module)
         except Exception as exc:
             del sys.modules[module_name]
-            raise ValueError(f"{self.plugin_flag}: importing {str(file)!r} failed: {type(exc).__name__}: {exc}") from exc
+            raise ValueError(
+                f"{self.plugin_flag}: importing {str(file)!r} failed: {type(exc).__name__}: {exc}"
+            ) from exc

@@ -53,46 +53,208 @@ __all__ = ["API_KEY_ENVS", "add_serve_args", "api_keys", "check_serve_args", "se
 log = logging.getLogger("triollm")
 
 API_KEY_ENVS = ("TRIOLLM_API_KEY", "VLLM_API_KEY")  # in this order
-KEYED = "every route but the browser pages (/, /docs), /health, /version, /openapi.json, /tokenize, /detokenize and /metrics"
+KEYED = (
+    "every route but the browser pages (/, /docs), /health, /version, /openapi.json, /tokenize, /detokenize and "
+    "/metrics"
+)
 
 
 def add_serve_args(serve: argparse.ArgumentParser) -> None:
     add = serve.add_argument
     add("--host", default="127.0.0.1", help="(default: %(default)s)")
     add("--port", type=int, default=8000, help="0 picks a free port (default: %(default)s)")
-    add("--backlog", type=int, default=2048, help="the listen backlog: connections the kernel queues before the server accepts them (capped by net.core.somaxconn) (default: %(default)s)")
-    add("--root-path", default="", help="the ASGI root_path: the prefix a path-routing proxy serves the app under, e.g. /api (requests with and without it reach the routes)")
-    add("--api-key", action="extend", nargs="+", default=None, metavar="KEY", help=f"require `Authorization: Bearer KEY` (any of the keys; the flag may be repeated) on {KEYED} (default: ${API_KEY_ENVS[0]}, else ${API_KEY_ENVS[1]})")
-    add("--api-key-all-routes", action="store_true", help="with --api-key, require the key on every route, /health and /metrics included")
-    add("--timeout-keep-alive", type=float, default=DEFAULT_TIMEOUT_KEEP_ALIVE_S, help="seconds an idle connection stays open, and a new request has to send its headers in (default: %(default)s)")
-    add("--request-body-timeout", type=float, default=DEFAULT_BODY_TIMEOUT_S, help="seconds a request's body has to arrive in, else 408 (default: %(default)s)")
-    add("--limit-concurrency", type=int, default=DEFAULT_LIMIT_CONCURRENCY, help="the most requests served at once, beyond it 503 (/health and /metrics not counted); 0: no cap (default: %(default)s)")
-    add("--h11-max-incomplete-event-size", type=int, default=DEFAULT_H11_MAX_INCOMPLETE_EVENT_SIZE, help="the most bytes of a request line and its headers (default: %(default)s)")
-    add("--h11-max-header-count", type=int, default=DEFAULT_MAX_HEADER_COUNT, help="the most headers in a request, else 431 (default: %(default)s)")
-    add("--allowed-origins", default=None, help='CORS origins, a JSON list or comma-separated, e.g. \'["*"]\' (default: no CORS)')
-    add("--allowed-methods", type=_json_list("--allowed-methods"), default=["*"], help='with --allowed-origins, the CORS methods, a JSON list (default: ["*"])')
-    add("--allowed-headers", type=_json_list("--allowed-headers"), default=["*"], help='with --allowed-origins, the CORS request headers, a JSON list (default: ["*"])')
-    add("--allow-credentials", action="store_true", help="with --allowed-origins, allow credentials (cookies, Authorization) in CORS requests")
-    add("--shutdown-timeout", type=float, default=0.0, help="seconds in-flight requests get on SIGINT/SIGTERM before they are aborted (default: %(default)s)")
+    add(
+        "--backlog",
+        type=int,
+        default=2048,
+        help=(
+            "the listen backlog: connections the kernel queues before the server accepts them (capped by "
+            "net.core.somaxconn) (default: %(default)s)"
+        ),
+    )
+    add(
+        "--root-path",
+        default="",
+        help=(
+            "the ASGI root_path: the prefix a path-routing proxy serves the app under, e.g. /api (requests with and "
+            "without it reach the routes)"
+        ),
+    )
+    add(
+        "--api-key",
+        action="extend",
+        nargs="+",
+        default=None,
+        metavar="KEY",
+        help=(
+            f"require `Authorization: Bearer KEY` (any of the keys; the flag may be repeated) on {KEYED} (default: "
+            f"${API_KEY_ENVS[0]}, else ${API_KEY_ENVS[1]})"
+        ),
+    )
+    add(
+        "--api-key-all-routes",
+        action="store_true",
+        help="with --api-key, require the key on every route, /health and /metrics included",
+    )
+    add(
+        "--timeout-keep-alive",
+        type=float,
+        default=DEFAULT_TIMEOUT_KEEP_ALIVE_S,
+        help=(
+            "seconds an idle connection stays open, and a new request has to send its headers in "
+            "(default: %(default)s)"
+        ),
+    )
+    add(
+        "--request-body-timeout",
+        type=float,
+        default=DEFAULT_BODY_TIMEOUT_S,
+        help="seconds a request's body has to arrive in, else 408 (default: %(default)s)",
+    )
+    add(
+        "--limit-concurrency",
+        type=int,
+        default=DEFAULT_LIMIT_CONCURRENCY,
+        help=(
+            "the most requests served at once, beyond it 503 (/health and /metrics not counted); 0: no cap (default: "
+            "%(default)s)"
+        ),
+    )
+    add(
+        "--h11-max-incomplete-event-size",
+        type=int,
+        default=DEFAULT_H11_MAX_INCOMPLETE_EVENT_SIZE,
+        help="the most bytes of a request line and its headers (default: %(default)s)",
+    )
+    add(
+        "--h11-max-header-count",
+        type=int,
+        default=DEFAULT_MAX_HEADER_COUNT,
+        help="the most headers in a request, else 431 (default: %(default)s)",
+    )
+    add(
+        "--allowed-origins",
+        default=None,
+        help="CORS origins, a JSON list or comma-separated, e.g. '[\"*\"]' (default: no CORS)",
+    )
+    add(
+        "--allowed-methods",
+        type=_json_list("--allowed-methods"),
+        default=["*"],
+        help='with --allowed-origins, the CORS methods, a JSON list (default: ["*"])',
+    )
+    add(
+        "--allowed-headers",
+        type=_json_list("--allowed-headers"),
+        default=["*"],
+        help='with --allowed-origins, the CORS request headers, a JSON list (default: ["*"])',
+    )
+    add(
+        "--allow-credentials",
+        action="store_true",
+        help="with --allowed-origins, allow credentials (cookies, Authorization) in CORS requests",
+    )
+    add(
+        "--shutdown-timeout",
+        type=float,
+        default=0.0,
+        help="seconds in-flight requests get on SIGINT/SIGTERM before they are aborted (default: %(default)s)",
+    )
     add("--response-role", default="assistant", help="(default: %(default)s)")
     add("--chat-template", default=None, help="a Jinja chat template, or a file holding one (default: the model's)")
-    add("--trust-request-chat-template", action="store_true", help="let a request bring its own `chat_template` (vLLM's; off: such a request is a 400)")
-    add("--enable-log-requests", action=argparse.BooleanOptionalAction, default=False, help="log a line per request (default: off, as vLLM)")
-    add("--disable-log-requests", action="store_true", help="deprecated, as in vLLM: requests are not logged by default (wins over --enable-log-requests)")
-    add("--enable-log-outputs", action="store_true", help="with --enable-log-requests, log each request's output text too (cut to --max-log-len, else 500 chars)")
-    add("--max-log-len", type=int, default=None, help="with --enable-log-requests, show the first N prompt characters and token ids (default: the prompt's length only)")
-    add("--uvicorn-log-level", choices=list(UVICORN_LOG_LEVELS), default="info", help="the HTTP server's log level (Hypercorn's loggers) (default: %(default)s)")
+    add(
+        "--trust-request-chat-template",
+        action="store_true",
+        help="let a request bring its own `chat_template` (vLLM's; off: such a request is a 400)",
+    )
+    add(
+        "--enable-log-requests",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="log a line per request (default: off, as vLLM)",
+    )
+    add(
+        "--disable-log-requests",
+        action="store_true",
+        help="deprecated, as in vLLM: requests are not logged by default (wins over --enable-log-requests)",
+    )
+    add(
+        "--enable-log-outputs",
+        action="store_true",
+        help="with --enable-log-requests, log each request's output text too (cut to --max-log-len, else 500 chars)",
+    )
+    add(
+        "--max-log-len",
+        type=int,
+        default=None,
+        help=(
+            "with --enable-log-requests, show the first N prompt characters and token ids (default: the prompt's "
+            "length only)"
+        ),
+    )
+    add(
+        "--uvicorn-log-level",
+        choices=list(UVICORN_LOG_LEVELS),
+        default="info",
+        help="the HTTP server's log level (Hypercorn's loggers) (default: %(default)s)",
+    )
     add("--disable-uvicorn-access-log", action="store_true", help="no access log line per request")
-    add("--disable-fastapi-docs", action="store_true", help="serve neither the API reference page /docs nor /openapi.json")
+    add(
+        "--disable-fastapi-docs",
+        action="store_true",
+        help="serve neither the API reference page /docs nor /openapi.json",
+    )
     add("--disable-playground", action="store_true", help="serve no chat playground page at / (the API and /docs stay)")
-    add("--enable-auto-tool-choice", action="store_true", help='tool_choice "auto": the model decides, its calls parsed by --tool-call-parser (required with it)')
-    add("--tool-call-parser", default=None, metavar="NAME", help="the tool-call format the model writes (e.g. hermes, llama3_json, mistral, pythonic)")
-    add("--tool-parser-plugin", default="", metavar="PATH", help="a Python file registering more tool parsers, usable by --tool-call-parser")
-    add("--reasoning-parser", default=None, metavar="NAME", help="split the model's reasoning into reasoning_content (e.g. deepseek_r1, qwen3)")
-    add("--reasoning-parser-plugin", default="", metavar="PATH", help="a Python file registering more reasoning parsers")
-    add("--disable-frontend-multiprocessing", action="store_true", help="accepted; no effect (the HTTP server and the engine client share one process already)")
-    add("--worker", choices=["trio", "asyncio"], default="trio", help="the event loop Hypercorn runs on (default: %(default)s)")
-    add("--lora-modules", action="extend", nargs="+", type=_lora_module, default=None, metavar="MODULE", help="with --enable-lora, LoRA adapters served by name from start-up (clients put the name in `model`): name=path, or JSON '{\"name\": ..., \"path\": ..., \"base_model_name\": ...}'; several may follow the flag, which may be repeated")
+    add(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help='tool_choice "auto": the model decides, its calls parsed by --tool-call-parser (required with it)',
+    )
+    add(
+        "--tool-call-parser",
+        default=None,
+        metavar="NAME",
+        help="the tool-call format the model writes (e.g. hermes, llama3_json, mistral, pythonic)",
+    )
+    add(
+        "--tool-parser-plugin",
+        default="",
+        metavar="PATH",
+        help="a Python file registering more tool parsers, usable by --tool-call-parser",
+    )
+    add(
+        "--reasoning-parser",
+        default=None,
+        metavar="NAME",
+        help="split the model's reasoning into reasoning_content (e.g. deepseek_r1, qwen3)",
+    )
+    add(
+        "--reasoning-parser-plugin", default="", metavar="PATH", help="a Python file registering more reasoning parsers"
+    )
+    add(
+        "--disable-frontend-multiprocessing",
+        action="store_true",
+        help="accepted; no effect (the HTTP server and the engine client share one process already)",
+    )
+    add(
+        "--worker",
+        choices=["trio", "asyncio"],
+        default="trio",
+        help="the event loop Hypercorn runs on (default: %(default)s)",
+    )
+    add(
+        "--lora-modules",
+        action="extend",
+        nargs="+",
+        type=_lora_module,
+        default=None,
+        metavar="MODULE",
+        help=(
+            'with --enable-lora, LoRA adapters served by name from start-up (clients put the name in `model`): '
+            'name=path, or JSON \'{"name": ..., "path": ..., "base_model_name": ...}\'; several may follow the flag, '
+            'which may be repeated'
+        ),
+    )
 
 
 def _json_list(flag: str):  # type: ignore[no-untyped-def]
@@ -102,7 +264,9 @@ def _json_list(flag: str):  # type: ignore[no-untyped-def]
         except json.JSONDecodeError:
             value = None
         if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
-            raise argparse.ArgumentTypeError(f"expected a JSON list of strings such as '[\"GET\", \"POST\"]', got {text!r}")
+            raise argparse.ArgumentTypeError(
+                f'expected a JSON list of strings such as \'["GET", "POST"]\', got {text!r}'
+            )
         return value
 
     parse.__name__ = flag
@@ -159,11 +323,16 @@ def check_serve_args(ns: argparse.Namespace) -> None:
         from triollm.api.reasoning_parsers import ReasoningParserManager
 
         if ns.reasoning_parser_plugin:
-            _named("--reasoning-parser-plugin", ReasoningParserManager.import_reasoning_parser, ns.reasoning_parser_plugin)
+            _named(
+                "--reasoning-parser-plugin", ReasoningParserManager.import_reasoning_parser, ns.reasoning_parser_plugin
+            )
         if ns.reasoning_parser:
             _named("--reasoning-parser", ReasoningParserManager.get_reasoning_parser, ns.reasoning_parser)
     if ns.disable_frontend_multiprocessing:
-        log.warning("--disable-frontend-multiprocessing has no effect in triollm: the HTTP server and the engine client share one process")
+        log.warning(
+            "--disable-frontend-multiprocessing has no effect in triollm: the HTTP server and the engine client share "
+            "one process"
+        )
 
 
 def _named(flag: str, check, value: str) -> None:  # type: ignore[no-untyped-def]

@@ -12,10 +12,11 @@
 Once it listens it logs the API's URL (the line ends "(ready)"), then the playground's and
 /docs's (playground.py), a wildcard host shown as the loopback address a local browser opens.
 
-The port is bound before the model loads, so a taken port fails at once and early clients wait
-in the listen backlog (`--backlog`, given to Hypercorn too: it re-listens on the socket, with its
-own default of 100 otherwise, and a burst of connections beyond it is reset). Hypercorn's own graceful timeout is only a backstop: the app ends every
-stream itself (Hypercorn's asyncio worker did not exit while an SSE stream stayed open).
+The port is bound before the model loads, so a taken port fails at once and early clients wait in
+the listen backlog (`--backlog`, given to Hypercorn too: it re-listens on the socket, with its own
+default of 100 otherwise, and a burst of connections beyond it is reset). Hypercorn's own graceful
+timeout is only a backstop: the app ends every stream itself (Hypercorn's asyncio worker did not
+exit while an SSE stream stayed open).
 
 Logs: Hypercorn's error log ("hypercorn.error") and an access log ("hypercorn.access", one line
 per request as uvicorn writes it, `127.0.0.1:5555 - "GET /v1/models HTTP/1.1" 200`, the path cut
@@ -184,7 +185,9 @@ async def serve(
                     "runs that rank alone)", actor.data_parallel_rank, actor.data_parallel_world,
                 )
             log.warning("triollm: serving %s on %s (ready)", ", ".join(settings.served_model_names), url)
-            pages = page_urls(host, port, settings.root_path, playground=options.playground, docs=not settings.disable_docs)
+            pages = page_urls(
+                host, port, settings.root_path, playground=options.playground, docs=not settings.disable_docs
+            )
             for name, page in pages.items():
                 log.warning("triollm: %s: %s", name, page)
             task_status.started(url)

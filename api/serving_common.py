@@ -299,7 +299,11 @@ def beam_search_params(req: SamplingFields, max_tokens: int | None, max_model_le
     max_tokens means up to the context length."""
     if not req.use_beam_search:
         return None
-    if req.structured_outputs is not None or req.response_format is not None and req.response_format.get("type", "text") != "text":
+    if (
+        req.structured_outputs is not None
+        or req.response_format is not None
+        and req.response_format.get("type", "text") != "text"
+    ):
         raise bad_request("use_beam_search: cannot be combined with structured outputs", "use_beam_search")
     try:
         return BeamSearchParams(

@@ -56,7 +56,9 @@ __all__ = [
 log = logging.getLogger("triollm")
 
 RUNTIME_LORA_ENV = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"  # vLLM's name
-_LORA_MODULE_FORMS = "name=path, or a JSON object such as '{\"name\": \"sql\", \"path\": \"/adapters/sql\", \"base_model_name\": \"base\"}'"
+_LORA_MODULE_FORMS = (
+    'name=path, or a JSON object such as \'{"name": "sql", "path": "/adapters/sql", "base_model_name": "base"}\''
+)
 
 
 @dataclass(frozen=True)
@@ -88,7 +90,9 @@ def parse_lora_module(text: str) -> LoRAModulePath:
             raise ValueError(f"--lora-modules: invalid JSON {text!r} ({exc}); expected {_LORA_MODULE_FORMS}") from None
         allowed = {"name", "path", "base_model_name"}
         if not isinstance(value, dict) or not {"name", "path"} <= value.keys() or value.keys() - allowed:
-            raise ValueError(f"--lora-modules: {text!r} needs the keys name and path (and optionally base_model_name), no others")
+            raise ValueError(
+                f"--lora-modules: {text!r} needs the keys name and path (and optionally base_model_name), no others"
+            )
         if not all(isinstance(value[k], str) and value[k] for k in ("name", "path")):
             raise ValueError(f"--lora-modules: {text!r}: name and path must be non-empty strings")
         base = value.get("base_model_name")
@@ -110,7 +114,9 @@ def check_lora_modules(modules: Sequence[LoRAModulePath], served_model_names: Se
     seen: set[str] = set()
     for m in modules:
         if m.name in served_model_names:
-            raise ValueError(f"--lora-modules {m.name}: the name is the base model's (--served-model-name); give the adapter its own")
+            raise ValueError(
+                f"--lora-modules {m.name}: the name is the base model's (--served-model-name); give the adapter its own"
+            )
         if m.name in seen:
             raise ValueError(f"--lora-modules {m.name}: the name is given twice")
         seen.add(m.name)
@@ -157,7 +163,9 @@ class ServedModels:
             field = "lora_name" if not name else "lora_path"
             raise bad_request("Both 'lora_name' and 'lora_path' must be provided.", field)
         if name in self.base_names:
-            raise bad_request(f"lora_name: {shorten(name, 100)!r} is a base model's name; give the adapter its own", "lora_name")
+            raise bad_request(
+                f"lora_name: {shorten(name, 100)!r} is a base model's name; give the adapter its own", "lora_name"
+            )
         self._check_new(name, req.load_inplace)
         lora = self._request(name, path)
         await llm.add_lora(lora)  # ValueError naming the field (lora_path, lora_request) -> 400

@@ -174,7 +174,9 @@ class ResponsesAPI:
         engine_id, timer = start.request_id, start.timer
         stream = bool(req.stream)
         if req.max_output_tokens is not None and req.max_output_tokens < 1:
-            raise bad_request(f"max_output_tokens: must be at least 1, got {req.max_output_tokens}", "max_output_tokens")
+            raise bad_request(
+                f"max_output_tokens: must be at least 1, got {req.max_output_tokens}", "max_output_tokens"
+            )
         history = self._history(req.previous_response_id)
         conversation = history + input_messages(req.input)
         if not conversation:
@@ -284,7 +286,9 @@ def input_messages(value: str | list[dict[str, Any]]) -> list[ChatMessage]:
         if kind == "message":
             message = _convert(item, InputMessage, where)
             if message.role not in _ROLES:
-                raise bad_request(f"{where}.role: must be one of {', '.join(map(repr, _ROLES))}; got {message.role!r:.80}", "input")
+                raise bad_request(
+                    f"{where}.role: must be one of {', '.join(map(repr, _ROLES))}; got {message.role!r:.80}", "input"
+                )
             role = "system" if message.role == "developer" else message.role
             content = message.content
             if isinstance(content, list):
@@ -300,7 +304,8 @@ def input_messages(value: str | list[dict[str, Any]]) -> list[ChatMessage]:
             out.append(ChatMessage(role="tool", content=text, tool_call_id=result.call_id))
         elif kind != "reasoning":  # reasoning items sent back are accepted and not shown to the model
             raise bad_request(
-                f"{where}.type: must be one of {', '.join(map(repr, _INPUT_TYPES))} (or a message with a role); got {kind!r:.80}",
+                f"{where}.type: must be one of {', '.join(map(repr, _INPUT_TYPES))} (or a message with a role); got "
+                f"{kind!r:.80}",
                 "input",
             )
     return out
@@ -357,7 +362,10 @@ def convert_tools(tools: list[dict[str, Any]] | None) -> tuple[list[FunctionTool
         if not fn.name or len(fn.name) > 256:
             raise bad_request(f"tools[{i}].name: must be a non-empty string of at most 256 characters", "tools")
         flat.append(fn)
-        function: dict[str, Any] = {"name": fn.name, "parameters": fn.parameters or {"type": "object", "properties": {}}}
+        function: dict[str, Any] = {
+            "name": fn.name,
+            "parameters": fn.parameters or {"type": "object", "properties": {}},
+        }
         if fn.description is not None:
             function["description"] = fn.description
         nested.append({"type": "function", "function": function})
@@ -389,19 +397,25 @@ async def _text_format_params(text: dict[str, Any] | None) -> StructuredOutputsP
         return None
     kind = fmt.get("type", "text") if isinstance(fmt, dict) else None
     if kind not in _FORMATS:
-        raise bad_request(f"text.format.type: must be one of {', '.join(map(repr, _FORMATS))}; got {kind!r:.80}", "text.format")
+        raise bad_request(
+            f"text.format.type: must be one of {', '.join(map(repr, _FORMATS))}; got {kind!r:.80}", "text.format"
+        )
     if kind == "text":
         return None
     spec: dict[str, Any] = {"json_object": True}
     if kind == "json_schema":
         schema = fmt.get("schema")
         if not isinstance(schema, dict):
-            raise bad_request("text.format.schema: type 'json_schema' needs `schema`, a JSON schema object", "text.format")
+            raise bad_request(
+                "text.format.schema: type 'json_schema' needs `schema`, a JSON schema object", "text.format"
+            )
         spec = {"json": schema}
     try:
         return await structured_outputs_params(SamplingFields(structured_outputs=spec))
     except APIError as exc:
-        message = exc.message.replace("structured_outputs.json", "text.format").replace("structured_outputs", "text.format")
+        message = exc.message.replace("structured_outputs.json", "text.format").replace(
+            "structured_outputs", "text.format"
+        )
         raise bad_request(message, "text.format") from None
 
 
@@ -481,7 +495,14 @@ class ResponsesFormatter:
             self.items.append(_Item("message", len(self.items), _new_id("msg"), parsed.content or ""))
         for call in parsed.tool_calls:
             self.items.append(
-                _Item("function_call", len(self.items), _new_id("fc"), call.function.arguments, call.id, call.function.name)
+                _Item(
+                    "function_call",
+                    len(self.items),
+                    _new_id("fc"),
+                    call.function.arguments,
+                    call.id,
+                    call.function.name,
+                )
             )
         return self._finished()
 
@@ -565,13 +586,24 @@ class ResponsesFormatter:
     ) -> _Item:
         self._close(events)
         prefix = {"message": "msg", "reasoning": "rs", "function_call": "fc"}[kind]
-        item = _Item(kind, len(self.items), _new_id(prefix), call_id=call_id or _new_id("call"), name=name or "", tool_index=tool_index)
+        item = _Item(
+            kind,
+            len(self.items),
+            _new_id(prefix),
+            call_id=call_id or _new_id("call"),
+            name=name or "",
+            tool_index=tool_index,
+        )
         self.items.append(item)
         self.open = item
         added = item.done("in_progress")
         if isinstance(added, OutputMessage | ReasoningItem):
             added.content = []
-        events.append(OutputItemEvent(type="response.output_item.added", sequence_number=self._seq(), output_index=item.index, item=added))
+        events.append(
+            OutputItemEvent(
+                type="response.output_item.added", sequence_number=self._seq(), output_index=item.index, item=added
+            )
+        )
         if kind != "function_call":
             part = OutputText(text="") if kind == "message" else ReasoningText(text="")
             events.append(self._part_event("response.content_part.added", item, part))

@@ -80,7 +80,9 @@ class ServerSettings:
         if self.h11_max_header_count < 1:
             raise ValueError(f"h11_max_header_count: must be at least 1, got {self.h11_max_header_count}")
         if not 0 < self.request_body_timeout < float("inf"):
-            raise ValueError(f"request_body_timeout: must be a positive number of seconds, got {self.request_body_timeout}")
+            raise ValueError(
+                f"request_body_timeout: must be a positive number of seconds, got {self.request_body_timeout}"
+            )
 
 
 @dataclass

@@ -281,7 +281,11 @@ def _check_tools(tools: Sequence[Any]) -> None:
 def _named_function(tool_choice: Any) -> str:
     fn = tool_choice.get("function") if isinstance(tool_choice, dict) else None
     name = fn.get("name") if isinstance(fn, dict) else None
-    if not isinstance(tool_choice, dict) or tool_choice.get("type", "function") != "function" or not isinstance(name, str):
+    if (
+        not isinstance(tool_choice, dict)
+        or tool_choice.get("type", "function") != "function"
+        or not isinstance(name, str)
+    ):
         raise bad_request(
             'tool_choice: a named function is {"type": "function", "function": {"name": "NAME"}}', "tool_choice"
         )

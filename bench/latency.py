@@ -41,13 +41,45 @@ __all__ = ["add_latency_parser", "latency_prompt_ids", "measure_bandwidth", "run
 
 def add_latency_parser(kinds: Any) -> None:
     lat = kinds.add_parser("latency", help="batch-1 decode latency vs the memory-bandwidth floor")
-    lat.add_argument("--workload", choices=LATENCY_WORKLOADS, default="random", help="random token ids (ignore_eos), or a chat prompt whose output copies it: code (mostly), summary (partly), text (not at all) (default: %(default)s)")
-    lat.add_argument("--input-len", type=int, default=32, help="prompt tokens of the random workload (default: %(default)s)")
-    lat.add_argument("--output-len", type=int, default=128, help="output tokens (the text workloads: at most, they stop at EOS) (default: %(default)s)")
-    lat.add_argument("--repeat", type=int, default=3, help="timed runs after one warm-up; the median is reported (default: %(default)s)")
-    lat.add_argument("--baseline", action="store_true", help="also run an engine built from the same flags without speculative_config, and compare")
+    lat.add_argument(
+        "--workload",
+        choices=LATENCY_WORKLOADS,
+        default="random",
+        help=(
+            "random token ids (ignore_eos), or a chat prompt whose output copies it: code (mostly), summary (partly), "
+            "text (not at all) (default: %(default)s)"
+        ),
+    )
+    lat.add_argument(
+        "--input-len", type=int, default=32, help="prompt tokens of the random workload (default: %(default)s)"
+    )
+    lat.add_argument(
+        "--output-len",
+        type=int,
+        default=128,
+        help="output tokens (the text workloads: at most, they stop at EOS) (default: %(default)s)",
+    )
+    lat.add_argument(
+        "--repeat",
+        type=int,
+        default=3,
+        help="timed runs after one warm-up; the median is reported (default: %(default)s)",
+    )
+    lat.add_argument(
+        "--baseline",
+        action="store_true",
+        help="also run an engine built from the same flags without speculative_config, and compare",
+    )
     lat.add_argument("--output-json", default=None, help="write the results here")
-    lat.add_argument("--dump-prompts", default=None, metavar="PATH", help="write {workload: token_ids} of the code, summary and text prompts as JSON and exit (for docs/bench/llamacpp_lookup.py)")
+    lat.add_argument(
+        "--dump-prompts",
+        default=None,
+        metavar="PATH",
+        help=(
+            "write {workload: token_ids} of the code, summary and text prompts as JSON and exit (for "
+            "docs/bench/llamacpp_lookup.py)"
+        ),
+    )
     EngineArgs.add_cli_args(lat)
     lat.set_defaults(func=run_latency)
 
@@ -269,16 +301,18 @@ def _print_latency(name: str, res: dict[str, Any], floor_ms: float | None, specu
     rate = f" ({1e3 / per:.1f} tok/s)" if per else ""
     vs_floor = f", {per / floor_ms:.2f}x the floor" if per and floor_ms else ""
     print(f"{name}: warm-up TTFT {_ms(w['ttft_ms'])}, {_ms(w['ms_per_token'], 'ms/token')}")
+    same = "" if res["repeats_identical"] else "; the runs gave DIFFERENT tokens"
     print(f"{name}: TTFT {_ms(res['ttft_ms'])}, decode {_ms(per, 'ms/token')}{rate}{vs_floor}, "
           f"median step {_ms(res['step_ms_median'])}, {res['output_tokens']} output tokens "
-          f"(median of {len(res['runs'])}{'' if res['repeats_identical'] else '; the runs gave DIFFERENT tokens'})")  # fmt: skip
+          f"(median of {len(res['runs'])}{same})")  # fmt: skip
     sp = res["spec"]
     if speculates or sp["num_drafts"]:
         length = sp["mean_acceptance_length"]
         rate_s = "n/a" if sp["acceptance_rate"] is None else f"{sp['acceptance_rate']:.0%}"
+        length_s = "n/a" if length is None else f"{length:.2f}"
         print(f"{name}: speculation: {sp['num_drafts']} drafts, {sp['num_draft_tokens']} draft tokens, "
               f"{sp['num_accepted_tokens']} accepted ({rate_s}), mean acceptance length "
-              f"{'n/a' if length is None else f'{length:.2f}'}, accepted by position {sp['accepted_per_pos']}")  # fmt: skip
+              f"{length_s}, accepted by position {sp['accepted_per_pos']}")  # fmt: skip
 
 
 def _first_difference(a: list[int], b: list[int]) -> int | None:
@@ -320,7 +354,10 @@ def run_latency(ns: argparse.Namespace) -> int:
     floor_ms = weight_bytes / bw * 1e3
     print(f"model {engine.config.model.path}, workload {ns.workload}: prompt {len(ids)} tokens, "
           f"output {'' if ns.workload == 'random' else 'at most '}{ns.output_len} tokens, greedy")  # fmt: skip
-    print(f"threads {torch.get_num_threads()}, weights {weight_bytes / 1e6:.0f} MB, copy bandwidth {bw / 1e9:.1f} GB/s, floor {floor_ms:.1f} ms/token")
+    print(
+        f"threads {torch.get_num_threads()}, weights {weight_bytes / 1e6:.0f} MB, copy bandwidth {bw / 1e9:.1f} GB/s, "
+        f"floor {floor_ms:.1f} ms/token"
+    )
     res: dict[str, Any] = {
         "workload": ns.workload, "prompt_tokens": len(ids), "max_tokens": ns.output_len,
         "threads": torch.get_num_threads(), "weight_bytes": weight_bytes, "bandwidth_bytes_per_s": bw,
@@ -345,7 +382,10 @@ def run_latency(ns: argparse.Namespace) -> int:
         note = "" if speculates else " (no speculative_config: the same engine twice)"
         ratio = "n/a" if res["ratio_ms_per_token"] is None else f"{res['ratio_ms_per_token']:.2f}x"
         same = "yes" if diff is None else f"NO, they differ from output token {diff}"
-        print(f"ratio {ratio} time per token (with / without speculation){note}; outputs identical token for token: {same}")
+        print(
+            f"ratio {ratio} time per token (with / without speculation){note}; outputs identical token for token: "
+            f"{same}"
+        )
     if ns.output_json:
         with open(ns.output_json, "w") as f:
             json.dump(res, f, indent=2)

@@ -32,12 +32,24 @@ __all__ = ["add_lora_parser", "write_random_adapter"]
 
 
 def add_lora_parser(kinds: Any) -> None:
-    p = kinds.add_parser("lora", help="LoRA adapters: throughput over several adapters and batch-1 decode, against the base model")
+    p = kinds.add_parser(
+        "lora", help="LoRA adapters: throughput over several adapters and batch-1 decode, against the base model"
+    )
     add_workload_args(p)
-    p.add_argument("--num-adapters", type=int, default=4, help="adapters the prompts are spread over (default: %(default)s)")
+    p.add_argument(
+        "--num-adapters", type=int, default=4, help="adapters the prompts are spread over (default: %(default)s)"
+    )
     p.add_argument("--rank", type=int, default=16, help="the random adapters' rank r (default: %(default)s)")
-    p.add_argument("--adapters", nargs="+", default=None, metavar="DIR", help="PEFT adapter directories to use instead of random ones")
-    p.add_argument("--decode-tokens", type=int, default=128, help="batch-1: tokens decoded per run (default: %(default)s)")
+    p.add_argument(
+        "--adapters",
+        nargs="+",
+        default=None,
+        metavar="DIR",
+        help="PEFT adapter directories to use instead of random ones",
+    )
+    p.add_argument(
+        "--decode-tokens", type=int, default=128, help="batch-1: tokens decoded per run (default: %(default)s)"
+    )
     p.add_argument("--output-json", default=None, help="write the results here")
     EngineArgs.add_cli_args(p)
     p.set_defaults(func=run_lora)
@@ -124,7 +136,9 @@ def run_lora(ns: argparse.Namespace) -> int:
     res["base/batch1_ms_per_token"] = 1e3 * _batch1(engine, vocab, ns.decode_tokens, None)
     del engine
     with tempfile.TemporaryDirectory(prefix="triollm-bench-lora-") as tmp:
-        paths = ns.adapters or [str(write_random_adapter(Path(tmp) / f"a{i}", model, ns.rank, i)) for i in range(ns.num_adapters)]
+        paths = ns.adapters or [
+            str(write_random_adapter(Path(tmp) / f"a{i}", model, ns.rank, i)) for i in range(ns.num_adapters)
+        ]
         adapters = [LoRARequest(f"adapter{i}", i + 1, p) for i, p in enumerate(paths)]
         args.enable_lora = True
         args.max_loras = max(args.max_loras, len(adapters))
@@ -138,10 +152,22 @@ def run_lora(ns: argparse.Namespace) -> int:
     res["ratio/throughput"] = res["lora/output_tokens_per_s"] / res["base/output_tokens_per_s"]
     res["ratio/batch1"] = res["lora/batch1_ms_per_token"] / res["base/batch1_ms_per_token"]
     n = len(adapters)
-    print(f"{'base alone':<34} {res['base/output_tokens_per_s']:8.1f} output tok/s   batch-1 {res['base/batch1_ms_per_token']:6.2f} ms/token")
-    print(f"{f'{n} adapters (prompts round-robin)':<34} {res['lora/output_tokens_per_s']:8.1f} output tok/s   batch-1 {res['lora/batch1_ms_per_token']:6.2f} ms/token (one adapter)")
-    print(f"{'LoRA engine, base request':<34} {'':>8}                batch-1 {res['lora_engine_base/batch1_ms_per_token']:6.2f} ms/token")
-    print(f"ratios: throughput {res['ratio/throughput']:.2f}x (adapters / base), batch-1 {res['ratio/batch1']:.2f}x (adapter / base)")
+    print(
+        f"{'base alone':<34} {res['base/output_tokens_per_s']:8.1f} output tok/s   batch-1 "
+        f"{res['base/batch1_ms_per_token']:6.2f} ms/token"
+    )
+    print(
+        f"{f'{n} adapters (prompts round-robin)':<34} {res['lora/output_tokens_per_s']:8.1f} output tok/s   batch-1 "
+        f"{res['lora/batch1_ms_per_token']:6.2f} ms/token (one adapter)"
+    )
+    print(
+        f"{'LoRA engine, base request':<34} {'':>8}                batch-1 "
+        f"{res['lora_engine_base/batch1_ms_per_token']:6.2f} ms/token"
+    )
+    print(
+        f"ratios: throughput {res['ratio/throughput']:.2f}x (adapters / base), batch-1 {res['ratio/batch1']:.2f}x "
+        f"(adapter / base)"
+    )
     if ns.output_json:
         Path(ns.output_json).write_text(json.dumps(res, indent=2))
     return 0

@@ -27,17 +27,35 @@ DTYPES = ("float32", "bfloat16")
 
 def add_moe_parsers(kinds: Any) -> None:
     p = kinds.add_parser("moe", help="MoE block step time against the number of experts (top-k routed, CPU or CUDA)")
-    p.add_argument("--experts", type=int, nargs="+", default=[8, 64], help="experts per layer, each measured (default: %(default)s)")
+    p.add_argument(
+        "--experts",
+        type=int,
+        nargs="+",
+        default=[8, 64],
+        help="experts per layer, each measured (default: %(default)s)",
+    )
     p.add_argument("--top-k", type=int, default=2, help="experts per token (default: %(default)s)")
     p.add_argument("--hidden", type=int, default=512, help="hidden size (default: %(default)s)")
     p.add_argument("--intermediate", type=int, default=256, help="expert intermediate size (default: %(default)s)")
-    p.add_argument("--tokens", type=int, nargs="+", default=[1, 16], help="tokens per step, each measured (default: %(default)s)")
+    p.add_argument(
+        "--tokens", type=int, nargs="+", default=[1, 16], help="tokens per step, each measured (default: %(default)s)"
+    )
     p.add_argument("--layers", type=int, default=8, help="MoE blocks per step (default: %(default)s)")
-    p.add_argument("--iters", type=int, default=50, help="timed steps per point, after 3 warm-up steps (default: %(default)s)")
+    p.add_argument(
+        "--iters", type=int, default=50, help="timed steps per point, after 3 warm-up steps (default: %(default)s)"
+    )
     p.add_argument("--dtype", choices=DTYPES, default="float32", help="(default: %(default)s)")
     p.add_argument("--device", default="cpu", help="torch device (default: %(default)s)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's, one per core)")
-    p.add_argument("--flush-mib", type=int, default=64, help="MiB written before each step to evict the caches, as a model whose weights exceed them sees; 0: off (default: %(default)s)")
+    p.add_argument(
+        "--flush-mib",
+        type=int,
+        default=64,
+        help=(
+            "MiB written before each step to evict the caches, as a model whose weights exceed them sees; 0: off "
+            "(default: %(default)s)"
+        ),
+    )
     p.add_argument("--json", default=None, metavar="F", help="write the results here")
     p.set_defaults(func=run_moe_bench)
 
@@ -101,7 +119,16 @@ def bench_moe(
                     _sync(dev)
                     if i >= warmup:
                         times.append((time.perf_counter() - start) * 1e3)
-            rows.append({"tokens": t, "experts": num_experts, "top_k": top_k, "experts_run_per_layer": used, "median_ms": statistics.median(times), "mean_ms": statistics.fmean(times)})
+            rows.append(
+                {
+                    "tokens": t,
+                    "experts": num_experts,
+                    "top_k": top_k,
+                    "experts_run_per_layer": used,
+                    "median_ms": statistics.median(times),
+                    "mean_ms": statistics.fmean(times),
+                }
+            )
         del blocks
     for row in rows:
         base = next(r for r in rows if r["tokens"] == row["tokens"])
@@ -124,14 +151,43 @@ def run_moe_bench(ns: argparse.Namespace) -> int:
             raise ValueError(f"--threads must be >= 1, got {ns.threads}")
         torch.set_num_threads(ns.threads)
     rows = bench_moe(
-        ns.experts, ns.tokens, top_k=ns.top_k, hidden=ns.hidden, intermediate=ns.intermediate, layers=ns.layers, iters=ns.iters, dtype=ns.dtype, device=ns.device, flush_mib=ns.flush_mib
+        ns.experts,
+        ns.tokens,
+        top_k=ns.top_k,
+        hidden=ns.hidden,
+        intermediate=ns.intermediate,
+        layers=ns.layers,
+        iters=ns.iters,
+        dtype=ns.dtype,
+        device=ns.device,
+        flush_mib=ns.flush_mib,
     )
     first = ns.experts[0]
-    print(f"MoE step: {ns.layers} layers, hidden {ns.hidden}, intermediate {ns.intermediate}, top-{ns.top_k}, {ns.dtype} on {ns.device} ({torch.get_num_threads()} threads), {ns.iters} steps each")
+    print(
+        f"MoE step: {ns.layers} layers, hidden {ns.hidden}, intermediate {ns.intermediate}, top-{ns.top_k}, {ns.dtype} "
+        f"on {ns.device} ({torch.get_num_threads()} threads), {ns.iters} steps each"
+    )
     print(f"{'tokens':>6} {'experts':>7} {'run/layer':>9} {'median ms':>10} {'mean ms':>8} {f'vs {first}':>8}")
     for r in rows:
-        print(f"{r['tokens']:>6} {r['experts']:>7} {r['experts_run_per_layer']:>9.2f} {r['median_ms']:>10.3f} {r['mean_ms']:>8.3f} {r['ratio']:>7.2f}x")
+        print(
+            f"{r['tokens']:>6} {r['experts']:>7} {r['experts_run_per_layer']:>9.2f} {r['median_ms']:>10.3f} "
+            f"{r['mean_ms']:>8.3f} {r['ratio']:>7.2f}x"
+        )
     if ns.json:
-        config = {k: getattr(ns, k) for k in ("experts", "tokens", "top_k", "hidden", "intermediate", "layers", "iters", "dtype", "device", "flush_mib")} | {"threads": torch.get_num_threads()}
+        config = {
+            k: getattr(ns, k)
+            for k in (
+                "experts",
+                "tokens",
+                "top_k",
+                "hidden",
+                "intermediate",
+                "layers",
+                "iters",
+                "dtype",
+                "device",
+                "flush_mib",
+            )
+        } | {"threads": torch.get_num_threads()}
         Path(ns.json).write_text(json.dumps({"config": config, "rows": rows}, indent=2))
     return 0

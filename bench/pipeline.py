@@ -1,11 +1,11 @@
 """`triollm bench pipeline`: the actor pipeline alone, and `LLM`'s overhead on the real model.
 
-Part 1 replays scripted tokens in the engine core (no forward pass: the core is
-`triollm.testing`'s `FakeCore()`, scripted tokens at full speed, passed as `engine_core_factory`,
-which reaches the engine-core child process too), so what is measured is everything around the
-model: scheduling, the wire (ZMQ + msgspec in the multiprocess transport), the output actor
-(detokenizing, building RequestOutputs), collectors and consumers. 256 concurrent DELTA streams, for each transport and event-loop backend; a
-heartbeat task sleeping 1 ms records the longest event-loop stall.
+Part 1 replays scripted tokens in the engine core (no forward pass: the core is `triollm.testing`'s
+`FakeCore()`, scripted tokens at full speed, passed as `engine_core_factory`, which reaches the
+engine-core child process too), so what is measured is everything around the model: scheduling, the
+wire (ZMQ + msgspec in the multiprocess transport), the output actor (detokenizing, building
+RequestOutputs), collectors and consumers. 256 concurrent DELTA streams, for each transport and
+event-loop backend; a heartbeat task sleeping 1 ms records the longest event-loop stall.
 
 Part 2 runs one workload on the real model twice: driving the engine directly (`SyncEngine`:
 no event loop, no threads) and through `LLM.generate` (portal + AsyncLLM + transport), and
@@ -30,7 +30,12 @@ def add_pipeline_parser(kinds: Any) -> None:
     p.add_argument("--tokens-per-stream", type=int, default=256, help="(default: %(default)s)")
     p.add_argument("--transports", default="inproc,multiprocess", help="(default: %(default)s)")
     p.add_argument("--backends", default="trio,asyncio", help="(default: %(default)s)")
-    p.add_argument("--overhead-requests", type=int, default=32, help="real-model requests for the LLM overhead run; 0 skips it (default: %(default)s)")
+    p.add_argument(
+        "--overhead-requests",
+        type=int,
+        default=32,
+        help="real-model requests for the LLM overhead run; 0 skips it (default: %(default)s)",
+    )
     EngineArgs.add_cli_args(p, skip=("multiprocess",))
     p.set_defaults(func=run_pipeline)
 

@@ -71,10 +71,28 @@ _MIB = 1 << 20
 
 
 def add_quality_parser(kinds: Any) -> None:
-    p = kinds.add_parser("quality", help="perplexity, greedy agreement and peak memory of quantized weights against the dense model")
-    p.add_argument("--schemes", default="gguf", help=f"comma-separated quantization schemes of --model to compare with the dense model, from {', '.join(q for q in QUANTIZATIONS if q != 'none')}; '' for none (default: %(default)s)")
-    p.add_argument("--checkpoints", default="", help="comma-separated quantized checkpoints of the same model (GPTQ, AWQ, compressed-tensors or FP8 directories, .gguf files), each run by its own scheme with the dense model's tokenizer")
-    p.add_argument("--text", default=str(DEFAULT_TEXT), help="the perplexity text (default: the bundled Coriolanus excerpt)")
+    p = kinds.add_parser(
+        "quality", help="perplexity, greedy agreement and peak memory of quantized weights against the dense model"
+    )
+    p.add_argument(
+        "--schemes",
+        default="gguf",
+        help=(
+            f"comma-separated quantization schemes of --model to compare with the dense model, from "
+            f"{', '.join(q for q in QUANTIZATIONS if q != 'none')}; '' for none (default: %(default)s)"
+        ),
+    )
+    p.add_argument(
+        "--checkpoints",
+        default="",
+        help=(
+            "comma-separated quantized checkpoints of the same model (GPTQ, AWQ, compressed-tensors or FP8 "
+            "directories, .gguf files), each run by its own scheme with the dense model's tokenizer"
+        ),
+    )
+    p.add_argument(
+        "--text", default=str(DEFAULT_TEXT), help="the perplexity text (default: the bundled Coriolanus excerpt)"
+    )
     p.add_argument("--window", type=int, default=1024, help="tokens per perplexity window (default: %(default)s)")
     p.add_argument("--max-tokens", type=int, default=64, help="greedy tokens per chat prompt (default: %(default)s)")
     p.add_argument("--output-json", default=None, help="write the results here")
@@ -139,7 +157,9 @@ def measure(config: EngineConfig, text: str, window: int, max_tokens: int) -> Me
         chunk = ids[s : s + window]
         if len(chunk) < 2:
             break
-        (out,) = engine.generate([{"prompt_token_ids": chunk}], SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0.0))
+        (out,) = engine.generate(
+            [{"prompt_token_ids": chunk}], SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0.0)
+        )
         assert out.prompt_logprobs is not None
         for row, token in zip(out.prompt_logprobs[1:], chunk[1:], strict=True):
             assert row is not None
@@ -175,7 +195,9 @@ def _run_child(label: str, config: EngineConfig, text: str, window: int, max_tok
     from triollm.engine.config_codec import encode_config  # not public: sent resolved
 
     job = _Job(encode_config(config), text, window, max_tokens, logging.getLogger().getEffectiveLevel())
-    proc = subprocess.run([sys.executable, "-c", _CHILD_MAIN], input=msgspec.msgpack.encode(job), stdout=subprocess.PIPE, check=False)
+    proc = subprocess.run(
+        [sys.executable, "-c", _CHILD_MAIN], input=msgspec.msgpack.encode(job), stdout=subprocess.PIPE, check=False
+    )
     if proc.returncode != 0:
         raise RuntimeError(f"bench quality: the {label} run exited with status {proc.returncode} (its log is above)")
     return msgspec.json.decode(proc.stdout, type=Measurement)
@@ -246,7 +268,9 @@ def _runs(base: EngineArgs, schemes: list[str], checkpoints: list[Path]) -> list
                 break
             label = f"{name}#{n}"
         gguf = path.suffix.lower() == ".gguf"
-        args = dataclasses.replace(base, model=str(path), tokenizer=str(dense.tokenizer), quantization="gguf" if gguf else None)
+        args = dataclasses.replace(
+            base, model=str(path), tokenizer=str(dense.tokenizer), quantization="gguf" if gguf else None
+        )
         config = args.create_engine_config()
         ours, theirs = dense.model, config.model
         shape = ("architecture", "num_layers", "hidden_size", "vocab_size")
@@ -311,8 +335,10 @@ def run_quality(ns: argparse.Namespace) -> int:
             ratio = res.perplexity / dense.perplexity
             entry |= {"perplexity_ratio": ratio, "greedy_prefix_agreement": share, "identical_outputs": identical}
             print(
-                f"{run.label:<{width}} perplexity {res.perplexity:.3f} ({ratio:.4f}x dense); greedy: {share:.1%} of tokens "
-                f"before the first difference, {identical}/{len(CHAT_PROMPTS)} outputs identical ({ns.max_tokens} tokens each); {costs}"
+                f"{run.label:<{width}} perplexity {res.perplexity:.3f} ({ratio:.4f}x dense); greedy: {share:.1%} of "
+                f"tokens "
+                f"before the first difference, {identical}/{len(CHAT_PROMPTS)} outputs identical ({ns.max_tokens} "
+                f"tokens each); {costs}"
             )
         results[run.label] = entry
         sys.stdout.flush()

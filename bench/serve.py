@@ -77,23 +77,81 @@ def _range(text: str) -> tuple[int, int]:
 def add_serve_bench_parser(kinds: Any) -> None:
     """Register `bench serve` (a client: it takes no engine flags)."""
     p = kinds.add_parser("serve", help="online load against an OpenAI-compatible server (TTFT, ITL, throughput)")
-    p.add_argument("--base-url", default="http://127.0.0.1:8000", help="the server (a trailing /v1 is fine) (default: %(default)s)")
-    p.add_argument("--endpoint", choices=["completions", "chat"], default="completions", help="/v1/completions or /v1/chat/completions (default: %(default)s)")
+    p.add_argument(
+        "--base-url", default="http://127.0.0.1:8000", help="the server (a trailing /v1 is fine) (default: %(default)s)"
+    )
+    p.add_argument(
+        "--endpoint",
+        choices=["completions", "chat"],
+        default="completions",
+        help="/v1/completions or /v1/chat/completions (default: %(default)s)",
+    )
     p.add_argument("--model", default=None, help="the `model` field (default: the first of GET /v1/models)")
-    p.add_argument("--api-key", default=os.environ.get("TRIOLLM_API_KEY") or os.environ.get("OPENAI_API_KEY"), help="sent as a Bearer token (default: $TRIOLLM_API_KEY, else $OPENAI_API_KEY)")
+    p.add_argument(
+        "--api-key",
+        default=os.environ.get("TRIOLLM_API_KEY") or os.environ.get("OPENAI_API_KEY"),
+        help="sent as a Bearer token (default: $TRIOLLM_API_KEY, else $OPENAI_API_KEY)",
+    )
     p.add_argument("--num-prompts", type=int, default=64, help="(default: %(default)s)")
-    p.add_argument("--input-len", type=_range, default=(32, 256), metavar="N|MIN-MAX", help="prompt tokens, uniform (default: 32-256)")
-    p.add_argument("--output-len", type=_range, default=(32, 256), metavar="N|MIN-MAX", help="max_tokens, uniform, with ignore_eos (default: 32-256)")
-    p.add_argument("--prompt-kind", choices=["ids", "text"], default=None, help="token-id lists or random words (default: ids for completions, text for chat)")
-    p.add_argument("--vocab-size", type=int, default=10000, help="token ids are drawn below this (default: %(default)s)")
+    p.add_argument(
+        "--input-len",
+        type=_range,
+        default=(32, 256),
+        metavar="N|MIN-MAX",
+        help="prompt tokens, uniform (default: 32-256)",
+    )
+    p.add_argument(
+        "--output-len",
+        type=_range,
+        default=(32, 256),
+        metavar="N|MIN-MAX",
+        help="max_tokens, uniform, with ignore_eos (default: 32-256)",
+    )
+    p.add_argument(
+        "--prompt-kind",
+        choices=["ids", "text"],
+        default=None,
+        help="token-id lists or random words (default: ids for completions, text for chat)",
+    )
+    p.add_argument(
+        "--vocab-size", type=int, default=10000, help="token ids are drawn below this (default: %(default)s)"
+    )
     p.add_argument("--seed", type=int, default=0, help="workload and arrival seed (default: %(default)s)")
-    p.add_argument("--request-rate", type=float, default=math.inf, help="Poisson arrivals per second; inf sends all at once (default: %(default)s)")
+    p.add_argument(
+        "--request-rate",
+        type=float,
+        default=math.inf,
+        help="Poisson arrivals per second; inf sends all at once (default: %(default)s)",
+    )
     p.add_argument("--max-concurrency", type=int, default=None, help="most requests in flight (default: no limit)")
     p.add_argument("--temperature", type=float, default=0.0, help="(default: %(default)s)")
-    p.add_argument("--continuous-usage", action=argparse.BooleanOptionalAction, default=True, help="ask for usage on every chunk (vLLM's stream_options.continuous_usage_stats) to count tokens per chunk (default: %(default)s)")
-    p.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True, help="send one short request first and stop if it fails (default: %(default)s)")
-    p.add_argument("--timeout", type=float, default=600.0, help="seconds a request may wait for its next bytes (default: %(default)s)")
-    p.add_argument("--backend", choices=["asyncio", "trio"], default="asyncio", help="the client's event loop (default: %(default)s)")
+    p.add_argument(
+        "--continuous-usage",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help=(
+            "ask for usage on every chunk (vLLM's stream_options.continuous_usage_stats) to count tokens per chunk "
+            "(default: %(default)s)"
+        ),
+    )
+    p.add_argument(
+        "--warmup",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="send one short request first and stop if it fails (default: %(default)s)",
+    )
+    p.add_argument(
+        "--timeout",
+        type=float,
+        default=600.0,
+        help="seconds a request may wait for its next bytes (default: %(default)s)",
+    )
+    p.add_argument(
+        "--backend",
+        choices=["asyncio", "trio"],
+        default="asyncio",
+        help="the client's event loop (default: %(default)s)",
+    )
     p.add_argument("--result-file", default=None, help="write the results as JSON here")
     p.set_defaults(func=run_serve_bench)
 
@@ -307,14 +365,18 @@ async def run_benchmark(opts: ServeBenchOptions, client: httpx.AsyncClient | Non
     return await _run(opts, client, work, kind)
 
 
-async def _run(opts: ServeBenchOptions, client: httpx.AsyncClient, work: list[BenchRequest], kind: str) -> dict[str, Any]:
+async def _run(
+    opts: ServeBenchOptions, client: httpx.AsyncClient, work: list[BenchRequest], kind: str
+) -> dict[str, Any]:
     root = opts.root
     headers = {"Authorization": f"Bearer {opts.api_key}"} if opts.api_key else {}
     model = opts.model or await _default_model(client, root, headers)
     url = f"{root}/v1/chat/completions" if opts.endpoint == "chat" else f"{root}/v1/completions"
     if opts.warmup and work:
         first = work[0]
-        res = await _post_stream(client, url, _body(opts, model, first, min(first.output_len, 4)), headers, first.prompt_len)
+        res = await _post_stream(
+            client, url, _body(opts, model, first, min(first.output_len, 4)), headers, first.prompt_len
+        )
         if not res.success:
             raise RuntimeError(f"the warm-up request failed: {res.error}")
 

@@ -61,14 +61,47 @@ def _hostile(model: str) -> list[tuple[str, str, Any]]:
     base = {"model": model, "prompt": "Hello", "max_tokens": 4}
     return [
         ("schema-big-int", c, {**base, "structured_outputs": {"json": {"type": "integer", "maximum": 2**64 + 5}}}),
-        ("schema-big-enum", chat, {"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4,
-                                   "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"enum": [10**30]}}}}),
+        (
+            "schema-big-enum",
+            chat,
+            {
+                "model": model,
+                "messages": [{"role": "user", "content": "hi"}],
+                "max_tokens": 4,
+                "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"enum": [10**30]}}},
+            },
+        ),
         ("huge-request-id", c, {**base, "request_id": "x" * 100_000}),
         ("fan-out", c, {**base, "prompt": ["Hello there"] * 1024, "n": 128}),
-        ("many-messages", chat, {"model": model, "max_tokens": 4, "messages": [{"role": "user", "content": "a"}] * 50_000}),
-        ("huge-name", chat, {"model": model, "max_tokens": 4, "messages": [{"role": "user", "content": "a", "name": "n" * 3_000_000}]}),
-        ("many-parts", chat, {"model": model, "max_tokens": 4, "messages": [{"role": "user", "content": [{"type": "text", "text": "a"}] * 20_000}]}),
-        ("deep-grammar", c, {**base, "structured_outputs": {"grammar": "\n".join(f"r{i}: r{i + 1}" for i in range(60_000)) + '\nr60000: "x"\nstart: r0'}}),
+        (
+            "many-messages",
+            chat,
+            {"model": model, "max_tokens": 4, "messages": [{"role": "user", "content": "a"}] * 50_000},
+        ),
+        (
+            "huge-name",
+            chat,
+            {"model": model, "max_tokens": 4, "messages": [{"role": "user", "content": "a", "name": "n" * 3_000_000}]},
+        ),
+        (
+            "many-parts",
+            chat,
+            {
+                "model": model,
+                "max_tokens": 4,
+                "messages": [{"role": "user", "content": [{"type": "text", "text": "a"}] * 20_000}],
+            },
+        ),
+        (
+            "deep-grammar",
+            c,
+            {
+                **base,
+                "structured_outputs": {
+                    "grammar": "\n".join(f"r{i}: r{i + 1}" for i in range(60_000)) + '\nr60000: "x"\nstart: r0'
+                },
+            },
+        ),
         ("priority", c, {**base, "priority": -(2**62)}),
         ("logprobs", c, {**base, "logprobs": 10**6}),
         ("bad-json", c, b'{"model": "x", "prompt": '),
@@ -216,7 +249,9 @@ async def _post(client: Any, url: str, body: Any, hang_after: float) -> tuple[in
 
 async def _hostile_loop(client: Any, root: str, model: str, tally: Tally, hang_after: float, stop: anyio.Event) -> None:
     cases = _hostile(model)
-    encoded = [(name, path, body if isinstance(body, bytes) else json.dumps(body).encode()) for name, path, body in cases]
+    encoded = [
+        (name, path, body if isinstance(body, bytes) else json.dumps(body).encode()) for name, path, body in cases
+    ]
     i = 0
     while not stop.is_set():
         name, path, body = encoded[i % len(encoded)]
@@ -237,14 +272,18 @@ async def _hostile_loop(client: Any, root: str, model: str, tally: Tally, hang_a
         await anyio.sleep(0.5)
 
 
-async def _grammar_loop(client: Any, root: str, model: str, rng: random.Random, tally: Tally, hang_after: float, stop: anyio.Event) -> None:
+async def _grammar_loop(
+    client: Any, root: str, model: str, rng: random.Random, tally: Tally, hang_after: float, stop: anyio.Event
+) -> None:
     k = 0
     while not stop.is_set():
         k += 1
         if k % 2:
             so: dict[str, Any] = {"regex": f"(ab|c){{1,{rng.randint(1, 50)}}}d{k}"}
         else:
-            props = {f"f{k}_{j}": {"type": rng.choice(["integer", "string", "boolean"])} for j in range(rng.randint(1, 6))}
+            props = {
+                f"f{k}_{j}": {"type": rng.choice(["integer", "string", "boolean"])} for j in range(rng.randint(1, 6))
+            }
             so = {"json": {"type": "object", "properties": props, "required": list(props)}}
         body = {"model": model, "prompt": "Answer:", "max_tokens": 32, "structured_outputs": so}
         try:
@@ -315,7 +354,10 @@ async def _wait_idle(client: Any, root: str) -> dict[str, float | None]:
     with anyio.move_on_after(60):
         while True:
             text = (await client.get(root + "/metrics")).text
-            seen = {n: _metric(text, f"vllm:{n}") for n in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc")}
+            seen = {
+                n: _metric(text, f"vllm:{n}")
+                for n in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc")
+            }
             if all(v == 0 for v in seen.values()):
                 break
             await anyio.sleep(0.5)
@@ -363,9 +405,13 @@ async def run_soak(opts: SoakOptions) -> dict[str, Any]:
         code = None
     import psutil
 
-    left = [pid for pid in engine_pids if psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE]
+    left = [
+        pid for pid in engine_pids if psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    ]
     ipc_left = sorted(glob.glob(os.path.join(tempfile.gettempdir(), f"triollm-{server.proc.pid}-*")))
-    served = sum(v for k, v in tally.outcomes.items() if k in ("stream served", "stream cancelled by the client", "grammar 200"))
+    served = sum(
+        v for k, v in tally.outcomes.items() if k in ("stream served", "stream cancelled by the client", "grammar 200")
+    )
     return {
         "duration_s": round(time.monotonic() - tally.started, 1),
         "requests_served": served,
@@ -390,22 +436,43 @@ async def run_soak(opts: SoakOptions) -> dict[str, Any]:
 
 
 def add_soak_parser(kinds: Any) -> None:
-    p = kinds.add_parser("soak", help="a mixed load (streams, cancellations, bad requests, grammars, engine SIGSTOPs) against a real server, with leak checks")
-    p.add_argument("model", nargs="?", default=None, help="the model to serve (a directory, .gguf file or hub id; default: the bundled SmolLM2-135M-Instruct)")
+    p = kinds.add_parser(
+        "soak",
+        help=(
+            "a mixed load (streams, cancellations, bad requests, grammars, engine SIGSTOPs) against a real server, "
+            "with leak checks"
+        ),
+    )
+    p.add_argument(
+        "model",
+        nargs="?",
+        default=None,
+        help="the model to serve (a directory, .gguf file or hub id; default: the bundled SmolLM2-135M-Instruct)",
+    )
     p.add_argument("--duration", type=float, default=1800.0, help="seconds of load (default: %(default)s)")
     p.add_argument("--streams", type=int, default=8, help="concurrent streaming clients (default: %(default)s)")
-    p.add_argument("--sigstop-every", type=float, default=180.0, help="seconds between engine SIGSTOPs (default: %(default)s)")
+    p.add_argument(
+        "--sigstop-every", type=float, default=180.0, help="seconds between engine SIGSTOPs (default: %(default)s)"
+    )
     p.add_argument("--sigstop-for", type=float, default=5.0, help="seconds each SIGSTOP lasts (default: %(default)s)")
-    p.add_argument("--hang-after", type=float, default=120.0, help="a request taking longer is a hang (default: %(default)s)")
+    p.add_argument(
+        "--hang-after", type=float, default=120.0, help="a request taking longer is a hang (default: %(default)s)"
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", dest="json_out", default=None, help="also write the report to this file")
-    p.add_argument("--serve-args", default="", help="arguments for `triollm serve`, as one string (e.g. \"--num-threads 2 --worker trio\")")
+    p.add_argument(
+        "--serve-args",
+        default="",
+        help='arguments for `triollm serve`, as one string (e.g. "--num-threads 2 --worker trio")',
+    )
     p.set_defaults(func=_main)
 
 
 def _main(ns: argparse.Namespace) -> int:
     args = shlex.split(ns.serve_args)
-    opts = SoakOptions(ns.model, ns.duration, ns.streams, ns.sigstop_every, ns.sigstop_for, ns.hang_after, tuple(args), ns.seed)
+    opts = SoakOptions(
+        ns.model, ns.duration, ns.streams, ns.sigstop_every, ns.sigstop_for, ns.hang_after, tuple(args), ns.seed
+    )
     report = anyio.run(run_soak, opts)
     text = json.dumps(report, indent=2)
     print(text)

@@ -40,7 +40,14 @@ def add_throughput_parsers(kinds: Any) -> None:
     add_workload_args(tp)
     tp.add_argument("--workload", choices=["random", "text", "both"], default="both", help="(default: %(default)s)")
     tp.add_argument("--compare-hf", action="store_true", help="also run transformers' batched generate")
-    tp.add_argument("--structured", action="store_true", help="also run the text prompts held to a JSON schema, against the same prompts unconstrained with the same token counts (the grammar's overhead)")
+    tp.add_argument(
+        "--structured",
+        action="store_true",
+        help=(
+            "also run the text prompts held to a JSON schema, against the same prompts unconstrained with the same "
+            "token counts (the grammar's overhead)"
+        ),
+    )
     tp.add_argument("--output-json", default=None, help="write the results here")
     EngineArgs.add_cli_args(tp)
     tp.set_defaults(func=run_throughput)
@@ -121,11 +128,17 @@ def _run_structured(engine: Any, work: list[tuple[list[int], int]]) -> dict[str,
     engine.generate(prompts, free)
     unconstrained = time.perf_counter() - start
     gen, prompt_tokens = sum(counts), sum(len(ids) for ids, _ in work)
-    res = {"structured/json": _summary(constrained, len(work), prompt_tokens, gen), "structured/free": _summary(unconstrained, len(work), prompt_tokens, gen)}
+    res = {
+        "structured/json": _summary(constrained, len(work), prompt_tokens, gen),
+        "structured/free": _summary(unconstrained, len(work), prompt_tokens, gen),
+    }
     _print("triollm json schema", res["structured/json"])
     _print("triollm same, free", res["structured/free"])
     ratio = unconstrained / constrained
-    print(f"{'ratio structured':<24} {ratio:.2f}x output tokens/s (schema / free); {valid}/{len(outs)} outputs parse as JSON")
+    print(
+        f"{'ratio structured':<24} {ratio:.2f}x output tokens/s (schema / free); {valid}/{len(outs)} outputs parse as "
+        f"JSON"
+    )
     return {**res, "ratio/structured": ratio, "structured/valid": valid}
 
 

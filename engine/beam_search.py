@@ -27,7 +27,14 @@ if TYPE_CHECKING:
 
 # `BeamSearchParams` is defined with the other request parameters (engine/sampling_params.py)
 # and re-exported here, where the search that reads it lives.
-__all__ = ["BeamSearch", "BeamSearchOutput", "BeamSearchParams", "BeamSearchSequence", "beam_search_score", "prompt_token_ids"]
+__all__ = [
+    "BeamSearch",
+    "BeamSearchOutput",
+    "BeamSearchParams",
+    "BeamSearchSequence",
+    "beam_search_score",
+    "prompt_token_ids",
+]
 
 
 @dataclass
@@ -66,7 +73,9 @@ class BeamSearch:
     their outputs (in the same order) and keeps each prompt's `beam_width` best extensions.
     After `params.max_tokens` rounds, `results` ranks finished and live beams together."""
 
-    def __init__(self, prompts: Sequence[list[int]], params: BeamSearchParams, eos_token_id: int | None, max_model_len: int) -> None:
+    def __init__(
+        self, prompts: Sequence[list[int]], params: BeamSearchParams, eos_token_id: int | None, max_model_len: int
+    ) -> None:
         self.params = params
         self.eos = None if params.ignore_eos else eos_token_id
         self.max_model_len = max_model_len
@@ -81,7 +90,13 @@ class BeamSearch:
     def step_params(self) -> SamplingParams:
         """The params of one round's requests: one token, and its candidates as logprobs."""
         p = self.params
-        return SamplingParams(logprobs=2 * p.beam_width, max_tokens=1, temperature=p.temperature, ignore_eos=True, output_kind=RequestOutputKind.FINAL_ONLY)
+        return SamplingParams(
+            logprobs=2 * p.beam_width,
+            max_tokens=1,
+            temperature=p.temperature,
+            ignore_eos=True,
+            output_kind=RequestOutputKind.FINAL_ONLY,
+        )
 
     def live(self, group: Sequence[int]) -> list[tuple[int, BeamSearchSequence]]:
         """The beams of the prompts in `group` to extend this round (those at the context
@@ -94,7 +109,9 @@ class BeamSearch:
             self.beams[i] = [b for b in self.beams[i] if len(b.tokens) < self.max_model_len]
         return [(i, b) for i in group for b in self.beams[i]]
 
-    def advance(self, group: Sequence[int], beams: list[tuple[int, BeamSearchSequence]], outputs: Sequence[RequestOutput]) -> None:
+    def advance(
+        self, group: Sequence[int], beams: list[tuple[int, BeamSearchSequence]], outputs: Sequence[RequestOutput]
+    ) -> None:
         grown: dict[int, list[BeamSearchSequence]] = {i: [] for i in group}
         for (i, beam), out in zip(beams, outputs, strict=True):
             if out.outputs[0].finish_reason == "abort":
@@ -133,7 +150,9 @@ class BeamSearch:
             tokens = tokens[:-1]
         return tokens
 
-    def request_output(self, request_id: str, prompt: str | None, index: int, result: BeamSearchOutput) -> RequestOutput:
+    def request_output(
+        self, request_id: str, prompt: str | None, index: int, result: BeamSearchOutput
+    ) -> RequestOutput:
         """One prompt's result as vLLM's `EngineClient.beam_search` yields it: a finished
         RequestOutput with one CompletionOutput per beam, best first."""
         n = self.prompt_lens[index]
@@ -162,4 +181,6 @@ def prompt_token_ids(prompt: PromptType, tokenizer: Tokenizer) -> list[int]:
         return list(prompt["prompt_token_ids"])
     if isinstance(prompt, dict) and "prompt" in prompt:
         return tokenizer.encode(prompt["prompt"])
-    raise ValueError(f"prompts: a beam search prompt is a string, a TextPrompt or a TokensPrompt, got {type(prompt).__name__}")
+    raise ValueError(
+        f"prompts: a beam search prompt is a string, a TextPrompt or a TokensPrompt, got {type(prompt).__name__}"
+    )

@@ -3,12 +3,13 @@
 An encoder needs no KV cache, no scheduler of decode steps and no sampler: each request is one
 forward pass over its whole prompt. So this core implements the `Core` protocol
 (engine/core_protocol.py; the actor layer drives it as it drives `EngineCore`: `add_request`,
-`abort_requests`, `step`, `has_unfinished_requests`, `statistics`, `check_integrity`, `close`)
-over a much simpler state: an insertion-ordered dict of waiting requests. Each `step()` takes waiting requests first come, first served while the padded
-batch (requests x longest prompt) fits `max_num_batched_tokens` and their number
-`max_num_seqs` (at least one request: every prompt fits, max_model_len <= the budget is checked
-at configuration), encodes them in one pass, pools and finishes every one of them with its
-embedding (`EngineCoreOutput.pooled`, float32 bytes). Requests are never preempted or chunked.
+`abort_requests`, `step`, `has_unfinished_requests`, `statistics`, `check_integrity`, `close`) over
+a much simpler state: an insertion-ordered dict of waiting requests. Each `step()` takes waiting
+requests first come, first served while the padded batch (requests x longest prompt) fits
+`max_num_batched_tokens` and their number `max_num_seqs` (at least one request: every prompt fits,
+max_model_len <= the budget is checked at configuration), encodes them in one pass, pools and
+finishes every one of them with its embedding (`EngineCoreOutput.pooled`, float32 bytes). Requests
+are never preempted or chunked.
 
 `build_engine_core(config)` (engine/cores.py) builds this class when the model's runner is
 "pooling", so the transports and the engine-core process never name it. Rejected: teaching the

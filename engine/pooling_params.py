@@ -45,7 +45,9 @@ class PoolingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
         k = self.truncate_prompt_tokens
         if k is not None:
             if isinstance(k, bool) or not isinstance(k, int) or not (k == -1 or k >= 1):
-                raise ValueError(f"truncate_prompt_tokens: must be -1 (the model's max_model_len) or a positive integer, got {k!r}")
+                raise ValueError(
+                    f"truncate_prompt_tokens: must be -1 (the model's max_model_len) or a positive integer, got {k!r}"
+                )
             check_wire_int("truncate_prompt_tokens", k)
         d = self.dimensions
         if d is not None:

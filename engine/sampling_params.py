@@ -90,7 +90,9 @@ class StructuredOutputsParams(msgspec.Struct, kw_only=True, omit_defaults=True):
                 f"structured_outputs: set exactly one of {', '.join(self.KINDS)}; {what} set"
             )
         if self.json is not None and not isinstance(self.json, str | dict):
-            raise ValueError(f"structured_outputs.json: must be a JSON schema (an object or its text), got {self.json!r:.80}")
+            raise ValueError(
+                f"structured_outputs.json: must be a JSON schema (an object or its text), got {self.json!r:.80}"
+            )
         if isinstance(self.json, dict):
             check_wire_value("structured_outputs.json", self.json)
         for name in ("regex", "grammar", "whitespace_pattern"):
@@ -101,14 +103,20 @@ class StructuredOutputsParams(msgspec.Struct, kw_only=True, omit_defaults=True):
                 check_utf8(f"structured_outputs.{name}", value)
         ids = self.start_after_token_ids
         if ids is not None and (
-            not isinstance(ids, list) or not 1 <= len(ids) <= 64 or not all(isinstance(i, int) and 0 <= i < 2**31 for i in ids)
+            not isinstance(ids, list)
+            or not 1 <= len(ids) <= 64
+            or not all(isinstance(i, int) and 0 <= i < 2**31 for i in ids)
         ):
-            raise ValueError(f"structured_outputs.start_after_token_ids: must be a list of 1 to 64 token ids, got {ids!r:.80}")
+            raise ValueError(
+                f"structured_outputs.start_after_token_ids: must be a list of 1 to 64 token ids, got {ids!r:.80}"
+            )
         if self.choice is not None:
             if not isinstance(self.choice, list) or not self.choice or not all(
                 isinstance(c, str) and c for c in self.choice
             ):
-                raise ValueError(f"structured_outputs.choice: must be a non-empty list of non-empty strings, got {self.choice!r:.80}")
+                raise ValueError(
+                    f"structured_outputs.choice: must be a non-empty list of non-empty strings, got {self.choice!r:.80}"
+                )
             for c in self.choice:
                 check_utf8("structured_outputs.choice", c)
 
@@ -390,7 +398,9 @@ def check_utf8(name: str, value: str) -> str:
     try:
         value.encode("utf-8")
     except UnicodeEncodeError as exc:
-        raise ValueError(f"{name} must be valid Unicode text (no lone surrogates): {exc.reason} at {exc.start}") from None
+        raise ValueError(
+            f"{name} must be valid Unicode text (no lone surrogates): {exc.reason} at {exc.start}"
+        ) from None
     return value
 
 

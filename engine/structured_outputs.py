@@ -269,7 +269,9 @@ def _start_thread(target: Callable[[], None], name: str) -> threading.Thread:
             thread.start()
             return thread
         except (ValueError, RuntimeError) as exc:
-            log.warning("%s: the default stack (%s): a grammar thousands of rules deep may crash the process", name, exc)
+            log.warning(
+                "%s: the default stack (%s): a grammar thousands of rules deep may crash the process", name, exc
+            )
         finally:
             threading.stack_size(old)
         thread = threading.Thread(target=target, name=name, daemon=True)

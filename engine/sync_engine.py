@@ -43,13 +43,18 @@ class _Collect:
 
 
 class SyncEngine:
-    def __init__(self, config: EngineConfig, tokenizer: Tokenizer | None = None, core: EngineCore | None = None) -> None:
+    def __init__(
+        self, config: EngineConfig, tokenizer: Tokenizer | None = None, core: EngineCore | None = None
+    ) -> None:
         """`core`: an engine core built elsewhere (tests inject a runner into one)."""
         self.config = config
         self.tokenizer = tokenizer or Tokenizer.from_pretrained(config.tokenizer)
         self.core = core or EngineCore(config)
         self.input = InputProcessor(
-            config.model, self.tokenizer, max_logprobs=config.actor.max_logprobs, scheduling_policy=config.scheduler.policy
+            config.model,
+            self.tokenizer,
+            max_logprobs=config.actor.max_logprobs,
+            scheduling_policy=config.scheduler.policy,
         )
         self.frontend = Frontend(self.input)
         self.lora = LoRAChecker(config.lora)
@@ -132,7 +137,11 @@ class SyncEngine:
             params = [params] * len(prompts)  # type: ignore[list-item]
         if len(params) != len(prompts):
             raise ValueError(f"sampling_params: {len(params)} given for {len(prompts)} prompts")
-        loras = [lora_request] * len(prompts) if lora_request is None or isinstance(lora_request, LoRARequest) else list(lora_request)
+        loras = (
+            [lora_request] * len(prompts)
+            if lora_request is None or isinstance(lora_request, LoRARequest)
+            else list(lora_request)
+        )
         if len(loras) != len(prompts):
             raise ValueError(f"lora_request: {len(loras)} given for {len(prompts)} prompts")
         ids: list[str] = []

@@ -1,18 +1,19 @@
 """Attention over a paged KV cache: the torch path (CPU, and the reference for GPU kernels).
 
-Layout (a detail of this module; callers only hand over block ids and slot numbers): per layer,
-V is `[num_kv_heads, num_blocks, block_size, head_dim]` and K the same with each block
-transposed, `[num_kv_heads, num_blocks, head_dim, block_size]` (`k_blocks` gives the untransposed
-view). That is K's shape everywhere; its storage depends on who reads it. For the CPU kernels
-the transposed blocks are contiguous; where the Triton kernels run (CUDA), `allocate_kv_cache`
-stores K with head_dim innermost, as V, and hands out the transposed view of it: the GPU loads
-then read `head_dim` contiguous elements per position (kernels/triton/attention.py, "Layout").
-Every function here takes K by its strides, so both storages work everywhere. Head-major keeps one head's blocks contiguous, so the decode gather is one `index_select`
-over whole blocks and the two attention matmuls run batched with the GQA group folded into the
-query rows. That was faster than vLLM's `[num_blocks, block_size, kv_heads, head_dim]` layout
-with a permuted matmul (docs/benchmarks.md, "Figures that stood in the source"). Transposed K blocks let the native kernel compute a block's scores as
-vertical FMAs across its tokens, with no horizontal sums. A slot is
-`block_id * block_size + offset`.
+Layout (a detail of this module; callers only hand over block ids and slot numbers): per layer, V is
+`[num_kv_heads, num_blocks, block_size, head_dim]` and K the same with each block transposed,
+`[num_kv_heads, num_blocks, head_dim, block_size]` (`k_blocks` gives the untransposed view). That is
+K's shape everywhere; its storage depends on who reads it. For the CPU kernels the transposed blocks
+are contiguous; where the Triton kernels run (CUDA), `allocate_kv_cache` stores K with head_dim
+innermost, as V, and hands out the transposed view of it: the GPU loads then read `head_dim`
+contiguous elements per position (kernels/triton/attention.py, "Layout"). Every function here takes
+K by its strides, so both storages work everywhere. Head-major keeps one head's blocks contiguous,
+so the decode gather is one `index_select` over whole blocks and the two attention matmuls run
+batched with the GQA group folded into the query rows. That was faster than vLLM's `[num_blocks,
+block_size, kv_heads, head_dim]` layout with a permuted matmul (docs/benchmarks.md, "Figures that
+stood in the source"). Transposed K blocks let the native kernel compute a block's scores as
+vertical FMAs across its tokens, with no horizontal sums. A slot is `block_id * block_size +
+offset`.
 
 Prefill uses `scaled_dot_product_attention`: with no earlier context (the usual case) directly
 on the new K/V with `is_causal`; with earlier context (chunked prefill, prefix-cache hits) over

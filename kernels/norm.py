@@ -16,7 +16,9 @@ from triollm.kernels import cpu_native
 from triollm.kernels.triton import use_triton
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, exact: bool = True, triton: bool | None = None) -> torch.Tensor:
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, exact: bool = True, triton: bool | None = None
+) -> torch.Tensor:
     """RMSNorm over the last dimension, returned in x's dtype. `exact=False` lets fp32 take the
     native kernel too (one rounding instead of the reference's two: a quantized model is no
     bit-for-bit reference anyway, and torch's fp32 rms_norm is ~8 ops). `triton`: the caller's
@@ -33,7 +35,12 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, exact: bool = Tr
 
 
 def add_rms_norm(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, exact: bool = True, triton: bool | None = None
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    exact: bool = True,
+    triton: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`residual + x`, and its RMSNorm: `(normed, new_residual)`. One kernel on the Triton path
     (vLLM's fused_add_rms_norm); the residual sum is the same on every path."""

@@ -182,7 +182,9 @@ class PackedWeight:
         return self.dequantize_rows(torch.arange(self.n, device=self.qp.device), dtype)
 
 
-def packed_linear(x: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None = None, *, isa: str = "auto") -> torch.Tensor:
+def packed_linear(
+    x: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None = None, *, isa: str = "auto"
+) -> torch.Tensor:
     """`x @ W.T (+ bias)` for x `[..., K]` over a PackedWeight, in x's dtype (fp32 inside).
     `isa`: the kernel's path, "auto" (the best this CPU runs, or $TRIOLLM_CPU_ISA) or one of
     cpu_native.QUANT_ISAS by name (tests compare them)."""

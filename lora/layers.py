@@ -111,7 +111,9 @@ class LoRALayer:
         self.views: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * slots
         self.slot_ab = [(self.a[s], self.bt[s]) for s in range(slots)]
         self.info: list[tuple[int, int] | None] = [None] * slots  # (rank, targeted pieces bit mask)
-        self.native = self.a.device.type == "cpu" and dtype in (torch.float32, torch.bfloat16) and cpu_native.available()
+        self.native = (
+            self.a.device.type == "cpu" and dtype in (torch.float32, torch.bfloat16) and cpu_native.available()
+        )
 
     def clear(self, slot: int) -> None:
         self.a[slot].zero_()
@@ -140,7 +142,9 @@ class LoRALayer:
             if native:
                 a, b = self.slot_ab[slot]
                 if isinstance(rows, slice):
-                    torch.ops.triollm_cpu.lora_apply(out, x, a, b, self.bounds, info[0], info[1], _NO_ROWS, rows.start, rows.stop - rows.start)
+                    torch.ops.triollm_cpu.lora_apply(
+                        out, x, a, b, self.bounds, info[0], info[1], _NO_ROWS, rows.start, rows.stop - rows.start
+                    )
                 else:
                     torch.ops.triollm_cpu.lora_apply(out, x, a, b, self.bounds, info[0], info[1], rows, 0, rows.numel())
                 continue

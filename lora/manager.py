@@ -83,7 +83,9 @@ class LoRAModel(Protocol):
 
 
 class LoRAManager:
-    def __init__(self, model: LoRAModel, config: LoRAConfig, device: torch.device | str, *, keep_loads: bool = False) -> None:
+    def __init__(
+        self, model: LoRAModel, config: LoRAConfig, device: torch.device | str, *, keep_loads: bool = False
+    ) -> None:
         self.config, self.device = config, torch.device(device)
         self.cfg = model.cfg
         self.num_layers = model.cfg.num_layers
@@ -99,7 +101,15 @@ class LoRAManager:
                     continue
                 rows: list[tuple[int, int]] = proj.rows
                 if ours not in built:
-                    built[ours] = LoRALayer(self.batch, [n for _, n in rows], proj.in_features, proj.out_features, config.max_lora_rank, dtype, self.device)
+                    built[ours] = LoRALayer(
+                        self.batch,
+                        [n for _, n in rows],
+                        proj.in_features,
+                        proj.out_features,
+                        config.max_lora_rank,
+                        dtype,
+                        self.device,
+                    )
                     proj.lora = built[ours]
                 offset = sum(n for _, n in rows[:piece])
                 self.targets[(i, module)] = _Target(built[ours], piece, rows[piece], offset, proj.cols)
@@ -128,7 +138,11 @@ class LoRAManager:
                 try:
                     adapter = self._adapter(req)
                 except Exception as exc:  # noqa: BLE001 - whatever reading it raised: this adapter's requests fail
-                    failed[lid] = str(exc) if isinstance(exc, ValueError) else f"lora_path: {req.lora_path!r}: {type(exc).__name__}: {exc}"
+                    failed[lid] = (
+                        str(exc)
+                        if isinstance(exc, ValueError)
+                        else f"lora_path: {req.lora_path!r}: {type(exc).__name__}: {exc}"
+                    )
                     continue
                 slot = self._free_slot(set(needed) | set(running))
                 self.load_slot(slot, adapter)
@@ -154,7 +168,11 @@ class LoRAManager:
         missing = [m for m in config.target_modules if any((i, m) not in self.targets for i in range(self.num_layers))]
         if missing:
             moe = self.cfg.moe is not None and any(m not in _ATTENTION for m in missing)
-            why = "LoRA on a mixture-of-experts MLP's experts is not supported" if moe else "this model has no such LoRA-able projection"
+            why = (
+                "LoRA on a mixture-of-experts MLP's experts is not supported"
+                if moe
+                else "this model has no such LoRA-able projection"
+            )
             raise ValueError(f"{where}: target_modules {', '.join(missing)}: {why}")
         weights = read_adapter_weights(config, self.num_layers)
         shapes = self._shapes()
@@ -162,11 +180,13 @@ class LoRAManager:
             n_in, n_out = shapes[module]
             if a.shape[1] != n_in:
                 raise ValueError(
-                    f"{where}: tensor layers.{layer}.{module}.lora_A has shape {tuple(a.shape)}; the model's {module} takes {n_in} inputs"
+                    f"{where}: tensor layers.{layer}.{module}.lora_A has shape {tuple(a.shape)}; the model's {module} "
+                    f"takes {n_in} inputs"
                 )
             if b.shape[0] != n_out:
                 raise ValueError(
-                    f"{where}: tensor layers.{layer}.{module}.lora_B has shape {tuple(b.shape)}; the model's {module} has {n_out} outputs"
+                    f"{where}: tensor layers.{layer}.{module}.lora_B has shape {tuple(b.shape)}; the model's {module} "
+                    f"has {n_out} outputs"
                 )
         return Adapter(req.lora_int_id, req.lora_path, config.rank, config.scaling, weights)
 

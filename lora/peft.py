@@ -88,7 +88,9 @@ def resolve_adapter_path(path: str, field: str = "lora_path") -> Path:
     except HFValidationError:
         repo_id = False
     if not repo_id:
-        raise ValueError(f"{field}: {path!r} is not a LoRA adapter directory (it needs {CONFIG_FILE} and {WEIGHTS_FILE})")
+        raise ValueError(
+            f"{field}: {path!r} is not a LoRA adapter directory (it needs {CONFIG_FILE} and {WEIGHTS_FILE})"
+        )
 
     patterns = [CONFIG_FILE, WEIGHTS_FILE]
     try:
@@ -104,7 +106,9 @@ def resolve_adapter_path(path: str, field: str = "lora_path") -> Path:
         raise ValueError(f"{field}: {path!r} is not a local directory and its download failed: {exc}") from None
 
 
-def read_adapter_config(path: str | Path, *, max_lora_rank: int | None = None, field: str = "lora_path") -> AdapterConfig:
+def read_adapter_config(
+    path: str | Path, *, max_lora_rank: int | None = None, field: str = "lora_path"
+) -> AdapterConfig:
     """The adapter's checked config; `ValueError` naming the path and the field otherwise."""
     root = resolve_adapter_path(str(path), field)
     where = f"{field}: {str(path)!r}"
@@ -118,7 +122,11 @@ def read_adapter_config(path: str | Path, *, max_lora_rank: int | None = None, f
     if not isinstance(raw, dict):
         raise ValueError(f"{where}: {CONFIG_FILE} must hold a JSON object")
     if not (root / WEIGHTS_FILE).is_file():
-        extra = " (a pickled adapter_model.bin is not loaded: save it with safe_serialization=True)" if (root / "adapter_model.bin").exists() else ""
+        extra = (
+            " (a pickled adapter_model.bin is not loaded: save it with safe_serialization=True)"
+            if (root / "adapter_model.bin").exists()
+            else ""
+        )
         raise ValueError(f"{where} has no {WEIGHTS_FILE}{extra}")
     peft_type = raw.get("peft_type", "LORA")
     if peft_type != "LORA":
@@ -142,7 +150,14 @@ def read_adapter_config(path: str | Path, *, max_lora_rank: int | None = None, f
         if value is not None and value not in defaults:
             raise ValueError(f"{where}: {name}={value!r} is not supported (it changes what the adapter computes)")
     base = raw.get("base_model_name_or_path")
-    return AdapterConfig(root, rank, float(alpha), rslora, _targets(raw.get("target_modules"), where), base if isinstance(base, str) else None)
+    return AdapterConfig(
+        root,
+        rank,
+        float(alpha),
+        rslora,
+        _targets(raw.get("target_modules"), where),
+        base if isinstance(base, str) else None,
+    )
 
 
 def _targets(value: object, where: str) -> tuple[str, ...]:
@@ -153,7 +168,11 @@ def _targets(value: object, where: str) -> tuple[str, ...]:
             pattern = re.compile(value)
         except re.error as exc:
             raise ValueError(f"{where}: target_modules {value!r} is not a valid regex ({exc})") from None
-        found = tuple(m for m in LORA_MODULES if pattern.fullmatch(f"model.layers.0.self_attn.{m}") or pattern.fullmatch(f"model.layers.0.mlp.{m}"))
+        found = tuple(
+            m
+            for m in LORA_MODULES
+            if pattern.fullmatch(f"model.layers.0.self_attn.{m}") or pattern.fullmatch(f"model.layers.0.mlp.{m}")
+        )
         if not found:
             raise ValueError(f"{where}: target_modules {value!r} matches none of {', '.join(LORA_MODULES)}")
         return found
@@ -169,7 +188,9 @@ def _targets(value: object, where: str) -> tuple[str, ...]:
     return names
 
 
-def read_adapter_weights(config: AdapterConfig, num_layers: int) -> dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]:
+def read_adapter_weights(
+    config: AdapterConfig, num_layers: int
+) -> dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]:
     """(layer, module) -> (A `[r, in]`, B `[out, r]`) in float32, checked against the config:
     every tensor a LoRA A/B of a target module in a layer below `num_layers`, of rank r, in
     pairs. Shapes against the model are the loader's to check (it knows this rank's shard)."""
@@ -182,7 +203,10 @@ def read_adapter_weights(config: AdapterConfig, num_layers: int) -> dict[tuple[i
             for key in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
                 m = _KEY.match(key)
                 if m is None:
-                    raise ValueError(f"{where}: tensor {key!r} is not a LoRA A/B of a decoder layer's projection (embedding and head LoRA are not supported)")
+                    raise ValueError(
+                        f"{where}: tensor {key!r} is not a LoRA A/B of a decoder layer's projection (embedding and "
+                        f"head LoRA are not supported)"
+                    )
                 layer, module, ab = int(m.group(1)), m.group(2), m.group(3)
                 if module not in config.target_modules:
                     raise ValueError(f"{where}: tensor {key!r} is for {module}, which is not in target_modules")

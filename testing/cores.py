@@ -140,7 +140,11 @@ class FakeCore:
         default = FakeCore.__new__(FakeCore)
         for f in fields(self):
             object.__setattr__(default, f.name, f.default)
-        changed = [f"{f.name}={getattr(self, f.name)!r}" for f in fields(self) if getattr(self, f.name) != getattr(default, f.name)]
+        changed = [
+            f"{f.name}={getattr(self, f.name)!r}"
+            for f in fields(self)
+            if getattr(self, f.name) != getattr(default, f.name)
+        ]
         return f"FakeCore({', '.join(changed)})"
 
     @property

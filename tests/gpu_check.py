@@ -154,7 +154,9 @@ def run_part_process(part: Part, args: argparse.Namespace, timeout: float) -> di
         cmd += ["--fault", fault]
     start = time.perf_counter()
     with log_path.open("w") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=_part_env(part, args.cpu), start_new_session=True)
+        proc = subprocess.Popen(
+            cmd, stdout=log, stderr=subprocess.STDOUT, env=_part_env(part, args.cpu), start_new_session=True
+        )
         try:
             rc: int | None = proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
@@ -165,9 +167,19 @@ def run_part_process(part: Part, args: argparse.Namespace, timeout: float) -> di
     log_text = log_path.read_text(errors="replace")
     tail = log_text[-2000:]
     if rc is None:
-        result: dict[str, Any] = {"status": "timeout", "seconds": round(seconds, 2), "headline": f"killed after {timeout:.0f} s", "log_tail": tail}
+        result: dict[str, Any] = {
+            "status": "timeout",
+            "seconds": round(seconds, 2),
+            "headline": f"killed after {timeout:.0f} s",
+            "log_tail": tail,
+        }
     elif not result_path.exists():
-        result = {"status": "crashed", "seconds": round(seconds, 2), "headline": f"exit status {rc}, no result", "log_tail": tail}
+        result = {
+            "status": "crashed",
+            "seconds": round(seconds, 2),
+            "headline": f"exit status {rc}, no result",
+            "log_tail": tail,
+        }
     else:
         result = json.loads(result_path.read_text())
         result["seconds"] = round(seconds, 2)
@@ -242,7 +254,10 @@ def main(argv: list[str] | None = None) -> int:
         report["parts"][name] = result
         report["predictions"] = predictions(report)
         report["agreement"] = agreement(report)
-        print(f"== {name}: {result['status']} in {result.get('seconds', 0):.1f} s: {result.get('headline', '')}", flush=True)
+        print(
+            f"== {name}: {result['status']} in {result.get('seconds', 0):.1f} s: {result.get('headline', '')}",
+            flush=True,
+        )
         report_path.write_text(json.dumps(report, indent=1, default=str))
     print(summary(report, report_path))
     failed = [n for n in wanted if report["parts"][n]["status"] not in ("ok", "skipped")]
@@ -256,10 +271,15 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--parts", type=_part_names, help=f"comma-separated, of: {','.join(PARTS)} (default: all)")
     parser.add_argument(
         "--model-dir", type=Path, default=DEFAULT_MODEL_DIR if DEFAULT_MODEL_DIR.is_dir() else None,
-        help="config.json + tokenizer of the model to shape the e2e parts' random weights on (default: make gpu-bundle's)",
+        help=(
+            "config.json + tokenizer of the model to shape the e2e parts' random weights on (default: make "
+            "gpu-bundle's)"
+        ),
     )  # fmt: skip
     parser.add_argument("--peak-gbs", type=float, default=PEAK_GBS, help="the HBM peak in GB/s (H200: 4800)")
-    parser.add_argument("--budget", type=float, help="seconds for the whole run; parts past it are skipped (default 480, --cpu 300)")
+    parser.add_argument(
+        "--budget", type=float, help="seconds for the whole run; parts past it are skipped (default 480, --cpu 300)"
+    )
     parser.add_argument("--part-timeout", type=float, help="one time limit for every part (default: each part's own)")
     parser.add_argument("--fault", action="append", default=[], type=_fault, help=argparse.SUPPRESS)
     parser.add_argument("--run-part", choices=list(PARTS), help=argparse.SUPPRESS)
@@ -277,7 +297,9 @@ def _part_names(text: str) -> list[str]:
 def _fault(text: str) -> str:
     part, _, kind = text.partition(":")
     if part not in PARTS or kind not in FAULTS:
-        raise argparse.ArgumentTypeError(f"--fault PART:KIND, PART one of {', '.join(PARTS)}, KIND one of {', '.join(FAULTS)}")
+        raise argparse.ArgumentTypeError(
+            f"--fault PART:KIND, PART one of {', '.join(PARTS)}, KIND one of {', '.join(FAULTS)}"
+        )
     return text
 
 
@@ -329,7 +351,8 @@ def summary(report: dict[str, Any], path: Path) -> str:
     env = report["parts"].get("env", {}).get("metrics", {})
     lines = [
         "",
-        f"GPU check ({report['mode']}: {env.get('device', '?')}, torch {env.get('torch', '?')}, triton {env.get('triton', '?')}) -> {path}",
+        f"GPU check ({report['mode']}: {env.get('device', '?')}, torch {env.get('torch', '?')}, triton "
+        f"{env.get('triton', '?')}) -> {path}",
         f"{'part':<12}{'status':<10}{'time':>8}  figures",
     ]
     for name, r in report["parts"].items():
@@ -485,7 +508,10 @@ def part_env(ctx: Ctx) -> None:
     except ImportError:
         m["triton"] = None
     ctx.check("triton imports", m["triton"] is not None)
-    m["packages"] = {name: _importable(name) for name in ("msgspec", "zmq", "trio", "gguf", "transformers", "safetensors", "tokenizers")}
+    m["packages"] = {
+        name: _importable(name)
+        for name in ("msgspec", "zmq", "trio", "gguf", "transformers", "safetensors", "tokenizers")
+    }
     if ctx.cpu:
         m["device"] = f"cpu ({os.cpu_count()} cores, interpreter)"
         ctx.check("interpreter on", os.environ.get("TRITON_INTERPRET") == "1")
@@ -503,12 +529,20 @@ def part_env(ctx: Ctx) -> None:
     smi = shutil.which("nvidia-smi")
     fields = "driver_version,clocks.sm,clocks.mem,clocks.max.sm,clocks.max.mem,power.draw,power.limit,temperature.gpu"
     try:  # read only: the card's settings are left as they are
-        q = subprocess.run([smi or "nvidia-smi", f"--query-gpu={fields}", "--format=csv,noheader"], capture_output=True, text=True, timeout=20)
+        q = subprocess.run(
+            [smi or "nvidia-smi", f"--query-gpu={fields}", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=20,
+        )
         m["nvidia_smi"] = dict(zip(fields.split(","), (v.strip() for v in q.stdout.strip().split(","))))
     except (OSError, subprocess.SubprocessError) as e:
         ctx.notes.append(f"nvidia-smi: {type(e).__name__}: {e}")
     drv = m.get("nvidia_smi", {})
-    ctx.headline = f"{props.name} sm_{props.major}{props.minor}, {props.multi_processor_count} SMs, driver {drv.get('driver_version', '?')}, SM {drv.get('clocks.sm', '?')}"
+    ctx.headline = (
+        f"{props.name} sm_{props.major}{props.minor}, {props.multi_processor_count} SMs, driver "
+        f"{drv.get('driver_version', '?')}, SM {drv.get('clocks.sm', '?')}"
+    )
 
 
 class Compare:
@@ -548,7 +582,9 @@ def part_kernels(ctx: Ctx) -> None:
             _check_norms(ctx, compare, gen, hidden, dtype)
     ctx.metrics["worst_rel_error"] = compare.worst
     passed = sum(c["ok"] for c in ctx.checks)
-    ctx.headline = f"{passed}/{len(ctx.checks)} checks; worst rel. error " + ", ".join(f"{k} {v:.1e}" for k, v in compare.worst.items())
+    ctx.headline = f"{passed}/{len(ctx.checks)} checks; worst rel. error " + ", ".join(
+        f"{k} {v:.1e}" for k, v in compare.worst.items()
+    )
 
 
 def _rand(ctx: Ctx, gen: Any, *size: int, dtype: Any) -> Any:
@@ -571,7 +607,9 @@ def _check_decode(ctx: Ctx, compare: Compare, gen: Any, shape: Shape, dtype: Any
     scale = shape.head_dim**-0.5
     for extra, split_counts in (({}, (1, None, 4)), ({"window": 100, "softcap": 30.0}, (None,))):
         with torch_path():
-            want = paged_decode_attention(q.float(), cache.ref_k, cache.ref_v, tables, lens_t, scale, native=False, **extra)  # type: ignore[arg-type]
+            want = paged_decode_attention(
+                q.float(), cache.ref_k, cache.ref_v, tables, lens_t, scale, native=False, **extra
+            )  # type: ignore[arg-type]
         for splits in split_counts:
             out = torch.full_like(q, float("nan"))
             ta.paged_decode_attention(q, cache.k, cache.v, tables, lens_t, scale, num_splits=splits, out=out, **extra)  # type: ignore[arg-type]
@@ -579,7 +617,9 @@ def _check_decode(ctx: Ctx, compare: Compare, gen: Any, shape: Shape, dtype: Any
             compare(f"decode[{tag}, {label}splits={splits or 'auto'}]", out, want, dtype)
 
 
-def _check_prefill(ctx: Ctx, compare: Compare, gen: Any, shape: Shape, dtype: Any, chunks: list[tuple[int, int]], tag: str) -> None:
+def _check_prefill(
+    ctx: Ctx, compare: Compare, gen: Any, shape: Shape, dtype: Any, chunks: list[tuple[int, int]], tag: str
+) -> None:
     """One sequence's new tokens after a prefix, then every chunk of a step in one varlen launch."""
     import torch
 
@@ -597,7 +637,11 @@ def _check_prefill(ctx: Ctx, compare: Compare, gen: Any, shape: Shape, dtype: An
     for i, (c, _) in enumerate(chunks):
         k_new, v_new = cache.keys[i][c:].float(), cache.values[i][c:].float()
         with torch_path():
-            wants.append(prefill_attention(q[starts[i] : starts[i + 1]].float(), k_new, v_new, cache.ref_k, cache.ref_v, ids[i], c, scale))
+            wants.append(
+                prefill_attention(
+                    q[starts[i] : starts[i + 1]].float(), k_new, v_new, cache.ref_k, cache.ref_v, ids[i], c, scale
+                )
+            )
     c, n = chunks[1]
     one = torch.full((n, heads, hd), float("nan"), dtype=dtype, device=ctx.device)
     ta.paged_prefill_attention(q[starts[1] : starts[2]], cache.k, cache.v, ids[1], c, scale, out=one)
@@ -606,7 +650,9 @@ def _check_prefill(ctx: Ctx, compare: Compare, gen: Any, shape: Shape, dtype: An
     starts_t = torch.tensor(starts, dtype=torch.int32, device=ctx.device)
     contexts = torch.tensor([c for c, _ in chunks], dtype=torch.int32, device=ctx.device)
     longest = max(n for _, n in chunks)
-    ta.paged_prefill_attention_varlen(q, cache.k, cache.v, cache.table_tensor(extra=1), starts_t, contexts, longest, scale, out=out)
+    ta.paged_prefill_attention_varlen(
+        q, cache.k, cache.v, cache.table_tensor(extra=1), starts_t, contexts, longest, scale, out=out
+    )
     compare(f"prefill_varlen[{tag}, {len(chunks)} chunks]", out, torch.cat(wants), dtype)
 
 
@@ -646,7 +692,11 @@ def _check_norms(ctx: Ctx, compare: Compare, gen: Any, hidden: int, dtype: Any) 
     from triollm.kernels.triton import norm as tn
 
     tag = f"{hidden}, {str(dtype).removeprefix('torch.')}"
-    x, res, w = _rand(ctx, gen, 37, hidden, dtype=dtype), _rand(ctx, gen, 37, hidden, dtype=dtype), _rand(ctx, gen, hidden, dtype=dtype)
+    x, res, w = (
+        _rand(ctx, gen, 37, hidden, dtype=dtype),
+        _rand(ctx, gen, 37, hidden, dtype=dtype),
+        _rand(ctx, gen, hidden, dtype=dtype),
+    )
     with torch_path():
         want_norm, want_fused = rms_norm(x.float(), w.float(), 1e-5), rms_norm((res + x).float(), w.float(), 1e-5)
     out = torch.full_like(x, float("nan"))
@@ -681,7 +731,9 @@ def part_copy(ctx: Ctx) -> None:
     gbs = _copy_gbs(ctx)
     ctx.metrics["copy_gbs"] = gbs
     ctx.metrics["copy_frac_peak"] = gbs / ctx.peak_gbs
-    ctx.headline = f"device copy {gbs:.0f} GB/s (read + write) = {gbs / ctx.peak_gbs:.0%} of the {ctx.peak_gbs:.0f} GB/s peak"
+    ctx.headline = (
+        f"device copy {gbs:.0f} GB/s (read + write) = {gbs / ctx.peak_gbs:.0%} of the {ctx.peak_gbs:.0f} GB/s peak"
+    )
 
 
 def _decode_setup(ctx: Ctx, shape: Shape, batch: int, context: int, dtype: Any) -> tuple[Any, ...]:
@@ -698,7 +750,11 @@ def _decode_setup(ctx: Ctx, shape: Shape, batch: int, context: int, dtype: Any) 
     tables = torch.randperm(batch * per, generator=gen).view(batch, per).to(ctx.device, torch.int32)
     lens = torch.full((batch,), context, dtype=torch.int32, device=ctx.device)
     q = torch.randn(batch, shape.kv_heads * shape.group, shape.head_dim, generator=gen).to(ctx.device, dtype)
-    nbytes = 2 * batch * context * shape.kv_heads * shape.head_dim * k.element_size() + 2 * q.numel() * q.element_size() + tables.numel() * 4
+    nbytes = (
+        2 * batch * context * shape.kv_heads * shape.head_dim * k.element_size()
+        + 2 * q.numel() * q.element_size()
+        + tables.numel() * 4
+    )
     return q, k, v, tables, lens, nbytes
 
 
@@ -731,7 +787,9 @@ def part_decode_bw(ctx: Ctx) -> None:
     ctx.metrics["copy_gbs"] = ceiling
 
 
-def _bandwidth(ctx: Ctx, name: str, shape: Shape, batch: int, context: int, dtype: Any, ceiling: float) -> dict[str, Any]:
+def _bandwidth(
+    ctx: Ctx, name: str, shape: Shape, batch: int, context: int, dtype: Any, ceiling: float
+) -> dict[str, Any]:
     import torch
 
     from triollm.kernels.triton import attention as ta
@@ -739,11 +797,20 @@ def _bandwidth(ctx: Ctx, name: str, shape: Shape, batch: int, context: int, dtyp
     q, k, v, tables, lens, nbytes = _decode_setup(ctx, shape, batch, context, dtype)
     scale = shape.head_dim**-0.5
     out = torch.empty_like(q)
-    ms = median_ms(ctx, lambda: ta.paged_decode_attention(q, k, v, tables, lens, scale, out=out), reps=3 if ctx.cpu else 30)
+    ms = median_ms(
+        ctx, lambda: ta.paged_decode_attention(q, k, v, tables, lens, scale, out=out), reps=3 if ctx.cpu else 30
+    )
     gbs = nbytes / ms / 1e6
     splits = ta.choose_num_splits(batch, shape.kv_heads, -(-context // ta.DECODE_TILE_N), ta._num_sms(q.device))
     ctx.check(f"decode output finite [{name}]", bool(out.isfinite().all()))
-    return {"ms": ms, "gbs": gbs, "frac_copy": gbs / ceiling, "frac_peak": gbs / ctx.peak_gbs, "splits": splits, "bytes": nbytes}
+    return {
+        "ms": ms,
+        "gbs": gbs,
+        "frac_copy": gbs / ceiling,
+        "frac_peak": gbs / ctx.peak_gbs,
+        "splits": splits,
+        "bytes": nbytes,
+    }
 
 
 def part_sweep(ctx: Ctx) -> None:
@@ -756,13 +823,18 @@ def part_sweep(ctx: Ctx) -> None:
     else:
         cases = [("llama8b B64 ctx4096", LLAMA8B, 64, 4096), ("smollm2 B256 ctx2048", SMOLLM2, 256, 2048)]
         configs = [(t, w, s) for t in (16, 32, 64, 128) for w in (4, 8) for s in (2, 3)] + [(16, 2, 2), (32, 2, 2)]
-    best = {name: _sweep_case(ctx, name, shape, batch, context, dtype, configs) for name, shape, batch, context in cases}
+    best = {
+        name: _sweep_case(ctx, name, shape, batch, context, dtype, configs) for name, shape, batch, context in cases
+    }
     ctx.metrics["sweep"] = best
     first = best[cases[0][0]]
     if first["best"] is not None:
         b, d = first["best"], first["default"]
         gain = f", {d['ms'] / b['ms']:.2f}x the default" if d else ""
-        ctx.headline = f"{cases[0][0]}: best tile {b['tile_n']}, {b['num_warps']} warps, {b['num_stages']} stages: {b['gbs']:.0f} GB/s{gain}"
+        ctx.headline = (
+            f"{cases[0][0]}: best tile {b['tile_n']}, {b['num_warps']} warps, {b['num_stages']} stages: {b['gbs']:.0f} "
+            f"GB/s{gain}"
+        )
 
 
 def _sweep_case(
@@ -789,7 +861,11 @@ def _sweep_case(
         results.append(config | {"ms": ms, "gbs": nbytes / ms / 1e6, "rel_error": rel_error(out, want)})
     timed = [r for r in results if "ms" in r]
     good = [r for r in timed if r["rel_error"] <= TOLERANCE[str(dtype).removeprefix("torch.")]]
-    ctx.check(f"every timed configuration is correct [{name}]", len(good) == len(timed), wrong=[r for r in timed if r not in good])
+    ctx.check(
+        f"every timed configuration is correct [{name}]",
+        len(good) == len(timed),
+        wrong=[r for r in timed if r not in good],
+    )
     default = (ta.DECODE_TILE_N, ta.DECODE_NUM_WARPS, ta.DECODE_NUM_STAGES)
     return {
         "best": min(good, key=lambda r: r["ms"]) if good else None,
@@ -798,7 +874,9 @@ def _sweep_case(
     }
 
 
-def _decode_call(q: Any, k: Any, v: Any, tables: Any, lens: Any, scale: float, out: Any, config: dict[str, int]) -> Callable[[], Any]:
+def _decode_call(
+    q: Any, k: Any, v: Any, tables: Any, lens: Any, scale: float, out: Any, config: dict[str, int]
+) -> Callable[[], Any]:
     from triollm.kernels.triton import attention as ta
 
     return lambda: ta.paged_decode_attention(q, k, v, tables, lens, scale, out=out, **config)
@@ -846,7 +924,9 @@ def _prefill_case(ctx: Ctx, name: str, shape: Shape, chunks: list[tuple[int, int
     pieces = [(q[a:b], ids[j], c, loop_out[a:b]) for j, ((c, _), a, b) in enumerate(zip(chunks, starts, starts[1:]))]
 
     def varlen() -> None:
-        ta.paged_prefill_attention_varlen(q, cache.k, cache.v, tables, starts_t, contexts, longest, scale, out=varlen_out)
+        ta.paged_prefill_attention_varlen(
+            q, cache.k, cache.v, tables, starts_t, contexts, longest, scale, out=varlen_out
+        )
 
     def loop() -> None:
         for qs, block_ids, c, out in pieces:
@@ -867,7 +947,14 @@ def _prefill_case(ctx: Ctx, name: str, shape: Shape, chunks: list[tuple[int, int
 # --- end to end
 
 
-TINY_MODEL = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16}
+TINY_MODEL = {
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+}
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "special_tokens_map.json")
 
 
@@ -889,8 +976,10 @@ def random_llama_weights(config: dict[str, Any], seed: int, dtype: Any) -> dict[
         weights |= {
             p + "self_attn.q_proj.weight": w(q_out, h), p + "self_attn.k_proj.weight": w(kv_out, h),
             p + "self_attn.v_proj.weight": w(kv_out, h), p + "self_attn.o_proj.weight": w(h, q_out),
-            p + "mlp.gate_proj.weight": w(inter, h), p + "mlp.up_proj.weight": w(inter, h), p + "mlp.down_proj.weight": w(h, inter),
-            p + "input_layernorm.weight": torch.ones(h, dtype=dtype), p + "post_attention_layernorm.weight": torch.ones(h, dtype=dtype),
+            p + "mlp.gate_proj.weight": w(inter, h), p + "mlp.up_proj.weight": w(inter, h),
+            p + "mlp.down_proj.weight": w(h, inter),
+            p + "input_layernorm.weight": torch.ones(h, dtype=dtype),
+            p + "post_attention_layernorm.weight": torch.ones(h, dtype=dtype),
         }  # fmt: skip
     if not config.get("tie_word_embeddings", False):
         weights["lm_head.weight"] = w(vocab, h)
@@ -907,7 +996,9 @@ def ensure_model(ctx: Ctx) -> tuple[Path, dict[str, Any]]:
     if (target / "model.safetensors").exists():
         return target, json.loads((target / "config.json").read_text())
     if ctx.model_dir is None or not (ctx.model_dir / "config.json").exists():
-        raise Skipped(f"no model config: pass --model-dir (make gpu-bundle writes {DEFAULT_MODEL_DIR.relative_to(ROOT)})")
+        raise Skipped(
+            f"no model config: pass --model-dir (make gpu-bundle writes {DEFAULT_MODEL_DIR.relative_to(ROOT)})"
+        )
     config = json.loads((ctx.model_dir / "config.json").read_text())
     if config.get("model_type") != "llama":
         raise Skipped(f"--model-dir: model_type {config.get('model_type')!r}, allowed: 'llama' (SmolLM2)")
@@ -920,7 +1011,9 @@ def ensure_model(ctx: Ctx) -> tuple[Path, dict[str, Any]]:
         if (ctx.model_dir / name).exists():
             shutil.copy(ctx.model_dir / name, tmp / name)
     (tmp / "config.json").write_text(json.dumps(config, indent=1))
-    save_file(random_llama_weights(config, seed=0, dtype=dtype), str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    save_file(
+        random_llama_weights(config, seed=0, dtype=dtype), str(tmp / "model.safetensors"), metadata={"format": "pt"}
+    )
     try:
         os.replace(tmp, target)
     except OSError:  # another part built it meanwhile
@@ -944,7 +1037,15 @@ def workload(ctx: Ctx, config: dict[str, Any]) -> Workload:
 
 
 def _e2e_metrics(
-    ctx: Ctx, label: str, requests: int, batch_s: float, n_tokens: int, one_ms: list[float], full_ms: list[float], tokens: int, first: list[list[int]]
+    ctx: Ctx,
+    label: str,
+    requests: int,
+    batch_s: float,
+    n_tokens: int,
+    one_ms: list[float],
+    full_ms: list[float],
+    tokens: int,
+    first: list[list[int]],
 ) -> None:
     """Batch-1 ms/token is the decode time alone: a 1 + N token generation less a 1 token one."""
     b1 = (statistics.median(full_ms) - statistics.median(one_ms)) / tokens
@@ -962,17 +1063,28 @@ def _triollm(ctx: Ctx, graphs: bool) -> None:
     path, config = ensure_model(ctx)
     work = workload(ctx, config)
     n = len(work.prompts)
-    kwargs: dict[str, Any] = {"dtype": "float32" if ctx.cpu else "bfloat16", "device": ctx.device, "max_model_len": 512, "max_num_seqs": n, "seed": 0}
+    kwargs: dict[str, Any] = {
+        "dtype": "float32" if ctx.cpu else "bfloat16",
+        "device": ctx.device,
+        "max_model_len": 512,
+        "max_num_seqs": n,
+        "seed": 0,
+    }
     if ctx.cpu:
         kwargs |= {"multiprocess": False, "kv_cache_memory_bytes": 64 << 20}
     else:
-        kwargs |= {"kv_cache_memory_bytes": 8 << 30, "compilation_config": {"cudagraph_capture_sizes": [1, 2, 4, 8, 16, 32, 64]}}
+        kwargs |= {
+            "kv_cache_memory_bytes": 8 << 30,
+            "compilation_config": {"cudagraph_capture_sizes": [1, 2, 4, 8, 16, 32, 64]},
+        }
     kwargs["enforce_eager"] = not graphs
     prompts = [{"prompt_token_ids": ids} for ids in work.prompts]
     with LLM(str(path), **kwargs) as llm:
 
         def generate(batch: list[Any], tokens: int) -> list[Any]:
-            return llm.generate(batch, SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True), use_tqdm=False)
+            return llm.generate(
+                batch, SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True), use_tqdm=False
+            )
 
         generate(prompts, 2)  # warm-up: the prefill and decode kernels of these shapes compile
         generate(prompts[:1], 4)
@@ -990,7 +1102,9 @@ def _triollm(ctx: Ctx, graphs: bool) -> None:
             generate(prompts[:1], 1 + work.output_tokens)
             full.append((time.perf_counter() - t0) * 1e3)
     first = [list(o.outputs[0].token_ids[:8]) for o in outs[:8]]
-    _e2e_metrics(ctx, f"triollm, graphs {'on' if graphs else 'off'}", n, batch_s, n_tokens, one, full, work.output_tokens, first)
+    _e2e_metrics(
+        ctx, f"triollm, graphs {'on' if graphs else 'off'}", n, batch_s, n_tokens, one, full, work.output_tokens, first
+    )
 
 
 def part_e2e_graphs(ctx: Ctx) -> None:
@@ -1021,7 +1135,14 @@ def part_e2e_hf(ctx: Ctx) -> None:
 
     def generate(batch: Any, tokens: int) -> Any:
         with torch.inference_mode():
-            out = model.generate(batch, attention_mask=torch.ones_like(batch), max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False, pad_token_id=pad)
+            out = model.generate(
+                batch,
+                attention_mask=torch.ones_like(batch),
+                max_new_tokens=tokens,
+                min_new_tokens=tokens,
+                do_sample=False,
+                pad_token_id=pad,
+            )
         if ctx.device == "cuda":
             torch.cuda.synchronize()
         return out
@@ -1044,7 +1165,17 @@ def part_e2e_hf(ctx: Ctx) -> None:
     import transformers
 
     ctx.metrics["transformers"] = transformers.__version__
-    _e2e_metrics(ctx, f"transformers {transformers.__version__}", len(work.prompts), batch_s, n_tokens, one, full, work.output_tokens, new[:8, :8].tolist())
+    _e2e_metrics(
+        ctx,
+        f"transformers {transformers.__version__}",
+        len(work.prompts),
+        batch_s,
+        n_tokens,
+        one,
+        full,
+        work.output_tokens,
+        new[:8, :8].tolist(),
+    )
 
 
 _GRAPHS_OFF = (("CUDA graphs are off", "CUDA graphs captured"),)

@@ -48,7 +48,11 @@ def _q4_q5_k(x: np.ndarray, bits: int) -> tuple[np.ndarray, np.ndarray]:
     step, offset = d[..., None] * sc, dmin[..., None] * mn
     codes = _ratio(sub + offset[..., None], step[..., None]).clip(0, nmax).astype(np.uint8)
     packed = np.concatenate(
-        [sc[..., :4] | ((sc[..., 4:] >> 4) << 6), mn[..., :4] | ((mn[..., 4:] >> 4) << 6), (sc[..., 4:] & 15) | ((mn[..., 4:] & 15) << 4)],
+        [
+            sc[..., :4] | ((sc[..., 4:] >> 4) << 6),
+            mn[..., :4] | ((mn[..., 4:] >> 4) << 6),
+            (sc[..., 4:] & 15) | ((mn[..., 4:] & 15) << 4),
+        ],
         axis=-1,
     )
     pairs = codes.reshape(n, k // 256, 4, 2, 32)  # run i: sub-blocks 2i (low nibble) and 2i+1
@@ -71,7 +75,9 @@ def _q6_k(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     step = d[..., None] * sc
     codes = (_ratio(sub, step[..., None]).clip(-32, 31) + 32).astype(np.uint8)
     g = codes.reshape(n, k // 256, 2, 4, 32)  # [half, group of 32, l]
-    ql = np.concatenate([(g[..., 0, :] & 15) | ((g[..., 2, :] & 15) << 4), (g[..., 1, :] & 15) | ((g[..., 3, :] & 15) << 4)], axis=-1)
+    ql = np.concatenate(
+        [(g[..., 0, :] & 15) | ((g[..., 2, :] & 15) << 4), (g[..., 1, :] & 15) | ((g[..., 3, :] & 15) << 4)], axis=-1
+    )
     qh = (g[..., 0, :] >> 4) | ((g[..., 1, :] >> 4) << 2) | ((g[..., 2, :] >> 4) << 4) | ((g[..., 3, :] >> 4) << 6)
     parts = [ql.reshape(n, -1, 128), qh.reshape(n, -1, 64), sc.view(np.uint8), _fp16_bytes(d).reshape(n, -1, 2)]
     return np.concatenate(parts, axis=-1).reshape(n, -1), codes.reshape(n, k)

@@ -69,7 +69,9 @@ def _act_order(k: int, group: int, gen: torch.Generator) -> torch.Tensor:
     return g_idx
 
 
-def minmax(w: torch.Tensor, kind: Kind, g_idx: torch.Tensor, scale_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def minmax(
+    w: torch.Tensor, kind: Kind, g_idx: torch.Tensor, scale_dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per group: unsigned codes [N, K], scale [N, G] (stored in `scale_dtype`) and integer zero
     [N, G], AutoGPTQ's min-max quantizer (symmetric: zero 2^(b-1))."""
     n, k = w.shape
@@ -118,7 +120,9 @@ def _as_int32(words: torch.Tensor) -> torch.Tensor:
     return torch.where(words >= 1 << 31, words - (1 << 32), words).to(torch.int32)
 
 
-def quantize_linear(w: torch.Tensor, kind: Kind, gen: torch.Generator, g_idx: torch.Tensor | None = None) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+def quantize_linear(
+    w: torch.Tensor, kind: Kind, gen: torch.Generator, g_idx: torch.Tensor | None = None
+) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
     """One [N, K] weight in `kind`'s layout: its tensors (without the module prefix) and the
     weight they dequantize to by the format's own formula."""
     n, k = w.shape
@@ -136,7 +140,11 @@ def quantize_linear(w: torch.Tensor, kind: Kind, gen: torch.Generator, g_idx: to
                 "g_idx": g_idx,
             }
             return t, dequantize_gptq(t, kind.bits, v1=not kind.v2)
-        t = {"qweight": _pack_cols(codes.T, 4, _AWQ_ORDER), "qzeros": _pack_cols(zero.T, 4, _AWQ_ORDER), "scales": scale.T.contiguous()}
+        t = {
+            "qweight": _pack_cols(codes.T, 4, _AWQ_ORDER),
+            "qzeros": _pack_cols(zero.T, 4, _AWQ_ORDER),
+            "scales": scale.T.contiguous(),
+        }
         return t, dequantize_awq(t, group)
     if kind.method == "ct-pack":
         codes, scale, zero = minmax(w, kind, g_idx, torch.bfloat16)
@@ -224,22 +232,42 @@ def quantization_config(kind: Kind) -> dict[str, object]:
             "checkpoint_format": "gptq_v2" if kind.v2 else "gptq", "model_name_or_path": None,
         }  # fmt: skip
     if kind.method == "awq":
-        return {"quant_method": "awq", "bits": 4, "group_size": kind.group, "zero_point": True, "version": "gemm", "modules_to_not_convert": None}
+        return {
+            "quant_method": "awq",
+            "bits": 4,
+            "group_size": kind.group,
+            "zero_point": True,
+            "version": "gemm",
+            "modules_to_not_convert": None,
+        }
     if kind.method == "fp8-block":
         return {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [32, 32]}
-    weights: dict[str, object] = {"num_bits": kind.bits, "type": "int", "symmetric": kind.sym, "dynamic": False, "observer": "minmax"}
+    weights: dict[str, object] = {
+        "num_bits": kind.bits,
+        "type": "int",
+        "symmetric": kind.sym,
+        "dynamic": False,
+        "observer": "minmax",
+    }
     fmt, acts = "pack-quantized", None
     if kind.method == "ct-pack":
         weights |= {"strategy": "group", "group_size": kind.group, "actorder": None}
     elif kind.method == "ct-int8":
         weights |= {"strategy": "channel", "group_size": None}
-        fmt, acts = "int-quantized", {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "token", "dynamic": True}
+        fmt, acts = (
+            "int-quantized",
+            {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "token", "dynamic": True},
+        )
     else:
         weights |= {"type": "float", "strategy": "channel", "group_size": None}
-        fmt, acts = "float-quantized", {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "token", "dynamic": True}
+        fmt, acts = (
+            "float-quantized",
+            {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "token", "dynamic": True},
+        )
     return {
         "quant_method": "compressed-tensors", "format": fmt, "quantization_status": "compressed",
-        "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, "input_activations": acts, "output_activations": None, "format": fmt}},
+        "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, "input_activations": acts,
+                                      "output_activations": None, "format": fmt}},
         "ignore": ["lm_head"], "kv_cache_scheme": None, "sparsity_config": {}, "global_compression_ratio": None,
     }  # fmt: skip
 
@@ -268,7 +296,9 @@ def write_quantized(
         if leaf != "weight" or (module not in _LINEARS and not (lm_head and name == "lm_head.weight")):
             out[name] = w
             continue
-        key = prefix.rpartition(".")[0] + {"k_proj": ".q_proj", "v_proj": ".q_proj", "up_proj": ".gate_proj"}.get(module, "." + module)
+        key = prefix.rpartition(".")[0] + {"k_proj": ".q_proj", "v_proj": ".q_proj", "up_proj": ".gate_proj"}.get(
+            module, "." + module
+        )
         g_idx = shared.get(key) if shared_act_order else None
         tensors, deq = quantize_linear(w, kind, gen, g_idx)
         if kind.desc_act and g_idx is None:
@@ -289,5 +319,7 @@ def write_dense(src: Path, dst: Path, dequantized: dict[str, torch.Tensor]) -> P
         if f.name != "model.safetensors":
             shutil.copy(f, dst / f.name)
     weights = load_file(str(src / "model.safetensors")) | dequantized
-    save_file({k: v.contiguous() for k, v in weights.items()}, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    save_file(
+        {k: v.contiguous() for k, v in weights.items()}, str(dst / "model.safetensors"), metadata={"format": "pt"}
+    )
     return dst

@@ -28,10 +28,16 @@ BLOCKED = ["gguf", "zmq", "trio", "msgspec", "sniffio", "outcome", "anyio", "tra
            "safetensors", "huggingface_hub", "jinja2", "yaml", "llguidance", "starlette", "hypercorn"]  # fmt: skip
 
 
-def _run(*args: str | Path, env: dict[str, str] | None = None, timeout: float = 240) -> subprocess.CompletedProcess[str]:
+def _run(
+    *args: str | Path, env: dict[str, str] | None = None, timeout: float = 240
+) -> subprocess.CompletedProcess[str]:
     base = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "TRIOLLM_KERNELS")}
     return subprocess.run(
-        [sys.executable, str(SCRIPT), *map(str, args)], capture_output=True, text=True, env=base | (env or {}), timeout=timeout
+        [sys.executable, str(SCRIPT), *map(str, args)],
+        capture_output=True,
+        text=True,
+        env=base | (env or {}),
+        timeout=timeout,
     )
 
 
@@ -45,13 +51,17 @@ def _module() -> ModuleType:
 
 
 @pytest.fixture(scope="module")
-def cpu_run(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> tuple[subprocess.CompletedProcess[str], dict[str, Any], Path]:
+def cpu_run(
+    tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path
+) -> tuple[subprocess.CompletedProcess[str], dict[str, Any], Path]:
     out = tmp_path_factory.mktemp("gpu-check")
     proc = _run("--cpu", "--out", out, "--model-dir", tiny_model_dir)
     return proc, json.loads((out / "gpu_check.json").read_text()), out
 
 
-def test_every_part_runs_on_cpu_and_passes(cpu_run: tuple[subprocess.CompletedProcess[str], dict[str, Any], Path]) -> None:
+def test_every_part_runs_on_cpu_and_passes(
+    cpu_run: tuple[subprocess.CompletedProcess[str], dict[str, Any], Path],
+) -> None:
     proc, report, out = cpu_run
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert report["mode"] == "cpu" and list(report["parts"]) == PARTS
@@ -71,13 +81,23 @@ def test_every_part_runs_on_cpu_and_passes(cpu_run: tuple[subprocess.CompletedPr
         assert (out / "parts" / f"{name}.log").exists()
 
 
-def test_the_report_holds_every_parts_figures(cpu_run: tuple[subprocess.CompletedProcess[str], dict[str, Any], Path]) -> None:
+def test_the_report_holds_every_parts_figures(
+    cpu_run: tuple[subprocess.CompletedProcess[str], dict[str, Any], Path],
+) -> None:
     _, report, out = cpu_run
     parts = report["parts"]
     kernels = parts["kernels"]["checks"]
     assert len(kernels) == 24 and all(c["ok"] for c in kernels)  # 2 dtypes x (4 decode, 2 prefill, 3 rotary, 3 norm)
     names = " ".join(c["name"] for c in kernels)
-    for kernel in ("decode[", "window+softcap", "prefill[", "prefill_varlen[", "rotary_write_kv cache[", "rms_norm[", "fused_add_rms_norm["):
+    for kernel in (
+        "decode[",
+        "window+softcap",
+        "prefill[",
+        "prefill_varlen[",
+        "rotary_write_kv cache[",
+        "rms_norm[",
+        "fused_add_rms_norm[",
+    ):
         assert kernel in names, kernel
     assert set(parts["kernels"]["metrics"]["worst_rel_error"]) == {"float32", "float16"}
     assert parts["copy"]["metrics"]["copy_gbs"] > 0
@@ -111,7 +131,12 @@ def test_a_failing_part_stops_no_other_and_a_rerun_merges(tmp_path: Path) -> Non
     rerun = _run("--cpu", "--out", tmp_path, "--parts", "copy,env")
     assert rerun.returncode == 0, rerun.stdout + rerun.stderr
     merged = json.loads((tmp_path / "gpu_check.json").read_text())
-    assert {n: r["status"] for n, r in merged["parts"].items()} == {"copy": "ok", "decode_bw": "timeout", "prefill": "error", "env": "ok"}
+    assert {n: r["status"] for n, r in merged["parts"].items()} == {
+        "copy": "ok",
+        "decode_bw": "timeout",
+        "prefill": "error",
+        "env": "ok",
+    }
 
 
 def test_the_kernel_parts_need_only_torch_and_triton(tmp_path: Path) -> None:
@@ -142,8 +167,12 @@ def test_the_kernel_parts_need_only_torch_and_triton(tmp_path: Path) -> None:
         except ImportError as e:
             print(e)  # the refusal works
     """)
-    probe = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=os.environ | env, timeout=120)
-    assert probe.stdout.split("\n")[:2] == ["imported", "msgspec is not on a plain GPU image"], probe.stdout + probe.stderr
+    probe = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=os.environ | env, timeout=120
+    )
+    assert probe.stdout.split("\n")[:2] == ["imported", "msgspec is not on a plain GPU image"], (
+        probe.stdout + probe.stderr
+    )
     proc = _run("--cpu", "--out", tmp_path / "out", "--parts", "env,kernels", env=env)
     report = json.loads((tmp_path / "out" / "gpu_check.json").read_text())
     assert proc.returncode == 0, {n: r.get("log_tail") or r.get("headline") for n, r in report["parts"].items()}
@@ -193,13 +222,18 @@ def _bundle_module() -> ModuleType:
 def test_the_bundle_plan_pins_this_venvs_versions_for_cp312(tiny_model_dir: Path) -> None:
     """`make gpu-bundle`'s plan, without the network (`--dry-run`)."""
     proc = subprocess.run(
-        [sys.executable, str(BUNDLE_SCRIPT), "--dry-run", "--model-dir", str(tiny_model_dir)], capture_output=True, text=True, timeout=60
+        [sys.executable, str(BUNDLE_SCRIPT), "--dry-run", "--model-dir", str(tiny_model_dir)],
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert proc.returncode == 0, proc.stderr
     plan = json.loads(proc.stdout)
     import importlib.metadata
 
-    assert plan["pins"] == {n: importlib.metadata.version(n) for n in ("msgspec", "pyzmq", "trio", "outcome", "sniffio", "anyio", "gguf")}
+    assert plan["pins"] == {
+        n: importlib.metadata.version(n) for n in ("msgspec", "pyzmq", "trio", "outcome", "sniffio", "anyio", "gguf")
+    }
     cmd = plan["download"]
     assert cmd[cmd.index("--python-version") + 1] == "3.12" and "--only-binary=:all:" in cmd and "--no-deps" in cmd
     platforms = {cmd[i + 1] for i, a in enumerate(cmd) if a == "--platform"}
@@ -229,7 +263,10 @@ def test_the_bundle_manifest_lists_every_file_and_keeps_the_limit(tmp_path: Path
     (tmp_path / "model" / "config.json").write_text("{}")
     info = gb.manifest(tmp_path, {"a": "1"}, final=tmp_path / "final")
     assert info["total_bytes"] == 12 and set(info["files"]) == {"wheels/a-1-py3-none-any.whl", "model/config.json"}
-    assert info["files"]["model/config.json"]["sha256"] == "44136fa355b3678a1146ad16f7e8649e94fb4fc21fe77e8310c060f61caaff8a"
+    assert (
+        info["files"]["model/config.json"]["sha256"]
+        == "44136fa355b3678a1146ad16f7e8649e94fb4fc21fe77e8310c060f61caaff8a"
+    )
     assert info["run"].endswith(str(tmp_path / "final"))
     with pytest.raises(ValueError, match="bundle: 12 bytes, over the 11 byte limit"):
         gb.manifest(tmp_path, {"a": "1"}, limit=11)

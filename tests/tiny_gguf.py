@@ -83,7 +83,10 @@ def write_tiny_gguf(
 
 def gguf_tensors(weights: dict[str, np.ndarray], cfg: dict[str, Any]) -> dict[str, np.ndarray]:
     """The HF checkpoint's tensors under llama.cpp's names and Q/K row order (float32)."""
-    out = {"token_embd.weight": weights["model.embed_tokens.weight"], "output_norm.weight": weights["model.norm.weight"]}
+    out = {
+        "token_embd.weight": weights["model.embed_tokens.weight"],
+        "output_norm.weight": weights["model.norm.weight"],
+    }
     if "lm_head.weight" in weights:
         out["output.weight"] = weights["lm_head.weight"]
     for i in range(cfg["num_hidden_layers"]):

@@ -78,7 +78,9 @@ def make_tiny_model(
     head_dim = hidden_size // num_heads
     config = {
         "architectures": [architecture],
-        "model_type": {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2"}[architecture],
+        "model_type": {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2"}[
+            architecture
+        ],
         "hidden_size": hidden_size,
         "intermediate_size": intermediate_size,
         "num_hidden_layers": num_layers,

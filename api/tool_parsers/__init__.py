@@ -43,7 +43,9 @@ C = TypeVar("C", bound=type[Any])
 class ToolParserManager:
     """The registry of tool-call parsers, by name (vLLM's API on api/parser_registry.py)."""
 
-    registry: ClassVar[ParserRegistry[ToolParser]] = ParserRegistry(ToolParser, "--tool-call-parser", "--tool-parser-plugin")
+    registry: ClassVar[ParserRegistry[ToolParser]] = ParserRegistry(
+        ToolParser, "--tool-call-parser", "--tool-parser-plugin"
+    )
 
     @classmethod
     def register_module(cls, name: str | list[str]) -> Callable[[C], C]:

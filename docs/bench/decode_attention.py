@@ -55,7 +55,9 @@ def main() -> None:
             q = torch.randn(batch, HEADS, HEAD_DIM).to(dtype)
             torch_ms = step_ms(q, kc, vc, tables, lens, native=False)
             native_ms = step_ms(q, kc, vc, tables, lens, native=True)
-            print(f"{dtype} batch {batch} context {lo}-{hi}: torch {torch_ms:.2f} ms, native {native_ms:.2f} ms per step")
+            print(
+                f"{dtype} batch {batch} context {lo}-{hi}: torch {torch_ms:.2f} ms, native {native_ms:.2f} ms per step"
+            )
 
 
 if __name__ == "__main__":

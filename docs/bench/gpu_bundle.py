@@ -38,12 +38,20 @@ LIMIT_BYTES = 16 << 20
 # (pyzmq, trio and its outcome, sniffio), the wire format (msgspec), anyio at this project's
 # version, and gguf (engine/config.py reaches engine/loading/gguf_import.py on every start).
 PACKAGES = ("msgspec", "pyzmq", "trio", "outcome", "sniffio", "anyio", "gguf")
-MODEL_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+MODEL_FILES = (
+    "config.json",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+)
 # pip matches each manylinux_2_N exactly: the glibc versions wheels are built for.
 PLATFORMS = ["manylinux1_x86_64", "manylinux2014_x86_64"] + [f"manylinux_2_{n}_x86_64" for n in range(17, 40)]
 INSTALL = "python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site {bundle}/wheels/*.whl"
 RUN = "bash docs/bench/gpu_check_run.sh {bundle}"
-_WHEEL = re.compile(r"^(?P<name>[^-]+)-(?P<version>[^-]+)(-\d[^-]*)?-(?P<python>[^-]+)-(?P<abi>[^-]+)-(?P<platform>[^-]+)\.whl$")
+_WHEEL = re.compile(
+    r"^(?P<name>[^-]+)-(?P<version>[^-]+)(-\d[^-]*)?-(?P<python>[^-]+)-(?P<abi>[^-]+)-(?P<platform>[^-]+)\.whl$"
+)
 
 
 def pins() -> dict[str, str]:
@@ -52,7 +60,18 @@ def pins() -> dict[str, str]:
 
 
 def download_command(pinned: dict[str, str], dest: Path) -> list[str]:
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--python-version", "3.12", "--implementation", "cp"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "--no-deps",
+        "--only-binary=:all:",
+        "--python-version",
+        "3.12",
+        "--implementation",
+        "cp",
+    ]
     for platform in PLATFORMS:
         cmd += ["--platform", platform]
     return cmd + ["-d", str(dest)] + [f"{name}=={version}" for name, version in pinned.items()]
@@ -64,7 +83,9 @@ def wheel_problem(filename: str) -> str | None:
     if m is None:
         return f"{filename}: not a wheel file name"
     pythons, abis, platforms = (set(m.group(g).split(".")) for g in ("python", "abi", "platform"))
-    if not pythons & {"cp312", "py3", "py312"} and not ("abi3" in abis and any(_cp3(p) <= 12 for p in pythons if p.startswith("cp3"))):
+    if not pythons & {"cp312", "py3", "py312"} and not (
+        "abi3" in abis and any(_cp3(p) <= 12 for p in pythons if p.startswith("cp3"))
+    ):
         return f"{filename}: built for {m.group('python')}, not CPython 3.12"
     if "any" not in platforms and not any(p.startswith("manylinux") and p.endswith("_x86_64") for p in platforms):
         return f"{filename}: platform {m.group('platform')}, not manylinux x86_64"
@@ -87,7 +108,9 @@ def model_source(model_dir: Path | None) -> Path:
     return resolve_model(None, None)
 
 
-def manifest(bundle: Path, pinned: dict[str, str], final: Path | None = None, limit: int = LIMIT_BYTES) -> dict[str, Any]:
+def manifest(
+    bundle: Path, pinned: dict[str, str], final: Path | None = None, limit: int = LIMIT_BYTES
+) -> dict[str, Any]:
     """Every file of `bundle` with its size and sha256, and the commands for it at `final` (its
     place once complete; default `bundle`); refuses a folder over `limit` bytes."""
     files: dict[str, dict[str, Any]] = {}
@@ -119,8 +142,9 @@ def _shown(path: Path) -> str:
 def check_installable(wheels: Path) -> None:
     """pip resolves an install of every wheel for cp312 from the folder alone."""
     with tempfile.TemporaryDirectory() as target:
-        cmd = [sys.executable, "-m", "pip", "install", "--dry-run", "--no-index", "--no-deps", "--only-binary=:all:", "--python-version", "3.12",
-               "--implementation", "cp", "--target", target, "--find-links", str(wheels)]  # fmt: skip
+        cmd = [sys.executable, "-m", "pip", "install", "--dry-run", "--no-index", "--no-deps", "--only-binary=:all:",
+               "--python-version", "3.12", "--implementation", "cp", "--target", target,
+               "--find-links", str(wheels)]  # fmt: skip
         for platform in PLATFORMS:
             cmd += ["--platform", platform]
         subprocess.run(cmd + [str(w) for w in sorted(wheels.glob("*.whl"))], check=True, capture_output=True, text=True)
@@ -156,8 +180,12 @@ def build(out: Path, model_dir: Path | None) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"the bundle folder (default {_shown(DEFAULT_OUT)})")
-    parser.add_argument("--model-dir", type=Path, help="config + tokenizer to bundle (default: the bundled SmolLM2-135M-Instruct)")
+    parser.add_argument(
+        "--out", type=Path, default=DEFAULT_OUT, help=f"the bundle folder (default {_shown(DEFAULT_OUT)})"
+    )
+    parser.add_argument(
+        "--model-dir", type=Path, help="config + tokenizer to bundle (default: the bundled SmolLM2-135M-Instruct)"
+    )
     parser.add_argument("--dry-run", action="store_true", help="print the plan as JSON; download and write nothing")
     args = parser.parse_args(argv)
     if args.dry_run:

@@ -155,13 +155,33 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("prompts", help="the JSON that `triollm bench latency --dump-prompts PATH` wrote")
     ap.add_argument("--gguf", default=None, help="(default: the bundled SmolLM2 GGUF)")
-    ap.add_argument("--output-len", type=int, default=128, help="at most this many tokens, as bench latency's --output-len (default: %(default)s)")
-    ap.add_argument("--num-pred-tokens", type=int, default=4, help="draft tokens per pass, as num_speculative_tokens (default: %(default)s)")
-    ap.add_argument("--max-ngram-size", type=int, default=4, help="the longest n-gram matched, as prompt_lookup_max (default: %(default)s)")
+    ap.add_argument(
+        "--output-len",
+        type=int,
+        default=128,
+        help="at most this many tokens, as bench latency's --output-len (default: %(default)s)",
+    )
+    ap.add_argument(
+        "--num-pred-tokens",
+        type=int,
+        default=4,
+        help="draft tokens per pass, as num_speculative_tokens (default: %(default)s)",
+    )
+    ap.add_argument(
+        "--max-ngram-size",
+        type=int,
+        default=4,
+        help="the longest n-gram matched, as prompt_lookup_max (default: %(default)s)",
+    )
     ap.add_argument("--repeat", type=int, default=3, help="timed runs after one warm-up (default: %(default)s)")
     ap.add_argument("--threads", type=int, default=2, help="(default: %(default)s)")
     ap.add_argument("--workload", choices=WORKLOADS, nargs="+", default=list(WORKLOADS))
-    ap.add_argument("--extra-bufts", choices=["auto", "on", "off"], default="auto", help="llama.cpp's extra weight buffer types (auto: off on an AMX CPU, see above) (default: %(default)s)")
+    ap.add_argument(
+        "--extra-bufts",
+        choices=["auto", "on", "off"],
+        default="auto",
+        help="llama.cpp's extra weight buffer types (auto: off on an AMX CPU, see above) (default: %(default)s)",
+    )
     ap.add_argument("--out", default=None, help="append the results as one JSON line here")
     a = ap.parse_args()
     for name in ("output_len", "num_pred_tokens", "max_ngram_size", "repeat", "threads"):
@@ -184,23 +204,32 @@ def main() -> None:
     # One model at a time (the lookup one holds every position's logits: logits_all).
     llm = build(gguf, n_ctx, a.threads, extra, None)
     for w in a.workload:
-        res["workloads"][w] = {"prompt_tokens": len(prompts[w]), "plain": measure(llm, prompts[w], a.output_len, a.repeat, None)}
+        res["workloads"][w] = {
+            "prompt_tokens": len(prompts[w]),
+            "plain": measure(llm, prompts[w], a.output_len, a.repeat, None),
+        }
     del llm
     draft = CountingLookup(max_ngram_size=a.max_ngram_size, num_pred_tokens=a.num_pred_tokens)
     llm = build(gguf, n_ctx, a.threads, extra, draft)
     for w in a.workload:
         res["workloads"][w]["lookup"] = measure(llm, prompts[w], a.output_len, a.repeat, draft)
     del llm
-    print(f"llama.cpp {res['version']}, {res['gguf']}, {a.threads} threads, extra buffer types {'on' if extra else 'off'}, batch 1, greedy, at most {a.output_len} tokens, "
-          f"lookup num_pred_tokens={a.num_pred_tokens} max_ngram_size={a.max_ngram_size}, median of {a.repeat}")  # fmt: skip
-    print(f"{'workload':8} {'prompt':>6} {'out':>4} {'plain ms/tok':>12} {'lookup ms/tok':>13} {'ratio':>6} {'tok/pass':>8}  identical")
+    buffers = "on" if extra else "off"
+    print(f"llama.cpp {res['version']}, {res['gguf']}, {a.threads} threads, extra buffer types {buffers}, "
+          f"batch 1, greedy, at most {a.output_len} tokens, lookup num_pred_tokens={a.num_pred_tokens} "
+          f"max_ngram_size={a.max_ngram_size}, median of {a.repeat}")  # fmt: skip
+    print(
+        f"{'workload':8} {'prompt':>6} {'out':>4} {'plain ms/tok':>12} {'lookup ms/tok':>13} {'ratio':>6} "
+        f"{'tok/pass':>8}  identical"
+    )
     for w, r in res["workloads"].items():
         plain, look = r["plain"], r["lookup"]
         ratio = look["ms_per_token"] / plain["ms_per_token"] if look["ms_per_token"] and plain["ms_per_token"] else None
         r["ratio_ms_per_token"] = ratio
         r["outputs_identical"] = look["token_ids"] == plain["token_ids"]
         print(f"{w:8} {r['prompt_tokens']:6} {look['output_tokens']:4} {_fmt(plain['ms_per_token'], '12.2f'):>12} "
-              f"{_fmt(look['ms_per_token'], '13.2f'):>13} {_fmt(ratio, '6.2f'):>6} {_fmt(look.get('tokens_per_pass'), '8.2f'):>8}  "
+              f"{_fmt(look['ms_per_token'], '13.2f'):>13} {_fmt(ratio, '6.2f'):>6} "
+              f"{_fmt(look.get('tokens_per_pass'), '8.2f'):>8}  "
               f"{'yes' if r['outputs_identical'] else 'NO'}")  # fmt: skip
     print("ratio: time per token with lookup / plain (below 1: lookup is faster)")
     if a.out:

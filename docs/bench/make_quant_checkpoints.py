@@ -118,7 +118,9 @@ def linear_widths(model_dir: Path) -> set[int]:
     return {shape[1] for shape in shapes if len(shape) == 2}
 
 
-def write_checkpoints(out: Path, model_dir: Path, gguf_src: Path | None, formats: list[str], seed: int = 0) -> list[Path]:
+def write_checkpoints(
+    out: Path, model_dir: Path, gguf_src: Path | None, formats: list[str], seed: int = 0
+) -> list[Path]:
     """Each of `formats` (FORMATS) of the model in `model_dir` (GGUF mixes from `gguf_src`)
     written into `out`; the paths written."""
     from triollm.engine.loading.model_config import QUANTIZED_FILE
@@ -139,7 +141,10 @@ def write_checkpoints(out: Path, model_dir: Path, gguf_src: Path | None, formats
             kind = HF_FORMATS[name]
             group = group_for(kind, widths)
             if group is None:
-                print(f"skipping {name}: no group of 32..{kind.group} divides the input widths {sorted(widths)}", file=sys.stderr)
+                print(
+                    f"skipping {name}: no group of 32..{kind.group} divides the input widths {sorted(widths)}",
+                    file=sys.stderr,
+                )
                 continue
             path = out / name.replace(f"g{kind.group}", f"g{group}")
             write_quantized(model_dir, path, Kind(kind.method, kind.bits, group, kind.sym, kind.desc_act), seed=seed)
@@ -153,8 +158,18 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("out", type=Path, help="the directory to write the checkpoints into")
     p.add_argument("--model", default=None, help="an HF-format model directory or a .gguf (default: the bundled model)")
-    p.add_argument("--gguf", type=Path, default=None, help="the GGUF the K-quant files requantize (default: --model if a .gguf, else the bundled one if --model is unset)")
-    p.add_argument("--formats", default=",".join(FORMATS), help=f"comma-separated, from {', '.join(FORMATS)} (default: all)")
+    p.add_argument(
+        "--gguf",
+        type=Path,
+        default=None,
+        help=(
+            "the GGUF the K-quant files requantize (default: --model if a .gguf, else the bundled one if --model is "
+            "unset)"
+        ),
+    )
+    p.add_argument(
+        "--formats", default=",".join(FORMATS), help=f"comma-separated, from {', '.join(FORMATS)} (default: all)"
+    )
     p.add_argument("--cache-dir", default=None, help="where a .gguf model is imported (default: triollm's cache)")
     p.add_argument("--seed", type=int, default=0, help="the act order's random column order")
     ns = p.parse_args(argv)

@@ -40,8 +40,10 @@ def rank_main(rank: int, size: int, port: int, hidden: int, iters: int, fd: int 
             dist.all_reduce(x)
         samples.append((time.perf_counter() - t) / iters)
     if rank == 0:
-        print(f"gloo all-reduce of [1, {hidden}] fp32 over {size} ranks on loopback: "
-              f"median {statistics.median(samples) * 1e6:.1f} us (runs: {', '.join(f'{s * 1e6:.1f}' for s in samples)})")
+        print(
+            f"gloo all-reduce of [1, {hidden}] fp32 over {size} ranks on loopback: "
+            f"median {statistics.median(samples) * 1e6:.1f} us (runs: {', '.join(f'{s * 1e6:.1f}' for s in samples)})"
+        )
     dist.destroy_process_group()
 
 
@@ -56,7 +58,9 @@ def main() -> None:
     listener.listen(ns.ranks)
     port = listener.getsockname()[1]
     ctx = mp.get_context("spawn")  # rank 0 is this process (it owns the loopback listener)
-    procs = [ctx.Process(target=rank_main, args=(r, ns.ranks, port, ns.hidden, ns.iters, None)) for r in range(1, ns.ranks)]
+    procs = [
+        ctx.Process(target=rank_main, args=(r, ns.ranks, port, ns.hidden, ns.iters, None)) for r in range(1, ns.ranks)
+    ]
     for p in procs:
         p.start()
     rank_main(0, ns.ranks, port, ns.hidden, ns.iters, listener.detach())

@@ -35,7 +35,9 @@ def main() -> None:
     ns = ap.parse_args()
     torch.set_num_threads(ns.num_threads)
     engine = SyncEngine.from_engine_args(
-        EngineArgs(model=ns.model, tensor_parallel_size=ns.tensor_parallel_size, num_threads=ns.num_threads, max_model_len=512)
+        EngineArgs(
+            model=ns.model, tensor_parallel_size=ns.tensor_parallel_size, num_threads=ns.num_threads, max_model_len=512
+        )
     )
     try:
         rng = random.Random(0)

@@ -12,11 +12,11 @@ gloo, `GLOO_SOCKET_IFNAME=lo`: no other address is touched). Rank 0 opens the re
 itself, bound to 127.0.0.1, and hands it to its `TCPStore`: given only `tcp://127.0.0.1:PORT`,
 the store's server listens on every address of the machine.
 
-Failure: a worker that exits before it has joined fails start-up at once (rank 0 polls the
-workers while it waits for their store keys); a worker that has exited is found before each step (`poll`); one that dies during a
-step breaks its gloo connections, and the collective raises in rank 0 (at the latest after
-the group's timeout). Either way the step raises and the engine core reports itself dead.
-Workers end on STOP (`close`), or on end of file on stdin when rank 0's process is gone, or on
+Failure: a worker that exits before it has joined fails start-up at once (rank 0 polls the workers
+while it waits for their store keys); a worker that has exited is found before each step (`poll`);
+one that dies during a step breaks its gloo connections, and the collective raises in rank 0 (at the
+latest after the group's timeout). Either way the step raises and the engine core reports itself
+dead. Workers end on STOP (`close`), or on end of file on stdin when rank 0's process is gone, or on
 a gloo error when it dies mid-step: no worker outlives its engine.
 """
 

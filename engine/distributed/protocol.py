@@ -20,7 +20,19 @@ from typing import IO, Any
 
 from triollm.engine.loading.model_config import ModelConfig
 
-__all__ = ["CACHE", "SETUP", "STEP", "STOP", "StepInputs", "WorkerSetup", "decode_step", "encode_step", "joined_key", "read_message", "write_message"]
+__all__ = [
+    "CACHE",
+    "SETUP",
+    "STEP",
+    "STOP",
+    "StepInputs",
+    "WorkerSetup",
+    "decode_step",
+    "encode_step",
+    "joined_key",
+    "read_message",
+    "write_message",
+]
 
 SETUP, CACHE, STEP, STOP = 1, 2, 3, 4
 _HEADER = struct.Struct("<qq")
@@ -80,7 +92,17 @@ def unpickled(payload: bytes) -> Any:
 
 
 def encode_step(s: StepInputs) -> bytes:
-    out = array("q", [len(s.token_ids), len(s.decode_lens), len(s.prefills), len(s.logit_rows), len(s.lora_segments), len(s.lora_loads)])
+    out = array(
+        "q",
+        [
+            len(s.token_ids),
+            len(s.decode_lens),
+            len(s.prefills),
+            len(s.logit_rows),
+            len(s.lora_segments),
+            len(s.lora_loads),
+        ],
+    )
     out.extend(s.token_ids)
     out.extend(s.positions)
     out.extend(s.slots)

@@ -115,7 +115,9 @@ class DecodeGraphs:
         self.workspace = DecodeWorkspace()
         self.triton = use_triton_on(device)
         if not self.triton and not (device.type == "cpu" and cpu_native.available()):
-            raise ValueError("decode graphs read static block tables: they need the Triton or the native CPU decode kernel")
+            raise ValueError(
+                "decode graphs read static block tables: they need the Triton or the native CPU decode kernel"
+            )
         self._replays: dict[int, Replay] = {}
         for size in reversed(self.sizes):  # the largest first: the others reuse its memory
             padding = self._pack(size, [], [], [], [], [])
@@ -128,7 +130,11 @@ class DecodeGraphs:
         packed = self.staging[: 4 * size].view(4, size)  # ids, positions, slots, lens
         tables = self.staging[4 * size : (4 + self.width) * size].view(size, self.width)
         lens = packed[3]
-        plan = DecodePlan([], self.workspace, triton=(tables, lens)) if self.triton else DecodePlan([], self.workspace, native=(tables, lens))
+        plan = (
+            DecodePlan([], self.workspace, triton=(tables, lens))
+            if self.triton
+            else DecodePlan([], self.workspace, native=(tables, lens))
+        )
         ids, positions, slots = self.input_ids[:size], self.positions[:size], self.slots[:size]
         meta = AttentionMetadata(slot_mapping=slots, num_decodes=size, decode_plan=plan, positions=positions)
 

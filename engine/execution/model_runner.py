@@ -94,7 +94,9 @@ class ModelRunner:
         graphs = self.graphs
         rows = len(inputs.decode_lens)
         if graphs is not None and not prefills and not inputs.lora_segments and graphs.size_for(rows) is not None:
-            hidden = graphs.run(inputs.token_ids, inputs.positions, inputs.slots, inputs.decode_tables, inputs.decode_lens)
+            hidden = graphs.run(
+                inputs.token_ids, inputs.positions, inputs.slots, inputs.decode_tables, inputs.decode_lens
+            )
         else:
             input_ids, positions, meta = self._tensors(inputs)
             hidden = self.model(input_ids, positions, meta, self.kv)
@@ -110,7 +112,14 @@ class ModelRunner:
                     out.prompt_logprobs[s.request.request_id] = rows_lp
         return out
 
-    def _sample(self, hidden: torch.Tensor, order: list[ScheduledRequest], ends: list[int], samplers: list[int], out: RunnerOutput) -> None:
+    def _sample(
+        self,
+        hidden: torch.Tensor,
+        order: list[ScheduledRequest],
+        ends: list[int],
+        samplers: list[int],
+        out: RunnerOutput,
+    ) -> None:
         """Sample every sampling request's token, or check its drafts (one row per fed token:
         row j sees the drafts before it as output, for penalties and bad words)."""
         idx: list[int] = []

@@ -354,7 +354,11 @@ def _min_p(probs: torch.Tensor, min_ps: list[float]) -> torch.Tensor:
 def _uniform(probs: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     """U(0, 1) per row: the unseeded rows from the global RNG, each seeded row from its own
     generator (drawn before that row's noise)."""
-    u = torch.rand(len(rows), device=probs.device) if any(r.generator is None for r in rows) else torch.empty(len(rows), device=probs.device)
+    u = (
+        torch.rand(len(rows), device=probs.device)
+        if any(r.generator is None for r in rows)
+        else torch.empty(len(rows), device=probs.device)
+    )
     for i, r in enumerate(rows):
         if r.generator is not None:
             u[i] = torch.rand(1, generator=r.generator).item()

@@ -205,7 +205,9 @@ class Frontend:
         the table changes."""
         if isinstance(params, PoolingParams):
             if lora_request is not None:
-                raise ValueError("lora_request: LoRA adapters apply to generation, not to pooling requests; allowed: None")
+                raise ValueError(
+                    "lora_request: LoRA adapters apply to generation, not to pooling requests; allowed: None"
+                )
             return self.input.process_pooling(
                 prompt, params, state.request_id, arrival_time=arrival_time, priority=priority, tag=state.tag
             )

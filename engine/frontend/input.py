@@ -240,7 +240,9 @@ class InputProcessor:
         if keep is not None and len(token_ids) > keep:
             # A text is cut as the tokenizer cuts it (its special tokens kept), token ids as given.
             from_text = isinstance(prompt, str) or "prompt_token_ids" not in prompt
-            token_ids = self.tokenizer.encode_truncated(text, keep) if from_text and text is not None else token_ids[:keep]
+            token_ids = (
+                self.tokenizer.encode_truncated(text, keep) if from_text and text is not None else token_ids[:keep]
+            )
         request_rules.check_prompt_tokens(token_ids, limit, mc.vocab_size, generate=False)
         arrival = time.time() if arrival_time is None else arrival_time
         [core_id] = core_request_ids(request_id, 1, tag)
@@ -315,7 +317,8 @@ class InputProcessor:
             return prompt, self.tokenizer.encode(prompt)
         if not isinstance(prompt, Mapping):
             raise ValueError(
-                f"prompt: expected a string, {{'prompt': str}} or {{'prompt_token_ids': [...]}}, got {type(prompt).__name__}"
+                f"prompt: expected a string, {{'prompt': str}} or {{'prompt_token_ids': [...]}}, got "
+                f"{type(prompt).__name__}"
             )
         unknown = set(prompt) - _PROMPT_KEYS
         if unknown:
@@ -396,7 +399,9 @@ class InputProcessor:
         if self.max_logprobs >= 0 and wanted > self.max_logprobs:
             raise ValueError(f"{name}: {wanted} exceeds max_logprobs ({self.max_logprobs})")
         if wanted > vocab:
-            raise ValueError(f"{name}: {wanted} exceeds the vocabulary ({vocab} tokens); ask for at most {vocab}, or -1 for all")
+            raise ValueError(
+                f"{name}: {wanted} exceeds the vocabulary ({vocab} tokens); ask for at most {vocab}, or -1 for all"
+            )
 
     def _bad_words_token_ids(self, words: Sequence[str]) -> list[list[int]]:
         """Each bad word as it would start the text and as a word after a space (vLLM's rule)."""

@@ -73,7 +73,9 @@ class LogprobConverter:
 class SequenceState:
     """One sampled sequence (one core request) of a user request."""
 
-    def __init__(self, parent: OutputState, index: int, core_id: str, prompt_ids: list[int], eos_ids: Sequence[int]) -> None:
+    def __init__(
+        self, parent: OutputState, index: int, core_id: str, prompt_ids: list[int], eos_ids: Sequence[int]
+    ) -> None:
         params = parent.params
         self.parent = parent
         self.index = index
@@ -131,7 +133,12 @@ class SequenceState:
         if self.detok is None:
             self._finish_from_core(out)
             return False
-        if out.finish_reason == FinishReason.STOP and not self.include_stop and new_ids and new_ids[-1] in self.stop_ids:
+        if (
+            out.finish_reason == FinishReason.STOP
+            and not self.include_stop
+            and new_ids
+            and new_ids[-1] in self.stop_ids
+        ):
             new_ids = new_ids[:-1]  # the stop token's own text is not output (vLLM)
         piece = self.detok.step(new_ids)
         if out.finished:
@@ -209,7 +216,9 @@ def _one_token_each(out: EngineCoreOutput) -> Iterator[EngineCoreOutput]:
             [token],
             finish_reason=out.finish_reason if i == last else None,
             stop_reason=out.stop_reason if i == last else None,
-            new_logprobs=None if lps is None else Logprobs(lps.token_ids[i : i + 1], lps.logprobs[i : i + 1], lps.ranks[i : i + 1]),
+            new_logprobs=None
+            if lps is None
+            else Logprobs(lps.token_ids[i : i + 1], lps.logprobs[i : i + 1], lps.ranks[i : i + 1]),
             num_cached_tokens=out.num_cached_tokens,
         )
 
@@ -305,4 +314,6 @@ class OutputState:
                 child.finish_reason = str(FinishReason.STOP)
                 self.num_unfinished -= 1
         rows = len(self.prompt_token_ids) if self.task == "encode" else None
-        return PoolingRequestOutput(self.request_id, PoolingOutput(unpack_pooled(pooled, rows)), self.prompt_token_ids, True)
+        return PoolingRequestOutput(
+            self.request_id, PoolingOutput(unpack_pooled(pooled, rows)), self.prompt_token_ids, True
+        )

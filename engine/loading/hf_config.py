@@ -4,13 +4,13 @@
 the model computes, read the way transformers' `LlamaConfig` / `MistralConfig` / `Qwen2Config` and
 their modeling files read it, with each architecture's own defaults (a Mistral config without
 `num_key_value_heads` has 8, a Qwen2 one 32; a Mistral without `sliding_window` has a 4096-token
-window). What the engine cannot compute exactly is a `ValueError` naming the field, raised at
-load: an activation other than SiLU, an unsupported RoPE (rope_config.py), layer types other
-than full and sliding attention, a `quantization_config` that quant_checkpoints.py cannot read
-(it reads GPTQ, AWQ, compressed-tensors and FP8 checkpoints of decoder models). Fields that
-change nothing at inference (`attention_dropout`, `initializer_range`, `pretraining_tp`,
-`use_cache`, `pad_token_id`) are ignored, as are fields the architecture's modeling code does not read (`sliding_window` on Llama,
-`attention_bias` / `mlp_bias` on Mistral and Qwen2).
+window). What the engine cannot compute exactly is a `ValueError` naming the field, raised at load:
+an activation other than SiLU, an unsupported RoPE (rope_config.py), layer types other than full and
+sliding attention, a `quantization_config` that quant_checkpoints.py cannot read (it reads GPTQ,
+AWQ, compressed-tensors and FP8 checkpoints of decoder models). Fields that change nothing at
+inference (`attention_dropout`, `initializer_range`, `pretraining_tp`, `use_cache`, `pad_token_id`)
+are ignored, as are fields the architecture's modeling code does not read (`sliding_window` on
+Llama, `attention_bias` / `mlp_bias` on Mistral and Qwen2).
 
 Encoder-only checkpoints (`BertModel`, served by the pooling runner) are read into the same
 `HfConfig` (no RoPE, biases everywhere) plus an `EncoderSpec` with what only they have
@@ -92,7 +92,13 @@ _ARCHITECTURES = {
 ENCODER_ARCHITECTURES = ("BertModel",)
 SUPPORTED_ARCHITECTURES = (*_ARCHITECTURES, *ENCODER_ARCHITECTURES)
 # transformers' activation names, by the function they compute.
-_ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh", "gelu": "gelu"}
+_ACTIVATIONS = {
+    "silu": "silu",
+    "swish": "silu",
+    "gelu_pytorch_tanh": "gelu_tanh",
+    "gelu_new": "gelu_tanh",
+    "gelu": "gelu",
+}
 _LAYER_TYPES = ("full_attention", "sliding_attention")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -216,7 +222,9 @@ def _parse_bert(arch: str, hf: Mapping[str, Any]) -> HfConfig:
     """BertModel as transformers' `BertConfig` reads it (its defaults when a field is absent).
     Refused: relative position embeddings, activations other than GELU, quantised weights."""
     if hf.get("quantization_config"):
-        raise ValueError(f"quantization_config: quantized checkpoints of {arch} are not supported; use unquantized weights")
+        raise ValueError(
+            f"quantization_config: quantized checkpoints of {arch} are not supported; use unquantized weights"
+        )
     position = hf.get("position_embedding_type", "absolute")
     if position != "absolute":
         raise ValueError(f"position_embedding_type: {position!r} is not supported; supported: absolute")

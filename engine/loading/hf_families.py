@@ -4,16 +4,18 @@
 each value is what the family's modeling file computes with, and a field that would change the
 numbers in a way triollm does not compute is a `ValueError` naming it.
 
-| family | what differs from Llama |
-| --- | --- |
-| Qwen3, Qwen3-MoE | RMSNorm of q and k over each head, before RoPE; Qwen3-MoE: routed experts |
-| Mixtral | routed experts (top-k renormalised) |
-| Gemma | GeLU-tanh, RMSNorm scales by (1 + w), embeddings times sqrt(hidden) |
-| Gemma 2 | Gemma's, plus pre and post norms around attention and MLP, softmax scale from `query_pre_attn_scalar`, attention and final logit soft-capping, sliding windows on alternate layers |
-| Gemma 3 (text) | Gemma 2's without soft-capping by default, q/k norms, local layers with their own RoPE (`rope_local_base_freq` / `rope_parameters.sliding_attention`) |
-| Phi-3 / Phi-4 | q/k/v and gate/up stored fused; partial rotary; LongRoPE |
-| OLMo 2 | norms after attention and MLP (none before), RMSNorm of the whole q and k projections |
-| Granite | embedding, residual, attention and logit multipliers |
+What differs from Llama, by family:
+- Qwen3, Qwen3-MoE: RMSNorm of q and k over each head, before RoPE; Qwen3-MoE: routed experts.
+- Mixtral: routed experts (top-k renormalised).
+- Gemma: GeLU-tanh, RMSNorm scales by (1 + w), embeddings times sqrt(hidden).
+- Gemma 2: Gemma's, plus pre and post norms around attention and MLP, softmax scale from
+  `query_pre_attn_scalar`, attention and final logit soft-capping, sliding windows on alternate
+  layers.
+- Gemma 3 (text): Gemma 2's without soft-capping by default, q/k norms, local layers with their
+  own RoPE (`rope_local_base_freq` / `rope_parameters.sliding_attention`).
+- Phi-3 / Phi-4: q/k/v and gate/up stored fused; partial rotary; LongRoPE.
+- OLMo 2: norms after attention and MLP (none before), RMSNorm of the whole q and k projections.
+- Granite: embedding, residual, attention and logit multipliers.
 """
 
 from __future__ import annotations
@@ -39,7 +41,9 @@ class MoESpec:
     sparse_layers: tuple[bool, ...]
 
 
-def family_fields(arch: str, hf: Mapping[str, Any], *, num_layers: int, head_dim: int, hidden: int, max_pos: int) -> dict[str, Any]:
+def family_fields(
+    arch: str, hf: Mapping[str, Any], *, num_layers: int, head_dim: int, hidden: int, max_pos: int
+) -> dict[str, Any]:
     out: dict[str, Any] = {}
     match arch:
         case "Qwen3ForCausalLM":
@@ -55,7 +59,9 @@ def family_fields(arch: str, hf: Mapping[str, Any], *, num_layers: int, head_dim
             out |= _gemma(hidden) | _gemma2(hf, head_dim, softcaps=(50.0, 30.0))
         case "Gemma3ForCausalLM":
             if hf.get("use_bidirectional_attention"):
-                raise ValueError("use_bidirectional_attention: bidirectional Gemma 3 (an embedding model) is not supported")
+                raise ValueError(
+                    "use_bidirectional_attention: bidirectional Gemma 3 (an embedding model) is not supported"
+                )
             out |= _gemma(hidden) | _gemma2(hf, head_dim, softcaps=(None, None))
             out["qk_norm"] = "head"
             out["rope"] = parse_rope(_gemma3_global(hf), max_pos, layer_type="full_attention")
@@ -67,7 +73,10 @@ def family_fields(arch: str, hf: Mapping[str, Any], *, num_layers: int, head_dim
             if factor != 1.0:
                 rotary = int(head_dim * factor)
                 if rotary % 2 or rotary == 0:
-                    raise ValueError(f"partial_rotary_factor: {factor} gives {rotary} rotary dims of {head_dim}; RoPE needs an even number")
+                    raise ValueError(
+                        f"partial_rotary_factor: {factor} gives {rotary} rotary dims of {head_dim}; RoPE needs an even "
+                        f"number"
+                    )
                 out["rotary_dim"] = rotary
         case "Olmo2ForCausalLM":
             out["norm_layout"], out["qk_norm"] = "post", "full"

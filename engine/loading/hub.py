@@ -104,7 +104,11 @@ def resolve_hub(
         path = snapshot(local_files_only=True)
     except errors.LocalEntryNotFoundError as exc:
         incomplete = isinstance(exc, getattr(errors, "IncompleteSnapshotError", ()))
-        miss = f"its cached snapshot in {cache} is incomplete" if incomplete else f"not in the Hugging Face cache at {cache}"
+        miss = (
+            f"its cached snapshot in {cache} is incomplete"
+            if incomplete
+            else f"not in the Hugging Face cache at {cache}"
+        )
     else:
         missing = _missing(path, files)
         if not missing:
@@ -121,7 +125,11 @@ def resolve_hub(
         raise ValueError(f"{head}, {miss}, and the download failed: {_why(exc, repo_id, rev)}. {how}") from None
     missing = _missing(path, files)
     if missing:
-        what = "safetensors weights (a GGUF file: download it and pass its path)" if files == "model" else "a fast tokenizer"
+        what = (
+            "safetensors weights (a GGUF file: download it and pass its path)"
+            if files == "model"
+            else "a fast tokenizer"
+        )
         raise ValueError(
             f"{field}: {repo_id!r} (revision {rev!r}) was downloaded to {path} but lacks {', '.join(missing)}; "
             f"triollm needs {what}"

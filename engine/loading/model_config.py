@@ -116,7 +116,9 @@ class ModelConfig(HfConfig):
     ) -> ModelConfig:
         cfg_file = path / "config.json"
         if not cfg_file.is_file():
-            raise ValueError(f"model: {path} has no config.json (expected a Hugging Face-format directory or a .gguf file)")
+            raise ValueError(
+                f"model: {path} has no config.json (expected a Hugging Face-format directory or a .gguf file)"
+            )
         hf = json.loads(cfg_file.read_text())
         spec = parse_hf_config(hf)
         runner_type = _runner_type(spec.architecture, runner)

@@ -30,7 +30,11 @@ _ST_MODES: dict[str, PoolingType] = {
     "pooling_mode_cls_token": "CLS",
     "pooling_mode_lasttoken": "LAST",
 }
-_UNSUPPORTED_MODES = ("pooling_mode_max_tokens", "pooling_mode_mean_sqrt_len_tokens", "pooling_mode_weightedmean_tokens")
+_UNSUPPORTED_MODES = (
+    "pooling_mode_max_tokens",
+    "pooling_mode_mean_sqrt_len_tokens",
+    "pooling_mode_weightedmean_tokens",
+)
 _NORMALIZE_MODULE = "sentence_transformers.models.Normalize"
 _POOLING_MODULE = "sentence_transformers.models.Pooling"
 
@@ -60,8 +64,12 @@ def read_pooler_config(path: Path, hf: Mapping[str, Any]) -> PoolerConfig:
         raise ValueError("modules.json: expected a list of modules")
     sbert = _read_json(path / "sentence_bert_config.json")
     max_seq_length = sbert.get("max_seq_length") if isinstance(sbert, dict) else None
-    if max_seq_length is not None and (isinstance(max_seq_length, bool) or not isinstance(max_seq_length, int) or max_seq_length <= 0):
-        raise ValueError(f"max_seq_length: expected a positive integer in sentence_bert_config.json, got {max_seq_length!r}")
+    if max_seq_length is not None and (
+        isinstance(max_seq_length, bool) or not isinstance(max_seq_length, int) or max_seq_length <= 0
+    ):
+        raise ValueError(
+            f"max_seq_length: expected a positive integer in sentence_bert_config.json, got {max_seq_length!r}"
+        )
     dims = hf.get("matryoshka_dimensions")
     if dims is not None and (not isinstance(dims, list) or not all(isinstance(d, int) and d > 0 for d in dims)):
         raise ValueError(f"matryoshka_dimensions: expected a list of positive integers, got {dims!r}")
@@ -83,7 +91,10 @@ def _pooling_type(config_file: Path) -> PoolingType:
             raise ValueError(f"{key}: this pooling is not supported; supported: mean, cls and last-token pooling")
     chosen = [kind for key, kind in _ST_MODES.items() if cfg.get(key)]
     if len(chosen) > 1:
-        raise ValueError(f"{config_file.parent.name}/config.json: several pooling modes at once ({', '.join(chosen)}) are not supported")
+        raise ValueError(
+            f"{config_file.parent.name}/config.json: several pooling modes at once ({', '.join(chosen)}) are not "
+            f"supported"
+        )
     return chosen[0] if chosen else "CLS"
 
 

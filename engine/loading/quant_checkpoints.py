@@ -6,12 +6,16 @@ codes q, a scale s and a zero z, with weight = s * (q - z). A QuantWeight holds,
 input columns, d and m with weight = d * q + m: a group of G = 32k columns is k blocks sharing
 d = s and m = -s * z, and the codes are kept as stored. Only the layouts differ:
 
-| format | codes | zeros | scales |
-| --- | --- | --- | --- |
-| GPTQ | `qweight` int32 `[K/p, N]`, packed along K (value j at bit b*j) | `qzeros` int32 `[K/G, N/p]`, packed along N; `checkpoint_format: gptq` (v1, AutoGPTQ) stores z - 1, `gptq_v2` z | `scales` fp16 `[K/G, N]`; `g_idx` int32 `[K]`, each input column's group |
-| AWQ (GEMM) | `qweight` int32 `[K, N/8]`, packed along N in the order 0 2 4 6 1 3 5 7 | `qzeros` `[K/G, N/8]`, the same order | `scales` fp16 `[K/G, N]` |
-| compressed-tensors `pack-quantized` | `weight_packed` int32 `[N, K/p]`, packed along K, signed codes + 2^(b-1) | `weight_zero_point` packed along N (asymmetric only) | `weight_scale` `[N, K/G]`, `[N, 1]` per channel |
-| compressed-tensors `int-quantized` | `weight` int8 `[N, K]`, signed | `weight_zero_point` int8 | `weight_scale` |
+- GPTQ: codes `qweight` int32 `[K/p, N]`, packed along K (value j at bit b*j); zeros `qzeros`
+  int32 `[K/G, N/p]`, packed along N (`checkpoint_format: gptq`, v1 / AutoGPTQ, stores z - 1,
+  `gptq_v2` z); scales `scales` fp16 `[K/G, N]`; `g_idx` int32 `[K]`, each input column's group.
+- AWQ (GEMM): codes `qweight` int32 `[K, N/8]`, packed along N in the order 0 2 4 6 1 3 5 7;
+  zeros `qzeros` `[K/G, N/8]`, the same order; scales `scales` fp16 `[K/G, N]`.
+- compressed-tensors `pack-quantized`: codes `weight_packed` int32 `[N, K/p]`, packed along K,
+  signed codes + 2^(b-1); zeros `weight_zero_point` packed along N (asymmetric only); scales
+  `weight_scale` `[N, K/G]`, `[N, 1]` per channel.
+- compressed-tensors `int-quantized`: codes `weight` int8 `[N, K]`, signed; zeros
+  `weight_zero_point` int8; scales `weight_scale`.
 
 (p = 32 / b codes per int32.) GPTQ's `desc_act` and compressed-tensors' `actorder: group` give
 input columns their groups out of order (`g_idx`): the columns are sorted by group once here,
@@ -19,11 +23,11 @@ and the layer reads its input in that order (layers/quantized.py, QuantLinear's 
 
 FP8 weights (compressed-tensors `float-quantized`, and `quant_method: fp8`) are dequantized into
 dense layers of the model's dtype: an e4m3 value times its float scale is exact in fp32.
-Requantizing them to int8 blocks instead would round every weight a second time, on a grid
-unlike e4m3's; `quantization="int8"` asks for exactly that (a quarter of fp32's bytes, the quantized kernels). Activation
-quantization (W8A8) is not applied: the dense layers keep full-precision activations, the
-quantized kernels their own int8 blocks, as vLLM's weight-only fallback does on GPUs without
-FP8 or int8 units.
+Requantizing them to int8 blocks instead would round every weight a second time, on a grid unlike
+e4m3's; `quantization="int8"` asks for exactly that (a quarter of fp32's bytes, the quantized
+kernels). Activation quantization (W8A8) is not applied: the dense layers keep full-precision
+activations, the quantized kernels their own int8 blocks, as vLLM's weight-only fallback does on
+GPUs without FP8 or int8 units.
 
 Exact: the codes; scales in float16 (GPTQ and AWQ ship fp16, a bf16 scale within float16's
 range converts exactly; fp32 scales round to the nearest float16); m = -s * z, rounded to
@@ -141,12 +145,16 @@ def parse_quantization_config(raw: object) -> CheckpointQuant:
         raise ValueError(f"quantization_config: expected a JSON object, got {raw!r}")
     method = raw.get("quant_method")
     if method not in METHODS:
-        raise ValueError(f"quantization_config.quant_method: {method!r} is not supported; supported: {', '.join(METHODS)}")
+        raise ValueError(
+            f"quantization_config.quant_method: {method!r} is not supported; supported: {', '.join(METHODS)}"
+        )
     parse = {"gptq": _gptq, "awq": _awq, "fp8": _fp8, "compressed-tensors": _compressed_tensors}[method]
     return parse(raw)
 
 
-def _choice(raw: Mapping[str, Any], key: str, allowed: tuple[Any, ...], default: Any, where: str = "quantization_config") -> Any:
+def _choice(
+    raw: Mapping[str, Any], key: str, allowed: tuple[Any, ...], default: Any, where: str = "quantization_config"
+) -> Any:
     value = raw.get(key, default)
     if isinstance(value, bool) != isinstance(allowed[0], bool) or value not in allowed:
         raise ValueError(f"{where}.{key}: {value!r} is not supported; supported: {', '.join(map(str, allowed))}")
@@ -194,9 +202,13 @@ def _fp8(raw: Mapping[str, Any]) -> CheckpointQuant:
     _choice(raw, "activation_scheme", ("dynamic", "static"), "dynamic")
     block = raw.get("weight_block_size")
     if block is not None and not (
-        isinstance(block, list) and len(block) == 2 and all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block)
+        isinstance(block, list)
+        and len(block) == 2
+        and all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block)
     ):
-        raise ValueError(f"quantization_config.weight_block_size: {block!r} is not supported; supported: null or [rows, columns]")
+        raise ValueError(
+            f"quantization_config.weight_block_size: {block!r} is not supported; supported: null or [rows, columns]"
+        )
     return _single("fp8", WeightScheme("fp8", 8, block=None if block is None else (block[0], block[1])))
 
 
@@ -204,14 +216,19 @@ def _compressed_tensors(raw: Mapping[str, Any]) -> CheckpointQuant:
     _choice(raw, "quantization_status", ("compressed",), "compressed")
     sparsity = raw.get("sparsity_config")
     if sparsity and isinstance(sparsity, Mapping) and sparsity.get("format", "dense") != "dense":
-        raise ValueError(f"quantization_config.sparsity_config: {sparsity.get('format')!r} is not supported; supported: dense")
+        raise ValueError(
+            f"quantization_config.sparsity_config: {sparsity.get('format')!r} is not supported; supported: dense"
+        )
     for key in ("kv_cache_scheme", "transform_config"):
         if raw.get(key):
             raise ValueError(f"quantization_config.{key}: not supported; supported: null")
     groups = raw.get("config_groups")
     if not isinstance(groups, Mapping) or not groups:
         raise ValueError(f"quantization_config.config_groups: expected a non-empty object, got {groups!r}")
-    parsed = tuple(_ct_group(f"quantization_config.config_groups.{name}", group, raw.get("format")) for name, group in groups.items())
+    parsed = tuple(
+        _ct_group(f"quantization_config.config_groups.{name}", group, raw.get("format"))
+        for name, group in groups.items()
+    )
     ignore = raw.get("ignore") or []
     if not isinstance(ignore, list) or not all(isinstance(i, str) for i in ignore):
         raise ValueError(f"quantization_config.ignore: expected a list of module names, got {ignore!r}")
@@ -231,7 +248,9 @@ def _ct_group(where: str, group: object, default_format: object) -> SchemeGroup:
         raise ValueError(f"{field}: {fmt!r} is not supported; supported: {', '.join(_CT_FORMATS)}")
     w = group.get("weights")
     if not isinstance(w, Mapping):
-        raise ValueError(f"{where}.weights: expected the weights' scheme (activation-only quantization is not supported), got {w!r}")
+        raise ValueError(
+            f"{where}.weights: expected the weights' scheme (activation-only quantization is not supported), got {w!r}"
+        )
     wh = f"{where}.weights"
     kind = _choice(w, "type", ("float",) if fmt == "float-quantized" else ("int",), "int", wh)
     bits = _choice(w, "num_bits", (8,) if kind == "float" else (4, 8), 8, wh)
@@ -364,7 +383,9 @@ def _unpack(packed: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
     return out.reshape(packed.shape[0], packed.shape[1] * per)
 
 
-def _grouped(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, g_idx: torch.Tensor, bits: int, where: str) -> IntLinear:
+def _grouped(
+    codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, g_idx: torch.Tensor, bits: int, where: str
+) -> IntLinear:
     """codes `[N, K]`, scale and zero `[N, groups]`, g_idx `[K]` (each column's group) -> blocks."""
     n, k = codes.shape
     if k % BLOCK:
@@ -374,7 +395,9 @@ def _grouped(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, g_idx
     perm = torch.argsort(g_idx, stable=True)
     blocks = g_idx[perm].view(k // BLOCK, BLOCK)
     if not (blocks == blocks[:, :1]).all():
-        raise ValueError(f"{where}: group_size: groups must be whole blocks of {BLOCK} input columns (once sorted by g_idx)")
+        raise ValueError(
+            f"{where}: group_size: groups must be whole blocks of {BLOCK} input columns (once sorted by g_idx)"
+        )
     group = blocks[:, 0]
     if torch.equal(perm, torch.arange(k)):
         return IntLinear(codes, scale[:, group], zero[:, group], bits, None)

@@ -81,7 +81,9 @@ class RopeConfig:
         split = min(self.original_max_position_embeddings, max_len)
         cos, sin = rotary_tables(self._longrope_inv_freq(dim, self.short_factor), max_len, self.attention_factor)
         if split < max_len:
-            long_cos, long_sin = rotary_tables(self._longrope_inv_freq(dim, self.long_factor), max_len, self.attention_factor)
+            long_cos, long_sin = rotary_tables(
+                self._longrope_inv_freq(dim, self.long_factor), max_len, self.attention_factor
+            )
             cos[split:], sin[split:] = long_cos[split:], long_sin[split:]
         return cos, sin
 
@@ -204,8 +206,12 @@ def _longrope(field: str, hf: Mapping[str, Any], params: Mapping[str, Any], base
     factors = {}
     for key in ("short_factor", "long_factor"):
         value = params.get(key)
-        if not isinstance(value, list) or not all(isinstance(v, int | float) and not isinstance(v, bool) and v > 0 for v in value):
-            raise ValueError(f"{field}.{key}: required for rope_type 'longrope', a list of positive numbers; got {value!r}")
+        if not isinstance(value, list) or not all(
+            isinstance(v, int | float) and not isinstance(v, bool) and v > 0 for v in value
+        ):
+            raise ValueError(
+                f"{field}.{key}: required for rope_type 'longrope', a list of positive numbers; got {value!r}"
+            )
         factors[key] = tuple(float(v) for v in value)
     factor = params.get("factor")
     factor = base.max_position_embeddings / original if factor is None else _number(field, "factor", factor, 1.0)

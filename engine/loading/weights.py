@@ -87,7 +87,11 @@ def materialize(model: nn.Module, device: torch.device | str, dtype: torch.dtype
     for module in model.modules():
         for name, param in list(module.named_parameters(recurse=False)):
             if param.is_meta:
-                setattr(module, name, nn.Parameter(torch.empty(param.shape, dtype=dtype, device=device), requires_grad=False))
+                setattr(
+                    module,
+                    name,
+                    nn.Parameter(torch.empty(param.shape, dtype=dtype, device=device), requires_grad=False),
+                )
 
 
 class _Rows:
@@ -160,7 +164,9 @@ class _Tensors:
         return self._where[name].get_tensor(name)  # type: ignore[no-any-return]
 
 
-def _load_quantized(model: CausalLM, quant: CheckpointQuant, tensors: _Tensors, filled: dict[str, set[Any]]) -> set[str]:
+def _load_quantized(
+    model: CausalLM, quant: CheckpointQuant, tensors: _Tensors, filled: dict[str, set[Any]]
+) -> set[str]:
     """The first pass over a quantized checkpoint (module note); the names of the tensors read."""
     keep = model.cfg.quantization == quant.method
     read: set[str] = set()
@@ -209,7 +215,11 @@ def _keeps_quantized(model: CausalLM, path: str) -> bool:
 
 
 def _quantize_from_checkpoint(
-    model: CausalLM, path: str, pieces: dict[int | None, tuple[str, WeightScheme, str]], tensors: _Tensors, zero_offset: int
+    model: CausalLM,
+    path: str,
+    pieces: dict[int | None, tuple[str, WeightScheme, str]],
+    tensors: _Tensors,
+    zero_offset: int,
 ) -> bool:
     """Replace Linear `path` by a QuantLinear of the checkpoint's pieces; False (nothing replaced)
     where they cannot share one (module note)."""
@@ -231,7 +241,9 @@ def _quantize_from_checkpoint(
         return False
     weight = QuantWeight.cat([p.quant_weight(pieces[i][0]) for p, i in zip(ints, order, strict=True)])
     if weight.shape != (dense.out_features, dense.in_features):
-        raise ValueError(f"model: the quantized {path} is {list(weight.shape)}, expected [{dense.out_features}, {dense.in_features}]")
+        raise ValueError(
+            f"model: the quantized {path} is {list(weight.shape)}, expected [{dense.out_features}, {dense.in_features}]"
+        )
     bias = None if dense.bias is None else dense.bias.detach()  # loaded by the dense pass
     quant = QuantLinear(weight, bias, ints[0].perm)
     quant.rows, quant.cols = dense.rows, dense.cols

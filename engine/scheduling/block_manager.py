@@ -8,17 +8,17 @@ in `_cached`, and a later request with the same prefix takes it back from the fr
 instead of recomputing those tokens. Allocation takes from the front of the free list and drops
 the hash of a cached block it reuses: eviction is simply reuse, in LRU order.
 
-Block hashes chain: sha256(parent's digest + this block's token ids as int64), so equal hashes
-mean equal whole prefixes, unless someone finds a sha256 collision. The cache is shared by
-every client, so the hash must resist crafted collisions: with Python's `hash` (64 bits, not
-collision-resistant, the earlier design) a client could build a prompt whose block hashes equal
-another tenant's, and be served, or make others be served, KV computed from different tokens
-(vLLM moved to sha256 after CVE-2025-25183). Under a LoRA adapter the chain starts from a root
-of the adapter's own (`root_hash`): the same tokens under another adapter are other K/V. The token ids of the new full blocks are packed
-once (`array("q")`, native byte order: the hashes never leave the process) and each block costs
-one sha256 over 32 + 8 * block_size bytes: a few times what `hash` cost, paid per block of a
-prompt and, in decode, once per `block_size` steps (figures: docs/reliability.md). A request's blocks are freed tail first, so the tail of
-a prefix is evicted before its head.
+Block hashes chain: sha256(parent's digest + this block's token ids as int64), so equal hashes mean
+equal whole prefixes, unless someone finds a sha256 collision. The cache is shared by every client,
+so the hash must resist crafted collisions: with Python's `hash` (64 bits, not collision-resistant,
+the earlier design) a client could build a prompt whose block hashes equal another tenant's, and be
+served, or make others be served, KV computed from different tokens (vLLM moved to sha256 after
+CVE-2025-25183). Under a LoRA adapter the chain starts from a root of the adapter's own
+(`root_hash`): the same tokens under another adapter are other K/V. The token ids of the new full
+blocks are packed once (`array("q")`, native byte order: the hashes never leave the process) and
+each block costs one sha256 over 32 + 8 * block_size bytes: a few times what `hash` cost, paid per
+block of a prompt and, in decode, once per `block_size` steps (figures: docs/reliability.md). A
+request's blocks are freed tail first, so the tail of a prefix is evicted before its head.
 
 Sliding windows (`window`, set only when every layer has one, smaller than max_model_len):
 the query at position p reads keys j with p - j < window, and a request's next query is at

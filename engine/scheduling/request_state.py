@@ -76,7 +76,8 @@ class Request:
         self.skip_prefix_cache = req.sampling_params.prompt_logprobs is not None
         # Speculative decoding (engine/speculative/): the draft tokens this request asks to have
         # verified in the coming step (set by the speculator before each schedule; 0: a plain
-        # decode), the most it may ask for after its last verification, the n-gram proposal, the method's per-request state (an n-gram
+        # decode), the most it may ask for after its last verification, the n-gram proposal, the method's per-request
+        # state (an n-gram
         # index), and how many of its tokens have K/V in the draft model's cache.
         self.spec_wanted = 0
         self.spec_limit = 0  # the most drafts it proposes next (0: num_speculative_tokens)

@@ -23,18 +23,18 @@ Each step:
 The prefill budget (`prefill_budget="auto"`, with chunked prefill). A step's time grows with the
 tokens it carries, and every running request waits for the whole step: on a 2-core CPU, prompt
 chunks of up to `max_num_batched_tokens` beside 16 decodes put those decodes' p99 inter-token
-latency at several times its median (issue 25). So while requests decode, the prompt tokens of a step are limited to those that keep
-it within `TARGET_STEP_RATIO` of a decode-only step, by the step cost measured so far
-(`step_cost.py`: `seconds = a + b * tokens`, fitted to the forward passes the engine core times
-and reports through `record_step`): (ratio - 1) * cost(decodes) / b tokens, never fewer than
-`MIN_PREFILL_CHUNK` (prompts always progress) nor more than the budget left. With nothing
+latency at several times its median (issue 25). So while requests decode, the prompt tokens of a
+step are limited to those that keep it within `TARGET_STEP_RATIO` of a decode-only step, by the step
+cost measured so far (`step_cost.py`: `seconds = a + b * tokens`, fitted to the forward passes the
+engine core times and reports through `record_step`): (ratio - 1) * cost(decodes) / b tokens, never
+fewer than `MIN_PREFILL_CHUNK` (prompts always progress) nor more than the budget left. With nothing
 decoding, before a first fit, or where a decode-only step takes under `_MIN_STEP_S` (no one sees
 that stall, and the timing is mostly noise), prompts take the whole `max_num_batched_tokens`.
-`long_prefill_token_threshold` (vLLM's per-request cap) applies on top. The price is a longer
-time to first token for a prompt that arrives while others decode; `prefill_budget="off"`
-(`--scheduler-prefill-budget off`) gives the whole budget to prompts, as before. Rejected: a
-fixed per-step prompt cap (right on one machine and model only: the cost per token differs by
-orders of magnitude between a CPU and a GPU); a budget in seconds from the user (the ratio to the decode step
+`long_prefill_token_threshold` (vLLM's per-request cap) applies on top. The price is a longer time
+to first token for a prompt that arrives while others decode; `prefill_budget="off"`
+(`--scheduler-prefill-budget off`) gives the whole budget to prompts, as before. Rejected: a fixed
+per-step prompt cap (right on one machine and model only: the cost per token differs by orders of
+magnitude between a CPU and a GPU); a budget in seconds from the user (the ratio to the decode step
 is what inter-token latency percentiles see, whatever the machine).
 
 Finishing (EOS, stop token, length) and aborts free blocks at once. Under a sliding window on
@@ -72,7 +72,14 @@ from triollm.engine.scheduling.request_state import Request, RequestStatus
 from triollm.engine.scheduling.step_cost import StepCost
 from triollm.engine.scheduling.waiting_queue import WaitingQueue
 
-__all__ = ["MIN_PREFILL_CHUNK", "TARGET_STEP_RATIO", "ScheduledRequest", "Scheduler", "SchedulerOutput", "SchedulerStats"]
+__all__ = [
+    "MIN_PREFILL_CHUNK",
+    "TARGET_STEP_RATIO",
+    "ScheduledRequest",
+    "Scheduler",
+    "SchedulerOutput",
+    "SchedulerStats",
+]
 
 TARGET_STEP_RATIO = 1.5  # a step beside decodes: at most this many decode-only steps' time
 MIN_PREFILL_CHUNK = 32  # prompt tokens a step may always take, whatever the cost model says

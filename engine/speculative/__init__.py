@@ -58,7 +58,9 @@ class Speculator:
         cfg = self.config
         for r in decoding:
             # Every emitted token must fit max_tokens and the context: 1 + drafts of them.
-            room = min(r.spec_limit or self.k, r.max_tokens - r.num_output_tokens - 1, self.max_model_len - r.num_tokens - 1)
+            room = min(
+                r.spec_limit or self.k, r.max_tokens - r.num_output_tokens - 1, self.max_model_len - r.num_tokens - 1
+            )
             if room <= 0 or r.grammar is not None:
                 continue
             if self.draft is not None:

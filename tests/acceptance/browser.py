@@ -33,7 +33,10 @@ def browser_or_skip() -> tuple[str, str]:
     driver = shutil.which("chromedriver")
     if binary is None or driver is None:
         missing = " and ".join(n for n, p in (("chromium", binary), ("chromium-driver", driver)) if p is None)
-        pytest.skip(f"no headless browser: {missing} not installed (`make setup` installs Debian's chromium and chromium-driver with apt-get)")
+        pytest.skip(
+            f"no headless browser: {missing} not installed (`make setup` installs Debian's chromium and "
+            f"chromium-driver with apt-get)"
+        )
     return binary, driver
 
 

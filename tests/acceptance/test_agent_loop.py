@@ -39,7 +39,8 @@ You may call these tools:
 {%- if m.role == "tool" %}<|im_start|>user
 <tool_response>{{ m.content }}</tool_response><|im_end|>
 {% elif m.tool_calls %}<|im_start|>assistant
-{% for c in m.tool_calls %}<tool_call>{"name": "{{ c.function.name }}", "arguments": {{ c.function.arguments | tojson }}}</tool_call>{% endfor %}<|im_end|>
+{% for c in m.tool_calls %}<tool_call>{"name": "{{ c.function.name }}", "arguments": {{
+c.function.arguments | tojson }}}</tool_call>{% endfor %}<|im_end|>
 {% else %}<|im_start|>{{ m.role }}
 {{ m.content }}<|im_end|>
 {% endif %}
@@ -64,7 +65,9 @@ def client(server: Server) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
 
 
-def _turn(client: openai.OpenAI, messages: list[dict[str, Any]], stream: bool, **kw: Any) -> tuple[dict[str, Any], str | None]:
+def _turn(
+    client: openai.OpenAI, messages: list[dict[str, Any]], stream: bool, **kw: Any
+) -> tuple[dict[str, Any], str | None]:
     """One assistant turn as a message dict (what an agent appends) and its finish reason."""
     if not stream:
         out = client.chat.completions.create(model=MODEL, messages=messages, temperature=0, **kw)  # type: ignore[arg-type]
@@ -75,7 +78,9 @@ def _turn(client: openai.OpenAI, messages: list[dict[str, Any]], stream: bool, *
         for c in chunk.choices:
             content += c.delta.content or ""
             for d in c.delta.tool_calls or []:
-                call = calls.setdefault(d.index, {"id": None, "type": "function", "function": {"name": None, "arguments": ""}})
+                call = calls.setdefault(
+                    d.index, {"id": None, "type": "function", "function": {"name": None, "arguments": ""}}
+                )
                 if d.id:
                     call["id"], call["function"]["name"] = d.id, d.function.name  # type: ignore[union-attr]
                 call["function"]["arguments"] += (d.function.arguments if d.function else None) or ""
@@ -95,7 +100,14 @@ def test_a_two_turn_agent_with_the_openai_client(client: openai.OpenAI, stream: 
     assert call["id"].startswith("chatcmpl-tool-") and call["function"]["name"] == "get_weather"
     city = json.loads(call["function"]["arguments"])["city"]
     assert city in ("Paris", "Rome", "Oslo")
-    messages += [first, {"role": "tool", "tool_call_id": call["id"], "content": json.dumps({"city": city, "sky": "sunny", "celsius": 21})}]
+    messages += [
+        first,
+        {
+            "role": "tool",
+            "tool_call_id": call["id"],
+            "content": json.dumps({"city": city, "sky": "sunny", "celsius": 21}),
+        },
+    ]
     second, finish = _turn(client, messages, stream, tools=[WEATHER], tool_choice="none", max_tokens=12)
     assert finish in ("stop", "length") and second["content"].strip() and not second.get("tool_calls")
 
@@ -118,7 +130,10 @@ def test_auto_reads_the_call_the_model_writes(client: openai.OpenAI) -> None:
 def test_bad_tool_requests_are_400s(client: openai.OpenAI) -> None:
     with pytest.raises(openai.BadRequestError) as caught:
         client.chat.completions.create(
-            model=MODEL, messages=QUESTION, tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "nope"}},  # type: ignore[arg-type]
+            model=MODEL,
+            messages=QUESTION,
+            tools=[WEATHER],
+            tool_choice={"type": "function", "function": {"name": "nope"}},  # type: ignore[arg-type]
         )
     assert caught.value.body["param"] == "tool_choice"  # type: ignore[index]
     with pytest.raises(openai.BadRequestError):
@@ -134,14 +149,33 @@ def test_the_same_agent_through_llm_chat(bundled_model_dir: Path) -> None:
     schema = WEATHER["function"]["parameters"]  # type: ignore[index]
     with LLM(str(bundled_model_dir), max_model_len=2048, multiprocess=False) as llm:
         messages: list[dict[str, Any]] = list(QUESTION)
-        forced = SamplingParams(temperature=0, max_tokens=24, structured_outputs=StructuredOutputsParams(json=schema, disable_any_whitespace=True))
+        forced = SamplingParams(
+            temperature=0,
+            max_tokens=24,
+            structured_outputs=StructuredOutputsParams(json=schema, disable_any_whitespace=True),
+        )
         [first] = llm.chat(messages, forced, tools=[WEATHER], chat_template=TEMPLATE, use_tqdm=False)
         assert '"name": "get_weather"' in (first.prompt or "")  # the tools reached the template
         arguments = json.loads(first.outputs[0].text)
-        call = {"id": "call-1", "type": "function", "function": {"name": "get_weather", "arguments": json.dumps(arguments)}}
-        messages += [{"role": "assistant", "content": None, "tool_calls": [call]}, {"role": "tool", "tool_call_id": "call-1", "content": "sunny, 21 C"}]
-        [second] = llm.chat(messages, SamplingParams(temperature=0, max_tokens=12), tools=[WEATHER], chat_template=TEMPLATE, use_tqdm=False)
-        assert f'<tool_call>{{"name": "get_weather", "arguments": {json.dumps(arguments)}}}</tool_call>' in (second.prompt or "")
+        call = {
+            "id": "call-1",
+            "type": "function",
+            "function": {"name": "get_weather", "arguments": json.dumps(arguments)},
+        }
+        messages += [
+            {"role": "assistant", "content": None, "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "call-1", "content": "sunny, 21 C"},
+        ]
+        [second] = llm.chat(
+            messages,
+            SamplingParams(temperature=0, max_tokens=12),
+            tools=[WEATHER],
+            chat_template=TEMPLATE,
+            use_tqdm=False,
+        )
+        assert f'<tool_call>{{"name": "get_weather", "arguments": {json.dumps(arguments)}}}</tool_call>' in (
+            second.prompt or ""
+        )
         assert "<tool_response>sunny, 21 C</tool_response>" in (second.prompt or "")
         assert second.outputs[0].text.strip()
 
@@ -161,7 +195,9 @@ def test_the_responses_api_through_the_real_server(client: openai.OpenAI) -> Non
         input=[{"type": "function_call_output", "call_id": call.call_id, "output": "sunny, 21 C"}],
     )
     assert second.output_text.strip() and second.previous_response_id == first.id
-    events = list(client.responses.create(model=MODEL, input="Say hello.", max_output_tokens=6, temperature=0, stream=True))
+    events = list(
+        client.responses.create(model=MODEL, input="Say hello.", max_output_tokens=6, temperature=0, stream=True)
+    )
     deltas = "".join(e.delta for e in events if e.type == "response.output_text.delta")  # type: ignore[union-attr]
     final = events[-1].response  # type: ignore[union-attr]
     assert events[-1].type == "response.incomplete" and deltas == final.output_text and final.status == "incomplete"

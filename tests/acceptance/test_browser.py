@@ -80,7 +80,12 @@ def test_a_streamed_answer(browser: Browser, server: Server) -> None:
     browser.click("#send")
     browser.wait_for("document.querySelector('.msg.assistant[data-state=done]')")
     text = browser.run("return document.querySelector('.msg.assistant .text').textContent;")
-    body = {"model": MODEL, "messages": [{"role": "user", "content": "Hello there"}], "max_tokens": 200, "temperature": 0}
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "Hello there"}],
+        "max_tokens": 200,
+        "temperature": 0,
+    }
     plain = httpx.post(f"{server.url}/api/v1/chat/completions", json=body, headers=AUTH, timeout=60).json()
     assert text == plain["choices"][0]["message"]["content"] != ""
     lengths = browser.run("return [...window.seen].filter((n) => n > 0);")
@@ -104,7 +109,8 @@ def test_stop_aborts_the_request(browser: Browser, server: Server) -> None:
         "const done = arguments[arguments.length - 1];"
         "new MutationObserver((_, observer) => {"
         " const e = document.querySelector('.msg.assistant .text');"
-        " if (e && e.textContent) { observer.disconnect(); document.getElementById('stop').click(); done(e.textContent.length); }"
+        " if (e && e.textContent) { observer.disconnect(); document.getElementById('stop').click(); "
+        "done(e.textContent.length); }"
         "}).observe(document.getElementById('messages'), {subtree: true, childList: true, characterData: true});"
         "document.getElementById('send').click();"
     )
@@ -145,7 +151,8 @@ def test_docs_list_every_route(browser: Browser, server: Server) -> None:
     browser.wait_for("document.querySelectorAll('.opblock').length")
     shown = browser.run(
         "return [...document.querySelectorAll('.opblock')].map((e) =>"
-        " e.querySelector('.opblock-summary-method').textContent + ' ' + e.querySelector('.opblock-summary-path').dataset.path);"
+        " e.querySelector('.opblock-summary-method').textContent + ' ' + "
+        "e.querySelector('.opblock-summary-path').dataset.path);"
     )
     doc = httpx.get(f"{server.url}/api/openapi.json", timeout=5).json()
     expected = [f"{method.upper()} {path}" for path, ops in doc["paths"].items() for method in ops]

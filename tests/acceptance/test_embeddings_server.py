@@ -39,7 +39,10 @@ def test_embeddings_and_scores_over_http(minilm_dir: Path, reference: list[list[
         r = httpx.post(f"{srv.url}/score", json={"model": "minilm", "text_1": TEXTS[0], "text_2": TEXTS})
         assert r.status_code == 200, r.text
         scores = [d["score"] for d in r.json()["data"]]
-        expected = [float(torch.nn.functional.cosine_similarity(torch.tensor(reference[0]), torch.tensor(e), dim=0)) for e in reference]
+        expected = [
+            float(torch.nn.functional.cosine_similarity(torch.tensor(reference[0]), torch.tensor(e), dim=0))
+            for e in reference
+        ]
         assert scores == pytest.approx(expected, abs=1e-5)
         with pytest.raises(openai.BadRequestError):
             client.completions.create(model="minilm", prompt="x", max_tokens=2)

@@ -138,7 +138,9 @@ def test_request_ids_are_capped(server: Server, client: httpx.Client) -> None:
         t0 = time.monotonic()
         r = post(client, "/v1/completions", huge)
         assert_refused(r, 400, "request_id", "at most 256 characters")
-        r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "request_id": "r" * 257})
+        r = client.post(
+            "/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "request_id": "r" * 257}
+        )
         assert_refused(r, 400, "request_id", "at most 256")
         r = client.post("/v1/completions", json=body, headers={"X-Request-Id": "h" * 4000})
         assert_refused(r, 400, "X-Request-Id", "at most 256")
@@ -175,7 +177,10 @@ def test_log_lines_stay_bounded(server: Server, client: httpx.Client) -> None:
     bodies = [
         ("/v1/completions", {"prompt": "hi", "max_tokens": 1, "stop": ["x" * 1_000_000]}),
         ("/v1/completions", {"prompt": "hi", "max_tokens": 1, "stop": ["y" * 1000] * 60}),
-        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1, "bad_words": ["z" * 100] * 10_000}),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1, "bad_words": ["z" * 100] * 10_000},
+        ),
     ]
     cases = [(path, encoded(body)) for path, body in bodies]
     with watch(server.url, headers=AUTH):
@@ -295,9 +300,21 @@ def test_values_the_wire_cannot_carry_are_400_and_the_server_lives(server: Serve
     schema = {"type": "object", "properties": {"a": {"type": "integer", "maximum": 2**64 + 5}}}
     chat_format = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"enum": [10**30]}}}
     cases = [
-        ("/v1/completions", encoded(_completion(structured_outputs={"json": schema})), "structured_outputs.json.properties.a.maximum"),
-        ("/v1/completions", encoded(_completion(structured_outputs={"json": {"default": -(2**63) - 1}})), "structured_outputs.json.default"),
-        ("/v1/chat/completions", encoded({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "response_format": chat_format}), "response_format.json.enum[0]"),
+        (
+            "/v1/completions",
+            encoded(_completion(structured_outputs={"json": schema})),
+            "structured_outputs.json.properties.a.maximum",
+        ),
+        (
+            "/v1/completions",
+            encoded(_completion(structured_outputs={"json": {"default": -(2**63) - 1}})),
+            "structured_outputs.json.default",
+        ),
+        (
+            "/v1/chat/completions",
+            encoded({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "response_format": chat_format}),
+            "response_format.json.enum[0]",
+        ),
     ]
     with watch(server.url, headers=AUTH):
         for path, body, where in cases:
@@ -307,7 +324,9 @@ def test_values_the_wire_cannot_carry_are_400_and_the_server_lives(server: Serve
     assert post(client, "/v1/completions", encoded(_completion())).status_code == 200
 
 
-def test_fan_out_beyond_what_the_engine_holds_is_400_before_anything_is_built(server: Server, client: httpx.Client) -> None:
+def test_fan_out_beyond_what_the_engine_holds_is_400_before_anything_is_built(
+    server: Server, client: httpx.Client
+) -> None:
     """1,024 prompts x n 128 = 131,072 sequences used to be built (and 429ed) on the event loop."""
     body = encoded(_completion(prompt=["Hello there"] * 1024, n=128))
     with watch(server.url, headers=AUTH):

@@ -75,7 +75,11 @@ def test_n_seed_logprobs_echo(client: openai.OpenAI) -> None:
     again = client.completions.create(model=MODEL, prompt="Once upon", max_tokens=10, n=3, seed=7, temperature=1.0)
     assert [c.text for c in sorted(again.choices, key=lambda c: c.index)] == texts
     for k in (0, 5):
-        lp = client.completions.create(model=MODEL, prompt="Hi", max_tokens=4, logprobs=k, temperature=0).choices[0].logprobs
+        lp = (
+            client.completions.create(model=MODEL, prompt="Hi", max_tokens=4, logprobs=k, temperature=0)
+            .choices[0]
+            .logprobs
+        )
         assert lp is not None and len(lp.tokens or []) == 4
         assert all(len(top) <= k + 1 and len(top) >= min(k, 1) for top in lp.top_logprobs or [])
     echo = client.completions.create(model=MODEL, prompt="Hello there", max_tokens=3, echo=True, temperature=0)
@@ -98,29 +102,47 @@ def test_errors_then_a_normal_request(client: openai.OpenAI, server: Server) -> 
 def test_structured_outputs_through_the_openai_client(client: openai.OpenAI, server: Server) -> None:
     """response_format (json_schema, json_object), extra_body structured_outputs and the older
     guided_* names, streaming, n > 1; invalid constraints are 400s naming the field."""
-    schema = {"type": "object", "properties": {"color": {"enum": ["red", "blue"]}, "n": {"type": "integer", "minimum": 0, "maximum": 9}},
-              "required": ["color", "n"], "additionalProperties": False}
+    schema = {
+        "type": "object",
+        "properties": {"color": {"enum": ["red", "blue"]}, "n": {"type": "integer", "minimum": 0, "maximum": 9}},
+        "required": ["color", "n"],
+        "additionalProperties": False,
+    }
     messages: Any = [{"role": "user", "content": "Pick a color and a digit."}]
     fmt: Any = {"type": "json_schema", "json_schema": {"name": "pick", "schema": schema}}
-    chat = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=200, temperature=0, response_format=fmt,
-                                          extra_body={"structured_outputs": None})
+    chat = client.chat.completions.create(
+        model=MODEL,
+        messages=messages,
+        max_tokens=200,
+        temperature=0,
+        response_format=fmt,
+        extra_body={"structured_outputs": None},
+    )
     doc = json.loads(chat.choices[0].message.content or "")
     assert doc["color"] in ("red", "blue") and 0 <= doc["n"] <= 9 and chat.choices[0].finish_reason == "stop"
     choice = client.completions.create(model=MODEL, prompt="Answer:", max_tokens=8, n=3, temperature=1.0, seed=4,
                                        extra_body={"structured_outputs": {"choice": ["yes", "no"]}})
     assert {c.text for c in choice.choices} <= {"no", "yes"} and len(choice.choices) == 3
-    stream = client.completions.create(model=MODEL, prompt="Code:", max_tokens=12, stream=True, extra_body={"guided_regex": "[A-F]{3}-[0-9]{2}"})
+    stream = client.completions.create(
+        model=MODEL, prompt="Code:", max_tokens=12, stream=True, extra_body={"guided_regex": "[A-F]{3}-[0-9]{2}"}
+    )
     text = "".join(c.choices[0].text for c in stream if c.choices)
     assert re.fullmatch("[A-F]{3}-[0-9]{2}", text)
     with pytest.raises(openai.BadRequestError) as err:
-        client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4,
-                                       response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "bogus"}}})
+        client.chat.completions.create(
+            model=MODEL,
+            messages=messages,
+            max_tokens=4,
+            response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "bogus"}}},
+        )
     assert err.value.body["param"] == "response_format" and "bogus" in err.value.body["message"]  # type: ignore[index]
     with pytest.raises(openai.BadRequestError) as err:
         client.completions.create(model=MODEL, prompt="x", max_tokens=4, extra_body={"guided_regex": "(x"})
     assert err.value.body["param"] == "guided_regex"  # type: ignore[index]
     with pytest.raises(openai.BadRequestError) as err:
-        client.completions.create(model=MODEL, prompt="x", max_tokens=4, extra_body={"structured_outputs": {"regex": "a", "choice": ["b"]}})
+        client.completions.create(
+            model=MODEL, prompt="x", max_tokens=4, extra_body={"structured_outputs": {"regex": "a", "choice": ["b"]}}
+        )
     assert err.value.body["param"] == "structured_outputs"  # type: ignore[index]
     assert client.completions.create(model=MODEL, prompt="ok", max_tokens=2).choices[0].text is not None
 
@@ -134,7 +156,9 @@ def test_beam_search_over_http_equals_llm_beam_search(client: openai.OpenAI, tin
     prompt = "Once upon a time"
     with LLM(str(tiny_model_dir), max_model_len=256, num_threads=1) as llm:
         (expected,) = llm.beam_search([prompt], BeamSearchParams(beam_width=3, max_tokens=6, ignore_eos=True))
-    out = client.completions.create(model=MODEL, prompt=prompt, max_tokens=6, n=3, extra_body={"use_beam_search": True, "ignore_eos": True})
+    out = client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=6, n=3, extra_body={"use_beam_search": True, "ignore_eos": True}
+    )
     assert [c.text for c in out.choices] == [s.text for s in expected.sequences]
     assert [c.index for c in out.choices] == [0, 1, 2] and out.usage is not None and out.usage.completion_tokens == 18
     stream = client.completions.create(model=MODEL, prompt=prompt, max_tokens=6, n=3, stream=True,
@@ -315,7 +339,9 @@ def _wait_in_flight(url: str, n: int, timeout: float = 10.0) -> None:
 
 def test_sigterm_with_zero_timeout_aborts_and_exits(tiny_model_dir: Path) -> None:
     # Two at a time, so the eight requests take several seconds: most are cut by the SIGTERM.
-    with run_server(tiny_model_dir, "--served-model-name", "m", "--shutdown-timeout", "0", "--max-num-seqs", "2") as srv:
+    with run_server(
+        tiny_model_dir, "--served-model-name", "m", "--shutdown-timeout", "0", "--max-num-seqs", "2"
+    ) as srv:
         results: list[object] = []
         load = _load(srv.url, 8, 250, results)
         _wait_in_flight(srv.url, 8)
@@ -333,7 +359,9 @@ def test_sigterm_with_zero_timeout_aborts_and_exits(tiny_model_dir: Path) -> Non
 
 def test_sigterm_with_timeout_lets_requests_finish(tiny_model_dir: Path) -> None:
     # One at a time, so the drain lasts long enough to see a new request refused.
-    with run_server(tiny_model_dir, "--served-model-name", "m", "--shutdown-timeout", "10", "--max-num-seqs", "1") as srv:
+    with run_server(
+        tiny_model_dir, "--served-model-name", "m", "--shutdown-timeout", "10", "--max-num-seqs", "1"
+    ) as srv:
         results: list[object] = []
         load = _load(srv.url, 4, 250, results)
         _wait_in_flight(srv.url, 4)
@@ -349,7 +377,9 @@ def test_sigterm_with_timeout_lets_requests_finish(tiny_model_dir: Path) -> None
 def test_second_sigterm_during_the_drain_aborts_and_exits(tiny_model_dir: Path) -> None:
     # A 60 s grace period that the second signal cuts short: one request at a time, so the four
     # take longer than the test waits.
-    with run_server(tiny_model_dir, "--served-model-name", "m", "--shutdown-timeout", "60", "--max-num-seqs", "1") as srv:
+    with run_server(
+        tiny_model_dir, "--served-model-name", "m", "--shutdown-timeout", "60", "--max-num-seqs", "1"
+    ) as srv:
         results: list[object] = []
         load = _load(srv.url, 4, 250, results)
         _wait_in_flight(srv.url, 4)

@@ -121,7 +121,9 @@ def running(request_ids: list[str]) -> OutputBatch:
 @asynccontextmanager
 async def merged_ranks(
     router: Router, silence_s: float, buffer: int = 64
-) -> AsyncIterator[tuple[list[MemoryObjectSendStream[CoreOutput]], list[CoreClient], MemoryObjectReceiveStream[CoreOutput], TaskGroup]]:
+) -> AsyncIterator[
+    tuple[list[MemoryObjectSendStream[CoreOutput]], list[CoreClient], MemoryObjectReceiveStream[CoreOutput], TaskGroup]
+]:
     """The merge layer of `open_data_parallel_client` over memory streams: what each rank
     "sends" (`feeds`), the ranks' clients and the merged stream, with rank watchdogs of
     `silence_s`."""
@@ -301,7 +303,9 @@ def test_the_boundary_rules_are_clear_errors(tiny_model_dir: Path) -> None:
         dp_args(tiny_model_dir, 0).create_engine_config()
     with pytest.raises(ValueError, match="data_parallel_size: 2 is not supported by LLM"):
         LLM(str(tiny_model_dir), data_parallel_size=2)
-    with pytest.raises(ValueError, match="data_parallel_rank: 2 is not a rank of data_parallel_size=2; allowed: 0 to 1"):
+    with pytest.raises(
+        ValueError, match="data_parallel_rank: 2 is not a rank of data_parallel_size=2; allowed: 0 to 1"
+    ):
         dp_args(tiny_model_dir, 2, data_parallel_rank=2)
     with pytest.raises(ValueError, match="data_parallel_rank: -1 is not a rank"):
         dp_args(tiny_model_dir, 2, data_parallel_rank=-1)
@@ -323,7 +327,9 @@ def test_external_load_balancing_runs_one_rank_with_its_share_of_the_threads(tin
     actor = args.create_engine_config().actor
     assert (actor.data_parallel_size, actor.data_parallel_rank, actor.data_parallel_world) == (1, 1, 2)
     # One server per rank needs no multiprocess transport: it runs one engine core.
-    assert make_args(tiny_model_dir, multiprocess=False, data_parallel_size=2, data_parallel_rank=0).create_engine_config()
+    assert make_args(
+        tiny_model_dir, multiprocess=False, data_parallel_size=2, data_parallel_rank=0
+    ).create_engine_config()
 
 
 def test_the_cli_takes_vllms_flags() -> None:
@@ -338,4 +344,9 @@ def test_the_cli_takes_vllms_flags() -> None:
     ns = parser.parse_args(["-dp", "2", "-dpn", "1", "-dpb", "mp", "-dpp", "13345"])
     args = EngineArgs.from_cli_args(ns)
     assert (args.data_parallel_rank, args.data_parallel_backend, args.data_parallel_rpc_port) == (1, "mp", 13345)
-    assert EngineArgs.from_cli_args(parser.parse_args(["--data-parallel-backend", "ray", "-dpa", "127.0.0.1"])).data_parallel_address == "127.0.0.1"
+    assert (
+        EngineArgs.from_cli_args(
+            parser.parse_args(["--data-parallel-backend", "ray", "-dpa", "127.0.0.1"])
+        ).data_parallel_address
+        == "127.0.0.1"
+    )

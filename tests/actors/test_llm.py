@@ -20,7 +20,13 @@ GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 @pytest.fixture(scope="module", params=["inproc-trio", "multiprocess-asyncio"])
 def llm(request: pytest.FixtureRequest, tiny_model_dir: Path) -> Iterator[LLM]:
     transport, backend = request.param.split("-")
-    with LLM(str(tiny_model_dir), max_model_len=128, multiprocess=transport == "multiprocess", backend=backend, scheduling_policy="priority") as engine:
+    with LLM(
+        str(tiny_model_dir),
+        max_model_len=128,
+        multiprocess=transport == "multiprocess",
+        backend=backend,
+        scheduling_policy="priority",
+    ) as engine:
         yield engine
 
 

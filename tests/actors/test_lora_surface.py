@@ -67,7 +67,9 @@ def lora_args(model: Path, **overrides: Any) -> EngineArgs:
 # ------------------------------------------------------------------------------ the checker
 
 
-def test_checker_reads_an_adapter_once_and_keeps_ids_apart(adapters: dict[str, LoRARequest], monkeypatch: pytest.MonkeyPatch) -> None:
+def test_checker_reads_an_adapter_once_and_keeps_ids_apart(
+    adapters: dict[str, LoRARequest], monkeypatch: pytest.MonkeyPatch
+) -> None:
     reads: list[str] = []
     real = frontend_lora.read_adapter_config
 
@@ -138,7 +140,9 @@ def spy(llm: LLM, monkeypatch: pytest.MonkeyPatch) -> list[LoRARequest | None]:
     return seen
 
 
-def test_generate_takes_one_adapter_or_one_per_prompt(llm: LLM, adapters: dict[str, LoRARequest], spy: list[Any]) -> None:
+def test_generate_takes_one_adapter_or_one_per_prompt(
+    llm: LLM, adapters: dict[str, LoRARequest], spy: list[Any]
+) -> None:
     a, b = adapters["a"], adapters["b"]
     outs = llm.generate(PROMPTS, GREEDY, lora_request=[a, None, b, a], use_tqdm=False)
     assert [len(o.outputs[0].token_ids) for o in outs] == [N] * 4
@@ -163,13 +167,17 @@ def test_rank_above_max_and_malformed_adapters_are_refused(llm: LLM, adapters: d
     assert len(llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False)[0].outputs[0].token_ids) == N  # still serving
 
 
-def test_chat_beam_search_enqueue_and_llm_engine_carry_adapters(llm: LLM, adapters: dict[str, LoRARequest], spy: list[Any]) -> None:
+def test_chat_beam_search_enqueue_and_llm_engine_carry_adapters(
+    llm: LLM, adapters: dict[str, LoRARequest], spy: list[Any]
+) -> None:
     a, b = adapters["a"], adapters["b"]
     conversation = [{"role": "user", "content": "Hello"}]
     llm.chat([conversation, conversation], GREEDY, lora_request=[None, b], use_tqdm=False)
     assert spy == [None, b]
     spy.clear()
-    results = llm.beam_search([{"prompt_token_ids": [5, 6, 7]}, "Hi"], BeamSearchParams(beam_width=2, max_tokens=2), lora_request=[a, b])
+    results = llm.beam_search(
+        [{"prompt_token_ids": [5, 6, 7]}, "Hi"], BeamSearchParams(beam_width=2, max_tokens=2), lora_request=[a, b]
+    )
     assert len(results) == 2 and all(len(r.sequences) == 2 for r in results)
     # Round 1 runs one beam per prompt, round 2 two: every beam under its prompt's adapter.
     assert spy == [a, b, a, a, b, b]
@@ -180,7 +188,9 @@ def test_chat_beam_search_enqueue_and_llm_engine_carry_adapters(llm: LLM, adapte
     assert sorted(outs) == sorted(ids) and spy == [a, a, b]
 
 
-def test_a_batch_mixing_adapters_and_the_base_gives_peft_tokens(llm: LLM, adapters: dict[str, LoRARequest], tiny_model_dir: Path) -> None:
+def test_a_batch_mixing_adapters_and_the_base_gives_peft_tokens(
+    llm: LLM, adapters: dict[str, LoRARequest], tiny_model_dir: Path
+) -> None:
     a, b = adapters["a"], adapters["b"]
     tokenizer = llm.get_tokenizer()
     loras = [a, b, None, a]
@@ -191,7 +201,9 @@ def test_a_batch_mixing_adapters_and_the_base_gives_peft_tokens(llm: LLM, adapte
         for p, lora in zip(PROMPTS, loras)
     ]
     assert got == want
-    assert got[0] != list(llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False)[0].outputs[0].token_ids)  # a moves the tokens
+    assert got[0] != list(
+        llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+    )  # a moves the tokens
 
 
 # ------------------------------------------------------------------------------ AsyncLLM
@@ -203,14 +215,18 @@ def anyio_backend(request: pytest.FixtureRequest) -> str:
 
 
 @pytest.fixture(scope="module")
-async def tapped(tiny_model_dir: Path, adapters: dict[str, LoRARequest], anyio_backend: str) -> AsyncIterator[tuple[AsyncLLM, InputRecorder]]:
+async def tapped(
+    tiny_model_dir: Path, adapters: dict[str, LoRARequest], anyio_backend: str
+) -> AsyncIterator[tuple[AsyncLLM, InputRecorder]]:
     recorder = InputRecorder()
     async with AsyncLLM.from_engine_args(lora_args(tiny_model_dir), input_tap=recorder) as engine:
         yield engine, recorder
 
 
 def added(recorder: InputRecorder) -> list[tuple[str, LoRARequest | None]]:
-    return [(m.request.request_id.split("#")[0], m.request.lora_request) for m in recorder.sent if isinstance(m, AddRequest)]
+    return [
+        (m.request.request_id.split("#")[0], m.request.lora_request) for m in recorder.sent if isinstance(m, AddRequest)
+    ]
 
 
 @pytest.mark.anyio
@@ -225,7 +241,9 @@ async def test_async_generate_children_and_beams_carry_the_adapter(
     assert outs[-1].finished and len(outs[-1].outputs) == 3
     assert added(recorder) == [(f"{i}_n3", a) for i in range(3)]
     recorder.sent.clear()
-    async with aclosing(llm.beam_search({"prompt_token_ids": [5, 6, 7]}, "beam", BeamSearchParams(beam_width=2, max_tokens=2), b)) as gen:
+    async with aclosing(
+        llm.beam_search({"prompt_token_ids": [5, 6, 7]}, "beam", BeamSearchParams(beam_width=2, max_tokens=2), b)
+    ) as gen:
         (result,) = [out async for out in gen]
     assert len(result.outputs) == 2
     assert [lora for _, lora in added(recorder)] == [b, b, b]  # one beam, then two

@@ -104,7 +104,11 @@ def test_generation_on_a_pooling_model_is_refused(llm: LLM) -> None:
 def test_pooling_on_a_generative_model_is_refused(tiny_model_dir: Path) -> None:
     hint = r"is only supported for pooling models\. Try passing `--runner pooling`"
     with LLM(str(tiny_model_dir), max_model_len=64, multiprocess=False) as gen:
-        for call in (lambda: gen.embed(["x"]), lambda: gen.encode(["x"], pooling_task="embed"), lambda: gen.score("a", "b")):
+        for call in (
+            lambda: gen.embed(["x"]),
+            lambda: gen.encode(["x"], pooling_task="embed"),
+            lambda: gen.score("a", "b"),
+        ):
             with pytest.raises(ValueError, match=hint):
                 call()
         assert len(gen.generate(["Hello"], use_tqdm=False)) == 1

@@ -1,8 +1,8 @@
 """Data parallel on Ray (`data_parallel_backend="ray"`, actors/ray_core.py): each rank an
 engine-core Ray actor in its own placement group, on a local Ray cluster.
 
-Loopback only (`tests/local_ray.py`): the engine cores connect back over tcp://127.0.0.1. Skipped where Ray is not installed (`pip install
-'triollm[ray]'`); CI installs it.
+Loopback only (`tests/local_ray.py`): the engine cores connect back over tcp://127.0.0.1. Skipped
+where Ray is not installed (`pip install 'triollm[ray]'`); CI installs it.
 """
 
 from __future__ import annotations
@@ -92,7 +92,9 @@ async def test_requests_are_balanced_over_ray_actors_and_match_one_core(ray_clus
     assert sum(assigned) == 100 and min(assigned) >= 15, assigned
 
     reference: dict[int, list[int]] = {}  # one engine core, in this process
-    async with AsyncLLM.from_engine_args(AsyncEngineArgs(model=str(tiny_model_dir), max_model_len=256, seed=0, multiprocess=False)) as one:
+    async with AsyncLLM.from_engine_args(
+        AsyncEngineArgs(model=str(tiny_model_dir), max_model_len=256, seed=0, multiprocess=False)
+    ) as one:
         async with anyio.create_task_group() as tg:
             for i in range(10):
                 tg.start_soon(_run, one, i, tokens[i], reference)
@@ -137,7 +139,9 @@ async def test_a_cluster_without_room_fails_start_up_naming_the_resources(
     monkeypatch.setattr(ray_core, "PLACEMENT_TIMEOUT_S", 1.0)
     args = ray_args(tiny_model_dir, num_threads=16)  # 8 CPUs per rank on a 4-CPU cluster
     with anyio.fail_after(60):
-        with pytest.raises(EngineStartupError, match=r"data parallel rank 0: the Ray cluster found no room for \{'CPU': 8.0\}"):
+        with pytest.raises(
+            EngineStartupError, match=r"data parallel rank 0: the Ray cluster found no room for \{'CPU': 8.0\}"
+        ):
             async with AsyncLLM.from_engine_args(args):
                 pass
     assert not ray_cluster.util.placement_group_table() or all(
@@ -145,8 +149,13 @@ async def test_a_cluster_without_room_fails_start_up_naming_the_resources(
     )
 
 
-async def test_without_ray_installed_the_error_names_the_extra(tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_without_ray_installed_the_error_names_the_extra(
+    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setitem(sys.modules, "ray", None)  # `import ray` raises ImportError
-    with pytest.raises(ValueError, match=r"data_parallel_backend: 'ray' needs Ray, which is not installed: pip install 'triollm\[ray\]'"):
+    with pytest.raises(
+        ValueError,
+        match=r"data_parallel_backend: 'ray' needs Ray, which is not installed: pip install 'triollm\[ray\]'",
+    ):
         async with AsyncLLM.from_engine_args(ray_args(tiny_model_dir)):
             pass

@@ -82,11 +82,23 @@ async def small_llm(
         ("n3", params(n=3), "n: 3 exceeds max_n=2"),
         ("kv", params(100), r"max_tokens: 100 .*KV cache"),
         ("kv-none", params(None), r"max_tokens: .*KV cache"),
-        ("big-max", mutated(structured_outputs=big_schema(maximum=2**64 + 5)), r"structured_outputs\.json\.maximum: integers"),
+        (
+            "big-max",
+            mutated(structured_outputs=big_schema(maximum=2**64 + 5)),
+            r"structured_outputs\.json\.maximum: integers",
+        ),
         ("big-default", mutated(structured_outputs=big_schema(default=10**30)), r"structured_outputs\.json\.default"),
-        ("big-enum", mutated(structured_outputs=big_schema(enum=[1, -(2**63) - 1])), r"structured_outputs\.json\.enum\[1\]"),
+        (
+            "big-enum",
+            mutated(structured_outputs=big_schema(enum=[1, -(2**63) - 1])),
+            r"structured_outputs\.json\.enum\[1\]",
+        ),
         ("x" * 513, params(), "request_id: 513 characters exceed the limit of 512"),
-        ("fanout", params(n=2, stop_token_ids=[1] * 8000, allowed_token_ids=[1] * 8000), r"n: 2 sequences x .* exceed max_request_tokens=20000"),
+        (
+            "fanout",
+            params(n=2, stop_token_ids=[1] * 8000, allowed_token_ids=[1] * 8000),
+            r"n: 2 sequences x .* exceed max_request_tokens=20000",
+        ),
     ],
 )
 async def test_a_bad_request_fails_alone_at_submission(

@@ -49,7 +49,9 @@ def adapters(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> 
     root = tmp_path_factory.mktemp("lora-server")
     out = {
         "a": make_peft_adapter(tiny_model_dir, root / "a", seed=11, r=8),
-        "b": make_peft_adapter(tiny_model_dir, root / "b", seed=12, r=4, target_modules=("q_proj", "v_proj", "up_proj")),
+        "b": make_peft_adapter(
+            tiny_model_dir, root / "b", seed=12, r=4, target_modules=("q_proj", "v_proj", "up_proj")
+        ),
         "c": make_peft_adapter(tiny_model_dir, root / "c", seed=13, r=8, target_modules=("o_proj", "down_proj")),
         "big": make_peft_adapter(tiny_model_dir, root / "big", seed=14, r=16),
     }
@@ -96,7 +98,13 @@ class Served:
 async def served(tiny_model_dir: Path, adapters: dict[str, Path], anyio_backend: str) -> AsyncIterator[Served]:
     recorder = Tap()
     args = EngineArgs(
-        model=str(tiny_model_dir), max_model_len=256, multiprocess=False, seed=0, enable_lora=True, max_loras=2, max_lora_rank=8
+        model=str(tiny_model_dir),
+        max_model_len=256,
+        multiprocess=False,
+        seed=0,
+        enable_lora=True,
+        max_loras=2,
+        max_lora_rank=8,
     )
     modules = (LoRAModulePath("a", str(adapters["a"])), LoRAModulePath("b", str(adapters["b"]), base_model_name=BASE))
     settings = ServerSettings(served_model_names=(BASE,), lora_modules=modules, allow_runtime_lora_updating=True)
@@ -116,7 +124,9 @@ def client(http: httpx.AsyncClient) -> Any:
     return openai.AsyncOpenAI(base_url="http://testserver/v1", api_key="x", http_client=http, max_retries=0)
 
 
-async def complete(client: Any, model: str, request_id: str, *, extra_body: dict[str, Any] | None = None, **kw: Any) -> Any:
+async def complete(
+    client: Any, model: str, request_id: str, *, extra_body: dict[str, Any] | None = None, **kw: Any
+) -> Any:
     kw.setdefault("max_tokens", N)
     extra = {"min_tokens": kw["max_tokens"], "request_id": request_id, **(extra_body or {})}
     return await client.completions.create(model=model, prompt=PROMPT, temperature=0.0, extra_body=extra, **kw)
@@ -138,7 +148,9 @@ def assert_error(response: httpx.Response, status: int, param: str, *texts: str)
 
 
 @pytest.mark.anyio
-async def test_models_lists_each_adapter_with_its_path_and_parent(client: Any, http: httpx.AsyncClient, adapters: dict[str, Path]) -> None:
+async def test_models_lists_each_adapter_with_its_path_and_parent(
+    client: Any, http: httpx.AsyncClient, adapters: dict[str, Path]
+) -> None:
     models = (await client.models.list()).data
     assert [m.id for m in models] == [BASE, "a", "b"]
     cards = {card["id"]: card for card in (await http.get("/v1/models")).json()["data"]}
@@ -172,7 +184,9 @@ async def test_adapters_give_peft_greedy_tokens_and_the_base_stays_the_base(
     ids = tokenizer.encode(PROMPT)
     got = {}
     for model, adapter in (("a", adapters["a"]), ("b", adapters["b"]), (BASE, None)):
-        out = await complete(client, model, f"peft-{model}", logprobs=0, extra_body={"return_tokens_as_token_ids": True})
+        out = await complete(
+            client, model, f"peft-{model}", logprobs=0, extra_body={"return_tokens_as_token_ids": True}
+        )
         got[model] = token_ids(out.choices[0].logprobs.tokens)
         assert got[model] == peft_greedy(tiny_model_dir, adapter, ids, N), model
     assert len({tuple(t) for t in got.values()}) == 3  # each adapter moves the tokens its own way
@@ -182,7 +196,9 @@ async def test_adapters_give_peft_greedy_tokens_and_the_base_stays_the_base(
         model="b", messages=messages, temperature=0.0, max_tokens=N, logprobs=True,
         extra_body={"min_tokens": N, "return_tokens_as_token_ids": True},
     )  # fmt: skip
-    assert token_ids([t.token for t in chat.choices[0].logprobs.content]) == peft_greedy(tiny_model_dir, adapters["b"], chat_ids, N)
+    assert token_ids([t.token for t in chat.choices[0].logprobs.content]) == peft_greedy(
+        tiny_model_dir, adapters["b"], chat_ids, N
+    )
 
 
 # ------------------------------------------------------------------------------ runtime loading
@@ -199,12 +215,36 @@ async def test_load_and_unload_at_runtime_while_requests_run(
     assert c is not None and c.lora_int_id not in (1, 2)
     cards = {card.id: card for card in (await client.models.list()).data}
     assert cards["c"].parent == BASE  # type: ignore[attr-defined]
-    assert_error(await http.post(load, json={"lora_name": "c", "lora_path": str(adapters["a"])}), 400, "lora_name", "has already been loaded")
-    assert_error(await http.post(load, json={"lora_name": "x", "lora_path": "/nonexistent/adapter"}), 400, "lora_path", "/nonexistent/adapter")
-    assert_error(await http.post(load, json={"lora_name": "x", "lora_path": str(adapters["dora"])}), 400, "lora_path", str(adapters["dora"]), "use_dora")
-    assert_error(await http.post(load, json={"lora_name": "x", "lora_path": str(adapters["big"])}), 400, "lora_path", "r=16", "max_lora_rank=8")
+    assert_error(
+        await http.post(load, json={"lora_name": "c", "lora_path": str(adapters["a"])}),
+        400,
+        "lora_name",
+        "has already been loaded",
+    )
+    assert_error(
+        await http.post(load, json={"lora_name": "x", "lora_path": "/nonexistent/adapter"}),
+        400,
+        "lora_path",
+        "/nonexistent/adapter",
+    )
+    assert_error(
+        await http.post(load, json={"lora_name": "x", "lora_path": str(adapters["dora"])}),
+        400,
+        "lora_path",
+        str(adapters["dora"]),
+        "use_dora",
+    )
+    assert_error(
+        await http.post(load, json={"lora_name": "x", "lora_path": str(adapters["big"])}),
+        400,
+        "lora_path",
+        "r=16",
+        "max_lora_rank=8",
+    )
     assert_error(await http.post(load, json={"lora_name": "x"}), 400, "lora_path", "'lora_path' must be provided")
-    assert_error(await http.post(load, json={"lora_name": BASE, "lora_path": str(adapters["c"])}), 400, "lora_name", "base model")
+    assert_error(
+        await http.post(load, json={"lora_name": BASE, "lora_path": str(adapters["c"])}), 400, "lora_name", "base model"
+    )
     assert [m.id for m in (await client.models.list()).data] == [BASE, "a", "b", "c"]  # nothing half-loaded
 
     results: dict[str, Any] = {}
@@ -228,7 +268,9 @@ async def test_load_and_unload_at_runtime_while_requests_run(
         assert choice.finish_reason == "length" and results[rid].usage.completion_tokens == 40, rid
     with pytest.raises(openai.NotFoundError):
         await complete(client, "c", "after-unload")
-    assert_error(await http.post("/v1/unload_lora_adapter", json={"lora_name": "c"}), 404, "lora_name", "cannot be found")
+    assert_error(
+        await http.post("/v1/unload_lora_adapter", json={"lora_name": "c"}), 404, "lora_name", "cannot be found"
+    )
     r = await http.post(load, json={"lora_name": "c", "lora_path": str(adapters["c"])})
     assert r.status_code == 200, r.text
     again = served.state.models.lora_request("c")
@@ -257,15 +299,38 @@ def test_serve_flags_and_the_runtime_env(monkeypatch: pytest.MonkeyPatch, capsys
     with pytest.raises(SystemExit):
         parse("--help")
     text = " ".join(capsys.readouterr().out.split())
-    for flag in ("--enable-lora", "--lora-modules", "--max-loras", "--max-lora-rank", "--max-cpu-loras", "--lora-dtype"):
+    for flag in (
+        "--enable-lora",
+        "--lora-modules",
+        "--max-loras",
+        "--max-lora-rank",
+        "--max-cpu-loras",
+        "--lora-dtype",
+    ):
         assert flag in text, flag
-    ns = parse("m", "--enable-lora", "--lora-modules", "a=/x=y", '{"name": "b", "path": "/y", "base_model_name": "tiny"}', "--lora-modules", "c=/z")
+    ns = parse(
+        "m",
+        "--enable-lora",
+        "--lora-modules",
+        "a=/x=y",
+        '{"name": "b", "path": "/y", "base_model_name": "tiny"}',
+        "--lora-modules",
+        "c=/z",
+    )
     for value, want in (("true", True), ("1", True), ("0", False), ("", False)):
         monkeypatch.setenv("VLLM_ALLOW_RUNTIME_LORA_UPDATING", value)
         settings = serve_options(ns, (BASE,), 20).settings
         assert settings is not None and settings.allow_runtime_lora_updating is want, value
-    assert settings.lora_modules == (LoRAModulePath("a", "/x=y"), LoRAModulePath("b", "/y", "tiny"), LoRAModulePath("c", "/z"))
-    for bad, message in (("{bad", "invalid JSON"), ('{"name": "b"}', "needs the keys name and path"), ("noequals", "is not name=path")):
+    assert settings.lora_modules == (
+        LoRAModulePath("a", "/x=y"),
+        LoRAModulePath("b", "/y", "tiny"),
+        LoRAModulePath("c", "/z"),
+    )
+    for bad, message in (
+        ("{bad", "invalid JSON"),
+        ('{"name": "b"}', "needs the keys name and path"),
+        ("noequals", "is not name=path"),
+    ):
         with pytest.raises(SystemExit):
             parse("m", "--enable-lora", "--lora-modules", bad)
         assert message in capsys.readouterr().err, bad
@@ -277,10 +342,22 @@ def test_bad_lora_modules_stop_the_server_before_it_starts(
     model = str(tiny_model_dir)
     cases = [
         (["--lora-modules", f"a={adapters['a']}"], "--lora-modules: LoRA is not enabled; add --enable-lora"),
-        (["--enable-lora", "--lora-modules", "a=/nonexistent"], "--lora-modules a: '/nonexistent' is not a LoRA adapter directory"),
-        (["--enable-lora", "--max-lora-rank", "8", "--lora-modules", f"a={adapters['big']}"], "r=16 is above max_lora_rank=8"),
-        (["--enable-lora", "--lora-modules", f"a={adapters['a']}", f"a={adapters['b']}"], "--lora-modules a: the name is given twice"),
-        (["--enable-lora", "--served-model-name", "a", "--lora-modules", f"a={adapters['a']}"], "--lora-modules a: the name is the base model's"),
+        (
+            ["--enable-lora", "--lora-modules", "a=/nonexistent"],
+            "--lora-modules a: '/nonexistent' is not a LoRA adapter directory",
+        ),
+        (
+            ["--enable-lora", "--max-lora-rank", "8", "--lora-modules", f"a={adapters['big']}"],
+            "r=16 is above max_lora_rank=8",
+        ),
+        (
+            ["--enable-lora", "--lora-modules", f"a={adapters['a']}", f"a={adapters['b']}"],
+            "--lora-modules a: the name is given twice",
+        ),
+        (
+            ["--enable-lora", "--served-model-name", "a", "--lora-modules", f"a={adapters['a']}"],
+            "--lora-modules a: the name is the base model's",
+        ),
     ]
     for words, message in cases:
         assert cli.main(["serve", model, "--port", "0", *words]) == 2, words

@@ -70,7 +70,10 @@ async def test_pages_are_served_from_the_package(client: httpx.AsyncClient) -> N
     assert "script-src 'self';" in page.headers["content-security-policy"]
     assert 'id="prompt"' in page.text and 'src="playground.js"' in page.text
     docs = await client.get("/docs")
-    assert 'src="swagger-ui/swagger-ui-bundle.js"' in docs.text and "connect-src 'self'" in docs.headers["content-security-policy"]
+    assert (
+        'src="swagger-ui/swagger-ui-bundle.js"' in docs.text
+        and "connect-src 'self'" in docs.headers["content-security-policy"]
+    )
     # The pages are no part of the API's description.
     assert not set(PAGES) & set((await client.get("/openapi.json")).json()["paths"])
 
@@ -204,7 +207,8 @@ def test_chat_says_what_loads_and_how_to_leave(
     err = capsys.readouterr().err.splitlines()
     assert err[0] == f"triollm: loading {tiny_model_dir} (dtype auto, quantization auto, threads 1)..."
     assert re.fullmatch(
-        rf"triollm: ready in [\d.]+ s: {tiny_model_dir.name}, float32, quantization none, 1 thread, 64 tokens of context",
+        rf"triollm: ready in [\d.]+ s: {tiny_model_dir.name}, float32, quantization none, 1 thread, 64 tokens of "
+        rf"context",
         err[1],
     ), err[1]
     assert err[2] == cli.CHAT_HELP and "/clear" in err[2] and "Ctrl-D" in err[2]

@@ -60,7 +60,9 @@ def assert_400(response: httpx.Response, param: str, text: str) -> None:
     assert error["type"] == "BadRequestError" and error["code"] == 400
 
 
-async def test_embeddings_float_and_base64(client: httpx.AsyncClient, reference: torch.Tensor, minilm_dir: Path) -> None:
+async def test_embeddings_float_and_base64(
+    client: httpx.AsyncClient, reference: torch.Tensor, minilm_dir: Path
+) -> None:
     r = await embed(client, {"input": TEXTS})
     assert r.status_code == 200, r.text
     body = r.json()
@@ -102,7 +104,11 @@ async def test_embeddings_bad_input(client: httpx.AsyncClient) -> None:
     assert_400(await embed(client, {"input": "x", "dimensions": 0}), "dimensions", "")
     assert_400(await embed(client, {"input": "x", "dimensions": 16}), "dimensions", "matryoshka")
     assert_400(await embed(client, {"input": "x", "truncate_prompt_tokens": -2}), "truncate_prompt_tokens", "")
-    assert_400(await embed(client, {"input": ["fine", "word " * 300]}), "input", "input[1]: 302 tokens exceed max_model_len (256)")
+    assert_400(
+        await embed(client, {"input": ["fine", "word " * 300]}),
+        "input",
+        "input[1]: 302 tokens exceed max_model_len (256)",
+    )
     assert_400(await embed(client, {"input": [[101, 99999]]}), "input", "vocab_size")
     assert_400(await embed(client, {"input": ["x"] * 9}), "input", "max_prompts_per_request")
     cut = await embed(client, {"input": "word " * 300, "truncate_prompt_tokens": -1})
@@ -119,7 +125,10 @@ async def test_score(client: httpx.AsyncClient, reference: torch.Tensor) -> None
         assert r.status_code == 200, r.text
         body = r.json()
         assert body["object"] == "list" and body["id"].startswith("score-") and body["model"] == MODEL
-        assert [d["object"] for d in body["data"]] == ["score", "score"] and [d["index"] for d in body["data"]] == [0, 1]
+        assert [d["object"] for d in body["data"]] == ["score", "score"] and [d["index"] for d in body["data"]] == [
+            0,
+            1,
+        ]
         assert [d["score"] for d in body["data"]] == pytest.approx(cos[0, 1:].tolist(), abs=1e-4)
         assert body["usage"]["prompt_tokens"] > 0
     pairs = (await client.post("/score", json={"queries": TEXTS[:2], "documents": TEXTS[1:]})).json()
@@ -127,11 +136,16 @@ async def test_score(client: httpx.AsyncClient, reference: torch.Tensor) -> None
     assert_400(await client.post("/score", json={"text_1": "a"}), "text_2", "required")
     assert_400(await client.post("/score", json={"text_1": TEXTS[:2], "text_2": TEXTS}), "text_1", "2 texts for 3")
     assert_400(await client.post("/score", json={"text_1": [], "text_2": "b"}), "text_1", "non-empty list")
-    assert_400(await client.post("/score", json={"text_1": "a", "text_2": ["word " * 300]}), "text_2", "exceed max_model_len")
+    assert_400(
+        await client.post("/score", json={"text_1": "a", "text_2": ["word " * 300]}), "text_2", "exceed max_model_len"
+    )
 
 
 async def test_generation_endpoints_and_models_on_a_pooling_model(client: httpx.AsyncClient) -> None:
-    for path, body in (("/v1/completions", {"prompt": "Hi"}), ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}]})):
+    for path, body in (
+        ("/v1/completions", {"prompt": "Hi"}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}]}),
+    ):
         r = await client.post(path, json={"model": MODEL, **body})
         assert r.status_code == 400 and "does not support" in r.json()["error"]["message"]
         assert "--runner generate" in r.json()["error"]["message"]

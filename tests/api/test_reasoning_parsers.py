@@ -126,7 +126,9 @@ def test_registry() -> None:
     assert {"deepseek_r1", "deepseek_v3", "qwen3"} <= set(ReasoningParserManager.names())
     assert ReasoningParserManager.names() == sorted(ReasoningParserManager.names())
     assert ReasoningParserManager.get_reasoning_parser("qwen3") is Qwen3ReasoningParser
-    with pytest.raises(ValueError, match=r"--reasoning-parser: unknown parser 'nope'; known: .*deepseek_r1, deepseek_v3"):
+    with pytest.raises(
+        ValueError, match=r"--reasoning-parser: unknown parser 'nope'; known: .*deepseek_r1, deepseek_v3"
+    ):
         ReasoningParserManager.get_reasoning_parser("nope")
     with pytest.raises(TypeError, match="ReasoningParser subclass"):
         ReasoningParserManager.register_module("bad")(object)  # type: ignore[type-var]

@@ -97,7 +97,9 @@ async def test_text_instructions_and_the_token_limit(client: openai.AsyncOpenAI,
     assert r.output_text == message.content[0].text != ""
     assert r.instructions == "Answer in one word." and r.max_output_tokens == 3 and r.temperature == 0
     assert r.usage is not None and r.usage.output_tokens == 3
-    expected = prompt_tokens(llm, [{"role": "system", "content": "Answer in one word."}, {"role": "user", "content": "Name a colour."}])
+    expected = prompt_tokens(
+        llm, [{"role": "system", "content": "Answer in one word."}, {"role": "user", "content": "Name a colour."}]
+    )
     assert r.usage.input_tokens == expected and r.usage.total_tokens == expected + 3
     assert r.usage.output_tokens_details.reasoning_tokens == 0
     # A developer message is the system message; message items with content parts.
@@ -181,7 +183,12 @@ async def test_streamed_events(client: openai.AsyncOpenAI) -> None:
     types = [e.type for e in events]
     assert [e.sequence_number for e in events] == list(range(len(events)))
     head = ["response.created", "response.in_progress", "response.output_item.added", "response.content_part.added"]
-    tail = ["response.output_text.done", "response.content_part.done", "response.output_item.done", "response.incomplete"]
+    tail = [
+        "response.output_text.done",
+        "response.content_part.done",
+        "response.output_item.done",
+        "response.incomplete",
+    ]
     assert types[:4] == head and types[-4:] == tail
     assert set(types[4:-4]) == {"response.output_text.delta"}
     final = events[-1].response  # type: ignore[union-attr]
@@ -296,7 +303,9 @@ def test_reasoning_item_streamed_as_the_client_accumulates_it(served: tuple[Asyn
     """With a reasoning parser: a `reasoning` item before the message, streamed and whole alike,
     and the events accepted by the openai client's own stream accumulator."""
     tokenizer = served[0].get_tokenizer()
-    parsing = make_output_parsing(ToolChoice("none"), tokenizer=tokenizer, tool_call_parser=None, reasoning_parser="qwen3")
+    parsing = make_output_parsing(
+        ToolChoice("none"), tokenizer=tokenizer, tool_call_parser=None, reasoning_parser="qwen3"
+    )
     text = "<think>Two and two.</think>It is 4."
     pieces = [text[i : i + 3] for i in range(0, len(text), 3)]
 

@@ -25,7 +25,9 @@ BODY = {"model": "m", "prompt": CODE * 3, "max_tokens": 24, "temperature": 0, "i
 
 
 async def _serve(model: Path, spec: dict[str, Any] | None) -> dict[str, Any]:
-    args = EngineArgs(model=str(model), max_model_len=512, multiprocess=False, seed=0, quantization="gguf", speculative_config=spec)
+    args = EngineArgs(
+        model=str(model), max_model_len=512, multiprocess=False, seed=0, quantization="gguf", speculative_config=spec
+    )
     async with AsyncLLM.from_engine_args(args) as llm:
         state = ServerState(llm, ServerSettings(served_model_names=("m",)))
         state.metrics = Metrics(state)  # as the server sets it
@@ -52,7 +54,9 @@ async def test_completions_with_speculation_equal_plain_decoding(bundled_model_d
     assert counts == sorted(counts) and counts[-1] == 24
     # Fewer chunks than tokens: steps that accepted drafts sent several tokens at once.
     assert len([c for c in spec["chunks"] if c["choices"]]) < 24
-    accepted = [line for line in spec["metrics"].splitlines() if line.startswith("vllm:spec_decode_num_accepted_tokens_total")]
+    accepted = [
+        line for line in spec["metrics"].splitlines() if line.startswith("vllm:spec_decode_num_accepted_tokens_total")
+    ]
     assert accepted and float(accepted[0].rsplit(" ", 1)[1]) > 0
     assert "vllm:spec_decode_num_accepted_tokens_per_pos_total" in spec["metrics"]
     assert "spec_decode" not in plain["metrics"]

@@ -37,7 +37,12 @@ TIME = {
     "type": "function",
     "function": {
         "name": "get_time",
-        "parameters": {"type": "object", "properties": {"zone": {"enum": ["UTC"]}}, "required": ["zone"], "additionalProperties": False},
+        "parameters": {
+            "type": "object",
+            "properties": {"zone": {"enum": ["UTC"]}},
+            "required": ["zone"],
+            "additionalProperties": False,
+        },
     },
 }
 NAMED = {"type": "function", "function": {"name": "get_weather"}}
@@ -122,7 +127,14 @@ def test_required_calls_stream_as_their_whole_output_reads(cuts: list[int]) -> N
 
 @pytest.mark.parametrize("tool_choice", [NAMED, "required"])
 async def test_a_streamed_forced_call_adds_up_to_the_whole_answer(client: httpx.AsyncClient, tool_choice: Any) -> None:
-    body = {"messages": CHAT, "max_tokens": 80, **GREEDY, "tools": [WEATHER, TIME], "tool_choice": tool_choice, "parallel_tool_calls": False}
+    body = {
+        "messages": CHAT,
+        "max_tokens": 80,
+        **GREEDY,
+        "tools": [WEATHER, TIME],
+        "tool_choice": tool_choice,
+        "parallel_tool_calls": False,
+    }
     whole = (await ok(client, "/v1/chat/completions", body))["choices"][0]
     events = sse(await post(client, "/v1/chat/completions", {**body, "stream": True}))
     calls: dict[int, dict[str, Any]] = {}
@@ -160,23 +172,56 @@ async def test_a_forced_call_cut_short_is_text(client: httpx.AsyncClient) -> Non
     [
         ({"tool_choice": "required"}, ("`tools` must be set",), "tool_choice"),
         ({"tools": [], "tool_choice": "auto"}, ("must not be an empty array",), "tools"),
-        ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, ("'nope' is not in tools", "get_weather"), "tool_choice"),
+        (
+            {"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+            ("'nope' is not in tools", "get_weather"),
+            "tool_choice",
+        ),
         ({"tools": [WEATHER], "tool_choice": "sometimes"}, ("must be one of", "'required'"), "tool_choice"),
         ({"tools": [WEATHER], "tool_choice": {"type": "function"}}, ("named function",), "tool_choice"),
         ({"tools": [{"type": "retrieval"}]}, ("tools[0].type",), "tools"),
         ({"tools": [{"type": "function", "function": {"name": "f", "parameters": []}}]}, ("parameters",), "tools"),
         (
-            {"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {"a": {"$ref": "#/nowhere"}}}}}], "tool_choice": "required"},
+            {
+                "tools": [
+                    {
+                        "type": "function",
+                        "function": {
+                            "name": "f",
+                            "parameters": {"type": "object", "properties": {"a": {"$ref": "#/nowhere"}}},
+                        },
+                    }
+                ],
+                "tool_choice": "required",
+            },
             (),
             "tools",
         ),
-        ({"tools": [WEATHER], "tool_choice": NAMED, "response_format": {"type": "json_object"}}, ("cannot be combined",), "tool_choice"),
+        (
+            {"tools": [WEATHER], "tool_choice": NAMED, "response_format": {"type": "json_object"}},
+            ("cannot be combined",),
+            "tool_choice",
+        ),
         ({"truncate_prompt_tokens": 0}, ("truncate_prompt_tokens",), "truncate_prompt_tokens"),
         ({"truncate_prompt_tokens": 100000}, ("max_model_len",), "truncate_prompt_tokens"),
     ],
-    ids=["choice-without-tools", "empty-tools", "unknown-name", "bad-choice", "bad-named", "bad-type", "bad-parameters", "bad-schema", "with-response-format", "truncate-0", "truncate-too-long"],
+    ids=[
+        "choice-without-tools",
+        "empty-tools",
+        "unknown-name",
+        "bad-choice",
+        "bad-named",
+        "bad-type",
+        "bad-parameters",
+        "bad-schema",
+        "with-response-format",
+        "truncate-0",
+        "truncate-too-long",
+    ],
 )
-async def test_bad_tool_requests_are_400s_naming_the_field(client: httpx.AsyncClient, body: dict[str, Any], fragments: tuple[str, ...], param: str) -> None:
+async def test_bad_tool_requests_are_400s_naming_the_field(
+    client: httpx.AsyncClient, body: dict[str, Any], fragments: tuple[str, ...], param: str
+) -> None:
     r = await post(client, "/v1/chat/completions", {"messages": CHAT, "max_tokens": 4, **body})
     assert_error(r, 400, *fragments, param=param)
     await assert_still_serving(client)
@@ -192,9 +237,17 @@ async def test_auto_needs_the_server_flags(llm: Any) -> None:
         r = await post(client, "/v1/chat/completions", {"messages": CHAT, "tools": [WEATHER]})
         assert_error(r, 400, "--enable-auto-tool-choice", "--tool-call-parser", param="tool_choice")
         # "none" and forced calls need no parser
-        out = await ok(client, "/v1/chat/completions", {"messages": CHAT, "max_tokens": 3, **GREEDY, "tools": [WEATHER], "tool_choice": "none"})
+        out = await ok(
+            client,
+            "/v1/chat/completions",
+            {"messages": CHAT, "max_tokens": 3, **GREEDY, "tools": [WEATHER], "tool_choice": "none"},
+        )
         assert out["choices"][0]["message"]["tool_calls"] == []
-        out = await ok(client, "/v1/chat/completions", {"messages": CHAT, "max_tokens": 40, **GREEDY, "tools": [WEATHER], "tool_choice": NAMED})
+        out = await ok(
+            client,
+            "/v1/chat/completions",
+            {"messages": CHAT, "max_tokens": 40, **GREEDY, "tools": [WEATHER], "tool_choice": NAMED},
+        )
         assert out["choices"][0]["message"]["tool_calls"][0]["function"]["name"] == "get_weather"
 
 
@@ -204,15 +257,33 @@ async def test_auto_needs_the_server_flags(llm: Any) -> None:
 async def test_tools_tool_calls_and_tool_results_reach_the_template(client: httpx.AsyncClient) -> None:
     messages = [
         {"role": "user", "content": "Weather?"},
-        {"role": "assistant", "content": None, "tool_calls": [{"id": "call-1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Rome", "days": 1}'}}]},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "call-1",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city": "Rome", "days": 1}'},
+                }
+            ],
+        },
         {"role": "tool", "tool_call_id": "call-1", "content": "sunny"},
     ]
-    body = {"messages": messages, "tools": [WEATHER], "tool_choice": "none", "chat_template": TOOL_TEMPLATE, "documents": [{"title": "Atlas", "text": "..."}]}
+    body = {
+        "messages": messages,
+        "tools": [WEATHER],
+        "tool_choice": "none",
+        "chat_template": TOOL_TEMPLATE,
+        "documents": [{"title": "Atlas", "text": "..."}],
+    }
     out = await chat(client, **body, max_tokens=1, prompt_logprobs=0)
     prompt_ids = [int(next(iter(row))) for row in out["prompt_logprobs"][1:]]
     text = (await ok(client, "/detokenize", {"tokens": prompt_ids}))["prompt"]
     # (jinja's trim_blocks drops the newline after a block tag, as transformers' templates expect)
-    assert text.endswith("OOL get_weather\nDOC Atlas\nuser: Weather?assistant:  CALL get_weather Rome" "tool: sunny FOR call-1assistant:")
+    assert text.endswith(
+        "OOL get_weather\nDOC Atlas\nuser: Weather?assistant:  CALL get_weather Rometool: sunny FOR call-1assistant:"
+    )
 
 
 async def test_a_request_chat_template_needs_the_server_flag(llm: Any) -> None:
@@ -266,7 +337,11 @@ async def test_outputs_are_logged_when_asked(llm: Any, caplog: pytest.LogCapture
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=build_app(state)), base_url="http://t") as client:
         with caplog.at_level("INFO", logger="triollm"):
             out = await ok(client, "/v1/chat/completions", {"messages": CHAT, "max_tokens": 12, **GREEDY})
-            streamed = sse(await post(client, "/v1/chat/completions", {"messages": CHAT, "max_tokens": 12, **GREEDY, "stream": True}))
+            streamed = sse(
+                await post(
+                    client, "/v1/chat/completions", {"messages": CHAT, "max_tokens": 12, **GREEDY, "stream": True}
+                )
+            )
     text = out["choices"][0]["message"]["content"]
     assert "".join(c["delta"].get("content") or "" for e in streamed for c in e["choices"]) == text
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("Generated response")]
@@ -313,11 +388,19 @@ async def test_auto_reads_the_calls_the_model_wrote(client: httpx.AsyncClient, p
     content, _, streamed, finish = _assemble(sse(await post(client, "/v1/chat/completions", {**body, "stream": True})))
     assert finish == ["tool_calls"] and content == "Let me check."
     assert [c["name"] for c in streamed.values()] == [c["function"]["name"] for c in calls]
-    assert [json.loads(c["arguments"]) for c in streamed.values()] == [json.loads(c["function"]["arguments"]) for c in calls]
+    assert [json.loads(c["arguments"]) for c in streamed.values()] == [
+        json.loads(c["function"]["arguments"]) for c in calls
+    ]
 
 
 async def test_auto_without_a_call_is_text(client: httpx.AsyncClient) -> None:
-    body = {"messages": CHAT, "max_tokens": 30, **GREEDY, "tools": [WEATHER], "structured_outputs": {"regex": r"It is sunny\."}}
+    body = {
+        "messages": CHAT,
+        "max_tokens": 30,
+        **GREEDY,
+        "tools": [WEATHER],
+        "structured_outputs": {"regex": r"It is sunny\."},
+    }
     whole = (await ok(client, "/v1/chat/completions", body))["choices"][0]
     assert whole["finish_reason"] == "stop" and whole["message"] == {
         "role": "assistant", "content": "It is sunny.", "reasoning": None, "reasoning_content": None, "tool_calls": [],
@@ -329,12 +412,17 @@ async def test_the_reasoning_parser_splits_reasoning_off(llm: Any, include_reaso
     from triollm.api.app import build_app
     from triollm.api.state import ServerState
 
-    settings = ServerSettings(served_model_names=("tiny",), reasoning_parser="qwen3", enable_auto_tool_choice=True, tool_call_parser="hermes")
+    settings = ServerSettings(
+        served_model_names=("tiny",), reasoning_parser="qwen3", enable_auto_tool_choice=True, tool_call_parser="hermes"
+    )
     state = ServerState(llm, settings)
     # Steered by a regex over the whole output: with thinking switched off the output does not
     # open in reasoning, so the grammar holds from the first token (and Qwen3's parser still
     # splits a <think> section the model writes anyway).
-    regex = r'<think>Rome is warm\.</think>Sunny\.<tool_call>\{"name": "get_time", "arguments": \{"zone": "UTC"\}\}</tool_call>'
+    regex = (
+        r'<think>Rome is warm\.</think>Sunny\.<tool_call>\{"name": "get_time", "arguments": \{"zone": '
+        r'"UTC"\}\}</tool_call>'
+    )
     body = {
         "messages": CHAT, "max_tokens": 120, **GREEDY, "tools": [TIME], "include_reasoning": include_reasoning,
         "structured_outputs": {"regex": regex}, "chat_template_kwargs": {"enable_thinking": False},
@@ -362,15 +450,36 @@ async def test_a_grammar_waits_for_the_end_of_the_reasoning(llm: Any) -> None:
     tokenizer = llm.get_tokenizer()
     end = tokenizer.encode("</think>", add_special_tokens=False)
     so = StructuredOutputsParams(json_object=True)
-    for parser, kwargs, gated in [("deepseek_r1", None, True), ("qwen3", None, True), ("qwen3", {"enable_thinking": False}, False)]:
-        parsing = make_output_parsing(ToolChoice("none"), tokenizer=tokenizer, tool_call_parser=None, reasoning_parser=parser, chat_template_kwargs=kwargs)
+    for parser, kwargs, gated in [
+        ("deepseek_r1", None, True),
+        ("qwen3", None, True),
+        ("qwen3", {"enable_thinking": False}, False),
+    ]:
+        parsing = make_output_parsing(
+            ToolChoice("none"),
+            tokenizer=tokenizer,
+            tool_call_parser=None,
+            reasoning_parser=parser,
+            chat_template_kwargs=kwargs,
+        )
         assert parsing.gate(so).start_after_token_ids == (end if gated else None)  # type: ignore[union-attr]
-    assert make_output_parsing(ToolChoice("none"), tokenizer=tokenizer, tool_call_parser=None, reasoning_parser=None).gate(so) is so
+    assert (
+        make_output_parsing(ToolChoice("none"), tokenizer=tokenizer, tool_call_parser=None, reasoning_parser=None).gate(
+            so
+        )
+        is so
+    )
     # Through the server: the tiny model never writes </think>, so its output stays free (all
     # reasoning); without the wait it would be a JSON object from the first token.
     state = ServerState(llm, ServerSettings(served_model_names=("tiny",), reasoning_parser="deepseek_r1"))
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=build_app(state)), base_url="http://t") as client:
         body = {"messages": CHAT, "max_tokens": 8, **GREEDY, "response_format": {"type": "json_object"}}
         message = (await ok(client, "/v1/chat/completions", body))["choices"][0]["message"]
-        free = (await ok(client, "/v1/chat/completions", {"messages": CHAT, "max_tokens": 8, **GREEDY}))["choices"][0]["message"]
-    assert message["content"] is None and message["reasoning"] == free["reasoning"] and not message["reasoning"].startswith("{")
+        free = (await ok(client, "/v1/chat/completions", {"messages": CHAT, "max_tokens": 8, **GREEDY}))["choices"][0][
+            "message"
+        ]
+    assert (
+        message["content"] is None
+        and message["reasoning"] == free["reasoning"]
+        and not message["reasoning"].startswith("{")
+    )

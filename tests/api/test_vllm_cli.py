@@ -62,7 +62,16 @@ def exits_2(capsys: pytest.CaptureFixture[str], *words: str) -> str:
 
 @pytest.mark.parametrize(
     ("text", "value"),
-    [("4096", 4096), ("4k", 4000), ("4K", 4096), ("32k", 32000), ("1.5k", 1500), ("1M", 1 << 20), ("2m", 2_000_000), ("1g", 10**9)],
+    [
+        ("4096", 4096),
+        ("4k", 4000),
+        ("4K", 4096),
+        ("32k", 32000),
+        ("1.5k", 1500),
+        ("1M", 1 << 20),
+        ("2m", 2_000_000),
+        ("1g", 10**9),
+    ],
 )
 def test_sizes_as_vllm_reads_them(text: str, value: int) -> None:
     ns = parse("--max-model-len", text, "--max-num-batched-tokens", text, "--kv-cache-memory-bytes", text)
@@ -157,24 +166,39 @@ async def test_root_path_cors_and_docs_in_the_app(llm: AsyncLLM) -> None:
         assert (await client.get("/api/health")).status_code == 200  # open, through the prefix too
         for headers in ({}, {"Authorization": "Bearer k1"}):  # --disable-fastapi-docs: not served
             assert (await client.get("/openapi.json", headers=headers)).status_code == 404
-        preflight = {"Origin": origin, "Access-Control-Request-Method": "POST", "Access-Control-Request-Headers": "authorization"}
+        preflight = {
+            "Origin": origin,
+            "Access-Control-Request-Method": "POST",
+            "Access-Control-Request-Headers": "authorization",
+        }
         r = await client.options("/api/v1/chat/completions", headers=preflight)
         assert r.status_code == 200 and r.headers["access-control-allow-credentials"] == "true"
         assert set(r.headers["access-control-allow-methods"].replace(" ", "").split(",")) == {"GET", "POST"}
-        r = await client.options("/v1/chat/completions", headers={**preflight, "Access-Control-Request-Method": "DELETE"})
+        r = await client.options(
+            "/v1/chat/completions", headers={**preflight, "Access-Control-Request-Method": "DELETE"}
+        )
         assert r.status_code == 400  # a method not allowed
 
 
 def test_cors_flags_reach_the_settings(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     settings = served(monkeypatch).settings
     assert settings is not None
-    assert (settings.allowed_origins, settings.allowed_methods, settings.allowed_headers, settings.allow_credentials) == ((), ("*",), ("*",), False)
+    assert (
+        settings.allowed_origins,
+        settings.allowed_methods,
+        settings.allowed_headers,
+        settings.allow_credentials,
+    ) == ((), ("*",), ("*",), False)
     settings = served(
         monkeypatch, "--allowed-origins", '["http://a"]', "--allowed-methods", '["GET"]',
         "--allowed-headers", '["x-custom"]', "--allow-credentials", "--root-path", "/api/", "--disable-fastapi-docs",
     ).settings
     assert settings is not None
-    assert (settings.allowed_origins, settings.allowed_methods, settings.allowed_headers) == (("http://a",), ("GET",), ("x-custom",))
+    assert (settings.allowed_origins, settings.allowed_methods, settings.allowed_headers) == (
+        ("http://a",),
+        ("GET",),
+        ("x-custom",),
+    )
     assert settings.allow_credentials and settings.root_path == "/api" and settings.disable_docs
     assert "argument --allowed-methods" in exits_2(capsys, "--allowed-methods", "GET")
     assert "--root-path: must start with '/'" in exits_2(capsys, "--root-path", "api")
@@ -214,7 +238,14 @@ async def test_hypercorn_gets_the_level_and_a_bounded_access_line(caplog: pytest
         for logger, level in zip(loggers, levels, strict=True):
             logger.setLevel(level)
     assert quiet.accesslog is None and loud.accesslog is loggers[1]
-    scope = {"method": "GET", "path": "/v1/" + "x" * 5000, "query_string": b"a=1", "http_version": "1.1", "client": ("127.0.0.1", 5555), "headers": []}
+    scope = {
+        "method": "GET",
+        "path": "/v1/" + "x" * 5000,
+        "query_string": b"a=1",
+        "http_version": "1.1",
+        "client": ("127.0.0.1", 5555),
+        "headers": [],
+    }
     with caplog.at_level(logging.INFO, "hypercorn.access"):
         await loud.log.access(scope, {"status": 200, "headers": []}, 0.01)
         await quiet.log.access(scope, {"status": 200, "headers": []}, 0.01)
@@ -249,7 +280,9 @@ def test_tool_choice_needs_a_parser(capsys: pytest.CaptureFixture[str]) -> None:
     assert "--enable-auto-tool-choice requires --tool-call-parser" in exits_2(capsys, "--enable-auto-tool-choice")
 
 
-def test_unknown_parser_names_exit_2_listing_the_names(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+def test_unknown_parser_names_exit_2_listing_the_names(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     if not hasattr(pytest.importorskip("triollm.api.tool_parsers"), "ToolParserManager"):
         pytest.skip("the tool parser registry is not there yet")
     pytest.importorskip("triollm.api.reasoning_parsers")
@@ -257,9 +290,15 @@ def test_unknown_parser_names_exit_2_listing_the_names(monkeypatch: pytest.Monke
     assert "--tool-call-parser" in err and "nope" in err and "hermes" in err
     err = exits_2(capsys, "--reasoning-parser", "nope")
     assert "triollm: error: --reasoning-parser" in err and "nope" in err and "deepseek_r1" in err
-    options = served(monkeypatch, "--enable-auto-tool-choice", "--tool-call-parser", "hermes", "--reasoning-parser", "qwen3")
+    options = served(
+        monkeypatch, "--enable-auto-tool-choice", "--tool-call-parser", "hermes", "--reasoning-parser", "qwen3"
+    )
     assert options.settings is not None
-    assert (options.settings.enable_auto_tool_choice, options.settings.tool_call_parser, options.settings.reasoning_parser) == (True, "hermes", "qwen3")
+    assert (
+        options.settings.enable_auto_tool_choice,
+        options.settings.tool_call_parser,
+        options.settings.reasoning_parser,
+    ) == (True, "hermes", "qwen3")
 
 
 def test_a_parser_plugin_registers_a_name(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -285,7 +324,9 @@ def test_generation_config_sources_and_override(tiny_model_dir: Path, tmp_path: 
             (model / f.name).symlink_to(f)
     (model / "generation_config.json").unlink()
     own = json.loads((tiny_model_dir / "generation_config.json").read_text())
-    (model / "generation_config.json").write_text(json.dumps({**own, "temperature": 0.6, "top_p": 0.9, "max_new_tokens": 50}))
+    (model / "generation_config.json").write_text(
+        json.dumps({**own, "temperature": 0.6, "top_p": 0.9, "max_new_tokens": 50})
+    )
     elsewhere = tmp_path / "gen"
     elsewhere.mkdir()
     (elsewhere / "generation_config.json").write_text(json.dumps({"eos_token_id": 7, "top_k": 20, "do_sample": False}))
@@ -297,20 +338,37 @@ def test_generation_config_sources_and_override(tiny_model_dir: Path, tmp_path: 
     auto, eos = defaults()
     assert auto == {"temperature": 0.6, "top_p": 0.9, "max_tokens": 50}
     assert defaults(generation_config="vllm") == ({}, eos)  # OpenAI's defaults; stop tokens stay
-    assert defaults(generation_config="vllm", override_generation_config={"temperature": 0.5})[0] == {"temperature": 0.5}
-    assert defaults(override_generation_config={"temperature": 0.5, "max_new_tokens": 9})[0] == {"temperature": 0.5, "top_p": 0.9, "max_tokens": 9}
+    assert defaults(generation_config="vllm", override_generation_config={"temperature": 0.5})[0] == {
+        "temperature": 0.5
+    }
+    assert defaults(override_generation_config={"temperature": 0.5, "max_new_tokens": 9})[0] == {
+        "temperature": 0.5,
+        "top_p": 0.9,
+        "max_tokens": 9,
+    }
     from_folder, folder_eos = defaults(generation_config=str(elsewhere))
     assert from_folder == {"top_k": 20, "temperature": 0.0} and folder_eos[0] == 7
-    args = EngineArgs.from_cli_args(parse("--generation-config", "vllm", "--override-generation-config", '{"temperature": 0.5}'))
+    args = EngineArgs.from_cli_args(
+        parse("--generation-config", "vllm", "--override-generation-config", '{"temperature": 0.5}')
+    )
     assert (args.generation_config, args.override_generation_config) == ("vllm", {"temperature": 0.5})
 
 
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"generation_config": "/no/such/folder"}, "generation_config: '/no/such/folder' is not 'auto', 'vllm' or a folder"),
-        ({"override_generation_config": {"temprature": 0.5}}, "override_generation_config: unknown key 'temprature'; allowed: temperature, top_p"),
-        ({"override_generation_config": {"temperature": "hot"}}, "override_generation_config.temperature: expected a number"),
+        (
+            {"generation_config": "/no/such/folder"},
+            "generation_config: '/no/such/folder' is not 'auto', 'vllm' or a folder",
+        ),
+        (
+            {"override_generation_config": {"temprature": 0.5}},
+            "override_generation_config: unknown key 'temprature'; allowed: temperature, top_p",
+        ),
+        (
+            {"override_generation_config": {"temperature": "hot"}},
+            "override_generation_config.temperature: expected a number",
+        ),
         ({"override_generation_config": [1]}, "override_generation_config: expected a JSON object"),
     ],
 )
@@ -326,6 +384,19 @@ def test_a_folder_without_the_file_is_refused(tiny_model_dir: Path, tmp_path: Pa
 
 def test_recipe_flags_that_cannot_apply_are_accepted_and_reported() -> None:
     args = EngineArgs.from_cli_args(
-        parse("--async-scheduling", "--disable-cascade-attn", "--enable-expert-parallel", "--limit-mm-per-prompt", '{"image": 0}', "--trust-remote-code")
+        parse(
+            "--async-scheduling",
+            "--disable-cascade-attn",
+            "--enable-expert-parallel",
+            "--limit-mm-per-prompt",
+            '{"image": 0}',
+            "--trust-remote-code",
+        )
     )
-    assert set(args._ignored_args("cpu")) >= {"async_scheduling", "disable_cascade_attn", "enable_expert_parallel", "limit_mm_per_prompt", "trust_remote_code"}
+    assert set(args._ignored_args("cpu")) >= {
+        "async_scheduling",
+        "disable_cascade_attn",
+        "enable_expert_parallel",
+        "limit_mm_per_prompt",
+        "trust_remote_code",
+    }

@@ -21,8 +21,25 @@ from triollm.bench.latency import (
     latency_prompt_ids,
 )
 
-FIGURES = ("ttft_ms", "ms_per_token", "step_ms_median", "output_tokens", "token_ids", "repeats_identical", "runs", "warmup", "spec")
-SPEC_KEYS = ("num_drafts", "num_draft_tokens", "num_accepted_tokens", "accepted_per_pos", "acceptance_rate", "mean_acceptance_length")
+FIGURES = (
+    "ttft_ms",
+    "ms_per_token",
+    "step_ms_median",
+    "output_tokens",
+    "token_ids",
+    "repeats_identical",
+    "runs",
+    "warmup",
+    "spec",
+)
+SPEC_KEYS = (
+    "num_drafts",
+    "num_draft_tokens",
+    "num_accepted_tokens",
+    "accepted_per_pos",
+    "acceptance_rate",
+    "mean_acceptance_length",
+)
 
 
 @pytest.fixture(scope="module")
@@ -67,7 +84,9 @@ def test_ngram_speculation_keeps_the_greedy_output(long_tiny_model: Path, tmp_pa
     spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
     res = _bench(long_tiny_model, tmp_path / "spec.json", "--speculative-config", json.dumps(spec))
     assert res["speculative_config"] == spec
-    assert res["outputs_identical"] is True, _first_difference(res["triollm"]["token_ids"], res["baseline"]["token_ids"])
+    assert res["outputs_identical"] is True, _first_difference(
+        res["triollm"]["token_ids"], res["baseline"]["token_ids"]
+    )
     assert res["triollm"]["repeats_identical"]
     s = res["triollm"]["spec"]
     assert s["num_accepted_tokens"] <= s["num_draft_tokens"] <= 3 * s["num_drafts"]

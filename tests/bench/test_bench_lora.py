@@ -13,13 +13,19 @@ from triollm.bench.lora import write_random_adapter
 def test_bench_lora_reports_both_ratios(tiny_model_dir: Path, tmp_path: Path) -> None:
     out = tmp_path / "lora.json"
     rc = main([
-        "bench", "lora", "--model", str(tiny_model_dir), "--num-prompts", "8", "--min-input-len", "8", "--max-input-len", "24",
+        "bench", "lora", "--model", str(tiny_model_dir), "--num-prompts", "8", "--min-input-len", "8",
+        "--max-input-len", "24",
         "--max-output-len", "12", "--min-output-len", "4", "--num-adapters", "2", "--rank", "8",
         "--decode-tokens", "8", "--output-json", str(out), "--num-threads", "1",
     ])  # fmt: skip
     assert rc == 0
     res = json.loads(out.read_text())
-    for key in ("base/output_tokens_per_s", "lora/output_tokens_per_s", "base/batch1_ms_per_token", "lora/batch1_ms_per_token"):
+    for key in (
+        "base/output_tokens_per_s",
+        "lora/output_tokens_per_s",
+        "base/batch1_ms_per_token",
+        "lora/batch1_ms_per_token",
+    ):
         assert res[key] > 0, key
     assert res["ratio/throughput"] == res["lora/output_tokens_per_s"] / res["base/output_tokens_per_s"]
 

@@ -52,7 +52,9 @@ def test_groups_fall_back_to_one_that_divides_every_width(make: ModuleType) -> N
     assert make.group_for(Kind("awq", 4, 128, False), {48}) is None
 
 
-def test_the_k_quant_mix_and_its_fallback_for_narrow_rows(make: ModuleType, tiny_model_dir: Path, tmp_path: Path) -> None:
+def test_the_k_quant_mix_and_its_fallback_for_narrow_rows(
+    make: ModuleType, tiny_model_dir: Path, tmp_path: Path
+) -> None:
     """Q4_K_M as llama.cpp mixes it (Q6_K for a tied embedding and for attn_v / ffn_down in the
     layers it picks); rows not 256 wide (the default tiny model's 64 and 128) in the kept type."""
     names = {"token_embd.weight", *(f"blk.{i}.{t}.weight" for i in range(30) for t in ("attn_v", "ffn_down", "attn_q"))}
@@ -88,16 +90,28 @@ def test_the_checkpoints_load_in_their_own_schemes(made: tuple[Path, Path, list[
         "gguf": {"0.qkv_proj": 4, "1.qkv_proj": 8, "0.down_proj": 4, "1.down_proj": 8, "lm_head": 8},
     }
     for path, scheme in zip(paths, expected, strict=True):
-        args = EngineArgs(model=str(path), max_model_len=128, num_threads=1, cache_dir=str(root / "cache"), quantization="gguf" if scheme == "gguf" else None)
+        args = EngineArgs(
+            model=str(path),
+            max_model_len=128,
+            num_threads=1,
+            cache_dir=str(root / "cache"),
+            quantization="gguf" if scheme == "gguf" else None,
+        )
         engine = SyncEngine.from_engine_args(args)
         assert engine.config.model.quantization == scheme
-        bits = {n.removeprefix("layers.").replace("self_attn.", "").replace("mlp.", ""): m.bits for n, m in engine.core.model.named_modules() if isinstance(m, QuantLinear)}
+        bits = {
+            n.removeprefix("layers.").replace("self_attn.", "").replace("mlp.", ""): m.bits
+            for n, m in engine.core.model.named_modules()
+            if isinstance(m, QuantLinear)
+        }
         for name, b in expected[scheme].items():
             found = {k: v for k, v in bits.items() if k == name or k.endswith("." + name)}
             assert found and set(found.values()) == {b}, (scheme, name, bits)
         if scheme == "gptq":  # act order: each linear reads its input permuted
             assert all(m.perm is not None for m in engine.core.model.modules() if isinstance(m, QuantLinear))
-        (out,) = engine.generate([{"prompt_token_ids": [40, 41, 42]}], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+        (out,) = engine.generate(
+            [{"prompt_token_ids": [40, 41, 42]}], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+        )
         assert len(out.outputs[0].token_ids) == 4
 
 

@@ -27,7 +27,9 @@ def test_the_best_beam_equals_transformers(bundled_model_dir: Path) -> None:
     hf_tok = transformers.AutoTokenizer.from_pretrained(str(bundled_model_dir))
     for prompt, mine in zip(PROMPTS, ours):
         ids = hf_tok(prompt, return_tensors="pt").input_ids
-        out = model.generate(ids, num_beams=3, max_new_tokens=8, do_sample=False, early_stopping=False, eos_token_id=None, pad_token_id=0)
+        out = model.generate(
+            ids, num_beams=3, max_new_tokens=8, do_sample=False, early_stopping=False, eos_token_id=None, pad_token_id=0
+        )
         assert out[0, ids.shape[1] :].tolist() == mine, prompt
 
 
@@ -49,7 +51,9 @@ def test_beams_that_reach_the_context_length_finish_once(tiny_model_dir: Path) -
     """More max_tokens than the context holds: every beam stops at max_model_len, is reported
     once (no duplicates from the rounds after), and finishes with "length"."""
     with LLM(str(tiny_model_dir), max_model_len=16, num_threads=1) as llm:
-        (out,) = llm.beam_search([{"prompt_token_ids": list(range(5, 15))}], BeamSearchParams(beam_width=3, max_tokens=20, ignore_eos=True))
+        (out,) = llm.beam_search(
+            [{"prompt_token_ids": list(range(5, 15))}], BeamSearchParams(beam_width=3, max_tokens=20, ignore_eos=True)
+        )
         assert llm.beam_search([], BeamSearchParams(beam_width=3, max_tokens=2)) == []
     assert len(out.sequences) == 3
     assert len({tuple(s.tokens) for s in out.sequences}) == 3
@@ -84,7 +88,9 @@ def llm_beams(tiny_model_dir: Path) -> BeamSearchOutput:
 
 
 @pytest.mark.anyio
-async def test_async_beam_search_equals_llm_and_cancels_cleanly(tiny_model_dir: Path, llm_beams: BeamSearchOutput) -> None:
+async def test_async_beam_search_equals_llm_and_cancels_cleanly(
+    tiny_model_dir: Path, llm_beams: BeamSearchOutput
+) -> None:
     """`AsyncLLM.beam_search` yields one finished RequestOutput with the same beams as
     `LLM.beam_search`; cancelling it mid-search aborts its round and leaves nothing running."""
     import anyio
@@ -97,10 +103,14 @@ async def test_async_beam_search_equals_llm_and_cancels_cleanly(tiny_model_dir: 
         outs = [o async for o in engine.beam_search(prompt, "b1", params)]
         assert len(outs) == 1 and outs[0].finished and outs[0].request_id == "b1"
         assert [c.token_ids for c in outs[0].outputs] == [s.tokens[4:] for s in expected.sequences]
-        assert [c.cumulative_logprob for c in outs[0].outputs] == pytest.approx([s.cum_logprob for s in expected.sequences])
+        assert [c.cumulative_logprob for c in outs[0].outputs] == pytest.approx(
+            [s.cum_logprob for s in expected.sequences]
+        )
         assert [c.text for c in outs[0].outputs] == [s.text for s in expected.sequences]
         with anyio.move_on_after(0.05):
-            async for _ in engine.beam_search(prompt, "b2", BeamSearchParams(beam_width=4, max_tokens=60, ignore_eos=True)):
+            async for _ in engine.beam_search(
+                prompt, "b2", BeamSearchParams(beam_width=4, max_tokens=60, ignore_eos=True)
+            ):
                 pass
         await engine.wait_idle()
         assert engine.num_unfinished_requests == 0

@@ -76,7 +76,9 @@ def test_kv_cache_dtype_is_resolved_and_checked(tiny_model_dir: Path) -> None:
     assert cache(kv_cache_dtype="bfloat16") == torch.bfloat16
     assert cache(quantization="int8") == torch.bfloat16
     assert cache(quantization="int8", kv_cache_dtype="float32") == torch.float32
-    with pytest.raises(ValueError, match="kv_cache_dtype: 'float32' under bfloat16 activations on 'cpu' is not supported"):
+    with pytest.raises(
+        ValueError, match="kv_cache_dtype: 'float32' under bfloat16 activations on 'cpu' is not supported"
+    ):
         cache(dtype="bfloat16", kv_cache_dtype="float32")
     with pytest.raises(ValueError, match="kv_cache_dtype: 'bfloat16' under float16 activations"):
         cache(dtype="float16", kv_cache_dtype="bfloat16")
@@ -107,5 +109,7 @@ def test_a_bf16_kv_cache_under_fp32_runs_on_both_cpu_paths(
     for full, half in zip(*runs, strict=True):
         a = [next(iter(d.values())).logprob for d in full.outputs[0].logprobs]
         b = [next(iter(d.values())).logprob for d in half.outputs[0].logprobs]
-        n = next((i for i, (x, y) in enumerate(zip(full.outputs[0].token_ids, half.outputs[0].token_ids)) if x != y), len(a))
+        n = next(
+            (i for i, (x, y) in enumerate(zip(full.outputs[0].token_ids, half.outputs[0].token_ids)) if x != y), len(a)
+        )
         assert n > 0 and max(abs(x - y) for x, y in zip(a[:n], b[:n])) < 0.1  # 0.05 seen

@@ -29,7 +29,9 @@ def _engine(model: Path) -> SyncEngine:
 
 def _run(engine: SyncEngine) -> dict[str, list[int]]:
     for i, prompt in enumerate(PROMPTS):  # different lengths: the batch shrinks as they finish
-        engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=3 + 2 * i, ignore_eos=True), request_id=str(i))
+        engine.add_request(
+            prompt, SamplingParams(temperature=0, max_tokens=3 + 2 * i, ignore_eos=True), request_id=str(i)
+        )
     outs: dict[str, list[int]] = {}
     for _ in range(200):
         if not engine.has_unfinished_requests():
@@ -46,9 +48,13 @@ def _with_graphs(engine: SyncEngine) -> tuple[list[int], torch.Tensor]:
     cache."""
     core = engine.core
     mc, bs = core.config.model, core.config.cache.block_size
-    kv = allocate_kv_cache(mc.num_layers, core.num_blocks + 1, bs, core.executor.num_kv_heads, mc.head_dim, mc.dtype, "cpu")
+    kv = allocate_kv_cache(
+        mc.num_layers, core.num_blocks + 1, bs, core.executor.num_kv_heads, mc.head_dim, mc.dtype, "cpu"
+    )
     assert core.model is not None
-    graphs = DecodeGraphs(core.model, kv, torch.device("cpu"), SIZES, -(-mc.max_model_len // bs), core.num_blocks, eager_capture())
+    graphs = DecodeGraphs(
+        core.model, kv, torch.device("cpu"), SIZES, -(-mc.max_model_len // bs), core.num_blocks, eager_capture()
+    )
     replays: list[int] = []
     run = graphs.run
 
@@ -62,7 +68,9 @@ def _with_graphs(engine: SyncEngine) -> tuple[list[int], torch.Tensor]:
 
 
 @pytest.mark.parametrize("kernels", ["native", "triton"])
-def test_decode_graphs_give_the_eager_tokens(tiny_model_dir: Path, kernels: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_decode_graphs_give_the_eager_tokens(
+    tiny_model_dir: Path, kernels: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     if kernels == "triton":
         pytest.importorskip("triton", reason="triton is not installed")
         monkeypatch.setenv("TRIOLLM_KERNELS", "triton")

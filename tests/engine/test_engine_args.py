@@ -18,8 +18,8 @@ from triollm import LLM, SamplingParams, TokensPrompt
 from triollm.actors.llm import engine_args_from_kwargs
 from triollm.api.cli import build_parser
 from triollm.engine import config as config_module
-from triollm.engine.execution import executor as core_module
 from triollm.engine.config import IGNORED_ARGS, EngineArgs
+from triollm.engine.execution import executor as core_module
 from triollm.engine.processing.tokenizer import Tokenizer
 
 # What people pass to vLLM's `LLM(...)` and `vllm serve` (quickstart, examples/offline_inference),
@@ -111,7 +111,11 @@ def test_unknown_names_are_rejected_by_both(
         ({"load_format": "scripted"}, "load_format: 'scripted' is not supported; allowed: auto, safetensors, gguf"),
         ({"load_format": "dummy"}, "load_format: 'dummy' is not supported; allowed: auto"),
         ({"kv_cache_dtype": "fp8"}, "kv_cache_dtype: 'fp8' is not supported; allowed: auto, bfloat16, float32"),
-        ({"quantization": "bitsandbytes"}, "quantization: 'bitsandbytes' is not supported; allowed: gguf, int8, int4, gptq, gptq_marlin, awq, awq_marlin, fp8, compressed-tensors, none"),
+        (
+            {"quantization": "bitsandbytes"},
+            "quantization: 'bitsandbytes' is not supported; allowed: gguf, int8, int4, gptq, gptq_marlin, awq, "
+            "awq_marlin, fp8, compressed-tensors, none",
+        ),
         ({"dtype": "fp16"}, "dtype: 'fp16' is not one of auto, half, float16, bfloat16, float, float32"),
         ({"dtype": torch.float64}, "dtype: torch.float64 is not one of torch.float16"),
         ({"tokenizer_mode": "mistral"}, "tokenizer_mode: 'mistral' is not supported; allowed: auto, hf, slow"),

@@ -27,12 +27,21 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
         {"head_dim": 16, "use_sliding_window": True, "sliding_window": 12, "max_window_layers": 1, "layer_types": None},
     ),
     "qwen3-moe": ("Qwen3MoeForCausalLM", {"moe_intermediate_size": 48, "norm_topk_prob": True, **MOE}),
-    "qwen3-moe-unnormalized": ("Qwen3MoeForCausalLM", {"moe_intermediate_size": 48, "norm_topk_prob": False, "mlp_only_layers": [1], **MOE}),
+    "qwen3-moe-unnormalized": (
+        "Qwen3MoeForCausalLM",
+        {"moe_intermediate_size": 48, "norm_topk_prob": False, "mlp_only_layers": [1], **MOE},
+    ),
     "mixtral": ("MixtralForCausalLM", {"intermediate_size": 48, "sliding_window": None, **MOE}),
     "gemma": ("GemmaForCausalLM", {"head_dim": 16, "tie_word_embeddings": True}),
     "gemma2": (
         "Gemma2ForCausalLM",
-        {"head_dim": 16, "query_pre_attn_scalar": 24, "attn_logit_softcapping": 5.0, "final_logit_softcapping": 3.0, "sliding_window": 10},
+        {
+            "head_dim": 16,
+            "query_pre_attn_scalar": 24,
+            "attn_logit_softcapping": 5.0,
+            "final_logit_softcapping": 3.0,
+            "sliding_window": 10,
+        },
     ),
     "gemma3": (
         "Gemma3ForCausalLM",
@@ -61,7 +70,10 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
             },
         },
     ),
-    "olmo2": ("Olmo2ForCausalLM", {"attention_bias": False, "rope_parameters": {"rope_type": "default", "rope_theta": 50000.0}}),
+    "olmo2": (
+        "Olmo2ForCausalLM",
+        {"attention_bias": False, "rope_parameters": {"rope_type": "default", "rope_theta": 50000.0}},
+    ),
     "granite": (
         "GraniteForCausalLM",
         {"embedding_multiplier": 3.0, "residual_multiplier": 0.4, "attention_multiplier": 0.1, "logits_scaling": 2.5},
@@ -142,7 +154,12 @@ REFUSED = [
     (_config("Qwen3MoeForCausalLM", mlp_only_layers="all"), "mlp_only_layers"),
     (_config("Phi3ForCausalLM", partial_rotary_factor=0.01), "partial_rotary_factor"),
     (_config("Phi3ForCausalLM", rope_scaling={"rope_type": "longrope", "short_factor": [1.0]}), "long_factor"),
-    (_config("Phi3ForCausalLM", rope_scaling={"type": "longrope", "short_factor": [1.0] * 3, "long_factor": [1.0] * 3}), "longrope factors"),
+    (
+        _config(
+            "Phi3ForCausalLM", rope_scaling={"type": "longrope", "short_factor": [1.0] * 3, "long_factor": [1.0] * 3}
+        ),
+        "longrope factors",
+    ),
     (_config("Gemma2ForCausalLM", attn_logit_softcapping=-1), "attn_logit_softcapping"),
     (_config("GraniteForCausalLM", logits_scaling=0), "logits_scaling"),
     (_config("Qwen2MoeForCausalLM"), "architectures: 'Qwen2MoeForCausalLM' is not supported"),
@@ -161,7 +178,9 @@ def test_unsupported_family_fields_are_refused(tmp_path: Path, config: dict[str,
         load_model(cfg)  # what only the model's tables can check (the longrope factors' count)
 
 
-@pytest.mark.parametrize(("arch", "why"), [("Olmo2ForCausalLM", "q/k norm spans all heads"), ("MixtralForCausalLM", "routed experts")])
+@pytest.mark.parametrize(
+    ("arch", "why"), [("Olmo2ForCausalLM", "q/k norm spans all heads"), ("MixtralForCausalLM", "routed experts")]
+)
 def test_tensor_parallel_refusals(tmp_path: Path, arch: str, why: str) -> None:
     import json
 
@@ -180,7 +199,9 @@ def torch_meta() -> Any:
     return torch.device("meta")
 
 
-def test_families_resolve_by_hub_id_offline(model_dirs: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_families_resolve_by_hub_id_offline(
+    model_dirs: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Every family from a Hugging Face cache in huggingface_hub's layout, by repo id, offline;
     one of them generates the tokens its directory gives."""
     import socket
@@ -210,7 +231,9 @@ def test_families_resolve_by_hub_id_offline(model_dirs: dict[str, Path], tmp_pat
 
 
 @pytest.mark.parametrize("case", ["gemma3", "phi3-partial-longrope"])
-def test_triton_path_equals_the_torch_path(model_dirs: dict[str, Path], case: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_triton_path_equals_the_torch_path(
+    model_dirs: dict[str, Path], case: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The CUDA code path under the Triton interpreter: Gemma 3's windowed and global layers with
     their two RoPEs and q/k norms, Phi-3's partial rotary (rotated outside the fused kernel)."""
     pytest.importorskip("triton", reason="triton is not installed")
@@ -220,7 +243,9 @@ def test_triton_path_equals_the_torch_path(model_dirs: dict[str, Path], case: st
     # One prompt long enough to fill a cached block (a prefix hit in the second round), four
     # tokens: the interpreter runs every kernel launch in Python.
     kw = {"prompts": [TRITON_PROMPTS[2]], "max_tokens": 4}
-    assert _greedy(model_dirs[case], "triton", monkeypatch, **kw) == _greedy(model_dirs[case], "torch", monkeypatch, **kw)
+    assert _greedy(model_dirs[case], "triton", monkeypatch, **kw) == _greedy(
+        model_dirs[case], "torch", monkeypatch, **kw
+    )
 
 
 def test_tensor_parallel_gemma3_equals_one_rank(model_dirs: dict[str, Path]) -> None:

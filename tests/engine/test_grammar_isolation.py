@@ -122,7 +122,9 @@ def grammar_threads() -> set[threading.Thread]:
 
 def request(rid: str, max_tokens: int = 16, regex: str | None = None) -> EngineCoreRequest:
     so = None if regex is None else S(regex=regex)
-    return EngineCoreRequest(rid, [5, 6, 7], SamplingParams(max_tokens=max_tokens, ignore_eos=regex is None, structured_outputs=so))
+    return EngineCoreRequest(
+        rid, [5, 6, 7], SamplingParams(max_tokens=max_tokens, ignore_eos=regex is None, structured_outputs=so)
+    )
 
 
 def drain(core: EngineCore) -> list[EngineCoreOutput]:
@@ -148,7 +150,9 @@ def text_of(tok: Tokenizer, outs: list[EngineCoreOutput], rid: str) -> str:
 # ------------------------------------------------------------------------------------ the core
 
 
-def test_other_requests_step_while_a_grammar_compiles(core: EngineCore, tok: Tokenizer, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_other_requests_step_while_a_grammar_compiles(
+    core: EngineCore, tok: Tokenizer, monkeypatch: pytest.MonkeyPatch
+) -> None:
     shim = use(monkeypatch, Shim(held=True))
     core.add_request(request("slow", regex=r"slow[0-9]{3}"))
     core.add_request(request("plain", max_tokens=8))
@@ -258,7 +262,11 @@ async def test_the_engine_loop_aborts_a_compiling_request(
 ) -> None:
     shim = use(monkeypatch, Shim(held=True))
     with anyio.fail_after(30):
-        stream = await llm.add_request("doomed", {"prompt_token_ids": [5, 6]}, SamplingParams(structured_outputs=S(regex=rf"doomed{anyio_backend}")))
+        stream = await llm.add_request(
+            "doomed",
+            {"prompt_token_ids": [5, 6]},
+            SamplingParams(structured_outputs=S(regex=rf"doomed{anyio_backend}")),
+        )
         assert await anyio.to_thread.run_sync(shim.started.wait, HOLD_S)
         await llm.abort("doomed")
         stream.close()
@@ -267,7 +275,10 @@ async def test_the_engine_loop_aborts_a_compiling_request(
         assert (stats.num_running, stats.num_waiting, stats.num_free_blocks) == (0, 0, stats.num_blocks)
         await llm.check_integrity()
         shim.release.set()
-        assert len((await tokens(llm, "after", SamplingParams(max_tokens=3, ignore_eos=True)))[-1].outputs[0].token_ids) == 3
+        assert (
+            len((await tokens(llm, "after", SamplingParams(max_tokens=3, ignore_eos=True)))[-1].outputs[0].token_ids)
+            == 3
+        )
     assert llm.num_unfinished_requests == 0
 
 
@@ -325,7 +336,9 @@ def test_a_grammar_thousands_of_rules_deep_is_checked_and_compiled(tiny_model_di
         compiler.close()
 
 
-def test_grammars_over_the_limits_are_refused_naming_the_field(tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_grammars_over_the_limits_are_refused_naming_the_field(
+    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     too_long = "a" * (structured_outputs.MAX_GRAMMAR_CHARS + 1)
     with pytest.raises(ValueError, match=rf"structured_outputs\.regex: {len(too_long)} characters, more than the"):
         check(S(regex=too_long))

@@ -80,7 +80,10 @@ ROPES: dict[str, dict[str, Any]] = {
     "yarn-null-factor": {"rope_parameters": {**YARN, "factor": None}},
     "yarn-default-original": {"rope_parameters": {"rope_type": "yarn", "factor": 2.0}},
     "yarn-top-level-original": {"original_max_position_embeddings": 64, "rope_parameters": {**YARN}},
-    "4.x-yarn": {"rope_theta": 50000.0, "rope_scaling": {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128}},
+    "4.x-yarn": {
+        "rope_theta": 50000.0,
+        "rope_scaling": {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128},
+    },
 }
 
 
@@ -91,7 +94,11 @@ def transformers_rotary(config: dict[str, Any]) -> torch.nn.Module:
     from transformers.models.qwen2.modeling_qwen2 import Qwen2RotaryEmbedding
 
     model_type = config["model_type"]
-    config_class = {"llama": transformers.LlamaConfig, "mistral": transformers.MistralConfig, "qwen2": transformers.Qwen2Config}
+    config_class = {
+        "llama": transformers.LlamaConfig,
+        "mistral": transformers.MistralConfig,
+        "qwen2": transformers.Qwen2Config,
+    }
     rotary = {"llama": LlamaRotaryEmbedding, "mistral": MistralRotaryEmbedding, "qwen2": Qwen2RotaryEmbedding}
     return rotary[model_type](config_class[model_type].from_dict(json.loads(json.dumps(config))))
 
@@ -134,7 +141,9 @@ def test_architecture_defaults_follow_transformers() -> None:
 
     llama = parse_hf_config(without("llama", "num_key_value_heads", "max_position_embeddings"))
     assert (llama.num_kv_heads, llama.max_position_embeddings, llama.sliding_window) == (4, 2048, None)
-    mistral = parse_hf_config(without("mistral", "num_key_value_heads", "max_position_embeddings", num_attention_heads=16))
+    mistral = parse_hf_config(
+        without("mistral", "num_key_value_heads", "max_position_embeddings", num_attention_heads=16)
+    )
     assert (mistral.num_kv_heads, mistral.max_position_embeddings, mistral.sliding_window) == (8, 131072, 4096)
     qwen2 = parse_hf_config(without("qwen2", "num_key_value_heads", num_attention_heads=32, hidden_size=256))
     assert (qwen2.num_kv_heads, qwen2.max_position_embeddings, qwen2.sliding_window) == (32, 512, None)
@@ -142,11 +151,19 @@ def test_architecture_defaults_follow_transformers() -> None:
 
 
 def test_biases_head_dim_eps_tie() -> None:
-    llama = parse_hf_config(hf(attention_bias=True, mlp_bias=True, head_dim=32, rms_norm_eps=1e-5, tie_word_embeddings=True))
+    llama = parse_hf_config(
+        hf(attention_bias=True, mlp_bias=True, head_dim=32, rms_norm_eps=1e-5, tie_word_embeddings=True)
+    )
     assert (llama.qkv_bias, llama.o_proj_bias, llama.mlp_bias) == (True, True, True)
     assert (llama.head_dim, llama.rms_norm_eps, llama.tie_word_embeddings) == (32, 1e-5, True)
     plain = parse_hf_config(hf())
-    assert (plain.qkv_bias, plain.o_proj_bias, plain.mlp_bias, plain.head_dim, plain.rms_norm_eps) == (False, False, False, 16, 1e-6)
+    assert (plain.qkv_bias, plain.o_proj_bias, plain.mlp_bias, plain.head_dim, plain.rms_norm_eps) == (
+        False,
+        False,
+        False,
+        16,
+        1e-6,
+    )
     # Qwen2 always has q/k/v biases and never o_proj / MLP ones; Mistral none (their modeling code).
     qwen2 = parse_hf_config(hf("qwen2", attention_bias=False, mlp_bias=True))
     assert (qwen2.qkv_bias, qwen2.o_proj_bias, qwen2.mlp_bias) == (True, False, False)
@@ -179,7 +196,10 @@ REFUSED: list[tuple[dict[str, Any], str]] = [
     (hf(rope_parameters={"rope_type": "proportional", "factor": 2.0}), r"rope_parameters\.rope_type: 'proportional'"),
     (hf(rope_scaling={"type": "su", "factor": 2.0}), r"rope_scaling\.rope_type: 'su'"),
     (hf(rope_parameters={"rope_type": "proportional", "rope_theta": 1e4}), r"rope_parameters\.rope_type"),
-    (hf(rope_parameters={"rope_type": "llama3", "factor": 8.0, "high_freq_factor": 4.0}), r"rope_parameters\.low_freq_factor"),
+    (
+        hf(rope_parameters={"rope_type": "llama3", "factor": 8.0, "high_freq_factor": 4.0}),
+        r"rope_parameters\.low_freq_factor",
+    ),
     (hf(rope_parameters={"rope_type": "linear"}), r"rope_parameters\.factor"),
     (hf(rope_parameters={"rope_type": "yarn"}), r"rope_parameters\.factor"),
     (hf(rope_parameters={"rope_type": "default", "rope_theta": None}), r"rope_parameters\.rope_theta"),
@@ -192,8 +212,14 @@ REFUSED: list[tuple[dict[str, Any], str]] = [
     (hf(head_dim=15), r"head_dim"),
     (hf(dtype="float64"), r"dtype: 'float64'"),
     (hf(architectures=["GPT2LMHeadModel"]), r"architectures: 'GPT2LMHeadModel'"),
-    (hf("qwen2", use_sliding_window=True, sliding_window=64, layer_types=["full_attention", "chunked_attention"]), r"layer_types: 'chunked_attention'"),
-    (hf("qwen2", use_sliding_window=False, layer_types=["sliding_attention", "full_attention"]), r"layer_types: .*no window"),
+    (
+        hf("qwen2", use_sliding_window=True, sliding_window=64, layer_types=["full_attention", "chunked_attention"]),
+        r"layer_types: 'chunked_attention'",
+    ),
+    (
+        hf("qwen2", use_sliding_window=False, layer_types=["sliding_attention", "full_attention"]),
+        r"layer_types: .*no window",
+    ),
     (hf("qwen2", layer_types=["full_attention"]), r"layer_types: expected a list of 2"),
     (hf("mistral", sliding_window=0), r"sliding_window"),
 ]
@@ -235,7 +261,11 @@ def _five_x(path: Path, **fields: Any) -> Path:
 @pytest.mark.parametrize(
     ("fields", "max_model_len", "match"),
     [
-        ({"rope_parameters": {"rope_type": "proportional", "rope_theta": 1e4}}, 128, r"rope_parameters\.rope_type: 'proportional'"),
+        (
+            {"rope_parameters": {"rope_type": "proportional", "rope_theta": 1e4}},
+            128,
+            r"rope_parameters\.rope_type: 'proportional'",
+        ),
         ({"hidden_act": "quick_gelu"}, 128, r"hidden_act"),
     ],
     ids=["rope-type", "hidden-act"],

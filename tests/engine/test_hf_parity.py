@@ -63,7 +63,10 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
             }
         },
     ),
-    "llama-dynamic": ("LlamaForCausalLM", {"rope_parameters": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 20000.0}}),
+    "llama-dynamic": (
+        "LlamaForCausalLM",
+        {"rope_parameters": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 20000.0}},
+    ),
     "mistral-window-mqa": (
         "MistralForCausalLM",
         {
@@ -95,7 +98,9 @@ def to_legacy(config: dict[str, Any]) -> dict[str, Any]:
     legacy["rope_theta"] = rope.pop("rope_theta")
     kind = rope.pop("rope_type")
     # linear and dynamic in the oldest spelling ("type"), the others as 4.4x wrote them.
-    legacy["rope_scaling"] = None if kind == "default" else {("type" if kind in ("linear", "dynamic") else "rope_type"): kind, **rope}
+    legacy["rope_scaling"] = (
+        None if kind == "default" else {("type" if kind in ("linear", "dynamic") else "rope_type"): kind, **rope}
+    )
     legacy["torch_dtype"] = legacy.pop("dtype")
     legacy.pop("layer_types", None)
     return legacy

@@ -219,23 +219,43 @@ def test_downloaded_repo_without_safetensors(
         return str(add_snapshot(Path(kwargs["cache_dir"]), repo_id, src, MAIN, ("main",)))
 
     huggingface_hub.snapshot_download.download = download  # type: ignore[attr-defined]
-    with pytest.raises(ValueError, match=r"^model: 'owner/gguf' \(revision 'main'\) was downloaded to .* lacks model\.safetensors; triollm needs safetensors weights"):
+    with pytest.raises(
+        ValueError,
+        match=(
+            r"^model: 'owner/gguf' \(revision 'main'\) was downloaded to .* lacks model\.safetensors; triollm needs "
+            r"safetensors weights"
+        ),
+    ):
         resolve_model("owner/gguf", None, download_dir=str(tmp_path / "hub"))
 
 
 def _http_error(cls: type[Exception], status: int) -> Exception:
     response = types.SimpleNamespace(status_code=status, headers={}, request=None)
-    return cls(f"{status} Client Error.\n\nRepository Not Found for url: https://huggingface.co/api/models/x", response=response)
+    return cls(
+        f"{status} Client Error.\n\nRepository Not Found for url: https://huggingface.co/api/models/x",
+        response=response,
+    )
 
 
 @pytest.mark.parametrize(
     ("error", "expected"),
     [
-        (lambda: _http_error(errors.RepositoryNotFoundError, 401), r"no such repository on the Hub, or it is gated/private: log in with `hf auth login` \(or `huggingface-cli login`\) or pass hf_token"),
-        (lambda: _http_error(errors.GatedRepoError, 403), r"the repository is gated: accept its conditions at https://huggingface.co/owner/absent"),
+        (
+            lambda: _http_error(errors.RepositoryNotFoundError, 401),
+            r"no such repository on the Hub, or it is gated/private: log in with `hf auth login` \(or "
+            r"`huggingface-cli login`\) or pass hf_token",
+        ),
+        (
+            lambda: _http_error(errors.GatedRepoError, 403),
+            r"the repository is gated: accept its conditions at https://huggingface.co/owner/absent",
+        ),
         (lambda: _http_error(errors.RevisionNotFoundError, 404), r"the repository has no revision 'main'"),
         (lambda: _http_error(errors.HfHubHTTPError, 401), r"the Hub refused access \(HTTP 401\)"),
-        (lambda: errors.LocalEntryNotFoundError("Got: ConnectError: [Errno 101] Network is unreachable\nmore"), r"the Hub could not be reached \(a network error: Got: ConnectError: \[Errno 101\] Network is unreachable\)"),
+        (
+            lambda: errors.LocalEntryNotFoundError("Got: ConnectError: [Errno 101] Network is unreachable\nmore"),
+            r"the Hub could not be reached \(a network error: Got: ConnectError: \[Errno 101\] Network is "
+            r"unreachable\)",
+        ),
     ],
     ids=["not-found", "gated", "no-revision", "http-401", "unreachable"],
 )
@@ -259,10 +279,26 @@ def test_failed_download_is_one_clear_error(
 
 def test_allow_patterns_fetch_what_a_model_needs_only() -> None:
     repo_files = [
-        "config.json", "generation_config.json", "model-00001-of-00002.safetensors", "model.safetensors.index.json",
-        "tokenizer.json", "tokenizer_config.json", "tokenizer.model", "merges.txt", "vocab.json", "vocab.txt",
-        "chat_template.jinja", "qwen.tiktoken", "1_Pooling/config.json",
-        "pytorch_model.bin", "model.pt", "flax_model.msgpack", "tf_model.h5", "onnx/model.onnx", "README.md", ".gitattributes",
+        "config.json",
+        "generation_config.json",
+        "model-00001-of-00002.safetensors",
+        "model.safetensors.index.json",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "tokenizer.model",
+        "merges.txt",
+        "vocab.json",
+        "vocab.txt",
+        "chat_template.jinja",
+        "qwen.tiktoken",
+        "1_Pooling/config.json",
+        "pytorch_model.bin",
+        "model.pt",
+        "flax_model.msgpack",
+        "tf_model.h5",
+        "onnx/model.onnx",
+        "README.md",
+        ".gitattributes",
     ]
     kept = list(filter_repo_objects(repo_files, allow_patterns=list(MODEL_PATTERNS)))
     assert kept == repo_files[:13]
@@ -271,7 +307,18 @@ def test_allow_patterns_fetch_what_a_model_needs_only() -> None:
 def test_hub_id_detection(tmp_path: Path) -> None:
     assert is_hub_id("Qwen/Qwen3-0.6B") and is_hub_id("gpt2")
     (tmp_path / "owner").mkdir()
-    for name in ("no/such/dir", "x.gguf", "owner/model.gguf", "/abs/path", "./rel", "~/x", "a b", "", None, str(tmp_path)):
+    for name in (
+        "no/such/dir",
+        "x.gguf",
+        "owner/model.gguf",
+        "/abs/path",
+        "./rel",
+        "~/x",
+        "a b",
+        "",
+        None,
+        str(tmp_path),
+    ):
         assert not is_hub_id(name), name
 
 

@@ -12,7 +12,8 @@ def test_safetensors_model_starts_without_gguf(tiny_model_dir: Path) -> None:
         "import sys\n"
         "from triollm.engine.config import EngineArgs\n"
         "from triollm.engine.core import EngineCore\n"
-        f"core = EngineCore(EngineArgs(model={str(tiny_model_dir)!r}, max_model_len=64, num_threads=1).create_engine_config())\n"
+        f"core = EngineCore(EngineArgs(model={str(tiny_model_dir)!r}, max_model_len=64, "
+        f"num_threads=1).create_engine_config())\n"
         "core.close()\n"
         "print(sorted(m for m in sys.modules if m == 'gguf' or m.startswith('gguf.')))\n"
     )

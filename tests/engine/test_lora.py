@@ -50,9 +50,17 @@ def adapters(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> 
     return {
         1: make_peft_adapter(tiny_model_dir, root / "all", seed=1, r=8, alpha=16),
         2: make_peft_adapter(
-            tiny_model_dir, root / "rslora", seed=2, r=4, alpha=8, use_rslora=True, target_modules=("q_proj", "v_proj", "down_proj")
+            tiny_model_dir,
+            root / "rslora",
+            seed=2,
+            r=4,
+            alpha=8,
+            use_rslora=True,
+            target_modules=("q_proj", "v_proj", "down_proj"),
         ),
-        3: make_peft_adapter(tiny_model_dir, root / "mlp", seed=3, r=16, alpha=32, target_modules=("o_proj", "gate_proj", "up_proj")),
+        3: make_peft_adapter(
+            tiny_model_dir, root / "mlp", seed=3, r=16, alpha=32, target_modules=("o_proj", "gate_proj", "up_proj")
+        ),
     }
 
 
@@ -92,7 +100,10 @@ class StepLog:
 
         def logged(scheduled: list[Any]) -> Any:
             self.steps.append(
-                ([s.request.request_id for s in scheduled], {s.request.lora_request.lora_int_id for s in scheduled if s.request.lora_request})
+                (
+                    [s.request.request_id for s in scheduled],
+                    {s.request.lora_request.lora_int_id for s in scheduled if s.request.lora_request},
+                )
             )
             out = execute(scheduled)
             assert core.lora is not None
@@ -107,7 +118,10 @@ class StepLog:
 
 
 def run(
-    core: EngineCore, requests: list[tuple[str, list[int], LoRARequest | None]], rows: dict[str, list[Any]] | None = None, **kw: Any
+    core: EngineCore,
+    requests: list[tuple[str, list[int], LoRARequest | None]],
+    rows: dict[str, list[Any]] | None = None,
+    **kw: Any,
 ) -> tuple[dict[str, list[int]], dict[str, str]]:
     """Every request to the end: tokens by id, and the error of each that failed (with
     `rows`, each step's logprobs row by id into it)."""
@@ -135,7 +149,9 @@ def batch(adapters: dict[int, Path]) -> list[tuple[str, list[int], LoRARequest |
 # ------------------------------------------------------------------------------ the real path
 
 
-def test_mixed_batch_gives_pefts_tokens_in_one_step(core: EngineCore, adapters: dict[int, Path], references: dict[str, list[int]]) -> None:
+def test_mixed_batch_gives_pefts_tokens_in_one_step(
+    core: EngineCore, adapters: dict[int, Path], references: dict[str, list[int]]
+) -> None:
     log = StepLog(core)
     try:
         tokens, errors = run(core, batch(adapters))
@@ -181,7 +197,9 @@ def test_bad_adapter_fails_its_request_alone(
     assert core.lora is not None and 9 not in core.lora.slot_of and 9 not in core.lora.cpu
 
 
-def test_fewer_slots_than_adapters_reuses_them(tiny_model_dir: Path, adapters: dict[int, Path], references: dict[str, list[int]]) -> None:
+def test_fewer_slots_than_adapters_reuses_them(
+    tiny_model_dir: Path, adapters: dict[int, Path], references: dict[str, list[int]]
+) -> None:
     """One slot, three adapters in flight: the scheduler runs one adapter at a time beside the
     base requests, and the slot is refilled for each."""
     c = make_core(tiny_model_dir, max_loras=1, max_cpu_loras=1)
@@ -195,7 +213,9 @@ def test_fewer_slots_than_adapters_reuses_them(tiny_model_dir: Path, adapters: d
         c.close()
 
 
-def test_tensor_parallel_gives_the_same_tokens(tiny_model_dir: Path, adapters: dict[int, Path], references: dict[str, list[int]]) -> None:
+def test_tensor_parallel_gives_the_same_tokens(
+    tiny_model_dir: Path, adapters: dict[int, Path], references: dict[str, list[int]]
+) -> None:
     """Two ranks: rank 0 reads the adapters and sends each slot's tensors with the step; the
     worker fills its own shares (B's rows of q|k|v and gate|up, A's columns of o and down)."""
     c = make_core(tiny_model_dir, max_loras=2, tensor_parallel_size=2, num_threads=2)
@@ -247,20 +267,37 @@ def test_int8_weights_take_the_adapters(
 
 def test_moe_model_takes_attention_adapters_and_refuses_expert_ones(tmp_path: Path) -> None:
     moe = make_transformers_model(
-        tmp_path / "moe", "Qwen3MoeForCausalLM", seed=7, moe_intermediate_size=48, norm_topk_prob=True, num_experts_per_tok=2, num_local_experts=8
+        tmp_path / "moe",
+        "Qwen3MoeForCausalLM",
+        seed=7,
+        moe_intermediate_size=48,
+        norm_topk_prob=True,
+        num_experts_per_tok=2,
+        num_local_experts=8,
     )
     attn = make_peft_adapter(moe, tmp_path / "attn", seed=4, r=8, target_modules=("q_proj", "o_proj"))
     experts = tmp_path / "experts"
     experts.mkdir()
-    (experts / "adapter_config.json").write_text(json.dumps({"r": 2, "lora_alpha": 4, "target_modules": ["q_proj", "gate_proj"]}))
+    (experts / "adapter_config.json").write_text(
+        json.dumps({"r": 2, "lora_alpha": 4, "target_modules": ["q_proj", "gate_proj"]})
+    )
     g = torch.Generator().manual_seed(0)
     save_file(
-        {f"base_model.model.model.layers.0.self_attn.q_proj.lora_{ab}.weight": torch.randn(shape, generator=g) for ab, shape in (("A", (2, 64)), ("B", (64, 2)))},
+        {
+            f"base_model.model.model.layers.0.self_attn.q_proj.lora_{ab}.weight": torch.randn(shape, generator=g)
+            for ab, shape in (("A", (2, 64)), ("B", (64, 2)))
+        },
         str(experts / "adapter_model.safetensors"),
     )
     c = make_core(moe, max_loras=2)
     try:
-        tokens, errors = run(c, [("attn", PROMPTS[1], LoRARequest("attn", 1, str(attn))), ("experts", PROMPTS[2], LoRARequest("experts", 2, str(experts)))])
+        tokens, errors = run(
+            c,
+            [
+                ("attn", PROMPTS[1], LoRARequest("attn", 1, str(attn))),
+                ("experts", PROMPTS[2], LoRARequest("experts", 2, str(experts))),
+            ],
+        )
     finally:
         c.close()
     assert list(errors) == ["experts"]
@@ -309,7 +346,14 @@ def test_layer_update_is_x_a_b_per_row(native: bool, n: int, dtype: torch.dtype)
 
 
 def test_step_inputs_carry_the_lora_rows_and_loads() -> None:
-    s = StepInputs([1, 2, 3], [0, 1, 2], [4, 5, 6], logit_rows=[[2]], lora_segments=[(1, 0, 2), (0, 2, 1)], lora_loads=b"\x00slots\xff")
+    s = StepInputs(
+        [1, 2, 3],
+        [0, 1, 2],
+        [4, 5, 6],
+        logit_rows=[[2]],
+        lora_segments=[(1, 0, 2), (0, 2, 1)],
+        lora_loads=b"\x00slots\xff",
+    )
     assert decode_step(encode_step(s)) == s
     plain = StepInputs([1], [0], [4])
     assert decode_step(encode_step(plain)) == plain
@@ -318,7 +362,9 @@ def test_step_inputs_carry_the_lora_rows_and_loads() -> None:
 def test_bundled_model_with_an_adapter_gives_pefts_tokens(bundled_model_dir: Path, tmp_path: Path) -> None:
     """The bundled SmolLM2 (its dense import, fp32) under a peft-written adapter on q/v/down:
     peft's greedy tokens, and not the base model's."""
-    adapter = make_peft_adapter(bundled_model_dir, tmp_path / "smol", seed=5, r=8, target_modules=("q_proj", "v_proj", "down_proj"), scale=0.05)
+    adapter = make_peft_adapter(
+        bundled_model_dir, tmp_path / "smol", seed=5, r=8, target_modules=("q_proj", "v_proj", "down_proj"), scale=0.05
+    )
     prompt = [1, 504, 3458, 282, 4649, 314]  # six ids of the bundled vocabulary
     ref = peft_greedy(bundled_model_dir, adapter, prompt, NEW_TOKENS)
     base = peft_greedy(bundled_model_dir, None, prompt, NEW_TOKENS)

@@ -34,7 +34,9 @@ def test_config_read_with_scaling(tmp_path: Path) -> None:
     assert (cfg.rank, cfg.alpha, cfg.target_modules, cfg.scaling) == (4, 8.0, ("q_proj", "v_proj"), 2.0)
     rs = read_adapter_config(_adapter(tmp_path / "b", {"use_rslora": True}))
     assert rs.scaling == 8 / 2  # alpha / sqrt(r)
-    assert read_adapter_config(_adapter(tmp_path / "c", {"target_modules": "all-linear"})).target_modules == LORA_MODULES
+    assert (
+        read_adapter_config(_adapter(tmp_path / "c", {"target_modules": "all-linear"})).target_modules == LORA_MODULES
+    )
     regex = read_adapter_config(_adapter(tmp_path / "d", {"target_modules": r".*\.(q|k)_proj"}))
     assert regex.target_modules == ("q_proj", "k_proj")
     weights = read_adapter_weights(cfg, num_layers=2)
@@ -111,7 +113,11 @@ def test_weights_refusals(tmp_path: Path, tensors: dict, match: str) -> None:
 def test_lora_request_fields() -> None:
     r = LoRARequest("sql", 3, "/adapters/sql")
     assert (r.adapter_id, r.name, r.path) == (3, "sql", "/adapters/sql")
-    for bad, field in (({"lora_int_id": 0}, "lora_int_id"), ({"lora_name": ""}, "lora_name"), ({"lora_path": ""}, "lora_path")):
+    for bad, field in (
+        ({"lora_int_id": 0}, "lora_int_id"),
+        ({"lora_name": ""}, "lora_name"),
+        ({"lora_path": ""}, "lora_path"),
+    ):
         kwargs = {"lora_name": "sql", "lora_int_id": 3, "lora_path": "/x", **bad}
         with pytest.raises(ValueError, match=field):
             LoRARequest(**kwargs)  # type: ignore[arg-type]

@@ -34,7 +34,9 @@ def hf_block(family: str, num_experts: int = 8, top_k: int = 2, *, seed: int = 0
     if family == "mixtral":
         block = MixtralSparseMoeBlock(MixtralConfig(intermediate_size=INTER, num_local_experts=num_experts, **common))
     else:
-        cfg = Qwen3MoeConfig(moe_intermediate_size=INTER, num_experts=num_experts, norm_topk_prob=family == "qwen3-norm", **common)
+        cfg = Qwen3MoeConfig(
+            moe_intermediate_size=INTER, num_experts=num_experts, norm_topk_prob=family == "qwen3-norm", **common
+        )
         block = Qwen3MoeSparseMoeBlock(cfg)
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
@@ -176,7 +178,8 @@ def test_bench_moe_runs(tmp_path: Path) -> None:
     parser = argparse.ArgumentParser()
     add_bench_parser(parser.add_subparsers(dest="command"))
     out = tmp_path / "moe.json"
-    argv = "bench moe --experts 4 8 --tokens 2 --hidden 16 --intermediate 8 --layers 1 --iters 2 --flush-mib 0 --json".split()
+    argv = ("bench moe --experts 4 8 --tokens 2 --hidden 16 --intermediate 8 --layers 1 --iters 2 "
+            "--flush-mib 0 --json").split()  # fmt: skip
     ns = parser.parse_args([*argv, str(out)])
     assert ns.func(ns) == 0
     saved = json.loads(out.read_text())

@@ -52,7 +52,9 @@ def hf_greedy(path: Path, prompts: list[list[int]]) -> list[tuple[list[int], lis
     return results
 
 
-def engine_greedy(path: Path, prompts: list[list[int]], regime: str, **overrides: object) -> tuple[list[tuple[list[int], list[float]]], EngineCore]:
+def engine_greedy(
+    path: Path, prompts: list[list[int]], regime: str, **overrides: object
+) -> tuple[list[tuple[list[int], list[float]]], EngineCore]:
     kwargs: dict = {"max_model_len": 160, "max_num_batched_tokens": 512, **REGIMES[regime], **overrides}
     args = EngineArgs(model=str(path), seed=0, **kwargs)
     core = EngineCore(args.create_engine_config())
@@ -112,7 +114,15 @@ def test_tiny_llama_greedy_parity(tiny_model_dir: Path, tiny_reference, regime: 
     [
         {"architecture": "Qwen2ForCausalLM", "tie_word_embeddings": True},
         {"architecture": "MistralForCausalLM", "num_kv_heads": 1},
-        {"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 64}},
+        {
+            "rope_scaling": {
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64,
+            }
+        },
     ],
     ids=["qwen2-bias-tied", "mistral-mqa", "llama3-rope"],
 )

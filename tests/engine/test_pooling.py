@@ -95,7 +95,12 @@ def test_runner_follows_the_architecture(minilm_dir: Path, tiny_model_dir: Path)
         ModelConfig.from_pretrained(tiny_model_dir, runner="pooling")
     with pytest.raises(ValueError, match="max_model_len: 600 exceeds the model's max_position_embeddings"):
         ModelConfig.from_pretrained(minilm_dir, max_model_len=600)
-    assert EngineArgs(model=str(minilm_dir), runner="pooling", max_model_len=512).create_engine_config().model.max_model_len == 512
+    assert (
+        EngineArgs(model=str(minilm_dir), runner="pooling", max_model_len=512)
+        .create_engine_config()
+        .model.max_model_len
+        == 512
+    )
     with pytest.raises(ValueError, match="runner"):
         EngineArgs(runner="draft")
 

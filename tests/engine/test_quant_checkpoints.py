@@ -112,7 +112,9 @@ def test_groups_that_split_a_block_are_refused(checkpoints: dict[str, Any]) -> N
 
 
 def _teacher_forced(engine: SyncEngine, ids: list[int]) -> list[dict[int, Any]]:
-    (out,) = engine.generate([{"prompt_token_ids": ids}], SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=1))
+    (out,) = engine.generate(
+        [{"prompt_token_ids": ids}], SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=1)
+    )
     return out.prompt_logprobs[len(PROMPT) :]  # type: ignore[no-any-return]
 
 
@@ -123,7 +125,9 @@ def _compare(quantized: SyncEngine, dense: SyncEngine, tolerance: float) -> tupl
     (d_out,) = dense.generate([{"prompt_token_ids": PROMPT}], params)
     tokens = list(q_out.outputs[0].token_ids)
     ids = PROMPT + tokens
-    for pos, (d, q, tok) in enumerate(zip(_teacher_forced(dense, ids), _teacher_forced(quantized, ids), tokens, strict=True)):
+    for pos, (d, q, tok) in enumerate(
+        zip(_teacher_forced(dense, ids), _teacher_forced(quantized, ids), tokens, strict=True)
+    ):
         top = max(lp.logprob for lp in d.values())
         assert top - d[tok].logprob <= tolerance, (pos, top, d[tok].logprob)
         assert abs(d[tok].logprob - q[tok].logprob) <= tolerance, (pos, d[tok].logprob, q[tok].logprob)
@@ -137,7 +141,12 @@ def test_generates_as_the_dequantized_fp32_model(name: str, checkpoints: dict[st
     quantized = _engine(path, kv_cache_dtype="float32")  # the int8 activations are the only difference
     model = quantized.core.model
     assert model is not None
-    expected_method = {"ct-pack": "compressed-tensors", "ct-int8": "compressed-tensors", "ct-fp8": "compressed-tensors", "fp8-block": "fp8"}
+    expected_method = {
+        "ct-pack": "compressed-tensors",
+        "ct-int8": "compressed-tensors",
+        "ct-fp8": "compressed-tensors",
+        "fp8-block": "fp8",
+    }
     assert model.cfg.quantization == expected_method.get(kind.method, kind.method)
     layer = model.layers[0]
     projections = [layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj]
@@ -232,7 +241,9 @@ def test_a_fused_checkpoint_keeps_its_fused_blocks(root: Path) -> None:
 # ------------------------------------------------------------------------------ (c) config
 
 
-def test_the_checkpoints_method_is_the_default_and_spelled_as_vllm_does(checkpoints: dict[str, Any], root: Path) -> None:
+def test_the_checkpoints_method_is_the_default_and_spelled_as_vllm_does(
+    checkpoints: dict[str, Any], root: Path
+) -> None:
     gptq, awq, src = checkpoints["gptq-4bit-g32-sym"][0], checkpoints["awq-4bit-g32"][0], root / "src"
 
     def method(path: Path, quantization: str | None = None) -> str | None:
@@ -243,13 +254,19 @@ def test_the_checkpoints_method_is_the_default_and_spelled_as_vllm_does(checkpoi
     assert method(gptq, "none") is None
     config = EngineArgs(model=str(gptq)).create_engine_config()  # as an engine core process gets it
     assert decode_config(encode_config(config)) == config and config.model.checkpoint_quant is not None
-    with pytest.raises(ValueError, match=r"quantization: 'awq' does not match the checkpoint's quantization_config.quant_method 'gptq'"):
+    with pytest.raises(
+        ValueError, match=r"quantization: 'awq' does not match the checkpoint's quantization_config.quant_method 'gptq'"
+    ):
         method(gptq, "awq")
-    with pytest.raises(ValueError, match=r"quantization: 'fp8' reads a checkpoint's quantization_config, and .* has none"):
+    with pytest.raises(
+        ValueError, match=r"quantization: 'fp8' reads a checkpoint's quantization_config, and .* has none"
+    ):
         method(src, "fp8")
     with pytest.raises(ValueError, match=r"quantization: 'gptq' runs on the CPU only"):
         EngineArgs(model=str(gptq), device="cuda").create_engine_config()
-    with pytest.raises(ValueError, match=r"quantization: 'bitsandbytes' is not supported; allowed: .*gptq, gptq_marlin, awq"):
+    with pytest.raises(
+        ValueError, match=r"quantization: 'bitsandbytes' is not supported; allowed: .*gptq, gptq_marlin, awq"
+    ):
         EngineArgs(model=str(gptq), quantization="bitsandbytes")
 
 
@@ -264,28 +281,72 @@ def _ct(**weights: Any) -> dict[str, Any]:
 
 
 REFUSED: list[tuple[dict[str, Any], str]] = [
-    ({"quant_method": "bitsandbytes"}, r"quantization_config.quant_method: 'bitsandbytes' is not supported; supported: gptq, awq, fp8, compressed-tensors"),
+    (
+        {"quant_method": "bitsandbytes"},
+        r"quantization_config.quant_method: 'bitsandbytes' is not supported; supported: gptq, awq, fp8, "
+        r"compressed-tensors",
+    ),
     ({"quant_method": "exl2", "bits": 4.0}, r"quantization_config.quant_method: 'exl2'"),
     (_gptq(bits=3), r"quantization_config.bits: 3 is not supported; supported: 4, 8"),
     (_gptq(bits=2), r"quantization_config.bits: 2 is not supported"),
-    (_gptq(group_size=16), r"quantization_config.group_size: 16 is not supported; supported: -1 .* or a multiple of 32"),
+    (
+        _gptq(group_size=16),
+        r"quantization_config.group_size: 16 is not supported; supported: -1 .* or a multiple of 32",
+    ),
     (_gptq(group_size=48), r"quantization_config.group_size: 48"),
-    (_gptq(checkpoint_format="marlin"), r"quantization_config.checkpoint_format: 'marlin' is not supported; supported: gptq, gptq_v2"),
+    (
+        _gptq(checkpoint_format="marlin"),
+        r"quantization_config.checkpoint_format: 'marlin' is not supported; supported: gptq, gptq_v2",
+    ),
     (_gptq(is_marlin_format=True), r"quantization_config.is_marlin_format: True"),
     (_gptq(pack_dtype="int16"), r"quantization_config.pack_dtype: 'int16' is not supported; supported: int32"),
-    ({**_ct(), "config_groups": {"g": {"targets": ["Linear"], "format": "dense", "weights": {"num_bits": 4}}}}, r"config_groups.g.format: 'dense' is not supported"),
+    (
+        {**_ct(), "config_groups": {"g": {"targets": ["Linear"], "format": "dense", "weights": {"num_bits": 4}}}},
+        r"config_groups.g.format: 'dense' is not supported",
+    ),
     (_gptq(dynamic={"-:.*down_proj": {}}), r"quantization_config.dynamic: per-module overrides"),
-    ({**quantization_config(Kind("awq")), "version": "gemv"}, r"quantization_config.version: 'gemv' is not supported; supported: gemm"),
+    (
+        {**quantization_config(Kind("awq")), "version": "gemv"},
+        r"quantization_config.version: 'gemv' is not supported; supported: gemm",
+    ),
     ({**quantization_config(Kind("awq")), "bits": 8}, r"quantization_config.bits: 8 is not supported; supported: 4"),
     ({**quantization_config(Kind("awq")), "zero_point": False}, r"quantization_config.zero_point: False"),
-    (_ct(num_bits=2), r"quantization_config.config_groups.group_0.weights.num_bits: 2 is not supported; supported: 4, 8"),
+    (
+        _ct(num_bits=2),
+        r"quantization_config.config_groups.group_0.weights.num_bits: 2 is not supported; supported: 4, 8",
+    ),
     (_ct(group_size=16), r"config_groups.group_0.weights.group_size: 16"),
     (_ct(strategy="tensor_group"), r"config_groups.group_0.weights.strategy: 'tensor_group'"),
-    ({**_ct(), "format": "marlin-24", "config_groups": {"g": {"targets": ["Linear"], "weights": {"num_bits": 4}}}}, r"quantization_config.format: 'marlin-24' is not supported; supported: pack-quantized"),
-    ({**_ct(), "sparsity_config": {"format": "sparse-24-bitmask"}}, r"quantization_config.sparsity_config: 'sparse-24-bitmask'"),
-    ({**_ct(), "kv_cache_scheme": {"num_bits": 8, "type": "float"}}, r"quantization_config.kv_cache_scheme: not supported"),
-    ({**quantization_config(Kind("ct-int8")), "config_groups": {"g": {"targets": ["Linear"], "format": "int-quantized", "weights": {"num_bits": 8}, "input_activations": {"num_bits": 4}}}}, r"config_groups.g.input_activations.num_bits: 4 is not supported; supported: 8"),
-    ({**quantization_config(Kind("fp8-block")), "weight_block_size": [128]}, r"quantization_config.weight_block_size: \[128\]"),
+    (
+        {**_ct(), "format": "marlin-24", "config_groups": {"g": {"targets": ["Linear"], "weights": {"num_bits": 4}}}},
+        r"quantization_config.format: 'marlin-24' is not supported; supported: pack-quantized",
+    ),
+    (
+        {**_ct(), "sparsity_config": {"format": "sparse-24-bitmask"}},
+        r"quantization_config.sparsity_config: 'sparse-24-bitmask'",
+    ),
+    (
+        {**_ct(), "kv_cache_scheme": {"num_bits": 8, "type": "float"}},
+        r"quantization_config.kv_cache_scheme: not supported",
+    ),
+    (
+        {
+            **quantization_config(Kind("ct-int8")),
+            "config_groups": {
+                "g": {
+                    "targets": ["Linear"],
+                    "format": "int-quantized",
+                    "weights": {"num_bits": 8},
+                    "input_activations": {"num_bits": 4},
+                }
+            },
+        },
+        r"config_groups.g.input_activations.num_bits: 4 is not supported; supported: 8",
+    ),
+    (
+        {**quantization_config(Kind("fp8-block")), "weight_block_size": [128]},
+        r"quantization_config.weight_block_size: \[128\]",
+    ),
 ]
 
 

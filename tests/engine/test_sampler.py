@@ -302,7 +302,9 @@ def test_every_processor_keeps_to_the_logits_device() -> None:
     rows = [
         make_row(prompt=[1, 2], output=[3], allowed_token_ids=[1, 2, 3, 4], temperature=0.7),
         make_row(output=[5], bad=[[5, 6]], min_tokens=4, eos=[7], logit_bias={8: 2.0}, top_k=5),
-        make_row(prompt=[9], output=[9, 10], repetition_penalty=1.3, frequency_penalty=0.5, presence_penalty=0.2, top_p=0.8),
+        make_row(
+            prompt=[9], output=[9, 10], repetition_penalty=1.3, frequency_penalty=0.5, presence_penalty=0.2, top_p=0.8
+        ),
         make_row(min_p=0.1, seed=3),
         make_row(temperature=1.0, seed=4, top_k=3, top_p=0.5),
     ]

@@ -51,12 +51,21 @@ def variance(values):
         ({"method": "medusa", "num_speculative_tokens": 2}, "speculative_config.method"),
         ({"num_speculative_tokens": 2}, "speculative_config.method"),
         ({"method": "ngram", "num_speculative_tokens": 2, "lookahead": 3}, "unknown key 'lookahead'"),
-        ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 2}, "prompt_lookup_min"),
+        (
+            {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 2},
+            "prompt_lookup_min",
+        ),
         ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 0}, "prompt_lookup_min"),
         ({"method": "ngram", "num_speculative_tokens": 2, "disable_by_batch_size": 0}, "disable_by_batch_size"),
         ({"method": "draft_model", "num_speculative_tokens": 2}, "speculative_config.quantization"),
-        ({"method": "draft_model", "num_speculative_tokens": 2, "quantization": "q2"}, "speculative_config.quantization"),
-        ({"method": "draft_model", "num_speculative_tokens": 2, "quantization": "int4", "prompt_lookup_max": 2}, "prompt_lookup_max"),
+        (
+            {"method": "draft_model", "num_speculative_tokens": 2, "quantization": "q2"},
+            "speculative_config.quantization",
+        ),
+        (
+            {"method": "draft_model", "num_speculative_tokens": 2, "quantization": "int4", "prompt_lookup_max": 2},
+            "prompt_lookup_max",
+        ),
     ],
 )
 def test_bad_configs_are_value_errors_naming_the_field(tiny_model_dir: Path, spec: dict[str, Any], field: str) -> None:
@@ -76,15 +85,40 @@ def test_draft_with_another_vocabulary_is_refused(tiny_model_dir: Path, tmp_path
 
 
 def test_config_defaults_follow_vllm(tiny_model_dir: Path) -> None:
-    spec = EngineArgs(model=str(tiny_model_dir), speculative_config={"method": "ngram", "num_speculative_tokens": 3}).create_engine_config().speculative
+    spec = (
+        EngineArgs(model=str(tiny_model_dir), speculative_config={"method": "ngram", "num_speculative_tokens": 3})
+        .create_engine_config()
+        .speculative
+    )
     assert spec is not None and (spec.method, spec.prompt_lookup_min, spec.prompt_lookup_max) == ("ngram", 5, 5)
     assert spec.disable_by_batch_size == 8  # triollm's measured default (vLLM: never)
     never = {"method": "ngram", "num_speculative_tokens": 3, "disable_by_batch_size": None}
-    assert EngineArgs(model=str(tiny_model_dir), speculative_config=never).create_engine_config().speculative.disable_by_batch_size is None  # type: ignore[union-attr]
-    spec = EngineArgs(model=str(tiny_model_dir), speculative_config={"model": "[ngram]", "num_speculative_tokens": 3, "prompt_lookup_max": 4}).create_engine_config().speculative
+    assert (
+        EngineArgs(model=str(tiny_model_dir), speculative_config=never)
+        .create_engine_config()
+        .speculative.disable_by_batch_size
+        is None
+    )  # type: ignore[union-attr]
+    spec = (
+        EngineArgs(
+            model=str(tiny_model_dir),
+            speculative_config={"model": "[ngram]", "num_speculative_tokens": 3, "prompt_lookup_max": 4},
+        )
+        .create_engine_config()
+        .speculative
+    )
     assert spec is not None and (spec.method, spec.prompt_lookup_min, spec.prompt_lookup_max) == ("ngram", 4, 4)
-    spec = EngineArgs(model=str(tiny_model_dir), speculative_config={"num_speculative_tokens": 2, "quantization": "int4"}).create_engine_config().speculative
-    assert spec is not None and spec.method == "draft_model" and spec.draft is not None and spec.draft.quantization == "int4"
+    spec = (
+        EngineArgs(model=str(tiny_model_dir), speculative_config={"num_speculative_tokens": 2, "quantization": "int4"})
+        .create_engine_config()
+        .speculative
+    )
+    assert (
+        spec is not None
+        and spec.method == "draft_model"
+        and spec.draft is not None
+        and spec.draft.quantization == "int4"
+    )
 
 
 def test_cli_takes_json(tiny_model_dir: Path) -> None:
@@ -136,7 +170,9 @@ def test_greedy_check_accepts_the_argmax_only() -> None:
     assert tokens.tolist() == [1, 0, 2] and accepted == [True, False, False]
 
 
-@pytest.mark.parametrize("params", [{"temperature": 1.0}, {"temperature": 0.7, "top_k": 3}, {"temperature": 1.3, "top_p": 0.8}])
+@pytest.mark.parametrize(
+    "params", [{"temperature": 1.0}, {"temperature": 0.7, "top_k": 3}, {"temperature": 1.3, "top_p": 0.8}]
+)
 def test_sampled_check_keeps_the_target_distribution(params: dict[str, Any]) -> None:
     """Row by row the emitted token (draft or residual sample) is distributed as p, whatever
     the draft: chi-square goodness of fit on 20000 rows, fixed seeds."""
@@ -202,8 +238,16 @@ class MarkovLM(torch.nn.Module):
         return self.table[hidden[:, 0].long()]
 
 
-def _markov_engine(tiny_model_dir: Path, spec: dict[str, Any] | None, blocks: int = 512, max_num_seqs: int = 64) -> tuple[SyncEngine, MarkovLM]:
-    args = EngineArgs(model=str(tiny_model_dir), speculative_config=spec, num_gpu_blocks_override=blocks, max_num_seqs=max_num_seqs, max_model_len=128)
+def _markov_engine(
+    tiny_model_dir: Path, spec: dict[str, Any] | None, blocks: int = 512, max_num_seqs: int = 64
+) -> tuple[SyncEngine, MarkovLM]:
+    args = EngineArgs(
+        model=str(tiny_model_dir),
+        speculative_config=spec,
+        num_gpu_blocks_override=blocks,
+        max_num_seqs=max_num_seqs,
+        max_model_len=128,
+    )
     config = args.create_engine_config()
     lm = MarkovLM(config.model.vocab_size)
     kv = allocate_kv_cache(1, blocks, config.cache.block_size, 1, 8, torch.float32, "cpu")
@@ -249,8 +293,12 @@ def _prompts(engine: SyncEngine) -> list[dict[str, list[int]]]:
     return [{"prompt_token_ids": tok.render_chat([{"role": "user", "content": a}]).token_ids} for a in asks]
 
 
-def _generate(model: Path, spec: dict[str, Any] | None, n: int, max_tokens: int = 40, **kw: Any) -> tuple[list[list[int]], Any]:
-    engine = SyncEngine.from_engine_args(EngineArgs(model=str(model), max_model_len=1024, seed=0, speculative_config=spec, **kw))
+def _generate(
+    model: Path, spec: dict[str, Any] | None, n: int, max_tokens: int = 40, **kw: Any
+) -> tuple[list[list[int]], Any]:
+    engine = SyncEngine.from_engine_args(
+        EngineArgs(model=str(model), max_model_len=1024, seed=0, speculative_config=spec, **kw)
+    )
     prompts = (_prompts(engine) * 2)[:n]
     outs = engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=max_tokens))
     return [o.outputs[0].token_ids for o in outs], engine.core.statistics()
@@ -280,7 +328,9 @@ def test_greedy_identical_under_chunked_prefill_and_aborts(bundled_model_dir: Pa
     )  # fmt: skip
     runs = []
     for spec in (None, NGRAM):
-        engine = SyncEngine.from_engine_args(EngineArgs(model=str(bundled_model_dir), max_model_len=1024, seed=0, speculative_config=spec, **kw))
+        engine = SyncEngine.from_engine_args(
+            EngineArgs(model=str(bundled_model_dir), max_model_len=1024, seed=0, speculative_config=spec, **kw)
+        )
         prompts = _prompts(engine)
         ids = [engine.add_request(p, SamplingParams(temperature=0.0, max_tokens=48)) for p in prompts]
         victim = engine.add_request(prompts[0], SamplingParams(temperature=0.0, max_tokens=48))
@@ -306,8 +356,14 @@ def test_preemption_and_aborts_with_drafts(tiny_model_dir: Path) -> None:
     for spec in (None, NGRAM):
         engine, _ = _markov_engine(tiny_model_dir, spec, blocks=14, max_num_seqs=6)
         prompt = {"prompt_token_ids": [0, 1, 2, 3, 4, 5] * 3}
-        ids = [engine.add_request(prompt, SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)) for _ in range(5)]
-        victims = [engine.add_request(prompt, SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)) for _ in range(2)]
+        ids = [
+            engine.add_request(prompt, SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True))
+            for _ in range(5)
+        ]
+        victims = [
+            engine.add_request(prompt, SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True))
+            for _ in range(2)
+        ]
         done: dict[str, list[int]] = {}
         for step, out in enumerate(_run(engine)):
             engine.core.check_integrity()
@@ -347,8 +403,14 @@ def test_draft_model_checkpoint(tiny_model_dir: Path, tmp_path: Path) -> None:
     prompt = {"prompt_token_ids": list(range(10, 40))}
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     results = {}
-    for name, spec in (("plain", None), ("same", {"model": str(same), "num_speculative_tokens": 3}), ("other", {"model": str(other), "num_speculative_tokens": 3})):
-        engine = SyncEngine.from_engine_args(EngineArgs(model=str(tiny_model_dir), max_model_len=128, speculative_config=spec))
+    for name, spec in (
+        ("plain", None),
+        ("same", {"model": str(same), "num_speculative_tokens": 3}),
+        ("other", {"model": str(other), "num_speculative_tokens": 3}),
+    ):
+        engine = SyncEngine.from_engine_args(
+            EngineArgs(model=str(tiny_model_dir), max_model_len=128, speculative_config=spec)
+        )
         results[name] = (engine.generate([prompt, prompt], params)[0].outputs[0].token_ids, engine.core.statistics())
     assert results["same"][0] == results["plain"][0] == results["other"][0]
     same_stats, other_stats = results["same"][1], results["other"][1]
@@ -378,15 +440,36 @@ def test_stop_strings_logprobs_and_structured_outputs_with_drafts(bundled_model_
 
     results = []
     for spec in (None, NGRAM):
-        engine = SyncEngine.from_engine_args(EngineArgs(model=str(bundled_model_dir), max_model_len=1024, quantization="gguf", speculative_config=spec))
+        engine = SyncEngine.from_engine_args(
+            EngineArgs(model=str(bundled_model_dir), max_model_len=1024, quantization="gguf", speculative_config=spec)
+        )
         code = _prompts(engine)[1]
         stops = [
             SamplingParams(temperature=0.0, max_tokens=60, stop=["len(values)"], logprobs=2),
             SamplingParams(temperature=0.0, max_tokens=60, stop=["sum("], include_stop_str_in_output=True),
-            SamplingParams(temperature=0.0, max_tokens=60, structured_outputs=StructuredOutputsParams(json={"type": "object", "properties": {"name": {"type": "string", "maxLength": 12}}, "required": ["name"]})),
+            SamplingParams(
+                temperature=0.0,
+                max_tokens=60,
+                structured_outputs=StructuredOutputsParams(
+                    json={
+                        "type": "object",
+                        "properties": {"name": {"type": "string", "maxLength": 12}},
+                        "required": ["name"],
+                    }
+                ),
+            ),
         ]
         outs = engine.generate([code, code, {"prompt_token_ids": code["prompt_token_ids"][:40]}], stops)
-        results.append(([(o.outputs[0].text, o.outputs[0].token_ids, o.outputs[0].finish_reason, o.outputs[0].stop_reason) for o in outs], outs[0].outputs[0].logprobs, engine.core.statistics()))
+        results.append(
+            (
+                [
+                    (o.outputs[0].text, o.outputs[0].token_ids, o.outputs[0].finish_reason, o.outputs[0].stop_reason)
+                    for o in outs
+                ],
+                outs[0].outputs[0].logprobs,
+                engine.core.statistics(),
+            )
+        )
     (plain, plain_lps, _), (spec, spec_lps, stats) = results
     assert stats.spec.num_accepted_tokens > 0
     assert spec == plain

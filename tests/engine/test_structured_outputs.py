@@ -50,7 +50,9 @@ def test_exactly_one_constraint_and_vllm_names() -> None:
         S(choice=[])
     params = SamplingParams(guided_decoding=GuidedDecodingParams(choice=["a", "b"]))
     assert params.structured_outputs == S(choice=["a", "b"]) and params.guided_decoding is None
-    wire = msgspec.msgpack.decode(msgspec.msgpack.encode(SamplingParams(structured_outputs=S(json=PERSON))), type=SamplingParams)
+    wire = msgspec.msgpack.decode(
+        msgspec.msgpack.encode(SamplingParams(structured_outputs=S(json=PERSON))), type=SamplingParams
+    )
     assert wire.structured_outputs == S(json=PERSON)
 
 
@@ -104,7 +106,9 @@ def test_fill_bitmask_follows_the_matcher_on_a_tiny_vocabulary(tiny_model_dir: P
     bitmask = fill_bitmask([matcher], tok.vocab_size)
     logits = apply_bitmask(torch.zeros(1, tok.vocab_size), bitmask)
     allowed = {t for t in range(tok.vocab_size) if logits[0, t] == 0}
-    expected = {t for t in range(tok.vocab_size) if (s := tok.decode([t])) and any(c.startswith(s) for c in ("cat", "car"))}
+    expected = {
+        t for t in range(tok.vocab_size) if (s := tok.decode([t])) and any(c.startswith(s) for c in ("cat", "car"))
+    }
     assert allowed == expected and allowed
     # The sampler masks only the rows that have a grammar.
     rows = [_row(None), _row(matcher)]
@@ -131,11 +135,20 @@ def test_compiled_grammars_are_cached_and_each_request_gets_its_own_matcher(tiny
 def test_preempted_requests_keep_their_matcher_state(tiny_model_dir: Path) -> None:
     """Few KV blocks: requests are preempted and recomputed mid-document; each output still
     follows its grammar (a preempted request keeps its tokens, so its matcher stays valid)."""
-    args = EngineArgs(model=str(tiny_model_dir), seed=0, max_model_len=160, num_gpu_blocks_override=12, enforce_eager=True)
+    args = EngineArgs(
+        model=str(tiny_model_dir), seed=0, max_model_len=160, num_gpu_blocks_override=12, enforce_eager=True
+    )
     core = EngineCore(args.create_engine_config())
     tok = Tokenizer.from_pretrained(tiny_model_dir)
-    schema = {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 999}, "minItems": 12, "maxItems": 12}
-    params = SamplingParams(temperature=1.0, seed=3, max_tokens=120, structured_outputs=S(json=schema, disable_any_whitespace=True))
+    schema = {
+        "type": "array",
+        "items": {"type": "integer", "minimum": 0, "maximum": 999},
+        "minItems": 12,
+        "maxItems": 12,
+    }
+    params = SamplingParams(
+        temperature=1.0, seed=3, max_tokens=120, structured_outputs=S(json=schema, disable_any_whitespace=True)
+    )
     out: dict[str, list[int]] = {}
     for i in range(6):
         core.add_request(EngineCoreRequest(str(i), [5 + i] * 30, params.clone(), eos_token_ids=[tok.eos_token_id]))
@@ -180,12 +193,18 @@ def bundled_llm(bundled_model_dir: Path) -> Any:
 
 
 def _chat(llm: Any, text: str) -> str:
-    return str(llm.get_tokenizer().apply_chat_template([{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True))
+    return str(
+        llm.get_tokenizer().apply_chat_template(
+            [{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True
+        )
+    )
 
 
 def test_json_schema_outputs_parse_and_validate_for_20_prompts(bundled_llm: Any) -> None:
     people = ["a baker", "a pilot", "a child", "a teacher", "a poet"]
-    prompts = [_chat(bundled_llm, f"Invent {p} number {i} as JSON with name, age and city.") for i, p in enumerate(people * 4)]
+    prompts = [
+        _chat(bundled_llm, f"Invent {p} number {i} as JSON with name, age and city.") for i, p in enumerate(people * 4)
+    ]
     params = SamplingParams(temperature=0.7, seed=7, max_tokens=64, structured_outputs=S(json=PERSON))
     outs = bundled_llm.generate(prompts, params, use_tqdm=False)
     assert len(outs) == 20
@@ -196,17 +215,25 @@ def test_json_schema_outputs_parse_and_validate_for_20_prompts(bundled_llm: Any)
 
 def test_choice_regex_grammar_and_n_on_the_bundled_model(bundled_llm: Any) -> None:
     prompts = [_chat(bundled_llm, q) for q in ("Is the sky blue?", "Is fire cold?", "What is 2+2?")]
-    choice = SamplingParams(temperature=1.0, n=3, seed=1, max_tokens=8, structured_outputs=S(choice=["yes", "no", "unsure"]))
+    choice = SamplingParams(
+        temperature=1.0, n=3, seed=1, max_tokens=8, structured_outputs=S(choice=["yes", "no", "unsure"])
+    )
     for o in bundled_llm.generate(prompts, choice, use_tqdm=False):
         assert len(o.outputs) == 3
         assert all(c.text in ("yes", "no", "unsure") and c.finish_reason == "stop" for c in o.outputs)
     phone = SamplingParams(temperature=0.8, seed=2, max_tokens=16, structured_outputs=S(regex=r"\(\d{3}\) \d{3}-\d{4}"))
     for o in bundled_llm.generate(prompts, phone, use_tqdm=False):
         assert re.fullmatch(r"\(\d{3}\) \d{3}-\d{4}", o.outputs[0].text)
-    gbnf = SamplingParams(temperature=0.0, max_tokens=16, structured_outputs=S(grammar='root ::= ("red" | "green") " " ("apple" | "pear")'))
+    gbnf = SamplingParams(
+        temperature=0.0,
+        max_tokens=16,
+        structured_outputs=S(grammar='root ::= ("red" | "green") " " ("apple" | "pear")'),
+    )
     for o in bundled_llm.generate(prompts, gbnf, use_tqdm=False):
         assert re.fullmatch(r"(red|green) (apple|pear)", o.outputs[0].text)
-    obj = SamplingParams(temperature=0.0, max_tokens=48, structured_outputs=S(json_object=True, disable_any_whitespace=True))
+    obj = SamplingParams(
+        temperature=0.0, max_tokens=48, structured_outputs=S(json_object=True, disable_any_whitespace=True)
+    )
     (o,) = bundled_llm.generate(prompts[:1], obj, use_tqdm=False)
     if o.outputs[0].finish_reason == "stop":
         assert isinstance(json.loads(o.outputs[0].text), dict)
@@ -216,7 +243,11 @@ def test_choice_regex_grammar_and_n_on_the_bundled_model(bundled_llm: Any) -> No
 
 def test_invalid_schema_is_refused_before_the_engine(bundled_llm: Any) -> None:
     with pytest.raises(ValueError, match="structured_outputs.json"):
-        bundled_llm.generate(["x"], SamplingParams(structured_outputs=S(json={"type": "object", "properties": {"a": {"$ref": "#/nope"}}})), use_tqdm=False)
+        bundled_llm.generate(
+            ["x"],
+            SamplingParams(structured_outputs=S(json={"type": "object", "properties": {"a": {"$ref": "#/nope"}}})),
+            use_tqdm=False,
+        )
     (o,) = bundled_llm.generate(["Hello"], SamplingParams(max_tokens=2), use_tqdm=False)  # the engine goes on
     assert len(o.outputs[0].token_ids) == 2
 
@@ -230,7 +261,9 @@ def _schemas(depth: int = 2) -> st.SearchStrategy[dict[str, Any]]:
         st.just({"type": "null"}),
         st.integers(-50, 50).map(lambda lo: {"type": "integer", "minimum": lo, "maximum": lo + 100}),
         st.integers(1, 6).map(lambda n: {"type": "string", "maxLength": n}),
-        st.lists(st.sampled_from(["a", "b", "xy", "z z"]), min_size=1, max_size=3, unique=True).map(lambda e: {"enum": e}),
+        st.lists(st.sampled_from(["a", "b", "xy", "z z"]), min_size=1, max_size=3, unique=True).map(
+            lambda e: {"enum": e}
+        ),
     )
     if depth == 0:
         return leaves
@@ -254,7 +287,9 @@ def test_random_schemas_always_yield_valid_documents(tiny_llm: Any, schema: dict
     """The tiny random model picks arbitrary allowed tokens; bounded schemas (and no free
     whitespace) bound the document, so every output completes within max_tokens and validates."""
     assert llguidance.LLMatcher.validate_grammar(llguidance.LLMatcher.grammar_from_json_schema(schema)) == ""
-    params = SamplingParams(n=2, temperature=1.0, seed=seed, max_tokens=400, structured_outputs=S(json=schema, disable_any_whitespace=True))
+    params = SamplingParams(
+        n=2, temperature=1.0, seed=seed, max_tokens=400, structured_outputs=S(json=schema, disable_any_whitespace=True)
+    )
     (out,) = tiny_llm.generate([{"prompt_token_ids": [5, 6, 7]}], params, use_tqdm=False)
     for c in out.outputs:
         assert c.finish_reason == "stop", (schema, c.text)
@@ -266,14 +301,23 @@ def test_a_grammar_starts_after_its_start_tokens(tiny_llm: Any) -> None:
     token for token the unconstrained one, until it ends with those ids; then the grammar holds.
     Ids that never come leave the whole output free."""
     prompt = [{"prompt_token_ids": [5, 6, 7]}]
-    free = tiny_llm.generate(prompt, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), use_tqdm=False)[0].outputs[0]
+    free = tiny_llm.generate(prompt, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), use_tqdm=False)[
+        0
+    ].outputs[0]
     marker = list(free.token_ids[1:3])
-    gated = SamplingParams(temperature=0, max_tokens=40, structured_outputs=S(choice=["yes", "no"], start_after_token_ids=marker))
+    gated = SamplingParams(
+        temperature=0, max_tokens=40, structured_outputs=S(choice=["yes", "no"], start_after_token_ids=marker)
+    )
     out = tiny_llm.generate(prompt, gated, use_tqdm=False)[0].outputs[0]
     assert list(out.token_ids[:3]) == list(free.token_ids[:3]) and out.finish_reason == "stop"
     head = tiny_llm.get_tokenizer().decode(list(free.token_ids[:3]))
     assert out.text.startswith(head) and out.text[len(head) :] in ("yes", "no")
-    never = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, structured_outputs=S(choice=["yes"], start_after_token_ids=[999_999]))
+    never = SamplingParams(
+        temperature=0,
+        max_tokens=6,
+        ignore_eos=True,
+        structured_outputs=S(choice=["yes"], start_after_token_ids=[999_999]),
+    )
     assert list(tiny_llm.generate(prompt, never, use_tqdm=False)[0].outputs[0].token_ids) == list(free.token_ids)
     with pytest.raises(ValueError, match="start_after_token_ids"):
         S(choice=["yes"], start_after_token_ids=[])

@@ -198,7 +198,9 @@ def test_max_logprobs_minus_one_is_clamped_to_the_vocabulary(model_config: Model
     ],
 )
 def test_json_schemas_with_integers_the_wire_cannot_carry_are_refused(schema: dict[str, object], where: str) -> None:
-    with pytest.raises(ValueError, match=rf"structured_outputs\.json\.{where}: integers must be in \[-2\*\*63, 2\*\*64\)"):
+    with pytest.raises(
+        ValueError, match=rf"structured_outputs\.json\.{where}: integers must be in \[-2\*\*63, 2\*\*64\)"
+    ):
         StructuredOutputsParams(json=schema)
     edge = StructuredOutputsParams(json={"type": "integer", "maximum": 2**64 - 1, "minimum": -(2**63)})
     msgspec.msgpack.encode(SamplingParams(structured_outputs=edge))
@@ -238,7 +240,13 @@ def test_what_one_request_holds_is_budgeted(inp: InputProcessor) -> None:
     many = InputProcessor(inp.model_config, inp.tokenizer, limits=_limits_with(max_request_tokens=100))
     prompt = {"prompt_token_ids": [5] * 30}
     assert len(many.process(prompt, SamplingParams(max_tokens=2, n=3), "r").core_requests) == 3  # 90
-    with pytest.raises(ValueError, match=r"n: 3 sequences x \(30 prompt tokens \+ 4 token-list entries\) = 102 tokens exceed max_request_tokens=100"):
+    with pytest.raises(
+        ValueError,
+        match=(
+            r"n: 3 sequences x \(30 prompt tokens \+ 4 token-list entries\) = 102 tokens exceed "
+            r"max_request_tokens=100"
+        ),
+    ):
         many.process(prompt, SamplingParams(max_tokens=2, n=3, stop_token_ids=[1] * 4), "r")
     assert len(many.process(prompt, SamplingParams(max_tokens=2, n=1, stop_token_ids=[1] * 4), "r").core_requests) == 1
 

@@ -46,7 +46,9 @@ def _wait_no_workers(timeout: float = 10.0) -> None:
     assert not _workers(), "tensor-parallel workers outlived their engine"
 
 
-def _generate(model: Path, tp: int, params: SamplingParams = GREEDY, prompts: list[str] = PROMPTS, **kw: object) -> list[list[int]]:
+def _generate(
+    model: Path, tp: int, params: SamplingParams = GREEDY, prompts: list[str] = PROMPTS, **kw: object
+) -> list[list[int]]:
     engine = SyncEngine.from_engine_args(
         EngineArgs(model=str(model), tensor_parallel_size=tp, num_threads=2, max_model_len=256, **kw)  # type: ignore[arg-type]
     )
@@ -113,7 +115,9 @@ def test_tp2_with_ngram_speculation_equals_tp1(tiny_model_dir: Path) -> None:
     """The drafts' rows and their logits rows reach the other rank (StepInputs.logit_rows)."""
     spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 2}
     engine = SyncEngine.from_engine_args(
-        EngineArgs(model=str(tiny_model_dir), tensor_parallel_size=2, num_threads=2, max_model_len=256, speculative_config=spec)
+        EngineArgs(
+            model=str(tiny_model_dir), tensor_parallel_size=2, num_threads=2, max_model_len=256, speculative_config=spec
+        )
     )
     try:
         outs = [list(o.outputs[0].token_ids) for o in engine.generate(PROMPTS, GREEDY)]
@@ -162,7 +166,9 @@ def test_validation_names_the_field(tmp_path: Path) -> None:
     nine = make_tiny_model(tmp_path / "nine-heads", hidden_size=72, num_heads=9, num_kv_heads=3, intermediate_size=144)
     with pytest.raises(ValueError, match=r"tensor_parallel_size: 2 does not divide the model's 9 attention heads"):
         EngineArgs(model=str(nine), tensor_parallel_size=2).create_engine_config()
-    twelve = make_tiny_model(tmp_path / "twelve-heads", hidden_size=96, num_heads=12, num_kv_heads=4, intermediate_size=192)
+    twelve = make_tiny_model(
+        tmp_path / "twelve-heads", hidden_size=96, num_heads=12, num_kv_heads=4, intermediate_size=192
+    )
     with pytest.raises(ValueError, match=r"tensor_parallel_size: 6 must divide the model's 4 KV heads"):
         EngineArgs(model=str(twelve), tensor_parallel_size=6).create_engine_config()
     with pytest.raises(ValueError, match="tensor_parallel_size: must be a positive integer"):
@@ -251,19 +257,27 @@ def test_killed_worker_fails_every_request_through_llm(tiny_model_dir: Path) -> 
 def test_workers_leave_when_the_engine_shuts_down(tiny_model_dir: Path, multiprocess: bool) -> None:
     """An orderly shutdown stops the workers (STOP), in-process or from the engine-core child,
     rather than leaving them to notice their parent's exit."""
-    with LLM(str(tiny_model_dir), max_model_len=256, tensor_parallel_size=2, num_threads=2, multiprocess=multiprocess) as llm:
+    with LLM(
+        str(tiny_model_dir), max_model_len=256, tensor_parallel_size=2, num_threads=2, multiprocess=multiprocess
+    ) as llm:
         assert llm.generate("Hello", GREEDY, use_tqdm=False)[0].outputs[0].token_ids
         assert len(_workers()) == 1
     _wait_no_workers(5)
 
 
-def test_a_worker_that_dies_before_joining_fails_start_up_at_once(tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_worker_that_dies_before_joining_fails_start_up_at_once(
+    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Not after the rendezvous timeout (60 s): rank 0 watches the workers while they join."""
     from triollm.engine.distributed import group
 
-    monkeypatch.setattr(group, "WORKER_COMMAND", [sys.executable, "-c", "import time; time.sleep(0.3); raise SystemExit(3)"])
+    monkeypatch.setattr(
+        group, "WORKER_COMMAND", [sys.executable, "-c", "import time; time.sleep(0.3); raise SystemExit(3)"]
+    )
     start = time.monotonic()
     with pytest.raises(RuntimeError, match=r"worker rank 1 \(pid \d+\) exited with code 3 before it joined the group"):
-        SyncEngine.from_engine_args(EngineArgs(model=str(tiny_model_dir), tensor_parallel_size=2, num_threads=2, max_model_len=256))
+        SyncEngine.from_engine_args(
+            EngineArgs(model=str(tiny_model_dir), tensor_parallel_size=2, num_threads=2, max_model_len=256)
+        )
     assert time.monotonic() - start < 10
     _wait_no_workers()

@@ -134,7 +134,9 @@ def test_template_sources(tiny_model_dir: Path, tmp_path: Path) -> None:
     tok = Tokenizer.from_pretrained(_variant(tiny_model_dir, tmp_path / "a", chat_template=listed))
     assert tok.apply_chat_template(MESSAGES, tokenize=False, add_generation_prompt=True) == "D1"
     tok = Tokenizer.from_pretrained(_variant(tiny_model_dir, tmp_path / "b", jinja="J{{ 2 }}"))
-    assert tok.apply_chat_template(MESSAGES, tokenize=False, add_generation_prompt=True) == "J2"  # chat_template.jinja wins over the config
+    assert (
+        tok.apply_chat_template(MESSAGES, tokenize=False, add_generation_prompt=True) == "J2"
+    )  # chat_template.jinja wins over the config
     (tmp_path / "t.jinja").write_text("F{{ 3 }}")
     tok = Tokenizer.from_pretrained(tiny_model_dir, chat_template=str(tmp_path / "t.jinja"))
     assert tok.apply_chat_template(MESSAGES, tokenize=False, add_generation_prompt=True) == "F3"

@@ -19,7 +19,9 @@ CHAT = [
 
 @pytest.fixture(scope="module", params=["tiny", "bundled"])
 def pair(request: pytest.FixtureRequest) -> tuple[Tokenizer, transformers.PreTrainedTokenizerBase]:
-    path: Path = request.getfixturevalue(f"{request.param}_model_dir" if request.param == "tiny" else "bundled_model_dir")
+    path: Path = request.getfixturevalue(
+        f"{request.param}_model_dir" if request.param == "tiny" else "bundled_model_dir"
+    )
     return Tokenizer.from_pretrained(path), transformers.AutoTokenizer.from_pretrained(path)
 
 

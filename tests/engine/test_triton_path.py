@@ -45,7 +45,9 @@ def _greedy(
     return [outs[k] for k in sorted(outs)]
 
 
-def test_greedy_tokens_on_the_triton_path_equal_the_torch_path(tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_greedy_tokens_on_the_triton_path_equal_the_torch_path(
+    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     pytest.importorskip("triton", reason="triton is not installed")
     torch_tokens = _greedy(tiny_model_dir, "torch", monkeypatch)
     assert _greedy(tiny_model_dir, "triton", monkeypatch) == torch_tokens
@@ -64,7 +66,9 @@ def test_speculative_decoding_on_the_triton_path(tiny_model_dir: Path, monkeypat
     runs = []
     for config in (None, spec):
         engine = SyncEngine.from_engine_args(
-            EngineArgs(model=str(tiny_model_dir), max_model_len=256, dtype="float32", num_threads=1, speculative_config=config)
+            EngineArgs(
+                model=str(tiny_model_dir), max_model_len=256, dtype="float32", num_threads=1, speculative_config=config
+            )
         )
         runs.append(([o.outputs[0].token_ids for o in engine.generate(prompts, params)], engine.core.statistics()))
     (plain, _), (with_drafts, stats) = runs

@@ -153,7 +153,9 @@ def mistral_reference(mistral_dir: Path) -> list[tuple[list[int], list[float]]]:
         ("preempt", {"num_gpu_blocks_override": 10, "max_num_batched_tokens": 16}),
     ],
 )
-def test_mistral_window_greedy_parity_while_releasing(mistral_dir: Path, mistral_reference, regime: str, overrides: dict) -> None:
+def test_mistral_window_greedy_parity_while_releasing(
+    mistral_dir: Path, mistral_reference, regime: str, overrides: dict
+) -> None:
     from test_parity import NEW_TOKENS, assert_parity, engine_greedy
 
     # engine_greedy checks integrity every step and that every block is free at the end.

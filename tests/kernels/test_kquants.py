@@ -37,7 +37,9 @@ U16 = 2.0**-11  # fp16's unit roundoff
 SUBNORMAL = 2.0**-25  # half of fp16's smallest spacing
 
 
-def _random_blocks(rng: np.random.Generator, kind: GGMLQuantizationType, n: int, k: int, scales: np.ndarray) -> np.ndarray:
+def _random_blocks(
+    rng: np.random.Generator, kind: GGMLQuantizationType, n: int, k: int, scales: np.ndarray
+) -> np.ndarray:
     """Every byte random (all code, scale and high-bit patterns), the fp16 super-block scales
     (d, and dmin for Q4_K/Q5_K) drawn from `scales`: the raw uint8 `[n, k/256 * bytes]`."""
     size = GGML_QUANT_SIZES[kind][1]
@@ -158,7 +160,8 @@ MIX = {"token_embd.weight": Q4_K, "output.weight": Q6_K} | {
     ]
 }  # fmt: skip
 _HF = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-       "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}  # fmt: skip
+       "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+       "ffn_down": "mlp.down_proj"}  # fmt: skip
 
 
 def _hf_name(gguf_name: str) -> str:
@@ -211,7 +214,9 @@ def engines(mixed_gguf: tuple[Path, Path]) -> Any:
 
     path, out = mixed_gguf
     args = EngineArgs(model=str(path), cache_dir=str(out.parent), max_model_len=256, num_threads=1, quantization="gguf")
-    return SyncEngine.from_engine_args(args), SyncEngine.from_engine_args(dataclasses.replace(args, quantization="none"))
+    return SyncEngine.from_engine_args(args), SyncEngine.from_engine_args(
+        dataclasses.replace(args, quantization="none")
+    )
 
 
 def test_a_mixed_gguf_runs_quantized_near_its_dense_import(engines: Any) -> None:

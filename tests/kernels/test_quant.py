@@ -196,7 +196,9 @@ def test_quantization_is_checked_by_name(tiny_model_dir: Path) -> None:
 def _perplexity(engine: object, ids: list[int]) -> float:
     from triollm.engine.sampling_params import SamplingParams
 
-    (out,) = engine.generate([{"prompt_token_ids": ids}], SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0.0))  # type: ignore[attr-defined]
+    (out,) = engine.generate(
+        [{"prompt_token_ids": ids}], SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0.0)
+    )  # type: ignore[attr-defined]
     lps = [row[t].logprob for row, t in zip(out.prompt_logprobs[1:], ids[1:], strict=True)]
     return math.exp(-sum(lps) / len(lps))
 

@@ -103,7 +103,13 @@ def test_the_packed_inputs_are_what_the_graph_reads(monkeypatch: pytest.MonkeyPa
 
     def model(ids: torch.Tensor, positions: torch.Tensor, meta: Any, kv: Any) -> torch.Tensor:
         tables, lens = meta.decode_plan.triton
-        seen.update(ids=ids.clone(), pos=positions.clone(), slots=meta.slot_mapping.clone(), tables=tables.clone(), lens=lens.clone())
+        seen.update(
+            ids=ids.clone(),
+            pos=positions.clone(),
+            slots=meta.slot_mapping.clone(),
+            tables=tables.clone(),
+            lens=lens.clone(),
+        )
         return torch.zeros(ids.shape[0], 8)
 
     graphs.model = model  # type: ignore[assignment]
@@ -116,7 +122,11 @@ def test_the_packed_inputs_are_what_the_graph_reads(monkeypatch: pytest.MonkeyPa
     assert seen["lens"].tolist() == [18, 41, 3, 1]
     assert seen["tables"].tolist() == [[1, 2, 39, 39, 39, 39], [3, 4, 5, 39, 39, 39], [6, 39, 39, 39, 39, 39], [39] * 6]
     graphs.run(*STEPS[1])  # a smaller batch later: the padding is rewritten, not left over
-    assert seen["ids"].tolist() == [5] and seen["lens"].tolist() == [18] and seen["tables"].tolist() == [[2, 3, 39, 39, 39, 39]]
+    assert (
+        seen["ids"].tolist() == [5]
+        and seen["lens"].tolist() == [18]
+        and seen["tables"].tolist() == [[2, 3, 39, 39, 39, 39]]
+    )
 
 
 def test_plans_send_their_tables_in_one_copy(counted: tuple[HostToDevice, list[int]]) -> None:

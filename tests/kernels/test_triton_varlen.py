@@ -171,9 +171,23 @@ def test_varlen_rejects_mismatched_plans() -> None:
     tables = torch.tensor([cache.tables[0]], dtype=torch.int32)
     with pytest.raises(ValueError, match="block_tables"):
         paged_prefill_attention_varlen(
-            q, cache.k, cache.v, tables, torch.tensor([0, 4], dtype=torch.int32), torch.zeros(2, dtype=torch.int32), 4, 1.0
+            q,
+            cache.k,
+            cache.v,
+            tables,
+            torch.tensor([0, 4], dtype=torch.int32),
+            torch.zeros(2, dtype=torch.int32),
+            4,
+            1.0,
         )
     with pytest.raises(ValueError, match="max_tokens: 0"):
         paged_prefill_attention_varlen(
-            q, cache.k, cache.v, tables, torch.tensor([0, 4], dtype=torch.int32), torch.zeros(1, dtype=torch.int32), 0, 1.0
+            q,
+            cache.k,
+            cache.v,
+            tables,
+            torch.tensor([0, 4], dtype=torch.int32),
+            torch.zeros(1, dtype=torch.int32),
+            0,
+            1.0,
         )

@@ -53,7 +53,15 @@ def reference(
     return torch.einsum("hnl,lhd->nhd", scores.softmax(-1), v)
 
 
-def assert_decode(out: torch.Tensor, q: torch.Tensor, seqs: Paged, lens: list[int], window: int | None, softcap: float | None, tol: float) -> None:
+def assert_decode(
+    out: torch.Tensor,
+    q: torch.Tensor,
+    seqs: Paged,
+    lens: list[int],
+    window: int | None,
+    softcap: float | None,
+    tol: float,
+) -> None:
     """Each decode row (the query at position n - 1) against the dense reference."""
     for row, n in enumerate(lens):
         expected = reference(q[row : row + 1], seqs.k[row], seqs.v[row], n - 1, window, softcap)

@@ -14,7 +14,10 @@ from triollm.testing import Snapshot, check_no_leaks, child_pids, wait_for_no_le
 
 
 def test_a_grandchild_is_a_child_process() -> None:
-    script = "import subprocess, sys, time; p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(30)']); print(p.pid, flush=True); time.sleep(30)"
+    script = (
+        "import subprocess, sys, time; p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(30)']); "
+        "print(p.pid, flush=True); time.sleep(30)"
+    )
     before = Snapshot.take()
     proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
     try:

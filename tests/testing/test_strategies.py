@@ -54,7 +54,9 @@ def test_every_fault_kind_is_drawn() -> None:
 
 @settings(max_examples=100, database=None)
 @given(
-    steps=client_steps(submits(max_tokens=(5, 6)), stop=stops(("cancel",), max_target=2), kill=True, extra=[st.just("stats")])
+    steps=client_steps(
+        submits(max_tokens=(5, 6)), stop=stops(("cancel",), max_target=2), kill=True, extra=[st.just("stats")]
+    )
 )
 def test_client_steps_take_the_strategies_given(steps: list[object]) -> None:
     for step in steps:

@@ -124,7 +124,9 @@ def column(in_features: int, rows: list[tuple[int, int]], bias: bool) -> Linear:
     return Linear(in_features, rows, bias)
 
 
-def row(in_features: int, out_features: int, bias: bool, shard_cols: tuple[int, int] | None = None, rank: int = 0) -> Linear:
+def row(
+    in_features: int, out_features: int, bias: bool, shard_cols: tuple[int, int] | None = None, rank: int = 0
+) -> Linear:
     """A row-parallel layer: this rank holds input columns `shard_cols` (None: all); its bias is
     added on rank 0 only."""
     return Linear(in_features, [(0, out_features)], bias, cols=shard_cols, bias_rank0=rank == 0)

@@ -43,7 +43,9 @@ __all__ = ["EXPERT_WEIGHT_KINDS", "FusedMoE", "fused_experts", "load_expert_weig
 EXPERT_WEIGHT_KINDS = ("gate", "up", "down", "gate_up")
 
 
-def route(router_logits: torch.Tensor, top_k: int, renormalize: bool, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def route(
+    router_logits: torch.Tensor, top_k: int, renormalize: bool, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(weights [T, k] in `dtype`, expert ids [T, k] int64) as transformers' top-k routers compute them."""
     probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
     weights, ids = torch.topk(probs, top_k, dim=-1)
@@ -60,9 +62,15 @@ class FusedMoE(nn.Module):
     `torch.empty` (build on the meta device, then `load_state_dict(assign=True)` or
     `load_expert_weight`)."""
 
-    def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int, *, renormalize: bool) -> None:
+    def __init__(
+        self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int, *, renormalize: bool
+    ) -> None:
         super().__init__()
-        for field, value in (("num_experts", num_experts), ("hidden_size", hidden_size), ("intermediate_size", intermediate_size)):
+        for field, value in (
+            ("num_experts", num_experts),
+            ("hidden_size", hidden_size),
+            ("intermediate_size", intermediate_size),
+        ):
             if value < 1:
                 raise ValueError(f"{field} must be >= 1, got {value}")
         if not 1 <= top_k <= num_experts:
@@ -76,19 +84,27 @@ class FusedMoE(nn.Module):
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size), requires_grad=False)
 
     def extra_repr(self) -> str:
-        return f"num_experts={self.num_experts}, top_k={self.top_k}, hidden_size={self.hidden_size}, intermediate_size={self.intermediate_size}, renormalize={self.renormalize}"
+        return (
+            f"num_experts={self.num_experts}, top_k={self.top_k}, hidden_size={self.hidden_size}, "
+            f"intermediate_size={self.intermediate_size}, renormalize={self.renormalize}"
+        )
 
     def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         """x `[T, H]`, router_logits `[T, E]` -> `[T, H]` in x's dtype."""
         if x.dim() != 2 or x.shape[1] != self.hidden_size:
             raise ValueError(f"x must be [T, hidden_size={self.hidden_size}], got {list(x.shape)}")
         if router_logits.shape != (x.shape[0], self.num_experts):
-            raise ValueError(f"router_logits must be [T={x.shape[0]}, num_experts={self.num_experts}], got {list(router_logits.shape)}")
+            raise ValueError(
+                f"router_logits must be [T={x.shape[0]}, num_experts={self.num_experts}], got "
+                f"{list(router_logits.shape)}"
+            )
         weights, ids = route(router_logits, self.top_k, self.renormalize, x.dtype)
         return fused_experts(x, self.w13, self.w2, weights, ids)
 
 
-def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+def fused_experts(
+    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
+) -> torch.Tensor:
     """`sum_j weights[t, j] * expert_{ids[t, j]}(x[t])`, running only the experts in `ids`.
 
     x `[T, H]`, w13 `[E, 2I, H]`, w2 `[E, H, I]`, weights `[T, k]` (x's dtype), ids `[T, k]`."""

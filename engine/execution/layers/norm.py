@@ -24,12 +24,16 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor, triton: bool | None = None) -> torch.Tensor:
         return rms_norm(x, self.weight, self.eps, self.exact, triton)
 
-    def add_forward(self, x: torch.Tensor, residual: torch.Tensor, triton: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def add_forward(
+        self, x: torch.Tensor, residual: torch.Tensor, triton: bool | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """`(norm(residual + x), residual + x)`."""
         return add_rms_norm(x, residual, self.weight, self.eps, self.exact, triton)
 
     def load(self, leaf: str, piece: int, source: Any) -> None:
         tensor = source[:]
         if tuple(tensor.shape) != tuple(self.weight.shape):
-            raise ValueError(f"model: a norm of shape {tuple(tensor.shape)} where {tuple(self.weight.shape)} was expected")
+            raise ValueError(
+                f"model: a norm of shape {tuple(tensor.shape)} where {tuple(self.weight.shape)} was expected"
+            )
         self.weight.data.copy_(tensor.float() + 1 if self.offset else tensor)

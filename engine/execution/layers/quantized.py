@@ -73,7 +73,9 @@ class QuantLinear(_Packed):
         super().__init__(weight)
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
         if perm is not None and tuple(perm.shape) != (self.in_features,):
-            raise ValueError(f"quantization: an input permutation of shape {tuple(perm.shape)} for {self.in_features} inputs")
+            raise ValueError(
+                f"quantization: an input permutation of shape {tuple(perm.shape)} for {self.in_features} inputs"
+            )
         self.register_buffer("perm", None if perm is None else perm.to(torch.long))
         # Which checkpoint rows its bias holds (set by the loader, as layers/linear.py's).
         self.rows: list[tuple[int, int]] = [(0, self.out_features)]
@@ -123,7 +125,9 @@ class DecodeStack:
     projection, gathered once per set of slots and slot contents, and its rows); the native
     stack adds the updates by the function `LoRALayer.apply` calls (`lora_apply`)."""
 
-    def __init__(self, layers: Sequence[StackLayer], num_heads: int, num_kv_heads: int, scale: float, eps: float) -> None:
+    def __init__(
+        self, layers: Sequence[StackLayer], num_heads: int, num_kv_heads: int, scale: float, eps: float
+    ) -> None:
         self.weights: list[torch.Tensor] = []
         self.shapes: list[int] = []
         self.projections: list[QuantLinear] = []  # every layer's four, in the stack's order

@@ -75,7 +75,8 @@ class SelfAttention(nn.Module):
             q_rows, kv_rows, o_cols = (qf * hd, qn * hd), (kf * hd, kn * hd), (qf * hd, qn * hd)
             if cfg.qk_norm == "full":
                 raise ValueError(
-                    f"tensor_parallel_size: {cfg.architecture}'s q/k norm spans all heads; tensor parallelism is not supported for it"
+                    f"tensor_parallel_size: {cfg.architecture}'s q/k norm spans all heads; tensor parallelism is not "
+                    f"supported for it"
                 )
         self.num_heads, self.num_kv_heads, self.head_dim = h, kvh, hd
         self.qkv_proj = column(cfg.hidden_size, [q_rows, kv_rows, kv_rows], cfg.qkv_bias)
@@ -96,7 +97,12 @@ class SelfAttention(nn.Module):
         self.attn = PagedAttention(h, kvh, hd, scale, window=window, softcap=cfg.attn_softcap)
 
     def forward(
-        self, x: torch.Tensor, ropes: list[RopeStep], meta: AttentionMetadata, k_cache: torch.Tensor, v_cache: torch.Tensor
+        self,
+        x: torch.Tensor,
+        ropes: list[RopeStep],
+        meta: AttentionMetadata,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
     ) -> torch.Tensor:
         qkv = self.qkv_proj.forward(x)
         if self.q_norm is not None:
@@ -170,7 +176,9 @@ class CausalLM(nn.Module):
         self.embed_tokens: Embedding | QuantEmbedding = Embedding(vocab, cfg.hidden_size)
         self.layers = nn.ModuleList(self.make_layer(cfg, i, shard) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, exact=cfg.quantization is None, offset=cfg.norm_offset)
-        self.lm_head: Linear | QuantLinear | None = None if cfg.tie_word_embeddings else column(cfg.hidden_size, [vocab], False)
+        self.lm_head: Linear | QuantLinear | None = (
+            None if cfg.tie_word_embeddings else column(cfg.hidden_size, [vocab], False)
+        )
         self.packed_tied_head: torch.Tensor | None = None  # set by pack_linears
         self.decode_stack: DecodeStack | None = None  # a quantized model's native decode (set at load)
         # Not modules: computed on the CPU (also when the model is built on the meta device),
@@ -202,7 +210,9 @@ class CausalLM(nn.Module):
         for r in self.rotaries:
             r.to(device)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, kv: KVCache) -> torch.Tensor:
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, kv: KVCache
+    ) -> torch.Tensor:
         """Hidden states `[T, hidden]` (final norm applied) for the flat batch."""
         if self.comm is None:
             x = self.embed_tokens(input_ids)

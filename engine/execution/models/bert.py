@@ -158,14 +158,18 @@ def load_bert(cfg: ModelConfig, device: str | torch.device = "cpu") -> BertModel
                     pieces.setdefault(target, {})[piece] = tensor
     for target, parts in pieces.items():
         if len(parts) != 3:
-            raise ValueError(f"model: checkpoint in {cfg.path} lacks part of {target} (query, key and value are needed)")
+            raise ValueError(
+                f"model: checkpoint in {cfg.path} lacks part of {target} (query, key and value are needed)"
+            )
         loaded[target] = torch.cat([parts[i] for i in sorted(parts)], dim=0)
     missing = sorted(set(params) - set(loaded))
     if missing:
         raise ValueError(f"model: checkpoint in {cfg.path} lacks tensors: {', '.join(missing[:5])}")
     for name, tensor in loaded.items():
         if tuple(params[name].shape) != tuple(tensor.shape):
-            raise ValueError(f"model: tensor {name} has shape {tuple(tensor.shape)}, expected {tuple(params[name].shape)}")
+            raise ValueError(
+                f"model: tensor {name} has shape {tuple(tensor.shape)}, expected {tuple(params[name].shape)}"
+            )
     model.load_state_dict(loaded, strict=True, assign=True)
     model.requires_grad_(False)
     model = model.to(device).eval()

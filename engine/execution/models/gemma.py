@@ -35,7 +35,12 @@ class SandwichDecoderLayer(nn.Module):
         self.post_feedforward_layernorm = RMSNorm(size, eps, offset=offset)
 
     def forward(
-        self, x: torch.Tensor, ropes: list[RopeStep], meta: AttentionMetadata, k_cache: torch.Tensor, v_cache: torch.Tensor
+        self,
+        x: torch.Tensor,
+        ropes: list[RopeStep],
+        meta: AttentionMetadata,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
     ) -> torch.Tensor:
         t = meta.triton
         h = self.self_attn.forward(self.input_layernorm.forward(x, t), ropes, meta, k_cache, v_cache)

@@ -1,9 +1,10 @@
 """Llama-shaped decoders: Llama 2/3.x, SmolLM2, Mistral, Qwen2, Qwen3, Granite, Phi-3/Phi-4, Gemma.
 
 Per layer: RMSNorm, self-attention, residual add fused with the next RMSNorm, gated MLP, residual
-add. What the families change is in the config (hf_config.py, hf_families.py): Qwen3's q/k
-norms, Granite's multipliers, Gemma's GeLU, (1 + w) norms and scaled embedding, Phi-3's partial rotary and LongRoPE, sliding windows; and Phi-3
-stores q|k|v and gate|up already fused (`Phi3ForCausalLM.fused_pieces`).
+add. What the families change is in the config (hf_config.py, hf_families.py): Qwen3's q/k norms,
+Granite's multipliers, Gemma's GeLU, (1 + w) norms and scaled embedding, Phi-3's partial rotary and
+LongRoPE, sliding windows; and Phi-3 stores q|k|v and gate|up already fused
+(`Phi3ForCausalLM.fused_pieces`).
 
 A quantized model's all-decode steps run the whole stack in one native call (`DecodeStack`)
 where it computes exactly what these layers would: fp32, one rank, no q/k norms, no multipliers,
@@ -39,7 +40,12 @@ class LlamaDecoderLayer(nn.Module):
         self.residual_multiplier = cfg.residual_multiplier
 
     def forward(
-        self, x: torch.Tensor, ropes: list[RopeStep], meta: AttentionMetadata, k_cache: torch.Tensor, v_cache: torch.Tensor
+        self,
+        x: torch.Tensor,
+        ropes: list[RopeStep],
+        meta: AttentionMetadata,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
     ) -> torch.Tensor:
         h = self.self_attn.forward(self.input_layernorm.forward(x, meta.triton), ropes, meta, k_cache, v_cache)
         m = self.residual_multiplier

@@ -28,7 +28,9 @@ class SparseMoeBlock(nn.Module):
         moe = cfg.moe
         assert moe is not None
         self.gate = column(cfg.hidden_size, [(0, moe.num_experts)], False)
-        self.experts = FusedMoE(moe.num_experts, moe.top_k, cfg.hidden_size, moe.intermediate_size, renormalize=moe.renormalize)
+        self.experts = FusedMoE(
+            moe.num_experts, moe.top_k, cfg.hidden_size, moe.intermediate_size, renormalize=moe.renormalize
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.experts.forward(x, self.gate.forward(x))
@@ -41,7 +43,9 @@ class MoEForCausalLM(LlamaForCausalLM):
         moe = cfg.moe
         assert moe is not None
         if shard is not None:
-            raise ValueError(f"tensor_parallel_size: {cfg.architecture} (routed experts) is not supported with tensor parallelism")
+            raise ValueError(
+                f"tensor_parallel_size: {cfg.architecture} (routed experts) is not supported with tensor parallelism"
+            )
         mlp = SparseMoeBlock(cfg) if moe.sparse_layers[index] else GatedMLP(cfg, shard)
         return LlamaDecoderLayer(cfg, index, shard, mlp)
 

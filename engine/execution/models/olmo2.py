@@ -29,7 +29,12 @@ class Olmo2DecoderLayer(nn.Module):
         self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(
-        self, x: torch.Tensor, ropes: list[RopeStep], meta: AttentionMetadata, k_cache: torch.Tensor, v_cache: torch.Tensor
+        self,
+        x: torch.Tensor,
+        ropes: list[RopeStep],
+        meta: AttentionMetadata,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
     ) -> torch.Tensor:
         t = meta.triton
         x = x + self.post_attention_layernorm.forward(self.self_attn.forward(x, ropes, meta, k_cache, v_cache), t)
