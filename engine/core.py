@@ -69,29 +69,31 @@ class EngineCore:
                 "'pooling'; build its core with triollm.engine.cores.build_engine_core(config)"
             )
         self.config = config
-        mc = config.model
-        # Structured outputs: a request's matcher is built in the compiler's threads, and the
-        # request joins the scheduler once it is ready (`_compiling` until then).
-        self.grammars = GrammarCompiler(config.tokenizer, mc.vocab_size)
-        self._compiling: dict[str, tuple[Request, Future[Grammar]]] = {}
-        try:
-            self.executor = Executor.build(config, runner)
-        except BaseException:
-            self.grammars.close()
-            raise
+        self.executor = Executor.build(config, runner)  # closes what it started if it raises
         self.runner: Runner = self.executor.runner  # tests may wrap it
         self.num_blocks = self.executor.num_blocks
-        bs = config.cache.block_size
+        try:
+            self._build_bookkeeping()
+        except BaseException:
+            self.executor.close()
+            raise
+
+    def _build_bookkeeping(self) -> None:
+        mc = self.config.model
         # Blocks that fell out of the window are given back only if no layer attends to all.
         windowed = bool(mc.layer_types) and all(t == "sliding_attention" for t in mc.layer_types)
         w = mc.sliding_window
         window = w if windowed and w is not None and w < mc.max_model_len else None
-        prefix = config.cache.enable_prefix_caching
-        self.block_manager = BlockManager(self.num_blocks, bs, prefix, window)
-        self.scheduler = Scheduler(config.scheduler, self.block_manager, mc.max_model_len)
+        cache = self.config.cache
+        self.block_manager = BlockManager(self.num_blocks, cache.block_size, cache.enable_prefix_caching, window)
+        self.scheduler = Scheduler(self.config.scheduler, self.block_manager, mc.max_model_len)
         self.speculator = self._speculator()
         self.requests: dict[str, Request] = {}
         self.num_steps = 0
+        # Structured outputs: a request's matcher is built in the compiler's threads, and the
+        # request joins the scheduler once it is ready (`_compiling` until then).
+        self._compiling: dict[str, tuple[Request, Future[Grammar]]] = {}
+        self.grammars = GrammarCompiler(self.config.tokenizer, mc.vocab_size)
 
     @property
     def model(self) -> CausalLM | None:
