@@ -95,7 +95,7 @@ class AsyncLLM:
         self._link = self._rt.link
         self._request_ids = itertools.count()
         self._stats_log = StatsLog()
-        self._lora = LoRAChecker(self.config.lora)  # every request's adapter passes here
+        self._lora = LoRAChecker(self.config.lora, self.config.model)  # every adapter passes here
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs, **kwargs: Any) -> AsyncLLM:
@@ -238,7 +238,7 @@ class AsyncLLM:
         or with `wait_for_room=True` (offline batches: `LLM`, `LLMEngine`) waits for room.
 
         `lora_request`: the adapter the request runs under (None: the base model), checked
-        first (`LoRAChecker`: LoRA enabled, the adapter's config; read once per adapter, in a
+        first (`LoRAChecker`: LoRA enabled, the adapter's config and tensors; read once per adapter, in a
         worker thread).
         """
         await self._rt.ensure_started()
@@ -327,9 +327,10 @@ class AsyncLLM:
 
     async def add_lora(self, lora_request: LoRARequest) -> bool:
         """vLLM's `add_lora`: check the adapter (LoRA enabled, its `adapter_config.json`: the
-        PEFT fields and `r <= max_lora_rank`; in a worker thread) so that requests under it are
-        accepted without reading it again; `ValueError` naming the field otherwise. The engine
-        core reads the weights when a request first uses the adapter. True once checked."""
+        PEFT fields and `r <= max_lora_rank`; every tensor readable and of the base model's
+        shape; in a worker thread) so that requests under it are accepted without reading it
+        again; `ValueError` naming the field and the file otherwise. The engine core reads the
+        weights again when a request first uses the adapter. True once checked."""
         if not isinstance(lora_request, LoRARequest):
             raise ValueError(f"lora_request: must be a LoRARequest, got {type(lora_request).__name__}")
         await self._checked(lora_request)

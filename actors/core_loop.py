@@ -44,6 +44,7 @@ from triollm.actors.messages import (
     UtilityResult,
 )
 from triollm.engine.core_protocol import Core, EngineCoreStats
+from triollm.engine.log_safe import log_safe
 
 __all__ = ["MAX_INPUTS_PER_STEP", "serve_engine_core"]
 
@@ -127,7 +128,7 @@ def _apply(core: Core, msg: CoreInput) -> CoreOutput | None:
             except ValueError as exc:
                 return RequestError(req.request_id, str(exc))
             except Exception as exc:  # unexpected, but confined to this request
-                log.exception("request %s failed", req.request_id)
+                log.exception("request %s failed", log_safe(req.request_id))
                 core.abort_requests([req.request_id])
                 return RequestError(req.request_id, repr(exc), kind=type(exc).__name__)
         case AbortRequests(request_ids=ids):

@@ -86,6 +86,7 @@ from triollm.actors.messages import (
 from triollm.engine.config import EngineConfig
 from triollm.engine.config_codec import encode_config
 from triollm.engine.core_factory import EngineCoreFactory
+from triollm.engine.log_safe import log_safe
 
 __all__ = [
     "CoreChild",
@@ -378,7 +379,7 @@ async def _pump_inputs(
         if not isinstance(msg, AddRequest):
             raise exc
         rid = msg.request.request_id
-        log.warning("request %.80s cannot be encoded for the engine core: %r", rid, exc)
+        log.warning("request %s cannot be encoded for the engine core: %r", log_safe(rid, 80), exc)
         error = RequestError(rid, f"the request cannot be sent to the engine core: {exc}"[:500])
         try:
             await out_send.send(error)

@@ -8,6 +8,10 @@ msgspec Structs are walked item by item until the budget is spent (dicts in thei
 never sorted), and the cut says how much was left out (the original length, or the number of
 items). `reprlib` was not enough: it sorts a dict whole before it shows any of it and falls back
 to the full `repr` of any object it does not know (a Struct).
+
+Strings come out as `repr` writes them, so a newline in a stop string cannot start a log line.
+A client string logged bare with `%s` (a request id, an adapter's name or path) goes through
+`log_safe` (engine/log_safe.py, below api/ so that actors/ and the frontend use it too).
 """
 
 from __future__ import annotations

@@ -19,6 +19,7 @@ from starlette.responses import Response
 
 from triollm.actors.errors import EngineBusyError, EngineDeadError, EngineGenerateError
 from triollm.api.log_bounds import shorten
+from triollm.engine.log_safe import log_safe
 
 __all__ = [
     "APIError",
@@ -126,7 +127,7 @@ def from_exception(exc: BaseException, *, engine_running: bool = True) -> APIErr
         return service_unavailable("The server is shutting down")
     if isinstance(exc, EngineGenerateError):
         message = shorten(str(exc))  # it may quote the request's values
-        log.error("request failed in the engine: %s", message)
+        log.error("request failed in the engine: %s", log_safe(message))
         return APIError(500, f"The request failed in the engine: {message}")
     log.error("unexpected error while serving a request", exc_info=exc)
     return APIError(500, f"Internal server error ({type(exc).__name__}); see the server log")

@@ -5,7 +5,9 @@ finishes. Off unless `ServerSettings.disable_log_requests` is False.
 Without `max_log_len` a request line shows the prompt's length only (a prompt is a client's
 text, and may be megabytes); with it, the first `max_log_len` characters and token ids. Output
 text is cut to `max_log_len` characters, or to `LOG_VALUE_CHARS` without one: a line never
-grows with what a client sent or the model wrote.
+grows with what a client sent or the model wrote. The request id is the client's too (body
+`request_id`, `X-Request-Id`): it passes through `log_safe` (engine/log_safe.py), so a newline
+in it cannot start a forged line; the prompt and the output are written with `%r`.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from collections.abc import Sequence
 
 from triollm.api.log_bounds import LOG_VALUE_CHARS, short_repr, shorten
 from triollm.api.state import ServerSettings
+from triollm.engine.log_safe import log_safe
 
 __all__ = ["log_output", "log_request"]
 
@@ -35,12 +38,12 @@ def log_request(
     size = len(prompt_token_ids) if prompt_token_ids is not None else len(prompt or "")
     unit = "prompt tokens" if prompt_token_ids is not None else "prompt chars"
     if limit is None:
-        log.info("Received request %s: %d %s, params: %s", request_id, size, unit, short_repr(params))
+        log.info("Received request %s: %d %s, params: %s", log_safe(request_id), size, unit, short_repr(params))
         return
     ids = None if prompt_token_ids is None else short_repr(list(prompt_token_ids[:limit]), LOG_VALUE_CHARS + 8 * limit)
     log.info(
         "Received request %s: prompt: %r, %d %s, prompt_token_ids: %s, params: %s",
-        request_id, shorten(prompt or "", limit), size, unit, ids, short_repr(params),
+        log_safe(request_id), shorten(prompt or "", limit), size, unit, ids, short_repr(params),
     )
 
 
@@ -48,7 +51,8 @@ def log_output(settings: ServerSettings, request_id: str, text: str, finish_reas
     if settings.disable_log_requests or not settings.enable_log_outputs:
         return
     limit = settings.max_log_len if settings.max_log_len is not None else LOG_VALUE_CHARS
-    log.info("Generated response %s: output: %r, finish_reason: %s", request_id, shorten(text, limit), finish_reason)
+    shown = log_safe(request_id), shorten(text, limit), finish_reason
+    log.info("Generated response %s: output: %r, finish_reason: %s", *shown)
 
 
 class OutputLog:

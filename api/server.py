@@ -148,6 +148,7 @@ async def serve(
     settings = options.settings or ServerSettings(served_model_names=(default_model_name(engine_args),))
     async with AsyncLLM.from_engine_args(engine_args, chat_template=settings.chat_template) as llm:
         state = ServerState(llm, settings)
+        await state.models.check_adapters(llm)  # --lora-modules whole, against the model (serving_models.py)
         _attach_metrics(state)
         app = build_app(state, playground=options.playground)
         config = _hypercorn_config(

@@ -131,6 +131,12 @@ async def create_chat_completion(
         token_ids = truncate_prompt(token_ids, req.truncate_prompt_tokens, model_config.max_model_len)
         prompt = {"prompt_token_ids": token_ids}
     beam = beam_search_params(req, max_tokens, model_config.max_model_len)
+    if beam is not None and params.structured_outputs is not None:  # a forced tool call's grammar, guided_*: dropped
+        raise bad_request(
+            "use_beam_search: cannot be combined with structured outputs or a forced tool call (tool_choice "
+            '"required" or a named function): beam search runs without a grammar',
+            "use_beam_search",
+        )
     job = Job(prompt, params, response_id, req.priority, beam, lora)
     log_request(settings, response_id, params, prompt=text, prompt_token_ids=token_ids)
     role = settings.response_role if req.add_generation_prompt else req.messages[-1].role

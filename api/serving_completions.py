@@ -100,6 +100,12 @@ async def create_completion(state: ServerState, request: Request) -> Response:
         structured=await structured_outputs_params(req),
     )
     beam = beam_search_params(req, req.max_tokens, llm.get_model_config().max_model_len)
+    if beam is not None and params.structured_outputs is not None:  # a guided_* field's grammar would be dropped
+        raise bad_request(
+            "use_beam_search: cannot be combined with structured outputs (structured_outputs, response_format or a "
+            "guided_* field): beam search runs without a grammar",
+            "use_beam_search",
+        )
     jobs = [
         Job(p, params if i == 0 else params.clone(), f"{response_id}-{i}", req.priority, beam, lora)
         for i, p in enumerate(prompts)

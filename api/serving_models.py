@@ -3,17 +3,23 @@
 
 `--lora-modules name=path ...` (or the JSON form `{"name", "path", "base_model_name"}`) are
 served from start-up, each with a stable `lora_int_id` (1, 2, ... in the order given), after
-`check_lora_modules` refused what vLLM would refuse there: the flag without `--enable-lora`, a
-name given twice or taken by the base model, an adapter whose config does not pass (each error
-naming the flag and the module). A request names an adapter in `model` (completions, chat, the
-Responses API); `GET /v1/models` lists every adapter with `root` its path and `parent` its base
-model's served name.
+`check_lora_modules` refused what vLLM would refuse there, before the model loads: the flag
+without `--enable-lora`, a name given twice or taken by the base model, an adapter whose config
+does not pass (each error naming the flag and the module); once the engine is built,
+`ServedModels.check_adapters` reads each one whole against the base model (a corrupt or
+mis-shaped tensor stops the server, naming the flag, the module and the file). A request names
+an adapter in `model` (completions, chat, the Responses API); `GET /v1/models` lists every
+adapter with `root` its path and `parent` its base model's served name.
 
 With `VLLM_ALLOW_RUNTIME_LORA_UPDATING` true (read once at start-up, `runtime_lora_updating`),
 `POST /v1/load_lora_adapter {"lora_name", "lora_path"}` adds an adapter, checked first (LoRA
-enabled, the adapter's config: a 400 naming the field and the path otherwise; a name already
-served is a 400, unless `load_inplace`), and `POST /v1/unload_lora_adapter {"lora_name"}`
-removes one (an unknown name is a 404). Without it the routes do not exist (404), as in vLLM.
+enabled, the adapter's config, every tensor readable and of the base model's shape: a 400
+naming the field and the file otherwise, and nothing is loaded; a name already served is a
+400, unless `load_inplace`), and `POST /v1/unload_lora_adapter {"lora_name"}` removes one (an
+unknown name is a 404). Without it the routes do not exist (404), as in vLLM. The route reads
+server paths a client names: a path that is not an adapter gets one answer, whether it is
+missing, a file, unreadable or a directory without `adapter_config.json` (lora/peft.py
+`not_an_adapter`), so it does not tell which paths exist beyond what vLLM tells.
 
 A request's adapter is resolved once, when it arrives: one already admitted under an adapter that
 is unloaded meanwhile finishes under it (its `LoRARequest` travels with it). Ids are never
@@ -35,6 +41,7 @@ import msgspec
 
 from triollm.api.log_bounds import shorten
 from triollm.api.openai_errors import APIError, bad_request
+from triollm.engine.log_safe import log_safe
 from triollm.lora.peft import read_adapter_config
 from triollm.lora.request import LoRARequest
 
@@ -156,6 +163,15 @@ class ServedModels:
         """The base model's served name an adapter is listed under (vLLM's `parent`)."""
         return lora.base_model_name or self.base_names[0]
 
+    async def check_adapters(self, llm: AsyncLLM) -> None:
+        """The start-up adapters (`--lora-modules`) checked whole now that the base model is
+        known (`AsyncLLM.add_lora`): `ValueError` naming the flag, the module and the file."""
+        for name, lora in self._adapters.items():
+            try:
+                await llm.add_lora(lora)
+            except ValueError as exc:
+                raise ValueError(f"--lora-modules {name}: {exc}") from None
+
     async def load(self, llm: AsyncLLM, req: LoadLoRAAdapterRequest) -> LoRARequest:
         """Check and add an adapter (`APIError` 400 naming the field otherwise)."""
         name, path = req.lora_name, req.lora_path
@@ -171,7 +187,8 @@ class ServedModels:
         await llm.add_lora(lora)  # ValueError naming the field (lora_path, lora_request) -> 400
         self._check_new(name, req.load_inplace)  # a load of the same name that finished meanwhile
         self._adapters[name] = lora
-        log.info("Loaded new LoRA adapter: name %r, path %r (lora_int_id %d)", name, path, lora.lora_int_id)
+        shown = log_safe(name), log_safe(path), lora.lora_int_id
+        log.info("Loaded new LoRA adapter: name %s, path %s (lora_int_id %d)", *shown)
         return lora
 
     def _check_new(self, name: str, inplace: bool) -> None:
@@ -187,5 +204,5 @@ class ServedModels:
         lora = self._adapters.pop(name, None)
         if lora is None:
             raise APIError(404, f"The lora adapter '{shorten(name, 100)}' cannot be found.", "lora_name")
-        log.info("Removed LoRA adapter: name %r", name)
+        log.info("Removed LoRA adapter: name %s", log_safe(name))
         return lora

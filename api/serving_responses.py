@@ -82,6 +82,7 @@ from triollm.api.serving_common import (
 )
 from triollm.api.sse import GenerationResponse, Job
 from triollm.api.state import ServerState
+from triollm.engine.log_safe import log_safe
 from triollm.engine.outputs import RequestOutput
 from triollm.engine.processing.tokenizer import Tokenizer
 from triollm.engine.sampling_params import StructuredOutputsParams
@@ -215,7 +216,8 @@ class ResponsesAPI:
             tools=chat_tools or None,
         )
         if not settings.disable_log_requests:
-            log.info("Received request %s: %d prompt tokens, params: %s", engine_id, len(token_ids), short_repr(params))
+            shown = log_safe(engine_id), len(token_ids), short_repr(params)
+            log.info("Received request %s: %d prompt tokens, params: %s", *shown)
         skeleton = ResponseObject(
             id=_new_id("resp"),
             created_at=created_now(),

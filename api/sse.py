@@ -39,10 +39,12 @@ from starlette.responses import Response
 from starlette.types import Message, Receive, Scope, Send
 
 from triollm.actors.async_llm import AsyncLLM
+from triollm.actors.errors import EngineGenerateError
 from triollm.actors.request_stream import OutputMerger
 from triollm.api.openai_errors import APIError, from_exception
 from triollm.engine.beam_search import BeamSearchParams
 from triollm.engine.inputs import PromptType
+from triollm.engine.log_safe import log_safe
 from triollm.engine.outputs import RequestOutput
 from triollm.engine.sampling_params import SamplingParams
 from triollm.lora.request import LoRARequest
@@ -246,9 +248,9 @@ class GenerationResponse(Response):
             while (await receive())["type"] != "http.disconnect":
                 pass
         except Exception as exc:  # a server that raises instead: the client is gone all the same
-            log.debug("%s: receive() failed: %r", self.label, exc)
+            log.debug("%s: receive() failed: %r", log_safe(self.label), exc)
         if not (out.complete or out.ending):
-            log.info("%s: client disconnected; aborting the request", self.label)
+            log.info("%s: client disconnected; aborting the request", log_safe(self.label))
         scope.cancel()
 
     async def _produce(self, index: int, job: Job, tx: MemoryObjectSendStream[_Item]) -> None:
@@ -262,6 +264,7 @@ class GenerationResponse(Response):
                     search = self.llm.beam_search(job.prompt, job.request_id, job.beam, job.lora_request)
                     async with aclosing(search) as beams:
                         async for output in beams:
+                            _raise_if_failed(output)
                             await tx.send(_Item(index, output))
                     return
                 with self.admission():
@@ -270,6 +273,7 @@ class GenerationResponse(Response):
                     )
                 with stream:
                     async for output in stream:
+                        _raise_if_failed(output)
                         await tx.send(_Item(index, output))
             except (anyio.BrokenResourceError, anyio.ClosedResourceError):
                 return  # the consumer is gone; the stream was closed (request aborted)
@@ -335,3 +339,12 @@ class GenerationResponse(Response):
             await out.events(b"".join(map(out.encode, chunks)))
         await out.end_stream(b"".join(map(out.encode, fmt.stream_end())))
 
+
+def _raise_if_failed(output: RequestOutput) -> None:
+    """A request the engine failed (an adapter that no longer reads, a grammar that broke: the
+    frontend ends it "abort" with the error text as its stop_reason, engine/frontend/output.py)
+    is an error for the client, as vLLM's `finish_reason == "error"` is: a 500 naming the cause,
+    or an error event once the stream started; not a 200 with empty text."""
+    for c in output.outputs:
+        if c.finish_reason == "abort" and isinstance(c.stop_reason, str):
+            raise EngineGenerateError(c.stop_reason)

@@ -57,7 +57,7 @@ class SyncEngine:
             scheduling_policy=config.scheduler.policy,
         )
         self.frontend = Frontend(self.input)
-        self.lora = LoRAChecker(config.lora)
+        self.lora = LoRAChecker(config.lora, config.model)
         self._delivered: list[RequestOutput] = []
         self._ids = itertools.count()
 

@@ -4,8 +4,9 @@ The manager attaches a `LoRALayer` (lora/layers.py) to every LoRA-able projectio
 (q|k|v, o, gate|up, down: those an MoE layer has outside its experts) and owns the step's
 `LoRABatch`. Before each forward pass the core calls `prepare` with the adapters of the
 scheduled requests: each one missing from the slots is taken from the CPU cache or read from
-disk (lora/peft.py, then checked against the model: every tensor's shape, and no target the
-model lacks, such as the MLP of a mixture-of-experts layer), and copied into a slot. An adapter
+disk (lora/peft.py, then checked against the model by lora/shapes.py, as the frontend checked it
+when it was loaded: every tensor's shape, and no target the model lacks, such as the MLP of a
+mixture-of-experts layer; the file may have changed since), and copied into a slot. An adapter
 that fails to load is reported by id with the reason, and the core fails the requests that
 asked for it alone. The CPU cache keeps the `max_cpu_loras` most recently used adapters, read
 in float32 and whole; a slot holds its own copy, in the LoRA dtype and sharded as its layer.
@@ -36,14 +37,13 @@ from torch import nn
 
 from triollm.lora.config import LoRAConfig
 from triollm.lora.layers import LoRABatch, LoRALayer
-from triollm.lora.peft import LORA_MODULES, read_adapter_config, read_adapter_weights
+from triollm.lora.peft import LORA_MODULES, read_adapter_config
+from triollm.lora.shapes import ATTENTION_MODULES, ModelShapes, lora_able_modules
 
 if TYPE_CHECKING:
     from triollm.lora.request import LoRARequest
 
 __all__ = ["Adapter", "LoRAManager", "LoRAModel"]
-
-_ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
 
 
 @dataclass(frozen=True)
@@ -87,7 +87,6 @@ class LoRAManager:
         self, model: LoRAModel, config: LoRAConfig, device: torch.device | str, *, keep_loads: bool = False
     ) -> None:
         self.config, self.device = config, torch.device(device)
-        self.cfg = model.cfg
         self.num_layers = model.cfg.num_layers
         self.batch = LoRABatch(config.max_loras)
         dtype = getattr(torch, config.dtype)
@@ -96,7 +95,7 @@ class LoRAManager:
             built: dict[str, LoRALayer] = {}
             for module in LORA_MODULES:
                 ours, piece = model.stacked.get(module, (module, 0))
-                proj = _find(layer, f"{'self_attn' if module in _ATTENTION else 'mlp'}.{ours}")
+                proj = _find(layer, f"{'self_attn' if module in ATTENTION_MODULES else 'mlp'}.{ours}")
                 if proj is None:
                     continue
                 rows: list[tuple[int, int]] = proj.rows
@@ -114,6 +113,7 @@ class LoRAManager:
                 offset = sum(n for _, n in rows[:piece])
                 self.targets[(i, module)] = _Target(built[ours], piece, rows[piece], offset, proj.cols)
         self.layers = list({id(t.layer): t.layer for t in self.targets.values()}.values())
+        self.shapes = ModelShapes.of(model.cfg, lora_able_modules(self.targets, self.num_layers))
         model.lora_batch = self.batch
         self.cpu: OrderedDict[int, Adapter] = OrderedDict()
         self.slots: list[int | None] = [None] * config.max_loras  # the adapter id in each slot
@@ -161,43 +161,11 @@ class LoRAManager:
         return adapter
 
     def read(self, req: LoRARequest) -> Adapter:
-        """The adapter's tensors, checked against the model: `ValueError` naming the path and
-        the module or tensor otherwise."""
+        """The adapter's tensors, checked against the model (lora/shapes.py): `ValueError`
+        naming the path and the module or tensor otherwise."""
         config = read_adapter_config(req.lora_path, max_lora_rank=self.config.max_lora_rank)
-        where = f"lora_path: {req.lora_path!r}"
-        missing = [m for m in config.target_modules if any((i, m) not in self.targets for i in range(self.num_layers))]
-        if missing:
-            moe = self.cfg.moe is not None and any(m not in _ATTENTION for m in missing)
-            why = (
-                "LoRA on a mixture-of-experts MLP's experts is not supported"
-                if moe
-                else "this model has no such LoRA-able projection"
-            )
-            raise ValueError(f"{where}: target_modules {', '.join(missing)}: {why}")
-        weights = read_adapter_weights(config, self.num_layers)
-        shapes = self._shapes()
-        for (layer, module), (a, b) in weights.items():
-            n_in, n_out = shapes[module]
-            if a.shape[1] != n_in:
-                raise ValueError(
-                    f"{where}: tensor layers.{layer}.{module}.lora_A has shape {tuple(a.shape)}; the model's {module} "
-                    f"takes {n_in} inputs"
-                )
-            if b.shape[0] != n_out:
-                raise ValueError(
-                    f"{where}: tensor layers.{layer}.{module}.lora_B has shape {tuple(b.shape)}; the model's {module} "
-                    f"has {n_out} outputs"
-                )
+        weights = self.shapes.read(config)
         return Adapter(req.lora_int_id, req.lora_path, config.rank, config.scaling, weights)
-
-    def _shapes(self) -> dict[str, tuple[int, int]]:
-        """(inputs, outputs) of each module, unsharded, as the checkpoint's weights have them."""
-        c = self.cfg
-        q, kv, h, i = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.hidden_size, c.intermediate_size
-        return {
-            "q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
-            "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h),
-        }  # fmt: skip
 
     def _free_slot(self, keep: set[int]) -> int:
         free = [s for s, lid in enumerate(self.slots) if lid is None or lid not in keep]

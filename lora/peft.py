@@ -12,11 +12,21 @@ matter for training or initialisation (`lora_dropout`, `init_lora_weights`, `lof
 `eva_config`, `task_type`) are ignored; `exclude_modules` needs nothing: the file holds the
 tensors of the modules that have them.
 
-`read_adapter_config` is cheap (one small JSON file): the frontend calls it to refuse a bad
-adapter at `add_request` / HTTP 400 time, before anything reaches the engine core.
-`read_adapter_weights` reads the tensors (in the engine core, when the adapter is first used),
-keyed by (layer index, module name), each A `[r, in]` and B `[out, r]` as PEFT stores them.
-Errors are `ValueError`s that name the adapter's path and the field or tensor.
+`read_adapter_config` reads the config (one small JSON file, at most 1 MiB); `read_adapter_weights`
+the tensors, keyed by (layer index, module name), each A `[r, in]` and B `[out, r]` as PEFT stores
+them, every one checked from the file's header before its data is read (a LoRA A/B of a target
+module, of rank r, of the base model's shape when `projections` is given: lora/shapes.py) and
+then read whole (a float type, finite). `check_adapter_weights` runs the same checks keeping one
+tensor at a time. Both sides use them: the frontend when an adapter is loaded or first used
+(engine/frontend/lora.py: a 400 naming the file, before anything reaches the engine core), and
+the engine core when it reads the adapter into a slot (lora/manager.py: the file may have changed).
+Errors are `ValueError`s that name the adapter's path, the file and the field or tensor.
+
+A path that is not an adapter gets one answer, whatever the reason: missing, not a directory,
+unreadable, or a directory without `adapter_config.json` (`not_an_adapter`). The runtime load
+route takes paths from clients, and distinct answers would tell them which server paths exist.
+A relative path that is a directory is read as one; anything else that looks like a Hub repo id
+is looked up on the Hub (as vLLM does), whether or not a file of that name exists.
 """
 
 from __future__ import annotations
@@ -25,17 +35,29 @@ import json
 import math
 import os
 import re
+from collections.abc import Collection, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-__all__ = ["LORA_MODULES", "AdapterConfig", "read_adapter_config", "read_adapter_weights", "resolve_adapter_path"]
+__all__ = [
+    "CONFIG_FILE",
+    "LORA_MODULES",
+    "WEIGHTS_FILE",
+    "AdapterConfig",
+    "check_adapter_weights",
+    "not_an_adapter",
+    "read_adapter_config",
+    "read_adapter_weights",
+    "resolve_adapter_path",
+]
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
 # The projections an adapter may target: the attention's and the gated MLP's.
 LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+_MAX_CONFIG_BYTES = 1 << 20  # adapter_config.json: PEFT writes about 1 KB
 # Fields whose non-default values change what the adapter computes and are not implemented.
 _REFUSED: dict[str, tuple[object, ...]] = {
     "use_dora": (False, None),
@@ -72,11 +94,32 @@ class AdapterConfig:
         return self.alpha / (math.sqrt(self.rank) if self.use_rslora else self.rank)
 
 
+def not_an_adapter(path: str | Path, field: str = "lora_path") -> ValueError:
+    """The one answer for a path that is not an adapter, whatever the reason (module note)."""
+    return ValueError(
+        f"{field}: {str(path)!r} is not a LoRA adapter directory (it needs {CONFIG_FILE} and {WEIGHTS_FILE})"
+    )
+
+
+def _is_dir(path: Path) -> bool:
+    try:
+        return path.is_dir()
+    except OSError:  # EACCES on a parent: Path.is_dir lets it out
+        return False
+
+
+def _is_file(path: Path) -> bool:
+    try:
+        return path.is_file()
+    except OSError:
+        return False
+
+
 def resolve_adapter_path(path: str, field: str = "lora_path") -> Path:
     """A local directory as given, or a Hub repo id's snapshot (the cache first, then a download
     unless HF_HUB_OFFLINE is set)."""
     local = Path(path).expanduser()
-    if local.is_dir():
+    if _is_dir(local):
         return local
     import huggingface_hub
     from huggingface_hub import constants, errors
@@ -84,13 +127,8 @@ def resolve_adapter_path(path: str, field: str = "lora_path") -> Path:
 
     try:
         validate_repo_id(path)
-        repo_id = not local.exists()
     except HFValidationError:
-        repo_id = False
-    if not repo_id:
-        raise ValueError(
-            f"{field}: {path!r} is not a LoRA adapter directory (it needs {CONFIG_FILE} and {WEIGHTS_FILE})"
-        )
+        raise not_an_adapter(path, field) from None
 
     patterns = [CONFIG_FILE, WEIGHTS_FILE]
     try:
@@ -113,21 +151,29 @@ def read_adapter_config(
     root = resolve_adapter_path(str(path), field)
     where = f"{field}: {str(path)!r}"
     cfg_file = root / CONFIG_FILE
-    if not cfg_file.is_file():
-        raise ValueError(f"{where} has no {CONFIG_FILE}")
+    if not _is_file(cfg_file):
+        raise not_an_adapter(path, field)
     try:
-        raw = json.loads(cfg_file.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        with cfg_file.open("rb") as f:
+            data = f.read(_MAX_CONFIG_BYTES + 1)
+    except OSError:
+        raise not_an_adapter(path, field) from None
+    if len(data) > _MAX_CONFIG_BYTES:
+        raise ValueError(f"{where}: {CONFIG_FILE} is over {_MAX_CONFIG_BYTES} bytes")
+    try:
+        raw = json.loads(data)
+    except (ValueError, RecursionError) as exc:  # JSONDecodeError, UnicodeDecodeError, a 5,000-digit int
         raise ValueError(f"{where}: {CONFIG_FILE} is not valid JSON ({exc})") from None
+    where = f"{where}: {CONFIG_FILE}"
     if not isinstance(raw, dict):
-        raise ValueError(f"{where}: {CONFIG_FILE} must hold a JSON object")
-    if not (root / WEIGHTS_FILE).is_file():
+        raise ValueError(f"{where} must hold a JSON object")
+    if not _is_file(root / WEIGHTS_FILE):
         extra = (
             " (a pickled adapter_model.bin is not loaded: save it with safe_serialization=True)"
             if (root / "adapter_model.bin").exists()
             else ""
         )
-        raise ValueError(f"{where} has no {WEIGHTS_FILE}{extra}")
+        raise ValueError(f"{field}: {str(path)!r} has no {WEIGHTS_FILE}{extra}")
     peft_type = raw.get("peft_type", "LORA")
     if peft_type != "LORA":
         raise ValueError(f"{where}: peft_type {peft_type!r} is not supported; allowed: 'LORA'")
@@ -189,15 +235,37 @@ def _targets(value: object, where: str) -> tuple[str, ...]:
 
 
 def read_adapter_weights(
-    config: AdapterConfig, num_layers: int
+    config: AdapterConfig, num_layers: int, projections: Mapping[str, tuple[int, int]] | None = None
 ) -> dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]:
     """(layer, module) -> (A `[r, in]`, B `[out, r]`) in float32, checked against the config:
     every tensor a LoRA A/B of a target module in a layer below `num_layers`, of rank r, in
-    pairs. Shapes against the model are the loader's to check (it knows this rank's shard)."""
+    pairs, of a float type and finite; and, with `projections` (module -> the base model's
+    (inputs, outputs), unsharded: lora/shapes.py), of the model's shape."""
+    pieces: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+    for layer, module, ab, t in _tensors(config, num_layers, projections):
+        pieces.setdefault((layer, module), {})[ab] = t
+    _check_pairs(config, pieces)
+    return {key: (ab["A"], ab["B"]) for key, ab in sorted(pieces.items())}
+
+
+def check_adapter_weights(
+    config: AdapterConfig, num_layers: int, projections: Mapping[str, tuple[int, int]] | None = None
+) -> None:
+    """`read_adapter_weights`' checks, holding one tensor at a time (the frontend's check)."""
+    seen: dict[tuple[int, str], set[str]] = {}
+    for layer, module, ab, _ in _tensors(config, num_layers, projections):
+        seen.setdefault((layer, module), set()).add(ab)
+    _check_pairs(config, seen)
+
+
+def _tensors(
+    config: AdapterConfig, num_layers: int, projections: Mapping[str, tuple[int, int]] | None
+) -> Iterator[tuple[int, str, str, torch.Tensor]]:
+    """Each tensor of the file, checked (the header's name and shape first, then its data), as
+    (layer, module, "A" or "B", float32 tensor)."""
     from safetensors import SafetensorError, safe_open
 
-    where = f"lora_path: {str(config.path)!r}"
-    pieces: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+    where = f"lora_path: {str(config.path)!r}: {WEIGHTS_FILE}"
     try:
         with safe_open(str(config.path / WEIGHTS_FILE), framework="pt") as f:
             for key in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
@@ -212,17 +280,35 @@ def read_adapter_weights(
                     raise ValueError(f"{where}: tensor {key!r} is for {module}, which is not in target_modules")
                 if layer >= num_layers:
                     raise ValueError(f"{where}: tensor {key!r} is for layer {layer}; the model has {num_layers}")
+                shape = tuple(f.get_slice(key).get_shape())
+                if len(shape) != 2 or (shape[0] if ab == "A" else shape[1]) != config.rank:
+                    raise ValueError(f"{where}: tensor {key!r} has shape {shape}, not rank r={config.rank}")
+                if projections is not None and module in projections:
+                    _check_shape(where, layer, module, ab, shape, projections[module])
                 t = f.get_tensor(key)
-                if t.dim() != 2 or (t.shape[0] if ab == "A" else t.shape[1]) != config.rank:
-                    raise ValueError(f"{where}: tensor {key!r} has shape {tuple(t.shape)}, not rank r={config.rank}")
-                pieces.setdefault((layer, module), {})[ab] = t.to(torch.float32)
+                if not t.is_floating_point():
+                    raise ValueError(f"{where}: tensor {key!r} is {t.dtype}, not a floating-point type")
+                t = t.to(torch.float32)
+                if not bool(torch.isfinite(t).all()):
+                    raise ValueError(f"{where}: tensor {key!r} holds NaN or infinite values")
+                yield layer, module, ab, t
     except (OSError, RuntimeError, SafetensorError) as exc:  # a truncated or foreign file
-        raise ValueError(f"{where}: {WEIGHTS_FILE} could not be read ({exc})") from None
+        raise ValueError(f"lora_path: {str(config.path)!r}: {WEIGHTS_FILE} could not be read ({exc})") from None
+
+
+def _check_shape(where: str, layer: int, module: str, ab: str, shape: tuple[int, ...], io: tuple[int, int]) -> None:
+    n_in, n_out = io
+    name = f"tensor layers.{layer}.{module}.lora_{ab} has shape {shape}; the model's {module}"
+    if ab == "A" and shape[1] != n_in:
+        raise ValueError(f"{where}: {name} takes {n_in} inputs")
+    if ab == "B" and shape[0] != n_out:
+        raise ValueError(f"{where}: {name} has {n_out} outputs")
+
+
+def _check_pairs(config: AdapterConfig, pieces: Mapping[tuple[int, str], Collection[str]]) -> None:
+    where = f"lora_path: {str(config.path)!r}: {WEIGHTS_FILE}"
     if not pieces:
-        raise ValueError(f"{where}: {WEIGHTS_FILE} holds no LoRA tensors")
-    out = {}
+        raise ValueError(f"{where} holds no LoRA tensors")
     for (layer, module), ab in sorted(pieces.items()):
         if set(ab) != {"A", "B"}:
-            raise ValueError(f"{where}: layer {layer} {module} has lora_{''.join(ab)} without its pair")
-        out[(layer, module)] = (ab["A"], ab["B"])
-    return out
+            raise ValueError(f"{where}: layer {layer} {module} has lora_{''.join(sorted(ab))} without its pair")

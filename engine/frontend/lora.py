@@ -1,48 +1,72 @@
 """`LoRAChecker`: a request's adapter checked before anything reaches the engine core.
 
-Every request's `lora_request` passes here in the shell that adds it (`AsyncLLM`, `SyncEngine`):
-LoRA must be on (`enable_lora`), and the adapter's `adapter_config.json` must pass
-`read_adapter_config` (the PEFT fields honoured, `r <= max_lora_rank`), each failure a
-`ValueError` naming the field (and the adapter's path). A checked adapter is remembered by
-`(lora_int_id, lora_path)`, so a request under an adapter seen before costs a dict lookup;
-`needs_io` tells the shell when a check would read files (or look a Hub id up in the cache), so
-that one check runs in a worker thread, off the event loop.
+Every request's `lora_request` passes here in the shell that adds it (`AsyncLLM`, `SyncEngine`),
+and so does every adapter the server loads (`AsyncLLM.add_lora`: `--lora-modules` at start-up,
+`/v1/load_lora_adapter`): LoRA must be on (`enable_lora`), the adapter's `adapter_config.json`
+must pass `read_adapter_config` (the PEFT fields honoured, `r <= max_lora_rank`), and, given the
+base model (`model`), every tensor of `adapter_model.safetensors` must be readable and fit it
+(lora/shapes.py: the same check the engine core makes when it fills a slot). Each failure is a
+`ValueError` naming the field and the adapter's file, so a corrupt or mis-shaped adapter is a
+400 when it is loaded or first used, not a request that ends empty later. A checked adapter is
+remembered by `(lora_int_id, lora_path)`, so a request under an adapter seen before costs a dict
+lookup; `needs_io` tells the shell when a check would read files (or look a Hub id up in the
+cache), so that one check runs in a worker thread, off the event loop.
 
 An id names one adapter: the engine core keys its adapter slots, its CPU cache and its
 prefix-cache blocks by `lora_int_id`, so a second path under an id already checked is refused
 (vLLM would serve the first adapter's weights under the second's name, without a word).
-Checks may run in worker threads while the event loop checks others: the table is behind a lock.
+
+The table is an LRU of `max_checked` ids (at least `MIN_CHECKED`, and at least `max_cpu_loras`,
+the adapters the core keeps read): a server that loads and unloads adapters for weeks gives each
+load a new id, and the table must not grow with them. An id pushed out is checked again when it
+comes back, and the rule above holds for the ids in the table; the server never reuses an id, so
+it loses nothing, and an `LLM` script that reuses ids after thousands of others is no worse off
+than under vLLM. Checks may run in worker threads while the event loop checks others: the table
+is behind a lock.
 """
 
 from __future__ import annotations
 
 import threading
+from collections import OrderedDict
 from typing import TYPE_CHECKING
 
 from triollm.lora.peft import AdapterConfig, read_adapter_config
 from triollm.lora.request import LoRARequest
+from triollm.lora.shapes import BaseModelConfig, ModelShapes
 
 if TYPE_CHECKING:
     from triollm.engine.config import LoRAConfig
 
-__all__ = ["LORA_NOT_ENABLED", "LoRAChecker"]
+__all__ = ["LORA_NOT_ENABLED", "MIN_CHECKED", "LoRAChecker"]
 
 LORA_NOT_ENABLED = (
     "lora_request: LoRA adapters are not enabled on this engine; start it with enable_lora=True "
     "(the server: --enable-lora)"
 )
+MIN_CHECKED = 1024  # ids the table keeps at least (a few hundred bytes each)
 
 
 class LoRAChecker:
-    def __init__(self, config: LoRAConfig | None) -> None:
-        """`config`: the engine's LoRA settings (None: LoRA off, every adapter is refused)."""
+    def __init__(self, config: LoRAConfig | None, model: BaseModelConfig | None = None) -> None:
+        """`config`: the engine's LoRA settings (None: LoRA off, every adapter is refused).
+        `model`: the base model's config, whose shapes every adapter's tensors are checked
+        against (None: the adapter's config alone is checked; the engine core still checks the
+        tensors when it reads them)."""
         self.config = config
+        self.shapes = ModelShapes.of(model) if model is not None and config is not None else None
+        self.max_checked = max(MIN_CHECKED, config.max_cpu_loras) if config is not None else 0
         self._lock = threading.Lock()
-        self._checked: dict[int, tuple[str, AdapterConfig]] = {}  # lora_int_id -> (path, config)
+        # lora_int_id -> (path, config), least recently used first
+        self._checked: OrderedDict[int, tuple[str, AdapterConfig]] = OrderedDict()
 
     @property
     def enabled(self) -> bool:
         return self.config is not None
+
+    def __len__(self) -> int:
+        """The ids remembered now (at most `max_checked`)."""
+        return len(self._checked)
 
     def needs_io(self, request: object) -> bool:
         """Whether `check(request)` would read the adapter's files (not checked before)."""
@@ -64,11 +88,13 @@ class LoRAChecker:
         return request
 
     def adapter_config(self, request: LoRARequest) -> AdapterConfig:
-        """The adapter's checked config (read once per id)."""
+        """The adapter's checked config (its files read once per id while the id is remembered)."""
         assert self.config is not None
         rid, path = request.lora_int_id, request.lora_path
         with self._lock:
             seen = self._checked.get(rid)
+            if seen is not None:
+                self._checked.move_to_end(rid)
         if seen is not None:
             if seen[0] != path:
                 raise ValueError(
@@ -77,8 +103,12 @@ class LoRAChecker:
                 )
             return seen[1]
         config = read_adapter_config(path, max_lora_rank=self.config.max_lora_rank)
+        if self.shapes is not None:
+            self.shapes.check(config)
         with self._lock:
             seen = self._checked.setdefault(rid, (path, config))  # a racing check of the same id
+            while len(self._checked) > self.max_checked:
+                self._checked.popitem(last=False)
         if seen[0] != path:
             return self.adapter_config(request)  # raises, naming the id
         return seen[1]

@@ -78,7 +78,7 @@ def test_missing_and_malformed_files(tmp_path: Path) -> None:
         read_adapter_config(tmp_path / "missing")
     empty = tmp_path / "empty"
     empty.mkdir()
-    with pytest.raises(ValueError, match="has no adapter_config.json"):
+    with pytest.raises(ValueError, match="is not a LoRA adapter directory"):
         read_adapter_config(empty)
     pickled = _adapter(tmp_path / "bin")
     (pickled / "adapter_model.safetensors").rename(pickled / "adapter_model.bin")
