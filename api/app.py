@@ -38,6 +38,7 @@ UI's "try it out" calls the API under it.
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 from collections.abc import Awaitable, Callable, Sequence
 
@@ -58,6 +59,7 @@ from triollm.api.openai_errors import APIError, from_exception
 from triollm.api.openapi import openapi_document
 from triollm.api.playground import page_paths, page_routes
 from triollm.api.routes import OPEN_PATHS, RouteSpec, served_routes
+from triollm.api.serving_common import API_KEY_ID
 from triollm.api.state import ServerState
 
 __all__ = ["build_app"]
@@ -174,7 +176,9 @@ def _route_path(scope: Scope) -> str:
 
 class APIKeyMiddleware:
     """`Authorization: Bearer <key>` on every path but `open_paths`: any of the keys, each
-    compared in constant time (all of them, whichever matches)."""
+    compared in constant time (all of them, whichever matches). An accepted request carries the
+    SHA-256 of its key in the scope's state (`api_key_id` of serving_common.py), so that what one
+    key stores (the Responses store) another key does not see."""
 
     def __init__(
         self, app: ASGIApp, api_key: str | Sequence[str], open_paths: tuple[str, ...] = ()
@@ -204,6 +208,9 @@ class APIKeyMiddleware:
                 error.headers["WWW-Authenticate"] = "Bearer"
                 await error.response()(scope, receive, send)
                 return
+            # Who the request is, for the state kept between requests: a hash, never the key.
+            key_id = hashlib.sha256(token.strip()).hexdigest()
+            scope = {**scope, "state": {**scope.get("state", {}), API_KEY_ID: key_id}}
         await self.app(scope, receive, send)
 
 

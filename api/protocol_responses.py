@@ -33,6 +33,7 @@ __all__ = [
     "OutputMessage",
     "OutputText",
     "OutputTokensDetails",
+    "ReasoningConfig",
     "ReasoningItem",
     "ReasoningText",
     "ReasoningTextDeltaEvent",
@@ -46,6 +47,22 @@ __all__ = [
 ]
 
 # =============================================================================== requests
+
+# OpenAI's bounds on `metadata`: at most 16 pairs, keys of at most 64 characters, values of 512.
+Metadata = Annotated[
+    dict[Annotated[str, msgspec.Meta(max_length=64)], Annotated[str, msgspec.Meta(max_length=512)]],
+    msgspec.Meta(max_length=16),
+]
+_Name = Annotated[str, msgspec.Meta(max_length=64)]
+
+
+class ReasoningConfig(msgspec.Struct, kw_only=True):
+    """`reasoning` of a request, echoed in its response: OpenAI's fields, any other key dropped
+    at decoding (the stored response holds what it validated, not what the client sent)."""
+
+    effort: _Name | None = None
+    summary: _Name | None = None
+    generate_summary: _Name | None = None
 
 
 class ResponsesRequest(msgspec.Struct, kw_only=True):
@@ -67,9 +84,9 @@ class ResponsesRequest(msgspec.Struct, kw_only=True):
     stream: bool | None = False
     store: bool | None = True
     previous_response_id: str | None = None
-    metadata: dict[str, str] | None = None
+    metadata: Metadata | None = None
     user: str | None = None
-    reasoning: dict[str, Any] | None = None
+    reasoning: ReasoningConfig | None = None
     include: list[str] | None = None
     truncation: str | None = None
     background: bool | None = None
@@ -192,7 +209,7 @@ class ResponseObject(msgspec.Struct, kw_only=True):
     output: list[OutputItem] = msgspec.field(default_factory=list)
     parallel_tool_calls: bool = True
     previous_response_id: str | None = None
-    reasoning: dict[str, Any] | None = None
+    reasoning: ReasoningConfig | None = None
     store: bool = True
     temperature: float | None = None
     text: dict[str, Any] = msgspec.field(default_factory=lambda: {"format": {"type": "text"}})

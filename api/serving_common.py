@@ -4,8 +4,9 @@ reading, sampling-parameter building, logprob helpers, and the HTTP side of chat
 rendering itself is `Tokenizer.render_chat`). The grammar and parsers of a request's output
 are output_plan.py's.
 
-Work on the event loop is sized before it is done: a body is decoded, a chat rendered and
-tokenized, in a worker thread once it is large (`maybe_in_thread`). A chat's size is not its
+Work on the event loop is sized before it is done: a body is decoded (in short pieces, so
+that the GIL is let go: json_pieces.py), a chat rendered and tokenized, in a worker thread once
+it is large (`decode_sized`, `maybe_in_thread`). A chat's size is not its
 text: every string the template may see counts (role, name, tool calls, content parts, the
 template kwargs), plus a fixed cost per message and per part, so fifty thousand one-letter
 messages weigh what they cost to render (`chat_size`). Counts are capped at decoding
@@ -25,6 +26,7 @@ from typing import Any, Generic, Protocol, TypeVar
 import anyio
 from starlette.requests import ClientDisconnect, Request
 
+from triollm.api.json_pieces import decode_in_pieces
 from triollm.api.log_bounds import shorten
 from triollm.api.metrics import RequestTimer
 from triollm.api.openai_errors import APIError, bad_request, service_unavailable
@@ -47,10 +49,12 @@ from triollm.engine.sampling_params import (
 from triollm.lora.request import LoRARequest
 
 __all__ = [
+    "API_KEY_ID",
     "MAX_BODY_BYTES",
     "MAX_REQUEST_ID_LEN",
     "SMALL_BODY_BYTES",
     "Started",
+    "api_key_id",
     "beam_search_params",
     "build_sampling_params",
     "chat_size",
@@ -59,6 +63,7 @@ __all__ = [
     "check_logprobs",
     "clamp_logprob",
     "decode_body",
+    "decode_sized",
     "read_body",
     "render_chat",
     "request_id_base",
@@ -85,6 +90,9 @@ LARGE_BODY = 1024 * 1024
 # vLLM-sized ids go: it is copied into every engine request, output batch and log line of the
 # request, with the server's prefix and suffixes (the engine's own bound is above it).
 MAX_REQUEST_ID_LEN = 256
+# The key of the request scope's `state` where APIKeyMiddleware (app.py) puts the hash of the
+# key a request was accepted with (`api_key_id`).
+API_KEY_ID = "triollm.api_key_id"
 # What rendering a chat message or content part costs beyond its strings, in characters.
 _MESSAGE_CHARS = 32
 _PART_CHARS = 16
@@ -131,6 +139,7 @@ class Started(Generic[Req]):
     lora: LoRARequest | None  # the adapter, taken now: a later unload does not change it
     request_id: str  # the route's prefix + the client's id (or a fresh one)
     timer: RequestTimer | None  # the metrics' timer of this request, when metrics are on
+    body_bytes: int  # the body's size, to size the route's own work on it (`maybe_in_thread`)
 
 
 async def start_generation(
@@ -142,11 +151,12 @@ async def start_generation(
     Then the metrics' timer starts."""
     check_available(state)
     require_runner(state, "generate", api)
-    req = await decode_body(request, type_)
+    body = await read_body(request)
+    req = await decode_sized(body, type_)
     model = resolve_model(state, req.model)
     lora = resolve_lora(state, model)
     request_id = id_prefix + request_id_base(request, req.request_id)
-    return Started(req, model, lora, request_id, start_timer(state, model))
+    return Started(req, model, lora, request_id, start_timer(state, model), len(body))
 
 
 def check_available(state: ServerState) -> None:
@@ -193,10 +203,17 @@ async def read_body(request: Request, limit: int | None = None) -> bytes:
 
 
 async def decode_body(request: Request, type_: type[T], limit: int | None = None) -> T:
-    """The request body read (`read_body`) and decoded into `type_`, in a worker thread when
-    it is large, so a big prompt list does not stall every stream while it is parsed."""
-    body = await read_body(request, limit)
-    return await maybe_in_thread(lambda: decode_request(body, type_), len(body), LARGE_BODY)
+    """The request body read (`read_body`) and decoded into `type_`; `decode_sized`."""
+    return await decode_sized(await read_body(request, limit), type_)
+
+
+async def decode_sized(body: bytes, type_: type[T]) -> T:
+    """`body` decoded into `type_`: on the loop when small, else in a worker thread and in short
+    pieces (json_pieces.py), so that a big chat or item list stalls neither the loop nor, through
+    the GIL, every other stream while it is parsed."""
+    if len(body) <= LARGE_BODY:
+        return decode_request(body, type_)
+    return await anyio.to_thread.run_sync(decode_in_pieces, body, type_)
 
 
 def resolve_model(state: ServerState, name: str | None) -> str:
@@ -214,6 +231,14 @@ def resolve_lora(state: ServerState, model: str) -> LoRARequest | None:
     """The adapter a resolved `model` names (None: a base model), taken when the request
     arrives: unloading the adapter later does not change what the request runs under."""
     return state.models.lora_request(model)
+
+
+def api_key_id(request: Request) -> str:
+    """The hash of the API key the request was accepted with (put in the scope's state under
+    `API_KEY_ID` by APIKeyMiddleware, app.py), "" when the server has no key: what state kept
+    between requests (the Responses store) is scoped to."""
+    state = request.scope.get("state")
+    return str(state.get(API_KEY_ID, "")) if isinstance(state, dict) else ""
 
 
 def request_id_base(request: Request, request_id: str | None) -> str:

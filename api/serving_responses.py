@@ -20,32 +20,44 @@ as `event: TYPE` and `data:` lines, with no closing `[DONE]` (`named_events`, ap
 
 Stored responses (`store`, OpenAI's default true) are kept in memory by `ResponseStore`, one per
 app: least recently used first out, at most `STORE_MAX_RESPONSES` of them and
-`STORE_MAX_BYTES` in all (an entry counts its conversation's strings and its encoded response).
-An entry holds the response and the conversation so far (without its instructions, which
-OpenAI does not carry over), so a follow-up names only `previous_response_id` and new items.
-Rejected: vLLM's unbounded dict behind an environment flag (off by default); a store shared
-between apps (each `build_app` has its own, like its other state).
+`STORE_MAX_BYTES` in all. An entry holds the response and the conversation so far (without its
+instructions, which OpenAI does not carry over), so a follow-up names only
+`previous_response_id` and new items. It holds them as their JSON bytes, and counts those bytes
+plus a fixed `ENTRY_BYTES`, so the cap is what the store holds: decoded, the client's JSON that a
+response echoes (`text`, tool parameters) costs many times its encoded size as Python objects
+(36 MB counted once held 835 MB). `GET` returns the bytes as they are; a follow-up decodes the
+conversation (in a worker thread, in pieces, once it is large). Each entry belongs to the API
+key that made it (`api_key_id` of serving_common.py, a hash of the key; one owner when the
+server has no key): for any other key it does not exist (404, as an unknown id, on `GET`,
+`DELETE` and `previous_response_id`). Rejected: vLLM's unbounded dict behind an environment
+flag (off by default); a store shared between apps (each `build_app` has its own, like its
+other state); holding the decoded objects and estimating their size (the estimate was 23 times
+low for small JSON values); compressing the bytes (the cap is already honest, and a follow-up
+would pay to inflate them).
 """
 
 from __future__ import annotations
 
 import functools
 import logging
+import sys
 import uuid
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import anyio
 import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 
+from triollm.api.json_pieces import decode_elements
 from triollm.api.log_bounds import short_repr, shorten
 from triollm.api.openai_errors import APIError, bad_request
 from triollm.api.output_parsing import ChoiceStream, OutputParsing, OutputPiece
 from triollm.api.output_plan import plan_tool_output, structured_outputs_params
-from triollm.api.protocol import MAX_CONTENT_PARTS, ChatMessage, ContentPart, SamplingFields
+from triollm.api.protocol import MAX_CONTENT_PARTS, ChatMessage, ContentPart, SamplingFields, decode_json
 from triollm.api.protocol_responses import (
     ContentPartEvent,
     DeletedResponse,
@@ -73,9 +85,11 @@ from triollm.api.protocol_responses import (
     TextDoneEvent,
 )
 from triollm.api.serving_common import (
+    LARGE_BODY,
+    api_key_id,
     build_sampling_params,
-    chat_size,
     created_now,
+    maybe_in_thread,
     output_kind,
     render_chat,
     start_generation,
@@ -87,12 +101,23 @@ from triollm.engine.outputs import RequestOutput
 from triollm.engine.processing.tokenizer import Tokenizer
 from triollm.engine.sampling_params import StructuredOutputsParams
 
-__all__ = ["STORE_MAX_BYTES", "STORE_MAX_RESPONSES", "ResponseStore", "ResponsesAPI", "ResponsesFormatter"]
+__all__ = [
+    "ENTRY_BYTES",
+    "STORE_MAX_BYTES",
+    "STORE_MAX_RESPONSES",
+    "ResponseStore",
+    "ResponsesAPI",
+    "ResponsesFormatter",
+    "StoreStatistics",
+]
 
 log = logging.getLogger("triollm.api")
 
 STORE_MAX_RESPONSES = 1024
 STORE_MAX_BYTES = 64 * 1024 * 1024
+# What an entry costs beyond its two byte strings: its id, its slot in the table, the entry and
+# the strings' headers (~320 bytes, measured with tracemalloc), rounded up.
+ENTRY_BYTES = 512
 _INPUT_TYPES = ("message", "function_call", "function_call_output", "reasoning")
 _ROLES = ("user", "system", "developer", "assistant")
 _TEXT_PARTS = ("input_text", "output_text", "text")
@@ -107,16 +132,33 @@ def _new_id(prefix: str) -> str:
 # ------------------------------------------------------------------------------ the store
 
 
-@dataclass
+@dataclass(frozen=True, slots=True)
 class _Stored:
-    response: ResponseObject
-    conversation: list[ChatMessage]
-    size: int
+    """One stored response, as JSON: the response object (what `GET` returns) and the
+    conversation a follow-up continues (an array of chat messages)."""
+
+    owner: str  # the hash of the API key that made it (`api_key_id`), "" without keys
+    response: bytes
+    conversation: bytes
+
+    @property
+    def size(self) -> int:
+        return ENTRY_BYTES + len(self.response) + len(self.conversation)
+
+
+@dataclass(frozen=True)
+class StoreStatistics:
+    responses: int
+    bytes: int  # what the entries hold: their JSON bytes plus ENTRY_BYTES each
+    max_responses: int
+    max_bytes: int
 
 
 class ResponseStore:
-    """Stored responses by id, least recently used evicted first once over `max_responses`
-    entries or `max_bytes` (an entry larger than `max_bytes` is not kept). Used from the event
+    """Stored responses by id, each its owner's (the API key's hash: another owner's entry is
+    not there for `get` and `pop`), least recently used evicted first once over
+    `max_responses` entries or `max_bytes` (an entry larger than `max_bytes` is not kept).
+    Entries are JSON bytes, counted by their length (the module docstring). Used from the event
     loop only (no awaits inside), so it needs no lock."""
 
     def __init__(self, max_responses: int = STORE_MAX_RESPONSES, max_bytes: int = STORE_MAX_BYTES) -> None:
@@ -130,29 +172,60 @@ class ResponseStore:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def put(self, response: ResponseObject, conversation: list[ChatMessage]) -> None:
-        size = chat_size(conversation, stop_above=self.max_bytes) + len(_encoder.encode(response))
-        self.pop(response.id)
-        if size > self.max_bytes:
-            log.warning("response %s not stored: %d bytes, over the store's %d", response.id, size, self.max_bytes)
+    def put(self, response: ResponseObject, conversation: list[ChatMessage], *, owner: str) -> None:
+        entry = _Stored(sys.intern(owner), _exact_json(response), _exact_json(conversation))
+        self._remove(response.id)
+        if entry.size > self.max_bytes:
+            log.warning(
+                "response %s not stored: %d bytes, over the store's %d", response.id, entry.size, self.max_bytes
+            )
             return
-        self._entries[response.id] = _Stored(response, conversation, size)
-        self.bytes += size
+        self._entries[response.id] = entry
+        self.bytes += entry.size
         while len(self._entries) > self.max_responses or self.bytes > self.max_bytes:
             _, old = self._entries.popitem(last=False)
             self.bytes -= old.size
 
-    def get(self, response_id: str) -> _Stored | None:
+    def get(self, response_id: str, owner: str) -> _Stored | None:
         entry = self._entries.get(response_id)
-        if entry is not None:
-            self._entries.move_to_end(response_id)
+        if entry is None or entry.owner != owner:
+            return None
+        self._entries.move_to_end(response_id)
         return entry
 
-    def pop(self, response_id: str) -> _Stored | None:
+    def pop(self, response_id: str, owner: str) -> _Stored | None:
+        entry = self._entries.get(response_id)
+        if entry is None or entry.owner != owner:
+            return None
+        return self._remove(response_id)
+
+    def _remove(self, response_id: str) -> _Stored | None:
         entry = self._entries.pop(response_id, None)
         if entry is not None:
             self.bytes -= entry.size
         return entry
+
+    def statistics(self) -> StoreStatistics:
+        return StoreStatistics(len(self._entries), self.bytes, self.max_responses, self.max_bytes)
+
+    def check_integrity(self) -> None:
+        """Raise AssertionError if an invariant is broken: the count is the sum of what the
+        entries hold, each entry holds bytes only, and both caps hold."""
+        held = 0
+        for response_id, entry in self._entries.items():
+            assert type(entry.response) is bytes and type(entry.conversation) is bytes, response_id
+            assert type(entry.owner) is str, response_id
+            held += entry.size
+        assert held == self.bytes, f"counted {self.bytes} bytes, holds {held}"
+        assert self.bytes <= self.max_bytes and len(self._entries) <= self.max_responses
+
+
+def _exact_json(value: Any) -> bytes:
+    """`value` as JSON, in a bytes object no larger than its length (msgspec's `encode` returns
+    one with up to a third more room than it uses)."""
+    buffer = bytearray()
+    _encoder.encode_into(value, buffer)
+    return bytes(buffer)
 
 
 # ------------------------------------------------------------------------------ the routes
@@ -173,17 +246,23 @@ class ResponsesAPI:
         )
         req, model, lora = start.req, start.model, start.lora
         engine_id, timer = start.request_id, start.timer
+        owner = api_key_id(request)
         stream = bool(req.stream)
         if req.max_output_tokens is not None and req.max_output_tokens < 1:
             raise bad_request(
                 f"max_output_tokens: must be at least 1, got {req.max_output_tokens}", "max_output_tokens"
             )
-        history = self._history(req.previous_response_id)
-        conversation = history + input_messages(req.input)
+        history = await self._history(req.previous_response_id, owner)
+
+        def convert() -> tuple[list[ChatMessage], tuple[list[FunctionTool], list[dict[str, Any]]]]:
+            return input_messages(req.input), convert_tools(req.tools)
+
+        # A large body's items (thousands, each checked) are converted off the loop too.
+        items, (tools, chat_tools) = await maybe_in_thread(convert, start.body_bytes, LARGE_BODY)
+        conversation = history + items
         if not conversation:
             raise bad_request("input: must hold at least one item", "input")
         messages = ([ChatMessage(role="system", content=req.instructions)] if req.instructions else []) + conversation
-        tools, chat_tools = convert_tools(req.tools)
         settings = state.settings
         plan = await plan_tool_output(
             state,
@@ -242,7 +321,7 @@ class ResponsesAPI:
             store = self.store
 
             def on_done(response: ResponseObject) -> None:
-                store.put(response, conversation + output_messages(response.output))
+                store.put(response, conversation + output_messages(response.output), owner=owner)
 
         formatter = ResponsesFormatter(skeleton, parsing, tokenizer, on_done)
         job = Job({"prompt": text, "prompt_token_ids": token_ids}, params, engine_id, req.priority, lora_request=lora)
@@ -251,24 +330,30 @@ class ResponsesAPI:
         )
 
     async def retrieve(self, request: Request) -> Response:
-        entry = self._stored(request.path_params["response_id"], "response_id")
-        return Response(_encoder.encode(entry.response), media_type="application/json")
+        entry = self._stored(request.path_params["response_id"], "response_id", api_key_id(request))
+        return Response(entry.response, media_type="application/json")
 
     async def delete(self, request: Request) -> Response:
-        response_id = request.path_params["response_id"]
-        self._stored(response_id, "response_id")
-        self.store.pop(response_id)
+        response_id, owner = request.path_params["response_id"], api_key_id(request)
+        self._stored(response_id, "response_id", owner)
+        self.store.pop(response_id, owner)
         return Response(_encoder.encode(DeletedResponse(response_id)), media_type="application/json")
 
-    def _history(self, previous_response_id: str | None) -> list[ChatMessage]:
+    async def _history(self, previous_response_id: str | None, owner: str) -> list[ChatMessage]:
+        """The stored conversation `previous_response_id` continues, decoded (in a worker
+        thread, in pieces, once it is large)."""
         if previous_response_id is None:
             return []
-        return list(self._stored(previous_response_id, "previous_response_id").conversation)
+        stored = self._stored(previous_response_id, "previous_response_id", owner).conversation
+        if len(stored) <= LARGE_BODY:
+            return decode_json(stored, list[ChatMessage])
+        return await anyio.to_thread.run_sync(decode_elements, stored, ChatMessage)
 
-    def _stored(self, response_id: str, param: str) -> _Stored:
+    def _stored(self, response_id: str, param: str, owner: str) -> _Stored:
+        """The entry, or a 404 when there is none for this owner (another key's is not there)."""
         if not response_id.startswith("resp"):
             raise bad_request(f"{param}: expected an ID that begins with 'resp', got {response_id!r:.100}", param)
-        entry = self.store.get(response_id)
+        entry = self.store.get(response_id, owner)
         if entry is None:
             raise APIError(404, f"{param}: response with id {shorten(response_id, 100)!r} not found", param)
         return entry

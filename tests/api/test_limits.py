@@ -238,13 +238,18 @@ async def test_large_bodies_are_decoded_off_the_event_loop(
     client: httpx.AsyncClient, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     threads: list[bool] = []
-    real = serving_common.decode_request
+    real, real_pieces = serving_common.decode_request, serving_common.decode_in_pieces
 
     def recording(body: bytes, type_: Any) -> Any:
         threads.append(threading.current_thread() is threading.main_thread())
         return real(body, type_)
 
+    def recording_pieces(body: bytes, type_: Any) -> Any:  # a large body: in short pieces (json_pieces.py)
+        threads.append(threading.current_thread() is threading.main_thread())
+        return real_pieces(body, type_)
+
     monkeypatch.setattr(serving_common, "decode_request", recording)
+    monkeypatch.setattr(serving_common, "decode_in_pieces", recording_pieces)
     big = ["word " * 20] * (serving_common.LARGE_BODY // 100)
     for path, body in [
         ("/v1/completions", {"prompt": "hi", "max_tokens": 1, **GREEDY}),

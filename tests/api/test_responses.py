@@ -284,17 +284,18 @@ def test_store_evicts_least_recently_used_by_count_and_bytes() -> None:
 
     store = ResponseStore(max_responses=2)
     for i in range(3):
-        store.put(response(i), [ChatMessage(role="user", content="x")])
-    assert store.get("resp_0") is None and store.get("resp_1") is not None
-    store.put(response(3), [])  # resp_1 was used last: resp_2 goes
-    assert store.get("resp_2") is None and store.get("resp_1") is not None and len(store) == 2
-    small = ResponseStore(max_bytes=2000)
-    small.put(response(0), [ChatMessage(role="user", content="a" * 900)])
-    small.put(response(1), [ChatMessage(role="user", content="b" * 900)])
-    assert small.get("resp_0") is None and small.get("resp_1") is not None and small.bytes <= 2000
-    small.put(response(2), [ChatMessage(role="user", content="c" * 5000)])  # larger than the store
-    assert small.get("resp_2") is None and small.get("resp_1") is not None
-    assert small.pop("resp_1") is not None and small.bytes == 0 and len(small) == 0
+        store.put(response(i), [ChatMessage(role="user", content="x")], owner="")
+    assert store.get("resp_0", "") is None and store.get("resp_1", "") is not None
+    store.put(response(3), [], owner="")  # resp_1 was used last: resp_2 goes
+    assert store.get("resp_2", "") is None and store.get("resp_1", "") is not None and len(store) == 2
+    small = ResponseStore(max_bytes=4000)  # an entry: ~1,100 bytes and its content
+    small.put(response(0), [ChatMessage(role="user", content="a" * 1500)], owner="")
+    small.put(response(1), [ChatMessage(role="user", content="b" * 1500)], owner="")
+    assert small.get("resp_0", "") is None and small.get("resp_1", "") is not None and small.bytes <= 4000
+    small.put(response(2), [ChatMessage(role="user", content="c" * 5000)], owner="")  # larger than the store
+    assert small.get("resp_2", "") is None and small.get("resp_1", "") is not None
+    small.check_integrity()
+    assert small.pop("resp_1", "") is not None and small.bytes == 0 and len(small) == 0
     with pytest.raises(ValueError, match="max_responses"):
         ResponseStore(max_responses=0)
 
