@@ -70,11 +70,13 @@ async def structured_outputs_params(req: SamplingFields) -> StructuredOutputsPar
         if not message.startswith(field):
             message = f"{field}: {message}"
         raise bad_request(message, field) from None
-    name = f"structured_outputs.{params.kind}" if field == "structured_outputs" else field
+    own = f"structured_outputs.{params.kind}"
+    name = own if field == "structured_outputs" else field
     try:
         await anyio.to_thread.run_sync(structured_outputs.check, params, name)
-    except ValueError as exc:
-        raise bad_request(str(exc), name) from None
+    except ValueError as exc:  # the converter's errors name the params' field: say the request's
+        message = str(exc)
+        raise bad_request(name + message[len(own) :] if message.startswith(own) else message, name) from None
     return params
 
 

@@ -2,11 +2,23 @@
 
 Requests: unknown fields are ignored (msgspec's default) and listed in one log line by
 `decode_request`. JSON nested deeper than msgspec's recursion limit is a `msgspec.DecodeError`
-(a 400), never the parser's `RecursionError` (a 500). Optional sampling fields default to None, meaning "the model's
-generation_config.json default, else OpenAI's". Integers are bounded to int64 so no value
-that passes decoding can overflow a tensor in the engine. Counts that the event loop would
-walk are bounded here too (`MAX_CHAT_MESSAGES`, `MAX_CONTENT_PARTS`, `MAX_ROLE_LEN`), so an
-absurd chat is a 400 naming the field at decoding, before anything is rendered.
+(a 400), never the parser's `RecursionError` (a 500). Optional sampling fields default to None,
+meaning "the model's generation_config.json default, else OpenAI's". Integers are bounded to
+int64 so no value that passes decoding can overflow a tensor in the engine. Counts that the
+event loop would walk are bounded here too (`MAX_CHAT_MESSAGES`, `MAX_CONTENT_PARTS`,
+`MAX_ROLE_LEN`), so an absurd chat is a 400 naming the field at decoding, before anything is
+rendered.
+
+Depth. The free-form JSON of a request (tools and their schemas, `tool_calls` and the JSON text
+of their `function.arguments`, `response_format`, template variables) nests at most
+`MAX_JSON_DEPTH` containers deep, checked when the request is decoded (`__post_init__`) by walks
+that do not recurse; deeper is a 400 naming the field (`messages[2].tool_calls[0].function.
+arguments: nested deeper than 64 levels`). Every later walk over those values (the chat
+template's `tojson`, `json.loads` of the arguments, the grammar converter, the Responses store's
+encoder) recurses once per level, so it stays far from Python's recursion limit wherever it
+runs. The tool-call parsers hold the calls they read from model output to the same depth, so a
+call the model made can always be sent back. Rejected: catching `RecursionError` where it
+happens (it is raised wherever the stack runs out, inside Jinja or msgspec, and names no field).
 
 Responses: fields OpenAI sends as `null` are present as `null`; stream chunks omit `usage`
 unless it is set, and deltas omit unset `role`/`content` (as vLLM does).
@@ -15,13 +27,19 @@ unless it is set, and deltas omit unset `role`/`content` (as vLLM does).
 from __future__ import annotations
 
 import logging
+import re
+from collections.abc import Iterable, Sequence
+from itertools import accumulate
 from typing import Annotated, Any, TypeVar
 
 import msgspec
 
+from triollm.api.openai_errors import bad_request
+
 __all__ = [
     "MAX_CHAT_MESSAGES",
     "MAX_CONTENT_PARTS",
+    "MAX_JSON_DEPTH",
     "MAX_ROLE_LEN",
     "ChatCompletionChunk",
     "ChatCompletionRequest",
@@ -29,8 +47,13 @@ __all__ = [
     "CompletionRequest",
     "CompletionResponse",
     "CompletionStreamResponse",
+    "check_json_depth",
+    "check_json_text_depth",
+    "check_messages",
     "decode_json",
     "decode_request",
+    "json_text_depth",
+    "json_value_depth",
 ]
 
 log = logging.getLogger("triollm.api")
@@ -46,6 +69,9 @@ TokenIds = list[Int64]
 MAX_CHAT_MESSAGES = 8192
 MAX_CONTENT_PARTS = 1024
 MAX_ROLE_LEN = 256
+# Containers in containers, in the free-form JSON of a request and in a tool call's arguments
+# (see the module docstring). Real tool arguments and schemas nest a handful of levels.
+MAX_JSON_DEPTH = 64
 
 T = TypeVar("T")
 
@@ -71,6 +97,98 @@ def decode_request(body: bytes, type_: type[T]) -> T:
             "The following fields were present in the request but ignored: %s%s", shown, more
         )
     return request
+
+
+# ================================================================================= depth
+
+_CONTAINERS = (dict, list)
+_JSON_STRING = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"')
+_NOT_BRACKET = re.compile(r"[^\[\]{}]+")
+_BRACKET_STEP = {"[": 1, "{": 1, "]": -1, "}": -1}
+_PATH_STEPS = 4  # how much of the way to a too-deep value an error shows
+_PLAIN_KEY = re.compile(r"[\w$@-]{1,64}")
+
+
+def json_text_depth(text: str) -> int:
+    """How deeply the brackets of JSON `text` nest outside its strings, without parsing it and
+    without recursion (in C-speed passes: strings cut out, then a running sum over the brackets).
+    For text that is not JSON it is an upper bound (an unterminated string's brackets count)."""
+    if text.count("[") + text.count("{") <= 1:
+        return 1 if "[" in text or "{" in text else 0
+    brackets = _NOT_BRACKET.sub("", _JSON_STRING.sub("", text))
+    return max(accumulate(map(_BRACKET_STEP.__getitem__, brackets)), default=0)
+
+
+def json_value_depth(value: Any, limit: int = MAX_JSON_DEPTH) -> int:
+    """How deeply decoded JSON `value` nests (a scalar 0, `[]` 1), counted level by level without
+    recursion; it stops at `limit + 1`."""
+    level = [value] if type(value) in _CONTAINERS else []
+    depth = 0
+    while level and depth <= limit:
+        depth += 1
+        below: list[Any] = []
+        for item in level:
+            children = item.values() if type(item) is dict else item
+            below.extend(child for child in children if type(child) in _CONTAINERS)
+        level = below
+    return depth
+
+
+def check_json_depth(value: Any, where: str, param: str | None = None) -> None:
+    """A 400 naming `where` (and the first steps of the way to the deepest value) when decoded
+    JSON `value` nests more than `MAX_JSON_DEPTH` levels; `param` is the error's `param`."""
+    if json_value_depth(value) > MAX_JSON_DEPTH:
+        path = _path_below(value, MAX_JSON_DEPTH)
+        raise bad_request(f"{where}{path}: nested deeper than {MAX_JSON_DEPTH} levels", param or where)
+
+
+def check_json_text_depth(text: str, where: str, param: str | None = None) -> None:
+    """A 400 naming `where` when JSON `text` (a tool call's `arguments`, say) nests more than
+    `MAX_JSON_DEPTH` levels."""
+    if json_text_depth(text) > MAX_JSON_DEPTH:
+        raise bad_request(f"{where}: nested deeper than {MAX_JSON_DEPTH} levels", param or where)
+
+
+def _path_below(value: Any, limit: int) -> str:
+    """The first `_PATH_STEPS` steps of the way to a container deeper than `limit` (depth first,
+    without recursion; only called once the value is known to be that deep)."""
+    stack: list[tuple[Any, int, str]] = [(value, 1, "")]
+    while stack:
+        item, depth, path = stack.pop()
+        if depth > limit:
+            return path
+        pairs: Iterable[tuple[Any, Any]] = item.items() if type(item) is dict else enumerate(item)
+        for key, child in pairs:
+            if type(child) in _CONTAINERS:
+                step = path + _step(key) if depth <= _PATH_STEPS else path
+                stack.append((child, depth + 1, step))
+    return ""
+
+
+def _step(key: Any) -> str:
+    if isinstance(key, int):
+        return f"[{key}]"
+    return f".{key}" if _PLAIN_KEY.fullmatch(key) else ".…"
+
+
+def check_messages(messages: Sequence[ChatMessage], field: str = "messages") -> None:
+    """The depth of each message's `tool_calls` and of the JSON text of their arguments."""
+    for i, message in enumerate(messages):
+        calls = message.tool_calls
+        if calls is None:
+            continue
+        where = f"{field}[{i}].tool_calls"
+        check_json_depth(calls, where, field)
+        for j, call in enumerate(calls):
+            function = call.get("function")
+            arguments = function.get("arguments") if isinstance(function, dict) else None
+            if isinstance(arguments, str):
+                check_json_text_depth(arguments, f"{where}[{j}].function.arguments", field)
+
+
+def _check_fields(request: msgspec.Struct, names: tuple[str, ...]) -> None:
+    for name in names:
+        check_json_depth(getattr(request, name), name)
 
 
 # =============================================================================== requests
@@ -127,6 +245,9 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     # --- beam search (vLLM's extra fields): n is the beam width
     use_beam_search: bool = False
     length_penalty: float = 1.0
+
+    def __post_init__(self) -> None:
+        _check_fields(self, ("response_format", "structured_outputs", "guided_json"))
 
 
 class CompletionRequest(SamplingFields, kw_only=True):
@@ -187,6 +308,11 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
     echo: bool = False
     include_reasoning: bool = True
 
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check_messages(self.messages)
+        _check_fields(self, ("tools", "tool_choice", "chat_template_kwargs", "documents"))
+
 
 class TokenizeCompletionRequest(msgspec.Struct, kw_only=True):
     prompt: str
@@ -203,6 +329,10 @@ class TokenizeChatRequest(msgspec.Struct, kw_only=True):
     add_special_tokens: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
     return_token_strs: bool = False
+
+    def __post_init__(self) -> None:
+        check_messages(self.messages)
+        _check_fields(self, ("chat_template_kwargs",))
 
 
 class DetokenizeRequest(msgspec.Struct, kw_only=True):

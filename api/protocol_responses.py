@@ -16,7 +16,7 @@ from typing import Annotated, Any
 
 import msgspec
 
-from triollm.api.protocol import MAX_CHAT_MESSAGES, Int64
+from triollm.api.protocol import MAX_CHAT_MESSAGES, Int64, check_json_depth, check_json_text_depth
 
 __all__ = [
     "ContentPartEvent",
@@ -101,6 +101,16 @@ class ResponsesRequest(msgspec.Struct, kw_only=True):
     stop: str | list[str] | None = None
     priority: Int64 = 0
     request_id: str | None = None
+
+    def __post_init__(self) -> None:
+        # Free-form JSON, a function call's arguments included, nests at most MAX_JSON_DEPTH
+        # levels (api/protocol.py): a 400 naming the field before anything walks it.
+        for name in ("input", "tools", "tool_choice", "text"):
+            check_json_depth(getattr(self, name), name)
+        for i, item in enumerate(self.input if isinstance(self.input, list) else ()):
+            arguments = item.get("arguments") if item.get("type") == "function_call" else None
+            if isinstance(arguments, str):
+                check_json_text_depth(arguments, f"input[{i}].arguments", "input")
 
 
 class InputMessage(msgspec.Struct, kw_only=True):

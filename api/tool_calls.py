@@ -18,17 +18,31 @@ false` allows one item under "required" and keeps the first call under "auto".
 `ConstrainedCallStream` streams a forced call as it is generated: the call's id and name in its
 first delta, then its arguments as they arrive (the raw text of the JSON value, so the pieces
 concatenate to the arguments of the whole output).
+
+A tool's `parameters` is checked for the shapes the code and the grammar converter rely on
+(`properties`, `$defs` and `definitions` are objects of schemas, `anyOf` an array of them,
+`required` an array of strings, ...): a 400 naming the keyword's place
+(`tools[0].function.parameters.$defs: must be an object`). A forced call's output is read back
+only when its arguments nest at most `MAX_JSON_DEPTH` levels (a recursive schema allows any
+depth); deeper, or not JSON, it is text.
 """
 
 from __future__ import annotations
 
-import json
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
 from triollm.api.openai_errors import bad_request
-from triollm.api.protocol import DeltaFunctionCall, DeltaToolCall, FunctionCall, ToolCall
+from triollm.api.protocol import (
+    MAX_JSON_DEPTH,
+    DeltaFunctionCall,
+    DeltaToolCall,
+    FunctionCall,
+    ToolCall,
+)
+from triollm.api.tool_parsers._json_scan import MISSING, dumps_args, loads
 from triollm.api.tool_parsers.abstract import make_tool_call_id
 
 __all__ = [
@@ -128,26 +142,22 @@ def resolve_tool_choice(
 
 def constrained_tool_calls(choice: ToolChoice, text: str) -> list[ToolCall] | None:
     """The calls in a forced call's whole output; None when it is not the complete JSON the
-    grammar allows (the output was cut short: max_tokens, a stop string)."""
+    grammar allows (the output was cut short: max_tokens, a stop string), or its arguments nest
+    deeper than `MAX_JSON_DEPTH` levels."""
     if choice.mode == "named":
-        try:
-            json.loads(text)
-        except ValueError:
+        if loads(text) is MISSING:
             return None
         return [ToolCall(id=make_tool_call_id(), function=FunctionCall(choice.name or "", text))]
-    try:
-        items = json.loads(text)
-    except ValueError:
-        return None
+    items = loads(text, MAX_JSON_DEPTH + 2)  # [{"name": ..., "parameters": {...}}]: two levels more
     if not isinstance(items, list) or not all(isinstance(i, dict) and "name" in i for i in items):
         return None
-    return [
-        ToolCall(
-            id=make_tool_call_id(),
-            function=FunctionCall(str(i["name"]), json.dumps(i.get("parameters", {}), ensure_ascii=False)),
-        )
-        for i in items
-    ]
+    calls = []
+    for item in items:
+        arguments = dumps_args(item.get("parameters", {}))
+        if arguments is None:
+            return None
+        calls.append(ToolCall(id=make_tool_call_id(), function=FunctionCall(str(item["name"]), arguments)))
+    return calls
 
 
 class ConstrainedCallStream:
@@ -210,7 +220,8 @@ class _CallArrayScanner:
             elif c == '"':
                 self.in_string = False
                 if self.depth == 2 and not self.in_parameters:
-                    self._string_done(json.loads(self.string + '"'), out)
+                    value = loads(self.string + '"')
+                    self._string_done(value if isinstance(value, str) else self.string[1:], out)
                 return
             if self.depth == 2 and not self.in_parameters:
                 self.string += c
@@ -276,6 +287,72 @@ def _check_tools(tools: Sequence[Any]) -> None:
         parameters = fn.get("parameters")
         if parameters is not None and not isinstance(parameters, dict):
             raise bad_request(f"{where}.function.parameters: must be a JSON schema object", "tools")
+        if parameters is not None:
+            _check_schema(parameters, f"{where}.function.parameters")
+
+
+# Where a JSON schema holds schemas: an object of them, one (an object or a boolean), an array.
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+_SCHEMA_ONE = (
+    "additionalProperties", "additionalItems", "unevaluatedProperties", "unevaluatedItems", "items", "contains",
+    "propertyNames", "not", "if", "then", "else",
+)  # fmt: skip
+_SCHEMA_LISTS = ("anyOf", "allOf", "oneOf", "prefixItems")
+_PLAIN_KEY = re.compile(r"[\w$@-]{1,64}")
+
+
+def _check_schema(schema: dict[str, Any], where: str) -> None:
+    """The shapes of a tool's `parameters` schema and the schemas it holds (see the module
+    docstring), walked without recursion to `MAX_JSON_DEPTH` levels; a 400 naming the place."""
+    stack: list[tuple[Any, str, int]] = [(schema, where, 1)]
+    while stack:
+        node, at, depth = stack.pop()
+        if isinstance(node, bool):
+            continue
+        if not isinstance(node, dict):
+            raise bad_request(f"{at}: must be a schema (an object or a boolean)", "tools")
+        if depth > MAX_JSON_DEPTH:
+            raise bad_request(f"{at}: nested deeper than {MAX_JSON_DEPTH} levels", "tools")
+        below: list[tuple[Any, str]] = []
+        for key in _SCHEMA_MAPS:
+            if key in node:
+                value = node[key]
+                if not isinstance(value, dict):
+                    raise bad_request(f"{at}.{key}: must be an object", "tools")
+                below += [(child, f"{at}.{key}{_key_step(name)}") for name, child in value.items()]
+        for key in _SCHEMA_ONE:
+            if key in node:
+                value = node[key]
+                if key == "items" and isinstance(value, list):  # the tuple form of older drafts
+                    below += [(child, f"{at}.items[{i}]") for i, child in enumerate(value)]
+                else:
+                    below.append((value, f"{at}.{key}"))
+        for key in _SCHEMA_LISTS:
+            if key in node:
+                value = node[key]
+                if not isinstance(value, list):
+                    raise bad_request(f"{at}.{key}: must be an array of schemas", "tools")
+                below += [(child, f"{at}.{key}[{i}]") for i, child in enumerate(value)]
+        _check_keywords(node, at)
+        stack.extend((child, path, depth + 1) for child, path in reversed(below))
+
+
+def _check_keywords(node: dict[str, Any], at: str) -> None:
+    required = node.get("required", [])
+    if not (isinstance(required, list) and all(isinstance(name, str) for name in required)):
+        raise bad_request(f"{at}.required: must be an array of strings", "tools")
+    kind = node.get("type", "object")
+    kinds = kind if isinstance(kind, list) else [kind]
+    if not all(isinstance(k, str) for k in kinds):
+        raise bad_request(f"{at}.type: must be a string or an array of strings", "tools")
+    if not isinstance(node.get("enum", []), list):
+        raise bad_request(f"{at}.enum: must be an array", "tools")
+    if not isinstance(node.get("$ref", ""), str):
+        raise bad_request(f"{at}.$ref: must be a string", "tools")
+
+
+def _key_step(name: str) -> str:
+    return f".{name}" if _PLAIN_KEY.fullmatch(name) else f"[{name!r:.40}]"
 
 
 def _named_function(tool_choice: Any) -> str:

@@ -24,10 +24,12 @@ runs with `PARSER_LIMITS` (lexer fuel and Earley items per mask, lexer states, g
 one mask takes milliseconds at most. llguidance recurses once per level of a grammar's rules
 (a chain of a few thousand rules, or of `$ref`s, overflows a default 8 MiB thread stack: a
 segfault, the whole server), so it only runs in threads with a `_STACK_BYTES` stack, which
-holds the deepest grammar of `MAX_GRAMMAR_CHARS`. The caches are bounded in entries and in
-estimated bytes (`VALIDATION_CACHE_BYTES`, `COMPILED_CACHE_BYTES`). Whatever llguidance does
-wrong at run time (an exception of any type, an error state) is kept in the request's `Grammar`
-and ends that request alone, with finish reason "error".
+holds the deepest grammar of `MAX_GRAMMAR_CHARS`. A JSON schema nests at most
+`MAX_SCHEMA_DEPTH` levels, counted without recursion before anything here recurses into it
+(`json.loads` of a schema string, `_no_additional_properties`, `json.dumps`). The caches are
+bounded in entries and in estimated bytes (`VALIDATION_CACHE_BYTES`, `COMPILED_CACHE_BYTES`).
+Whatever llguidance does wrong at run time (an exception of any type, an error state) is kept
+in the request's `Grammar` and ends that request alone, with finish reason "error".
 
 Preemption needs nothing: a preempted request keeps its output tokens (only their KV is
 recomputed), so its matcher stays where it was.
@@ -38,10 +40,12 @@ from __future__ import annotations
 import json
 import logging
 import queue
+import re
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Sequence
 from concurrent.futures import Future
+from itertools import accumulate
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
@@ -55,6 +59,7 @@ if TYPE_CHECKING:
 __all__ = [
     "COMPILED_CACHE_BYTES",
     "MAX_GRAMMAR_CHARS",
+    "MAX_SCHEMA_DEPTH",
     "PARSER_LIMITS",
     "VALIDATION_CACHE_BYTES",
     "Grammar",
@@ -75,6 +80,9 @@ V = TypeVar("V")
 # It bounds the compile (about a second for the slowest grammars this long) and, with
 # `_STACK_BYTES`, llguidance's recursion.
 MAX_GRAMMAR_CHARS = 512 << 10
+# Levels of JSON a schema nests (the server holds a request's JSON to as many:
+# api/protocol.py, MAX_JSON_DEPTH); real schemas nest a handful.
+MAX_SCHEMA_DEPTH = 64
 # The stack of every thread llguidance validates or compiles in: the deepest grammar of
 # MAX_GRAMMAR_CHARS (some 40,000 chained rules) needs less than a quarter of it. Only the pages
 # a deep grammar touches are ever allocated.
@@ -121,6 +129,8 @@ def grammar_text(so: StructuredOutputsParams) -> str:
     for source in (so.json, so.regex, so.grammar):  # refused before any work on it
         if isinstance(source, str) and len(source) > MAX_GRAMMAR_CHARS:
             raise ValueError(f"{field}: {len(source)} characters, more than the {MAX_GRAMMAR_CHARS} allowed")
+    if so.json is not None and _schema_depth(so.json) > MAX_SCHEMA_DEPTH:
+        raise ValueError(f"{field}: nested deeper than {MAX_SCHEMA_DEPTH} levels")
     try:
         text = _grammar_text(so, _llguidance())
     except RecursionError:
@@ -201,6 +211,30 @@ def _validation_error(text: str) -> str:
 
 def _limits() -> llguidance.LLParserLimits:
     return _llguidance().LLParserLimits(**PARSER_LIMITS)
+
+
+_JSON_STRING = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"')
+_NOT_BRACKET = re.compile(r"[^\[\]{}]+")
+_BRACKET_STEP = {"[": 1, "{": 1, "]": -1, "}": -1}
+
+
+def _schema_depth(schema: Any) -> int:
+    """How deeply a schema (decoded, or its JSON text) nests, without recursion: the text's
+    brackets outside strings, or the decoded value level by level (up to one past the limit)."""
+    if isinstance(schema, str):
+        brackets = _NOT_BRACKET.sub("", _JSON_STRING.sub("", schema))
+        return max(accumulate(map(_BRACKET_STEP.__getitem__, brackets)), default=0)
+    level = [schema] if isinstance(schema, dict | list) else []
+    depth = 0
+    while level and depth <= MAX_SCHEMA_DEPTH:
+        depth += 1
+        level = [
+            child
+            for item in level
+            for child in (item.values() if isinstance(item, dict) else item)
+            if isinstance(child, dict | list)
+        ]
+    return depth
 
 
 def _no_additional_properties(schema: Any) -> Any:

@@ -12,6 +12,13 @@ JSON.
 `call_header` reads the start of `{"name": "...", "arguments": {` incrementally: it answers
 MORE (the text so far can still become a header), NO, or the name and where the arguments
 object starts. A call is announced only once its header is complete.
+
+Hostile output. Model output may be anything, and a parser never raises on it: the scanner
+fails on brackets nested deeper than `MAX_JSON_DEPTH` (the bound client JSON has, so a call
+the model made can be sent back), and on numbers Python does not turn back into the same JSON
+(an integer of more than `MAX_INT_DIGITS` digits, Python's `int` limit; a float that overflows
+to infinity); `loads` answers MISSING for such text without recursing into it. What the
+scanner refuses is text, or a call broken off, never an exception.
 """
 
 from __future__ import annotations
@@ -21,7 +28,10 @@ import math
 import re
 from typing import Any, Final
 
+from triollm.api.protocol import MAX_JSON_DEPTH, json_text_depth
+
 __all__ = [
+    "MAX_INT_DIGITS",
     "MISSING",
     "MORE",
     "NO",
@@ -38,6 +48,8 @@ _HEX: Final = frozenset("0123456789abcdefABCDEF")
 _SCALAR_CHARS: Final = frozenset("+-.0123456789eEtruefalsn")
 _NUMBER = re.compile(r"-?(?:0|[1-9]\d*)(?:\.\d+)?(?:[eE][+-]?\d+)?")
 _LITERALS: Final = frozenset({"true", "false", "null"})
+# Python's default `sys.get_int_max_str_digits()`: `json.loads` refuses longer integers.
+MAX_INT_DIGITS: Final = 4300
 
 # What the scanner expects next, outside strings and scalars.
 _VALUE, _VALUE_OR_CLOSE, _KEY, _KEY_OR_CLOSE, _COLON, _AFTER = range(6)
@@ -101,7 +113,7 @@ class JsonScanner:
                 return True
             token = "".join(self._scalar)
             self._scalar = None
-            if token not in _LITERALS and not _NUMBER.fullmatch(token):
+            if token not in _LITERALS and not _is_number(token):
                 return False
             self._value_ended(pos)
         if ch in _WS:
@@ -111,6 +123,8 @@ class JsonScanner:
             if ch == "]" and expect == _VALUE_OR_CLOSE:
                 return self._close(ch, pos)
             if ch in "{[":
+                if len(self._stack) >= MAX_JSON_DEPTH:
+                    return False
                 self._stack.append("}" if ch == "{" else "]")
                 self._expect = _KEY_OR_CLOSE if ch == "{" else _VALUE_OR_CLOSE
                 self._mark_safe(pos + 1, self._closers())
@@ -174,6 +188,15 @@ class JsonScanner:
         return True
 
 
+def _is_number(token: str) -> bool:
+    """A JSON number that `json.loads` reads and `json.dumps` writes back (see the docstring)."""
+    if not _NUMBER.fullmatch(token):
+        return False
+    if token.isdigit() or token[1:].isdigit():  # an integer
+        return len(token.lstrip("-")) <= MAX_INT_DIGITS
+    return math.isfinite(float(token))
+
+
 class _Missing:
     pass
 
@@ -187,8 +210,11 @@ def _reject_constant(name: str) -> Any:
     raise ValueError(f"{name} is not JSON")
 
 
-def loads(text: str) -> Any:
-    """`json.loads` without NaN/Infinity; MISSING when `text` is not JSON."""
+def loads(text: str, max_depth: int = MAX_JSON_DEPTH) -> Any:
+    """`json.loads` without NaN/Infinity; MISSING when `text` is not JSON, nests deeper than
+    `max_depth` (checked before parsing) or holds an integer Python will not read."""
+    if json_text_depth(text) > max_depth:
+        return MISSING
     try:
         return json.loads(text, parse_constant=_reject_constant)
     except ValueError:
@@ -283,11 +309,20 @@ def call_header(text: str, arg_keys: tuple[str, ...]) -> tuple[str, int] | str:
 
 
 def is_finite_json(value: Any) -> bool:
-    """Whether `value` dumps as strict JSON (used for values converted from non-JSON text)."""
-    if isinstance(value, float):
-        return math.isfinite(value)
-    if isinstance(value, list):
-        return all(is_finite_json(v) for v in value)
-    if isinstance(value, dict):
-        return all(isinstance(k, str) and is_finite_json(v) for k, v in value.items())
-    return value is None or isinstance(value, str | int | bool)
+    """Whether `value` dumps as strict JSON (used for values converted from non-JSON text),
+    walked without recursion."""
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, float):
+            if not math.isfinite(item):
+                return False
+        elif isinstance(item, list):
+            stack.extend(item)
+        elif isinstance(item, dict):
+            if not all(isinstance(k, str) for k in item):
+                return False
+            stack.extend(item.values())
+        elif not (item is None or isinstance(item, str | int | bool)):
+            return False
+    return True

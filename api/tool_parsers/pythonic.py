@@ -5,9 +5,10 @@ Llama 3.2 and Llama 4 emit them with the pythonic chat templates.
 
 The output *is* the list: keyword arguments only, each value a literal (string, number,
 True/False/None and JSON's true/false/null, lists, tuples, dicts with string keys). It is read
-with `ast.parse` and turned into JSON by walking the tree: nothing is ever evaluated. An output
-that does not start with `[` (after whitespace) is all content, as is a list that is not such
-calls; text after the list is content.
+with `ast.parse` and turned into JSON by walking the tree: nothing is ever evaluated, and the
+walk stops at `MAX_JSON_DEPTH` levels (a value nested deeper is no literal). An output that does
+not start with `[` (after whitespace) is all content, as is a list that is not such calls; text
+after the list is content.
 
 Streaming sends text at once unless the output starts with `[`; then it holds the list back
 until its closing bracket and announces every call with its complete arguments.
@@ -18,6 +19,7 @@ from __future__ import annotations
 import ast
 from typing import Any, ClassVar, Final
 
+from triollm.api.protocol import MAX_JSON_DEPTH
 from triollm.api.tool_parsers._json_scan import MISSING, dumps_args
 from triollm.api.tool_parsers._segments import SegmentedToolParser, Segmenter
 
@@ -26,8 +28,11 @@ __all__ = ["PythonicToolParser", "python_literal"]
 _JSON_NAMES: Final = {"true": True, "false": False, "null": None}
 
 
-def _value(node: ast.expr) -> Any:
-    """The JSON value of a literal's syntax tree, or MISSING."""
+def _value(node: ast.expr, inside: int) -> Any:
+    """The JSON value of a literal's syntax tree, or MISSING; `inside`: how many JSON containers
+    hold it (a container in `MAX_JSON_DEPTH` of them is too deep, and is not looked into)."""
+    if inside >= MAX_JSON_DEPTH and isinstance(node, ast.List | ast.Tuple | ast.Dict):
+        return MISSING
     match node:
         case ast.Constant(value=value) if value is None or isinstance(value, str | int | float):
             return value
@@ -35,14 +40,14 @@ def _value(node: ast.expr) -> Any:
             if isinstance(value, int | float) and not isinstance(value, bool):
                 return -value if isinstance(op, ast.USub) else value
         case ast.List(elts=items) | ast.Tuple(elts=items):
-            values = [_value(item) for item in items]
+            values = [_value(item, inside + 1) for item in items]
             return MISSING if any(v is MISSING for v in values) else values
         case ast.Dict(keys=keys, values=items):
             out: dict[str, Any] = {}
             for key, item in zip(keys, items, strict=True):
                 if not (isinstance(key, ast.Constant) and isinstance(key.value, str)):
                     return MISSING
-                out[key.value] = _value(item)
+                out[key.value] = _value(item, inside + 1)
                 if out[key.value] is MISSING:
                     return MISSING
             return out
@@ -58,11 +63,12 @@ def _parse(text: str) -> ast.expr | None:
         return None
 
 
-def python_literal(text: str) -> Any:
-    """The JSON value of a Python (or JSON) literal written in `text`, or MISSING."""
+def python_literal(text: str, inside: int = 0) -> Any:
+    """The JSON value of a Python (or JSON) literal written in `text` (to be held in `inside`
+    JSON containers), or MISSING."""
     node = _parse(text)
     try:
-        return MISSING if node is None else _value(node)
+        return MISSING if node is None else _value(node, inside)
     except RecursionError:
         return MISSING
 
@@ -79,7 +85,7 @@ def _calls(text: str) -> list[tuple[str, str]] | None:
         args: dict[str, Any] = {}
         for keyword in call.keywords:
             try:
-                value = MISSING if keyword.arg is None else _value(keyword.value)
+                value = MISSING if keyword.arg is None else _value(keyword.value, 1)
             except RecursionError:
                 value = MISSING
             if value is MISSING or keyword.arg is None:

@@ -15,8 +15,10 @@ A value is the text between the tags less one newline at each end. It is convert
 the request's tool schema gives that parameter: integer, number, boolean, object or array (JSON
 or a Python literal; never evaluated), `null` for a non-string type; anything else, or a value
 that does not fit its type, stays a string (as in vLLM, which also degrades to a string, except
-that a bad boolean there becomes false). As in vLLM, the last `</parameter>`, `</function>` or
-`</tool_call>` may be missing. A region with no function in it stays text, markers included.
+that a bad boolean there becomes false), as does an integer of more than Python's 4,300 digits
+and an object or array that would nest the arguments deeper than `MAX_JSON_DEPTH` levels. As in
+vLLM, the last `</parameter>`, `</function>` or `</tool_call>` may be missing. A region with no
+function in it stays text, markers included.
 
 Streaming holds back a trailing beginning of `<tool_call>` and the rest of a region: each call
 is announced, with its complete arguments, when its `</function>` arrives (or the region ends).
@@ -29,7 +31,8 @@ import re
 from collections.abc import Mapping
 from typing import Any, ClassVar, Final
 
-from triollm.api.tool_parsers._json_scan import MISSING, dumps_args, is_finite_json, loads
+from triollm.api.protocol import MAX_JSON_DEPTH
+from triollm.api.tool_parsers._json_scan import MAX_INT_DIGITS, MISSING, dumps_args, is_finite_json, loads
 from triollm.api.tool_parsers._segments import SegmentedToolParser, Segmenter
 from triollm.api.tool_parsers.pythonic import python_literal
 
@@ -57,7 +60,7 @@ def convert(value: str, schema: Any) -> Any:
     if text.lower() == "null":
         return None
     for kind in kinds:
-        if kind == "integer" and _INTEGER.fullmatch(text):
+        if kind == "integer" and _INTEGER.fullmatch(text) and len(text.lstrip("+-")) <= MAX_INT_DIGITS:
             return int(text)
         if kind == "number":
             try:
@@ -69,9 +72,9 @@ def convert(value: str, schema: Any) -> Any:
         if kind == "boolean" and text.lower() in ("true", "false"):
             return text.lower() == "true"
         if kind in _CONTAINERS:
-            parsed = loads(text)
+            parsed = loads(text, MAX_JSON_DEPTH - 1)  # in the arguments object
             if parsed is MISSING:
-                parsed = python_literal(text)
+                parsed = python_literal(text, inside=1)
             if isinstance(parsed, _CONTAINERS[kind]) and is_finite_json(parsed):
                 return parsed
     return value
