@@ -11,6 +11,19 @@ descriptors and children of both processes), then runs at once, until `--duratio
   an oversized request id, fan-out over the budget, 50,000 chat messages, a queue-jumping
   priority, logprobs over the limit, malformed JSON ...), each of which must get a 4xx;
 - a client asking for a new grammar every request (distinct regexes and JSON schemas);
+- clients for the surfaces of issue 39 (`_Surfaces`), each request with the status it must get:
+  request chat templates (the server runs with `--trust-request-chat-template`): benign ones,
+  distinct each time (200), ones that name a file (`/proc/self/environ`, a secret file the soak
+  wrote: 200, rendered as the path's own text, never the file), budget-busting ones (nested
+  `range(100000)`, `'x' * 10**9`: a quick 400 naming `chat_template`); stored responses under
+  two API keys (the server runs with both: key A creates, key B's GET, DELETE and
+  `previous_response_id` are 404s, key A's own reads, continuation and delete work); runtime LoRA
+  loads, when the model can take adapters (`--enable-lora`, `VLLM_ALLOW_RUNTIME_LORA_UPDATING=1`:
+  a random adapter loads (200), a corrupt one is a 400 naming the file, requests under the good
+  one are served, then it is unloaded); tool-call arguments nested 10,000 deep on chat,
+  Responses and /tokenize (400, never 5xx). Any answer that holds the server's environment (a
+  canary variable set for it) or the secret file's text is a leak, as is another key's stored
+  response;
 - a `/health` probe every half second;
 - every `--sigstop-every` seconds, the engine-core process(es) SIGSTOPped for `--sigstop-for`
   seconds, then SIGCONTed.
@@ -18,9 +31,11 @@ descriptors and children of both processes), then runs at once, until `--duratio
 A request that takes longer than `--hang-after` seconds is a hang. After the load: the server
 must become idle (no running or waiting request, KV cache usage 0 on /metrics), then it gets
 SIGTERM and must exit 0 leaving no process and no ipc directory. The report: requests by
-outcome, errors by kind, hangs, the longest /health answer and stream gap (outside stop
+outcome, errors by kind, hangs, each surface's requests (sent, statuses, mismatches with the
+status it must get, 5xx, leaks), the longest /health answer and stream gap (outside stop
 windows), peak RSS of the server and its children, descriptors before and after, and the leak
-checks. Needs httpx and psutil (the dev extra).
+checks. The exit status is 1 for a hang, a leak, a 5xx or a mismatch on a surface, or anything
+left behind. Needs httpx and psutil (the dev extra).
 """
 
 from __future__ import annotations
@@ -31,7 +46,9 @@ import json
 import os
 import random
 import re
+import secrets
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -39,7 +56,9 @@ import tempfile
 import threading
 import time
 from collections import Counter
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import anyio
@@ -138,16 +157,26 @@ class Tally:
     peak_rss_mib: float = 0.0
     stops: list[tuple[float, float]] = field(default_factory=list)  # (start, end), monotonic
     stopping: bool = False
+    # surface kind -> "sent", "status N", "mismatch", "5xx", "leak" (`_Surfaces`)
+    surfaces: dict[str, Counter[str]] = field(default_factory=dict)
+    template_refusal_max_s: float = 0.0  # the slowest 400 for a budget-busting template
+
+    def surface(self, kind: str) -> Counter[str]:
+        return self.surfaces.setdefault(kind, Counter())
+
+    def surface_total(self, key: str) -> int:
+        return sum(c[key] for c in self.surfaces.values())
 
     def overlaps_stop(self, t0: float, t1: float, margin: float = 2.0) -> bool:
         return self.stopping or any(a - margin <= t1 and t0 <= b + margin for a, b in self.stops)
 
 
 class _Server:
-    def __init__(self, opts: SoakOptions) -> None:
+    def __init__(self, opts: SoakOptions, args: Sequence[str] = (), env: Mapping[str, str] | None = None) -> None:
+        """`args`, `env`: more serve arguments (before `opts.server_args`) and environment."""
         model = [opts.model] if opts.model else []  # none: the bundled default
-        cmd = [sys.executable, "-m", "triollm.api.cli", "serve", *model, "--port", "0", *opts.server_args]
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        cmd = [sys.executable, "-m", "triollm.api.cli", "serve", *model, "--port", "0", *args, *opts.server_args]
+        env = {**os.environ, **(env or {}), "PYTHONUNBUFFERED": "1"}
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
         self.log: list[str] = []
         self.url = ""
@@ -299,6 +328,268 @@ async def _grammar_loop(
         await anyio.sleep(1.0)
 
 
+# ---------------------------------------------------------------- issue 39's surfaces
+
+DEEP = 10_000  # levels of nesting in the tool-call arguments the server must refuse
+CANARY_ENV = "TRIOLLM_SOAK_CANARY"  # set for the server only: an answer that holds it leaked the environment
+QUICK_TEMPLATE_S = 10.0  # a budget-busting template must be refused within this (its budget is ~1 s of CPU)
+NESTED_LOOPS = (
+    "{% for a in range(100000) %}{% for b in range(100000) %}{% for c in range(100000) %}"
+    "{% endfor %}{% endfor %}{% endfor %}"
+)
+BUDGET_BUSTING = {"template-loops": NESTED_LOOPS, "template-repeat": "{{ 'x' * 10**9 }}"}
+LORA_RANK = 8
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+
+
+def _deep_json() -> str:
+    """A JSON object with a list nested `DEEP` levels (as text: json.dumps would recurse)."""
+    return '{"city": "x", "n": ' + "[" * DEEP + "]" * DEEP + "}"
+
+
+def _with_raw(body: dict[str, Any], raw: str) -> bytes:
+    """`body` as JSON with its string "@RAW@" replaced by the JSON text `raw`."""
+    return json.dumps(body).replace('"@RAW@"', raw, 1).encode()
+
+
+def _nested_bodies(model: str) -> list[tuple[str, str, bytes]]:
+    """(kind, path, body): tool-call arguments nested `DEEP` levels, each a 400."""
+    chat = [{"role": "user", "content": "Weather?"}]
+
+    def call(arguments: Any) -> list[dict[str, Any]]:
+        calls = [{"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": arguments}}]
+        return [
+            *chat,
+            {"role": "assistant", "content": None, "tool_calls": calls},
+            {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
+        ]
+
+    base = {"model": model, "max_tokens": 2, "temperature": 0.0}
+    text_args = _deep_json()
+    items = [
+        {"role": "user", "content": "Weather?"},
+        {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": "@RAW@"},
+        {"type": "function_call_output", "call_id": "call_1", "output": "sunny"},
+    ]
+    responses = {"model": model, "max_output_tokens": 2, "temperature": 0.0, "store": False}
+    return [
+        ("nested-args-chat", "/v1/chat/completions", json.dumps({**base, "messages": call(text_args)}).encode()),
+        (
+            "nested-args-chat",
+            "/v1/chat/completions",
+            json.dumps({**base, "stream": True, "messages": call(text_args)}).encode(),
+        ),
+        ("nested-args-chat", "/v1/chat/completions", _with_raw({**base, "messages": call("@RAW@")}, text_args)),
+        ("nested-args-responses", "/v1/responses", _with_raw({**responses, "input": items}, json.dumps(text_args))),
+        ("nested-args-responses", "/v1/responses", _with_raw({**responses, "input": items}, text_args)),
+        (
+            "nested-args-responses",
+            "/v1/responses",
+            _with_raw({**responses, "input": [{"role": "user", "content": "@RAW@"}]}, "[" * DEEP + "]" * DEEP),
+        ),
+        ("nested-args-tokenize", "/tokenize", json.dumps({"model": model, "messages": call(text_args)}).encode()),
+    ]
+
+
+def _lora_model(opts: SoakOptions) -> tuple[Any, str]:
+    """The served model's config, as `triollm serve` will resolve it, if a random adapter of
+    `bench/lora.py` fits it (None and why not, otherwise)."""
+    try:
+        from triollm.api.cli import build_parser, expand_argv
+        from triollm.engine.config import EngineArgs
+        from triollm.engine.config.model import resolve_device, resolve_model_config
+
+        parser = build_parser()
+        argv = ["serve", *([opts.model] if opts.model else []), *opts.server_args]
+        ns, _ = parser.parse_known_args(expand_argv(parser, argv))
+        if ns.model_tag is not None:
+            ns.model = ns.model_tag
+        args = EngineArgs.from_cli_args(ns)
+        if args.max_lora_rank < LORA_RANK:
+            return None, f"--max-lora-rank {args.max_lora_rank} is under the soak adapter's rank {LORA_RANK}"
+        cache_dir = Path(args.cache_dir) if args.cache_dir else None
+        model = resolve_model_config(args, resolve_device(args.device), cache_dir)
+    except (Exception, SystemExit) as exc:  # argparse exits on words it cannot parse
+        return None, f"the model's config could not be read ({type(exc).__name__}: {exc})"
+    if model.runner_type != "generate":
+        return None, f"a {model.runner_type} model takes no adapters"
+    return model, ""
+
+
+def _write_adapters(model: Any, root: Path) -> tuple[Path, Path]:
+    """A random adapter for `model` (checked here as the server will check it) and a corrupt copy."""
+    from triollm.bench.lora import write_random_adapter
+    from triollm.lora.peft import read_adapter_config
+    from triollm.lora.shapes import ModelShapes
+
+    good = write_random_adapter(root / "good", model, LORA_RANK, 0)
+    ModelShapes.of(model).check(read_adapter_config(good, max_lora_rank=LORA_RANK))
+    corrupt = Path(shutil.copytree(good, root / "corrupt"))
+    (corrupt / ADAPTER_WEIGHTS).write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00not a header at all")
+    return good, corrupt
+
+
+@dataclass
+class _Surfaces:
+    """The clients of issue 39's surfaces; every answer is counted in `tally.surfaces` by kind."""
+
+    client: Any
+    root: str
+    model: str
+    tally: Tally
+    hang_after: float
+    stop: anyio.Event
+    key_b: str  # the client's own headers carry key A
+    canary: str  # the value of CANARY_ENV in the server's environment
+    secret_file: Path
+    secret: str  # its text
+    adapters: tuple[Path, Path] | None  # (good, corrupt), None: LoRA is not exercised
+
+    def leaked(self, text: str) -> bool:
+        """Whether `text` holds the server's environment, the secret file or /etc/passwd."""
+        return self.canary in text or self.secret in text or "root:x:0:0" in text
+
+    def fail(self, kind: str, why: str) -> None:
+        self.tally.surface(kind)["mismatch"] += 1
+        self.tally.errors[f"surface {kind}: {why}"] += 1
+
+    async def send(
+        self, kind: str, method: str, path: str, expect: int, body: Any = None, *, key_b: bool = False
+    ) -> tuple[int | None, str, dict[str, Any]]:
+        """One request, counted; (status, text, JSON object) or (None, "", {}) if it failed."""
+        counts = self.tally.surface(kind)
+        counts["sent"] += 1
+        headers = {"authorization": f"Bearer {self.key_b}"} if key_b else {}
+        if isinstance(body, bytes):
+            headers["content-type"] = "application/json"
+            kw: dict[str, Any] = {"content": body}
+        else:
+            kw = {} if body is None else {"json": body}
+        try:
+            with anyio.fail_after(self.hang_after):
+                resp = await self.client.request(method, self.root + path, headers=headers, **kw)
+        except TimeoutError:
+            self.tally.hangs += 1
+            counts["hung"] += 1
+            return None, "", {}
+        except Exception as exc:
+            self.tally.errors[f"surface {kind}: {type(exc).__name__}"] += 1
+            return None, "", {}
+        status, text = resp.status_code, resp.text
+        counts[f"status {status}"] += 1
+        if status >= 500:
+            counts["5xx"] += 1
+        if status != expect:
+            self.fail(kind, f"{method} {path} answered {status}, expected {expect}")
+        if self.leaked(text):
+            counts["leak"] += 1
+        try:
+            data = resp.json()
+        except ValueError:
+            data = {}
+        return status, text, data if isinstance(data, dict) else {}
+
+    async def pause(self) -> None:
+        await anyio.sleep(0.5)
+
+    async def templates(self) -> None:
+        chat = {"model": self.model, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1}
+        k = 0
+        while not self.stop.is_set():
+            k += 1  # distinct templates, more than the server's LRU holds
+            benign = "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}assistant:{# soak " + f"{k} #}}"
+            await self.send("template-benign", "POST", "/v1/chat/completions", 200, {**chat, "chat_template": benign})
+            await self.pause()
+            for path in ("/proc/self/environ", str(self.secret_file), "/etc/passwd", "/no/such/soak-file"):
+                body = {**chat, "chat_template": path, "prompt_logprobs": 0}
+                status, _, data = await self.send("template-file", "POST", "/v1/chat/completions", 200, body)
+                if status == 200:
+                    rows = [r for r in data.get("prompt_logprobs") or [] if isinstance(r, dict)]
+                    prompt = "".join(str(e.get("decoded_token", "")) for r in rows for e in r.values())
+                    if self.leaked(prompt):
+                        self.tally.surface("template-file")["leak"] += 1
+                    if not prompt or not path.endswith(prompt):
+                        self.fail("template-file", f"the prompt of template {path!r} is not its text: {prompt[:80]!r}")
+                await self.pause()
+            for kind, template in BUDGET_BUSTING.items():
+                t0 = time.monotonic()
+                body = {**chat, "chat_template": template}
+                status, _, data = await self.send(kind, "POST", "/v1/chat/completions", 400, body)
+                took = time.monotonic() - t0
+                if status is None:
+                    continue
+                self.tally.template_refusal_max_s = max(self.tally.template_refusal_max_s, took)
+                if took > QUICK_TEMPLATE_S:
+                    self.fail(kind, f"refused after more than {QUICK_TEMPLATE_S:.0f} s")
+                error = data.get("error")
+                if status == 400 and not (isinstance(error, dict) and "chat_template" in str(error.get("message"))):
+                    self.fail(kind, "the 400 does not name chat_template")
+                await self.pause()
+
+    async def stored(self) -> None:
+        first = {"model": self.model, "input": "Hi", "max_output_tokens": 4, "store": True}
+        while not self.stop.is_set():
+            status, _, data = await self.send("store-own", "POST", "/v1/responses", 200, first)
+            rid = data.get("id")
+            if status != 200 or not isinstance(rid, str):
+                await self.pause()
+                continue
+            at = f"/v1/responses/{rid}"
+            for method, path in (("GET", at), ("DELETE", at), ("POST", "/v1/responses")):
+                body = {**first, "previous_response_id": rid} if method == "POST" else None
+                status, _, _ = await self.send("store-other-key", method, path, 404, body, key_b=True)
+                if status == 200:
+                    self.tally.surface("store-other-key")["leak"] += 1  # another key's response
+            status, _, got = await self.send("store-own", "GET", at, 200)
+            if status == 200 and got.get("id") != rid:
+                self.fail("store-own", "GET answered another response")
+            await self.send("store-own", "POST", "/v1/responses", 200, {**first, "previous_response_id": rid})
+            await self.send("store-own", "DELETE", at, 200)
+            await self.send("store-own", "GET", at, 404)
+            await self.pause()
+
+    async def lora(self) -> None:
+        assert self.adapters is not None
+        good, corrupt = self.adapters
+        k = 0
+        while not self.stop.is_set():
+            k += 1
+            name = f"soak-lora-{k}"
+            body = {"lora_name": name, "lora_path": str(good)}
+            status, _, _ = await self.send("lora-load", "POST", "/v1/load_lora_adapter", 200, body)
+            bad = {"lora_name": f"soak-corrupt-{k}", "lora_path": str(corrupt)}
+            bad_status, text, _ = await self.send("lora-corrupt", "POST", "/v1/load_lora_adapter", 400, bad)
+            if bad_status == 400 and ADAPTER_WEIGHTS not in text:
+                self.fail("lora-corrupt", "the 400 does not name the file")
+            if status == 200:
+                for _ in range(3):
+                    req = {"model": name, "prompt": "The engine", "max_tokens": 4, "ignore_eos": True}
+                    status, _, data = await self.send("lora-request", "POST", "/v1/completions", 200, req)
+                    choices = data.get("choices") or [{}]
+                    if status == 200 and choices[0].get("finish_reason") != "length":
+                        self.fail("lora-request", f"finish_reason {choices[0].get('finish_reason')!r}")
+                await self.send("lora-unload", "POST", "/v1/unload_lora_adapter", 200, {"lora_name": name})
+                req = {"model": name, "prompt": "The engine", "max_tokens": 2}
+                await self.send("lora-unloaded", "POST", "/v1/completions", 404, req)
+            await self.pause()
+
+    async def nested(self) -> None:
+        bodies = _nested_bodies(self.model)
+        i = 0
+        while not self.stop.is_set():
+            kind, path, body = bodies[i % len(bodies)]
+            i += 1
+            await self.send(kind, "POST", path, 400, body)
+            await self.pause()
+
+    def start(self, tg: Any) -> None:
+        tg.start_soon(self.templates)
+        tg.start_soon(self.stored)
+        tg.start_soon(self.nested)
+        if self.adapters is not None:
+            tg.start_soon(self.lora)
+
+
 async def _health_loop(client: Any, root: str, tally: Tally, stop: anyio.Event) -> None:
     while not stop.is_set():
         t0 = time.monotonic()
@@ -365,15 +656,49 @@ async def _wait_idle(client: Any, root: str) -> dict[str, float | None]:
 
 
 async def run_soak(opts: SoakOptions) -> dict[str, Any]:
-    import httpx
-
     rng = random.Random(opts.seed)
     tally = Tally()
-    server = await anyio.to_thread.run_sync(_Server, opts)
+    work = Path(tempfile.mkdtemp(prefix="triollm-soak-"))
+    try:
+        return await _run_soak(opts, rng, tally, work)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+async def _run_soak(opts: SoakOptions, rng: random.Random, tally: Tally, work: Path) -> dict[str, Any]:
+    import httpx
+
+    from triollm.api.serving_models import RUNTIME_LORA_ENV
+
+    key_a, key_b = f"soak-a-{secrets.token_hex(8)}", f"soak-b-{secrets.token_hex(8)}"
+    canary, secret = secrets.token_hex(16), f"SOAK-SECRET-{secrets.token_hex(16)}"
+    secret_file = work / "secret.txt"
+    secret_file.write_text(secret)
+    model_config, lora_skipped = await anyio.to_thread.run_sync(_lora_model, opts)
+    adapters = None
+    if model_config is not None:
+        try:
+            adapters = await anyio.to_thread.run_sync(_write_adapters, model_config, work / "adapters")
+        except Exception as exc:
+            lora_skipped = f"no adapter fits the model ({type(exc).__name__}: {exc})"
+    serve_args = ["--trust-request-chat-template", "--api-key", key_a, key_b]
+    env = {CANARY_ENV: canary}
+    server = None
+    if adapters is not None:
+        lora_env = {**env, RUNTIME_LORA_ENV: "1"}
+        try:
+            server = await anyio.to_thread.run_sync(_Server, opts, [*serve_args, "--enable-lora"], lora_env)
+        except RuntimeError as exc:  # the model or the serve arguments refuse LoRA: the soak goes on without
+            adapters = None
+            lines = [line for line in str(exc).splitlines() if line.strip()]
+            lora_skipped = "the server did not start with --enable-lora: " + (lines[-1] if lines else "")
+    if server is None:
+        server = await anyio.to_thread.run_sync(_Server, opts, serve_args, env)
     root = server.url
     ipc_before = set(glob.glob(os.path.join(tempfile.gettempdir(), f"triollm-{server.proc.pid}-*")))
     limits = httpx.Limits(max_connections=opts.streams + 16)
-    async with httpx.AsyncClient(timeout=httpx.Timeout(opts.hang_after), limits=limits) as client:
+    headers = {"authorization": f"Bearer {key_a}"}
+    async with httpx.AsyncClient(timeout=httpx.Timeout(opts.hang_after), limits=limits, headers=headers) as client:
         model = (await client.get(root + "/v1/models")).json()["data"][0]["id"]
         fds_before = server.fds()
         stop = anyio.Event()
@@ -388,6 +713,10 @@ async def run_soak(opts: SoakOptions) -> dict[str, Any]:
                 tg.start_soon(streamer, opts.seed * 1000 + i)
             tg.start_soon(_hostile_loop, client, root, model, tally, opts.hang_after, stop)
             tg.start_soon(_grammar_loop, client, root, model, rng, tally, opts.hang_after, stop)
+            surfaces = _Surfaces(
+                client, root, model, tally, opts.hang_after, stop, key_b, canary, secret_file, secret, adapters
+            )
+            surfaces.start(tg)
             tg.start_soon(_health_loop, client, root, tally, stop)
             tg.start_soon(_chaos_loop, server, opts, tally, stop)
             tg.start_soon(_sample_loop, server, tally, stop)
@@ -418,6 +747,13 @@ async def run_soak(opts: SoakOptions) -> dict[str, Any]:
         "hostile_requests": sum(tally.hostile.values()),
         "outcomes": dict(tally.outcomes),
         "hostile": dict(sorted(tally.hostile.items())),
+        "surface_requests": tally.surface_total("sent"),
+        "surfaces": {kind: _surface_report(counts) for kind, counts in sorted(tally.surfaces.items())},
+        "surface_mismatches": tally.surface_total("mismatch"),
+        "surface_5xx": tally.surface_total("5xx"),
+        "leaks": tally.surface_total("leak"),
+        "template_refusal_max_s": round(tally.template_refusal_max_s, 3),
+        "lora": "exercised" if adapters is not None else f"skipped: {lora_skipped}",
         "errors": dict(tally.errors),
         "hangs": tally.hangs,
         "engine_stops": len(tally.stops),
@@ -433,6 +769,13 @@ async def run_soak(opts: SoakOptions) -> dict[str, Any]:
         "ipc_dirs_left": ipc_left,
         "ipc_dirs_at_start": sorted(ipc_before),
     }
+
+
+def _surface_report(counts: Counter[str]) -> dict[str, Any]:
+    statuses = {k.removeprefix("status "): v for k, v in sorted(counts.items()) if k.startswith("status ")}
+    report: dict[str, Any] = {"sent": counts["sent"], "statuses": statuses}
+    report.update({k: counts[k] for k in ("mismatch", "5xx", "leak", "hung")})
+    return report
 
 
 def add_soak_parser(kinds: Any) -> None:
@@ -480,4 +823,5 @@ def _main(ns: argparse.Namespace) -> int:
         with open(ns.json_out, "w") as f:
             f.write(text + "\n")
     bad = report["hangs"] or report["processes_left"] or report["ipc_dirs_left"] or report["exit_code"] != 0
+    bad = bad or report["leaks"] or report["surface_5xx"] or report["surface_mismatches"]
     return 1 if bad else 0
