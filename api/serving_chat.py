@@ -49,7 +49,6 @@ from triollm.api.serving_common import (
     output_kind,
     prompt_logprobs_out,
     render_chat,
-    resolve_chat_template,
     start_generation,
     stream_flags,
     token_text,
@@ -118,7 +117,8 @@ async def create_chat_completion(
     text, token_ids = await render_chat(
         tokenizer,
         req.messages,
-        template=chat_template if req.chat_template is None else resolve_chat_template(req.chat_template),
+        template=chat_template,
+        request_template=req.chat_template,  # its text, never a path (GHSA-6fvq-23cw-5628)
         add_generation_prompt=req.add_generation_prompt,
         continue_final_message=req.continue_final_message,
         template_kwargs=req.chat_template_kwargs,

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any, Generic, Protocol, TypeVar
 
 import anyio
+from anyio.lowlevel import RunVar
 from starlette.requests import ClientDisconnect, Request
 
 from triollm.api.json_pieces import decode_in_pieces
@@ -386,13 +387,21 @@ def token_text(row: dict[int, Logprob] | None, token_id: int, tokenizer: Tokeniz
 
 
 def resolve_chat_template(value: str | None) -> str | None:
-    """settings.chat_template: the template itself or a file holding it (vLLM's flag)."""
+    """`--chat-template` (settings.chat_template): the template itself or a file holding it
+    (vLLM's flag). The server's operator names the file; a request's `chat_template` never
+    comes here: it is always the template's text (`render_chat`'s `request_template`)."""
     if value is None or "{" in value or "\n" in value:
         return value
     path = Path(value)
     if path.is_file():
         return path.read_text(encoding="utf-8")
     return value
+
+
+# At most this many requests' own templates render at once, each in a worker thread (per event
+# loop: a RunVar), so a burst of hostile templates queues here rather than taking every thread.
+REQUEST_TEMPLATE_THREADS = 4
+_request_templates: RunVar[anyio.CapacityLimiter] = RunVar("triollm_request_templates")
 
 
 async def render_chat(
@@ -406,11 +415,17 @@ async def render_chat(
     add_special_tokens: bool = False,
     tools: Sequence[dict[str, Any]] | None = None,
     documents: Sequence[dict[str, Any]] | None = None,
+    request_template: str | None = None,
 ) -> tuple[str, list[int]]:
     """`Tokenizer.render_chat` for a request's messages, in a worker thread for large chats
     (`chat_size` of the messages, tools, documents and `template_kwargs` over `LARGE_TEXT`).
     Its ValueErrors name the field, so they become 400s with the right `param`. `tools` and
-    `documents` reach the template as the variables of those names (transformers' and vLLM's)."""
+    `documents` reach the template as the variables of those names (transformers' and vLLM's).
+
+    `template` is the server's (`--chat-template`, or None: the model's). `request_template`,
+    a request's own `chat_template`, is its text, never a path: the tokenizer renders it under
+    its counted budget, always in a worker thread (`REQUEST_TEMPLATE_THREADS` at once), so the
+    event loop keeps answering while it runs; the budget is what ends it."""
     kwargs = dict(template_kwargs or {})
     if documents is not None:
         kwargs["documents"] = list(documents)
@@ -420,12 +435,18 @@ async def render_chat(
             [m.to_dict() for m in messages],
             add_generation_prompt=add_generation_prompt,
             continue_final_message=continue_final_message,
-            chat_template=template,
+            chat_template=template if request_template is None else request_template,
             tools=tools,
             chat_template_kwargs=kwargs,
             add_special_tokens=add_special_tokens,
         )
 
+    if request_template is not None:
+        limiter = _request_templates.get(None)
+        if limiter is None:
+            limiter = anyio.CapacityLimiter(REQUEST_TEMPLATE_THREADS)
+            _request_templates.set(limiter)
+        return await anyio.to_thread.run_sync(work, limiter=limiter)
     size = chat_size(messages, kwargs, tools, stop_above=LARGE_TEXT)
     return await maybe_in_thread(work, size)
 

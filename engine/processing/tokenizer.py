@@ -5,7 +5,10 @@ pre-tokenizer, decoder and post-processor; `tokenizer_config.json` gives the spe
 `add_bos_token`/`add_eos_token` and the chat template (a `chat_template.jinja` file next to it
 wins, as in transformers). Chat templates render in a sandboxed jinja2 environment configured
 like transformers' (`trim_blocks`, `lstrip_blocks`, `loopcontrols`, `tojson`, `raise_exception`,
-`strftime_now`, and a pass-through `{% generation %}` tag).
+`strftime_now`, and a pass-through `{% generation %}` tag); a template passed with the call
+rather than the tokenizer's own (a request's, `LLM.chat(chat_template=...)`'s) is the caller's
+code and renders under a counted budget (chat_template.py, template_budget.py). Compiled
+templates are kept in an LRU.
 
 BOS handling: some checkpoints add BOS in tokenizer.json's post-processor, others only say
 `add_bos_token: true` in tokenizer_config.json (transformers' slow-tokenizer path). `encode`
@@ -20,16 +23,15 @@ server's chat and tokenize endpoints and the CLI's `chat` all go through it.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Mapping, Sequence
-from datetime import datetime
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal, NamedTuple, overload
 
 import jinja2
-import jinja2.ext
-from jinja2 import nodes
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
+
+from triollm.engine.processing.chat_template import TemplateCache, render_budgeted, render_own
+from triollm.engine.processing.template_budget import RenderBudget
 
 __all__ = ["ChatMessage", "RenderedChat", "Tokenizer"]
 
@@ -76,7 +78,8 @@ class Tokenizer:
         self._extra_eos = (
             add_eos_token and self.eos_token_id is not None and not self._post_adds_eos
         )
-        self._template_cache: dict[str, jinja2.Template] = {}
+        self.templates = TemplateCache()
+        self.template_budget = RenderBudget()
 
     # ------------------------------------------------------------------ loading
 
@@ -285,6 +288,10 @@ class Tokenizer:
         tokens, as transformers does; `return_dict=True`: `{"input_ids", "attention_mask"}`).
         The defaults are transformers 5's: `tokenize=True`, `return_dict=True`,
         `add_generation_prompt=False`.
+
+        A `chat_template` other than the tokenizer's own is the caller's code: its text (never a
+        path), rendered under `template_budget` (scaled to the chat; chat_template.py), with any
+        failure a ValueError naming `chat_template`.
         """
         source = chat_template or self.chat_template
         if source is None:
@@ -302,10 +309,13 @@ class Tokenizer:
         )
         if tools is not None:
             context["tools"] = list(tools)
-        try:
-            rendered = self._compile(source).render(**context)
-        except jinja2.TemplateError as e:
-            raise ValueError(f"chat_template: rendering failed: {e}") from e
+        if source == self.chat_template:
+            try:
+                rendered = render_own(self.templates, source, context)
+            except jinja2.TemplateError as e:
+                raise ValueError(f"chat_template: rendering failed: {e}") from e
+        else:  # the caller's code: counted, and every failure a ValueError naming chat_template
+            rendered = render_budgeted(self.templates, source, context, self.template_budget)
         if continue_final_message:
             rendered = _cut_after_final(rendered, chat[-1].get("content"))
         if not tokenize:
@@ -384,13 +394,6 @@ class Tokenizer:
         if self.adds_bos_token and bos is not None and ids[:1] != [bos]:
             ids.insert(0, bos)
         return ids
-
-    def _compile(self, source: str) -> jinja2.Template:
-        template = self._template_cache.get(source)
-        if template is None:
-            template = _jinja_env().from_string(source)
-            self._template_cache[source] = template
-        return template
 
 
 # ---------------------------------------------------------------------------------------------
@@ -512,48 +515,3 @@ def _cut_after_final(rendered: str, content: Any) -> str:
     if rendered[loc : loc + len(content.lstrip())] == content:
         return rendered[: loc + len(content.lstrip())]
     return rendered[: loc + len(stripped)]
-
-
-class _GenerationTag(jinja2.ext.Extension):
-    """`{% generation %}...{% endgeneration %}` (transformers' assistant-mask marker): renders its body."""
-
-    tags = {"generation"}
-
-    def parse(self, parser: Any) -> list[nodes.Node]:
-        next(parser.stream)
-        body: list[nodes.Node] = parser.parse_statements(("name:endgeneration",), drop_needle=True)
-        return body
-
-
-def _raise_exception(message: str) -> None:
-    raise jinja2.TemplateError(message)
-
-
-def _tojson(
-    value: Any,
-    ensure_ascii: bool = False,
-    indent: int | None = None,
-    separators: Any = None,
-    sort_keys: bool = False,
-) -> str:
-    # Jinja's built-in tojson HTML-escapes; chat templates expect plain JSON.
-    return json.dumps(
-        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
-    )
-
-
-def _strftime_now(fmt: str) -> str:
-    return datetime.now().strftime(fmt)
-
-
-def _jinja_env() -> jinja2.Environment:
-    env = ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, jinja2.ext.loopcontrols]
-    )
-    env.filters["tojson"] = _tojson
-    helpers: dict[str, Callable[..., Any]] = {
-        "raise_exception": _raise_exception,
-        "strftime_now": _strftime_now,
-    }
-    env.globals.update(helpers)
-    return env
