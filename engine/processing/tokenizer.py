@@ -479,7 +479,7 @@ def _call_for_template(call: Any) -> Any:
         return call
     try:
         arguments = json.loads(fn["arguments"])
-    except ValueError:
+    except (ValueError, RecursionError):  # not JSON, or nested too deep to parse: the string stays
         return call
     return {**call, "function": {**fn, "arguments": arguments}}
 
