@@ -391,19 +391,30 @@ def _nested_bodies(model: str) -> list[tuple[str, str, bytes]]:
     ]
 
 
+def _dashed(word: str) -> str:
+    if not word.startswith("--"):
+        return word
+    name, eq, value = word.partition("=")
+    return name.replace("_", "-") + eq + value
+
+
 def _lora_model(opts: SoakOptions) -> tuple[Any, str]:
     """The served model's config, as `triollm serve` will resolve it, if a random adapter of
     `bench/lora.py` fits it (None and why not, otherwise)."""
     try:
-        from triollm.api.cli import build_parser, expand_argv
+        # `triollm serve`'s own flags, not api/cli.py's parser (the CLI imports bench/).
+        from triollm.api.serve_args import add_serve_args
         from triollm.engine.config import EngineArgs
         from triollm.engine.config.model import resolve_device, resolve_model_config
 
-        parser = build_parser()
-        argv = ["serve", *([opts.model] if opts.model else []), *opts.server_args]
-        ns, _ = parser.parse_known_args(expand_argv(parser, argv))
-        if ns.model_tag is not None:
-            ns.model = ns.model_tag
+        parser = argparse.ArgumentParser(add_help=False)
+        add_serve_args(parser)
+        EngineArgs.add_cli_args(parser)
+        # vLLM's `--flag_name` spelling, as the CLI takes it: the name dashed, a `=value` kept.
+        words = [_dashed(w) for w in opts.server_args]
+        ns, _ = parser.parse_known_args(words)
+        if opts.model:
+            ns.model = opts.model
         args = EngineArgs.from_cli_args(ns)
         if args.max_lora_rank < LORA_RANK:
             return None, f"--max-lora-rank {args.max_lora_rank} is under the soak adapter's rank {LORA_RANK}"
