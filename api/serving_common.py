@@ -147,12 +147,14 @@ async def start_generation(
     state: ServerState, request: Request, type_: type[Req], *, api: str, id_prefix: str
 ) -> Started[Req]:
     """The first checks of a generation route, in this order, each an OpenAI error: the engine
-    runs and the server accepts (503), the model generates (400 naming `api`), the body
-    decodes into `type_` (400, 413), the model is served (404), the client's id fits (400).
-    Then the metrics' timer starts."""
+    runs and the server accepts (503), the body is read (413), the model generates (400 naming
+    `api`), the body decodes into `type_` (400), the model is served (404), the client's id
+    fits (400). Then the metrics' timer starts. The body is read before any 400: an answer sent
+    while the client still sends its body makes the server drop the connection after it, and
+    a client that reuses it (keep-alive) sees its next request fail."""
     check_available(state)
-    require_runner(state, "generate", api)
     body = await read_body(request)
+    require_runner(state, "generate", api)
     req = await decode_sized(body, type_)
     model = resolve_model(state, req.model)
     lora = resolve_lora(state, model)
