@@ -3,7 +3,8 @@
 The search itself (which beams live, how they extend, the final ranking) is `BeamSearch` in
 engine/beam_search.py, independent of how it is driven; this drives it over `add_request`.
 Round r of request R runs its beams as requests "{R}-beam{r}-{k}" (read in order, run together
-in the engine); leaving early closes their streams, which aborts them.
+in the engine); leaving early closes their streams, which aborts them. A beam the engine failed
+(an adapter broken after it was loaded) fails the whole search with `EngineGenerateError`.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 from contextlib import ExitStack
 from typing import TYPE_CHECKING, Protocol
 
+from triollm.actors.errors import EngineGenerateError
 from triollm.engine.beam_search import BeamSearch, BeamSearchParams, prompt_token_ids
 from triollm.engine.inputs import PromptType
 from triollm.engine.outputs import RequestOutput
@@ -78,6 +80,17 @@ async def run_beam_search(
             ]
             for stream in added:
                 results.extend([out async for out in stream if out.finished])
+        _raise_if_failed(results)
         search.advance([0], beams, results)
     (result,) = search.results(lambda tokens: tokenizer.decode(tokens, skip_special_tokens=True))
     return search.request_output(request_id, text if isinstance(text, str) else None, 0, result)
+
+
+def _raise_if_failed(results: list[RequestOutput]) -> None:
+    """A beam the engine failed (its adapter no longer reads: the frontend ends it "abort" with the
+    error text as its stop_reason) fails the search with that error, as a plain request fails:
+    not a search that ends "abort" with what the earlier rounds made."""
+    for output in results:
+        for c in output.outputs:
+            if c.finish_reason == "abort" and isinstance(c.stop_reason, str):
+                raise EngineGenerateError(c.stop_reason)

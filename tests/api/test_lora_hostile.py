@@ -8,7 +8,8 @@
 - The load route gives one answer for every path that is not an adapter (missing, a file, a
   directory without a config): it does not tell which server paths exist.
 - An adapter that breaks after it was loaded (its files deleted) fails the request that uses it
-  with an error naming the adapter, streamed or not, instead of HTTP 200 with empty text.
+  with an error naming the adapter, streamed or not, and under beam search, instead of HTTP 200
+  with empty text.
 - The frontend's table of checked adapters is bounded (LRU), and the load route's log line
   escapes a name with a newline.
 
@@ -249,16 +250,18 @@ async def test_the_load_route_does_not_tell_which_paths_exist(
 
 
 @pytest.mark.anyio
-@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("mode", ["plain", "stream", "beam"])
 async def test_an_adapter_deleted_after_load_is_an_error_not_an_empty_answer(
-    http: httpx.AsyncClient, served: Served, adapters: Adapters, stream: bool
+    http: httpx.AsyncClient, served: Served, adapters: Adapters, mode: str
 ) -> None:
-    name = f"gone-{stream}-{served.llm.num_unfinished_requests}"
+    stream = mode == "stream"
+    name = f"gone-{mode}-{served.llm.num_unfinished_requests}"
     path = adapters.fresh_good(f"{name}-{id(served)}")
     r = await http.post(LOAD, json={"lora_name": name, "lora_path": str(path)})
     assert r.status_code == 200, r.text
     shutil.rmtree(path)  # the engine core reads it at first use: it is gone by then
-    r = await http.post("/v1/completions", json=completion_body(name, stream=stream))
+    extra: dict[str, Any] = {"use_beam_search": True, "n": 2} if mode == "beam" else {"stream": stream}
+    r = await http.post("/v1/completions", json=completion_body(name, **extra))
     if r.status_code == 200:  # a stream that started: an error event, and no answer that looks finished
         assert stream and r.headers["content-type"].startswith("text/event-stream"), r.text
         events = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
