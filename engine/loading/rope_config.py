@@ -22,6 +22,18 @@ longest position in each forward call and keeps the K already cached at the old 
 a paged cache with prefix sharing, chunked prefill and recompute preemption cannot reproduce. So
 `check_max_model_len` refuses a dynamic model whose max_model_len exceeds max_position_embeddings.
 
+LongRoPE has the same kind of history: transformers rotates a whole sequence with the short factors
+while it is at most original_max_position_embeddings long and with the long factors once it is
+longer (Phi-3's `generate` drops its cache and re-encodes the prompt at that point). One set of
+factors per engine, chosen from max_model_len as vLLM chooses it: the long factors for every
+position when max_model_len exceeds the original length, else the short ones. So every token a
+sequence longer than the original length computes is transformers' (a 32k prompt on a 128k Phi-3,
+from its first output token), and so is every token under a max_model_len within the original
+length; what differs is a short sequence under a long max_model_len (long factors where
+transformers uses the short ones, as in vLLM). Rejected: short rows below the original length and
+long rows from there on, which agreed with transformers on short sequences but rotated every long
+prompt in a way neither transformers nor the model's training ever did.
+
 YaRN differs between generations: transformers 4.x replaced `factor` by
 max_position_embeddings / original_max_position_embeddings whenever the latter was given; 5.x uses
 the explicit `factor` (and warns). triollm follows 5.x.
@@ -67,25 +79,22 @@ class RopeConfig:
     beta_slow: float = 1.0  # yarn
     truncate: bool = True  # yarn
     attention_factor: float = 1.0  # yarn, longrope: cos and sin are multiplied by it
-    short_factor: tuple[float, ...] = ()  # longrope: per-frequency divisors below the original length
-    long_factor: tuple[float, ...] = ()  # longrope: from the original length on
+    short_factor: tuple[float, ...] = ()  # longrope: per-frequency divisors, max_model_len <= the original length
+    long_factor: tuple[float, ...] = ()  # longrope: the same, max_model_len beyond it
 
-    def tables(self, dim: int, max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin `[max_len, dim]` fp32 (attention factor folded in). LongRoPE: the short
-        factors' rows for positions below original_max_position_embeddings, the long factors' from
-        there on (transformers switches a whole sequence to the long factors once it is longer;
-        the two agree on every sequence up to the original length)."""
+    def tables(self, dim: int, max_model_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin `[max_model_len, dim]` fp32 (attention factor folded in). LongRoPE: the long
+        factors' rows if max_model_len exceeds original_max_position_embeddings, else the short
+        factors' (module note)."""
         if self.rope_type != "longrope":
-            return rotary_tables(self.inv_freq(dim), max_len, self.attention_factor)
+            return rotary_tables(self.inv_freq(dim), max_model_len, self.attention_factor)
+        return rotary_tables(self.longrope_inv_freq(dim, max_model_len), max_model_len, self.attention_factor)
+
+    def longrope_inv_freq(self, dim: int, max_model_len: int) -> torch.Tensor:
+        """LongRoPE's inverse frequencies for an engine of `max_model_len` (module note)."""
         assert self.original_max_position_embeddings is not None
-        split = min(self.original_max_position_embeddings, max_len)
-        cos, sin = rotary_tables(self._longrope_inv_freq(dim, self.short_factor), max_len, self.attention_factor)
-        if split < max_len:
-            long_cos, long_sin = rotary_tables(
-                self._longrope_inv_freq(dim, self.long_factor), max_len, self.attention_factor
-            )
-            cos[split:], sin[split:] = long_cos[split:], long_sin[split:]
-        return cos, sin
+        factors = self.long_factor if max_model_len > self.original_max_position_embeddings else self.short_factor
+        return self._longrope_inv_freq(dim, factors)
 
     def _longrope_inv_freq(self, dim: int, factors: tuple[float, ...]) -> torch.Tensor:
         if len(factors) != dim // 2:
@@ -98,7 +107,7 @@ class RopeConfig:
     def inv_freq(self, head_dim: int) -> torch.Tensor:
         """The fp32 inverse frequencies, `[head_dim // 2]`, as transformers computes them."""
         match self.rope_type:
-            case "default" | "longrope":  # longrope: see `tables`
+            case "default" | "longrope":  # longrope: `longrope_inv_freq`, which depends on max_model_len
                 return default_inv_freq(head_dim, self.theta)
             case "linear":
                 return linear_inv_freq(head_dim, self.theta, self.factor)

@@ -60,7 +60,9 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
         "Phi3ForCausalLM",
         {
             "max_position_embeddings": 512,
-            "original_max_position_embeddings": 80,  # > every test sequence: see the tables test
+            # = engine_greedy's max_model_len: the short factors, transformers' for every test
+            # sequence (shorter than 160); the tables test checks the long ones too.
+            "original_max_position_embeddings": 160,
             "rope_parameters": {
                 "rope_type": "longrope",
                 "rope_theta": 10000.0,
@@ -124,22 +126,25 @@ def test_family_configs_parse(model_dirs: dict[str, Path]) -> None:
 
 
 def test_longrope_tables_match_transformers(model_dirs: dict[str, Path]) -> None:
-    """Below original_max_position_embeddings the short factors' rows, from there on the long
-    factors' rows, each as transformers' Phi3RotaryEmbedding computes them for a sequence of that
-    length (the parity test covers sequences shorter than the original length, whole)."""
+    """Under a max_model_len within original_max_position_embeddings (160) the short factors' rows,
+    beyond it the long factors' rows for every position, each as transformers' Phi3RotaryEmbedding
+    computes them for a sequence of that length (rope_config's module note; the parity tests cover
+    the short case whole, tests/engine/test_long_context.py a prompt longer than the original length)."""
     import torch
     import transformers
 
     path = model_dirs["phi3-partial-longrope"]
-    cfg = ModelConfig.from_pretrained(path, max_model_len=200)
-    cos, sin = cfg.rope.tables(cfg.rotary_dim or cfg.head_dim, 200)
     hf_cfg = transformers.AutoConfig.from_pretrained(path)
     rotary = transformers.models.phi3.modeling_phi3.Phi3RotaryEmbedding(hf_cfg)
     x = torch.zeros(1, dtype=torch.float32)
-    for positions in (torch.arange(0, 80), torch.arange(80, 200)):
-        ref_cos, ref_sin = rotary(x, positions[None])
-        torch.testing.assert_close(cos[positions], ref_cos[0], rtol=1e-5, atol=1e-6)
-        torch.testing.assert_close(sin[positions], ref_sin[0], rtol=1e-5, atol=1e-6)
+    for max_model_len in (160, 200):
+        cfg = ModelConfig.from_pretrained(path, max_model_len=max_model_len)
+        cos, sin = cfg.rope.tables(cfg.rotary_dim or cfg.head_dim, max_model_len)
+        ref_cos, ref_sin = rotary(x, torch.arange(max_model_len)[None])  # the whole sequence at once
+        torch.testing.assert_close(cos, ref_cos[0], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(sin, ref_sin[0], rtol=1e-5, atol=1e-6)
+    short, long = (ModelConfig.from_pretrained(path, max_model_len=n).rope.tables(8, n)[0] for n in (160, 200))
+    assert not torch.allclose(short[1:160], long[1:160])  # the two sets of factors differ
 
 
 def _config(arch: str, **fields: Any) -> dict[str, Any]:
