@@ -12,12 +12,17 @@ median step time are printed beside it, and, from the core's cumulative `statist
 (read before and after, so the warm-up does not count), the drafts, draft tokens, accepted
 tokens and mean acceptance length (1 + accepted / drafts). `--repeat` runs the request again
 after one warm-up run and takes the median (the repeats find the prompt in the prefix cache:
-their TTFT is a cached one, the warm-up's the cold one). `--baseline` then builds a second
-engine from the same flags without `speculative_config` (after freeing the first: two engines
-would share the memory and the cores) and prints the ratio of the times per token and whether
-the two greedy outputs agree token for token: speculation must not change a greedy output. `--dump-prompts`
-writes the three text prompts' token ids for docs/bench/llamacpp_lookup.py, which times
-llama.cpp's prompt-lookup decoding on exactly the same tokens.
+their TTFT is a cached one, the warm-up's the cold one; `--no-enable-prefix-caching` makes every
+run a cold prefill). Prefill speed is prompt tokens / TTFT. A prompt plus `--output-len` longer
+than max_model_len is refused (the engine would stop the request at max_model_len, with fewer
+tokens than asked); `--max-model-len` raises it, beyond the model's own if need be.
+
+`--baseline` then builds a second engine from the same flags without `speculative_config` (after
+freeing the first: two engines would share the memory and the cores) and prints the ratio of the
+times per token and whether the two greedy outputs agree token for token: speculation must not
+change a greedy output. `--dump-prompts` writes the three text prompts' token ids for
+docs/bench/llamacpp_lookup.py, which times llama.cpp's prompt-lookup decoding on exactly the same
+tokens.
 """
 
 from __future__ import annotations
@@ -244,6 +249,7 @@ def _latency_once(engine: Any, ids: list[int], params: Any) -> dict[str, Any]:
     decode_steps = steps[i0 + 1 : i1 + 1]  # the steps after the first token up to the last
     return {
         "ttft_ms": (t0 - start) * 1e3,
+        "prefill_tok_per_s": len(ids) / (t0 - start),
         "ms_per_token": (t1 - t0) / (n1 - n0) * 1e3 if n1 > n0 else None,
         "step_ms_median": statistics.median(decode_steps) * 1e3 if decode_steps else None,
         "decode_steps": len(decode_steps),
@@ -266,6 +272,7 @@ def _measure_latency(engine: Any, ids: list[int], params: Any, repeat: int) -> d
     spec = _spec_counters(engine).since(before)
     return {
         "ttft_ms": _median([r["ttft_ms"] for r in runs]),
+        "prefill_tok_per_s": _median([r["prefill_tok_per_s"] for r in runs]),
         "ms_per_token": _median([r["ms_per_token"] for r in runs]),
         "step_ms_median": _median([r["step_ms_median"] for r in runs]),
         "output_tokens": runs[-1]["output_tokens"],
@@ -300,9 +307,11 @@ def _print_latency(name: str, res: dict[str, Any], floor_ms: float | None, specu
     w, per = res["warmup"], res["ms_per_token"]
     rate = f" ({1e3 / per:.1f} tok/s)" if per else ""
     vs_floor = f", {per / floor_ms:.2f}x the floor" if per and floor_ms else ""
-    print(f"{name}: warm-up TTFT {_ms(w['ttft_ms'])}, {_ms(w['ms_per_token'], 'ms/token')}")
+    print(f"{name}: warm-up TTFT {_ms(w['ttft_ms'])} (prefill {w['prefill_tok_per_s']:.0f} tok/s), "
+          f"{_ms(w['ms_per_token'], 'ms/token')}")  # fmt: skip
     same = "" if res["repeats_identical"] else "; the runs gave DIFFERENT tokens"
-    print(f"{name}: TTFT {_ms(res['ttft_ms'])}, decode {_ms(per, 'ms/token')}{rate}{vs_floor}, "
+    print(f"{name}: TTFT {_ms(res['ttft_ms'])} (prefill {res['prefill_tok_per_s']:.0f} tok/s), "
+          f"decode {_ms(per, 'ms/token')}{rate}{vs_floor}, "
           f"median step {_ms(res['step_ms_median'])}, {res['output_tokens']} output tokens "
           f"(median of {len(res['runs'])}{same})")  # fmt: skip
     sp = res["spec"]
@@ -335,12 +344,24 @@ def _dump_prompts(args: EngineArgs, path: str) -> int:
     return 0
 
 
+def _check_fits(prompt_len: int, ns: argparse.Namespace, max_model_len: int) -> None:
+    """Refuse a request the engine would cut short at max_model_len (it would finish with fewer
+    output tokens than asked and time another decode length than the one printed)."""
+    if prompt_len + ns.output_len > max_model_len:
+        what = "--input-len" if ns.workload == "random" else f"the {ns.workload} prompt ({prompt_len} tokens)"
+        raise ValueError(
+            f"{what} + --output-len: {prompt_len} + {ns.output_len} tokens exceed max_model_len "
+            f"({max_model_len}); pass --max-model-len {prompt_len + ns.output_len} or shorten them"
+        )
+
+
 def run_latency(ns: argparse.Namespace) -> int:
     # Not LLM: it times each engine step and reads the core's counters and weights.
     from triollm.engine.sync_engine import SyncEngine
 
-    if ns.repeat < 1:
-        raise ValueError(f"--repeat: must be at least 1, got {ns.repeat}")
+    for flag, value in (("--repeat", ns.repeat), ("--input-len", ns.input_len), ("--output-len", ns.output_len)):
+        if value < 1:
+            raise ValueError(f"{flag}: must be at least 1, got {value}")
     args = EngineArgs.from_cli_args(ns)
     if args.num_threads:
         torch.set_num_threads(args.num_threads)
@@ -349,6 +370,7 @@ def run_latency(ns: argparse.Namespace) -> int:
     speculates = args.speculative_config is not None
     engine = SyncEngine.from_engine_args(args)
     ids, params = _latency_request(ns, engine)
+    _check_fits(len(ids), ns, engine.config.model.max_model_len)
     weight_bytes = _weight_bytes(engine)
     bw = measure_bandwidth()
     floor_ms = weight_bytes / bw * 1e3

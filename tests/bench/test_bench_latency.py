@@ -1,6 +1,8 @@
 """`triollm bench latency` on a tiny random model: the chat workloads with `--baseline` write
 their figures, speculation leaves a greedy output unchanged token for token, and
-`--dump-prompts` writes the prompts that docs/bench/llamacpp_lookup.py replays.
+`--dump-prompts` writes the prompts that docs/bench/llamacpp_lookup.py replays; the random
+workload without prefix caching reports prefill tokens/s per run (docs/bench/long_context.sh),
+and a prompt plus output beyond max_model_len is refused rather than cut short.
 
 The tiny model holds 4096 positions (the shared fixture's 512 are fewer than the code prompt's
 tokens under its byte-level tokenizer). Speed is not checked here: the lead measures it.
@@ -9,6 +11,7 @@ tokens under its byte-level tokenizer). Speed is not checked here: the lead meas
 from __future__ import annotations
 
 import json
+import statistics
 from pathlib import Path
 
 import pytest
@@ -119,3 +122,37 @@ def test_first_difference() -> None:
 def test_repeat_must_be_positive(long_tiny_model: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["bench", "latency", "--model", str(long_tiny_model), "--repeat", "0"]) == 2
     assert "--repeat: must be at least 1, got 0" in capsys.readouterr().err
+
+
+def test_random_workload_without_prefix_caching_reports_prefill(long_tiny_model: Path, tmp_path: Path) -> None:
+    """The long-context sitting's shape (docs/bench/long_context.sh): random ids, every run a
+    cold prefill, prefill tokens/s beside the decode time."""
+    out = tmp_path / "random.json"
+    rc = main([
+        "bench", "latency", "--model", str(long_tiny_model), "--input-len", "1500", "--output-len", "8",
+        "--repeat", "2", "--no-enable-prefix-caching", "--num-threads", "1", "--output-json", str(out),
+    ])  # fmt: skip
+    assert rc == 0
+    res = json.loads(out.read_text())
+    assert res["prompt_tokens"] == 1500 and res["max_tokens"] == 8
+    figures = res["triollm"]
+    assert figures["output_tokens"] == 8 and figures["repeats_identical"]
+    for run in [figures["warmup"], *figures["runs"]]:
+        assert run["prefill_tok_per_s"] == pytest.approx(1500 / (run["ttft_ms"] / 1e3))
+    assert figures["prefill_tok_per_s"] == statistics.median(r["prefill_tok_per_s"] for r in figures["runs"])
+
+
+def test_prompt_and_output_beyond_max_model_len_are_refused(
+    long_tiny_model: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = ["bench", "latency", "--model", str(long_tiny_model), "--input-len", "4090", "--output-len", "8"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "--input-len + --output-len: 4090 + 8 tokens exceed max_model_len (4096)" in err
+    assert "--max-model-len 4098" in err
+
+
+@pytest.mark.parametrize("flag", ["--input-len", "--output-len"])
+def test_lengths_must_be_positive(long_tiny_model: Path, capsys: pytest.CaptureFixture[str], flag: str) -> None:
+    assert main(["bench", "latency", "--model", str(long_tiny_model), flag, "0"]) == 2
+    assert f"{flag}: must be at least 1, got 0" in capsys.readouterr().err
