@@ -4,7 +4,15 @@
 It owns the core. Between steps it applies the queued inputs without waiting (adds, aborts, utility
 calls), then runs `step()` in the core's compute thread (`actors/compute.py`: the one thread that
 built the core) so the event loop stays free for the transport's actors; with nothing to do it waits
-on the input stream (no polling). One output message per step. While requests run, at most
+on the input stream (no polling). One message per step that runs: its outputs, or, when it has
+none (a prompt chunk that is not the prompt's last, a wait for grammars compiling in their
+threads: the core counts that wait as a step, engine/core.py), a heartbeat (an `OutputBatch`
+with no entries, carrying the core's statistics: actors/messages.py). So the core is heard after
+every step, however many steps a long prompt takes, and the watchdogs (actors/watchdog.py) see
+silence only when a step does not end, or when the loop waits for input with requests it cannot
+schedule (`stuck`: nothing to step, so nothing to report). The rate is at most one message per
+step, and a step with nothing to report is a prompt chunk (long) or a wait for grammars (at most
+one per `_GRAMMAR_WAIT_S` of engine/core.py). While requests run, at most
 `MAX_INPUTS_PER_STEP` inputs (an abort counting once per request id) are applied between two steps,
 then the loop steps before taking more: a burst of a million aborts or adds delays the running
 requests by a step per batch instead of stopping them until the whole burst is applied. With nothing
@@ -45,6 +53,7 @@ from triollm.actors.messages import (
 )
 from triollm.engine.core_protocol import Core, EngineCoreStats
 from triollm.engine.log_safe import log_safe
+from triollm.engine.request import EngineCoreOutput
 
 __all__ = ["MAX_INPUTS_PER_STEP", "serve_engine_core"]
 
@@ -79,8 +88,10 @@ async def serve_engine_core(
                         return
                 if msg is None:  # stepping outside the except block keeps tracebacks clean
                     before = core.num_steps
-                    await _step(core, outputs, compute)
+                    result = await _step(core, outputs, compute)
                     stuck = core.num_steps == before
+                    if result or not stuck:  # its outputs, or a heartbeat: the core steps
+                        await outputs.send(OutputBatch.from_outputs(result, core.statistics()))
                     applied = 0
                     continue
             else:
@@ -102,7 +113,7 @@ async def serve_engine_core(
                 await outputs.send(reply)
 
 
-async def _step(core: Core, outputs: ObjectSendStream[CoreOutput], compute: ComputeThread) -> None:
+async def _step(core: Core, outputs: ObjectSendStream[CoreOutput], compute: ComputeThread) -> list[EngineCoreOutput]:
     # A step blocked for good (a deadlocked forward pass) must not block the teardown past its
     # bound: on cancellation its thread is abandoned (it holds the core, which nobody touches
     # again) and reported.
@@ -116,8 +127,7 @@ async def _step(core: Core, outputs: ObjectSendStream[CoreOutput], compute: Comp
         with anyio.CancelScope(shield=True), anyio.move_on_after(1):
             await outputs.send(EngineDead(f"engine core failed: {exc!r}", traceback.format_exc()))
         raise
-    if result:
-        await outputs.send(OutputBatch.from_outputs(result, core.statistics()))
+    return result
 
 
 def _apply(core: Core, msg: CoreInput) -> CoreOutput | None:

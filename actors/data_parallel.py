@@ -15,7 +15,8 @@ its rank, its share of the cores); nothing is resolved again. The frontend above
 
 - **Routing.** `AddRequest` goes to the rank with the lowest load score, vLLM's rule:
   `max(in flight, waiting + running)`, with the in-flight count kept here and waiting + running
-  from the `EngineCoreStats` riding on the rank's latest `OutputBatch`; ties rotate. An abort
+  from the `EngineCoreStats` riding on the rank's latest `OutputBatch` (a heartbeat's too, so a
+  rank deep in a long prompt's chunks still reports its queue); ties rotate. An abort
   goes to the rank that owns the request. A utility call goes to every rank and its answers are
   combined (statistics by `EngineCoreStats.merge`, booleans and-ed, the first error wins). Dense
   models need no step synchronisation between ranks.
@@ -29,7 +30,10 @@ its rank, its share of the cores); nothing is resolved again. The frontend above
   message (`Router.pending`: an unanswered utility call, or unfinished requests routed to it
   while not paused) and sent nothing for that long is declared dead like any other death,
   naming the rank, and gets no shutdown grace (its step will not end). A message the forwarder
-  holds because the frontend lags counts as heard. Rejected: one watchdog with a clock per
+  holds because the frontend lags counts as heard. A rank that steps sends a message every step
+  (a heartbeat when the step had no outputs: actors/messages.py); the forwarder passes it on
+  like any batch, so the rank's watchdog and the frontend's both hear a rank busy with a long
+  prompt, and the frontend's copy of its statistics stays fresh. Rejected: one watchdog with a clock per
   rank, fed from here: one `Watchdog` per forwarder needs no new interface, and the
   single-core engine keeps the frontend's.
 - **Shutdown** exits the ranks' contexts (each sends `Shutdown`, then signals, within its grace).

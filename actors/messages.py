@@ -9,6 +9,15 @@ ids, finish and stop reasons side by side, and logprobs as columnar arrays (`Log
 because many small per-request objects encode far slower than a few flat lists (docs/benchmarks.md,
 "Figures that stood in the source"). All are `array_like` (msgspec needs one encoding per union);
 hot messages are also `omit_defaults` and `gc=False`.
+
+An `OutputBatch` with no entries is a heartbeat: the step ran and had nothing for anyone (a
+prompt chunk that is not the prompt's last, a wait for grammars), and the batch carries the
+core's statistics. The core loop sends one message per step it runs, so the watchdogs
+(actors/watchdog.py) hear a busy core however long its prompts. As in vLLM v1, where a step
+without outputs still sends an `EngineCoreOutputs` carrying the scheduler's stats. Rejected: a
+message type of its own: every consumer already takes an `OutputBatch` and its stats (the
+output actor, the data-parallel forwarders and their load scores, the process pumps), and a
+new member of the union would need a case in each, where a missed one is a silent fault.
 """
 
 from __future__ import annotations
@@ -129,7 +138,8 @@ _NOT_FINISHED = -1
 
 
 class OutputBatch(msgspec.Struct, tag=True, array_like=True, omit_defaults=True, gc=False):
-    """Everything one engine step produced, as parallel arrays (one entry per request)."""
+    """Everything one engine step produced, as parallel arrays (one entry per request); no
+    entries: a heartbeat (the module docstring)."""
 
     request_ids: list[str]
     new_token_ids: list[list[int]]
@@ -141,6 +151,11 @@ class OutputBatch(msgspec.Struct, tag=True, array_like=True, omit_defaults=True,
     stats: EngineCoreStats | None = None
     # A pooling model's step: every entry's embedding (float32 bytes); None for a generative one.
     pooled: list[bytes | None] | None = None
+
+    @property
+    def is_heartbeat(self) -> bool:
+        """No entries: the step ran and produced nothing for anyone; only `stats` is news."""
+        return not self.request_ids
 
     @classmethod
     def from_outputs(

@@ -1,6 +1,9 @@
 """The output actor: the engine core's messages, applied to the frontend as they arrive.
 
-One task reads the core client's output stream until it ends. Step outputs go to
+One task reads the core client's output stream until it ends. Every message is the watchdog's
+news that the core lives (`on_message`), a heartbeat (an `OutputBatch` with no entries) too, and
+a heartbeat is nothing more: its statistics become `last_stats`, and it reaches no request and
+wakes no waiting add. Step outputs go to
 `Frontend.on_outputs` in chunks of `output_chunk_size` with a checkpoint between chunks, so
 that one large step does not hold the event loop; stop strings come back as aborts. Per-request
 errors fail their request alone; utility results wake their callers (`CoreLink`). The core's
@@ -67,6 +70,9 @@ class OutputActor:
                 async for msg in outputs:
                     self._on_message()
                     match msg:
+                        case OutputBatch() if msg.is_heartbeat:
+                            self.last_stats = msg.stats or self.last_stats
+                            continue  # no request advanced: no progress to report
                         case OutputBatch():
                             await self._on_batch(msg)
                         case RequestError(request_id=core_id, kind=kind, message=message):

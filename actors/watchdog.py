@@ -1,5 +1,15 @@
 """`Watchdog`: an engine core that is alive but silent is dead.
 
+Busy is not hung. The core loop (actors/core_loop.py) sends a message after every step it runs,
+a heartbeat when the step had no outputs (a prompt chunk that is not the prompt's last, a wait
+for grammars), so a core that steps is heard however long its work: a prompt prefilled over many
+minutes in many chunks is never silent. What stays silent is a core whose step does not end (a
+deadlocked forward pass, a stopped process) or that stopped stepping with work queued. A single
+step longer than `timeout` reads as a hang too, which is why the scheduler bounds a step's
+prompt tokens by time as well as by count (`MAX_PREFILL_STEP_S`, engine/scheduling/scheduler.py);
+without chunked prefill a whole prompt is one step, and `engine_output_timeout_s` must exceed the
+longest prompt's time.
+
 With work pending (`pending()`: utility calls awaiting an answer, or sequences the core should be
 stepping) and no message from the core for `timeout` seconds (`engine_output_timeout_s`), it
 calls `on_hung` with the `EngineDeadError` to declare, like any other death (`EngineDeadError`
@@ -39,7 +49,8 @@ class Watchdog:
         self._last = 0.0  # when the core last sent anything (the event loop's clock)
 
     def heard(self) -> None:
-        """The core sent something (the output actor calls this for every message)."""
+        """The core sent something (the output actor calls this for every message, heartbeats
+        included; a data-parallel forwarder for every message of its rank it delivered)."""
         self._last = anyio.current_time()
 
     def cancel(self) -> None:

@@ -18,11 +18,13 @@ from triollm.actors.messages import (
     AbortRequests,
     CoreInput,
     CoreOutput,
+    OutputBatch,
     Shutdown,
     UtilityCall,
     UtilityOp,
     UtilityResult,
 )
+from triollm.engine.core_protocol import EngineCoreStats
 
 pytestmark = pytest.mark.anyio
 
@@ -49,6 +51,9 @@ class FakeCore:
 
     def abort_requests(self, request_ids: list[str]) -> None:
         self.aborted += len(request_ids)
+
+    def statistics(self) -> EngineCoreStats:
+        return EngineCoreStats(num_running=int(self.running), num_preemptions=self.num_steps)
 
 
 async def serve(core: FakeCore, messages: list[CoreInput]) -> list[CoreOutput]:
@@ -99,3 +104,26 @@ async def test_idle_and_paused_cores_apply_inputs_without_stepping() -> None:
         UtilityResult(1, True),
         UtilityResult(2, True),
     ]
+
+
+class StuckCore(FakeCore):
+    """Requests it cannot schedule: its step counts no step (the scheduler found nothing to run)."""
+
+    def step(self) -> list[Any]:
+        return []
+
+
+async def test_every_step_is_heard_and_a_stuck_core_is_silent() -> None:
+    """A step without outputs (a prompt chunk that is not the last, a wait for grammars) sends a
+    heartbeat, an `OutputBatch` with no entries and the statistics after that step; a core that
+    could schedule nothing sends nothing and waits for input, so the watchdog sees it silent."""
+    core = FakeCore()
+    aborts = [AbortRequests([f"r{i}"]) for i in range(3 * MAX_INPUTS_PER_STEP)]
+    out = await serve(core, [*aborts, Shutdown()])
+    beats = [m for m in out if isinstance(m, OutputBatch)]
+    assert len(beats) == len(out) == core.num_steps >= 3  # one message per step, nothing else
+    assert all(b.is_heartbeat for b in beats)
+    assert [b.stats.num_preemptions for b in beats if b.stats] == list(range(1, core.num_steps + 1))
+
+    stuck = StuckCore()
+    assert await serve(stuck, [*aborts, Shutdown()]) == []

@@ -222,6 +222,33 @@ def test_threads_are_split_between_ranks() -> None:
 # ------------------------------------------------------------------------ the real engine
 
 
+@pytest.mark.parametrize("anyio_backend", MOCK_CLOCK)
+async def test_a_rank_heard_only_in_heartbeats_is_busy_and_reports_its_load() -> None:
+    """Ranks deep in long prompts send heartbeats (batches with no entries), no outputs: neither
+    rank is hung, every heartbeat reaches the frontend (its own watchdog hears them), and each
+    rank's load score follows their statistics."""
+    router = Router(2)
+    router.assign("a")
+    router.assign("b")
+    received = 0
+    async with merged_ranks(router, silence_s=1.0) as (feeds, _, merged, tg):
+
+        async def prefilling(rank: int) -> None:
+            while True:
+                stats = EngineCoreStats(num_running=1, num_waiting=rank + 2)
+                await feeds[rank].send(OutputBatch.from_outputs([], stats))
+                await anyio.sleep(0.5)
+
+        for rank in range(2):
+            tg.start_soon(prefilling, rank)
+        with anyio.move_on_after(60):
+            async for msg in merged:
+                assert isinstance(msg, OutputBatch) and msg.is_heartbeat, msg
+                received += 1
+    assert received >= 2 * 100
+    assert router.queued == [3, 4] and router.in_flight == [1, 1]
+
+
 async def _run(llm: AsyncLLM, i: int, tokens: int, out: dict[int, list[int]]) -> None:
     params = SamplingParams(max_tokens=tokens, ignore_eos=True, temperature=0, output_kind=RequestOutputKind.FINAL_ONLY)
     async for o in llm.generate(f"request {i} " * (1 + i % 5), params, f"r{i}"):
