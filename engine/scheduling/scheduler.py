@@ -29,13 +29,29 @@ cost measured so far (`step_cost.py`: `seconds = a + b * tokens`, fitted to the 
 engine core times and reports through `record_step`): (ratio - 1) * cost(decodes) / b tokens, never
 fewer than `MIN_PREFILL_CHUNK` (prompts always progress) nor more than the budget left. With nothing
 decoding, before a first fit, or where a decode-only step takes under `_MIN_STEP_S` (no one sees
-that stall, and the timing is mostly noise), prompts take the whole `max_num_batched_tokens`.
+that stall, and the timing is mostly noise), no ratio applies (the time bound below still does).
 `long_prefill_token_threshold` (vLLM's per-request cap) applies on top. The price is a longer time
-to first token for a prompt that arrives while others decode; `prefill_budget="off"`
-(`--scheduler-prefill-budget off`) gives the whole budget to prompts, as before. Rejected: a fixed
-per-step prompt cap (right on one machine and model only: the cost per token differs by orders of
-magnitude between a CPU and a GPU); a budget in seconds from the user (the ratio to the decode step
-is what inter-token latency percentiles see, whatever the machine).
+to first token for a prompt that arrives while others decode. Rejected: a fixed per-step prompt
+cap (right on one machine and model only: the cost per token differs by orders of magnitude
+between a CPU and a GPU); a budget in seconds from the user (the ratio to the decode step is what
+inter-token latency percentiles see, whatever the machine).
+
+A step is bounded by time as well (issue 40), decodes or not: its prompt tokens are cut so that,
+at the pace of the latest step that carried a prompt chunk (`StepCost.tokens_within`: that step's
+tokens per second, which follows the growing cost per token of a long prompt's later chunks where
+the fitted line lags, step_cost.py), the step lasts at most `MAX_PREFILL_STEP_S`, never fewer
+than `MIN_PREFILL_CHUNK` tokens. Without it a step carries `max_num_batched_tokens` of a prompt
+whatever they cost: on a slow machine and a large model that is minutes, during which no input
+is applied and no message leaves the core, and the watchdog (actors/watchdog.py: the core is
+heard after every step) cannot tell that step from a hang. With it, no step grows with the
+prompt or with the model; a long prompt is more steps, each heard. The first prompt step of an
+engine has no pace to go by and takes the whole budget. Rejected: a bound derived from
+`engine_output_timeout_s` (the frontend's setting, which the core does not see, and the bound
+serves the inputs' latency too); a setting of its own (the steps' length is the engine's
+business; `prefill_budget="off"` is the way out).
+
+`prefill_budget="off"` (`--scheduler-prefill-budget off`) gives the whole budget to prompts, with
+neither limit, as before; without chunked prefill a prompt is one step whatever it costs.
 
 Finishing (EOS, stop token, length) and aborts free blocks at once. Under a sliding window on
 every layer (the block manager's `window`), a request gives back the blocks that fell out of it
@@ -73,6 +89,7 @@ from triollm.engine.scheduling.step_cost import StepCost
 from triollm.engine.scheduling.waiting_queue import WaitingQueue
 
 __all__ = [
+    "MAX_PREFILL_STEP_S",
     "MIN_PREFILL_CHUNK",
     "TARGET_STEP_RATIO",
     "ScheduledRequest",
@@ -83,6 +100,15 @@ __all__ = [
 
 TARGET_STEP_RATIO = 1.5  # a step beside decodes: at most this many decode-only steps' time
 MIN_PREFILL_CHUNK = 32  # prompt tokens a step may always take, whatever the cost model says
+# The longest a step carrying prompt tokens should take (seconds, predicted). A step is the unit in
+# which the core applies inputs (a new request, an abort, a pause, a utility call) and in which it
+# is heard (one message per step; the watchdog's `engine_output_timeout_s` defaults to 60 s), so
+# it must stay well inside both what a client waits for an abort or an admission and that
+# timeout, with room for a misprediction. Shorter chunks cost one more fixed per-step cost each
+# (the weights are read once per step, about a decode-only step's time): at 4 s that is a small
+# part of a prompt's time unless a decode-only step takes a large part of a second. On a GPU a
+# step of `max_num_batched_tokens` takes far less, and the bound never binds.
+MAX_PREFILL_STEP_S = 4.0
 _MIN_STEP_S = 1e-3  # decode-only steps faster than this: no prefill limit
 
 
@@ -111,6 +137,12 @@ class SchedulerOutput:
     @property
     def num_tokens(self) -> int:
         return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def carries_prompt(self) -> bool:
+        """Whether some request takes more than a decode's one token of its own (a prompt chunk,
+        or a preempted request's recompute), drafts aside."""
+        return any(s.num_new_tokens - s.num_draft > 1 for s in self.scheduled)
 
 
 @dataclass(frozen=True)
@@ -196,19 +228,25 @@ class Scheduler:
     def record_step(self, output: SchedulerOutput, seconds: float) -> None:
         """The forward pass of `output` took `seconds` (the engine core times every step): the
         measurements the prefill budget is derived from."""
-        self.step_cost.observe(output.num_tokens, seconds)
+        self.step_cost.observe(output.num_tokens, seconds, prefill=output.carries_prompt)
 
     def _prefill_budget(self, num_decodes: int, budget: int) -> int:
-        """The prompt tokens this step may take beside `num_decodes` decodes, of `budget` left."""
-        fit = self.step_cost.fit
+        """The prompt tokens this step may take beside `num_decodes` decodes, of `budget` left:
+        what keeps the step within `MAX_PREFILL_STEP_S` and, beside decodes, within
+        `TARGET_STEP_RATIO` of a decode-only step; at least `MIN_PREFILL_CHUNK`."""
         config = self.config
-        if num_decodes == 0 or fit is None or config.prefill_budget != "auto" or not config.enable_chunked_prefill:
+        if config.prefill_budget != "auto" or not config.enable_chunked_prefill:
             return budget
-        decode_step = fit.seconds(num_decodes)
-        if decode_step < _MIN_STEP_S:
+        limits: list[int] = []
+        by_time = self.step_cost.tokens_within(MAX_PREFILL_STEP_S)
+        if by_time is not None:
+            limits.append(by_time - num_decodes)
+        fit = self.step_cost.fit
+        if num_decodes and fit is not None and (decode_step := fit.seconds(num_decodes)) >= _MIN_STEP_S:
+            limits.append(int((TARGET_STEP_RATIO - 1) * decode_step / fit.seconds_per_token))
+        if not limits:
             return budget
-        allowed = int((TARGET_STEP_RATIO - 1) * decode_step / fit.seconds_per_token)
-        return min(budget, max(MIN_PREFILL_CHUNK, allowed))
+        return min(budget, max(MIN_PREFILL_CHUNK, min(limits)))
 
     def _schedule_running(
         self, reqs: list[Request], budget: int, scheduled: list[ScheduledRequest], preempted: list[Request]
