@@ -8,12 +8,14 @@ still find a core that stops stepping.
 - On the real path (the tiny model's real forward pass, each step slowed in the core's thread):
   a prompt of many chunks whose prefill lasts several timeouts finishes in process, in an
   engine-core child process, over data parallel and through the sync `LLM`.
+- While the core waits for a grammar compiling in its thread (a slow compile, in real time).
 - On the wire: the heartbeats an engine-core child sends, one per chunk, with its statistics.
 """
 
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Callable
 from contextlib import aclosing
 from pathlib import Path
@@ -30,7 +32,8 @@ from triollm.actors.process import open_process_core
 from triollm.engine.config import EngineArgs
 from triollm.engine.outputs import RequestOutput
 from triollm.engine.request import EngineCoreRequest
-from triollm.engine.sampling_params import SamplingParams
+from triollm.engine.sampling_params import SamplingParams, StructuredOutputsParams
+from triollm.engine.structured_outputs import GrammarCompiler
 from triollm.testing import FakeCore, mock_clock_patience, steps_in_event_loop
 from triollm.testing.pytest_plugin import trio_mock_clock
 
@@ -179,6 +182,33 @@ def test_the_sync_llm_waits_out_a_long_prompt(tiny_model_dir: Path) -> None:
     finally:
         llm.shutdown()
     assert out.finished and len(out.outputs[0].token_ids) == 3
+
+
+async def test_a_slow_grammar_compile_is_busy_not_hung(
+    inproc_engine_args: Callable[..., AsyncEngineArgs], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The only request waits for its grammar, compiled in the compiler's thread for four
+    timeouts: the core counts each wait (up to 50 ms) as a step, and each is heard."""
+    timeout = 0.5
+    compile_grammar = GrammarCompiler._compile
+
+    def slow_compile(self: GrammarCompiler, *args: Any) -> Any:
+        time.sleep(4 * timeout)
+        return compile_grammar(self, *args)
+
+    monkeypatch.setattr(GrammarCompiler, "_compile", slow_compile)
+    params = SamplingParams(max_tokens=5, structured_outputs=StructuredOutputsParams(regex="[0-9]{3}"))
+    args = inproc_engine_args(engine_output_timeout_s=timeout)
+    with anyio.fail_after(60):
+        async with AsyncLLM.from_engine_args(args) as llm:
+            t0 = anyio.current_time()
+            async with aclosing(llm.generate("digits: ", params, "structured")) as outputs:
+                outs = [out async for out in outputs]
+            elapsed = anyio.current_time() - t0
+            assert not llm.errored
+    assert elapsed >= 4 * timeout
+    text = outs[-1].outputs[0].text
+    assert outs[-1].finished and len(text) == 3 and text.isdigit(), text
 
 
 async def test_an_engine_core_child_sends_a_heartbeat_per_silent_step(tiny_model_dir: Path) -> None:
