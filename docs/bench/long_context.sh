@@ -14,7 +14,7 @@
 #
 # Needs: the project's .venv; llama-cpp-python in $PEERS/venv-llamacpp (../shared/peers/setup.sh
 # llamacpp) — without it only triollm runs. Usage (from the project root, on a quiet machine):
-#   bash docs/bench/long_context.sh                 # the whole sitting (about 15-20 min on 2 cores)
+#   bash docs/bench/long_context.sh                 # the whole sitting (20-30 min on 2 cores; most of it llama.cpp)
 #   LENGTHS="256" bash docs/bench/long_context.sh   # a subset: any of 256 2048 8192 32768
 # TINY_LENGTHS ("32768"): the lengths run on the tiny model (LENGTHS=1024 TINY_LENGTHS=1024 checks
 # its conversion in a minute: the two engines' first tokens must agree).
