@@ -15,10 +15,12 @@ import torch
 import torch.nn.functional as F
 
 from triollm.engine import envs
+from triollm.engine.execution.layers.activation import gelu_tanh_and_mul
 from triollm.engine.execution.layers.linear import onednn_linear, pack_weight, packable
 from triollm.kernels import cpu_native
 from triollm.kernels.attention import decode_attention, plan_decode
 from triollm.kernels.batch_invariant import TILE_ROWS, plan_rows, tiled_rows, unsupported
+from triollm.kernels.rotary import apply_rotary_signed
 
 native = pytest.mark.skipif(not cpu_native.available(), reason="native CPU kernels not built")
 BS = 16
@@ -98,6 +100,13 @@ def test_per_row_ops_do_not_depend_on_the_batch() -> None:
     _rows_invariant(lambda t: F.rms_norm(t, (576,), w, 1e-5), x, sizes)
     _rows_invariant(lambda t: cpu_native.silu_and_mul(t), torch.randn(200, 2 * 1536, generator=g), sizes)
     _rows_invariant(lambda t: t.log_softmax(-1), torch.randn(200, 49152, generator=g) * 4, sizes)
+    # Torch's elementwise ops (a partial rotary, Gemma's GeGLU), whose vector loops end in a
+    # scalar tail that moves with the tensor's size and the thread split.
+    _rows_invariant(gelu_tanh_and_mul, torch.randn(200, 2 * 1000, generator=g), sizes)
+    # Each row: 12 heads of 24 rotary dims, then its cos and signed sin (they travel with the row).
+    _rows_invariant(
+        lambda t: apply_rotary_signed(t[:, :12], t[:, 12:13], t[:, 13:]), torch.randn(200, 14, 24, generator=g), sizes
+    )
     # Rotary + cache write: each token's rotated Q, at any batch size.
     h, kvh, hd = 9, 3, 64
     qkv = torch.randn(200, (h + 2 * kvh) * hd, generator=g)
