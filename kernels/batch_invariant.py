@@ -35,6 +35,12 @@ kernel re-reads each row's K/V blocks where SDPA tiles them (quadratic in the pr
 grows with its length), and a dense model's GEMMs run in tiles (batch-1 decode pays for a whole
 tile). Hence a switch, off by default.
 
+Torch's elementwise ops are per-row too, with one caveat the tests probe: a transcendental op
+(GELU's tanh) over a contiguous 2-D tensor splits the flat range between threads, and each part
+ends in a scalar tail whose bits may differ from the vector loop's, so a row whose length is not
+a multiple of the vector width can change with the batch. The model's such ops run on views
+(GeGLU's gate) or over widths that are (a vocabulary's soft-cap), where every row is alike.
+
 What it does not cover, refused when the engine starts (`unsupported`): the GPU (the Triton
 kernels are not batch-invariant here), a CPU without the native kernels (the torch fallback
 groups decode rows by length), LoRA adapters (their update switches from loops to BLAS above
