@@ -16,8 +16,11 @@ engine is seen, and never per step.
 | `TRIOLLM_KERNELS` | `kernels_choice()` | auto, triton or torch (kernels/envs.py) |
 | `TRIOLLM_CPU_KERNELS` | `cpu_kernels_enabled()` | 0: no native CPU kernels (kernels/envs.py) |
 | `TRIOLLM_CPU_ISA` | `forced_cpu_isa()` | force a quantized-kernel path (kernels/envs.py) |
+| `VLLM_BATCH_INVARIANT` | `batch_invariant()` | 0/1: numbers independent of the batch (kernels/batch_invariant.py) |
 
-The last three are read in `kernels/envs.py`, re-exported here: `kernels/` imports nothing above
+`VLLM_BATCH_INVARIANT` is vLLM's name (vLLM has no engine argument for it either); it is read
+when the model runner is built (engine/execution/model_runner.py), in the engine core's process,
+which inherits it. The three before it are read in `kernels/envs.py`, re-exported here: `kernels/` imports nothing above
 it. A child process's environment is built where the child is started
 (`engine/distributed/group.py`: the tensor-parallel workers get `OMP_NUM_THREADS`).
 
@@ -40,12 +43,14 @@ from triollm.kernels.envs import (
 )
 
 __all__ = [
+    "BATCH_INVARIANT_ENV",
     "CACHE_DIR_ENV",
     "CPU_KERNELS_ENV",
     "HF_HUB_OFFLINE_ENV",
     "ISA_ENV",
     "KERNELS_ENV",
     "MULTIPROCESS_ENV",
+    "batch_invariant",
     "cache_dir",
     "cpu_kernels_enabled",
     "forced_cpu_isa",
@@ -58,6 +63,7 @@ __all__ = [
 MULTIPROCESS_ENV = "TRIOLLM_MULTIPROCESS"
 CACHE_DIR_ENV = "TRIOLLM_CACHE_DIR"
 HF_HUB_OFFLINE_ENV = "HF_HUB_OFFLINE"
+BATCH_INVARIANT_ENV = "VLLM_BATCH_INVARIANT"
 
 
 def multiprocess() -> bool | None:
@@ -68,6 +74,15 @@ def multiprocess() -> bool | None:
         return None
     if env not in ("0", "1"):
         raise ValueError(f"{MULTIPROCESS_ENV}: {env!r} is not 0 or 1")
+    return env == "1"
+
+
+def batch_invariant() -> bool:
+    """$VLLM_BATCH_INVARIANT: True for "1", False for "0" or unset/empty; anything else is a
+    ValueError naming it (vLLM reads only "1" as on; a typo here should not silently mean off)."""
+    env = os.environ.get(BATCH_INVARIANT_ENV, "")
+    if env not in ("", "0", "1"):
+        raise ValueError(f"{BATCH_INVARIANT_ENV}: {env!r} is not 0 or 1")
     return env == "1"
 
 

@@ -19,6 +19,12 @@ LoRA (lora/): with a `LoRAManager`, the core has put every scheduled adapter in 
 which the other ranks receive too, with any slots just filled) and sets the model's
 `LoRABatch` from them every step. A step with adapter rows never replays a CUDA graph (the
 graphs hold the base model only).
+
+Batch invariance (`VLLM_BATCH_INVARIANT=1`, read once here when the runner is built;
+kernels/batch_invariant.py): every token of a step becomes a decode row of one native decode
+plan (`plan_rows`), so the whole step takes the model's all-decode path; dense linear layers and
+a dense lm_head run over fixed row tiles. What cannot be made invariant is refused here, at
+engine start, naming the variable.
 """
 
 from __future__ import annotations
@@ -27,14 +33,18 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from triollm.engine import envs
 from triollm.engine.distributed.protocol import StepInputs
 from triollm.engine.execution.cuda_graphs import DecodeGraphs
 from triollm.engine.execution.layers.attention import AttentionMetadata, PrefillChunk
+from triollm.engine.execution.layers.linear import Linear
+from triollm.engine.execution.layers.moe import FusedMoE
+from triollm.engine.execution.layers.quantized import QuantEmbedding, QuantLinear
 from triollm.engine.execution.models.base import CausalLM
 from triollm.engine.execution.sampler import Sampler, SamplingRow, gather_logprobs
 from triollm.engine.request import Logprobs, RunnerOutput
 from triollm.engine.scheduling.scheduler import ScheduledRequest
-from triollm.kernels import KVCache, cpu_native
+from triollm.kernels import KVCache, batch_invariant, cpu_native
 from triollm.kernels.attention import DecodeWorkspace, plan_decode, plan_prefill
 
 if TYPE_CHECKING:
@@ -65,6 +75,34 @@ class ModelRunner:
         self.decode_workspace = DecodeWorkspace()  # gather buffers, kept across steps
         if self.device.type == "cpu":
             cpu_native.available()  # build or load the native kernels now, not in the first step
+        self.batch_invariant = envs.batch_invariant()
+        self._tile_logits = False  # a dense lm_head: compute_logits over fixed row tiles
+        if self.batch_invariant:
+            self._make_batch_invariant()
+
+    def _make_batch_invariant(self) -> None:
+        """Refuse what cannot be batch-invariant, else tile the dense linear layers (module note)."""
+        env = envs.BATCH_INVARIANT_ENV
+        why = batch_invariant.unsupported(self.device)
+        if why is None and self.lora is not None:
+            why = "LoRA adapters are not (their updates switch from loops to BLAS above 16 rows)"
+        if why is None and any(isinstance(m, FusedMoE) for m in self.model.modules()):
+            why = "MoE layers are not (an expert's GEMM has as many rows as tokens routed to it)"
+        if why is not None:
+            raise ValueError(f"{env}=1: {why}; unset {env} to run without batch invariance")
+        for m in self.model.modules():
+            if isinstance(m, Linear):
+                m.tile_rows = batch_invariant.TILE_ROWS
+        head = self.model.lm_head
+        self._tile_logits = not isinstance(head, QuantLinear) and not (
+            head is None and isinstance(self.model.embed_tokens, QuantEmbedding)
+        )
+
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """`compute_logits`, over fixed row tiles under batch invariance with a dense head."""
+        if self._tile_logits:
+            return batch_invariant.tiled_rows(self.model.compute_logits, hidden)
+        return self.model.compute_logits(hidden)
 
     @torch.inference_mode()
     def execute(self, scheduled: list[ScheduledRequest]) -> RunnerOutput:
@@ -132,7 +170,7 @@ class ModelRunner:
             rows.extend(_sampling_row(s, draft[:j]) for j in range(d + 1))
             drafts.extend(draft)
             drafts.append(-1)
-        logits = self.model.compute_logits(hidden.index_select(0, torch.tensor(idx, device=self.device)))
+        logits = self._logits(hidden.index_select(0, torch.tensor(idx, device=self.device)))
         result = self.sampler(logits, rows, drafts if len(drafts) > len(samplers) else None)
         lp, first = result.logprobs, 0
         for i in samplers:
@@ -165,7 +203,7 @@ class ModelRunner:
         input_ids, positions, meta = self._tensors(inputs)
         hidden = self.model(input_ids, positions, meta, self.kv)
         for rows in inputs.logit_rows:
-            self.model.compute_logits(hidden.index_select(0, torch.tensor(rows, device=self.device)))
+            self._logits(hidden.index_select(0, torch.tensor(rows, device=self.device)))
 
     @torch.inference_mode()
     def last_hidden(self, feeds: list[tuple[list[int], int, list[int]]]) -> torch.Tensor:
@@ -216,7 +254,13 @@ class ModelRunner:
     def _tensors(self, inputs: StepInputs) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         dev = self.device
         meta = AttentionMetadata(slot_mapping=torch.empty(0), num_decodes=len(inputs.decode_lens))
-        if inputs.decode_lens:
+        if self.batch_invariant and inputs.prefills:
+            # Every token a decode row: the step takes the all-decode path (module note).
+            meta.num_decodes = len(inputs.token_ids)
+            meta.decode_plan = batch_invariant.plan_rows(
+                inputs.decode_tables, inputs.decode_lens, inputs.prefills, dev, self.decode_workspace
+            )
+        elif inputs.decode_lens:
             meta.decode_plan = plan_decode(
                 inputs.decode_tables, inputs.decode_lens, self.block_size, dev, self.decode_workspace
             )
@@ -240,7 +284,7 @@ class ModelRunner:
         if not rows:
             return None
         last = c + rows
-        logits = self.model.compute_logits(hidden[start : start + rows])
+        logits = self._logits(hidden[start : start + rows])
         logprobs = torch.log_softmax(logits, dim=-1)
         targets = torch.tensor(req.prompt_token_ids[c + 1 : last + 1], device=self.device)
         k = logprobs.shape[-1] if k < 0 else k

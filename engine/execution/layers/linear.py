@@ -17,6 +17,11 @@ LoRA (lora/layers.py): a projection an adapter may target gets a `lora` (its ada
 the engine serves adapters; each step's low-rank updates are added to the base output before the
 all-reduce, so a row-parallel layer's partial updates are summed with its partial products.
 `lora` is None otherwise, and costs one attribute read.
+
+Batch invariance (`VLLM_BATCH_INVARIANT=1`, kernels/batch_invariant.py): oneDNN and MKL choose
+their blocking by the number of rows, so a row's bits change with the batch. The model runner
+then sets `tile_rows` on every layer, and `forward` runs the GEMM over tiles of exactly that
+many rows (`tiled_rows`): one shape for every call. 0 (the default) is the plain call.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from triollm.kernels import cpu_native
+from triollm.kernels.batch_invariant import tiled_rows
 
 if TYPE_CHECKING:
     from triollm.engine.distributed.collectives import Collectives
@@ -62,6 +68,7 @@ class Linear(nn.Linear):
 
     packed = False
     lora: LoRALayer | None = None  # adapter slots (set by lora/manager.py)
+    tile_rows = 0  # > 0: the GEMM runs over tiles of this many rows (batch invariance, module note)
 
     def __init__(
         self,
@@ -89,8 +96,14 @@ class Linear(nn.Linear):
     def load(self, leaf: str, piece: int, source: Any) -> None:
         load_rows(self, leaf, piece, source)
 
+    def _gemm(self, x: torch.Tensor) -> torch.Tensor:
+        return onednn_linear(x, self.weight, self.bias) if self.packed else F.linear(x, self.weight, self.bias)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = onednn_linear(x, self.weight, self.bias) if self.packed else F.linear(x, self.weight, self.bias)
+        if self.tile_rows:
+            out = tiled_rows(self._gemm, x, self.tile_rows)
+        else:  # the plain call, inline (a step calls it hundreds of times)
+            out = onednn_linear(x, self.weight, self.bias) if self.packed else F.linear(x, self.weight, self.bias)
         if self.lora is not None and self.lora.batch.groups:
             out = self.lora.apply(x, out)
         return out if self.comm is None else self.comm.all_reduce(out)
