@@ -161,8 +161,9 @@ class EngineArgs:
     scheduler_prefill_budget: str = arg(
         "auto", "with chunked prefill: auto (while requests decode, a step takes only the prompt "
         "tokens that keep it within ~1.5x a decode-only step's measured time, at least 32 per "
-        "step; the whole max_num_batched_tokens when nothing decodes) or off (prompts take the "
-        "whole budget: higher p99 inter-token latency, lower time to first token)",
+        "step; decoding or not, no more than fit in ~4 s at the measured prefill pace, so a long "
+        "prompt's step never grows with it) or off (prompts take the whole budget: higher p99 "
+        "inter-token latency, lower time to first token)",
         choices=PREFILL_BUDGETS)
     scheduling_policy: str = arg(
         "fcfs", "fcfs (first come, first served; a request's priority must be 0) or priority (a "
