@@ -43,6 +43,7 @@ from typing import Any
 
 import torch
 
+from triollm.engine.loading.config_checks import check_head_counts
 from triollm.engine.loading.hf_families import MoESpec, family_fields
 from triollm.engine.loading.quant_checkpoints import CheckpointQuant, parse_quantization_config
 from triollm.engine.loading.rope_config import RopeConfig, parse_rope
@@ -177,10 +178,12 @@ def parse_hf_config(hf: Mapping[str, Any]) -> HfConfig:
     hidden = _int(hf, "hidden_size")
     num_heads = _int(hf, "num_attention_heads")
     num_layers = _int(hf, "num_hidden_layers")
+    check_head_counts(hf, hidden, num_heads)
     num_kv_heads = _int(hf, "num_key_value_heads", d.num_kv_heads, null=num_heads)
     if num_heads % num_kv_heads:
         raise ValueError(
-            f"num_key_value_heads: {num_kv_heads} does not divide num_attention_heads {num_heads}"
+            f"num_key_value_heads: {num_kv_heads} does not divide num_attention_heads {num_heads}; allowed: a "
+            f"divisor of {num_heads}"
         )
     head_dim = _int(hf, "head_dim", d.head_dim or hidden // num_heads, null=hidden // num_heads)
     if head_dim % 2:

@@ -4,7 +4,8 @@
 `hf_config.parse_hf_config` (every field that changes the numbers is honoured or refused there,
 with a `ValueError` naming it), decides max_model_len against what the model can serve exactly
 (dynamic RoPE), and reads `generation_config.json` for stop tokens and sampling
-defaults.
+defaults. Special token ids outside the vocabulary are refused here (config_checks.py), not at
+the first step that indexes the logits with them.
 
 Sampling defaults follow vLLM's `generation_config` / `override_generation_config`: "auto" takes
 them from the model's generation_config.json, "vllm" takes none (a request without `temperature`
@@ -23,6 +24,7 @@ from typing import Any
 
 import torch
 
+from triollm.engine.loading.config_checks import check_special_tokens
 from triollm.engine.loading.hf_config import (
     DTYPES,
     ENCODER_ARCHITECTURES,
@@ -136,6 +138,10 @@ class ModelConfig(HfConfig):
         gen = own if generation_config in ("auto", "vllm") else _read_generation_config(
             Path(generation_config).expanduser(), required=True
         )
+        sources = {"config.json": hf, "generation_config.json": own}
+        if gen is not own:
+            sources[f"{generation_config}/generation_config.json"] = gen
+        check_special_tokens(sources, spec.vocab_size)
         eos: list[int] = []
         for source in (gen.get("eos_token_id"), hf.get("eos_token_id")):
             for tok in source if isinstance(source, list) else [source]:
