@@ -115,6 +115,7 @@ class ModelConfig(HfConfig):
         *,
         generation_config: str = "auto",
         override_generation_config: dict[str, Any] | None = None,
+        model_impl: str = "auto",
     ) -> ModelConfig:
         cfg_file = path / "config.json"
         if not cfg_file.is_file():
@@ -122,7 +123,7 @@ class ModelConfig(HfConfig):
                 f"model: {path} has no config.json (expected a Hugging Face-format directory or a .gguf file)"
             )
         hf = json.loads(cfg_file.read_text())
-        spec = parse_hf_config(hf)
+        spec = parse_hf_config(hf, model_impl)
         runner_type = _runner_type(spec.architecture, runner)
         pooler = read_pooler_config(path, hf) if runner_type == "pooling" else None
         if pooler is not None and max_model_len is None and pooler.max_seq_length is not None:
@@ -213,6 +214,19 @@ def _max_model_len(spec: HfConfig, requested: int | None) -> int:
     elif requested <= 0:
         raise ValueError(f"max_model_len: must be a positive integer, got {requested}")
     spec.rope.check_max_model_len(requested)
+    if spec.model_impl == "transformers":
+        # transformers computes positions itself: learned tables end at max_position_embeddings,
+        # and LongRoPE picks its factors from the longest position in each forward call, which
+        # in a flat batch is another request's (rope_config's module note).
+        limit = spec.max_position_embeddings
+        if spec.rope.rope_type == "longrope" and spec.rope.original_max_position_embeddings:
+            limit = min(limit, spec.rope.original_max_position_embeddings)
+        if requested > limit:
+            raise ValueError(
+                f"max_model_len: {requested} exceeds {limit}, the longest context the Transformers backend serves "
+                f"exactly for {spec.architecture} (max_position_embeddings, or LongRoPE's original length); "
+                f"allowed: 1 to {limit}"
+            )
     return requested
 
 
