@@ -86,6 +86,11 @@ def parse_transformers_config(hf: Mapping[str, Any], arch: str) -> dict[str, Any
             f"divisor of {num_heads}"
         )
     head_dim = getattr(cfg, "head_dim", None)
+    if getattr(cfg, "kv_lora_rank", None) and getattr(cfg, "qk_nope_head_dim", None) is not None:
+        # Multi-head latent attention (DeepSeek V2/V3) as transformers computes it: k and v
+        # expanded to every head, k of qk_nope + qk_rope, v of v_head_dim (the narrower padded).
+        num_kv_heads = num_heads
+        head_dim = max(int(cfg.qk_nope_head_dim) + int(cfg.qk_rope_head_dim), int(cfg.v_head_dim))
     if head_dim is None:
         if hidden % num_heads:
             raise ValueError(

@@ -31,6 +31,7 @@ from triollm.engine.sampling_params import SamplingParams
 
 NEW_TOKENS = 16
 _LLAMA_LIKE = {"intermediate_size": 128, "num_key_value_heads": 2, "rms_norm_eps": 1e-5}
+_MOE = {"num_experts_per_tok": 2}
 # architecture -> (config class, its arguments beyond hidden 64 / 2 layers / 4 heads / vocab)
 CASES: dict[str, tuple[str, dict[str, Any]]] = {
     "SmolLM3ForCausalLM": ("SmolLM3Config", {**_LLAMA_LIKE, "no_rope_layer_interval": 2}),
@@ -47,6 +48,27 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
                                              "use_parallel_residual": True}),
     "PhiForCausalLM": ("PhiConfig", {"intermediate_size": 128, "partial_rotary_factor": 0.5}),
     "Exaone4ForCausalLM": ("Exaone4Config", {**_LLAMA_LIKE}),
+    "Cohere2ForCausalLM": ("Cohere2Config", {**_LLAMA_LIKE, "sliding_window": 10,
+                                             "layer_types": ["sliding_attention", "full_attention"]}),
+    "GPTJForCausalLM": ("GPTJConfig", {"n_embd": 64, "n_layer": 2, "n_head": 4, "rotary_dim": 8}),
+    "OPTForCausalLM": ("OPTConfig", {"ffn_dim": 128, "word_embed_proj_dim": 64}),
+    "PersimmonForCausalLM": ("PersimmonConfig", {"intermediate_size": 128}),
+    # Mixtures of experts: transformers' routing, shared experts and dense first layers.
+    "Qwen2MoeForCausalLM": ("Qwen2MoeConfig", {**_LLAMA_LIKE, "num_experts": 4, "moe_intermediate_size": 48,
+                                               "shared_expert_intermediate_size": 64, **_MOE}),
+    "OlmoeForCausalLM": ("OlmoeConfig", {**_LLAMA_LIKE, "num_experts": 4, **_MOE}),
+    "GraniteMoeForCausalLM": ("GraniteMoeConfig", {**_LLAMA_LIKE, "num_local_experts": 4, "embedding_multiplier": 2.0,
+                                                   "logits_scaling": 2.0, **_MOE}),
+    "Glm4MoeForCausalLM": ("Glm4MoeConfig", {**_LLAMA_LIKE, "n_routed_experts": 4, "moe_intermediate_size": 48,
+                                             "first_k_dense_replace": 1, "n_group": 1, "topk_group": 1, "head_dim": 16,
+                                             **_MOE}),
+    "PhimoeForCausalLM": ("PhimoeConfig", {**_LLAMA_LIKE, "num_local_experts": 4, **_MOE}),
+    # Multi-head latent attention: k of 16 (8 + 8 rotary) and v of 8 per head, v padded in the cache.
+    "DeepseekV3ForCausalLM": ("DeepseekV3Config", {**_LLAMA_LIKE, "n_routed_experts": 4, "moe_intermediate_size": 48,
+                                                   "first_k_dense_replace": 1, "n_group": 1, "topk_group": 1,
+                                                   "q_lora_rank": None, "kv_lora_rank": 32, "qk_rope_head_dim": 8,
+                                                   "qk_nope_head_dim": 8, "v_head_dim": 8, "num_key_value_heads": 4,
+                                                   **_MOE}),
 }  # fmt: skip
 
 
@@ -208,6 +230,8 @@ REFUSED = [
     ("Lfm2Config", "Lfm2ForCausalLM", {**SMALL, "layer_types": ["conv", "full_attention"]},
      r"layer_types: 'conv' layers cannot be paged"),
     ("BartConfig", "BartForCausalLM", {"vocab_size": 384}, r"is_encoder_decoder: BartForCausalLM is an encoder-"),
+    ("Llama4TextConfig", "Llama4ForCausalLM", {**SMALL, "layer_types": ["chunked_attention", "full_attention"]},
+     r"layer_types: 'chunked_attention' layers cannot be paged"),
     ("T5Config", "T5ForConditionalGeneration", {"vocab_size": 384}, r"architectures: 'T5ForConditionalGeneration' is "
      r"not a causal language model"),
 ]  # fmt: skip
@@ -237,8 +261,8 @@ def test_native_only_refuses_other_architectures(tmp_path: Path) -> None:
 
 
 def test_layers_the_backend_cannot_page_are_refused_when_built(tmp_path: Path) -> None:
-    """What only the built model shows: GPT-2 with cross-attention layers; StableLM, whose attention
-    does not go through transformers' attention interface."""
+    """What only the built model shows: GPT-2 with cross-attention layers, gpt-oss's attention
+    sinks; StableLM, whose attention does not go through transformers' attention interface."""
     from triollm.engine.execution.models import load_model
 
     path = make_backend_model(tmp_path / "gpt2", "GPT2LMHeadModel")
@@ -246,6 +270,15 @@ def test_layers_the_backend_cannot_page_are_refused_when_built(tmp_path: Path) -
     (path / "config.json").write_text(json.dumps({**config, "add_cross_attention": True}))
     with pytest.raises(ValueError, match=r"has a GPT2Attention layer \(transformer.h.0.crossattention\)"):
         load_model(ModelConfig.from_pretrained(path, max_model_len=64))
+    CASES["GptOssForCausalLM"] = ("GptOssConfig", {**_LLAMA_LIKE, "num_local_experts": 4, "head_dim": 16, **_MOE})
+    try:
+        gpt_oss = make_backend_model(tmp_path / "gpt-oss", "GptOssForCausalLM")
+    finally:
+        del CASES["GptOssForCausalLM"]
+    with pytest.raises(
+        ValueError, match=r"GptOssForCausalLM's GptOssAttention \(model.layers.0.self_attn\) has attention sinks"
+    ):
+        load_model(ModelConfig.from_pretrained(gpt_oss, max_model_len=64))
     stablelm = _config_dir(
         tmp_path / "stablelm", "StableLmConfig", "StableLmForCausalLM", **SMALL, num_key_value_heads=4
     )

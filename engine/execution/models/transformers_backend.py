@@ -38,6 +38,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from triollm.engine.execution.layers.attention import AttentionMetadata, PagedAttention
@@ -64,7 +65,7 @@ class _Step:
     layers: dict[int, PagedAttention]
 
 
-_STEP: _Step | None = None  # the step the running forward serves (module note)
+_STEP: _Step | _Probe | None = None  # the step the running forward serves (module note)
 
 
 def _paged_attention(
@@ -79,25 +80,42 @@ def _paged_attention(
     softcap: float | None = None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
-    """transformers' attention-function signature: q `[1, H, T, hd]`, k/v `[1, KVH, T, hd]`,
-    rotated; returns `[1, T, H, hd]`, having written k and v to the layer's paged cache."""
+    """transformers' attention-function signature: q `[1, H, T, dq]`, k `[1, KVH, T, dq]`, v
+    `[1, KVH, T, dv]`, rotated; returns `[1, T, H, dv]`, having written k and v to the layer's
+    paged cache. Heads narrower than the cache's (multi-head latent attention's v) are padded with
+    zeros, which change no dot product and give zero output columns, sliced off."""
     step = _STEP
+    index: int = getattr(module, "layer_idx")  # noqa: B009 - an nn.Module attribute, not a submodule
+    h, t, dq = query.shape[1:]
+    kvh, dv = key.shape[1], value.shape[-1]
+    if isinstance(step, _Probe):
+        step.seen[index] = (h, kvh, key.shape[-1], dv)
+        return query.new_zeros(1, t, h, dv), None
     if step is None:
         raise RuntimeError("the triollm attention runs only inside TransformersForCausalLM.forward")
-    index: int = getattr(module, "layer_idx")  # noqa: B009 - an nn.Module attribute, not a submodule
-    h, t, hd = query.shape[1:]
-    kvh = key.shape[1]
+    k_cache, v_cache = step.kv.k[index], step.kv.v[index]
+    hd = v_cache.shape[-1]
     attn = step.layers.get(index)
     if attn is None:
-        scale = hd**-0.5 if scaling is None else float(scaling)
+        scale = dq**-0.5 if scaling is None else float(scaling)
         attn = step.layers[index] = PagedAttention(h, kvh, hd, scale, window=sliding_window, softcap=softcap)
-    q = query[0].transpose(0, 1).contiguous()
-    k = key[0].transpose(0, 1).contiguous()
-    v = value[0].transpose(0, 1).contiguous()
-    k_cache, v_cache = step.kv.k[index], step.kv.v[index]
+    q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))
+    if dq < hd:
+        q, k = F.pad(q, (0, hd - dq)), F.pad(k, (0, hd - dq))
+    if dv < hd:
+        v = F.pad(v, (0, hd - dv))
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     write_kv(k_cache, v_cache, k, v, step.meta.slot_mapping)
-    out = attn._attend(q, k, v, step.meta, k_cache, v_cache)
-    return out.view(1, t, h, hd), None
+    out = attn._attend(q, k, v, step.meta, k_cache, v_cache).view(1, t, h, hd)
+    return (out if dv == hd else out[..., :dv]), None
+
+
+@dataclass
+class _Probe:
+    """Set as the step while the model runs one token at load: each layer's (heads, KV heads,
+    k head size, v head size), to check against the KV cache's sizes before any request."""
+
+    seen: dict[int, tuple[int, int, int, int]]
 
 
 def _register() -> None:
@@ -108,12 +126,20 @@ def _register() -> None:
 
 class _Hidden(nn.Module):
     """Stands in for the base model in `compute_logits`: returns the hidden states it is given,
-    in the output class the base model returns (GPT-2's head reads its cross-attention field)."""
+    in the output class the base model returns (GPT-2's head reads its cross-attention field).
+    It stands in for the base model's children too, for a head that calls one of them (OPT's
+    calls `model.decoder`)."""
 
-    def __init__(self) -> None:
+    def __init__(self, children: tuple[str, ...]) -> None:
         super().__init__()
         self.hidden: torch.Tensor | None = None
         self.output_type: Any = None  # set at the first forward
+        self.child_names = children
+
+    def __getattr__(self, name: str) -> Any:
+        if name != "child_names" and name in self.child_names:
+            return self
+        return super().__getattr__(name)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self.output_type(last_hidden_state=self.hidden)
@@ -132,7 +158,7 @@ class TransformersForCausalLM(CausalLM):
         self.base_name: str = str(hf_model.base_model_prefix)
         self.base = getattr(hf_model, self.base_name)
         self._layers: dict[int, PagedAttention] = {}  # each layer's attention, made at its first call
-        self._stand_in = _Hidden()
+        self._stand_in = _Hidden(tuple(name for name, _ in self.base.named_children()))
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, kv: KVCache
@@ -187,8 +213,34 @@ def load_transformers_model(cfg: ModelConfig, device: str | torch.device = "cpu"
     hf_model.requires_grad_(False)
     hf_model.eval()
     model = TransformersForCausalLM(cfg, hf_model)
+    _check_shapes(cfg, model)
     model.to(device)
     return model
+
+
+def _check_shapes(cfg: ModelConfig, model: TransformersForCausalLM) -> None:
+    """One token through the model with the probe as its attention (`_Probe`): every layer's
+    heads must fit the KV cache sized from the config, or the load fails here, not a step."""
+    global _STEP
+    probe = _Probe({})
+    _STEP = probe
+    try:
+        with torch.inference_mode():
+            model.base(input_ids=torch.zeros(1, 1, dtype=torch.long), position_ids=torch.zeros(1, 1, dtype=torch.long),
+                       use_cache=False)  # fmt: skip
+    finally:
+        _STEP = None
+    want = (cfg.num_kv_heads, cfg.head_dim)
+    for layer in range(cfg.num_layers):
+        if layer not in probe.seen:
+            raise ValueError(f"model_impl: {cfg.architecture}'s layer {layer} did not call the paged attention")
+        h, kvh, dk, dv = probe.seen[layer]
+        if kvh != cfg.num_kv_heads or max(dk, dv) != cfg.head_dim or h % kvh:
+            raise ValueError(
+                f"model_impl: {cfg.architecture}'s layer {layer} attends with {h} query heads, {kvh} KV heads of "
+                f"sizes k {dk} / v {dv}; the config gives {want[0]} KV heads of {want[1]} (num_key_value_heads, "
+                f"head_dim): the Transformers backend cannot size its KV cache for it"
+            )
 
 
 def _config_json(cfg: ModelConfig) -> dict[str, Any]:
