@@ -12,6 +12,12 @@ inference (`attention_dropout`, `initializer_range`, `pretraining_tp`, `use_cach
 are ignored, as are fields the architecture's modeling code does not read (`sliding_window` on
 Llama, `attention_bias` / `mlp_bias` on Mistral and Qwen2).
 
+Which modeling code runs the model is `model_impl` (vLLM's values): "auto" takes the native
+class where `architectures[0]` has one, else the Transformers backend, whose config
+transformers' own config class reads (transformers_config.py: only the sizes the engine needs,
+and what the backend cannot page refused); "triollm" refuses architectures with no native
+class; "transformers" reads every decoder the backend's way.
+
 Encoder-only checkpoints (`BertModel`, served by the pooling runner) are read into the same
 `HfConfig` (no RoPE, biases everywhere) plus an `EncoderSpec` with what only they have
 (token-type vocabulary, LayerNorm epsilon, GELU flavour); relative position embeddings and
