@@ -286,3 +286,15 @@ def test_layers_the_backend_cannot_page_are_refused_when_built(tmp_path: Path) -
         ValueError, match=r"StableLmForCausalLM's attention does not go through transformers' attention"
     ):
         load_model(ModelConfig.from_pretrained(stablelm, max_model_len=64))
+
+
+@pytest.mark.parametrize("arch", ["MinistralForCausalLM", "DeepseekV3ForCausalLM"])
+def test_backend_on_the_triton_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, arch: str) -> None:
+    """The CUDA code path (Triton attention kernels and the k-head-dim-last cache layout), run on
+    CPU under the interpreter: windows and padded latent-attention heads give transformers' tokens."""
+    monkeypatch.setenv("TRIOLLM_KERNELS", "triton")
+    path = make_backend_model(tmp_path / arch, arch, seed=len(arch))
+    ids = prompts()
+    ours, core = engine_greedy(path, ids, dtype="float32")
+    assert core.executor.model is not None and core.executor.model.triton  # the Triton kernels ran
+    assert_parity(ours, hf_greedy(path, ids))
