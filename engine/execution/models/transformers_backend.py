@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -47,9 +47,6 @@ from triollm.engine.loading.model_config import ModelConfig
 from triollm.engine.loading.transformers_config import hf_text_config
 from triollm.kernels import KVCache, write_kv
 from triollm.kernels.triton import use_triton
-
-if TYPE_CHECKING:
-    from collections.abc import Iterator
 
 __all__ = ["ATTENTION_NAME", "TransformersForCausalLM", "load_transformers_model"]
 
@@ -189,10 +186,7 @@ class TransformersForCausalLM(CausalLM):
         return logits[0].float()
 
     def pack_linears(self) -> None:
-        pass
-
-    def layer_classes(self) -> Iterator[str]:
-        return (type(m).__name__ for m in self.hf.modules())
+        """Nothing to pack: transformers' linear layers run as they are."""
 
 
 def load_transformers_model(cfg: ModelConfig, device: str | torch.device = "cpu") -> TransformersForCausalLM:
