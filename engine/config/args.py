@@ -30,6 +30,7 @@ from triollm.engine.config.model import (
     DEVICES,
     DTYPES,
     LOAD_FORMATS,
+    MODEL_IMPLS,
     RUNNERS,
     TOKENIZER_MODES,
     canonical_dtype,
@@ -185,6 +186,10 @@ class EngineArgs:
     runner: str = arg(
         "auto", "auto (from the architecture: *ForCausalLM generate, encoder-only models such as "
         "BertModel are pooled into embeddings), generate or pooling", choices=RUNNERS)
+    model_impl: str = arg(
+        "auto", "whose modeling code runs the model: auto (triollm's native class where there is one, "
+        "else transformers' own through the Transformers backend), triollm or transformers (vllm: "
+        "vLLM's name for triollm's own)", choices=(*MODEL_IMPLS, "vllm"))
     device: str = arg("auto", "auto (cuda if available), cpu or cuda", choices=DEVICES)
     num_threads: int | None = arg(
         None, "torch threads in the engine core (default: every core for the offline LLM; for "
@@ -256,6 +261,9 @@ class EngineArgs:
                 "(disaggregated prefill, KV connectors); remove kv_transfer_config"
             )
         one_of("runner", self.runner, RUNNERS)
+        if self.model_impl == "vllm":  # vLLM's spelling of "the engine's own classes"
+            self.model_impl = "triollm"
+        one_of("model_impl", self.model_impl, MODEL_IMPLS)
         one_of("load_format", self.load_format, LOAD_FORMATS)
         one_of(
             "tokenizer_mode", self.tokenizer_mode, TOKENIZER_MODES,

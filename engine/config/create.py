@@ -23,6 +23,7 @@ from triollm.engine.config.limits import LimitsArgs, resolve_limits
 from triollm.engine.config.lora import LoRAArgs, resolve_lora
 from triollm.engine.config.model import (
     ModelArgs,
+    check_model_impl,
     check_pooling,
     resolve_device,
     resolve_model_config,
@@ -66,6 +67,7 @@ def create_engine_config(args: ResolverArgs, defaults: Mapping[str, object]) -> 
     model = resolve_model_config(args, device, cache_dir)
     model = with_kv_cache_dtype(quantize(model, args, device), args.kv_cache_dtype, device)
     check_pooling(model, args.tensor_parallel_size, args.max_num_batched_tokens)
+    check_model_impl(model, args.tensor_parallel_size, args.enable_lora)
     check_tensor_parallel_model(args.tensor_parallel_size, device, model)
     scheduler = resolve_scheduler(args, model)
     ignored = ignored_args(args, defaults, device)

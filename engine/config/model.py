@@ -1,5 +1,6 @@
 """The model and its tokenizer: where the checkpoint comes from (a directory, a .gguf file, a
-Hub repo id), the dtype, the runner, and the checks a pooling model adds."""
+Hub repo id), the dtype, the runner, whose modeling code runs it (`model_impl`), and the checks
+a pooling model and the Transformers backend add."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from typing import Any, Protocol
 import torch
 
 from triollm.engine.config.checks import one_of
+from triollm.engine.loading.hf_config import MODEL_IMPLS
 from triollm.engine.loading.hub import is_hub_id, resolve_hub
 from triollm.engine.loading.model_config import ModelConfig
 from triollm.engine.loading.model_files import resolve_model
@@ -16,9 +18,11 @@ from triollm.engine.loading.model_files import resolve_model
 __all__ = [
     "DTYPES",
     "LOAD_FORMATS",
+    "MODEL_IMPLS",
     "RUNNERS",
     "TOKENIZER_MODES",
     "canonical_dtype",
+    "check_model_impl",
     "check_pooling",
     "resolve_device",
     "resolve_model_config",
@@ -57,6 +61,8 @@ class ModelArgs(Protocol):
     def max_model_len(self) -> int | None: ...
     @property
     def runner(self) -> str: ...
+    @property
+    def model_impl(self) -> str: ...
     @property
     def generation_config(self) -> str: ...
     @property
@@ -99,7 +105,7 @@ def resolve_model_config(args: ModelArgs, device: str, cache_dir: Path | None) -
     return ModelConfig.from_pretrained(
         path, str(args.dtype), args.max_model_len, device, args.runner,
         generation_config=args.generation_config,
-        override_generation_config=args.override_generation_config,
+        override_generation_config=args.override_generation_config, model_impl=args.model_impl,
     )  # fmt: skip
 
 
@@ -144,3 +150,17 @@ def check_pooling(
             f"max_num_batched_tokens: {budget} is smaller than max_model_len "
             f"({model.max_model_len}); a pooling model encodes each prompt whole in one step"
         )
+
+
+def check_model_impl(model: ModelConfig, tensor_parallel_size: int, enable_lora: bool) -> None:
+    """What the Transformers backend (engine/execution/models/transformers_backend.py) does not
+    run yet, refused before the model loads: more than one rank, LoRA adapters, quantized weights."""
+    if model.model_impl != "transformers":
+        return
+    what = f"through the Transformers backend ({model.architecture})"
+    if tensor_parallel_size != 1:
+        raise ValueError(f"tensor_parallel_size: {tensor_parallel_size} is not supported {what}; allowed: 1")
+    if enable_lora:
+        raise ValueError(f"enable_lora: LoRA adapters are not supported {what}; allowed: false")
+    if model.quantization is not None:
+        raise ValueError(f"quantization: {model.quantization!r} is not supported {what}; allowed: none")

@@ -12,6 +12,12 @@ inference (`attention_dropout`, `initializer_range`, `pretraining_tp`, `use_cach
 are ignored, as are fields the architecture's modeling code does not read (`sliding_window` on
 Llama, `attention_bias` / `mlp_bias` on Mistral and Qwen2).
 
+Which modeling code runs the model is `model_impl` (vLLM's values): "auto" takes the native
+class where `architectures[0]` has one, else the Transformers backend, whose config
+transformers' own config class reads (transformers_config.py: only the sizes the engine needs,
+and what the backend cannot page refused); "triollm" refuses architectures with no native
+class; "transformers" reads every decoder the backend's way.
+
 Encoder-only checkpoints (`BertModel`, served by the pooling runner) are read into the same
 `HfConfig` (no RoPE, biases everywhere) plus an `EncoderSpec` with what only they have
 (token-type vocabulary, LayerNorm epsilon, GELU flavour); relative position embeddings and
@@ -43,15 +49,18 @@ from typing import Any
 
 import torch
 
+from triollm.engine.loading.config_checks import check_head_counts
 from triollm.engine.loading.hf_families import MoESpec, family_fields
 from triollm.engine.loading.quant_checkpoints import CheckpointQuant, parse_quantization_config
 from triollm.engine.loading.rope_config import RopeConfig, parse_rope
+from triollm.engine.loading.transformers_config import parse_transformers_config
 
 __all__ = [
     "DTYPES",
     "ENCODER_ARCHITECTURES",
     "SUPPORTED_ARCHITECTURES",
     "EncoderSpec",
+    "MODEL_IMPLS",
     "HfConfig",
     "checkpoint_dtype",
     "parse_hf_config",
@@ -144,6 +153,9 @@ class HfConfig:
     moe: MoESpec | None = None
     # config.json's `quantization_config` (quant_checkpoints.py); None: a float checkpoint.
     checkpoint_quant: CheckpointQuant | None = None
+    # Whose modeling code runs: "triollm" (engine/execution/models/) or "transformers" (the
+    # Transformers backend, transformers_backend.py; only the sizes above are read then).
+    model_impl: str = "triollm"
 
     def layer_window(self, layer: int) -> int | None:
         """The sliding window of `layer`, None for full attention."""
@@ -163,9 +175,22 @@ class EncoderSpec:
     pad_token_id: int
 
 
-def parse_hf_config(hf: Mapping[str, Any]) -> HfConfig:
-    """The numerics of config.json `hf` (module note); a `ValueError` naming the field if unsupported."""
-    arch = _architecture(hf)
+MODEL_IMPLS = ("auto", "triollm", "transformers")  # vLLM's --model-impl ("vllm" is ours: "triollm")
+
+
+def parse_hf_config(hf: Mapping[str, Any], model_impl: str = "auto") -> HfConfig:
+    """The numerics of config.json `hf` (module note); a `ValueError` naming the field if unsupported.
+
+    `model_impl` (vLLM's): "triollm" refuses what has no native class; "transformers" reads the
+    config for the Transformers backend (transformers_config.py); "auto" takes the native class
+    where there is one, else the backend."""
+    if model_impl not in MODEL_IMPLS:
+        raise ValueError(f"model_impl: {model_impl!r} is not one of {', '.join(MODEL_IMPLS)}")
+    arch = _architecture(hf, native_only=model_impl == "triollm")
+    if model_impl == "transformers" or arch not in SUPPORTED_ARCHITECTURES:
+        if arch in ENCODER_ARCHITECTURES:
+            raise ValueError(f"model_impl: 'transformers' runs decoders; {arch} is pooled natively (use 'auto')")
+        return _parse_transformers(arch, hf)
     if arch in ENCODER_ARCHITECTURES:
         return _parse_bert(arch, hf)
     d = _ARCHITECTURES[arch]
@@ -177,10 +202,12 @@ def parse_hf_config(hf: Mapping[str, Any]) -> HfConfig:
     hidden = _int(hf, "hidden_size")
     num_heads = _int(hf, "num_attention_heads")
     num_layers = _int(hf, "num_hidden_layers")
+    check_head_counts(hf, hidden, num_heads)
     num_kv_heads = _int(hf, "num_key_value_heads", d.num_kv_heads, null=num_heads)
     if num_heads % num_kv_heads:
         raise ValueError(
-            f"num_key_value_heads: {num_kv_heads} does not divide num_attention_heads {num_heads}"
+            f"num_key_value_heads: {num_kv_heads} does not divide num_attention_heads {num_heads}; allowed: a "
+            f"divisor of {num_heads}"
         )
     head_dim = _int(hf, "head_dim", d.head_dim or hidden // num_heads, null=hidden // num_heads)
     if head_dim % 2:
@@ -281,7 +308,17 @@ def checkpoint_dtype(hf: Mapping[str, Any]) -> torch.dtype | None:
     return None
 
 
-def _architecture(hf: Mapping[str, Any]) -> str:
+def _parse_transformers(arch: str, hf: Mapping[str, Any]) -> HfConfig:
+    if hf.get("quantization_config"):
+        raise ValueError(
+            f"quantization_config: quantized checkpoints are not supported through the Transformers backend "
+            f"({arch}); use unquantized weights"
+        )
+    fields = parse_transformers_config(hf, arch)
+    return HfConfig(architecture=arch, checkpoint_dtype=checkpoint_dtype(hf), model_impl="transformers", **fields)
+
+
+def _architecture(hf: Mapping[str, Any], *, native_only: bool) -> str:
     archs = hf.get("architectures")
     if archs:
         if not isinstance(archs, list):
@@ -290,16 +327,34 @@ def _architecture(hf: Mapping[str, Any]) -> str:
     else:  # no architectures: transformers goes by model_type
         model_type = hf.get("model_type") or "llama"
         by_type = {d.model_type: a for a, d in _ARCHITECTURES.items()} | {"bert": "BertModel"}
+        if model_type not in by_type and not native_only:
+            return _causal_lm_for(model_type)
         if model_type not in by_type:
             raise ValueError(
                 f"model_type: {model_type!r} is not supported; supported: {', '.join(by_type)}"
             )
         arch = by_type[model_type]
-    if arch not in SUPPORTED_ARCHITECTURES:
+    if native_only and arch not in SUPPORTED_ARCHITECTURES:
         raise ValueError(
-            f"architectures: {arch!r} is not supported; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            f"architectures: {arch!r} is not supported with model_impl 'triollm'; supported: "
+            f"{', '.join(SUPPORTED_ARCHITECTURES)} (model_impl 'auto' or 'transformers' runs other decoders through "
+            f"the Transformers backend)"
         )
-    return str(arch)
+    if not isinstance(arch, str):
+        raise ValueError(f"architectures: expected a list of class names, got {archs!r}")
+    return arch
+
+
+def _causal_lm_for(model_type: str) -> str:
+    """transformers' causal-LM class for a `model_type` (a config.json without `architectures`)."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        raise ValueError(
+            f"model_type: {model_type!r} has no causal language model in the installed transformers; "
+            f"supported natively: {', '.join(d.model_type for d in _ARCHITECTURES.values())}"
+        )
+    return str(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type])
 
 
 # Where each family's windows apply: every layer, or the layers `layer_types` marks (with that

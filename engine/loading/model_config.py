@@ -4,7 +4,8 @@
 `hf_config.parse_hf_config` (every field that changes the numbers is honoured or refused there,
 with a `ValueError` naming it), decides max_model_len against what the model can serve exactly
 (dynamic RoPE), and reads `generation_config.json` for stop tokens and sampling
-defaults.
+defaults. Special token ids outside the vocabulary are refused here (config_checks.py), not at
+the first step that indexes the logits with them.
 
 Sampling defaults follow vLLM's `generation_config` / `override_generation_config`: "auto" takes
 them from the model's generation_config.json, "vllm" takes none (a request without `temperature`
@@ -23,6 +24,7 @@ from typing import Any
 
 import torch
 
+from triollm.engine.loading.config_checks import check_special_tokens
 from triollm.engine.loading.hf_config import (
     DTYPES,
     ENCODER_ARCHITECTURES,
@@ -113,6 +115,7 @@ class ModelConfig(HfConfig):
         *,
         generation_config: str = "auto",
         override_generation_config: dict[str, Any] | None = None,
+        model_impl: str = "auto",
     ) -> ModelConfig:
         cfg_file = path / "config.json"
         if not cfg_file.is_file():
@@ -120,7 +123,7 @@ class ModelConfig(HfConfig):
                 f"model: {path} has no config.json (expected a Hugging Face-format directory or a .gguf file)"
             )
         hf = json.loads(cfg_file.read_text())
-        spec = parse_hf_config(hf)
+        spec = parse_hf_config(hf, model_impl)
         runner_type = _runner_type(spec.architecture, runner)
         pooler = read_pooler_config(path, hf) if runner_type == "pooling" else None
         if pooler is not None and max_model_len is None and pooler.max_seq_length is not None:
@@ -136,6 +139,10 @@ class ModelConfig(HfConfig):
         gen = own if generation_config in ("auto", "vllm") else _read_generation_config(
             Path(generation_config).expanduser(), required=True
         )
+        sources = {"config.json": hf, "generation_config.json": own}
+        if gen is not own:
+            sources[f"{generation_config}/generation_config.json"] = gen
+        check_special_tokens(sources, spec.vocab_size)
         eos: list[int] = []
         for source in (gen.get("eos_token_id"), hf.get("eos_token_id")):
             for tok in source if isinstance(source, list) else [source]:
@@ -207,6 +214,19 @@ def _max_model_len(spec: HfConfig, requested: int | None) -> int:
     elif requested <= 0:
         raise ValueError(f"max_model_len: must be a positive integer, got {requested}")
     spec.rope.check_max_model_len(requested)
+    if spec.model_impl == "transformers":
+        # transformers computes positions itself: learned tables end at max_position_embeddings,
+        # and LongRoPE picks its factors from the longest position in each forward call, which
+        # in a flat batch is another request's (rope_config's module note).
+        limit = spec.max_position_embeddings
+        if spec.rope.rope_type == "longrope" and spec.rope.original_max_position_embeddings:
+            limit = min(limit, spec.rope.original_max_position_embeddings)
+        if requested > limit:
+            raise ValueError(
+                f"max_model_len: {requested} exceeds {limit}, the longest context the Transformers backend serves "
+                f"exactly for {spec.architecture} (max_position_embeddings, or LongRoPE's original length); "
+                f"allowed: 1 to {limit}"
+            )
     return requested
 
 

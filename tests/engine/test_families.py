@@ -167,7 +167,11 @@ REFUSED = [
     ),
     (_config("Gemma2ForCausalLM", attn_logit_softcapping=-1), "attn_logit_softcapping"),
     (_config("GraniteForCausalLM", logits_scaling=0), "logits_scaling"),
-    (_config("Qwen2MoeForCausalLM"), "architectures: 'Qwen2MoeForCausalLM' is not supported"),
+    # No native class and nothing the Transformers backend can page (model_impl "auto").
+    (
+        _config("Qwen3NextForCausalLM", layer_types=["linear_attention", "full_attention"]),
+        "layer_types: 'linear_attention' layers cannot be paged",
+    ),
 ]
 
 

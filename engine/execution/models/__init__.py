@@ -1,4 +1,6 @@
-"""The decoder families, by `architectures[0]`, and `load_model`."""
+"""The decoder families, by `architectures[0]`, and `load_model`: the native class, or with
+`model_impl` "transformers" (resolved at load, engine/loading/hf_config.py) transformers' own
+modeling code over the paged cache (transformers_backend.py)."""
 
 from __future__ import annotations
 
@@ -44,6 +46,12 @@ def load_model(
     comm: Collectives | None = None,
 ) -> CausalLM:
     """The model on `device`; with `shard` (and its `comm`), only this rank's slices."""
+    if cfg.model_impl == "transformers":
+        from triollm.engine.execution.models.transformers_backend import load_transformers_model
+
+        if shard is not None:
+            raise ValueError("tensor_parallel_size: the Transformers backend runs on one rank; allowed: 1")
+        return load_transformers_model(cfg, device)
     with torch.device("meta"):
         model = MODELS[cfg.architecture](cfg, shard)
     if cfg.quantization == "gguf":  # the blocks as shipped: their dense copies are never read
