@@ -68,6 +68,7 @@ from triollm.kernels.kv_quant import (
     cache_scale,
     dequantize_kv,
     is_quantized,
+    layer_scale_bytes,
     new_scale,
     quantize_kv,
     scale_bytes_per_token,
@@ -114,6 +115,11 @@ class KVCache:
         elem = torch.empty((), dtype=dtype).element_size()
         per_token = head_dim * elem + scale_bytes_per_token(dtype)
         return 2 * num_layers * num_kv_heads * block_size * per_token
+
+    @staticmethod
+    def fixed_bytes(num_layers: int, dtype: torch.dtype) -> int:
+        """The bytes a cache takes whatever its block count: fp8's per-layer K and V scales."""
+        return 2 * num_layers * layer_scale_bytes(dtype)
 
 
 def allocate_kv_cache(

@@ -37,6 +37,7 @@ __all__ = [
     "cache_scale",
     "dequantize_kv",
     "is_quantized",
+    "layer_scale_bytes",
     "quantize_kv",
     "scale_bytes_per_token",
     "set_cache_scale",
@@ -79,6 +80,11 @@ def scale_bytes_per_token(dtype: torch.dtype) -> int:
     """Bytes of scale per (token, kv head) of K or of V: int8's fp16 scale; fp8's per-layer
     scale is no per-block cost."""
     return torch.empty((), dtype=INT8_SCALE_DTYPE).element_size() if dtype == torch.int8 else 0
+
+
+def layer_scale_bytes(dtype: torch.dtype) -> int:
+    """Bytes of fp8's per-layer scale of K or of V (a cost per layer, not per block)."""
+    return 4 if dtype in FP8_MAX else 0
 
 
 def quantize_kv(
