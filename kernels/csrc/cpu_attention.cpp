@@ -40,6 +40,9 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 #include <optional>
 #include <type_traits>
 #include <vector>
@@ -69,13 +72,17 @@ inline float load_f<c10::BFloat16>(c10::BFloat16 v) {
 // float 2^(e - 127) * 1.m, times 2^(127 - bias); a subnormal code (e = 0) is m * 2^(1 - bias -
 // mantissa bits). No float here is subnormal, so flush-to-zero modes change nothing. The codes
 // the writers store are finite (saturated), so the NaN code is never read.
+// e4m3fn is read as its value times 2^-8 (kRaw), what the vector path gets for free by taking
+// its bits as an fp16's (bias 15, not 7); `decode` folds the 2^8 back into its scales.
+template <typename K>
+constexpr float kRaw = std::is_same_v<K, c10::Float8_e4m3fn> ? 0x1p-8f : 1.f;
 template <>
 inline float load_f<c10::Float8_e4m3fn>(c10::Float8_e4m3fn v) {
   const uint32_t x = v.x, mag = x & 0x7Fu;
-  float normal, sub = static_cast<float>(mag & 0x7u) * 0x1p-9f;
+  float normal, sub = static_cast<float>(mag & 0x7u) * 0x1p-17f;
   const uint32_t nbits = mag << 20;
   std::memcpy(&normal, &nbits, sizeof normal);
-  normal *= 0x1p120f;
+  normal *= 0x1p112f;
   const float f = (mag >> 3) ? normal : sub;
   return (x & 0x80u) ? -f : f;
 }
@@ -96,6 +103,40 @@ inline float load_f<int8_t>(int8_t v) {
 
 template <typename K>
 constexpr bool kPerToken = std::is_same_v<K, int8_t>;  // int8: a scale per (token, kv head)
+template <typename K>
+constexpr bool kQuantized = kPerToken<K> || std::is_same_v<K, c10::Float8_e4m3fn> ||
+                            std::is_same_v<K, c10::Float8_e5m2>;
+
+// 16 cached values (or fp16 scales) as fp32, the inner step of the block-16 kernels. With
+// AVX-512 the quantized types take a few instructions per 16 values: fp8 becomes the bits of an
+// fp16 (e5m2 is an fp16's high byte; e4m3fn's exponent and mantissa shifted into an fp16's,
+// exact for subnormals too: the value times 2^-8, kRaw), converted by vcvtph2ps;
+// int8 is sign-extended and converted. Elsewhere (and for the plain types, which the compiler
+// vectorises by itself) it is `load_f` per value.
+template <typename K>
+inline void widen16(const K* src, float* dst) {
+#if defined(__AVX512F__)
+  if constexpr (std::is_same_v<K, c10::Float8_e4m3fn> || std::is_same_v<K, c10::Float8_e5m2>) {
+    const __m256i w = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src)));
+    if constexpr (std::is_same_v<K, c10::Float8_e5m2>) {
+      _mm512_storeu_ps(dst, _mm512_cvtph_ps(_mm256_slli_epi16(w, 8)));
+    } else {  // sign to bit 15, then an arithmetic shift puts the rest at bits 7..13
+      const __m256i bits = _mm256_srai_epi16(_mm256_slli_epi16(w, 8), 1);
+      _mm512_storeu_ps(dst, _mm512_cvtph_ps(_mm256_and_si256(bits, _mm256_set1_epi16(static_cast<short>(0xBFFF)))));
+    }
+    return;
+  } else if constexpr (std::is_same_v<K, int8_t>) {
+    const __m512i i = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src)));
+    _mm512_storeu_ps(dst, _mm512_cvtepi32_ps(i));
+    return;
+  } else if constexpr (std::is_same_v<K, c10::Half>) {
+    _mm512_storeu_ps(dst, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src))));
+    return;
+  }
+#endif
+#pragma omp simd
+  for (int t = 0; t < 16; ++t) dst[t] = load_f(src[t]);
+}
 
 // A layer's quantization scales as the decode kernels take them: int8's per-token fp16 scales
 // ([kv_heads, num_blocks, block_size], null otherwise) and fp8's V scale (1 otherwise; K's is
@@ -119,8 +160,38 @@ inline c10::BFloat16 store_f<c10::BFloat16>(float f) {
 }
 
 // K/V rows of one block as fp32: a pointer into the cache itself for fp32, else a widened copy.
+// n fp8 codes (a multiple of 32) as fp32 (times kRaw), 32 at a time: the shifts run on 32
+// 16-bit lanes at once, so a value costs little more than its vcvtph2ps.
+template <typename K>
+inline void widen_fp8(const K* src, float* dst, int64_t n) {
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+  for (int64_t i = 0; i < n; i += 32) {
+    __m512i w = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i)));
+    w = _mm512_slli_epi16(w, 8);
+    if constexpr (std::is_same_v<K, c10::Float8_e4m3fn>)
+      w = _mm512_and_si512(_mm512_srai_epi16(w, 1), _mm512_set1_epi16(static_cast<short>(0xBFFF)));
+    _mm512_storeu_ps(dst + i, _mm512_cvtph_ps(_mm512_castsi512_si256(w)));
+    _mm512_storeu_ps(dst + i + 16, _mm512_cvtph_ps(_mm512_extracti64x4_epi64(w, 1)));
+  }
+#else
+  for (int64_t i = 0; i < n; i += 16) widen16(src + i, dst + i);
+#endif
+}
+
 template <typename T>
 inline const float* as_float(const T* src, float* buf, int64_t n) {
+  if constexpr (kQuantized<T>) {
+    if constexpr (!kPerToken<T>) {
+      if (n % 32 == 0) {
+        widen_fp8(src, buf, n);
+        return buf;
+      }
+    }
+    if (n % 16 == 0) {
+      for (int64_t i = 0; i < n; i += 16) widen16(src + i, buf + i);
+      return buf;
+    }
+  }
 #pragma omp simd
   for (int64_t i = 0; i < n; ++i) buf[i] = load_f(src[i]);
   return buf;
@@ -161,9 +232,14 @@ void decode_pair(const T* qrow, const K* kp, const K* vp, const int32_t* table, 
     const float* vf = as_float(vp + base, vbuf, cnt * D);  // [cnt][D]
     float ks[kPerToken<K> ? (kBS ? kBS : 64) : 1], vs[kPerToken<K> ? (kBS ? kBS : 64) : 1];
     if constexpr (kPerToken<K>) {
-      for (int64_t t = 0; t < BS; ++t) {
-        ks[t] = static_cast<float>(sc.k[(h * NB + id) * BS + t]);
-        vs[t] = static_cast<float>(sc.v[(h * NB + id) * BS + t]);
+      if constexpr (kBS == 16) {
+        widen16(sc.k + (h * NB + id) * BS, ks);
+        widen16(sc.v + (h * NB + id) * BS, vs);
+      } else {
+        for (int64_t t = 0; t < BS; ++t) {
+          ks[t] = static_cast<float>(sc.k[(h * NB + id) * BS + t]);
+          vs[t] = static_cast<float>(sc.v[(h * NB + id) * BS + t]);
+        }
       }
     }
     for (int64_t g = 0; g < G; ++g) {
@@ -243,7 +319,8 @@ void decode_pair(const T* qrow, const K* kp, const K* vp, const int32_t* table, 
 
 // The common shapes with the GQA group size also fixed (kG query heads per kv head): the
 // group's scores (kG x 16) and outputs (kG x kD) stay in registers, and each K and V row is
-// widened once, in registers, for the whole group (no fp32 copy of the block).
+// widened once, in registers, for the whole group (no fp32 copy of the block; a quantized
+// block is widened whole into one, see below).
 template <typename T, typename K, int kD, int kG>
 void decode_pair_group(const T* qrow, const K* kp, const K* vp, const int32_t* table, int64_t n,
                        int64_t start, int64_t, int64_t NB, int64_t h, int64_t, int64_t,
@@ -262,10 +339,24 @@ void decode_pair_group(const T* qrow, const K* kp, const K* vp, const int32_t* t
     const K* kt = kp + (h * NB + id) * kD * kBS;  // [kD][kBS]
     const K* vb = vp + (h * NB + id) * kBS * kD;  // [kBS][kD]
     float s[kG][kBS] = {};
+    // Quantized blocks are widened whole (fp8 32 values at a time) into fp32 copies in L1: the
+    // conversions run back to back, apart from the FMAs that read them.
+    constexpr bool kWholeBlock = kQuantized<K>;
+    alignas(64) float kblk[kWholeBlock ? kD * kBS : 1];
+    alignas(64) float vblk[kWholeBlock ? kBS * kD : 1];
+    if constexpr (kWholeBlock) {
+      as_float(kt, kblk, kD * kBS);
+      as_float(vb, vblk, cnt * kD);
+    }
     for (int d = 0; d < kD; ++d) {
-      float kd[kBS];
+      float kbuf[kBS];
+      const float* kd = kbuf;
+      if constexpr (kWholeBlock) {
+        kd = kblk + d * kBS;
+      } else {
 #pragma omp simd
-      for (int t = 0; t < kBS; ++t) kd[t] = load_f(kt[d * kBS + t]);
+        for (int t = 0; t < kBS; ++t) kbuf[t] = load_f(kt[d * kBS + t]);
+      }
       for (int g = 0; g < kG; ++g) {
         const float qd = qf[g][d];
 #pragma omp simd
@@ -275,10 +366,8 @@ void decode_pair_group(const T* qrow, const K* kp, const K* vp, const int32_t* t
     float vs[kBS];
     if constexpr (kPerToken<K>) {
       float ks[kBS];
-      for (int t = 0; t < kBS; ++t) {
-        ks[t] = static_cast<float>(sc.k[(h * NB + id) * kBS + t]);
-        vs[t] = static_cast<float>(sc.v[(h * NB + id) * kBS + t]);
-      }
+      widen16(sc.k + (h * NB + id) * kBS, ks);
+      widen16(sc.v + (h * NB + id) * kBS, vs);
       for (int g = 0; g < kG; ++g) {
 #pragma omp simd
         for (int t = 0; t < kBS; ++t) s[g][t] *= ks[t];
@@ -303,9 +392,14 @@ void decode_pair_group(const T* qrow, const K* kp, const K* vp, const int32_t* t
       for (int d = 0; d < kD; ++d) acc[g][d] *= corr[g];
     }
     for (int64_t t = 0; t < cnt; ++t) {
-      float vt[kD];
+      float vbuf[kD];
+      const float* vt = vbuf;
+      if constexpr (kWholeBlock) {
+        vt = vblk + t * kD;
+      } else {
 #pragma omp simd
-      for (int d = 0; d < kD; ++d) vt[d] = load_f(vb[t * kD + d]);
+        for (int d = 0; d < kD; ++d) vbuf[d] = load_f(vb[t * kD + d]);
+      }
       for (int g = 0; g < kG; ++g) {
         const float p = kPerToken<K> ? s[g][t] * vs[t] : s[g][t];
 #pragma omp simd
@@ -365,8 +459,8 @@ void decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
     TORCH_CHECK(k_scale && v_scale && k_scale->scalar_type() == at::kFloat &&
                     v_scale->scalar_type() == at::kFloat && k_scale->numel() == 1 && v_scale->numel() == 1,
                 "an fp8 cache: k_scale and v_scale are float32 [1]");
-    fscale *= k_scale->data_ptr<float>()[0];
-    sc.v_layer = v_scale->data_ptr<float>()[0];
+    fscale *= k_scale->data_ptr<float>()[0] / kRaw<K>;
+    sc.v_layer = v_scale->data_ptr<float>()[0] / kRaw<K>;
   }
   auto pair = &decode_pair<T, K, 0, 0>;
   if (cap > 0.f) {
