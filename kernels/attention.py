@@ -15,9 +15,17 @@ stood in the source"). Transposed K blocks let the native kernel compute a block
 vertical FMAs across its tokens, with no horizontal sums. A slot is `block_id * block_size +
 offset`.
 
-Prefill uses `scaled_dot_product_attention`: with no earlier context (the usual case) directly
-on the new K/V with `is_causal`; with earlier context (chunked prefill, prefix-cache hits) over
-K/V gathered from the cache with an explicit offset-causal mask.
+Prefill uses `scaled_dot_product_attention` over what the cache holds: K/V gathered from the
+cache (`gather_kv`: a quantized cache's codes times their scales), with `is_causal` when there is
+no earlier context and an explicit offset-causal mask when there is (chunked prefill, prefix-cache
+hits). Only where the cache holds the activations' own dtype does a prefill without context take
+its fresh K/V directly (they are the cached values). So a prompt gives the same numbers prefilled
+whole, in chunks or after a prefix hit, and decode later reads exactly what prefill attended
+over.
+
+The cache's dtype may differ from the activations' (`kv_cache_dtype`): bf16 under fp32, or
+quantized (fp8 e4m3 / e5m2 with per-layer scales, int8 with a scale per token and kv head:
+kernels/kv_quant.py). `write_kv` stores values as the cache holds them; every reader dequantizes.
 
 Decode is planned once per step and run by every layer (`plan_decode`, `decode_attention`).
 On CPU, where the native kernels build (`kernels/cpu_native.py`), the plan is just the block
