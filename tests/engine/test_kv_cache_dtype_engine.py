@@ -198,3 +198,23 @@ def test_the_bundled_model_with_a_quantized_cache_chooses_as_bf16_does(bundled_m
             gaps.append(max(lp.logprob for lp in row.values()) - row[token].logprob)
     assert max(gaps) < GAP_NATS[kv], sorted(gaps)[-5:]
     assert sum(g == 0 for g in gaps) / len(gaps) >= MIN_AGREEMENT, gaps
+
+
+@pytest.mark.parametrize("kv", ["fp8", "int8"])
+def test_tensor_parallel_ranks_hold_the_same_quantized_cache(tiny_model_dir: Path, kv: str) -> None:
+    """Two ranks, each allocating its own cache of its kv heads (engine/distributed/worker.py),
+    give one rank's greedy tokens: the workers get the cache dtype and its scales too (int8's
+    scales are per kv head, so a rank's codes are the unsharded cache's)."""
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    prompts = ["Hello world", "The capital of France is Paris. The capital of Germany is"]
+    outs = []
+    for tp in (1, 2):
+        args = EngineArgs(model=str(tiny_model_dir), tensor_parallel_size=tp, num_threads=2, max_model_len=256,
+                          kv_cache_dtype=kv)  # fmt: skip
+        engine = SyncEngine.from_engine_args(args)
+        try:
+            assert engine.core.config.model.cache_dtype == QUANTIZED[kv]
+            outs.append([list(o.outputs[0].token_ids) for o in engine.generate(prompts, params)])
+        finally:
+            engine.core.close()
+    assert outs[0] == outs[1]
