@@ -15,9 +15,17 @@ stood in the source"). Transposed K blocks let the native kernel compute a block
 vertical FMAs across its tokens, with no horizontal sums. A slot is `block_id * block_size +
 offset`.
 
-Prefill uses `scaled_dot_product_attention`: with no earlier context (the usual case) directly
-on the new K/V with `is_causal`; with earlier context (chunked prefill, prefix-cache hits) over
-K/V gathered from the cache with an explicit offset-causal mask.
+Prefill uses `scaled_dot_product_attention` over what the cache holds: K/V gathered from the
+cache (`gather_kv`: a quantized cache's codes times their scales), with `is_causal` when there is
+no earlier context and an explicit offset-causal mask when there is (chunked prefill, prefix-cache
+hits). Only where the cache holds the activations' own dtype does a prefill without context take
+its fresh K/V directly (they are the cached values). So a prompt gives the same numbers prefilled
+whole, in chunks or after a prefix hit, and decode later reads exactly what prefill attended
+over.
+
+The cache's dtype may differ from the activations' (`kv_cache_dtype`): bf16 under fp32, or
+quantized (fp8 e4m3 / e5m2 with per-layer scales, int8 with a scale per token and kv head:
+kernels/kv_quant.py). `write_kv` stores values as the cache holds them; every reader dequantizes.
 
 Decode is planned once per step and run by every layer (`plan_decode`, `decode_attention`).
 On CPU, where the native kernels build (`kernels/cpu_native.py`), the plan is just the block
@@ -64,6 +72,16 @@ import torch
 import torch.nn.functional as F
 
 from triollm.kernels import cpu_native
+from triollm.kernels.kv_quant import (
+    cache_scale,
+    dequantize_kv,
+    is_quantized,
+    layer_scale_bytes,
+    new_scale,
+    quantize_kv,
+    scale_bytes_per_token,
+    set_cache_scale,
+)
 from triollm.kernels.masking import check_window_softcap
 from triollm.kernels.triton import use_triton, use_triton_on
 
@@ -89,6 +107,8 @@ __all__ = [
 
 @dataclass
 class KVCache:
+    """Per layer, K and V (each with its scale where the cache is quantized: `cache_scale`)."""
+
     k: list[torch.Tensor]  # per layer [kv_heads, num_blocks, head_dim, block_size]
     v: list[torch.Tensor]  # per layer [kv_heads, num_blocks, block_size, head_dim]
     num_blocks: int
@@ -98,8 +118,16 @@ class KVCache:
     def bytes_per_block(
         num_layers: int, num_kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype
     ) -> int:
+        """The bytes one block takes over all layers, K and V: codes plus, for int8, the
+        per-token scales (kernels/kv_quant.py). fp8's per-layer scales cost no block."""
         elem = torch.empty((), dtype=dtype).element_size()
-        return 2 * num_layers * num_kv_heads * block_size * head_dim * elem
+        per_token = head_dim * elem + scale_bytes_per_token(dtype)
+        return 2 * num_layers * num_kv_heads * block_size * per_token
+
+    @staticmethod
+    def fixed_bytes(num_layers: int, dtype: torch.dtype) -> int:
+        """The bytes a cache takes whatever its block count: fp8's per-layer K and V scales."""
+        return 2 * num_layers * layer_scale_bytes(dtype)
 
 
 def allocate_kv_cache(
@@ -129,6 +157,11 @@ def allocate_kv_cache(
     else:
         k = [torch.zeros(k_shape, dtype=dtype, device=device) for _ in range(num_layers)]
     v = [torch.zeros(v_shape, dtype=dtype, device=device) for _ in range(num_layers)]
+    if is_quantized(dtype):
+        for t in k + v:
+            scale = new_scale(dtype, num_kv_heads, num_blocks, block_size, device)
+            assert scale is not None
+            set_cache_scale(t, scale)
     return KVCache(k, v, num_blocks, block_size)
 
 
@@ -182,12 +215,47 @@ def write_kv(
     v: torch.Tensor,
     slot_mapping: torch.Tensor,
 ) -> None:
-    """Store k, v `[T, kv_heads, head_dim]` at the given slots `[T]` (int64)."""
+    """Store k, v `[T, kv_heads, head_dim]` at the given slots `[T]` (int64), as the cache's
+    dtype holds them: rounded to bf16, or quantized to fp8 or int8 with their scales
+    (kernels/kv_quant.py), here, once."""
     kvh, nb, bs, hd = v_cache.shape
     blocks, offsets = slot_mapping.div(bs, rounding_mode="floor"), slot_mapping.remainder(bs)
-    # The cache may be bf16 under fp32 activations (kv_cache_dtype): rounded here, once.
-    k_blocks(k_cache)[:, blocks, offsets] = k.transpose(0, 1).to(k_cache.dtype)  # writes through the view
-    v_cache.view(kvh, nb * bs, hd).index_copy_(1, slot_mapping, v.transpose(0, 1).to(v_cache.dtype))
+    kq, k_rows = quantize_kv(k, k_cache.dtype, cache_scale(k_cache))
+    vq, v_rows = quantize_kv(v, v_cache.dtype, cache_scale(v_cache))
+    k_blocks(k_cache)[:, blocks, offsets] = kq.transpose(0, 1)  # writes through the view
+    # index_copy_ has no fp8 kernel: the codes are copied as bytes.
+    v_bytes = v_cache.view(torch.uint8) if v_cache.element_size() == 1 else v_cache
+    v_bytes.view(kvh, nb * bs, hd).index_copy_(1, slot_mapping, vq.transpose(0, 1).view(v_bytes.dtype))
+    if k_rows is not None and v_rows is not None:  # int8: the per-token scales
+        for cache, rows in ((k_cache, k_rows), (v_cache, v_rows)):
+            scale = cache_scale(cache)
+            assert scale is not None
+            scale.view(kvh, nb * bs).index_copy_(1, slot_mapping, rows.transpose(0, 1))
+
+
+def gather_kv(
+    k_cache: torch.Tensor, v_cache: torch.Tensor, block_ids: torch.Tensor, start: int, stop: int, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V `[kv_heads, stop - start, head_dim]` of positions `[start, stop)` counted from the
+    first of the blocks `block_ids`, as `dtype`: what the cache holds, dequantized."""
+    kvh, _, _, hd = v_cache.shape
+    k = gather_k(k_cache, block_ids).view(kvh, -1, hd)[:, start:stop]
+    v = v_cache.index_select(1, block_ids).view(kvh, -1, hd)[:, start:stop]
+    kd = _dequantize(k, k_cache, block_ids, start, stop, dtype)
+    return kd, _dequantize(v, v_cache, block_ids, start, stop, dtype)
+
+
+def _dequantize(
+    codes: torch.Tensor, cache: torch.Tensor, block_ids: torch.Tensor, start: int, stop: int, dtype: torch.dtype
+) -> torch.Tensor:
+    """Gathered codes `[kv_heads, n, hd]` of `cache` (positions `[start, stop)` of `block_ids`) as
+    `dtype`; a plain cache's in its own dtype are returned as they are."""
+    scale = cache_scale(cache)
+    if cache.dtype == torch.int8:
+        assert scale is not None
+        rows = scale.index_select(1, block_ids).view(scale.shape[0], -1)[:, start:stop]
+        return dequantize_kv(codes, None, dtype, rows)
+    return dequantize_kv(codes, scale, dtype)
 
 
 def paged_decode_attention(
@@ -427,8 +495,8 @@ def _group_attention(
     k, v = workspace.buffers((kvh, b * g.max_blocks, bs, hd), k_cache.dtype, k_cache.device)
     gather_k(k_cache, g.block_ids, out=k)
     torch.index_select(v_cache, 1, g.block_ids, out=v)
-    k = k.view(kvh, b, g.max_blocks * bs, hd)[:, :, : g.length].to(q.dtype)  # a bf16 cache under fp32
-    v = v.view(kvh, b, g.max_blocks * bs, hd)[:, :, : g.length].to(q.dtype)
+    k = _group_values(k, k_cache, g, b, q.dtype)  # a bf16, fp8 or int8 cache under fp32
+    v = _group_values(v, v_cache, g, b, q.dtype)
     if softcap is not None:  # scores, cap and softmax in fp32
         qh = (q.float() * scale).view(b, kvh, h // kvh, hd).transpose(0, 1)  # [kvh, B, group, hd]
         scores = _soft_cap(torch.matmul(qh, k.float().transpose(-1, -2)), softcap)
@@ -446,6 +514,21 @@ def _group_attention(
     probs = torch.softmax(scores, dim=-1)
     out = torch.matmul(probs, v)  # [kvh, B, group, hd]
     return out.transpose(0, 1).reshape(b, h, hd)
+
+
+def _group_values(
+    codes: torch.Tensor, cache: torch.Tensor, g: DecodeGroup, b: int, dtype: torch.dtype
+) -> torch.Tensor:
+    """A decode group's gathered K or V `[kvh, b * max_blocks, bs, hd]` as `[kvh, b, length, hd]`
+    in `dtype` (dequantized: int8's per-token scales are gathered by the same block ids)."""
+    kvh, _, bs, hd = codes.shape
+    codes = codes.view(kvh, b, g.max_blocks * bs, hd)[:, :, : g.length]
+    scale = cache_scale(cache)
+    if cache.dtype == torch.int8:
+        assert scale is not None
+        rows = scale.index_select(1, g.block_ids).view(kvh, b, g.max_blocks * bs)[:, :, : g.length]
+        return dequantize_kv(codes, None, dtype, rows)
+    return dequantize_kv(codes, scale, dtype)
 
 
 def prefill_attention(
@@ -482,19 +565,27 @@ def prefill_attention(
             q, k, v, k_cache, v_cache, block_ids, num_context, scale, window, softcap
         )
     qh = q.transpose(0, 1).unsqueeze(0)  # [1, H, n, hd]
-    if num_context == 0:
+    if num_context == 0 and _holds_exactly(k_cache, q):
         kh = k.transpose(0, 1).unsqueeze(0)
         vh = v.transpose(0, 1).unsqueeze(0)
         out = _sdpa(qh, kh, vh, None, scale)
     else:
-        kvh, _, bs, hd = v_cache.shape
+        # Over what the cache holds (bf16, fp8, int8 under fp32 activations), as every later
+        # read of these tokens (decode, a prefix-cache hit, the next chunk) sees them.
         total = num_context + n
-        kh = gather_k(k_cache, block_ids).view(1, kvh, -1, hd)[:, :, :total].to(q.dtype)
-        vh = v_cache.index_select(1, block_ids).view(1, kvh, -1, hd)[:, :, :total].to(q.dtype)
-        rows = torch.arange(n, device=q.device)[:, None] + num_context
-        mask = torch.arange(total, device=q.device)[None, :] <= rows  # [n, total], True = attend
-        out = _sdpa(qh, kh, vh, mask, scale)
+        kc, vc = gather_kv(k_cache, v_cache, block_ids, 0, total, q.dtype)
+        mask = None  # no earlier context: plain causal
+        if num_context:
+            rows = torch.arange(n, device=q.device)[:, None] + num_context
+            mask = torch.arange(total, device=q.device)[None, :] <= rows  # [n, total], True = attend
+        out = _sdpa(qh, kc.unsqueeze(0), vc.unsqueeze(0), mask, scale)
     return out.squeeze(0).transpose(0, 1)
+
+
+def _holds_exactly(cache: torch.Tensor, q: torch.Tensor) -> bool:
+    """Whether the cache holds the activations' values as they are (its dtype is theirs): then a
+    prefill's fresh K/V are exactly the cached ones and need not be read back."""
+    return cache.dtype == q.dtype
 
 
 @dataclass
@@ -600,14 +691,13 @@ def _masked_prefill(
     kvh, _, bs, _ = v_cache.shape
     total = num_context + n
     first = 0 if window is None else max(0, num_context - window + 1)  # the first key any row sees
-    if num_context == 0:
+    if num_context == 0 and _holds_exactly(k_cache, q):
         key0 = 0
-        kh, vh = k.transpose(0, 1).to(q.dtype), v.transpose(0, 1).to(q.dtype)  # [kvh, n, hd]
-    else:
+        kh, vh = k.transpose(0, 1), v.transpose(0, 1)  # [kvh, n, hd]
+    else:  # over what the cache holds (see prefill_attention)
         fb = first // bs
-        key0, ids = fb * bs, block_ids[fb:]
-        kh = gather_k(k_cache, ids).view(kvh, -1, hd)[:, : total - key0].to(q.dtype)
-        vh = v_cache.index_select(1, ids).view(kvh, -1, hd)[:, : total - key0].to(q.dtype)
+        key0 = fb * bs
+        kh, vh = gather_kv(k_cache, v_cache, block_ids[fb:], 0, total - key0, q.dtype)
     qh = q.transpose(0, 1)  # [H, n, hd]
     out = q.new_empty(h, n, hd)
     # A chunk of r <= window rows reaches at most r + window - 1 < 2 * window keys.

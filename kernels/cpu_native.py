@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 from triollm.kernels.envs import CPU_KERNELS_ENV, ISA_ENV, cpu_kernels_enabled, forced_cpu_isa
+from triollm.kernels.kv_quant import cache_scale
 
 __all__ = [
     "CPU_KERNELS_ENV",
@@ -194,10 +195,12 @@ def paged_decode_attention(
     softcap: float | None = None,
 ) -> torch.Tensor:
     """See kernels/csrc/cpu_attention.cpp (`window`, `softcap`: as `attention.decode_attention`
-    takes them; None is 0 there). Call only when `available()`."""
+    takes them; None is 0 there; a quantized cache's scales come with its tensors,
+    `kv_quant.cache_scale`). Call only when `available()`."""
     return torch.ops.triollm_cpu.paged_decode_attention(
-        q, k_cache, v_cache, block_tables, context_lens, scale, window or 0, softcap or 0.0
-    )
+        q, k_cache, v_cache, block_tables, context_lens, scale, window or 0, softcap or 0.0,
+        cache_scale(k_cache), cache_scale(v_cache),
+    )  # fmt: skip
 
 
 def rotary_write_kv(
@@ -214,8 +217,9 @@ def rotary_write_kv(
     the cache at `slot_mapping`, return the rotated Q `[T, H, hd]` (the torch path:
     `apply_rotary_signed` + `write_kv`). Call only when `available()`."""
     return torch.ops.triollm_cpu.rotary_write_kv(
-        qkv, cos, signed_sin, k_cache, v_cache, slot_mapping, num_heads, num_kv_heads
-    )
+        qkv, cos, signed_sin, k_cache, v_cache, slot_mapping, num_heads, num_kv_heads,
+        cache_scale(k_cache), cache_scale(v_cache),
+    )  # fmt: skip
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:

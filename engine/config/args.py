@@ -93,8 +93,11 @@ class EngineArgs:
         "float32", choices=DTYPES)
     kv_cache_dtype: str = arg(
         "auto", "the KV cache's dtype: auto (the model's; bfloat16 under a quantized model's "
-        "float32 activations, as llama.cpp keeps f16), bfloat16, or float32 (triollm's: the "
-        "activations' float32)", choices=KV_CACHE_DTYPES)
+        "float32 activations, as llama.cpp keeps f16), bfloat16, float32 (triollm's: the "
+        "activations' float32), fp8 (= fp8_e4m3) or fp8_e5m2 (vLLM's: one scale per layer for K "
+        "and for V), int8 (llama.cpp's q8_0, also accepted: int8 codes with a scale per token and "
+        "kv head); fp8 and int8 hold twice bfloat16's tokens in the same memory",
+        choices=KV_CACHE_DTYPES)
     quantization: str | None = arg(
         None, "weight-only quantized linear layers on CPU: gguf (a .gguf model's blocks as "
         "shipped), int8, int4, gptq, awq, fp8, compressed-tensors (a checkpoint's "
@@ -269,7 +272,7 @@ class EngineArgs:
             "tokenizer_mode", self.tokenizer_mode, TOKENIZER_MODES,
             "only fast tokenizers (tokenizer.json) are supported",
         )  # fmt: skip
-        one_of("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES, "no fp8 KV cache")
+        one_of("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
         if self.quantization is not None:
             one_of("quantization", self.quantization, QUANTIZATIONS, _QUANTIZATION_HINT)
         self.data_parallel_external_lb = check_parallel(self)

@@ -13,6 +13,7 @@ import torch
 from triollm.engine import envs
 from triollm.engine.loading.model_config import QUANTIZED_FILE, ModelConfig
 from triollm.engine.loading.quant_checkpoints import ALIASES, METHODS
+from triollm.kernels.kv_quant import is_quantized
 
 __all__ = ["KV_CACHE_DTYPES", "QUANTIZATIONS", "quantize", "with_kv_cache_dtype"]
 
@@ -23,8 +24,19 @@ QUANTIZATIONS = (
     "gguf", "int8", "int4", "gptq", "gptq_marlin", "awq", "awq_marlin", "fp8",
     "compressed-tensors", "none",
 )  # fmt: skip
-KV_CACHE_DTYPES = ("auto", "bfloat16", "float32")
-_KV_DTYPES = {"auto": None, "bfloat16": torch.bfloat16, "float32": torch.float32}
+# The KV cache's dtypes, vLLM's names (`fp8` is e4m3) and llama.cpp's `q8_0` for int8 (the
+# formats: kernels/kv_quant.py).
+KV_CACHE_DTYPES = ("auto", "bfloat16", "float32", "fp8", "fp8_e4m3", "fp8_e5m2", "int8", "q8_0")
+_KV_DTYPES = {
+    "auto": None,
+    "bfloat16": torch.bfloat16,
+    "float32": torch.float32,
+    "fp8": torch.float8_e4m3fn,
+    "fp8_e4m3": torch.float8_e4m3fn,
+    "fp8_e5m2": torch.float8_e5m2,
+    "int8": torch.int8,
+    "q8_0": torch.int8,
+}
 _KEPT_BLOCKS = "Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K"
 
 
@@ -121,8 +133,22 @@ def with_kv_cache_dtype(model: ModelConfig, kv_cache_dtype: str, device: str) ->
     (`ModelConfig.kv_cache_dtype`). By default a quantized model's fp32 activations get a bf16
     cache: at 64 requests the decode attention reads more bytes of KV cache than of weights,
     and bf16 halves them (docs/benchmarks.md, issue 13); batch-1 tokens barely read it.
-    Elsewhere the cache has the activations' dtype, as in vLLM."""
+    Elsewhere the cache has the activations' dtype, as in vLLM. A quantized cache (fp8, int8:
+    kernels/kv_quant.py) halves bf16's bytes again; on the CPU its kernels take float32
+    activations (the CPU's default), on a GPU the Triton kernels take any."""
+    if kv_cache_dtype not in _KV_DTYPES:
+        raise ValueError(
+            f"kv_cache_dtype: {kv_cache_dtype!r} is not supported; allowed: {', '.join(KV_CACHE_DTYPES)}"
+        )
     want = _KV_DTYPES[kv_cache_dtype]
+    if want is not None and is_quantized(want):
+        if device == "cpu" and model.dtype != torch.float32:
+            raise ValueError(
+                f"kv_cache_dtype: {kv_cache_dtype!r} on the CPU runs under float32 activations; "
+                f"the model's are {str(model.dtype).removeprefix('torch.')} (use dtype auto or float32, "
+                "or kv_cache_dtype auto or bfloat16)"
+            )
+        return dataclasses.replace(model, kv_cache_dtype=want)
     if want is None:
         quantized_fp32 = model.quantization is not None and model.dtype == torch.float32
         want = torch.bfloat16 if quantized_fp32 else model.dtype
@@ -132,6 +158,7 @@ def with_kv_cache_dtype(model: ModelConfig, kv_cache_dtype: str, device: str) ->
         activations = str(model.dtype).removeprefix("torch.")
         raise ValueError(
             f"kv_cache_dtype: {kv_cache_dtype!r} under {activations} activations on {device!r} is "
-            "not supported; allowed: auto, or bfloat16 under float32 activations on the CPU"
+            "not supported; allowed: auto, fp8, fp8_e4m3, fp8_e5m2, int8 (q8_0), or bfloat16 under "
+            "float32 activations on the CPU"
         )
     return dataclasses.replace(model, kv_cache_dtype=want)

@@ -221,14 +221,25 @@ class Executor:
             size += KVCache.bytes_per_block(d.num_layers, d.num_kv_heads, d.head_dim, bs, d.cache_dtype)
         return size
 
+    def fixed_bytes(self) -> int:
+        """KV bytes whatever the block count (an fp8 cache's per-layer scales), draft included."""
+        mc = self.config.model
+        size = KVCache.fixed_bytes(mc.num_layers, mc.cache_dtype)
+        spec = self.config.speculative
+        if spec is not None and spec.draft is not None and self.draft_model is not None:
+            size += KVCache.fixed_bytes(spec.draft.num_layers, spec.draft.cache_dtype)
+        return size
+
     def _num_kv_blocks(self) -> int:
+        """The blocks that fit the budget (kv_cache_memory_bytes, or what the device has free):
+        every byte of the cache counted, its scales included (`KVCache.bytes_per_block`)."""
         cache = self.config.cache
         if cache.num_kv_blocks is not None:
             return cache.num_kv_blocks
         budget = cache.kv_cache_memory_bytes
         if budget is None:
             budget = default_kv_budget(self.config.device, cache.gpu_memory_utilization)
-        blocks = budget // self.bytes_per_block()
+        blocks = (budget - self.fixed_bytes()) // self.bytes_per_block()
         # More blocks than every sequence at full length could use would only waste memory.
         per_seq = math.ceil(self.config.model.max_model_len / cache.block_size)
         blocks = min(blocks, self.config.scheduler.max_num_seqs * per_seq + 1)

@@ -96,8 +96,9 @@ class ModelConfig(HfConfig):
     # (the GGUF's blocks as shipped), "int8" or "int4" (float weights quantized at load), or a
     # quantized checkpoint's own method: "gptq", "awq", "fp8", "compressed-tensors".
     quantization: str | None = None
-    # The KV cache's dtype where it differs from the activations' (`kv_cache_dtype`): only a
-    # bf16 cache under fp32 activations, on CPU. None: the activations' dtype.
+    # The KV cache's dtype where it differs from the activations' (`kv_cache_dtype`): a bf16
+    # cache under fp32 activations on CPU, or a quantized one (float8_e4m3fn, float8_e5m2,
+    # int8: kernels/kv_quant.py). None: the activations' dtype.
     kv_cache_dtype: torch.dtype | None = None
 
     @property

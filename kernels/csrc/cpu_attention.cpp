@@ -9,7 +9,13 @@
 // blocks once for the whole GQA group of query heads. Scores and the running sum are fp32
 // whatever the cache dtype (bf16/fp16 are widened block by block into a small fp32 buffer).
 // The cache may be bf16 under fp32 queries (kv_cache_dtype): half the bytes to read, which at
-// large batches is most of a decode step's memory traffic.
+// large batches is most of a decode step's memory traffic; or quantized (kernels/kv_quant.py),
+// a quarter: fp8 (e4m3fn, e5m2) with one scale per layer for K and one for V, folded out of
+// the loops (K's into the query's scale, V's into the final normalisation), or int8 with an
+// fp16 scale per (token, kv head), applied once per token: to its score after the dot product
+// and to its probability before P.V. fp8 codes widen to fp32 by integer shifts (a normal code's
+// exponent and mantissa bits placed in a float, times the bias difference; a subnormal one from
+// its mantissa as an integer), which vectorises like the bf16 shift.
 // With K transposed, a block's scores are block_size-wide vertical FMAs over head_dim (no
 // horizontal sums), and P.V adds each V row, scaled, to the group's accumulators.
 //
@@ -34,6 +40,11 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+#include <optional>
+#include <type_traits>
 #include <vector>
 
 namespace triollm_cpu {
@@ -56,6 +67,86 @@ inline float load_f<c10::BFloat16>(c10::BFloat16 v) {
   std::memcpy(&f, &bits, sizeof f);
   return f;
 }
+// fp8 codes to fp32. e4m3fn: s eeee mmm, bias 7; e5m2: s eeeee mm, bias 15 (the high byte of an
+// fp16). A normal code's bits shifted into a float's exponent and mantissa fields give a normal
+// float 2^(e - 127) * 1.m, times 2^(127 - bias); a subnormal code (e = 0) is m * 2^(1 - bias -
+// mantissa bits). No float here is subnormal, so flush-to-zero modes change nothing. The codes
+// the writers store are finite (saturated), so the NaN code is never read.
+// e4m3fn is read as its value times 2^-8 (kRaw), what the vector path gets for free by taking
+// its bits as an fp16's (bias 15, not 7); `decode` folds the 2^8 back into its scales.
+template <typename K>
+constexpr float kRaw = std::is_same_v<K, c10::Float8_e4m3fn> ? 0x1p-8f : 1.f;
+template <>
+inline float load_f<c10::Float8_e4m3fn>(c10::Float8_e4m3fn v) {
+  const uint32_t x = v.x, mag = x & 0x7Fu;
+  float normal, sub = static_cast<float>(mag & 0x7u) * 0x1p-17f;
+  const uint32_t nbits = mag << 20;
+  std::memcpy(&normal, &nbits, sizeof normal);
+  normal *= 0x1p112f;
+  const float f = (mag >> 3) ? normal : sub;
+  return (x & 0x80u) ? -f : f;
+}
+template <>
+inline float load_f<c10::Float8_e5m2>(c10::Float8_e5m2 v) {
+  const uint32_t x = v.x, mag = x & 0x7Fu;
+  float normal, sub = static_cast<float>(mag & 0x3u) * 0x1p-16f;
+  const uint32_t nbits = mag << 21;
+  std::memcpy(&normal, &nbits, sizeof normal);
+  normal *= 0x1p112f;
+  const float f = (mag >> 2) ? normal : sub;
+  return (x & 0x80u) ? -f : f;
+}
+template <>
+inline float load_f<int8_t>(int8_t v) {
+  return static_cast<float>(v);
+}
+
+template <typename K>
+constexpr bool kPerToken = std::is_same_v<K, int8_t>;  // int8: a scale per (token, kv head)
+template <typename K>
+constexpr bool kQuantized = kPerToken<K> || std::is_same_v<K, c10::Float8_e4m3fn> ||
+                            std::is_same_v<K, c10::Float8_e5m2>;
+
+// 16 cached values (or fp16 scales) as fp32, the inner step of the block-16 kernels. With
+// AVX-512 the quantized types take a few instructions per 16 values: fp8 becomes the bits of an
+// fp16 (e5m2 is an fp16's high byte; e4m3fn's exponent and mantissa shifted into an fp16's,
+// exact for subnormals too: the value times 2^-8, kRaw), converted by vcvtph2ps;
+// int8 is sign-extended and converted. Elsewhere (and for the plain types, which the compiler
+// vectorises by itself) it is `load_f` per value.
+template <typename K>
+inline void widen16(const K* src, float* dst) {
+#if defined(__AVX512F__)
+  if constexpr (std::is_same_v<K, c10::Float8_e4m3fn> || std::is_same_v<K, c10::Float8_e5m2>) {
+    const __m256i w = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src)));
+    if constexpr (std::is_same_v<K, c10::Float8_e5m2>) {
+      _mm512_storeu_ps(dst, _mm512_cvtph_ps(_mm256_slli_epi16(w, 8)));
+    } else {  // sign to bit 15, then an arithmetic shift puts the rest at bits 7..13
+      const __m256i bits = _mm256_srai_epi16(_mm256_slli_epi16(w, 8), 1);
+      _mm512_storeu_ps(dst, _mm512_cvtph_ps(_mm256_and_si256(bits, _mm256_set1_epi16(static_cast<short>(0xBFFF)))));
+    }
+    return;
+  } else if constexpr (std::is_same_v<K, int8_t>) {
+    const __m512i i = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src)));
+    _mm512_storeu_ps(dst, _mm512_cvtepi32_ps(i));
+    return;
+  } else if constexpr (std::is_same_v<K, c10::Half>) {
+    _mm512_storeu_ps(dst, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src))));
+    return;
+  }
+#endif
+#pragma omp simd
+  for (int t = 0; t < 16; ++t) dst[t] = load_f(src[t]);
+}
+
+// A layer's quantization scales as the decode kernels take them: int8's per-token fp16 scales
+// ([kv_heads, num_blocks, block_size], null otherwise) and fp8's V scale (1 otherwise; K's is
+// folded into the query's scale by the caller).
+struct Scales {
+  const c10::Half* k = nullptr;
+  const c10::Half* v = nullptr;
+  float v_layer = 1.f;
+};
+
 template <typename T>
 inline T store_f(float f) {
   return static_cast<T>(f);
@@ -69,8 +160,38 @@ inline c10::BFloat16 store_f<c10::BFloat16>(float f) {
 }
 
 // K/V rows of one block as fp32: a pointer into the cache itself for fp32, else a widened copy.
+// n fp8 codes (a multiple of 32) as fp32 (times kRaw), 32 at a time: the shifts run on 32
+// 16-bit lanes at once, so a value costs little more than its vcvtph2ps.
+template <typename K>
+inline void widen_fp8(const K* src, float* dst, int64_t n) {
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+  for (int64_t i = 0; i < n; i += 32) {
+    __m512i w = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i)));
+    w = _mm512_slli_epi16(w, 8);
+    if constexpr (std::is_same_v<K, c10::Float8_e4m3fn>)
+      w = _mm512_and_si512(_mm512_srai_epi16(w, 1), _mm512_set1_epi16(static_cast<short>(0xBFFF)));
+    _mm512_storeu_ps(dst + i, _mm512_cvtph_ps(_mm512_castsi512_si256(w)));
+    _mm512_storeu_ps(dst + i + 16, _mm512_cvtph_ps(_mm512_extracti64x4_epi64(w, 1)));
+  }
+#else
+  for (int64_t i = 0; i < n; i += 16) widen16(src + i, dst + i);
+#endif
+}
+
 template <typename T>
 inline const float* as_float(const T* src, float* buf, int64_t n) {
+  if constexpr (kQuantized<T>) {
+    if constexpr (!kPerToken<T>) {
+      if (n % 32 == 0) {
+        widen_fp8(src, buf, n);
+        return buf;
+      }
+    }
+    if (n % 16 == 0) {
+      for (int64_t i = 0; i < n; i += 16) widen16(src + i, buf + i);
+      return buf;
+    }
+  }
 #pragma omp simd
   for (int64_t i = 0; i < n; ++i) buf[i] = load_f(src[i]);
   return buf;
@@ -96,8 +217,8 @@ inline void soft_cap(float* s, int64_t n, float cap) {
 template <typename T, typename K, int kBS, int kD, bool kCap = false>
 void decode_pair(const T* qrow, const K* kp, const K* vp, const int32_t* table, int64_t n,
                  int64_t start, int64_t G, int64_t NB, int64_t h, int64_t rt_bs, int64_t rt_d,
-                 float fscale, float cap, float* qf, float* acc, float* kbuf, float* vbuf,
-                 float* s, float* m, float* l, T* orow) {
+                 float fscale, float cap, const Scales& sc, float* qf, float* acc, float* kbuf,
+                 float* vbuf, float* s, float* m, float* l, T* orow) {
   const int64_t BS = kBS ? kBS : rt_bs;
   const int64_t D = kD ? kD : rt_d;
   for (int64_t j = 0; j < G * D; ++j) qf[j] = load_f(qrow[j]) * fscale;
@@ -109,6 +230,18 @@ void decode_pair(const T* qrow, const K* kp, const K* vp, const int32_t* table, 
     const int64_t base = ((h * NB + id) * BS) * D;
     const float* kt = as_float(kp + base, kbuf, D * BS);  // [D][BS]
     const float* vf = as_float(vp + base, vbuf, cnt * D);  // [cnt][D]
+    float ks[kPerToken<K> ? (kBS ? kBS : 64) : 1], vs[kPerToken<K> ? (kBS ? kBS : 64) : 1];
+    if constexpr (kPerToken<K>) {
+      if constexpr (kBS == 16) {
+        widen16(sc.k + (h * NB + id) * BS, ks);
+        widen16(sc.v + (h * NB + id) * BS, vs);
+      } else {
+        for (int64_t t = 0; t < BS; ++t) {
+          ks[t] = static_cast<float>(sc.k[(h * NB + id) * BS + t]);
+          vs[t] = static_cast<float>(sc.v[(h * NB + id) * BS + t]);
+        }
+      }
+    }
     for (int64_t g = 0; g < G; ++g) {
       const float* qg = qf + g * D;
       float* sg = s + g * BS;
@@ -136,6 +269,9 @@ void decode_pair(const T* qrow, const K* kp, const K* vp, const int32_t* table, 
           for (int64_t t = 0; t < BS; ++t) sg[t] += qd * kd[t];
         }
       }
+      if constexpr (kPerToken<K>) {
+        for (int64_t t = 0; t < BS; ++t) sg[t] *= ks[t];
+      }
       if constexpr (kCap) soft_cap(sg, BS, cap);
       for (int64_t t = cnt; t < BS; ++t) sg[t] = kNegBig;  // past the sequence's end
       for (int64_t t = 0; t < start - blk * BS; ++t) sg[t] = kNegBig;  // before the window
@@ -156,7 +292,7 @@ void decode_pair(const T* qrow, const K* kp, const K* vp, const int32_t* table, 
 #pragma omp simd
         for (int d = 0; d < kD; ++d) a[d] = ag[d] * corr;
         for (int64_t t = 0; t < cnt; ++t) {
-          const float p = sg[t];
+          const float p = kPerToken<K> ? sg[t] * vs[t] : sg[t];
           const float* vt = vf + t * kD;
 #pragma omp simd
           for (int d = 0; d < kD; ++d) a[d] += p * vt[d];
@@ -167,7 +303,7 @@ void decode_pair(const T* qrow, const K* kp, const K* vp, const int32_t* table, 
 #pragma omp simd
         for (int64_t d = 0; d < D; ++d) ag[d] *= corr;
         for (int64_t t = 0; t < cnt; ++t) {
-          const float p = sg[t];
+          const float p = kPerToken<K> ? sg[t] * vs[t] : sg[t];
           const float* vt = vf + t * D;
 #pragma omp simd
           for (int64_t d = 0; d < D; ++d) ag[d] += p * vt[d];
@@ -176,19 +312,20 @@ void decode_pair(const T* qrow, const K* kp, const K* vp, const int32_t* table, 
     }
   }
   for (int64_t g = 0; g < G; ++g) {
-    const float inv = 1.f / l[g];
+    const float inv = sc.v_layer / l[g];
     for (int64_t d = 0; d < D; ++d) orow[g * D + d] = store_f<T>(acc[g * D + d] * inv);
   }
 }
 
 // The common shapes with the GQA group size also fixed (kG query heads per kv head): the
 // group's scores (kG x 16) and outputs (kG x kD) stay in registers, and each K and V row is
-// widened once, in registers, for the whole group (no fp32 copy of the block).
+// widened once, in registers, for the whole group (no fp32 copy of the block; a quantized
+// block is widened whole into one, see below).
 template <typename T, typename K, int kD, int kG>
 void decode_pair_group(const T* qrow, const K* kp, const K* vp, const int32_t* table, int64_t n,
                        int64_t start, int64_t, int64_t NB, int64_t h, int64_t, int64_t,
-                       float fscale, float, float*, float*, float*, float*, float*, float*,
-                       float*, T* orow) {
+                       float fscale, float, const Scales& sc, float*, float*, float*, float*,
+                       float*, float*, float*, T* orow) {
   constexpr int kBS = 16;
   float qf[kG][kD];
   for (int g = 0; g < kG; ++g)
@@ -202,14 +339,38 @@ void decode_pair_group(const T* qrow, const K* kp, const K* vp, const int32_t* t
     const K* kt = kp + (h * NB + id) * kD * kBS;  // [kD][kBS]
     const K* vb = vp + (h * NB + id) * kBS * kD;  // [kBS][kD]
     float s[kG][kBS] = {};
+    // Quantized blocks are widened whole (fp8 32 values at a time) into fp32 copies in L1: the
+    // conversions run back to back, apart from the FMAs that read them.
+    constexpr bool kWholeBlock = kQuantized<K>;
+    alignas(64) float kblk[kWholeBlock ? kD * kBS : 1];
+    alignas(64) float vblk[kWholeBlock ? kBS * kD : 1];
+    if constexpr (kWholeBlock) {
+      as_float(kt, kblk, kD * kBS);
+      as_float(vb, vblk, cnt * kD);
+    }
     for (int d = 0; d < kD; ++d) {
-      float kd[kBS];
+      float kbuf[kBS];
+      const float* kd = kbuf;
+      if constexpr (kWholeBlock) {
+        kd = kblk + d * kBS;
+      } else {
 #pragma omp simd
-      for (int t = 0; t < kBS; ++t) kd[t] = load_f(kt[d * kBS + t]);
+        for (int t = 0; t < kBS; ++t) kbuf[t] = load_f(kt[d * kBS + t]);
+      }
       for (int g = 0; g < kG; ++g) {
         const float qd = qf[g][d];
 #pragma omp simd
         for (int t = 0; t < kBS; ++t) s[g][t] += qd * kd[t];
+      }
+    }
+    float vs[kBS];
+    if constexpr (kPerToken<K>) {
+      float ks[kBS];
+      widen16(sc.k + (h * NB + id) * kBS, ks);
+      widen16(sc.v + (h * NB + id) * kBS, vs);
+      for (int g = 0; g < kG; ++g) {
+#pragma omp simd
+        for (int t = 0; t < kBS; ++t) s[g][t] *= ks[t];
       }
     }
     float corr[kG];
@@ -231,18 +392,23 @@ void decode_pair_group(const T* qrow, const K* kp, const K* vp, const int32_t* t
       for (int d = 0; d < kD; ++d) acc[g][d] *= corr[g];
     }
     for (int64_t t = 0; t < cnt; ++t) {
-      float vt[kD];
+      float vbuf[kD];
+      const float* vt = vbuf;
+      if constexpr (kWholeBlock) {
+        vt = vblk + t * kD;
+      } else {
 #pragma omp simd
-      for (int d = 0; d < kD; ++d) vt[d] = load_f(vb[t * kD + d]);
+        for (int d = 0; d < kD; ++d) vbuf[d] = load_f(vb[t * kD + d]);
+      }
       for (int g = 0; g < kG; ++g) {
-        const float p = s[g][t];
+        const float p = kPerToken<K> ? s[g][t] * vs[t] : s[g][t];
 #pragma omp simd
         for (int d = 0; d < kD; ++d) acc[g][d] += p * vt[d];
       }
     }
   }
   for (int g = 0; g < kG; ++g) {
-    const float inv = 1.f / l[g];
+    const float inv = sc.v_layer / l[g];
     for (int d = 0; d < kD; ++d) orow[g * kD + d] = store_f<T>(acc[g][d] * inv);
   }
 }
@@ -267,7 +433,8 @@ PairFn<T, K> group_instance(int64_t G) {
 template <typename T, typename K>
 void decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
             const at::Tensor& block_tables, const at::Tensor& context_lens, double scale,
-            int64_t window, double softcap, at::Tensor& out) {
+            int64_t window, double softcap, const std::optional<at::Tensor>& k_scale,
+            const std::optional<at::Tensor>& v_scale, at::Tensor& out) {
   const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
   const int64_t KVH = v_cache.size(0), NB = v_cache.size(1), BS = v_cache.size(2);
   const int64_t G = H / KVH, M = block_tables.size(1);
@@ -277,7 +444,24 @@ void decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
   const int32_t* tables = block_tables.data_ptr<int32_t>();
   const int32_t* lens = context_lens.data_ptr<int32_t>();
   T* op = out.data_ptr<T>();
-  const float fscale = static_cast<float>(scale), cap = static_cast<float>(softcap);
+  float fscale = static_cast<float>(scale);
+  const float cap = static_cast<float>(softcap);
+  Scales sc;
+  if constexpr (kPerToken<K>) {
+    TORCH_CHECK(k_scale && v_scale && k_scale->scalar_type() == at::kHalf && v_scale->scalar_type() == at::kHalf &&
+                    k_scale->is_contiguous() && v_scale->is_contiguous() &&
+                    k_scale->numel() == KVH * NB * BS && v_scale->numel() == KVH * NB * BS,
+                "an int8 cache: k_scale and v_scale fp16 [kv_heads, num_blocks, block_size], contiguous");
+    TORCH_CHECK(BS <= 64, "an int8 cache: block_size at most 64");
+    sc.k = reinterpret_cast<const c10::Half*>(k_scale->data_ptr());
+    sc.v = reinterpret_cast<const c10::Half*>(v_scale->data_ptr());
+  } else if (k_scale || v_scale) {  // fp8: the layer's scales, folded out of the loops
+    TORCH_CHECK(k_scale && v_scale && k_scale->scalar_type() == at::kFloat &&
+                    v_scale->scalar_type() == at::kFloat && k_scale->numel() == 1 && v_scale->numel() == 1,
+                "an fp8 cache: k_scale and v_scale are float32 [1]");
+    fscale *= k_scale->data_ptr<float>()[0] / kRaw<K>;
+    sc.v_layer = v_scale->data_ptr<float>()[0] / kRaw<K>;
+  }
   auto pair = &decode_pair<T, K, 0, 0>;
   if (cap > 0.f) {
     pair = &decode_pair<T, K, 0, 0, true>;
@@ -301,17 +485,23 @@ void decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
       const int64_t b = i / KVH, h = i % KVH;
       const int64_t start = window > 0 ? std::max<int64_t>(0, lens[b] - window) : 0;
       pair(qp + (b * H + h * G) * D, kp, vp, tables + b * M, lens[b], start, G, NB, h, BS, D,
-           fscale, cap, qf.data(), acc.data(), kbuf.data(), vbuf.data(), s.data(), m.data(),
+           fscale, cap, sc, qf.data(), acc.data(), kbuf.data(), vbuf.data(), s.data(), m.data(),
            l.data(), op + (b * H + h * G) * D);
     }
   });
 }
 
-// window: 0, or a sliding window of that many positions; softcap: 0, or the logit soft-cap.
+bool is_quantized(at::ScalarType t) {
+  return t == at::kFloat8_e4m3fn || t == at::kFloat8_e5m2 || t == at::kChar;
+}
+
+// window: 0, or a sliding window of that many positions; softcap: 0, or the logit soft-cap;
+// k_scale, v_scale: a quantized cache's (fp8: float32 [1] each; int8: fp16 per token).
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
                                   const at::Tensor& v_cache, const at::Tensor& block_tables,
                                   const at::Tensor& context_lens, double scale, int64_t window,
-                                  double softcap) {
+                                  double softcap, const std::optional<at::Tensor>& k_scale,
+                                  const std::optional<at::Tensor>& v_scale) {
   TORCH_CHECK(q.device().is_cpu() && k_cache.device().is_cpu(), "CPU tensors only");
   TORCH_CHECK(window >= 0, "window: ", window, " must be >= 1 (0: no window)");
   TORCH_CHECK(softcap >= 0, "softcap: ", softcap, " must be > 0 (0: no soft-capping)");
@@ -322,8 +512,9 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
               "blocks, block_size, hd]");
   TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type() &&
                   (q.scalar_type() == k_cache.scalar_type() ||
-                   (q.scalar_type() == at::kFloat && k_cache.scalar_type() == at::kBFloat16)),
-              "q and the cache must have one dtype, or q float32 over a bfloat16 cache");
+                   (q.scalar_type() == at::kFloat &&
+                    (k_cache.scalar_type() == at::kBFloat16 || is_quantized(k_cache.scalar_type())))),
+              "q and the cache must have one dtype, or q float32 over a bfloat16, fp8 or int8 cache");
   TORCH_CHECK(q.size(2) == v_cache.size(3) && q.size(1) % v_cache.size(0) == 0,
               "head_dim must match and query heads be a multiple of kv heads");
   TORCH_CHECK(block_tables.scalar_type() == at::kInt && context_lens.scalar_type() == at::kInt,
@@ -337,13 +528,25 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
   auto tc = block_tables.contiguous();
   auto lc = context_lens.contiguous();
   auto out = at::empty_like(qc);
-  if (qc.scalar_type() != kc.scalar_type()) {
-    // fp32 activations, bf16 cache
-    decode<float, c10::BFloat16>(qc, kc, vc, tc, lc, scale, window, softcap, out);
-    return out;
+  switch (kc.scalar_type()) {  // fp32 activations over a bf16 or quantized cache
+    case at::kBFloat16:
+      if (qc.scalar_type() == at::kBFloat16) break;
+      decode<float, c10::BFloat16>(qc, kc, vc, tc, lc, scale, window, softcap, k_scale, v_scale, out);
+      return out;
+    case at::kFloat8_e4m3fn:
+      decode<float, c10::Float8_e4m3fn>(qc, kc, vc, tc, lc, scale, window, softcap, k_scale, v_scale, out);
+      return out;
+    case at::kFloat8_e5m2:
+      decode<float, c10::Float8_e5m2>(qc, kc, vc, tc, lc, scale, window, softcap, k_scale, v_scale, out);
+      return out;
+    case at::kChar:
+      decode<float, int8_t>(qc, kc, vc, tc, lc, scale, window, softcap, k_scale, v_scale, out);
+      return out;
+    default:
+      break;
   }
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, qc.scalar_type(), "paged_decode", [&] {
-    decode<scalar_t, scalar_t>(qc, kc, vc, tc, lc, scale, window, softcap, out);
+    decode<scalar_t, scalar_t>(qc, kc, vc, tc, lc, scale, window, softcap, k_scale, v_scale, out);
   });
   return out;
 }
@@ -354,10 +557,36 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
 // rotate-half's sign folded into sin: out = x * cos + roll(x, D/2) * sin). K goes to
 // k_cache[kvh][block][:, offset] (blocks transposed), V to v_cache[kvh][block][offset][:], with
 // block, offset = slot / block_size, slot % block_size. Returns the rotated Q [T, H, D].
+// A quantized cache gets codes as kernels/kv_quant.py writes them (`store_row`).
+
+// One K or V row x[0..D) into the cache at dst[d * stride], as the cache's type holds it: fp8
+// saturated after multiplying by `inv` (1 / the layer's scale); int8 with its fp16 scale
+// absmax / 127 written to *row_scale and the codes rounded (half to even) from the rounded
+// scale; otherwise rounded to K.
+template <typename K>
+void store_row(const float* x, int64_t D, K* dst, int64_t stride, float inv, c10::Half* row_scale) {
+  if constexpr (std::is_same_v<K, int8_t>) {
+    float amax = 0.f;
+    for (int64_t d = 0; d < D; ++d) amax = std::max(amax, std::fabs(x[d]));
+    const c10::Half sh(amax * (1.f / 127.f));
+    *row_scale = sh;
+    const float sf = static_cast<float>(sh);
+    const float r = sf > 0.f ? 1.f / sf : 0.f;
+    for (int64_t d = 0; d < D; ++d)
+      dst[d * stride] = static_cast<int8_t>(std::min(127.f, std::max(-127.f, std::nearbyint(x[d] * r))));
+  } else if constexpr (std::is_same_v<K, c10::Float8_e4m3fn> || std::is_same_v<K, c10::Float8_e5m2>) {
+    constexpr float big = std::is_same_v<K, c10::Float8_e4m3fn> ? 448.f : 57344.f;
+    for (int64_t d = 0; d < D; ++d) dst[d * stride] = K(std::min(big, std::max(-big, x[d] * inv)));
+  } else {
+    for (int64_t d = 0; d < D; ++d) dst[d * stride] = store_f<K>(x[d]);
+  }
+}
+
 template <typename T, typename C, typename K>
 void rotary_write(const T* qkv, const C* cos, const C* sin, K* kc, K* vc, const int64_t* slots,
                   T* q_out, int64_t n_tokens, int64_t H, int64_t KVH, int64_t D, int64_t NB,
-                  int64_t BS) {
+                  int64_t BS, float k_inv = 1.f, float v_inv = 1.f, c10::Half* k_rows = nullptr,
+                  c10::Half* v_rows = nullptr) {
   const int64_t half = D / 2, row = (H + 2 * KVH) * D;
   for (int64_t t = 0; t < n_tokens; ++t) {
     const T* x = qkv + t * row;
@@ -376,20 +605,25 @@ void rotary_write(const T* qkv, const C* cos, const C* sin, K* kc, K* vc, const 
         for (int64_t d = 0; d < D; ++d) qh[d] = store_f<T>(rot[d]);
       } else {
         K* kb = kc + ((hh - H) * NB + block) * D * BS;  // [D][BS]
-        for (int64_t d = 0; d < D; ++d) kb[d * BS + off] = store_f<K>(rot[d]);
+        const int64_t row = ((hh - H) * NB + block) * BS + off;
+        store_row<K>(rot, D, kb + off, BS, k_inv, k_rows ? k_rows + row : nullptr);
       }
     }
     for (int64_t hh = 0; hh < KVH; ++hh) {
       const T* vh = x + (H + KVH + hh) * D;
-      K* vb = vc + ((hh * NB + block) * BS + off) * D;
-      for (int64_t d = 0; d < D; ++d) vb[d] = store_f<K>(load_f(vh[d]));
+      const int64_t row = (hh * NB + block) * BS + off;
+      float vf[512];
+      for (int64_t d = 0; d < D; ++d) vf[d] = load_f(vh[d]);
+      store_row<K>(vf, D, vc + row * D, 1, v_inv, v_rows ? v_rows + row : nullptr);
     }
   }
 }
 
 at::Tensor rotary_write_kv(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
                            at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& slots,
-                           int64_t num_heads, int64_t num_kv_heads) {
+                           int64_t num_heads, int64_t num_kv_heads,
+                           const std::optional<at::Tensor>& k_scale,
+                           const std::optional<at::Tensor>& v_scale) {
   const int64_t n = qkv.size(0);
   const int64_t KVH = v_cache.size(0), NB = v_cache.size(1), BS = v_cache.size(2),
                 D = v_cache.size(3);
@@ -400,22 +634,59 @@ at::Tensor rotary_write_kv(const at::Tensor& qkv, const at::Tensor& cos, const a
   TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.numel() == n * D &&
                   sin.numel() == n * D && cos.scalar_type() == sin.scalar_type(),
               "cos and sin must be contiguous [T, head_dim] of one dtype");
-  const bool mixed = qkv.scalar_type() == at::kFloat && k_cache.scalar_type() == at::kBFloat16;
+  const bool mixed = qkv.scalar_type() == at::kFloat &&
+                     (k_cache.scalar_type() == at::kBFloat16 || is_quantized(k_cache.scalar_type()));
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() &&
                   (k_cache.scalar_type() == qkv.scalar_type() || mixed) &&
                   v_cache.scalar_type() == k_cache.scalar_type() && k_cache.size(2) == D &&
                   k_cache.size(3) == BS,
               "k cache [kv_heads, blocks, head_dim, block_size], v cache [kv_heads, blocks, "
-              "block_size, head_dim], contiguous, in qkv's dtype (or bfloat16 under float32 qkv)");
+              "block_size, head_dim], contiguous, in qkv's dtype (or bfloat16, fp8 or int8 under "
+              "float32 qkv)");
   TORCH_CHECK(slots.scalar_type() == at::kLong && slots.is_contiguous() && slots.numel() == n,
               "slots: int64 [T]");
   auto q = at::empty({n, num_heads, D}, qkv.options());
-  if (mixed) {  // fp32 activations over a bf16 cache (kv_cache_dtype): K and V rounded once, here
+  if (mixed) {  // fp32 activations over a bf16 or quantized cache: K and V rounded once, here
     TORCH_CHECK(cos.scalar_type() == at::kFloat, "cos/sin: fp32 for fp32 qkv");
-    rotary_write<float, float, c10::BFloat16>(
-        qkv.data_ptr<float>(), cos.data_ptr<float>(), sin.data_ptr<float>(), k_cache.data_ptr<c10::BFloat16>(),
-        v_cache.data_ptr<c10::BFloat16>(), slots.data_ptr<int64_t>(), q.data_ptr<float>(), n, num_heads, KVH, D, NB, BS);
-    return q;
+    const float* qp = qkv.data_ptr<float>();
+    const float* cp = cos.data_ptr<float>();
+    const float* sp = sin.data_ptr<float>();
+    const int64_t* sl = slots.data_ptr<int64_t>();
+    float* qo = q.data_ptr<float>();
+    switch (k_cache.scalar_type()) {
+      case at::kChar: {
+        TORCH_CHECK(k_scale && v_scale && k_scale->scalar_type() == at::kHalf && v_scale->scalar_type() == at::kHalf &&
+                        k_scale->is_contiguous() && v_scale->is_contiguous() &&
+                        k_scale->numel() == KVH * NB * BS && v_scale->numel() == KVH * NB * BS,
+                    "an int8 cache: k_scale and v_scale fp16 [kv_heads, num_blocks, block_size], contiguous");
+        rotary_write<float, float, int8_t>(
+            qp, cp, sp, k_cache.data_ptr<int8_t>(), v_cache.data_ptr<int8_t>(), sl, qo, n, num_heads, KVH, D, NB, BS,
+            1.f, 1.f, reinterpret_cast<c10::Half*>(k_scale->data_ptr()), reinterpret_cast<c10::Half*>(v_scale->data_ptr()));
+        return q;
+      }
+      case at::kFloat8_e4m3fn:
+      case at::kFloat8_e5m2: {
+        TORCH_CHECK(k_scale && v_scale && k_scale->scalar_type() == at::kFloat &&
+                        v_scale->scalar_type() == at::kFloat && k_scale->numel() == 1 && v_scale->numel() == 1,
+                    "an fp8 cache: k_scale and v_scale are float32 [1]");
+        const float ki = 1.f / k_scale->data_ptr<float>()[0], vi = 1.f / v_scale->data_ptr<float>()[0];
+        if (k_cache.scalar_type() == at::kFloat8_e4m3fn) {
+          rotary_write<float, float, c10::Float8_e4m3fn>(
+              qp, cp, sp, k_cache.data_ptr<c10::Float8_e4m3fn>(), v_cache.data_ptr<c10::Float8_e4m3fn>(), sl, qo, n,
+              num_heads, KVH, D, NB, BS, ki, vi);
+        } else {
+          rotary_write<float, float, c10::Float8_e5m2>(
+              qp, cp, sp, k_cache.data_ptr<c10::Float8_e5m2>(), v_cache.data_ptr<c10::Float8_e5m2>(), sl, qo, n,
+              num_heads, KVH, D, NB, BS, ki, vi);
+        }
+        return q;
+      }
+      default:
+        rotary_write<float, float, c10::BFloat16>(qp, cp, sp, k_cache.data_ptr<c10::BFloat16>(),
+                                                  v_cache.data_ptr<c10::BFloat16>(), sl, qo, n, num_heads, KVH, D,
+                                                  NB, BS);
+        return q;
+    }
   }
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, qkv.scalar_type(), "rotary_write", [&] {
     using T = scalar_t;
@@ -520,9 +791,11 @@ TORCH_LIBRARY(triollm_cpu, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("silu_and_mul(Tensor x) -> Tensor");
   m.def("paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
-        "Tensor context_lens, float scale, int window=0, float softcap=0.) -> Tensor");
+        "Tensor context_lens, float scale, int window=0, float softcap=0., Tensor? k_scale=None, "
+        "Tensor? v_scale=None) -> Tensor");
   m.def("rotary_write_kv(Tensor qkv, Tensor cos, Tensor sin, Tensor(a!) k_cache, "
-        "Tensor(b!) v_cache, Tensor slots, int num_heads, int num_kv_heads) -> Tensor");
+        "Tensor(b!) v_cache, Tensor slots, int num_heads, int num_kv_heads, Tensor(c!)? k_scale=None, "
+        "Tensor(d!)? v_scale=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(triollm_cpu, CPU, m) {

@@ -157,13 +157,15 @@ void lora_apply(at::Tensor out, const at::Tensor& x, const at::Tensor& a, const 
 // layer and projection, 5 ints: its pieces P, then their P + 1 output row boundaries, padded;
 // group g's rows are lora_rows[g] (a long index) or, where that is empty,
 // [lora_ranges[2g], + lora_ranges[2g+1]). Returns the residual stream after the last layer
-// (before the final norm).
+// (before the final norm). k_scales/v_scales: each layer's cache scales where the cache is
+// quantized (kernels/kv_quant.py), else empty.
 at::Tensor quant_decoder_stack(const at::Tensor& x, at::TensorList weights, at::IntArrayRef shapes,
                                at::TensorList k_caches, at::TensorList v_caches, const at::Tensor& cos,
                                const at::Tensor& sin, const at::Tensor& slots, const at::Tensor& block_tables,
                                const at::Tensor& context_lens, int64_t num_heads, int64_t num_kv_heads,
                                double eps, double scale, at::TensorList lora_weights, at::IntArrayRef lora_ints,
-                               at::IntArrayRef lora_bounds, at::IntArrayRef lora_ranges, at::TensorList lora_rows) {
+                               at::IntArrayRef lora_bounds, at::IntArrayRef lora_ranges, at::TensorList lora_rows,
+                               at::TensorList k_scales, at::TensorList v_scales) {
   const int64_t L = static_cast<int64_t>(k_caches.size());
   const int64_t G = static_cast<int64_t>(lora_rows.size());
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "quant_decoder_stack: x must be [B, hidden] float32");
@@ -174,6 +176,9 @@ at::Tensor quant_decoder_stack(const at::Tensor& x, at::TensorList weights, at::
                   static_cast<int64_t>(lora_ranges.size()) == 2 * G &&
                   (G == 0 || static_cast<int64_t>(lora_bounds.size()) == L * 20),
               "quant_decoder_stack: per LoRA group 8 tensors and 8 ints per layer, and 2 range ints; 20 bound ints per layer");
+  const bool scaled = !k_scales.empty();
+  TORCH_CHECK(static_cast<int64_t>(k_scales.size()) == (scaled ? L : 0) && v_scales.size() == k_scales.size(),
+              "quant_decoder_stack: one K and one V scale per layer for a quantized cache, none otherwise");
   const int64_t B = x.size(0), D = v_caches.empty() ? 0 : v_caches[0].size(3);
   at::Tensor h = x;
   for (int64_t i = 0; i < L; ++i) {
@@ -193,8 +198,11 @@ at::Tensor quant_decoder_stack(const at::Tensor& x, at::TensorList weights, at::
       return out;
     };
     const at::Tensor qkv = linear(rms_norm(h, w[0], eps), 0);
-    const at::Tensor q = rotary_write_kv(qkv, cos, sin, k_caches[i], v_caches[i], slots, num_heads, num_kv_heads);
-    const at::Tensor attn = paged_decode_attention(q, k_caches[i], v_caches[i], block_tables, context_lens, scale);
+    std::optional<at::Tensor> ks, vs;
+    if (scaled) ks = k_scales[i], vs = v_scales[i];
+    const at::Tensor q = rotary_write_kv(qkv, cos, sin, k_caches[i], v_caches[i], slots, num_heads, num_kv_heads, ks, vs);
+    const at::Tensor attn = paged_decode_attention(q, k_caches[i], v_caches[i], block_tables, context_lens, scale, 0, 0.0,
+                                                   ks, vs);
     h = h + linear(attn.view({B, num_heads * D}), 1);
     h = h + linear(silu_and_mul(linear(rms_norm(h, w[1], eps), 2)), 3);
   }
@@ -207,7 +215,8 @@ TORCH_LIBRARY_FRAGMENT(triollm_cpu, m) {
   m.def("quant_decoder_stack(Tensor x, Tensor[] weights, int[] shapes, Tensor(a!)[] k_caches, "
         "Tensor(b!)[] v_caches, Tensor cos, Tensor sin, Tensor slots, Tensor block_tables, "
         "Tensor context_lens, int num_heads, int num_kv_heads, float eps, float scale, "
-        "Tensor[] lora_weights, int[] lora_ints, int[] lora_bounds, int[] lora_ranges, Tensor[] lora_rows) -> Tensor");
+        "Tensor[] lora_weights, int[] lora_ints, int[] lora_bounds, int[] lora_ranges, Tensor[] lora_rows, "
+        "Tensor(c!)[] k_scales, Tensor(d!)[] v_scales) -> Tensor");
   m.def("lora_apply(Tensor(a!) out, Tensor x, Tensor a, Tensor bt, int[] bounds, int rank, int mask, Tensor rows, "
         "int start, int n) -> ()");
 }

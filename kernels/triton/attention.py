@@ -89,6 +89,7 @@ import triton.language as tl
 
 from triollm.kernels.masking import check_window_softcap
 from triollm.kernels.triton import AotSpec
+from triollm.kernels.triton.kv_quant import INT8, cache_args, fp8_to_float, kv_quant_mode
 
 __all__ = [
     "AOT_SPECS",
@@ -144,6 +145,8 @@ def _paged_decode_kernel(
     q_ptr,
     k_ptr,
     v_ptr,
+    k_scale_ptr,  # a quantized cache's scales (read only when KV_QUANT)
+    v_scale_ptr,
     block_tables_ptr,
     context_lens_ptr,
     qk_scale,  # softmax scale * log2(e)
@@ -160,6 +163,8 @@ def _paged_decode_kernel(
     stride_vb,
     stride_vt,
     stride_vd,
+    stride_sh,  # int8's per-token scales [kv_heads, num_blocks, block_size] (unit last stride)
+    stride_sb,
     stride_tb,
     stride_tm,
     stride_ob,
@@ -175,10 +180,13 @@ def _paged_decode_kernel(
     WINDOWED: tl.constexpr,
     SOFTCAP: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    KV_QUANT: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
+    if KV_QUANT == 1 or KV_QUANT == 2:  # fp8: the layer's K scale folds into the query's
+        qk_scale = qk_scale * tl.load(k_scale_ptr)
 
     members = tl.arange(0, GROUP_PAD)
     heads = kv_head * GROUP + members
@@ -215,14 +223,19 @@ def _paged_decode_kernel(
         block_ids = tl.load(table + (pos // BLOCK_SIZE) * stride_tm, mask=in_context, other=0)
         k_cols = k_head + block_ids.to(tl.int64) * stride_kb + (pos % BLOCK_SIZE) * stride_kt
         v_rows = v_head + block_ids.to(tl.int64) * stride_vb + (pos % BLOCK_SIZE) * stride_vt
-        k_t = tl.load(
-            k_cols[None, :] + dims[:, None] * stride_kd, mask=in_context[None, :], other=0.0
-        )
-        v = tl.load(
-            v_rows[:, None] + dims[None, :] * stride_vd, mask=in_context[:, None], other=0.0
-        )
+        k_t = tl.load(k_cols[None, :] + dims[:, None] * stride_kd, mask=in_context[None, :], other=0)
+        v = tl.load(v_rows[:, None] + dims[None, :] * stride_vd, mask=in_context[:, None], other=0)
+        if KV_QUANT == 1 or KV_QUANT == 2:
+            k_t = fp8_to_float(k_t, KV_QUANT).to(q.dtype)
+            v = fp8_to_float(v, KV_QUANT).to(q.dtype)
+        elif KV_QUANT == 3:
+            k_t = k_t.to(q.dtype)
+            v = v.to(q.dtype)
 
         scores = tl.dot(q, k_t, input_precision=DOT_PRECISION) * qk_scale
+        if KV_QUANT == 3:  # int8: each position's K scale on its score, V scale on its weight
+            s_offs = kv_head.to(tl.int64) * stride_sh + block_ids.to(tl.int64) * stride_sb + pos % BLOCK_SIZE
+            scores = scores * tl.load(k_scale_ptr + s_offs, mask=in_context, other=0.0).to(tl.float32)[None, :]
         if SOFTCAP:
             scores = _soft_cap(scores, softcap)
         scores = tl.where(in_context[None, :], scores, float("-inf"))
@@ -230,10 +243,18 @@ def _paged_decode_kernel(
         rescale = tl.exp2(running_max - new_max)
         probs = tl.exp2(scores - new_max[:, None])
         running_sum = running_sum * rescale + tl.sum(probs, 1)
-        acc = acc * rescale[:, None] + tl.dot(
-            probs.to(v.dtype), v, input_precision=DOT_PRECISION
-        )
+        if KV_QUANT == 3:
+            v_scale = tl.load(v_scale_ptr + s_offs, mask=in_context, other=0.0).to(tl.float32)
+            acc = acc * rescale[:, None] + tl.dot(
+                (probs * v_scale[None, :]).to(v.dtype), v, input_precision=DOT_PRECISION
+            )
+        else:
+            acc = acc * rescale[:, None] + tl.dot(
+                probs.to(v.dtype), v, input_precision=DOT_PRECISION
+            )
         running_max = new_max
+    if KV_QUANT == 1 or KV_QUANT == 2:  # fp8: the layer's V scale on the output
+        acc = acc * tl.load(v_scale_ptr)
 
     out_ptrs = (
         out_ptr
@@ -290,6 +311,8 @@ def _paged_prefill_kernel(
     q_ptr,
     k_ptr,
     v_ptr,
+    k_scale_ptr,  # a quantized cache's scales (read only when KV_QUANT)
+    v_scale_ptr,
     block_table_ptr,  # [M], or [N, M] when VARLEN
     query_start_ptr,  # int32 [N + 1] (VARLEN only): sequence s's tokens are rows start[s]..start[s+1]
     num_context_ptr,  # int32 [N] (VARLEN only)
@@ -309,6 +332,8 @@ def _paged_prefill_kernel(
     stride_vb,
     stride_vt,
     stride_vd,
+    stride_sh,  # int8's per-token scales [kv_heads, num_blocks, block_size] (unit last stride)
+    stride_sb,
     stride_tb,  # (VARLEN only)
     stride_tm,
     stride_on,
@@ -323,6 +348,7 @@ def _paged_prefill_kernel(
     SOFTCAP: tl.constexpr,
     VARLEN: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    KV_QUANT: tl.constexpr,
 ):
     seq = tl.program_id(0)
     query_tile = tl.num_programs(1) - 1 - tl.program_id(1)  # heaviest (latest) tiles first
@@ -336,6 +362,8 @@ def _paged_prefill_kernel(
         out_ptr += first_token.to(tl.int64) * stride_on
     if query_tile * BLOCK_M >= num_tokens * GROUP:
         return  # a shorter sequence than the launch's longest: no rows here
+    if KV_QUANT == 1 or KV_QUANT == 2:  # fp8: the layer's K scale folds into the query's
+        qk_scale = qk_scale * tl.load(k_scale_ptr)
 
     rows = query_tile * BLOCK_M + tl.arange(0, BLOCK_M)
     tokens = rows // GROUP
@@ -376,12 +404,19 @@ def _paged_prefill_kernel(
         )
         k_cols = k_head + block_ids.to(tl.int64) * stride_kb + (pos % BLOCK_SIZE) * stride_kt
         v_rows = v_head + block_ids.to(tl.int64) * stride_vb + (pos % BLOCK_SIZE) * stride_vt
-        k_t = tl.load(
-            k_cols[None, :] + dims[:, None] * stride_kd, mask=in_range[None, :], other=0.0
-        )
-        v = tl.load(v_rows[:, None] + dims[None, :] * stride_vd, mask=in_range[:, None], other=0.0)
+        k_t = tl.load(k_cols[None, :] + dims[:, None] * stride_kd, mask=in_range[None, :], other=0)
+        v = tl.load(v_rows[:, None] + dims[None, :] * stride_vd, mask=in_range[:, None], other=0)
+        if KV_QUANT == 1 or KV_QUANT == 2:
+            k_t = fp8_to_float(k_t, KV_QUANT).to(q.dtype)
+            v = fp8_to_float(v, KV_QUANT).to(q.dtype)
+        elif KV_QUANT == 3:
+            k_t = k_t.to(q.dtype)
+            v = v.to(q.dtype)
 
         scores = tl.dot(q, k_t, input_precision=DOT_PRECISION) * qk_scale
+        if KV_QUANT == 3:  # int8: each position's K scale on its score, V scale on its weight
+            s_offs = kv_head.to(tl.int64) * stride_sh + block_ids.to(tl.int64) * stride_sb + pos % BLOCK_SIZE
+            scores = scores * tl.load(k_scale_ptr + s_offs, mask=in_range, other=0.0).to(tl.float32)[None, :]
         if SOFTCAP:
             scores = _soft_cap(scores, softcap)
         # Causal: for real rows this also masks every position >= kv_len; padding rows (never
@@ -394,12 +429,20 @@ def _paged_prefill_kernel(
         rescale = tl.exp2(running_max - new_max)
         probs = tl.exp2(scores - new_max[:, None])
         running_sum = running_sum * rescale + tl.sum(probs, 1)
-        acc = acc * rescale[:, None] + tl.dot(
-            probs.to(v.dtype), v, input_precision=DOT_PRECISION
-        )
+        if KV_QUANT == 3:
+            v_scale = tl.load(v_scale_ptr + s_offs, mask=in_range, other=0.0).to(tl.float32)
+            acc = acc * rescale[:, None] + tl.dot(
+                (probs * v_scale[None, :]).to(v.dtype), v, input_precision=DOT_PRECISION
+            )
+        else:
+            acc = acc * rescale[:, None] + tl.dot(
+                probs.to(v.dtype), v, input_precision=DOT_PRECISION
+            )
         running_max = new_max
 
     out = acc / running_sum[:, None]
+    if KV_QUANT == 1 or KV_QUANT == 2:  # fp8: the layer's V scale on the output
+        out = out * tl.load(v_scale_ptr)
     out_ptrs = (
         out_ptr
         + tokens[:, None] * stride_on
@@ -473,21 +516,25 @@ def paged_decode_attention(
         )
         sum_scratch = torch.empty_like(max_scratch)
         target_strides = target.stride()
+    (k_arg, k_scale), (v_arg, v_scale) = cache_args(k_cache), cache_args(v_cache)
     _paged_decode_kernel[(batch, kv_heads, num_splits)](
         target,
         max_scratch,
         sum_scratch,
         q,
-        k_cache,
-        v_cache,
+        k_arg,
+        v_arg,
+        k_scale,
+        v_scale,
         block_tables,
         context_lens,
         scale * _LOG2E,
         _NO_WINDOW if window is None else window,
         0.0 if softcap is None else softcap * _LOG2E,
         *q.stride(),
-        *k_cache.stride(),
-        *v_cache.stride(),
+        *k_arg.stride(),
+        *v_arg.stride(),
+        *_scale_strides(k_cache, k_scale),
         *block_tables.stride(),
         *target_strides,
         GROUP=group,
@@ -499,6 +546,7 @@ def paged_decode_attention(
         WINDOWED=window is not None,
         SOFTCAP=softcap is not None,
         DOT_PRECISION=_dot_precision(q, k_cache, v_cache),
+        KV_QUANT=kv_quant_mode(k_cache),
         num_warps=num_warps,
         num_stages=num_stages,
     )
@@ -607,11 +655,14 @@ def _launch_prefill(
     block_m = min(_PREFILL_BLOCK_M, max(_MIN_DOT, triton.next_power_of_2(max_tokens * group)))
     grid = (num_seqs, triton.cdiv(max_tokens * group, block_m), kv_heads)
     table_strides = tables.stride() if varlen else (0, tables.stride(0))
+    (k_arg, k_scale), (v_arg, v_scale) = cache_args(k_cache), cache_args(v_cache)
     _paged_prefill_kernel[grid](
         out,
         q,
-        k_cache,
-        v_cache,
+        k_arg,
+        v_arg,
+        k_scale,
+        v_scale,
         tables,
         query_start,
         contexts,
@@ -621,8 +672,9 @@ def _launch_prefill(
         _NO_WINDOW if window is None else window,
         0.0 if softcap is None else softcap * _LOG2E,
         *q.stride(),
-        *k_cache.stride(),
-        *v_cache.stride(),
+        *k_arg.stride(),
+        *v_arg.stride(),
+        *_scale_strides(k_cache, k_scale),
         *table_strides,
         *out.stride(),
         GROUP=group,
@@ -634,6 +686,7 @@ def _launch_prefill(
         SOFTCAP=softcap is not None,
         VARLEN=varlen,
         DOT_PRECISION=_dot_precision(q, k_cache, v_cache),
+        KV_QUANT=kv_quant_mode(k_cache),
         num_warps=_PREFILL_WARPS,
         num_stages=2,
     )
@@ -666,6 +719,11 @@ def _check_shapes(
     if num_heads % kv_heads:
         raise ValueError(f"num_heads: {num_heads} is not a multiple of kv_heads {kv_heads}")
     return num_heads // kv_heads
+
+
+def _scale_strides(cache: torch.Tensor, scale: torch.Tensor) -> tuple[int, int]:
+    """Strides of int8's per-token scales over kv heads and blocks (unread otherwise: 0)."""
+    return (scale.stride(0), scale.stride(1)) if kv_quant_mode(cache) == INT8 else (0, 0)
 
 
 def _prefill_tile_n(head_dim: int, block_size: int) -> int:
@@ -720,10 +778,20 @@ def _aot_spec(
     return AotSpec(name, kernel, signature, constexprs, num_warps=num_warps)
 
 
+# A quantized cache's AOT specs: its codes' pointer type, its scales' and KV_QUANT (kv_quant.py).
+_CACHE_SPECS = {"fp8": ("*u8", "*fp32", 1), "int8": ("*i8", "*fp16", 3)}
+
+
+def _cache_pointers(dtype: str, cache: str | None) -> tuple[dict[str, str], int]:
+    codes, scales, mode = _CACHE_SPECS[cache] if cache else (f"*{dtype}", f"*{dtype}", 0)
+    return dict.fromkeys(("k_ptr", "v_ptr"), codes) | dict.fromkeys(("k_scale_ptr", "v_scale_ptr"), scales), mode
+
+
 def _decode_spec(
-    dtype: str, head_dim: int, group: int, num_splits: int, masked: bool = False
+    dtype: str, head_dim: int, group: int, num_splits: int, masked: bool = False, cache: str | None = None
 ) -> AotSpec:
-    pointers = dict.fromkeys(("q_ptr", "k_ptr", "v_ptr"), f"*{dtype}")
+    cache_pointers, mode = _cache_pointers(dtype, cache)
+    pointers = dict.fromkeys(("q_ptr",), f"*{dtype}") | cache_pointers
     pointers |= {
         "out_ptr": f"*{dtype}" if num_splits == 1 else "*fp32",
         "max_ptr": "*fp32",
@@ -740,8 +808,9 @@ def _decode_spec(
         "WINDOWED": masked,
         "SOFTCAP": masked,
         "DOT_PRECISION": "tf32",
+        "KV_QUANT": mode,
     }
-    extra = ", window, softcap" if masked else ""
+    extra = (", window, softcap" if masked else "") + (f", {cache} cache" if cache else "")
     name = f"paged_decode[hd={head_dim}, group={group}, splits={num_splits}, {dtype}{extra}]"
     return _aot_spec(name, _paged_decode_kernel, pointers, constexprs)
 
@@ -763,9 +832,10 @@ def _reduce_spec(dtype: str, head_dim: int) -> AotSpec:
 
 
 def _prefill_spec(
-    dtype: str, head_dim: int, group: int, masked: bool = False, varlen: bool = False
+    dtype: str, head_dim: int, group: int, masked: bool = False, varlen: bool = False, cache: str | None = None
 ) -> AotSpec:
-    pointers = dict.fromkeys(("out_ptr", "q_ptr", "k_ptr", "v_ptr"), f"*{dtype}")
+    cache_pointers, mode = _cache_pointers(dtype, cache)
+    pointers = dict.fromkeys(("out_ptr", "q_ptr"), f"*{dtype}") | cache_pointers
     pointers |= dict.fromkeys(("block_table_ptr", "query_start_ptr", "num_context_ptr"), "*i32")
     constexprs = {
         "GROUP": group,
@@ -777,8 +847,10 @@ def _prefill_spec(
         "SOFTCAP": masked,
         "VARLEN": varlen,
         "DOT_PRECISION": "tf32",
+        "KV_QUANT": mode,
     }
     extra = (", window, softcap" if masked else "") + (", varlen" if varlen else "")
+    extra += f", {cache} cache" if cache else ""
     name = f"paged_prefill[hd={head_dim}, group={group}, {dtype}{extra}]"
     return _aot_spec(name, _paged_prefill_kernel, pointers, constexprs, _PREFILL_WARPS)
 
@@ -802,4 +874,12 @@ AOT_SPECS: list[AotSpec] = [
     _decode_spec("bf16", 256, 2, _AOT_SPLITS, masked=True),
     _reduce_spec("bf16", 256),
     _prefill_spec("bf16", 256, 2, masked=True),
+] + [
+    spec
+    for cache in _CACHE_SPECS
+    for spec in (
+        _decode_spec("bf16", 128, 8, 1, cache=cache),
+        _decode_spec("bf16", 128, 8, _AOT_SPLITS, cache=cache),
+        _prefill_spec("bf16", 128, 8, varlen=True, cache=cache),
+    )
 ]

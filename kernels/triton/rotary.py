@@ -30,6 +30,7 @@ import triton
 import triton.language as tl
 
 from triollm.kernels.triton import AotSpec
+from triollm.kernels.triton.kv_quant import INT8, cache_args, float_to_fp8, kv_quant_mode
 
 __all__ = ["AOT_SPECS", "rotary_write_kv"]
 
@@ -43,16 +44,44 @@ def _rotate(src, d, mask, cos1, cos2, sin1, sin2, HALF: tl.constexpr):
 
 
 @triton.jit
+def _store_kv(dst, stride, x1, x2, d, mask, scale_ptr, row, HALF: tl.constexpr, KV_QUANT: tl.constexpr):
+    """One rotated K or V head (fp32 halves x1, x2) into the cache at `dst` (element stride
+    `stride`), as the cache's dtype holds it (kernels/kv_quant.py): rounded to a plain cache's
+    dtype; fp8 divided by the layer's scale, as bytes; int8 with its fp16 scale stored at
+    `scale_ptr + row`."""
+    if KV_QUANT == 0:
+        ty = dst.dtype.element_ty
+        tl.store(dst + d * stride, x1.to(ty), mask=mask)
+        tl.store(dst + (HALF + d) * stride, x2.to(ty), mask=mask)
+    elif KV_QUANT == 3:
+        amax = tl.maximum(tl.max(tl.abs(x1), 0), tl.max(tl.abs(x2), 0))  # masked lanes are 0
+        row_scale = (amax * 0.007874015748031496).to(tl.float16)  # absmax / 127
+        sf = row_scale.to(tl.float32)
+        inv = tl.where(sf > 0, 1.0 / tl.where(sf > 0, sf, 1.0), 0.0)  # an all-zero row: codes 0
+        # Half to even by the 1.5 * 2^23 trick (|x * inv| <= 127), as torch.round.
+        c1 = tl.minimum(tl.maximum((x1 * inv + 12582912.0) - 12582912.0, -127.0), 127.0)
+        c2 = tl.minimum(tl.maximum((x2 * inv + 12582912.0) - 12582912.0, -127.0), 127.0)
+        tl.store(dst + d * stride, c1.to(tl.int32).to(tl.int8), mask=mask)
+        tl.store(dst + (HALF + d) * stride, c2.to(tl.int32).to(tl.int8), mask=mask)
+        tl.store(scale_ptr + row, row_scale)
+    else:
+        inv = 1.0 / tl.load(scale_ptr)
+        tl.store(dst + d * stride, float_to_fp8(x1 * inv, KV_QUANT), mask=mask)
+        tl.store(dst + (HALF + d) * stride, float_to_fp8(x2 * inv, KV_QUANT), mask=mask)
+
+
+@triton.jit
 def _rotary_write_kv_kernel(
     q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr,
-    q_out_ptr, k_out_ptr, k_cache_ptr, v_cache_ptr,
+    q_out_ptr, k_out_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr,
     q_stride_t, q_stride_h, k_stride_t, k_stride_h, v_stride_t, v_stride_h,
     cos_stride, sin_stride,
     q_out_stride_t, q_out_stride_h, k_out_stride_t, k_out_stride_h,
     kc_stride_h, kc_stride_b, kc_stride_d, kc_stride_o,
     vc_stride_h, vc_stride_b, vc_stride_o, vc_stride_d,
+    s_stride_h, s_stride_b,
     num_q_heads,
-    HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_SIZE: tl.constexpr, KV_QUANT: tl.constexpr,
 ):  # fmt: skip
     token = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
@@ -82,17 +111,14 @@ def _rotary_write_kv_kernel(
         slot = tl.load(slot_ptr + token)
         block, offset = slot // BLOCK_SIZE, slot % BLOCK_SIZE
         kc = k_cache_ptr + kv_head * kc_stride_h + block * kc_stride_b + offset * kc_stride_o
-        k_ty = k_cache_ptr.dtype.element_ty
-        tl.store(kc + d * kc_stride_d, k1.to(k_ty), mask=mask)
-        tl.store(kc + (HALF + d) * kc_stride_d, k2.to(k_ty), mask=mask)
+        row = kv_head * s_stride_h + block * s_stride_b + offset  # int8's scale of this row
+        _store_kv(kc, kc_stride_d, k1, k2, d, mask, k_scale_ptr, row, HALF, KV_QUANT)
 
         v_src = v_ptr + token * v_stride_t + kv_head * v_stride_h
         vc = v_cache_ptr + kv_head * vc_stride_h + block * vc_stride_b + offset * vc_stride_o
-        v_ty = v_cache_ptr.dtype.element_ty
-        v1 = tl.load(v_src + d, mask=mask, other=0.0)
-        v2 = tl.load(v_src + HALF + d, mask=mask, other=0.0)
-        tl.store(vc + d * vc_stride_d, v1.to(v_ty), mask=mask)
-        tl.store(vc + (HALF + d) * vc_stride_d, v2.to(v_ty), mask=mask)
+        v1 = tl.load(v_src + d, mask=mask, other=0.0).to(tl.float32)
+        v2 = tl.load(v_src + HALF + d, mask=mask, other=0.0).to(tl.float32)
+        _store_kv(vc, vc_stride_d, v1, v2, d, mask, v_scale_ptr, row, HALF, KV_QUANT)
 
 
 def _check(
@@ -176,23 +202,34 @@ def rotary_write_kv(
     q_out, k_out = _out(q_out, q, "q_out"), _out(k_out, k, "k_out")
     if t:
         half = hd // 2
+        mode = kv_quant_mode(k_cache)
+        (k_arg, k_scale), (v_arg, v_scale) = cache_args(k_cache), cache_args(v_cache)
+        scale_strides = (k_scale.stride(0), k_scale.stride(1)) if mode == INT8 else (0, 0)
         _rotary_write_kv_kernel[(t, num_q_heads + num_kv_heads)](
-            q, k, v, cos, sin, positions, slot_mapping, q_out, k_out, k_cache, v_cache,
+            q, k, v, cos, sin, positions, slot_mapping, q_out, k_out, k_arg, v_arg, k_scale, v_scale,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
             cos.stride(0), sin.stride(0),
             q_out.stride(0), q_out.stride(1), k_out.stride(0), k_out.stride(1),
-            *k_cache.stride(), *v_cache.stride(),
+            *k_arg.stride(), *v_arg.stride(), *scale_strides,
             num_q_heads,
-            HALF=half, BLOCK_HALF=triton.next_power_of_2(half), BLOCK_SIZE=block_size,
+            HALF=half, BLOCK_HALF=triton.next_power_of_2(half), BLOCK_SIZE=block_size, KV_QUANT=mode,
             num_warps=_num_warps(half),
         )  # fmt: skip
     return q_out, k_out
 
 
-def _signature(dtype: str) -> dict[str, str]:
-    """Tensors of `dtype` but the fp32 tables and the i64 positions and slots; the constexprs
-    (upper case); every other argument (strides, head count) i32."""
+# A quantized cache's pointer types (codes, scales) and KV_QUANT (kernels/triton/kv_quant.py).
+_CACHES = {None: None, "fp8": ("*u8", "*fp32", 1), "int8": ("*i8", "*fp16", 3)}
+
+
+def _signature(dtype: str, cache: str | None = None) -> dict[str, str]:
+    """Tensors of `dtype` but the fp32 tables, the i64 positions and slots and a quantized
+    cache's codes and scales; the constexprs (upper case); every other argument i32."""
     special = {"cos_ptr": "*fp32", "sin_ptr": "*fp32", "pos_ptr": "*i64", "slot_ptr": "*i64"}
+    quant = _CACHES[cache]
+    if quant is not None:
+        special |= dict.fromkeys(("k_cache_ptr", "v_cache_ptr"), quant[0])
+        special |= dict.fromkeys(("k_scale_ptr", "v_scale_ptr"), quant[1])
     return {
         a: special.get(
             a, f"*{dtype}" if a.endswith("_ptr") else "constexpr" if a.isupper() else "i32"
@@ -204,14 +241,18 @@ def _signature(dtype: str) -> dict[str, str]:
 def _aot_specs() -> list[AotSpec]:
     return [
         AotSpec(
-            name=f"rotary_write_kv[hd={hd}, block_size=16, {dtype}]",
+            name=f"rotary_write_kv[hd={hd}, block_size=16, {dtype}" + (f", {cache} cache]" if cache else "]"),
             kernel=_rotary_write_kv_kernel,
-            signature=_signature(dtype),
-            constexprs={"HALF": hd // 2, "BLOCK_HALF": hd // 2, "BLOCK_SIZE": 16},
+            signature=_signature(dtype, cache),
+            constexprs={
+                "HALF": hd // 2, "BLOCK_HALF": hd // 2, "BLOCK_SIZE": 16,
+                "KV_QUANT": 0 if cache is None else _CACHES[cache][2],  # type: ignore[index]
+            },  # fmt: skip
             num_warps=_num_warps(hd // 2),
         )
         for hd in (64, 128)
         for dtype in ("fp16", "bf16")
+        for cache in ((None, "fp8", "int8") if (hd, dtype) == (128, "bf16") else (None,))
     ]
 
 

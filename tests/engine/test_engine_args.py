@@ -110,7 +110,11 @@ def test_unknown_names_are_rejected_by_both(
     [
         ({"load_format": "scripted"}, "load_format: 'scripted' is not supported; allowed: auto, safetensors, gguf"),
         ({"load_format": "dummy"}, "load_format: 'dummy' is not supported; allowed: auto"),
-        ({"kv_cache_dtype": "fp8"}, "kv_cache_dtype: 'fp8' is not supported; allowed: auto, bfloat16, float32"),
+        (
+            {"kv_cache_dtype": "fp4"},
+            "kv_cache_dtype: 'fp4' is not supported; allowed: auto, bfloat16, float32, fp8, fp8_e4m3, fp8_e5m2, "
+            "int8, q8_0",
+        ),
         (
             {"quantization": "bitsandbytes"},
             "quantization: 'bitsandbytes' is not supported; allowed: gguf, int8, int4, gptq, gptq_marlin, awq, "

@@ -27,6 +27,7 @@ from torch import nn
 
 from triollm.engine.execution.layers.linear import load_rows
 from triollm.kernels import cpu_native
+from triollm.kernels.kv_quant import cache_scale
 from triollm.kernels.quant import PackedWeight, QuantWeight, packed_linear
 
 if TYPE_CHECKING:
@@ -171,9 +172,12 @@ class DecodeStack:
         cos and signed sin `[B, 1, head_dim]`; `plan`: the native decode plan's tables and lengths;
         `lora`: `lora_args` of the step's adapter rows, if any."""
         weights, ints, bounds, ranges, rows = ([], [], [], [], []) if lora is None else lora
+        k_scales = [s for s in map(cache_scale, k) if s is not None]  # a quantized cache's
+        v_scales = [s for s in map(cache_scale, v) if s is not None]
         return torch.ops.triollm_cpu.quant_decoder_stack(  # type: ignore[no-any-return]
             x, self.weights, self.shapes, k, v, cos, sin, slots, plan[0], plan[1],
             self.num_heads, self.num_kv_heads, self.eps, self.scale, weights, ints, bounds, ranges, rows,
+            k_scales, v_scales,
         )  # fmt: skip
 
     def lora_args(self, batch: LoRABatch) -> LoRAArgs | None:
