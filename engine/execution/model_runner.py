@@ -86,6 +86,10 @@ class ModelRunner:
         why = batch_invariant.unsupported(self.device)
         if why is None and self.lora is not None:
             why = "LoRA adapters are not (their updates switch from loops to BLAS above 16 rows)"
+        from triollm.engine.execution.models.transformers_backend import TransformersForCausalLM
+
+        if why is None and isinstance(self.model, TransformersForCausalLM):
+            why = "the Transformers modeling backend is not (transformers' own layers pick their GEMM by row count)"
         if why is None and any(isinstance(m, FusedMoE) for m in self.model.modules()):
             why = "MoE layers are not (an expert's GEMM has as many rows as tokens routed to it)"
         if why is not None:

@@ -121,6 +121,13 @@ def test_after_preemption(results: dict[str, Any]) -> None:
     assert results["preempted"] == results["alone"]
 
 
+def test_the_transformers_backend_is_refused(tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """transformers' own layers are plain nn.Linear (a GEMM chosen by row count): refused, named."""
+    monkeypatch.setenv(BATCH_INVARIANT_ENV, "1")
+    with pytest.raises(Exception, match=f"{BATCH_INVARIANT_ENV}=1: the Transformers modeling backend"):
+        LLM(model=str(tiny_model_dir), model_impl="transformers", multiprocess=False, max_model_len=128)
+
+
 def test_refused_where_it_cannot_hold(tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """LoRA adapters are not batch-invariant: the engine refuses to start, naming the variable;
     a value other than 0 or 1 is refused too."""
