@@ -23,6 +23,7 @@ import time
 from triollm.engine.config import EngineArgs
 from triollm.engine.core import EngineCore
 from triollm.engine.execution.layers.linear import Linear
+from triollm.engine.execution.model_runner import ModelRunner
 from triollm.engine.request import EngineCoreRequest
 from triollm.engine.sampling_params import SamplingParams
 from triollm.kernels import batch_invariant
@@ -42,6 +43,7 @@ def main() -> None:
     )  # fmt: skip
     core = EngineCore(args.create_engine_config())
     runner = core.runner
+    assert isinstance(runner, ModelRunner)
     linears = [m for m in runner.model.modules() if isinstance(m, Linear)]
     dense_head = any(m is runner.model.lm_head for m in linears) or a.quantization == "none"
     batch_invariant.tiled_rows.__defaults__ = (a.tile_rows,)  # the runner's head tiles
