@@ -98,6 +98,9 @@ class EngineArgs:
         "and for V), int8 (llama.cpp's q8_0, also accepted: int8 codes with a scale per token and "
         "kv head); fp8 and int8 hold twice bfloat16's tokens in the same memory",
         choices=KV_CACHE_DTYPES)
+    calculate_kv_scales: bool = arg(
+        False, "fp8 KV cache: each layer's K and V scales from the first prompt the engine runs "
+        "(vLLM's: |K| max / 200, |V| max / 100) instead of 1.0; ignored for other cache dtypes")
     quantization: str | None = arg(
         None, "weight-only quantized linear layers on CPU: gguf (a .gguf model's blocks as "
         "shipped), int8, int4, gptq, awq, fp8, compressed-tensors (a checkpoint's "

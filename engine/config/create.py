@@ -65,7 +65,7 @@ def create_engine_config(args: ResolverArgs, defaults: Mapping[str, object]) -> 
     actor = resolve_actor(args)
     cache_dir = Path(args.cache_dir) if args.cache_dir else None
     model = resolve_model_config(args, device, cache_dir)
-    model = with_kv_cache_dtype(quantize(model, args, device), args.kv_cache_dtype, device)
+    model = with_kv_cache_dtype(quantize(model, args, device), args.kv_cache_dtype, device, args.calculate_kv_scales)
     check_pooling(model, args.tensor_parallel_size, args.max_num_batched_tokens)
     check_model_impl(model, args.tensor_parallel_size, args.enable_lora)
     check_tensor_parallel_model(args.tensor_parallel_size, device, model)

@@ -128,7 +128,9 @@ def check_quantization(
         )
 
 
-def with_kv_cache_dtype(model: ModelConfig, kv_cache_dtype: str, device: str) -> ModelConfig:
+def with_kv_cache_dtype(
+    model: ModelConfig, kv_cache_dtype: str, device: str, calculate_kv_scales: bool = False
+) -> ModelConfig:
     """`model` with the KV cache's dtype where it is not the activations'
     (`ModelConfig.kv_cache_dtype`). By default a quantized model's fp32 activations get a bf16
     cache: at 64 requests the decode attention reads more bytes of KV cache than of weights,
@@ -148,7 +150,8 @@ def with_kv_cache_dtype(model: ModelConfig, kv_cache_dtype: str, device: str) ->
                 f"the model's are {str(model.dtype).removeprefix('torch.')} (use dtype auto or float32, "
                 "or kv_cache_dtype auto or bfloat16)"
             )
-        return dataclasses.replace(model, kv_cache_dtype=want)
+        fp8_scales = calculate_kv_scales and want != torch.int8  # int8 has per-token scales
+        return dataclasses.replace(model, kv_cache_dtype=want, calculate_kv_scales=fp8_scales)
     if want is None:
         quantized_fp32 = model.quantization is not None and model.dtype == torch.float32
         want = torch.bfloat16 if quantized_fp32 else model.dtype

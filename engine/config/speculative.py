@@ -69,6 +69,8 @@ class SpeculativeArgs(Protocol):
     @property
     def kv_cache_dtype(self) -> str: ...
     @property
+    def calculate_kv_scales(self) -> bool: ...
+    @property
     def tensor_parallel_size(self) -> int: ...
 
 
@@ -225,4 +227,4 @@ def _draft_model(
             f"speculative_config.model: the draft holds {draft.max_model_len} positions, fewer "
             f"than the target's max_model_len ({target.max_model_len}); lower max_model_len"
         )
-    return with_kv_cache_dtype(draft, args.kv_cache_dtype, device)
+    return with_kv_cache_dtype(draft, args.kv_cache_dtype, device, args.calculate_kv_scales)

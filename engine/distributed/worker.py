@@ -29,6 +29,7 @@ from triollm.engine.distributed.protocol import (
     unpickled,
 )
 from triollm.engine.distributed.sharding import TPShard
+from triollm.engine.execution.layers.attention import calculate_kv_scales_on_first_prompt
 from triollm.engine.execution.model_runner import ModelRunner
 from triollm.engine.execution.models import load_model
 from triollm.kernels import allocate_kv_cache
@@ -57,6 +58,8 @@ def serve() -> None:
         kv = allocate_kv_cache(
             mc.num_layers, unpickled(payload), setup.block_size, kv_heads, mc.head_dim, mc.cache_dtype, setup.device
         )
+        if mc.calculate_kv_scales:
+            calculate_kv_scales_on_first_prompt(model)
         runner = ModelRunner(model, kv, setup.device)
         while (msg := read_message(stdin))[0] == STEP:
             runner.follow(decode_step(msg[1]))

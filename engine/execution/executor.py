@@ -38,6 +38,7 @@ import torch
 
 from triollm.engine.config import EngineConfig
 from triollm.engine.execution.cuda_graphs import DecodeGraphs, cuda_capture
+from triollm.engine.execution.layers.attention import calculate_kv_scales_on_first_prompt
 from triollm.engine.execution.model_runner import ModelRunner, RunnerOutput
 from triollm.engine.execution.models import CausalLM, load_model
 from triollm.engine.scheduling.scheduler import ScheduledRequest
@@ -162,6 +163,8 @@ class Executor:
             config.device,
         )
         graphs = self._capture_graphs(kv, sizes)
+        if mc.calculate_kv_scales:  # after the capture's dummy steps: from the first real prompt
+            calculate_kv_scales_on_first_prompt(self.model)
         return ModelRunner(self.model, kv, config.device, self.group, graphs, self.lora)
 
     def _draft_runner(self) -> DraftModel | None:
@@ -179,6 +182,8 @@ class Executor:
             d.cache_dtype,
             config.device,
         )
+        if d.calculate_kv_scales:
+            calculate_kv_scales_on_first_prompt(self.draft_model)
         return DraftModel(ModelRunner(self.draft_model, kv, config.device))
 
     def _capture_graphs(self, kv: KVCache, sizes: tuple[int, ...]) -> DecodeGraphs | None:

@@ -100,6 +100,9 @@ class ModelConfig(HfConfig):
     # cache under fp32 activations on CPU, or a quantized one (float8_e4m3fn, float8_e5m2,
     # int8: kernels/kv_quant.py). None: the activations' dtype.
     kv_cache_dtype: torch.dtype | None = None
+    # An fp8 cache's per-layer scales computed from the first prompt (`calculate_kv_scales`,
+    # engine/execution/layers/attention.py) rather than 1.0.
+    calculate_kv_scales: bool = False
 
     @property
     def cache_dtype(self) -> torch.dtype:

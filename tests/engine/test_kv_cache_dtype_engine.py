@@ -218,3 +218,33 @@ def test_tensor_parallel_ranks_hold_the_same_quantized_cache(tiny_model_dir: Pat
         finally:
             engine.core.close()
     assert outs[0] == outs[1]
+
+
+@pytest.mark.parametrize("kv", ["fp8", "fp8_e5m2"])
+def test_calculated_fp8_scales_come_from_the_first_prompt(tiny_model_dir: Path, kv: str) -> None:
+    """`calculate_kv_scales` (vLLM's): each layer's fp8 K and V scales are set from the first
+    prompt, |K| max (sqrt(2) times the unrotated max) / 200 and |V| max / 100, before anything is
+    written; they stay for later prompts; without it they are 1.0; int8 ignores the flag."""
+    params = SamplingParams(max_tokens=4, temperature=0.0)
+    plain = _engine(tiny_model_dir, kv_cache_dtype=kv)
+    plain.generate([{"prompt_token_ids": list(range(3, 40))}], params)
+    plain_runner = plain.core.executor.runner
+    assert plain_runner is not None
+    assert all(float(cache_scale(t)) == 1.0 for t in plain_runner.kv.k + plain_runner.kv.v)  # type: ignore[arg-type]
+
+    engine = _engine(tiny_model_dir, kv_cache_dtype=kv, calculate_kv_scales=True)
+    assert engine.core.config.model.calculate_kv_scales
+    runner = engine.core.executor.runner
+    assert runner is not None
+    first = engine.generate([{"prompt_token_ids": list(range(3, 40))}], params)[0]
+    scales = [float(cache_scale(t)) for t in runner.kv.k + runner.kv.v]  # type: ignore[arg-type]
+    assert all(0 < s and s != 1.0 for s in scales), scales
+    engine.generate([{"prompt_token_ids": list(range(50, 90))}], params)  # a later prompt moves nothing
+    assert scales == [float(cache_scale(t)) for t in runner.kv.k + runner.kv.v]  # type: ignore[arg-type]
+    again = _engine(tiny_model_dir, kv_cache_dtype=kv, calculate_kv_scales=True).generate(
+        [{"prompt_token_ids": list(range(3, 40))}], params
+    )
+    assert again[0].outputs[0].token_ids == first.outputs[0].token_ids  # deterministic from the prompt
+
+    int8 = _engine(tiny_model_dir, kv_cache_dtype="int8", calculate_kv_scales=True)
+    assert not int8.core.config.model.calculate_kv_scales

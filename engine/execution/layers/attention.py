@@ -30,9 +30,15 @@ from triollm.kernels.attention import (
     decode_attention,
     prefill_attention_chunks,
 )
+from triollm.kernels.kv_quant import cache_scale
 from triollm.kernels.rotary import apply_rotary_signed
 
-__all__ = ["AttentionMetadata", "PagedAttention", "PrefillChunk"]
+__all__ = ["AttentionMetadata", "PagedAttention", "PrefillChunk", "calculate_kv_scales_on_first_prompt"]
+
+# vLLM's K_SCALE_CONSTANT and V_SCALE_CONSTANT: a calculated fp8 scale maps |K| max to 200 and
+# |V| max to 100, well inside e4m3's 448, so the values land in its normal range.
+K_SCALE_RANGE = 200.0
+V_SCALE_RANGE = 100.0
 
 
 @dataclass
@@ -74,12 +80,15 @@ class PagedAttention(nn.Module):
         self.window, self.softcap = window, softcap
         # Passed to the kernels only when set: the plain call stays the plain call.
         self.extra: dict[str, Any] = {k: v for k, v in (("window", window), ("softcap", softcap)) if v is not None}
+        self.calculate_kv_scales = False  # set by `calculate_kv_scales_on_first_prompt`
 
     def forward(
         self, qkv: torch.Tensor, rope: RopeStep, meta: AttentionMetadata, k_cache: torch.Tensor, v_cache: torch.Tensor
     ) -> torch.Tensor:
         t = qkv.shape[0]
         h, kvh, hd = self.num_heads, self.num_kv_heads, self.head_dim
+        if self.calculate_kv_scales:  # the engine's first forward pass: a prompt (module note)
+            self._calculate_kv_scales(qkv, k_cache, v_cache)
         full = rope.rotary_dim == hd
         plan = meta.decode_plan
         if full and meta.num_decodes == t and plan is not None and plan.native is not None:
@@ -101,6 +110,20 @@ class PagedAttention(nn.Module):
         q, k = qk[:, :h], qk[:, h:]
         write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
         return self._attend(q, k, v, meta, k_cache, v_cache)
+
+    def _calculate_kv_scales(self, qkv: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+        """Set the layer's fp8 K and V scales from this first prompt (vLLM's
+        `calculate_kv_scales`), before anything is written with them. K is not rotated yet here:
+        a rotation moves a pair's values within sqrt(2) times the larger, so |K| max is taken as
+        sqrt(2) times the unrotated one (at most 283 stored, inside e4m3's 448)."""
+        self.calculate_kv_scales = False
+        h, kvh, hd = self.num_heads, self.num_kv_heads, self.head_dim
+        k_amax = qkv[:, h * hd : (h + kvh) * hd].abs().max().float() * 2**0.5
+        v_amax = qkv[:, (h + kvh) * hd :].abs().max().float()
+        for cache, amax, span in ((k_cache, k_amax, K_SCALE_RANGE), (v_cache, v_amax, V_SCALE_RANGE)):
+            scale = cache_scale(cache)
+            if scale is not None and scale.numel() == 1 and float(amax) > 0:
+                scale.fill_(float(amax) / span)
 
     def _rotate(self, qk: torch.Tensor, rope: RopeStep) -> torch.Tensor:
         """Q and K rotated in one call (a new tensor; the first `rotary_dim` dims only, if partial)."""
@@ -140,3 +163,11 @@ class PagedAttention(nn.Module):
                     q[s:e], k[s:e], v[s:e], k_cache, v_cache, c.block_ids, c.num_context, self.scale, **self.extra
                 )
         return out.reshape(t, h * hd)
+
+
+def calculate_kv_scales_on_first_prompt(model: nn.Module) -> None:
+    """Have every attention layer of `model` set its fp8 cache's K and V scales from the first
+    prompt chunk it sees (`ModelConfig.calculate_kv_scales`): once, then the scales stay."""
+    for m in model.modules():
+        if isinstance(m, PagedAttention):
+            m.calculate_kv_scales = True
