@@ -1,14 +1,15 @@
 """`triollm bench`: throughput and latency (offline), pipeline (the actor layer), serve (a
 client), quality (quantized weights against the dense model), soak (a mixed hostile load with leak
-checks), moe (the routed-experts block by expert count), lora (adapters against the base model).
+checks), moe (the routed-experts block by expert count), lora (adapters against the base model),
+step (where a batch-N decode step's time goes, against its floors).
 
 The rule: a benchmark uses what a user can: `triollm`'s exports (`LLM`, `AsyncLLM`, `EngineArgs`,
 `SamplingParams`), the HTTP server (serve and soak are clients of `triollm serve`), the vLLM
 paths (`triollm.lora.request`) and `triollm.testing`. An import from below that surface says at
 the import, in one line, why it may not: the offline yardsticks drive the engine directly
-(`SyncEngine`: no portal, no actors, each step timed), quality sends its children resolved
-configs, and moe times one layer alone. Nothing in the server package imports a benchmark but
-the CLI, which registers these commands.
+(`SyncEngine`: no portal, no actors, each step timed; step also wraps its phases), quality
+sends its children resolved configs, and moe times one layer alone. Nothing in the server
+package imports a benchmark but the CLI, which registers these commands.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from triollm.bench.pipeline import add_pipeline_parser
 from triollm.bench.quality import add_quality_parser
 from triollm.bench.serve import add_serve_bench_parser
 from triollm.bench.soak import add_soak_parser
+from triollm.bench.step import add_step_parser
 from triollm.bench.throughput import add_throughput_parsers
 
 __all__ = ["add_bench_parser"]
@@ -29,7 +31,7 @@ __all__ = ["add_bench_parser"]
 
 def add_bench_parser(sub: Any) -> None:
     bench = sub.add_parser(
-        "bench", help="benchmarks (throughput, latency, pipeline, serve, quality, soak, moe, lora)"
+        "bench", help="benchmarks (throughput, latency, pipeline, serve, quality, soak, moe, lora, step)"
     )
     kinds = bench.add_subparsers(dest="bench", required=True)
     add_throughput_parsers(kinds)
@@ -40,3 +42,4 @@ def add_bench_parser(sub: Any) -> None:
     add_soak_parser(kinds)
     add_moe_parsers(kinds)
     add_lora_parser(kinds)
+    add_step_parser(kinds)
