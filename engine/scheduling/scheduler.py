@@ -27,14 +27,41 @@ latency at several times its median (issue 25). So while requests decode, the pr
 step are limited to those that keep it within `TARGET_STEP_RATIO` of a decode-only step, by the step
 cost measured so far (`step_cost.py`: `seconds = a + b * tokens`, fitted to the forward passes the
 engine core times and reports through `record_step`): (ratio - 1) * cost(decodes) / b tokens, never
-fewer than `MIN_PREFILL_CHUNK` (prompts always progress) nor more than the budget left. With nothing
-decoding, before a first fit, or where a decode-only step takes under `_MIN_STEP_S` (no one sees
-that stall, and the timing is mostly noise), no ratio applies (the time bound below still does).
-`long_prefill_token_threshold` (vLLM's per-request cap) applies on top. The price is a longer time
-to first token for a prompt that arrives while others decode. Rejected: a fixed per-step prompt
-cap (right on one machine and model only: the cost per token differs by orders of magnitude
-between a CPU and a GPU); a budget in seconds from the user (the ratio to the decode step is what
-inter-token latency percentiles see, whatever the machine).
+fewer than `MIN_PREFILL_CHUNK` (prompts always progress) nor more than the budget left. Before a first
+fit the line is the latest prompt step's pace through the origin (`StepCost.line`): an engine's
+first prompt step (the whole budget) is followed by steps whose decodes would otherwise wait
+behind another whole budget. With nothing decoding, before any prompt step, or where a
+decode-only step takes under `_MIN_STEP_S` (no one sees that stall, and the timing is mostly
+noise), no ratio applies (the time bound below still does).
+`long_prefill_token_threshold` (vLLM's per-request cap) applies on top.
+
+Fair admission (issue 41). A fixed ratio starves new requests under load: with 64 clients each
+sending a 200-token prompt for 128 tokens, keeping all 64 decoding takes ~100 prompt tokens a step,
+more than 1.5x a decode step buys on a CPU, so a third of the clients waited in the queue and the
+slowest first token took 38 s (the running ones decoded at a cadence nobody asked to protect at
+that price). So the ratio grows with the wait of the request at the head of the waiting queue:
+from `TARGET_STEP_RATIO` at no wait to `MAX_STEP_RATIO` once it has waited `FAIR_WAIT_STEPS`
+decode-only steps there, linearly. Only the queue counts: a running request's long prefill is
+its own work being done, not a wait imposed on it, so a lone 8k-token prompt beside a stream
+(issue 40) keeps the 1.5x and the stream its cadence; the queue grows when prompts arrive
+faster than the budget admits them, which is the starvation to undo. Under a steady load the wait settles where the prompt tokens per step match what
+arrives (a feedback loop: more waiting, more budget), so time to first token stays bounded while
+concurrency grows, and every step carries a similar prompt share, which keeps inter-token
+latency even: p99 within `MAX_STEP_RATIO` of a decode-only step. The wait is measured in decode
+steps, not seconds, so the loop behaves alike on a CPU (~0.1 s a step) and a GPU (~10 ms); the
+clock is the scheduler's own (`clock`, monotonic; a test passes a fake), not the request's
+`arrival_time`, which a client may set and another process stamps. A preempted request waits
+again from its preemption. Rejected: an uncapped credit (vLLM's choice: the whole budget to
+prompts; its p99 inter-token latency is 10x its median at 64 clients); admission by a
+time-to-first-token deadline (a setting users would have to choose per machine and model).
+The cap is 3x, not 2x: on a compute-bound CPU (AVX2, 2 cores) a prompt token costs about what a
+decode row does, and keeping 64 clients of that workload decoding takes steps of ~2.4x a
+decode-only one; a 2x cap held ~20 of them running and the rest queued.
+
+Rejected for the ratio itself: a fixed per-step prompt cap (right on one machine and model
+only: the cost per token differs by orders of magnitude between a CPU and a GPU); a budget in
+seconds from the user (the ratio to the decode step is what inter-token latency percentiles see,
+whatever the machine).
 
 A step is bounded by time as well (issue 40), decodes or not: its prompt tokens are cut so that,
 at the pace of the latest step that carried a prompt chunk (`StepCost.tokens_within`: that step's
@@ -78,7 +105,8 @@ when the request is created (`Request.sampling_plan`), not rebuilt each step.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from triollm.engine.config import SchedulerConfig
@@ -89,7 +117,9 @@ from triollm.engine.scheduling.step_cost import StepCost
 from triollm.engine.scheduling.waiting_queue import WaitingQueue
 
 __all__ = [
+    "FAIR_WAIT_STEPS",
     "MAX_PREFILL_STEP_S",
+    "MAX_STEP_RATIO",
     "MIN_PREFILL_CHUNK",
     "TARGET_STEP_RATIO",
     "ScheduledRequest",
@@ -99,6 +129,8 @@ __all__ = [
 ]
 
 TARGET_STEP_RATIO = 1.5  # a step beside decodes: at most this many decode-only steps' time
+MAX_STEP_RATIO = 3.0  # ... rising to this many while a request waits for its first token
+FAIR_WAIT_STEPS = 16  # decode-only steps of waiting that raise the ratio to MAX_STEP_RATIO
 MIN_PREFILL_CHUNK = 32  # prompt tokens a step may always take, whatever the cost model says
 # The longest a step carrying prompt tokens should take (seconds, predicted). A step is the unit in
 # which the core applies inputs (a new request, an abort, a pause, a utility call) and in which it
@@ -153,8 +185,15 @@ class SchedulerStats:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, block_manager: BlockManager, max_model_len: int) -> None:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        block_manager: BlockManager,
+        max_model_len: int,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.config = config
+        self.clock = clock  # for the waits of fair admission
         self.blocks = block_manager
         self.max_model_len = max_model_len
         self.waiting = WaitingQueue()  # in _order, ties in push order
@@ -170,6 +209,7 @@ class Scheduler:
 
     def add_request(self, request: Request) -> None:
         request.status = RequestStatus.WAITING
+        request.waiting_since = self.clock()
         self.waiting.push(request)
 
     def finish(self, request: Request, status: RequestStatus) -> None:
@@ -202,7 +242,8 @@ class Scheduler:
         prefills = [r for r in self.running if r.num_tokens - r.num_computed_tokens != 1]
         budget = self._schedule_running(decodes, self.config.max_num_batched_tokens, scheduled, preempted)
         num_decodes = sum(s.request.status == RequestStatus.RUNNING for s in scheduled)
-        budget = self._schedule_running(prefills, self._prefill_budget(num_decodes, budget), scheduled, preempted)
+        prefill_budget = self._prefill_budget(num_decodes, budget, self._queue_wait())
+        budget = self._schedule_running(prefills, prefill_budget, scheduled, preempted)
         # Drop entries of requests preempted after they were scheduled this step.
         scheduled = [s for s in scheduled if s.request.status == RequestStatus.RUNNING]
         if not preempted:
@@ -230,10 +271,16 @@ class Scheduler:
         measurements the prefill budget is derived from."""
         self.step_cost.observe(output.num_tokens, seconds, prefill=output.carries_prompt)
 
-    def _prefill_budget(self, num_decodes: int, budget: int) -> int:
+    def _queue_wait(self) -> float:
+        """Seconds the head of the waiting queue has waited there (since its preemption, for
+        one preempted); 0 with none waiting."""
+        return self.clock() - self.waiting.peek().waiting_since if self.waiting else 0.0
+
+    def _prefill_budget(self, num_decodes: int, budget: int, wait: float = 0.0) -> int:
         """The prompt tokens this step may take beside `num_decodes` decodes, of `budget` left:
-        what keeps the step within `MAX_PREFILL_STEP_S` and, beside decodes, within
-        `TARGET_STEP_RATIO` of a decode-only step; at least `MIN_PREFILL_CHUNK`."""
+        what keeps the step within `MAX_PREFILL_STEP_S` and, beside decodes, within a ratio of a
+        decode-only step, `TARGET_STEP_RATIO` rising to `MAX_STEP_RATIO` as the queue's head's
+        `wait` grows to `FAIR_WAIT_STEPS` decode-only steps; at least `MIN_PREFILL_CHUNK`."""
         config = self.config
         if config.prefill_budget != "auto" or not config.enable_chunked_prefill:
             return budget
@@ -241,9 +288,12 @@ class Scheduler:
         by_time = self.step_cost.tokens_within(MAX_PREFILL_STEP_S)
         if by_time is not None:
             limits.append(by_time - num_decodes)
-        fit = self.step_cost.fit
+        fit = self.step_cost.line()
         if num_decodes and fit is not None and (decode_step := fit.seconds(num_decodes)) >= _MIN_STEP_S:
-            limits.append(int((TARGET_STEP_RATIO - 1) * decode_step / fit.seconds_per_token))
+            ratio = TARGET_STEP_RATIO + (MAX_STEP_RATIO - TARGET_STEP_RATIO) * min(
+                1.0, wait / (FAIR_WAIT_STEPS * decode_step)
+            )
+            limits.append(int((ratio - 1) * decode_step / fit.seconds_per_token))
         if not limits:
             return budget
         return min(budget, max(MIN_PREFILL_CHUNK, min(limits)))
@@ -330,6 +380,7 @@ class Scheduler:
         req.num_preemptions += 1
         self.num_preemptions += 1
         req.status = RequestStatus.PREEMPTED
+        req.waiting_since = self.clock()
         # Front of its priority class: it arrived before anything still waiting there.
         self.waiting.push(req)
 

@@ -97,6 +97,17 @@ class StepCost:
         if b > 0:
             self.fit = StepCostFit(max(0.0, self._y - b * self._x), b)
 
+    def line(self) -> StepCostFit | None:
+        """The fitted line; before there is one, a line through the origin at the pace of the
+        latest step that carried a prompt chunk (no fixed cost per step: beside decodes, the
+        smaller prompt budget); None before either."""
+        if self.fit is not None:
+            return self.fit
+        if self.latest_prefill is None:
+            return None
+        tokens, took = self.latest_prefill
+        return StepCostFit(0.0, took / tokens)
+
     def tokens_within(self, seconds: float) -> int | None:
         """The tokens a step carrying a prompt chunk may take to be predicted to last `seconds`:
         at the pace of the latest such step (the module docstring); None before there was one."""
