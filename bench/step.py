@@ -28,9 +28,10 @@ Floors: a linear's max(2·N·in·out / peak, weight bytes as stored / bandwidth)
 same for the head (the lm_head, or the tied embedding that `compute_logits` uses); attention's
 the K and V bytes the step reads (each row's positions, every layer, window-capped) / bandwidth.
 Bandwidth is bench latency's copy bandwidth. Peak is measured, not a datasheet's: a large square
-`torch.mm` in the linears' compute dtype (fp32 for quantized and fp32 models, bf16 for bf16) at
-the engine's thread count, a practical ceiling (the quantized kernels' int8 dot products may beat
-fp32's). CPU only, one rank, no speculation, no LoRA: each would change what a step is.
+`torch.mm` in the linears' compute dtype (fp32 for quantized and fp32 models; for bf16 the
+faster of bf16 and fp32, as a CPU without bf16 instructions widens to fp32) at the engine's thread
+count, a practical ceiling (the quantized kernels' int8 dot products may beat fp32's). CPU only,
+one rank, no speculation, no LoRA: each would change what a step is.
 """
 
 from __future__ import annotations
@@ -392,7 +393,12 @@ def _results(ns: argparse.Namespace, engine: Any, model: Any, steps: list[dict[s
     order = _linears(model)
     kinds = list({id(k): k for k, _ in order}.values())
     gemm_dtype = torch.float32 if any(k.fmt.startswith("q") for k in kinds) else cfg.dtype
-    bw, peak = measure_bandwidth(), measure_gemm_peak(gemm_dtype)
+    # A CPU without the dtype's instructions (bf16 on AVX2) widens to fp32: fp32's peak is then
+    # the ceiling (a bf16 `torch.mm` there runs at ~1 GFLOP/s, a floor no layer could meet).
+    bw, peak = measure_bandwidth(), measure_gemm_peak(torch.float32)
+    if gemm_dtype != torch.float32:
+        native = measure_gemm_peak(gemm_dtype, n=1024)
+        peak, gemm_dtype = (native, gemm_dtype) if native > peak else (peak, torch.float32)
     seconds = _time_linears(order, n, cfg.dtype)
     linears = {}
     for k in kinds:
