@@ -11,7 +11,12 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 from tinymodel import make_tiny_model  # noqa: E402
 
+from triollm.engine.loading.transformers_config import import_transformers  # noqa: E402
+
 torch.set_num_threads(1)
+# The reference models come from transformers, whose model classes import Hugging Face's `kernels`:
+# from the checkout's root a bare `import kernels` would find triollm's own kernels/ (the function's note).
+import_transformers()
 
 
 # Files whose tests start Ray clusters and look for Ray's actor processes by name: under

@@ -19,20 +19,45 @@ transformers' attention interface) is refused when the model is built, naming th
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 from triollm.engine.loading.rope_config import RopeConfig, parse_rope
 
-__all__ = ["PAGED_LAYER_TYPES", "hf_text_config", "parse_transformers_config"]
+__all__ = ["PAGED_LAYER_TYPES", "hf_text_config", "import_transformers", "parse_transformers_config"]
 
 PAGED_LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
+_ROOT = Path(__file__).resolve().parents[2]  # triollm's package root: a checkout's root
+
+
+def import_transformers() -> Any:
+    """transformers, its hub-kernels integration imported with the `kernels` package installed
+    beside it (Hugging Face's, a dependency since transformers 5.25). Run from a triollm checkout
+    (tests, scripts), the current directory is the checkout's root, which is the triollm package
+    itself (`package-dir = {"triollm" = "."}`), so a bare `import kernels` would find triollm's own
+    kernels/ and a model class's import fail ("cannot import name 'CUDAProperties' from
+    'kernels'"). Once the hub's `kernels` is in sys.modules, later imports take it from there;
+    triollm's own is always imported as `triollm.kernels`."""
+    import transformers
+
+    if "kernels" not in sys.modules:
+        saved = sys.path[:]
+        sys.path[:] = [p for p in saved if Path(p or ".").resolve() != _ROOT]
+        try:
+            import transformers.integrations.hub_kernels  # noqa: F401  (imports the hub's `kernels`)
+        finally:
+            sys.path[:] = saved
+    return transformers
 
 
 def hf_text_config(hf: Mapping[str, Any], arch: str | None = None) -> Any:
     """transformers' config object for config.json `hf` (its text config, for a multimodal one);
     without `model_type`, that of `arch`'s config class."""
-    import transformers
+    transformers = import_transformers()
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
     model_type = hf.get("model_type")
@@ -49,7 +74,7 @@ def hf_text_config(hf: Mapping[str, Any], arch: str | None = None) -> Any:
 
 def parse_transformers_config(hf: Mapping[str, Any], arch: str) -> dict[str, Any]:
     """The `HfConfig` fields (hf_config.py) of a backend model; a ValueError naming what it cannot page."""
-    import transformers
+    transformers = import_transformers()
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     causal = set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())

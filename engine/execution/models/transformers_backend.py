@@ -44,7 +44,7 @@ from torch import nn
 from triollm.engine.execution.layers.attention import AttentionMetadata, PagedAttention
 from triollm.engine.execution.models.base import CausalLM
 from triollm.engine.loading.model_config import ModelConfig
-from triollm.engine.loading.transformers_config import hf_text_config
+from triollm.engine.loading.transformers_config import hf_text_config, import_transformers
 from triollm.kernels import KVCache, write_kv
 from triollm.kernels.triton import use_triton
 
@@ -191,7 +191,7 @@ class TransformersForCausalLM(CausalLM):
 
 def load_transformers_model(cfg: ModelConfig, device: str | torch.device = "cpu") -> TransformersForCausalLM:
     """transformers' model for `cfg` (its weights from cfg.path) on `device`, its attention paged."""
-    import transformers
+    transformers = import_transformers()
 
     _register()
     hf_cfg = hf_text_config(_config_json(cfg), cfg.architecture)
