@@ -138,7 +138,7 @@ __all__ = [
 ]
 
 TARGET_STEP_RATIO = 1.5  # a step beside decodes: at most this many decode-only steps' time
-MAX_STEP_RATIO = 2.0  # ... rising to this many while a request waits for its first token
+MAX_STEP_RATIO = 2.0  # ... rising to this many while a request waits in the queue
 FAIR_WAIT_STEPS = 16  # decode-only steps of waiting that raise the ratio to MAX_STEP_RATIO
 MIN_PREFILL_CHUNK = 32  # prompt tokens a step may always take, whatever the cost model says
 # The longest a step carrying prompt tokens should take (seconds, predicted). A step is the unit in
@@ -251,8 +251,8 @@ class Scheduler:
         prefills = [r for r in self.running if r.num_tokens - r.num_computed_tokens != 1]
         budget = self._schedule_running(decodes, self.config.max_num_batched_tokens, scheduled, preempted)
         num_decodes = sum(s.request.status == RequestStatus.RUNNING for s in scheduled)
-        load = min(self.config.max_num_seqs, len(self.running) + len(self.waiting))
-        prefill_budget = self._prefill_budget(num_decodes, budget, self._queue_wait(), max(load, num_decodes))
+        load = max(num_decodes, min(self.config.max_num_seqs, len(self.running) + len(self.waiting)))
+        prefill_budget = self._prefill_budget(num_decodes, budget, self._queue_wait(), load)
         budget = self._schedule_running(prefills, prefill_budget, scheduled, preempted)
         # Drop entries of requests preempted after they were scheduled this step.
         scheduled = [s for s in scheduled if s.request.status == RequestStatus.RUNNING]
@@ -286,7 +286,7 @@ class Scheduler:
         one preempted); 0 with none waiting."""
         return self.clock() - self.waiting.peek().waiting_since if self.waiting else 0.0
 
-    def _prefill_budget(self, num_decodes: int, budget: int, wait: float = 0.0, load: int = 0) -> int:
+    def _prefill_budget(self, num_decodes: int, budget: int, wait: float, load: int) -> int:
         """The prompt tokens this step may take beside `num_decodes` decodes, of `budget` left:
         what keeps the step within `MAX_PREFILL_STEP_S` and, beside decodes, within a ratio of
         the decode-only step of `load` rows (the requests running and waiting, up to
@@ -301,7 +301,7 @@ class Scheduler:
         if by_time is not None:
             limits.append(by_time - num_decodes)
         fit = self.step_cost.line()
-        if num_decodes and fit is not None and (decode_step := fit.seconds(max(load, num_decodes))) >= _MIN_STEP_S:
+        if num_decodes and fit is not None and (decode_step := fit.seconds(load)) >= _MIN_STEP_S:
             ratio = TARGET_STEP_RATIO + (MAX_STEP_RATIO - TARGET_STEP_RATIO) * min(
                 1.0, wait / (FAIR_WAIT_STEPS * decode_step)
             )
