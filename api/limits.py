@@ -11,6 +11,10 @@
   a client that sends its body a byte every few seconds holds nothing for long. Only the body
   is timed: once it is complete, `receive()` waits as long as the response runs (that is how a
   streaming response sees the client leave).
+- **An answer before the body** (a 401, 408, 413, 431 or 503 sent while the client may still be
+  sending) carries `Connection: close`. Hypercorn closes such a connection after the response
+  (h11 cannot start the next request mid-body); without the header a keep-alive client would
+  send its next request on it and see "Server disconnected without sending a response".
 
 What is *not* bounded here, and why: an ASGI app sees requests, not connections, so a connection
 that never completes its headers never reaches this middleware. Hypercorn bounds those in time,
@@ -54,6 +58,7 @@ class RequestLimits:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        receive, send = _close_if_unread(scope, receive, send)
         if len(scope["headers"]) > self.max_header_count:
             error = APIError(
                 431, f"Too many request headers: {len(scope['headers'])} (limit {self.max_header_count}, "
@@ -77,6 +82,27 @@ class RequestLimits:
             await self.app(scope, _timed_body(receive, self.body_timeout), send)
         finally:
             self.in_flight -= 1
+
+
+def _close_if_unread(scope: Scope, receive: Receive, send: Send) -> tuple[Receive, Send]:
+    """`receive` and `send` that add `Connection: close` to a response started while the
+    request's body (declared by Content-Length or Transfer-Encoding) is not wholly received."""
+    headers = dict(scope["headers"])
+    unread = headers.get(b"content-length", b"0").strip() not in (b"", b"0") or b"transfer-encoding" in headers
+
+    async def tracked_receive() -> Message:
+        nonlocal unread
+        message = await receive()
+        if message["type"] != "http.request" or not message.get("more_body", False):
+            unread = False
+        return message
+
+    async def closing_send(message: Message) -> None:
+        if unread and message["type"] == "http.response.start":
+            message = {**message, "headers": [*message.get("headers", ()), (b"connection", b"close")]}
+        await send(message)
+
+    return tracked_receive, closing_send
 
 
 def _timed_body(receive: Receive, timeout: float) -> Receive:

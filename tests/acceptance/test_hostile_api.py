@@ -169,6 +169,18 @@ def test_every_route_needs_the_key_with_all_routes(server: Server) -> None:
         assert anon.get("/health", headers=AUTH).status_code == 200
 
 
+def test_a_refusal_before_the_body_says_the_connection_closes(server: Server) -> None:
+    """The 401 goes out before the body is read; Hypercorn then drops the connection, so the
+    answer says `Connection: close` and a keep-alive client opens a new one (CI once saw
+    "Server disconnected without sending a response" on the request after a 401)."""
+    with raw(server) as sock:
+        sock.sendall(b"POST /v1/score HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 100\r\n\r\n")
+        took, data = closed_within(sock, 5.0)
+    head = data.split(b"\r\n\r\n", 1)[0].lower()
+    assert head.startswith(b"http/1.1 401") and b"\r\nconnection: close" in head, data[:300]
+
+
 # ------------------------------------------------------------------------------ log lines
 
 

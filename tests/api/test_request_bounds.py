@@ -274,3 +274,60 @@ def test_settings_are_validated() -> None:
         with pytest.raises(ValueError, match=field):
             ServerSettings(served_model_names=("m",), **{field: value})
     assert ServerSettings(served_model_names=("m",), limit_concurrency=None).limit_concurrency is None
+
+
+def _declared(path: str, length: int) -> dict[str, Any]:
+    scope = asgi_post(path)
+    scope["headers"] = [*scope["headers"], (b"content-length", str(length).encode())]
+    return scope
+
+
+async def _answer_unread(scope: dict[str, Any], receive: Any, send: Any) -> None:
+    """An endpoint that answers (as the API-key check does) without reading the body."""
+    await send({"type": "http.response.start", "status": 401, "headers": [(b"www-authenticate", b"Bearer")]})
+    await send({"type": "http.response.body", "body": b"{}"})
+
+
+@pytest.mark.parametrize("read_first", [False, True], ids=["unread", "read"])
+async def test_an_answer_before_the_body_closes_the_connection(read_first: bool) -> None:
+    """Hypercorn drops a connection whose request body was still arriving when the response
+    ended; the response must say so (`Connection: close`), or a keep-alive client sends its next
+    request into the closed connection (CI: "Server disconnected without sending a response")."""
+
+    async def endpoint(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if read_first:
+            while (await receive()).get("more_body"):
+                pass
+        await _answer_unread(scope, receive, send)
+
+    app = RequestLimits(endpoint, limit_concurrency=None, max_header_count=100, body_timeout=10)
+    sent: list[dict[str, Any]] = []
+
+    async def receive() -> dict[str, Any]:
+        return {"type": "http.request", "body": b"{}", "more_body": False}
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    await app(_declared("/v1/score", 2), receive, send)
+    closes = (b"connection", b"close") in sent[0]["headers"]
+    assert closes == (not read_first) and (b"www-authenticate", b"Bearer") in sent[0]["headers"]
+    # No body declared (a GET): nothing to leave unread, the connection stays open.
+    sent.clear()
+    await app(asgi_post("/v1/models"), receive, send)
+    assert (b"connection", b"close") not in sent[0]["headers"]
+
+
+async def test_refusals_of_the_limits_close_a_connection_with_a_body_coming() -> None:
+    release = anyio.Event()
+    app = RequestLimits(_app(release, []), limit_concurrency=0, max_header_count=100, body_timeout=10)
+    sent: list[dict[str, Any]] = []
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    async def never() -> dict[str, Any]:
+        raise AssertionError("the refusal reads no body")
+
+    await app(_declared("/v1/completions", 100), never, send)
+    assert sent[0]["status"] == 503 and (b"connection", b"close") in sent[0]["headers"]
