@@ -105,14 +105,21 @@ class StatsLog:
 
     def __init__(self) -> None:
         self._mark = _Mark(time.monotonic())
+        self._was_busy = True  # the first line is written
 
     def log(self, stats: EngineCoreStats, frontend: FrontendStatistics) -> None:
+        """The line at INFO; at DEBUG when the engine was idle over this interval and the one
+        before (no tokens, no requests), as vLLM keeps an idle server's log quiet."""
         now = time.monotonic()
         prev = self._mark
         elapsed = max(now - prev.time, 1e-9)
         prompt, gen = frontend.num_prompt_tokens, frontend.num_generation_tokens
+        busy = prompt > prev.prompt_tokens or gen > prev.generation_tokens or stats.num_running + stats.num_waiting > 0
+        level = logging.INFO if busy or self._was_busy else logging.DEBUG
+        self._was_busy = busy
         self._mark = _Mark(now, prompt, gen, stats.spec)
-        log.info(
+        log.log(
+            level,
             "Avg prompt throughput: %.1f tokens/s, Avg generation throughput: %.1f tokens/s, "
             "Running: %d reqs, Waiting: %d reqs, KV cache usage: %.1f%%, "
             "Prefix cache hit rate: %.1f%%",

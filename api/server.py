@@ -68,6 +68,8 @@ _HYPERCORN_GRACE_S = 3.0
 DEFAULT_BACKLOG = 2048  # the kernel caps it at net.core.somaxconn
 DEFAULT_TIMEOUT_KEEP_ALIVE_S = 5.0  # vLLM's (uvicorn's) and Hypercorn's default
 DEFAULT_H11_MAX_INCOMPLETE_EVENT_SIZE = 16 * 1024  # Hypercorn's default: request line + headers
+LOG_STATS_INTERVAL_ENV = "VLLM_LOG_STATS_INTERVAL"  # vLLM's name and default (seconds)
+DEFAULT_LOG_STATS_INTERVAL_S = 10.0
 # `--uvicorn-log-level` (vLLM's choices): the level of Hypercorn's loggers; trace is uvicorn's 5.
 UVICORN_LOG_LEVELS = {"critical": 50, "error": 40, "warning": 30, "info": 20, "debug": 10, "trace": 5}
 ACCESS_PATH_CHARS = 200  # the most characters of a path (and query) an access line shows
@@ -179,6 +181,8 @@ async def serve(
         async with anyio.create_task_group() as tg:
             tg.start_soon(_watch_signals, stop, escalate)
             tg.start_soon(watch_engine)
+            if not engine_args.disable_log_stats:
+                tg.start_soon(_log_stats_every, llm, log_stats_interval())
             actor = llm.config.actor if llm.config is not None else None
             if actor is not None and actor.data_parallel_world > actor.data_parallel_size:
                 log.warning(
@@ -196,6 +200,35 @@ async def serve(
             tg.cancel_scope.cancel()
         log.warning("triollm: shutting down%s", " after the engine died" if died else "")
     return 1 if died else 0
+
+
+def log_stats_interval() -> float:
+    """$VLLM_LOG_STATS_INTERVAL: seconds between two stats lines while serving (default 10);
+    anything but a positive number is a ValueError naming it."""
+    env = os.environ.get(LOG_STATS_INTERVAL_ENV, "")
+    if env == "":
+        return DEFAULT_LOG_STATS_INTERVAL_S
+    try:
+        seconds = float(env)
+    except ValueError:
+        seconds = float("nan")
+    if not 0 < seconds < float("inf"):
+        raise ValueError(f"{LOG_STATS_INTERVAL_ENV}: {env!r} is not a positive number of seconds")
+    return seconds
+
+
+async def _log_stats_every(llm: AsyncLLM, interval: float) -> None:
+    """vLLM's periodic stats line while serving (`do_log_stats`: throughput, requests, KV and
+    prefix cache), every `interval` seconds. A dead engine ends it: `watch_engine` stops the
+    server then."""
+    while llm.dead_error is None:
+        await anyio.sleep(interval)
+        try:
+            await llm.do_log_stats()
+        except Exception:  # the engine died between the check and the call
+            if llm.dead_error is None:
+                raise
+            return
 
 
 async def _drain(state: ServerState, grace_s: float, escalate: anyio.Event | None = None) -> None:

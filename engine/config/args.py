@@ -207,7 +207,7 @@ class EngineArgs:
         8192, "accepted, ignored (graphs are captured per batch size, for every length)")
     compilation_config: CompilationConfig | int | dict[str, Any] | None = arg(
         None, "an int level or a JSON object")
-    disable_log_stats: bool = arg(False, "accepted (no periodic stats are logged)")
+    disable_log_stats: bool = arg(False, "no periodic stats line while serving")
     allowed_local_media_path: str = arg("", "accepted, ignored (text only)")
     renderer_num_workers: int = arg(1, "accepted, ignored (no renderer pool)")
     kv_transfer_config: dict[str, Any] | None = arg(None, "not supported (no KV transfer)")

@@ -222,3 +222,24 @@ def test_prometheus_without_speculation_has_no_spec_series(stats: EngineCoreStat
     text = _render(stats)
     assert "vllm:num_preemptions_total" in text
     assert "spec_decode" not in text
+
+
+def test_an_idle_engine_logs_its_stats_line_at_debug(caplog: pytest.LogCaptureFixture) -> None:
+    """vLLM keeps an idle server's log quiet: after one idle interval's line, the next idle ones
+    go to DEBUG; work brings INFO back at once, and the first idle line after it is INFO."""
+    caplog.set_level(logging.DEBUG, logger="triollm")
+    idle = EngineCoreStats(num_blocks=100, num_free_blocks=100)
+    stats_log = StatsLog()
+    levels = []
+    for stats, frontend in [
+        (idle, _frontend()),  # the first line is written
+        (idle, _frontend()),
+        (idle, _frontend(prompt=5, generation=7)),  # work finished in this interval
+        (idle, _frontend(prompt=5, generation=7)),  # the first idle interval after it
+        (idle, _frontend(prompt=5, generation=7)),
+        (NO_SPEC, _frontend(prompt=5, generation=7)),  # a request runs
+    ]:
+        caplog.clear()
+        stats_log.log(stats, frontend)
+        levels.append(caplog.records[0].levelname)
+    assert levels == ["INFO", "DEBUG", "INFO", "INFO", "DEBUG", "INFO"]

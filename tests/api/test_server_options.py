@@ -3,6 +3,7 @@ our socket and of Hypercorn's (which listens again on it, with 100 unless told).
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import signal
@@ -20,6 +21,7 @@ from triollm.api.server import (
     ServeOptions,
     _hypercorn_config,
     bind_socket,
+    log_stats_interval,
     run_server,
     serve,
 )
@@ -107,3 +109,45 @@ def test_client_limit_flags_reach_the_settings_and_hypercorn(monkeypatch: pytest
     for field, value in [("timeout_keep_alive", 0.0), ("h11_max_incomplete_event_size", 10)]:
         with pytest.raises(ValueError, match=field):
             run_server(EngineArgs(), ServeOptions(**{field: value}))
+
+
+@pytest.mark.parametrize("disabled", [False, True], ids=["logged", "disable-log-stats"])
+async def test_serving_logs_the_stats_line_periodically(
+    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, disabled: bool
+) -> None:
+    """vLLM's "Avg prompt throughput ..." line every $VLLM_LOG_STATS_INTERVAL seconds while
+    serving (vLLM's api_server logs it every 10 s); none with --disable-log-stats."""
+    monkeypatch.setenv("VLLM_LOG_STATS_INTERVAL", "0.05")
+    args = EngineArgs(model=str(tiny_model_dir), max_model_len=64, multiprocess=False, disable_log_stats=disabled)
+    options = ServeOptions(settings=ServerSettings(served_model_names=("m",)))
+
+    def lines() -> list[str]:
+        return [r.getMessage() for r in caplog.records if r.getMessage().startswith("Avg prompt throughput")]
+
+    with bind_socket("127.0.0.1", 0) as sock, caplog.at_level(logging.INFO, logger="triollm"):
+
+        async def run(*, task_status: TaskStatus[str]) -> None:
+            await serve(args, options, sock, task_status=task_status)
+
+        with anyio.fail_after(60):
+            async with anyio.create_task_group() as tg:
+                url = await tg.start(run)
+                async with httpx.AsyncClient() as client:
+                    body = {"prompt": "hi", "max_tokens": 3, "temperature": 0}
+                    assert (await client.post(f"{url}/v1/completions", json=body)).status_code == 200
+                    await anyio.sleep(0.3)
+                os.kill(os.getpid(), signal.SIGTERM)
+    if disabled:
+        assert lines() == []
+    else:
+        assert any("Avg generation throughput" in line and "Running: 0 reqs" in line for line in lines()), lines()
+        assert any(float(line.split("Avg generation throughput: ")[1].split()[0]) > 0 for line in lines())
+
+
+def test_the_stats_interval_must_be_a_positive_number(monkeypatch: pytest.MonkeyPatch) -> None:
+    for bad in ("0", "-1", "soon", "inf"):
+        monkeypatch.setenv("VLLM_LOG_STATS_INTERVAL", bad)
+        with pytest.raises(ValueError, match="VLLM_LOG_STATS_INTERVAL"):
+            log_stats_interval()
+    monkeypatch.delenv("VLLM_LOG_STATS_INTERVAL")
+    assert log_stats_interval() == 10.0
