@@ -17,6 +17,7 @@ engine is seen, and never per step.
 | `TRIOLLM_CPU_KERNELS` | `cpu_kernels_enabled()` | 0: no native CPU kernels (kernels/envs.py) |
 | `TRIOLLM_CPU_ISA` | `forced_cpu_isa()` | force a quantized-kernel path (kernels/envs.py) |
 | `VLLM_BATCH_INVARIANT` | `batch_invariant()` | 0/1: numbers independent of the batch (kernels/batch_invariant.py) |
+| `VLLM_CPU_KVCACHE_SPACE` | `cpu_kvcache_space_bytes()` | GiB of KV cache on CPU (vLLM-CPU's; 0 or unset: measured) |
 
 `VLLM_BATCH_INVARIANT` is vLLM's name (vLLM has no engine argument for it either); it is read
 when the model runner is built (engine/execution/model_runner.py), in the engine core's process,
@@ -45,6 +46,7 @@ from triollm.kernels.envs import (
 __all__ = [
     "BATCH_INVARIANT_ENV",
     "CACHE_DIR_ENV",
+    "CPU_KVCACHE_SPACE_ENV",
     "CPU_KERNELS_ENV",
     "HF_HUB_OFFLINE_ENV",
     "ISA_ENV",
@@ -52,6 +54,7 @@ __all__ = [
     "MULTIPROCESS_ENV",
     "batch_invariant",
     "cache_dir",
+    "cpu_kvcache_space_bytes",
     "cpu_kernels_enabled",
     "forced_cpu_isa",
     "gloo_over_loopback",
@@ -64,6 +67,7 @@ MULTIPROCESS_ENV = "TRIOLLM_MULTIPROCESS"
 CACHE_DIR_ENV = "TRIOLLM_CACHE_DIR"
 HF_HUB_OFFLINE_ENV = "HF_HUB_OFFLINE"
 BATCH_INVARIANT_ENV = "VLLM_BATCH_INVARIANT"
+CPU_KVCACHE_SPACE_ENV = "VLLM_CPU_KVCACHE_SPACE"
 
 
 def multiprocess() -> bool | None:
@@ -84,6 +88,20 @@ def batch_invariant() -> bool:
     if env not in ("", "0", "1"):
         raise ValueError(f"{BATCH_INVARIANT_ENV}: {env!r} is not 0 or 1")
     return env == "1"
+
+
+def cpu_kvcache_space_bytes() -> int | None:
+    """$VLLM_CPU_KVCACHE_SPACE, vLLM-CPU's KV cache size in GiB, in bytes; None when unset, empty
+    or 0 (vLLM-CPU's "choose for me": the budget is measured). Anything but a non-negative number
+    is a ValueError naming it."""
+    env = os.environ.get(CPU_KVCACHE_SPACE_ENV, "").strip()
+    try:
+        gib = float(env) if env else 0.0
+    except ValueError:
+        gib = -1.0
+    if not 0 <= gib < float("inf"):
+        raise ValueError(f"{CPU_KVCACHE_SPACE_ENV}: {env!r} is not a number of GiB (0 or more; 0: measured)")
+    return int(gib * 2**30) or None
 
 
 def cache_dir() -> Path:

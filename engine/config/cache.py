@@ -1,5 +1,6 @@
 """The KV cache: block size, prefix caching, and how big it is (measured at start-up from free
-memory unless `kv_cache_memory_bytes` or `num_gpu_blocks_override` says). The number of blocks
+memory unless `kv_cache_memory_bytes`, `num_gpu_blocks_override` or, on CPU, vLLM-CPU's
+`$VLLM_CPU_KVCACHE_SPACE` says). The number of blocks
 the engine measures is returned by the code that measures it, never written back here."""
 
 from __future__ import annotations
@@ -8,6 +9,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from triollm.engine.config.checks import one_of, positive
+from triollm.engine.envs import cpu_kvcache_space_bytes
 
 __all__ = ["BLOCK_SIZES", "CacheConfig", "check_gpu_memory_utilization", "resolve_cache"]
 
@@ -45,17 +47,22 @@ def check_gpu_memory_utilization(value: float) -> None:
         raise ValueError(f"gpu_memory_utilization: must be in (0, 1], got {value!r}")
 
 
-def resolve_cache(args: CacheArgs) -> CacheConfig:
-    """The KV cache's settings checked (`gpu_memory_utilization` was, with `EngineArgs`)."""
+def resolve_cache(args: CacheArgs, device: str) -> CacheConfig:
+    """The KV cache's settings checked (`gpu_memory_utilization` was, with `EngineArgs`). On
+    CPU, `$VLLM_CPU_KVCACHE_SPACE` (GiB, how vLLM-CPU containers size the cache) stands in for an
+    unset `kv_cache_memory_bytes`."""
     one_of("block_size", args.block_size, BLOCK_SIZES)
-    if args.kv_cache_memory_bytes is not None:
-        positive("kv_cache_memory_bytes", args.kv_cache_memory_bytes)
+    kv_bytes = args.kv_cache_memory_bytes
+    if kv_bytes is not None:
+        positive("kv_cache_memory_bytes", kv_bytes)
+    elif device == "cpu":
+        kv_bytes = cpu_kvcache_space_bytes()
     if args.num_gpu_blocks_override is not None:
         positive("num_gpu_blocks_override", args.num_gpu_blocks_override)
     return CacheConfig(
         block_size=args.block_size,
         enable_prefix_caching=args.enable_prefix_caching,
-        kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+        kv_cache_memory_bytes=kv_bytes,
         num_kv_blocks=args.num_gpu_blocks_override,
         gpu_memory_utilization=args.gpu_memory_utilization,
     )

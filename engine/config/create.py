@@ -58,7 +58,7 @@ def create_engine_config(args: ResolverArgs, defaults: Mapping[str, object]) -> 
     which ignored vLLM arguments were set. Raises ValueError naming the field."""
     device = resolve_device(args.device)
     check_scheduler(args)
-    cache = resolve_cache(args)
+    cache = resolve_cache(args, device)
     if args.num_threads is not None:
         positive("num_threads", args.num_threads)
     limits = resolve_limits(args)

@@ -379,3 +379,28 @@ def test_auto_dtype_on_cuda_is_half_precision() -> None:
     assert _resolve_dtype("auto", None, "cuda") == torch.bfloat16
     assert _resolve_dtype("auto", torch.float16, "cuda") == torch.float16
     assert _resolve_dtype("auto", torch.float32, "cpu") == torch.float32
+
+
+def test_vllm_cpu_kvcache_space_sizes_the_cpu_kv_cache(tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM-CPU containers size the cache with $VLLM_CPU_KVCACHE_SPACE (GiB); an explicit
+    kv_cache_memory_bytes wins; 0 means "measure"; a bad value is refused at config time."""
+    from triollm.engine.sync_engine import SyncEngine
+
+    args = EngineArgs(model=str(tiny_model_dir), max_model_len=64, max_num_seqs=256)
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "0.0005")
+    config = args.create_engine_config()
+    assert config.cache.kv_cache_memory_bytes == int(0.0005 * 2**30)
+    engine = SyncEngine.from_engine_args(args)
+    small = engine.core.statistics().num_blocks
+    [out] = engine.generate(["Hello"], SamplingParams(max_tokens=4, temperature=0))
+    assert len(out.outputs[0].token_ids) == 4
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "0.001")
+    assert SyncEngine.from_engine_args(args).core.statistics().num_blocks > small
+    explicit = EngineArgs(model=str(tiny_model_dir), max_model_len=64, kv_cache_memory_bytes=12345678)
+    assert explicit.create_engine_config().cache.kv_cache_memory_bytes == 12345678
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "0")
+    assert args.create_engine_config().cache.kv_cache_memory_bytes is None
+    for bad in ("-1", "lots"):
+        monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", bad)
+        with pytest.raises(ValueError, match="VLLM_CPU_KVCACHE_SPACE: .* is not a number of GiB"):
+            args.create_engine_config()
