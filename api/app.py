@@ -55,10 +55,10 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 import triollm
 from triollm.api.endpoints import Endpoints
 from triollm.api.limits import RequestLimits
-from triollm.api.openai_errors import APIError, from_exception
+from triollm.api.openai_errors import APIError, as_anthropic, from_exception
 from triollm.api.openapi import openapi_document
 from triollm.api.playground import page_paths, page_routes
-from triollm.api.routes import OPEN_PATHS, RouteSpec, served_routes
+from triollm.api.routes import ANTHROPIC_PATHS, OPEN_PATHS, RouteSpec, served_routes
 from triollm.api.serving_common import API_KEY_ID
 from triollm.api.state import ServerState
 
@@ -109,6 +109,7 @@ def build_app(state: ServerState, *, playground: bool = True) -> Starlette:
                 APIKeyMiddleware,
                 api_key=settings.api_keys,
                 open_paths=() if settings.api_key_all_routes else OPEN_PATHS + page_paths(**pages),
+                anthropic_paths=ANTHROPIC_PATHS,
             )
         )
     app = Starlette(
@@ -122,7 +123,7 @@ def build_app(state: ServerState, *, playground: bool = True) -> Starlette:
 
 def _guard(api: Endpoints, spec: RouteSpec) -> Callable[[Request], Awaitable[Response]]:
     """The route's handler, wrapped so that no exception escapes it: a POST body must be JSON,
-    and whatever goes wrong becomes an OpenAI error body."""
+    and whatever goes wrong becomes an OpenAI error body (Anthropic's on its routes)."""
     handler = spec.handler
 
     async def endpoint(request: Request) -> Response:
@@ -131,7 +132,8 @@ def _guard(api: Endpoints, spec: RouteSpec) -> Callable[[Request], Awaitable[Res
                 _require_json(request)
             return await handler(api, request)
         except Exception as exc:
-            return from_exception(exc, engine_running=api.llm.is_running).response()
+            error = from_exception(exc, engine_running=api.llm.is_running)
+            return (as_anthropic(error) if spec.anthropic else error).response()
 
     endpoint.__name__ = handler.__name__
     return endpoint
@@ -175,13 +177,18 @@ def _route_path(scope: Scope) -> str:
 
 
 class APIKeyMiddleware:
-    """`Authorization: Bearer <key>` on every path but `open_paths`: any of the keys, each
-    compared in constant time (all of them, whichever matches). An accepted request carries the
-    SHA-256 of its key in the scope's state (`api_key_id` of serving_common.py), so that what one
-    key stores (the Responses store) another key does not see."""
+    """`Authorization: Bearer <key>`, or `x-api-key: <key>` (what Anthropic's clients send), on
+    every path but `open_paths`: any of the keys, each compared in constant time (all of them,
+    whichever matches). An accepted request carries the SHA-256 of its key in the scope's state
+    (`api_key_id` of serving_common.py), so that what one key stores (the Responses store)
+    another key does not see. The 401 is in Anthropic's shape on `anthropic_paths`."""
 
     def __init__(
-        self, app: ASGIApp, api_key: str | Sequence[str], open_paths: tuple[str, ...] = ()
+        self,
+        app: ASGIApp,
+        api_key: str | Sequence[str],
+        open_paths: tuple[str, ...] = (),
+        anthropic_paths: tuple[str, ...] = (),
     ) -> None:
         self.app = app
         keys = [api_key] if isinstance(api_key, str) else list(api_key)
@@ -189,6 +196,7 @@ class APIKeyMiddleware:
             raise ValueError("api_key: at least one key, and no empty one")
         self.keys = [k.encode() for k in keys]
         self.open_paths = frozenset(p.rstrip("/") for p in open_paths)
+        self.anthropic_paths = frozenset(p.rstrip("/") for p in anthropic_paths)
 
     def _keyed(self, path: str) -> bool:
         return path.rstrip("/") not in self.open_paths
@@ -196,20 +204,33 @@ class APIKeyMiddleware:
     def _accepts(self, token: bytes) -> bool:
         return sum(hmac.compare_digest(token, key) for key in self.keys) > 0
 
+    def _token(self, headers: Sequence[tuple[bytes, bytes]]) -> bytes | None:
+        """The key the request was sent with, when it is one of the keys: the bearer token,
+        else the `x-api-key` header."""
+        bearer = next((v for k, v in headers if k == b"authorization"), b"")
+        scheme, _, token = bearer.partition(b" ")
+        if scheme.lower() == b"bearer" and self._accepts(token.strip()):
+            return token.strip()
+        token = next((v for k, v in headers if k == b"x-api-key"), b"").strip()
+        return token if self._accepts(token) else None
+
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] in ("http", "websocket") and self._keyed(_route_path(scope)):
-            header = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
-            scheme, _, token = header.partition(b" ")
-            ok = self._accepts(token.strip())
-            if not (ok and scheme.lower() == b"bearer"):
+        path = _route_path(scope)
+        if scope["type"] in ("http", "websocket") and self._keyed(path):
+            token = self._token(scope["headers"])
+            if token is None:
                 error = APIError(
-                    401, "Invalid or missing API key (expected `Authorization: Bearer <key>`)"
+                    401,
+                    "Invalid or missing API key (expected `Authorization: Bearer <key>` or "
+                    "`x-api-key: <key>`)",
                 )
                 error.headers["WWW-Authenticate"] = "Bearer"
+                if path.rstrip("/") in self.anthropic_paths:
+                    error = as_anthropic(error)
                 await error.response()(scope, receive, send)
                 return
             # Who the request is, for the state kept between requests: a hash, never the key.
-            key_id = hashlib.sha256(token.strip()).hexdigest()
+            key_id = hashlib.sha256(token).hexdigest()
             scope = {**scope, "state": {**scope.get("state", {}), API_KEY_ID: key_id}}
         await self.app(scope, receive, send)
 

@@ -42,6 +42,7 @@ from triollm.api.serving_common import (
     resolve_model,
 )
 from triollm.api.serving_completions import create_completion
+from triollm.api.serving_messages import count_message_tokens, create_message
 from triollm.api.serving_models import LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest
 from triollm.api.serving_pooling import create_embedding, create_score
 from triollm.api.serving_responses import ResponsesAPI
@@ -88,6 +89,12 @@ class Endpoints:
 
     async def delete_response(self, request: Request) -> Response:
         return await self.responses.delete(request)
+
+    async def create_message(self, request: Request) -> Response:
+        return await create_message(self.state, request, self.chat_template)
+
+    async def count_message_tokens(self, request: Request) -> Response:
+        return await count_message_tokens(self.state, request, self.chat_template)
 
     async def embeddings(self, request: Request) -> Response:
         return await create_embedding(self.state, request)

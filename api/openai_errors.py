@@ -5,6 +5,10 @@ JSON and wrong types (msgspec, whose message names the field path), invalid valu
 engine's `ValueError`s, whose messages start with the field name) and JSON nested too deeply
 -> 400; a full engine queue (`EngineBusyError`) -> 429 with `Retry-After`; a dead engine -> 503;
 anything unexpected -> 500 with a log line (the client gets no traceback).
+
+The Messages API's routes answer the same errors in Anthropic's shape
+(`{"type": "error", "error": {"type": "invalid_request_error", "message": ...}}`, the status
+unchanged): `as_anthropic(error)`.
 """
 
 from __future__ import annotations
@@ -23,8 +27,12 @@ from triollm.engine.log_safe import log_safe
 
 __all__ = [
     "APIError",
+    "AnthropicError",
+    "AnthropicErrorBody",
+    "AnthropicErrorResponse",
     "ErrorInfo",
     "ErrorResponse",
+    "as_anthropic",
     "bad_request",
     "from_exception",
     "service_unavailable",
@@ -61,6 +69,30 @@ class ErrorResponse(msgspec.Struct):
     error: ErrorInfo
 
 
+class AnthropicErrorBody(msgspec.Struct, kw_only=True):
+    type: str  # invalid_request_error, authentication_error, not_found_error, ...
+    message: str
+
+
+class AnthropicErrorResponse(msgspec.Struct, kw_only=True):
+    type: str = "error"
+    error: AnthropicErrorBody
+
+
+# Anthropic's error types by status (its API's list; another status is an api_error).
+_ANTHROPIC_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    500: "api_error",
+    503: "overloaded_error",
+    529: "overloaded_error",
+}
+
+
 class APIError(Exception):
     """An error with its HTTP status, rendered as the OpenAI error body."""
 
@@ -76,7 +108,7 @@ class APIError(Exception):
         )
         self.headers: dict[str, str] = {}
 
-    def to_struct(self) -> ErrorResponse:
+    def to_struct(self) -> msgspec.Struct:
         return ErrorResponse(ErrorInfo(self.message, self.type, self.param, self.status))
 
     def body(self) -> bytes:
@@ -89,6 +121,23 @@ class APIError(Exception):
             media_type="application/json",
             headers=self.headers,
         )
+
+
+class AnthropicError(APIError):
+    """An `APIError` rendered in Anthropic's shape (the same status and headers)."""
+
+    def to_struct(self) -> msgspec.Struct:
+        kind = _ANTHROPIC_TYPES.get(self.status, "api_error")
+        return AnthropicErrorResponse(error=AnthropicErrorBody(type=kind, message=self.message))
+
+
+def as_anthropic(error: APIError) -> AnthropicError:
+    """`error` in Anthropic's shape (itself when it already is)."""
+    if isinstance(error, AnthropicError):
+        return error
+    out = AnthropicError(error.status, error.message, error.param, error.type)
+    out.headers.update(error.headers)
+    return out
 
 
 def bad_request(message: str, param: str | None = None) -> APIError:

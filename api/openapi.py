@@ -9,7 +9,7 @@ from typing import Any
 
 import msgspec
 
-from triollm.api.openai_errors import ErrorResponse
+from triollm.api.openai_errors import AnthropicErrorResponse, ErrorResponse
 from triollm.api.routes import ROUTES, RouteSpec
 
 __all__ = ["openapi_document"]
@@ -41,7 +41,7 @@ def openapi_document(
     operation, as `--api-key-all-routes` keys every route). The schemas of every route of the
     table are components, whether or not the route is served."""
     types = tuple(dict.fromkeys(t for spec in ROUTES for t in spec.schema_types()))
-    types += (ErrorResponse,)
+    types += (ErrorResponse, AnthropicErrorResponse)
     schemas, components = msgspec.json.schema_components(
         types, ref_template="#/components/schemas/{name}"
     )
@@ -75,10 +75,11 @@ def _operation(spec: RouteSpec, ref: dict[type, Any], *, secured: bool) -> dict[
     answers: dict[str, Any] = {
         "200": {"description": "OK", **({"content": content} if content else {})}
     }
+    error = ref[AnthropicErrorResponse if spec.anthropic else ErrorResponse]
     for code in (*spec.errors, "401") if secured else spec.errors:
         answers[code] = {
             "description": _ERRORS[code],
-            "content": {"application/json": {"schema": ref[ErrorResponse]}},
+            "content": {"application/json": {"schema": error}},
         }
     op: dict[str, Any] = {
         "operationId": spec.operation_id,

@@ -42,6 +42,13 @@ from triollm.api.protocol import (
     TokenizeResponse,
     VersionResponse,
 )
+from triollm.api.protocol_messages import (
+    CountTokensRequest,
+    MessageResponse,
+    MessagesRequest,
+    MessageStartEvent,
+    TokensCount,
+)
 from triollm.api.protocol_pooling import (
     EmbeddingRequest,
     EmbeddingResponse,
@@ -57,7 +64,7 @@ from triollm.api.protocol_responses import (
 from triollm.api.serving_models import LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest
 from triollm.api.state import ServerState
 
-__all__ = ["OPEN_PATHS", "ROUTES", "RouteSpec", "served_routes"]
+__all__ = ["ANTHROPIC_PATHS", "OPEN_PATHS", "ROUTES", "RouteSpec", "served_routes"]
 
 Handler = Callable[[Endpoints, Request], Awaitable[Response]]
 # A JSON schema written out, for a body that is no protocol struct.
@@ -100,6 +107,7 @@ class RouteSpec:
     errors: tuple[str, ...] = ()  # the error statuses it answers besides 401
     open: bool = False  # served without the API key unless every route is keyed
     when: Callable[[ServerState], bool] = _always
+    anthropic: bool = False  # errors in Anthropic's shape (the Messages API), else OpenAI's
 
     def schema_types(self) -> tuple[type, ...]:
         """The structs the operation's schemas refer to."""
@@ -163,6 +171,17 @@ ROUTES: tuple[RouteSpec, ...] = (
         "/v1/responses/{response_id}", "DELETE", Endpoints.delete_response, "delete_response",
         "Delete a stored response", ok=DeletedResponse, errors=("404",),
     ),
+    # ---------------------------------------- Anthropic's Messages API (serving_messages.py)
+    RouteSpec(
+        "/v1/messages", "POST", Endpoints.create_message, "create_message",
+        "Create a message (Anthropic's Messages API)", MessagesRequest, MessageResponse,
+        stream=MessageStartEvent, errors=_GENERATION_ERRORS, anthropic=True,
+    ),
+    RouteSpec(
+        "/v1/messages/count_tokens", "POST", Endpoints.count_message_tokens, "count_message_tokens",
+        "Count a message's prompt tokens (Anthropic's Messages API)", CountTokensRequest, TokensCount,
+        errors=("400", "404", "413"), anthropic=True,
+    ),
     # --------------------------------------------------------------------------- the docs
     RouteSpec("/openapi.json", "GET", Endpoints.openapi, "openapi", "This document",
               ok={"type": "object"}, open=True, when=_with_docs),
@@ -186,6 +205,8 @@ ROUTES: tuple[RouteSpec, ...] = (
 # Every other path (/v1/*, /score, and any unknown path) needs the key. A path is open whether
 # or not its route exists, so an absent route answers 404 either way.
 OPEN_PATHS: tuple[str, ...] = tuple(dict.fromkeys(spec.path for spec in ROUTES if spec.open))
+# The paths whose errors, a missing key's 401 included, are in Anthropic's shape.
+ANTHROPIC_PATHS: tuple[str, ...] = tuple(dict.fromkeys(spec.path for spec in ROUTES if spec.anthropic))
 
 
 def served_routes(state: ServerState) -> list[RouteSpec]:

@@ -41,6 +41,7 @@ from triollm.api.protocol import (
 )
 from triollm.api.request_log import OutputLog, log_request
 from triollm.api.serving_common import (
+    Started,
     beam_search_params,
     build_sampling_params,
     check_logprobs,
@@ -59,7 +60,7 @@ from triollm.api.state import ServerState
 from triollm.engine.outputs import Logprob, RequestOutput, SampleLogprobs
 from triollm.engine.processing.tokenizer import Tokenizer
 
-__all__ = ["create_chat_completion"]
+__all__ = ["ChatFormatter", "chat_generation", "create_chat_completion", "render_chat_request"]
 
 
 async def create_chat_completion(
@@ -68,6 +69,25 @@ async def create_chat_completion(
     start = await start_generation(
         state, request, ChatCompletionRequest, api="Chat Completions API", id_prefix="chatcmpl-"
     )
+    job, formatter = await chat_generation(state, start, chat_template)
+    return GenerationResponse(
+        state.llm,
+        [job],
+        formatter,
+        stream=bool(start.req.stream),
+        label=start.request_id,
+        timer=start.timer,
+        admission=state.admission,
+    )
+
+
+async def chat_generation(
+    state: ServerState, start: Started[ChatCompletionRequest], chat_template: str | None
+) -> tuple[Job, ChatFormatter]:
+    """A chat request past `start_generation` as its engine job and the formatter of its
+    answer: the checks of its fields (400s naming them), its tools, grammar and parsers, its
+    sampling parameters and its rendered prompt. The Messages API (serving_messages.py) runs
+    the chat it converts an Anthropic request into through here too."""
     req, model, lora = start.req, start.model, start.lora
     response_id, timer = start.request_id, start.timer
     stream, include_usage, continuous = stream_flags(req)
@@ -114,18 +134,7 @@ async def create_chat_completion(
         kind=output_kind(stream, timer),
         structured=plan.structured,
     )
-    text, token_ids = await render_chat(
-        tokenizer,
-        req.messages,
-        template=chat_template,
-        request_template=req.chat_template,  # its text, never a path (GHSA-6fvq-23cw-5628)
-        add_generation_prompt=req.add_generation_prompt,
-        continue_final_message=req.continue_final_message,
-        template_kwargs=req.chat_template_kwargs,
-        add_special_tokens=req.add_special_tokens,
-        tools=req.tools,
-        documents=req.documents,
-    )
+    text, token_ids = await render_chat_request(tokenizer, req, chat_template)
     prompt: dict[str, Any] = {"prompt": text, "prompt_token_ids": token_ids}
     if req.truncate_prompt_tokens is not None:
         token_ids = truncate_prompt(token_ids, req.truncate_prompt_tokens, model_config.max_model_len)
@@ -155,14 +164,24 @@ async def create_chat_completion(
         tokens_as_ids=bool(req.return_tokens_as_token_ids),
         output_log=OutputLog(settings, response_id),
     )
-    return GenerationResponse(
-        llm,
-        [job],
-        formatter,
-        stream=stream,
-        label=response_id,
-        timer=timer,
-        admission=state.admission,
+    return job, formatter
+
+
+async def render_chat_request(
+    tokenizer: Tokenizer, req: ChatCompletionRequest, chat_template: str | None
+) -> tuple[str, list[int]]:
+    """The prompt of a chat request, as its generation sees it (text and token ids)."""
+    return await render_chat(
+        tokenizer,
+        req.messages,
+        template=chat_template,
+        request_template=req.chat_template,  # its text, never a path (GHSA-6fvq-23cw-5628)
+        add_generation_prompt=req.add_generation_prompt,
+        continue_final_message=req.continue_final_message,
+        template_kwargs=req.chat_template_kwargs,
+        add_special_tokens=req.add_special_tokens,
+        tools=req.tools,
+        documents=req.documents,
     )
 
 

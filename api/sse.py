@@ -173,10 +173,12 @@ class GenerationResponse(Response):
         label: str,
         timer: Any = None,
         admission: Callable[[], AbstractContextManager[None]] | None = None,
+        error_shape: Callable[[APIError], APIError] | None = None,
     ) -> None:
         """`timer`: a metrics `RequestTimer` (on_tokens / finished) or None. `admission`: entered
         around each `add_request` (the server's `ServerState.admission`: refused once the drain
-        began, and known to the drain while inside)."""
+        began, and known to the drain while inside). `error_shape`: how the route's errors are
+        written (the Messages API's: `as_anthropic`); None, OpenAI's."""
         super().__init__()
         self.llm = llm
         self.jobs = list(jobs)
@@ -185,6 +187,7 @@ class GenerationResponse(Response):
         self.label = label
         self.timer = timer
         self.admission = admission or nullcontext
+        self.error_shape = error_shape
         self._prompt_tokens: dict[int, int] = {}
         self._completion_tokens = 0
         self._finish_reason: str | None = None  # the first choice's, for the metrics
@@ -241,7 +244,8 @@ class GenerationResponse(Response):
         )
 
     def _error(self, exc: BaseException) -> APIError:
-        return from_exception(exc, engine_running=self.llm.is_running)
+        error = from_exception(exc, engine_running=self.llm.is_running)
+        return error if self.error_shape is None else self.error_shape(error)
 
     async def _watch_disconnect(self, receive: Receive, out: _Output, scope: CancelScope) -> None:
         try:
