@@ -459,13 +459,13 @@ class MessagesFormatter:
             block = self._ensure("text", events)
             events.append(ContentBlockDeltaEvent(index=block.index, delta=TextDelta(text=delta.content)))
         for call in delta.tool_calls or ():
-            block = self.open
-            if block is None or block.kind != "tool_use" or block.tool_index != call.index:
+            tool = self.open
+            if tool is None or tool.kind != "tool_use" or tool.tool_index != call.index:
                 name = call.function.name if call.function is not None else None
-                block = self._open("tool_use", events, name or "", call.index)
+                tool = self._open("tool_use", events, name or "", call.index)
             arguments = call.function.arguments if call.function is not None else None
             if arguments:
-                events.append(ContentBlockDeltaEvent(index=block.index, delta=InputJsonDelta(partial_json=arguments)))
+                events.append(ContentBlockDeltaEvent(index=tool.index, delta=InputJsonDelta(partial_json=arguments)))
 
     def _ensure(self, kind: str, events: list[Any]) -> _Block:
         if self.open is not None and self.open.kind == kind:
