@@ -183,6 +183,29 @@ def test_other_routes(server: Server) -> None:
     assert "/v1/chat/completions" in httpx.get(f"{server.url}/openapi.json").json()["paths"]
 
 
+def test_a_vllm_bench_serve_line_runs_against_the_server(
+    server: Server, tiny_model_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A `vllm bench serve` line in vLLM's documented form, run unchanged as `triollm bench
+    serve`: random token ids from the model's vocabulary (found through --tokenizer), vLLM's
+    result file, every request served at its asked lengths."""
+    from triollm.api.cli import main as cli_main
+
+    host, port = server.url.removeprefix("http://").rsplit(":", 1)
+    line = (
+        f"bench serve --backend vllm --model {MODEL} --tokenizer {tiny_model_dir} --endpoint /v1/completions "
+        f"--dataset-name random --random-input-len 24 --random-output-len 6 --random-range-ratio 0.25 "
+        f"--num-prompts 8 --max-concurrency 4 --request-rate inf --host {host} --port {port} --ignore-eos "
+        f"--save-result --save-detailed --result-dir {tmp_path}"
+    )
+    assert cli_main(line.split()) == 0, capsys.readouterr().err
+    [path] = tmp_path.glob(f"vllm-infqps-concurrency4-{MODEL}-*.json")
+    res = json.loads(path.read_text())
+    assert res["completed"] == 8 and res["failed"] == 0 and res["model_id"] == MODEL
+    assert all(18 <= n <= 30 for n in res["input_lens"]) and all(4 <= n <= 8 for n in res["output_lens"])  # floor(4.5), ceil(7.5)
+    assert res["total_output_tokens"] == sum(res["output_lens"]) and res["mean_ttft_ms"] > 0
+
+
 # Examples per operation and generation mode of the schemathesis fuzz: 12 by default (the test
 # takes ~12 s here); TRIOLLM_SOAK=1 selects the soak profile, as in
 # tests/actors/test_async_faults.py: `TRIOLLM_SOAK=1 pytest tests/acceptance -k schemathesis`

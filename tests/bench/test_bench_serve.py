@@ -107,6 +107,12 @@ def test_summarize_known_timings() -> None:
     assert s["mean_ttft_ms"] == pytest.approx(200.0)
     assert s["median_ttft_ms"] == pytest.approx(200.0)
     assert s["p99_ttft_ms"] == pytest.approx(float(np.percentile([100, 300, 200], 99)))
+    assert s["std_ttft_ms"] == pytest.approx(float(np.std([100, 300, 200])))  # vLLM's keys
+    assert s["duration"] == s["duration_s"] == 2.0 and s["latencies"] == [0.5, 0.7, 0.2, 0.05]
+    assert s["itls"][0] == [0.1] * 4 and s["max_concurrent_requests"] == 3
+    assert summarize(ok, 2.0, percentiles=(50, 99.9))["p99.9_e2el_ms"] == pytest.approx(
+        float(np.percentile([500, 700, 200], 99.9))
+    )
     assert s["mean_itl_ms"] == pytest.approx(1e3 * (0.4 + 0.4) / 6)  # per token, pooled
     assert s["median_itl_ms"] == pytest.approx(100.0)
     assert s["mean_tpot_ms"] == pytest.approx(
@@ -137,6 +143,7 @@ class FakeServer:
 
     def __init__(self) -> None:
         self.bodies: list[dict[str, Any]] = []
+        self.headers: list[dict[str, str]] = []
         self.fail_next = 0
 
     def app(self) -> Starlette:
@@ -154,6 +161,7 @@ class FakeServer:
     async def generate(self, request: Request) -> Any:
         body = await request.json()
         self.bodies.append(body)
+        self.headers.append(dict(request.headers))
         if self.fail_next:
             self.fail_next -= 1
             return JSONResponse(
@@ -324,3 +332,91 @@ def test_cli_writes_the_result_file(
     assert "Output token throughput" in capsys.readouterr().out
     with pytest.raises(SystemExit):
         parser.parse_args(["serve", "--input-len", "9-3"])
+
+
+# ---------------------------------------------------------------------------- vLLM's flags
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="triollm bench")
+    add_serve_bench_parser(parser.add_subparsers(dest="bench"))
+    return parser
+
+
+def test_a_vllm_bench_serve_line_runs_unchanged(
+    fake_server: tuple[str, FakeServer], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`vllm bench serve`'s flags as its docs write them: the same requests (vLLM's random
+    lengths, gamma arrivals, headers, sampling, extra body, ids), vLLM's report lines and its
+    result file (name and keys)."""
+    url, server = fake_server
+    port = url.rsplit(":", 1)[1]
+    server.bodies.clear()
+    server.headers.clear()
+    line = (
+        "serve --backend vllm --model fake-model --endpoint /v1/completions --dataset-name random "
+        "--random-input-len 8 --random-output-len 4 --random-range-ratio 0.5 --num-prompts 6 "
+        "--request-rate 200 --burstiness 2 --max-concurrency 2 --host 127.0.0.1 --port " + port + " "
+        "--tokenizer some/tokenizer --trust-remote-code --disable-tqdm --num-warmups 2 --ignore-eos "
+        "--header x-team=bench --top-k 5 --request-id-prefix bench- --percentile-metrics ttft,tpot,itl,e2el "
+        "--metric-percentiles 50,99.9 --save-result --result-dir " + str(tmp_path) + " --label lab "
+        "--metadata tp=1 note=x"
+    ).split()
+    ns = _parser().parse_args([*line, "--extra-body", '{"min_tokens": 1}'])
+    assert ns.func(ns) == 0
+    warmups, bodies = server.bodies[:2], server.bodies[2:]
+    assert len(warmups) == 2 and len(bodies) == 6
+    assert all(4 <= len(b["prompt"]) <= 12 and 2 <= b["max_tokens"] <= 6 for b in bodies)  # 8 (4) x [0.5, 1.5]
+    assert all(b["top_k"] == 5 and b["min_tokens"] == 1 and b["ignore_eos"] for b in bodies)
+    workload = server.headers[2:]
+    assert all(h["x-team"] == "bench" for h in server.headers)
+    assert sorted(h["x-request-id"] for h in workload) == [f"bench-{i}" for i in range(6)]
+    out = capsys.readouterr().out
+    assert "{:<40} {:<10}".format("Successful requests:", 6) in out  # vLLM's line format
+    assert "P99.9 ITL (ms):" in out and "P50 TTFT (ms):" in out and "Request rate configured (RPS):" in out
+    [path] = tmp_path.glob("lab-200.0qps-concurrency2-fake-model-*.json")
+    res = json.loads(path.read_text())
+    assert res["backend"] == res["endpoint_type"] == "vllm" and res["label"] == "lab"
+    assert res["model_id"] == "fake-model" and res["tokenizer_id"] == "some/tokenizer"
+    assert (res["num_prompts"], res["request_rate"], res["burstiness"], res["max_concurrency"]) == (6, 200.0, 2.0, 2)
+    assert res["tp"] == "1" and res["note"] == "x" and res["completed"] == 6
+    for key in ("ttft", "tpot", "itl", "e2el"):
+        assert {f"mean_{key}_ms", f"median_{key}_ms", f"std_{key}_ms", f"p50_{key}_ms", f"p99.9_{key}_ms"} <= set(res)
+    assert 2 <= res["max_concurrent_requests"] <= 6 and res["max_output_tokens_per_s"] > 0
+    assert "input_lens" not in res and "itls" not in res  # only with --save-detailed, as vLLM
+
+
+def test_vllm_chat_backend_and_detailed_results(fake_server: tuple[str, FakeServer], tmp_path: Path) -> None:
+    url, server = fake_server
+    server.bodies.clear()
+    out = tmp_path / "chat.json"
+    ns = _parser().parse_args(
+        ["serve", "--backend", "openai-chat", "--base-url", url, "--endpoint", "/v1/chat/completions",
+         "--random-input-len", "5", "--random-output-len", "3", "--num-prompts", "3", "--random-prefix-len", "4",
+         "--save-result", "--save-detailed", "--result-filename", str(out), "--event-loop", "trio"]
+    )
+    assert ns.func(ns) == 0
+    assert all(len(b["messages"][0]["content"].split()) == 9 for b in server.bodies[1:])  # prefix 4 + 5
+    prefixes = {" ".join(b["messages"][0]["content"].split()[:4]) for b in server.bodies[1:]}
+    assert len(prefixes) == 1
+    res = json.loads(out.read_text())
+    assert res["backend"] == "openai-chat" and res["output_lens"] == [3, 3, 3] and len(res["itls"]) == 3
+    assert res["input_lens"] == [9, 9, 9] and all(t == "ttt" for t in res["generated_texts"])
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--dataset-name", "sharegpt"], "--dataset-name: 'sharegpt' is not generated here"),
+        (["--random-input-len", "8", "--random-range-ratio", "1.5"], "--random-range-ratio: 1.5 is not in [0, 1)"),
+        (["--percentile-metrics", "ttft,goodness"], "--percentile-metrics: goodness not among"),
+        (["--metric-percentiles", "0,99"], "--metric-percentiles"),
+        (["--header", "novalue"], "--header: expected KEY=VALUE"),
+    ],
+)
+def test_vllm_flags_that_cannot_be_honoured_name_the_flag(
+    flags: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    ns = _parser().parse_args(["serve", "--base-url", "http://127.0.0.1:9", *flags])
+    assert ns.func(ns) == 2
+    assert message in capsys.readouterr().err
