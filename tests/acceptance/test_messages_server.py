@@ -128,7 +128,7 @@ def test_a_two_turn_agent_loop(client: anthropic.Anthropic, stream: bool) -> Non
     assert call.input["city"] in ("Paris", "Rome", "Oslo")  # type: ignore[index]
     result = json.dumps({"city": call.input["city"], "sky": "sunny", "celsius": 21})  # type: ignore[index]
     messages += [
-        {"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in first.content]},
+        {"role": "assistant", "content": first.content},  # the client's own blocks, sent back as they came
         {"role": "user", "content": [{"type": "tool_result", "tool_use_id": call.id, "content": result}]},
     ]
     second = _turn(client, messages, stream, max_tokens=12, tools=[TOOL], tool_choice={"type": "none"})

@@ -20,11 +20,12 @@ from tinymodel import build_tokenizer
 
 from triollm.actors.async_llm import AsyncLLM
 from triollm.api.app import build_app
+from triollm.api.messages_convert import chat_request
 from triollm.api.openai_errors import APIError
 from triollm.api.output_parsing import make_output_parsing
 from triollm.api.protocol_messages import MessagesRequest
 from triollm.api.serving_chat import ChatFormatter
-from triollm.api.serving_messages import MessagesFormatter, chat_request, stop_reason
+from triollm.api.serving_messages import MessagesFormatter, stop_reason
 from triollm.api.state import ServerSettings, ServerState
 from triollm.api.tool_calls import ToolChoice
 from triollm.engine.outputs import CompletionOutput, RequestOutput
