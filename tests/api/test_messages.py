@@ -397,3 +397,26 @@ async def test_x_api_key(llm: AsyncLLM) -> None:
         for headers in ({"x-api-key": "s3cret"}, {"Authorization": "Bearer s3cret"}):
             assert (await client.post("/v1/messages", json=body, headers=headers)).status_code == 200
             assert (await client.get("/v1/models", headers=headers)).status_code == 200
+
+
+@pytest.mark.anyio
+async def test_an_error_after_the_stream_started_is_an_anthropic_error_event(
+    client: httpx.AsyncClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    works = MessagesFormatter.stream_output
+
+    def broken(self: MessagesFormatter, index: int, output: RequestOutput) -> list[Any]:
+        if self.blocks:  # once the first events are out
+            raise RuntimeError("formatting failed")
+        return works(self, index, output)
+
+    monkeypatch.setattr(MessagesFormatter, "stream_output", broken)
+    body = {"model": MODEL, "max_tokens": 8, "stream": True, **CHAT}
+    r = await client.post("/v1/messages", json=body)
+    assert r.status_code == 200 and r.text.startswith("event: message_start\n")
+    last = r.text.split("\n\n")[-2]
+    event_line, data_line = last.split("\n")
+    assert event_line == "event: error"
+    error = json.loads(data_line.removeprefix("data: "))
+    assert error == {"type": "error", "error": {"type": "api_error", "message": error["error"]["message"]}}
+    assert "RuntimeError" in error["error"]["message"]
