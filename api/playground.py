@@ -99,11 +99,13 @@ def page_routes(*, playground: bool, docs: bool) -> list[Route]:
     return [Route(a.route, _endpoint(a), methods=["GET"]) for a in _assets(playground, docs)]
 
 
-def page_urls(host: str, port: int, root_path: str, *, playground: bool, docs: bool) -> dict[str, str]:
+def page_urls(
+    host: str, port: int, root_path: str, *, playground: bool, docs: bool, scheme: str = "http"
+) -> dict[str, str]:
     """What `triollm serve` prints once it listens: each page's address, with a wildcard host
     (0.0.0.0, ::) shown as the loopback address a browser on this machine opens."""
     shown = {"0.0.0.0": "127.0.0.1", "": "127.0.0.1", "::": "::1"}.get(host, host)
-    base = f"http://{f'[{shown}]' if ':' in shown else shown}:{port}{root_path}"
+    base = f"{scheme}://{f'[{shown}]' if ':' in shown else shown}:{port}{root_path}"
     urls = {"playground": f"{base}/"} if playground else {}
     if docs:
         urls["API docs"] = f"{base}/docs"

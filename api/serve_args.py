@@ -34,6 +34,7 @@ from triollm.api.server import (
     DEFAULT_TIMEOUT_KEEP_ALIVE_S,
     UVICORN_LOG_LEVELS,
     ServeOptions,
+    TLSOptions,
 )
 from triollm.api.serving_models import (
     RUNTIME_LORA_ENV,
@@ -63,6 +64,14 @@ def add_serve_args(serve: argparse.ArgumentParser) -> None:
     add = serve.add_argument
     add("--host", default="127.0.0.1", help="(default: %(default)s)")
     add("--port", type=int, default=8000, help="0 picks a free port (default: %(default)s)")
+    add("--uds", default=None, help="serve on this unix domain socket instead of --host/--port")
+    add("--ssl-keyfile", default=None, help="serve HTTPS: the private key file (with --ssl-certfile)")
+    add("--ssl-certfile", default=None, help="serve HTTPS: the certificate (chain) file")
+    add("--ssl-ca-certs", default=None, help="CA certificates to verify clients' certificates with")
+    add(
+        "--ssl-cert-reqs", type=int, default=0, choices=[0, 1, 2],
+        help="client certificates: 0 none, 1 optional, 2 required (Python's ssl.CERT_*) (default: %(default)s)",
+    )
     add(
         "--backlog",
         type=int,
@@ -388,4 +397,6 @@ def serve_options(ns: argparse.Namespace, served_model_names: tuple[str, ...], m
         uvicorn_log_level=ns.uvicorn_log_level,
         access_log=not ns.disable_uvicorn_access_log,
         playground=not ns.disable_playground,
+        uds=ns.uds,
+        ssl=TLSOptions(ns.ssl_keyfile, ns.ssl_certfile, ns.ssl_ca_certs, ns.ssl_cert_reqs),
     )

@@ -31,6 +31,7 @@ concurrent requests (api/limits.py, which also says what is not bounded).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
@@ -76,6 +77,43 @@ ACCESS_PATH_CHARS = 200  # the most characters of a path (and query) an access l
 
 
 @dataclass(frozen=True)
+class TLSOptions:
+    """HTTPS (vLLM's --ssl-* flags, handed to Hypercorn): off unless a key and a certificate
+    are given; `cert_reqs` is Python's ssl.CERT_NONE/OPTIONAL/REQUIRED (0/1/2)."""
+
+    keyfile: str | None = None
+    certfile: str | None = None
+    ca_certs: str | None = None
+    cert_reqs: int = 0
+
+    @property
+    def enabled(self) -> bool:
+        return self.keyfile is not None or self.certfile is not None
+
+    def check(self) -> None:
+        """At start-up, before the model loads: the files exist and the key fits the
+        certificate; a ValueError naming the flag otherwise."""
+        import ssl
+
+        if self.enabled and (self.keyfile is None or self.certfile is None):
+            raise ValueError("--ssl-keyfile and --ssl-certfile: HTTPS needs both")
+        for flag, path in (("--ssl-keyfile", self.keyfile), ("--ssl-certfile", self.certfile),
+                           ("--ssl-ca-certs", self.ca_certs)):
+            if path is not None and not os.path.isfile(path):
+                raise ValueError(f"{flag}: {path} is not a file")
+        if self.cert_reqs not in (0, 1, 2):
+            raise ValueError(f"--ssl-cert-reqs: {self.cert_reqs} is not one of 0, 1, 2")
+        if self.enabled:
+            context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+            try:
+                context.load_cert_chain(str(self.certfile), str(self.keyfile))
+                if self.ca_certs is not None:
+                    context.load_verify_locations(self.ca_certs)
+            except (ssl.SSLError, OSError) as exc:
+                raise ValueError(f"--ssl-certfile/--ssl-keyfile: cannot be loaded ({exc})") from None
+
+
+@dataclass(frozen=True)
 class ServeOptions:
     host: str = "127.0.0.1"
     port: int = 8000
@@ -90,11 +128,34 @@ class ServeOptions:
     uvicorn_log_level: str = "info"  # Hypercorn's loggers (UVICORN_LOG_LEVELS)
     access_log: bool = True  # one line per request (False: `--disable-uvicorn-access-log`)
     playground: bool = True  # the chat page at / (False: `--disable-playground`)
+    uds: str | None = None  # a unix domain socket's path, instead of host and port (`--uds`)
+    ssl: TLSOptions = TLSOptions()
 
 
 def default_model_name(engine_args: EngineArgs) -> str:
     """What clients put in `model` when no --served-model-name is given: the model argument."""
     return engine_args.model or "SmolLM2-135M-Instruct"
+
+
+def bind_unix_socket(path: str, backlog: int = DEFAULT_BACKLOG) -> socket.socket:
+    """A listening unix domain socket at `path` (`--uds`); a stale socket file left there by a
+    server that died is replaced, any other file is an error."""
+    import stat
+
+    try:
+        if stat.S_ISSOCK(os.stat(path).st_mode):
+            os.unlink(path)
+    except FileNotFoundError:
+        pass
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.bind(path)
+    except OSError as exc:
+        sock.close()
+        raise OSError(f"--uds: cannot bind {path}: {exc.strerror}") from exc
+    sock.listen(backlog)
+    sock.set_inheritable(True)
+    return sock
 
 
 def bind_socket(host: str, port: int, backlog: int = DEFAULT_BACKLOG) -> socket.socket:
@@ -131,11 +192,18 @@ def run_server(engine_args: EngineArgs, options: ServeOptions) -> int:
         from triollm.api.serving_models import check_lora_modules
 
         check_lora_modules(options.settings.lora_modules, options.settings.served_model_names, engine_args)
-    sock = bind_socket(options.host, options.port, options.backlog)
+    options.ssl.check()
+    if options.uds is not None:
+        sock = bind_unix_socket(options.uds, options.backlog)
+    else:
+        sock = bind_socket(options.host, options.port, options.backlog)
     try:
         return anyio.run(serve, engine_args, options, sock, backend=options.worker)
     finally:
         sock.close()
+        if options.uds is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(options.uds)
 
 
 async def serve(
@@ -160,9 +228,15 @@ async def serve(
             h11_max_incomplete_event_size=options.h11_max_incomplete_event_size,
             log_level=options.uvicorn_log_level,
             access_log=options.access_log,
+            tls=options.ssl,
         )
-        host, port = sock.getsockname()[:2]
-        url = f"http://{host}:{port}"
+        scheme = "https" if options.ssl.enabled else "http"
+        if sock.family == socket.AF_UNIX:
+            host, port = "", 0
+            url = f"{scheme}+unix:{sock.getsockname()}"
+        else:
+            host, port = sock.getsockname()[:2]
+            url = f"{scheme}://{host}:{port}"
         stop = anyio.Event()
         died = False
 
@@ -190,8 +264,9 @@ async def serve(
                     "runs that rank alone)", actor.data_parallel_rank, actor.data_parallel_world,
                 )
             log.warning("triollm: serving %s on %s (ready)", ", ".join(settings.served_model_names), url)
-            pages = page_urls(
-                host, port, settings.root_path, playground=options.playground, docs=not settings.disable_docs
+            pages = {} if sock.family == socket.AF_UNIX else page_urls(
+                host, port, settings.root_path, playground=options.playground,
+                docs=not settings.disable_docs, scheme=scheme,
             )
             for name, page in pages.items():
                 log.warning("triollm: %s: %s", name, page)
@@ -275,7 +350,10 @@ def _hypercorn_config(  # type: ignore[no-untyped-def]
     h11_max_incomplete_event_size: int = DEFAULT_H11_MAX_INCOMPLETE_EVENT_SIZE,
     log_level: str = "info",
     access_log: bool = True,
+    tls: TLSOptions | None = None,
 ):
+    import ssl
+
     from hypercorn.config import Config
 
     config = Config()
@@ -295,6 +373,9 @@ def _hypercorn_config(  # type: ignore[no-untyped-def]
     config.keep_alive_timeout = timeout_keep_alive
     config.h11_max_incomplete_size = h11_max_incomplete_event_size
     config.read_timeout = None  # per read: it would cut a client waiting for a long answer
+    if tls is not None and tls.enabled:  # Hypercorn wraps every bound socket in TLS then
+        config.keyfile, config.certfile, config.ca_certs = tls.keyfile, tls.certfile, tls.ca_certs
+        config.verify_mode = ssl.VerifyMode(tls.cert_reqs)
     return config
 
 

@@ -26,6 +26,8 @@ SHORT_FLAGS = {  # vLLM's
     "data_parallel_backend": "-dpb",
     "data_parallel_address": "-dpa",
     "data_parallel_rpc_port": "-dpp",
+    "pipeline_parallel_size": "-pp",
+    "compilation_config": "-O",  # -O3 is --compilation-config 3
 }
 _DECIMAL_SUFFIXES = {"k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
 _BINARY_SUFFIXES = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}

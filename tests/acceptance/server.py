@@ -16,7 +16,7 @@ from pathlib import Path
 import httpx
 import psutil
 
-READY = re.compile(r"serving .* on (http://\S+) \(ready\)")
+READY = re.compile(r"serving .* on (https?(?:://|\+unix:)\S+) \(ready\)")
 
 
 class Server:

@@ -8,6 +8,7 @@ import random
 import re
 import resource
 import signal
+import ssl
 import subprocess
 import sys
 import threading
@@ -312,6 +313,45 @@ def test_many_streams_with_disconnects(server: Server) -> None:
     # A liveness bound (the event loop is never blocked for long), not a speed claim: the box
     # runs the server, the engine and 200 clients on 2 cores.
     assert health_times and max(health_times) < 0.5, max(health_times)
+
+
+def test_https_with_vllm_ssl_flags(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """--ssl-keyfile/--ssl-certfile serve HTTPS (a client that trusts the CA completes; plain HTTP
+    is not answered); a key that does not fit the certificate fails before the model loads."""
+    trustme = pytest.importorskip("trustme")
+    ca = trustme.CA()
+    cert = ca.issue_cert("127.0.0.1")
+    key, chain, ca_pem = tmp_path / "key.pem", tmp_path / "cert.pem", tmp_path / "ca.pem"
+    cert.private_key_pem.write_to_path(str(key))
+    cert.cert_chain_pems[0].write_to_path(str(chain))
+    ca.cert_pem.write_to_path(str(ca_pem))
+    with run_server(tiny_model_dir, "--ssl-keyfile", str(key), "--ssl-certfile", str(chain)) as srv:
+        assert srv.url.startswith("https://127.0.0.1:")
+        with httpx.Client(verify=ssl.create_default_context(cafile=str(ca_pem))) as client:
+            r = client.post(f"{srv.url}/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+            assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
+        with pytest.raises(httpx.HTTPError):
+            httpx.get(srv.url.replace("https://", "http://") + "/health", timeout=5)
+    other = trustme.CA().issue_cert("127.0.0.1")
+    other.private_key_pem.write_to_path(str(key))
+    out = subprocess.run(
+        [sys.executable, "-m", "triollm.api.cli", "serve", str(tiny_model_dir), "--port", "0",
+         "--ssl-keyfile", str(key), "--ssl-certfile", str(chain)],
+        capture_output=True, text=True, timeout=60,
+    )
+    assert out.returncode != 0 and "--ssl-certfile/--ssl-keyfile: cannot be loaded" in out.stderr
+
+
+def test_a_unix_domain_socket_with_uds(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """--uds serves on a unix socket (vLLM's flag), which is removed when the server stops."""
+    path = tmp_path / "triollm.sock"
+    with run_server(tiny_model_dir, "--uds", str(path)) as srv:
+        assert srv.url == f"http+unix:{path}"
+        with httpx.Client(transport=httpx.HTTPTransport(uds=str(path)), base_url="http://localhost") as client:
+            assert client.get("/health").status_code == 200
+            r = client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+            assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
+    assert not path.exists()
 
 
 def test_api_key_enforced(tiny_model_dir: Path) -> None:

@@ -404,3 +404,13 @@ def test_vllm_cpu_kvcache_space_sizes_the_cpu_kv_cache(tiny_model_dir: Path, mon
         monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", bad)
         with pytest.raises(ValueError, match="VLLM_CPU_KVCACHE_SPACE: .* is not a number of GiB"):
             args.create_engine_config()
+
+
+def test_vllm_short_flags_pp_and_O(tiny_model_dir: Path) -> None:
+    """`-pp 1` and `-O3` as vLLM's recipes write them (they exited 2): -pp is
+    --pipeline-parallel-size (1 only here), -O3 is --compilation-config 3."""
+    args = serve_args(str(tiny_model_dir), "-pp", "1", "-O3")
+    assert args.pipeline_parallel_size == 1 and args.compilation_config.level == 3
+    assert serve_args(str(tiny_model_dir), "-O", '{"level": 0}').compilation_config.level == 0
+    with pytest.raises(ValueError, match="pipeline_parallel_size"):
+        serve_args(str(tiny_model_dir), "-pp", "2").create_engine_config()
