@@ -309,7 +309,10 @@ def test_crash_mid_import_is_not_trusted(
 
 @pytest.mark.parametrize(
     ("kwargs", "message"),
-    [({"arch": "qwen2"}, "architecture 'qwen2'"), ({"tokenizer_model": "llama"}, "sentencepiece.*not supported yet")],
+    [
+        ({"arch": "falcon"}, "general.architecture 'falcon'.*supported: llama, qwen2"),
+        ({"tokenizer_model": "bert"}, "tokenizer.ggml.model 'bert'.*supported: gpt2, llama"),
+    ],
 )
 def test_unsupported_gguf(tiny_gguf: tuple[Path, Path], tmp_path: Path, kwargs: dict[str, str], message: str) -> None:
     path = tmp_path / "other.gguf"

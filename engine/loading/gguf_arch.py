@@ -1,0 +1,396 @@
+"""What each GGUF `general.architecture` is in Hugging Face terms: one table per architecture.
+
+llama.cpp's converter (convert_hf_to_gguf.py) writes every family with the same vocabulary of
+metadata keys (`{arch}.embedding_length`, `{arch}.attention.head_count`, ...) and tensor names
+(`blk.N.attn_q.weight`, ...); the families differ in a few keys, a few tensor names, and two
+layout changes made while converting:
+
+* Q/K rows permuted so each head's rotary pairs are interleaved (`LlamaModel.permute`), for the
+  classes derived from its LlamaModel only (llama, Mistral, Mixtral, Granite): `permuted_qk`.
+* Gemma's RMSNorm weights stored as `w + 1` (Gemma's norm computes with (1 + w)): `norm_plus_one`.
+
+An `ArchSpec` lists those differences; `hf_config` reads the metadata into a config.json dict the
+way llama.cpp's runtime reads it, including what llama.cpp fixes rather than reads: Gemma 2/3's
+softmax scale (1/sqrt(head_dim), or 1/sqrt(hidden/heads) for the 27B models), their sliding-window
+layer patterns (every 2nd / every 6th layer global), top-k renormalisation in the MoE families,
+and Phi-3's window (llama.cpp runs Phi-3 without one). A key the importer cannot express is a
+`ValueError` naming it. Rejected: one importer class per family (most of each would be the shared
+part, copied).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from gguf import GGUFReader
+
+__all__ = ["ARCHS", "ArchSpec", "GGUFMeta", "f32", "hf_config", "llama3_rope_factors", "llama3_rope_scaling"]
+
+# `blk.N.<name>` -> HF `model.layers.N.<name>`, shared by every architecture (an ArchSpec's
+# `tensors` overrides or extends it). `{e}` in an expert name is the expert index.
+LAYER_TENSORS = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+    "ffn_gate_inp.weight": "mlp.gate.weight",
+    "ffn_gate_exps.weight": "mlp.experts.{e}.gate_proj.weight",
+    "ffn_up_exps.weight": "mlp.experts.{e}.up_proj.weight",
+    "ffn_down_exps.weight": "mlp.experts.{e}.down_proj.weight",
+}
+GLOBAL_TENSORS = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+# Tensors that carry configuration, read into config.json and not written as weights.
+CONFIG_TENSORS = frozenset({"rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight"})
+
+# `{arch}.<key>` -> HF field, shared by every architecture.
+COMMON_KEYS = {
+    "context_length": "max_position_embeddings",
+    "embedding_length": "hidden_size",
+    "feed_forward_length": "intermediate_size",
+    "block_count": "num_hidden_layers",
+    "attention.head_count": "num_attention_heads",
+    "attention.head_count_kv": "num_key_value_heads",
+    "attention.key_length": "head_dim",
+    "rope.freq_base": "rope_theta",
+    "attention.layer_norm_rms_epsilon": "rms_norm_eps",
+}
+_REQUIRED = ("embedding_length", "feed_forward_length", "block_count", "attention.head_count")
+
+_SANDWICH_NORMS = {
+    "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
+}
+_GEMMA_ACT = {"hidden_act": "gelu_pytorch_tanh", "hidden_activation": "gelu_pytorch_tanh"}
+_EXPERT_KEYS = {"expert_used_count": "num_experts_per_tok"}
+
+
+@dataclass(frozen=True)
+class ArchSpec:
+    """One GGUF architecture: its HF class and what differs from the shared tables."""
+
+    architecture: str  # HF `architectures[0]`
+    model_type: str
+    permuted_qk: bool = False  # Q/K rows interleaved by the converter (LlamaModel.permute)
+    norm_plus_one: bool = False  # norm weights stored as w + 1
+    tensors: Mapping[str, str] = field(default_factory=dict)  # layer tensor names beyond LAYER_TENSORS
+    keys: Mapping[str, str] = field(default_factory=dict)  # metadata keys beyond COMMON_KEYS
+    fixed: Mapping[str, Any] = field(default_factory=dict)  # HF fields llama.cpp fixes, not reads
+    swa_pattern: int = 0  # llama.cpp's default: every n-th layer global (0: no windows)
+
+
+ARCHS: dict[str, ArchSpec] = {
+    "llama": ArchSpec("LlamaForCausalLM", "llama", permuted_qk=True, fixed={"mlp_bias": False}),
+    "qwen2": ArchSpec("Qwen2ForCausalLM", "qwen2", fixed={"use_sliding_window": False}),
+    "qwen3": ArchSpec("Qwen3ForCausalLM", "qwen3", fixed={"use_sliding_window": False, "attention_bias": False}),
+    "qwen3moe": ArchSpec(
+        "Qwen3MoeForCausalLM",
+        "qwen3_moe",
+        keys={
+            "expert_count": "num_experts",
+            "expert_feed_forward_length": "moe_intermediate_size",
+            **_EXPERT_KEYS,
+        },
+        fixed={"use_sliding_window": False, "attention_bias": False, "norm_topk_prob": True, "decoder_sparse_step": 1},
+    ),
+    "gemma": ArchSpec("GemmaForCausalLM", "gemma", norm_plus_one=True, fixed=_GEMMA_ACT),
+    "gemma2": ArchSpec(
+        "Gemma2ForCausalLM",
+        "gemma2",
+        norm_plus_one=True,
+        tensors=_SANDWICH_NORMS,
+        keys={
+            "attn_logit_softcapping": "attn_logit_softcapping",
+            "final_logit_softcapping": "final_logit_softcapping",
+            "attention.sliding_window": "sliding_window",
+        },
+        fixed={**_GEMMA_ACT, "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0, "sliding_window": 4096},
+        swa_pattern=2,
+    ),
+    "gemma3": ArchSpec(
+        "Gemma3ForCausalLM",
+        "gemma3_text",
+        norm_plus_one=True,
+        tensors=_SANDWICH_NORMS,
+        keys={
+            "final_logit_softcapping": "final_logit_softcapping",
+            "attention.sliding_window": "sliding_window",
+            "rope.freq_base_swa": "rope_local_base_freq",
+        },
+        fixed={**_GEMMA_ACT, "attn_logit_softcapping": None, "final_logit_softcapping": None,
+               "rope_local_base_freq": 10000.0},
+        swa_pattern=6,
+    ),
+    "phi3": ArchSpec(
+        "Phi3ForCausalLM",
+        "phi3",
+        tensors={"attn_qkv.weight": "self_attn.qkv_proj.weight", "ffn_up.weight": "mlp.gate_up_proj.weight"},
+        keys={"rope.scaling.original_context_length": "original_max_position_embeddings"},
+        fixed={"sliding_window": None},  # llama.cpp runs Phi-3 without its window
+    ),
+    "olmo2": ArchSpec(
+        "Olmo2ForCausalLM",
+        "olmo2",
+        tensors={
+            "post_attention_norm.weight": "post_attention_layernorm.weight",
+            "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
+        },
+        fixed={"attention_bias": False},
+    ),
+    "granite": ArchSpec(
+        "GraniteForCausalLM",
+        "granite",
+        permuted_qk=True,
+        keys={
+            "attention.scale": "attention_multiplier",
+            "embedding_scale": "embedding_multiplier",
+            "residual_scale": "residual_multiplier",
+            "logit_scale": "logits_scaling",
+        },
+        fixed={"mlp_bias": False, "embedding_multiplier": 1.0, "residual_multiplier": 1.0},
+    ),
+}
+# A `llama` GGUF with experts is Mixtral: Mixtral's checkpoint names for the sparse block.
+MIXTRAL = ArchSpec(
+    "MixtralForCausalLM",
+    "mixtral",
+    permuted_qk=True,
+    tensors={
+        "ffn_gate_inp.weight": "block_sparse_moe.gate.weight",
+        "ffn_gate_exps.weight": "block_sparse_moe.experts.{e}.w1.weight",
+        "ffn_up_exps.weight": "block_sparse_moe.experts.{e}.w3.weight",
+        "ffn_down_exps.weight": "block_sparse_moe.experts.{e}.w2.weight",
+    },
+    keys={"expert_count": "num_local_experts", **_EXPERT_KEYS},
+    fixed={"sliding_window": None},
+)
+
+
+class GGUFMeta:
+    """Typed access to a GGUF's key/value metadata."""
+
+    def __init__(self, reader: GGUFReader, path: Path) -> None:
+        self._reader = reader
+        self.path = path
+
+    def get(self, key: str, default: Any = None) -> Any:
+        field_ = self._reader.fields.get(key)
+        return default if field_ is None else field_.contents()
+
+    def require(self, key: str) -> Any:
+        value = self.get(key)
+        if value is None:
+            raise ValueError(f"gguf: {self.path} lacks the metadata key {key!r}")
+        return value
+
+
+def arch_spec(meta: GGUFMeta) -> tuple[str, ArchSpec]:
+    """(the GGUF architecture name, its table); a ValueError naming the supported ones."""
+    arch = str(meta.require("general.architecture"))
+    if arch == "llama" and int(meta.get("llama.expert_count", 0) or 0) > 0:
+        return arch, MIXTRAL
+    if arch not in ARCHS:
+        raise ValueError(
+            f"gguf: general.architecture {arch!r} of {meta.path} is not supported; supported: {', '.join(ARCHS)}"
+        )
+    return arch, ARCHS[arch]
+
+
+def f32(value: float) -> float:
+    """A float32 metadata value as its shortest decimal (9.999999747378752e-06 -> 1e-05)."""
+    return float(str(np.float32(value)))
+
+
+def hf_config(
+    meta: GGUFMeta,
+    shapes: Mapping[str, tuple[int, ...]],
+    read: Callable[[str], np.ndarray],
+) -> tuple[dict[str, Any], ArchSpec]:
+    """config.json for the GGUF: `shapes` are the tensors' numpy shapes by GGUF name, `read`
+    dequantizes one (for the tensors that carry configuration: rope factors)."""
+    arch, spec = arch_spec(meta)
+    for key in _REQUIRED:
+        meta.require(f"{arch}.{key}")
+    if "token_embd.weight" not in shapes:
+        raise ValueError(f"gguf: {meta.path} has no token_embd.weight tensor")
+    config: dict[str, Any] = {
+        "architectures": [spec.architecture],
+        "model_type": spec.model_type,
+        "hidden_act": "silu",
+        "rope_theta": 10000.0,  # llama.cpp's default
+        "rms_norm_eps": 1e-6,
+        "max_position_embeddings": 2048,
+        **spec.fixed,
+    }
+    for key, name in {**COMMON_KEYS, **spec.keys}.items():
+        value = meta.get(f"{arch}.{key}")
+        if value is not None:
+            config[name] = f32(value) if isinstance(value, float) else int(value)
+    hidden, heads = config["hidden_size"], config["num_attention_heads"]
+    config.setdefault("num_key_value_heads", heads)
+    head_dim = config.setdefault("head_dim", hidden // heads)
+    num_layers = config["num_hidden_layers"]
+    config |= {
+        "vocab_size": shapes["token_embd.weight"][0],
+        "tie_word_embeddings": "output.weight" not in shapes,
+        "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
+        "eos_token_id": meta.get("tokenizer.ggml.eos_token_id"),
+        "torch_dtype": "float32",
+    }
+    if spec.model_type not in ("qwen2", "gemma2", "gemma3_text", "phi3"):
+        config.setdefault("attention_bias", "blk.0.attn_q.bias" in shapes)
+    if meta.get("tokenizer.ggml.padding_token_id") is not None:
+        config["pad_token_id"] = meta.get("tokenizer.ggml.padding_token_id")
+    _rotary(meta, arch, spec, config, shapes, read)
+    _family(meta, arch, spec, config, shapes, num_layers, head_dim)
+    return config, spec
+
+
+def _rotary(
+    meta: GGUFMeta,
+    arch: str,
+    spec: ArchSpec,
+    config: dict[str, Any],
+    shapes: Mapping[str, tuple[int, ...]],
+    read: Callable[[str], np.ndarray],
+) -> None:
+    head_dim = config["head_dim"]
+    rope_dims = int(meta.get(f"{arch}.rope.dimension_count", head_dim))
+    if rope_dims != head_dim:
+        if spec.architecture != "Phi3ForCausalLM":
+            raise ValueError(
+                f"gguf: {arch}.rope.dimension_count {rope_dims} differs from the head size {head_dim}: partial rotary "
+                f"embeddings are supported for phi3 only"
+            )
+        config["partial_rotary_factor"] = rope_dims / head_dim
+    if "rope_factors_long.weight" in shapes:
+        config["rope_scaling"] = {
+            "rope_type": "longrope",
+            "long_factor": [f32(x) for x in read("rope_factors_long.weight").tolist()],
+            "short_factor": [f32(x) for x in read("rope_factors_short.weight").tolist()],
+        }
+        return
+    if "rope_freqs.weight" in shapes:
+        scaling = llama3_rope_scaling(read("rope_freqs.weight").astype(np.float64), rope_dims, config["rope_theta"])
+        if scaling is not None:
+            config["rope_scaling"] = scaling
+        return
+    kind = meta.get(f"{arch}.rope.scaling.type")
+    factor = meta.get(f"{arch}.rope.scaling.factor")
+    if kind in (None, "none") or factor in (None, 0.0, 1.0):
+        return
+    if kind == "linear":
+        config["rope_scaling"] = {"rope_type": "linear", "factor": f32(factor)}
+    elif kind == "yarn":
+        scaling: dict[str, Any] = {"rope_type": "yarn", "factor": f32(factor)}
+        orig = meta.get(f"{arch}.rope.scaling.original_context_length")
+        if orig is not None:
+            scaling["original_max_position_embeddings"] = int(orig)
+        config["rope_scaling"] = scaling
+    else:
+        raise ValueError(f"gguf: {arch}.rope.scaling.type {kind!r} is not supported; supported: linear, yarn")
+
+
+def _family(
+    meta: GGUFMeta,
+    arch: str,
+    spec: ArchSpec,
+    config: dict[str, Any],
+    shapes: Mapping[str, tuple[int, ...]],
+    num_layers: int,
+    head_dim: int,
+) -> None:
+    """What llama.cpp's runtime computes for the family rather than reads (module note)."""
+    if spec.model_type in ("gemma2", "gemma3_text"):
+        big = num_layers == {"gemma2": 46, "gemma3": 62}[arch]  # llama.cpp's LLM_TYPE_27B
+        config["query_pre_attn_scalar"] = config["hidden_size"] // config["num_attention_heads"] if big else head_dim
+        config["layer_types"] = _layer_types(meta, arch, spec, config, num_layers)
+        if config["layer_types"] is None:
+            del config["layer_types"]
+            config["sliding_window"] = None
+    if spec.model_type == "granite":
+        config.setdefault("attention_multiplier", 1.0 / math.sqrt(head_dim))
+        if "logits_scaling" not in config:
+            raise ValueError(f"gguf: {meta.path} lacks the metadata key '{arch}.logit_scale'")
+    if spec.model_type == "qwen3_moe":
+        dense = [i for i in range(num_layers) if f"blk.{i}.ffn_gate_inp.weight" not in shapes]
+        config["mlp_only_layers"] = dense
+    if spec.model_type == "mixtral":
+        config["intermediate_size"] = shapes["blk.0.ffn_gate_exps.weight"][1]
+
+
+def _layer_types(
+    meta: GGUFMeta, arch: str, spec: ArchSpec, config: dict[str, Any], num_layers: int
+) -> list[str] | None:
+    """Gemma's per-layer windows as llama.cpp sets them (`load_swa_pattern`): a per-layer array or a
+    period in `{arch}.attention.sliding_window_pattern`, else the family's period; None: no windows."""
+    window = config.get("sliding_window")
+    if spec.model_type == "gemma3_text" and not window:
+        return None
+    pattern = meta.get(f"{arch}.attention.sliding_window_pattern", spec.swa_pattern)
+    if isinstance(pattern, list):
+        if len(pattern) < num_layers:
+            raise ValueError(
+                f"gguf: {arch}.attention.sliding_window_pattern has {len(pattern)} entries, not {num_layers}"
+            )
+        swa = [bool(x) for x in pattern[:num_layers]]
+    else:
+        n = int(pattern)
+        swa = [n == 0 or i % n < n - 1 for i in range(num_layers)]
+    return ["sliding_attention" if s else "full_attention" for s in swa]
+
+
+def llama3_rope_factors(
+    head_dim: int,
+    theta: float,
+    factor: float,
+    low_freq_factor: float = 1.0,
+    high_freq_factor: float = 4.0,
+    original_max_position_embeddings: int = 8192,
+) -> np.ndarray:
+    """The per-frequency divisors llama.cpp stores as `rope_freqs.weight` for Llama 3.1-style rope."""
+    inv_freq = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    wavelen = 2 * math.pi / inv_freq
+    low_wavelen = original_max_position_embeddings / low_freq_factor
+    high_wavelen = original_max_position_embeddings / high_freq_factor
+    smooth = (original_max_position_embeddings / wavelen - low_freq_factor) / (
+        high_freq_factor - low_freq_factor
+    )
+    medium = 1.0 / ((1 - smooth) / factor + smooth)
+    return np.where(wavelen < high_wavelen, 1.0, np.where(wavelen > low_wavelen, factor, medium))
+
+
+def llama3_rope_scaling(factors: np.ndarray, head_dim: int, theta: float) -> dict[str, Any] | None:
+    """Recover HF's `llama3` rope_scaling from a `rope_freqs.weight` tensor (standard Llama 3 knobs)."""
+    factor = float(factors.max())
+    if factor == 1.0 and float(factors.min()) == 1.0:
+        return None
+    expected = llama3_rope_factors(head_dim, theta, factor)
+    if expected.shape != factors.shape or not np.allclose(expected, factors, rtol=1e-4):
+        raise ValueError("gguf: rope_freqs.weight does not match Llama 3 rope scaling; not supported")
+    return {
+        "rope_type": "llama3",
+        "factor": factor,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    }

@@ -1,0 +1,119 @@
+"""Every family from GGUF files made by llama.cpp's own converter (tests/llama_cpp_convert.py).
+
+Each tiny random checkpoint is written by transformers' own `save_pretrained`
+(tinymodel.make_transformers_model), converted to an F32 GGUF by `convert_hf_to_gguf.py`, and run
+with `LLM("x.gguf")`: the greedy tokens for three prompts must be transformers' on the source
+directory, and the prompts' token ids the source tokenizer's. What each family's conversion
+changes is in play: Q/K rows permuted (llama, Mixtral, Granite), q/k norms (Qwen3,
+OLMo 2), 3-D expert tensors and routers (Mixtral, Qwen3-MoE), Phi-3's fused
+q|k|v and gate|up with partial rotary and LongRoPE factors stored as tensors, Granite's
+multipliers, OLMo 2's post-norms. Gemma's families (SentencePiece vocabularies) are in
+test_gguf_sentencepiece.py.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from llama_cpp_convert import convert
+from tinymodel import make_transformers_model
+
+from triollm import LLM, SamplingParams
+
+MOE = {"num_experts_per_tok": 2, "num_local_experts": 8}
+CASES: dict[str, tuple[str, dict[str, Any]]] = {
+    "llama": ("LlamaForCausalLM", {"rope_parameters": {"rope_type": "default", "rope_theta": 50000.0}}),
+    "mixtral": ("MixtralForCausalLM", {"intermediate_size": 48, "sliding_window": None, **MOE}),
+    "qwen2": ("Qwen2ForCausalLM", {}),
+    "qwen3": ("Qwen3ForCausalLM", {"head_dim": 32, "rope_parameters": {"rope_type": "default", "rope_theta": 1e6}}),
+    "qwen3moe": (
+        "Qwen3MoeForCausalLM",
+        {"moe_intermediate_size": 48, "norm_topk_prob": True, "num_experts": 8,
+         "num_experts_per_tok": 2},
+    ),
+    "olmo2": ("Olmo2ForCausalLM", {"attention_bias": False}),
+    "granite": (
+        "GraniteForCausalLM",
+        {"embedding_multiplier": 3.0, "residual_multiplier": 0.4, "attention_multiplier": 0.1, "logits_scaling": 2.5},
+    ),
+    "phi3": (
+        "Phi3ForCausalLM",
+        {
+            "max_position_embeddings": 512,
+            "original_max_position_embeddings": 160,
+            "rope_parameters": {
+                "rope_type": "longrope",
+                "rope_theta": 10000.0,
+                "partial_rotary_factor": 0.5,
+                "short_factor": [1.0, 1.5, 2.0, 3.0],
+                "long_factor": [2.0, 3.0, 4.0, 6.0],
+            },
+        },
+    ),
+}
+# The tokenizer class transformers reads the source with (and the converter sees): Qwen's own
+# (its digit split: the GGUF says "qwen2"), GPT-2's for Phi-3 (the converter's choice of a BPE
+# vocabulary, as for Phi-4), else the tokenizer.json as written.
+TOKENIZER_CLASS = {"qwen2": None, "qwen3": None, "qwen3moe": None, "phi3": "GPT2Tokenizer"}
+PROMPTS = [
+    "The capital of France is Paris. The capital of",
+    "<|im_start|>user\nWhat is 2+2? 12345<|im_end|>\n<|im_start|>assistant\n",
+    "def add(a, b):\n    return",
+]
+NEW_TOKENS = 16
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, Path]]:
+    """case -> (source HF directory, the GGUF llama.cpp's converter made of it)."""
+    root = tmp_path_factory.mktemp("gguf-families")
+    out: dict[str, tuple[Path, Path]] = {}
+    for i, (case, (arch, overrides)) in enumerate(CASES.items()):
+        src = make_transformers_model(root / case, arch, seed=60 + i, **overrides)
+        tok_config = src / "tokenizer_config.json"
+        tok_class = TOKENIZER_CLASS.get(case, "PreTrainedTokenizerFast")
+        if tok_class is not None:
+            tok_config.write_text(json.dumps({**json.loads(tok_config.read_text()), "tokenizer_class": tok_class}))
+        out[case] = (src, root / f"{case}.gguf")
+    convert(list(out.values()))
+    return out
+
+
+def _transformers_greedy(src: Path) -> list[tuple[list[int], list[int]]]:
+    """(prompt ids, greedy ids) per prompt, transformers on the source directory."""
+    import transformers
+
+    tok = transformers.AutoTokenizer.from_pretrained(src)
+    model = transformers.AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
+    model.generation_config.eos_token_id = None
+    out = []
+    with torch.inference_mode():
+        for prompt in PROMPTS:
+            ids = tok(prompt)["input_ids"]
+            gen = model.generate(torch.tensor([ids]), max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0)
+            out.append((ids, gen[0, len(ids) :].tolist()))
+    return out
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_gguf_family_greedy_matches_transformers(
+    converted: dict[str, tuple[Path, Path]], case: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    src, gguf_file = converted[case]
+    monkeypatch.setenv("TRIOLLM_CACHE_DIR", str(tmp_path))
+    llm = LLM(model=str(gguf_file), max_model_len=128)
+    try:
+        outs = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True))
+    finally:
+        llm.shutdown()
+    ours = [(list(o.prompt_token_ids or []), list(o.outputs[0].token_ids)) for o in outs]
+    assert ours == _transformers_greedy(src)
+    (imported,) = tmp_path.iterdir()
+    config = json.loads((imported / "config.json").read_text())
+    assert config["architectures"] == [CASES[case][0]]
+    tok_config = json.loads((imported / "tokenizer_config.json").read_text())
+    assert tok_config["chat_template"] == json.loads((src / "tokenizer_config.json").read_text())["chat_template"]
