@@ -420,3 +420,26 @@ async def test_an_error_after_the_stream_started_is_an_anthropic_error_event(
     error = json.loads(data_line.removeprefix("data: "))
     assert error == {"type": "error", "error": {"type": "api_error", "message": error["error"]["message"]}}
     assert "RuntimeError" in error["error"]["message"]
+
+
+@pytest.mark.anyio
+async def test_output_config_format_is_structured_outputs(client: httpx.AsyncClient) -> None:
+    answer = {
+        "type": "object",
+        "properties": {"answer": {"type": "string", "enum": ["yes", "no"]}},
+        "required": ["answer"],
+        "additionalProperties": False,
+    }
+    body = {"model": MODEL, "max_tokens": 48, **GREEDY, **CHAT}
+
+    def formatted(schema: dict[str, Any]) -> dict[str, Any]:
+        return {**body, "output_config": {"format": {"type": "json_schema", "schema": schema}}}
+
+    r = await client.post("/v1/messages", json=formatted(answer))
+    assert r.status_code == 200, r.text
+    text = "".join(r.json()["content"][0]["text"].split())  # the random model pads with whitespace
+    assert text and any(f'{{"answer":"{a}"}}'.startswith(text) for a in ("yes", "no")), text
+    bad = {"type": "object", "properties": {"a": {"type": "nonsense"}}}
+    r = await client.post("/v1/messages", json=formatted(bad))
+    assert_anthropic_error(r, 400, "invalid_request_error", "output_config.format")
+    assert "response_format" not in r.json()["error"]["message"]
