@@ -109,7 +109,7 @@ def _user_turn(blocks: list[dict[str, Any]], where: str) -> list[ChatMessage]:
             out.append(ChatMessage(role="user", content=text))
             text = []
         call_id = _string(block, "tool_use_id", at)
-        content = block.get("content", "")
+        content = block.get("content") or ""  # a result may have no content
         result = content if isinstance(content, str) else _joined(content, f"{at}.content")
         if block.get("is_error") is True:
             result = f"Error: {result}"

@@ -66,6 +66,7 @@ def test_a_request_becomes_the_chat_routes_request() -> None:
                         {"type": "tool_result", "tool_use_id": "toolu_1", "content": "sunny"},
                         {"type": "tool_result", "tool_use_id": "toolu_2", "is_error": True,
                          "content": [{"type": "text", "text": "no such city"}]},
+                        {"type": "tool_result", "tool_use_id": "toolu_3"},
                         {"type": "text", "text": "And Rome?"},
                     ],
                 },
@@ -87,6 +88,7 @@ def test_a_request_becomes_the_chat_routes_request() -> None:
         {"role": "assistant", "content": [{"type": "text", "text": "Checking."}], "tool_calls": [call]},
         {"role": "tool", "content": "sunny", "tool_call_id": "toolu_1"},
         {"role": "tool", "content": "Error: no such city", "tool_call_id": "toolu_2"},
+        {"role": "tool", "content": "", "tool_call_id": "toolu_3"},
         {"role": "user", "content": [{"type": "text", "text": "And Rome?"}]},
     ]
     assert chat.tools == [CHAT_WEATHER]
