@@ -176,7 +176,9 @@ class LLM:
         """vLLM's beam search (`engine/beam_search.py`): the `params.beam_width` best sequences of
         each prompt, best first. Text prompts are tokenized as `generate` does; a beam ends at
         EOS (unless `ignore_eos`), after `max_tokens`, or at the context length. Every beam of a
-        prompt runs under its adapter (`lora_request`: one, or one per prompt)."""
+        prompt runs under its adapter (`lora_request`: one, or one per prompt). Each sequence's
+        `text` is the whole sequence's, the prompt's included, as vLLM's offline beam search
+        decodes it (`AsyncLLM.beam_search` and the HTTP routes give the generated part)."""
         loras = _lora_list(lora_request, len(prompts))
         if concurrency_limit is not None and concurrency_limit < 1:
             raise ValueError(f"concurrency_limit: must be a positive integer or None, got {concurrency_limit!r}")
@@ -195,7 +197,7 @@ class LLM:
                     search.advance(
                         group, beams, self.generate(token_prompts, step, use_tqdm=use_tqdm, lora_request=beam_loras)
                     )
-        return search.results(lambda tokens: tokenizer.decode(tokens, skip_special_tokens=True))
+        return search.results(lambda tokens: tokenizer.decode(tokens, skip_special_tokens=True), whole_sequence=True)
 
     def chat(
         self,

@@ -40,13 +40,13 @@ __all__ = ["ChoiceStream", "OutputParsing", "OutputPiece", "ParsedOutput", "make
 
 @dataclass
 class ParsedOutput:
-    """A choice's whole output. `auto_called`: the tool parser found calls (finish reason
-    "tool_calls")."""
+    """A choice's whole output. `tool_called`: its finish reason becomes "tool_calls" (the tool
+    parser found calls under "auto", or "required" made them; a named call keeps its own)."""
 
     content: str | None
     reasoning: str | None = None
     tool_calls: list[ToolCall] = field(default_factory=list)
-    auto_called: bool = False
+    tool_called: bool = False
 
 
 @dataclass
@@ -90,14 +90,14 @@ class OutputParsing:
         if self.choice.forced:
             calls = _guarded(self.choice, lambda: constrained_tool_calls(self.choice, content or ""), None)
             if calls is not None:
-                return ParsedOutput("", reasoning, calls)
+                return ParsedOutput("", reasoning, calls, tool_called=self.choice.mode == "required")
             return ParsedOutput(content, reasoning)
         parser = self.tool_parser
         if parser is not None:
             found = _guarded(parser, lambda: parser.extract_tool_calls(content or ""), None)
             if found is not None and found.tools_called:
                 calls = found.tool_calls if self.choice.parallel else found.tool_calls[:1]
-                return ParsedOutput(found.content, reasoning, calls, auto_called=True)
+                return ParsedOutput(found.content, reasoning, calls, tool_called=True)
         return ParsedOutput(content, reasoning)
 
     def stream(self) -> ChoiceStream:
@@ -161,7 +161,8 @@ class _Record:
 
 
 class ChoiceStream:
-    """One choice's parsing, delta by delta; `auto_called` once the tool parser sent a call."""
+    """One choice's parsing, delta by delta; `tool_called` once the tool parser (or a "required"
+    choice) sent a call: the finish reason becomes "tool_calls", as vLLM streams it."""
 
     def __init__(self, parsing: OutputParsing) -> None:
         self.parsing = parsing
@@ -177,7 +178,7 @@ class ChoiceStream:
         )
         self._reasoning_record = _Record()
         self._tools_record = _Record()
-        self.auto_called = False
+        self.tool_called = False
 
     def feed(self, delta: str) -> OutputPiece:
         reasoning, content = self._reason(delta, end=False)
@@ -208,7 +209,9 @@ class ChoiceStream:
     def _content(self, text: str, *, end: bool) -> OutputPiece:
         if self._forced is not None:
             try:
-                return OutputPiece(tool_calls=self._forced.feed(text))
+                calls = self._forced.feed(text)
+                self.tool_called = self.tool_called or (bool(calls) and self.parsing.choice.mode == "required")
+                return OutputPiece(tool_calls=calls)
             except Exception as exc:  # noqa: BLE001 - see the module docstring
                 _failed(self._forced, exc)
                 self._forced = None
@@ -222,7 +225,7 @@ class ChoiceStream:
         )
         if not self.parsing.choice.parallel:
             out.tool_calls = [c for c in out.tool_calls if c.index == 0]
-        self.auto_called = self.auto_called or bool(out.tool_calls)
+        self.tool_called = self.tool_called or bool(out.tool_calls)
         return out
 
     def _tool_step(self, text: str, *, end: bool) -> OutputPiece:

@@ -290,7 +290,7 @@ class ChatFormatter:
             piece = OutputPiece(
                 piece.content + end.content, piece.reasoning + end.reasoning, piece.tool_calls + end.tool_calls
             )
-            if stream.auto_called:
+            if stream.tool_called:
                 finish_reason = "tool_calls"
         if not piece:
             return (DeltaMessage(content="") if finish_reason is not None else None), finish_reason
@@ -352,7 +352,7 @@ class ChatFormatter:
                     reasoning_content=parsed.reasoning,
                     tool_calls=parsed.tool_calls,
                 )
-                if parsed.auto_called:
+                if parsed.tool_called:
                     finish_reason = "tool_calls"
             choices.append(
                 ChatChoice(

@@ -11,8 +11,9 @@ makes, the JSON schema that forces a call, and the calls read back from that out
 As in vLLM: with `tools` and no `tool_choice` the choice is "auto", and "auto" needs the server
 started with `--enable-auto-tool-choice --tool-call-parser NAME`; a forced call (named or
 "required") needs no parser: the grammar is built from the tools' schemas. The constrained
-choices answer with `content` "" and the output's own finish reason; only calls found by the
-parser under "auto" make the finish reason "tool_calls" (vLLM's choices). `parallel_tool_calls:
+choices answer with `content` ""; calls found by the
+parser under "auto", and the calls of "required", make the finish reason "tool_calls" (vLLM's
+choices; a named call keeps the output's own, "stop" or "length"). `parallel_tool_calls:
 false` allows one item under "required" and keeps the first call under "auto".
 
 `ConstrainedCallStream` streams a forced call as it is generated: the call's id and name in its
@@ -42,7 +43,7 @@ from triollm.api.protocol import (
     FunctionCall,
     ToolCall,
 )
-from triollm.api.tool_parsers._json_scan import MISSING, dumps_args, loads
+from triollm.api.tool_parsers._json_scan import dumps_args, loads
 from triollm.api.tool_parsers.abstract import make_tool_call_id
 
 __all__ = [
@@ -141,12 +142,12 @@ def resolve_tool_choice(
 
 
 def constrained_tool_calls(choice: ToolChoice, text: str) -> list[ToolCall] | None:
-    """The calls in a forced call's whole output; None when it is not the complete JSON the
-    grammar allows (the output was cut short: max_tokens, a stop string), or its arguments nest
-    deeper than `MAX_JSON_DEPTH` levels."""
+    """The calls in a forced call's whole output. A named call is the call whatever its text,
+    complete or cut short (max_tokens, a stop string): its arguments are the text as generated,
+    as vLLM returns them, so the client sees what was attempted. Under "required", None when the
+    text is not the complete JSON the grammar allows, or its arguments nest deeper than
+    `MAX_JSON_DEPTH` levels."""
     if choice.mode == "named":
-        if loads(text) is MISSING:
-            return None
         return [ToolCall(id=make_tool_call_id(), function=FunctionCall(choice.name or "", text))]
     items = loads(text, MAX_JSON_DEPTH + 2)  # [{"name": ..., "parameters": {...}}]: two levels more
     if not isinstance(items, list) or not all(isinstance(i, dict) and "name" in i for i in items):

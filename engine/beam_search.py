@@ -132,15 +132,18 @@ class BeamSearch:
         for i in group:
             self.beams[i] = sorted(grown[i], key=self.score, reverse=True)[: self.params.beam_width]
 
-    def results(self, decode: Callable[[list[int]], str]) -> list[BeamSearchOutput]:
-        """Each prompt's `beam_width` best sequences, best first, with their generated text."""
+    def results(self, decode: Callable[[list[int]], str], *, whole_sequence: bool = False) -> list[BeamSearchOutput]:
+        """Each prompt's `beam_width` best sequences, best first, with their text: the generated
+        part (without a final stop token unless asked), as vLLM's async `beam_search` gives it,
+        or with `whole_sequence` the text of every token, the prompt's included, as vLLM's
+        offline `LLM.beam_search` gives it."""
         results = []
         for i, n in enumerate(self.prompt_lens):
             for beam in self.beams[i]:
                 beam.finish_reason = beam.finish_reason or ("abort" if self.aborted else "length")
             best = sorted(self.finished[i] + self.beams[i], key=self.score, reverse=True)[: self.params.beam_width]
             for beam in best:
-                beam.text = decode(self.generated(beam, n))
+                beam.text = decode(beam.tokens if whole_sequence else self.generated(beam, n))
             results.append(BeamSearchOutput(best))
         return results
 

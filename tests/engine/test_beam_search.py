@@ -47,6 +47,16 @@ def test_beams_are_ranked_and_their_scores_add_up(tiny_model_dir: Path) -> None:
     assert len({tuple(s.tokens) for s in out.sequences}) == 4  # distinct beams
 
 
+def test_llm_beam_search_text_is_the_whole_sequence(tiny_model_dir: Path) -> None:
+    """vLLM's offline `LLM.beam_search` decodes every token of a beam, the prompt's included."""
+    prompt = "Once upon a time"
+    with LLM(str(tiny_model_dir), max_model_len=64, num_threads=1) as llm:
+        (out,) = llm.beam_search([prompt], BeamSearchParams(beam_width=2, max_tokens=4, ignore_eos=True))
+        decode = llm.get_tokenizer().decode
+    for seq in out.sequences:
+        assert seq.text == decode(seq.tokens, skip_special_tokens=True) and seq.text.startswith(prompt)
+
+
 def test_beams_that_reach_the_context_length_finish_once(tiny_model_dir: Path) -> None:
     """More max_tokens than the context holds: every beam stops at max_model_len, is reported
     once (no duplicates from the rounds after), and finishes with "length"."""
@@ -106,7 +116,14 @@ async def test_async_beam_search_equals_llm_and_cancels_cleanly(
         assert [c.cumulative_logprob for c in outs[0].outputs] == pytest.approx(
             [s.cum_logprob for s in expected.sequences]
         )
-        assert [c.text for c in outs[0].outputs] == [s.text for s in expected.sequences]
+        # The async path's text is the generated part; LLM.beam_search's the whole sequence (vLLM's).
+        decode = engine.get_tokenizer().decode
+        assert [c.text for c in outs[0].outputs] == [
+            decode(s.tokens[4:], skip_special_tokens=True) for s in expected.sequences
+        ]
+        assert [s.text for s in expected.sequences] == [
+            decode(s.tokens, skip_special_tokens=True) for s in expected.sequences
+        ]
         with anyio.move_on_after(0.05):
             async for _ in engine.beam_search(
                 prompt, "b2", BeamSearchParams(beam_width=4, max_tokens=60, ignore_eos=True)
