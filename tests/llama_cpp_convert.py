@@ -80,9 +80,9 @@ def converter_dir() -> Path:
     return root
 
 
-def convert(jobs: list[tuple[Path, Path]], outtype: str = "f32") -> None:
-    """Convert each (HF directory, output .gguf) pair with llama.cpp's converter."""
-    args = [str(a) for src, out in jobs for a in (src, out, outtype)]
+def convert(jobs: list[tuple[Path, Path, str]]) -> None:
+    """Convert each (HF directory, output .gguf, --outtype: f32, q8_0, ...) with llama.cpp's converter."""
+    args = [str(a) for job in jobs for a in job]
     root = converter_dir()
     # Run from the converter's folder: from a checkout's root `import kernels` (transformers') would
     # find triollm's kernels/.

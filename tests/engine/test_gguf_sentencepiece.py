@@ -129,7 +129,7 @@ def converted(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path,
         src = make_transformers_model(root / case, arch, seed=80 + i, **config)
         _with_sentencepiece(src, spm, tok_class)
         out[case] = (src, root / f"{case}.gguf")
-    convert(list(out.values()))
+    convert([(src, gguf_file, "f32") for src, gguf_file in out.values()])
     return out
 
 
