@@ -2,9 +2,10 @@
 
 `QuantWeight` holds a `[N, K]` weight as unsigned codes `q` (4 bits, two per byte in GGML's
 nibble order, or 8 bits) with a float16 scale `d` and offset `m` per block: weight = d * q + m.
-That one form covers GGUF's Q4_1 (as shipped), Q4_0 (m = -8 d) and Q8_0 (q = w + 128,
-m = -128 d), and what `quantization="int4"` (asymmetric, group 32: Q4_1's scheme) and
-`quantization="int8"` (symmetric, one scale per output channel) make from float weights.
+That one form covers GGUF's Q4_1 (as shipped), Q4_0 (m = -8 d), Q8_0 (q = w + 128,
+m = -128 d), Q5_1 and Q5_0 (m = -16 d; their 5-bit codes held in 8 bits, exactly), and what
+`quantization="int4"` (asymmetric, group 32: Q4_1's scheme) and `quantization="int8"`
+(symmetric, one scale per output channel) make from float weights.
 
 `PackedWeight` is the same bits in the kernel's layout (rows in groups of 16, codes interleaved
 for 512-bit registers), made once at load. `packed_linear` runs the native kernel
@@ -37,8 +38,8 @@ __all__ = [
 
 BLOCK = 32
 # GGML block layouts (gguf.GGMLQuantizationType values): bytes per block of 32 weights.
-GGML_Q4_0, GGML_Q4_1, GGML_Q8_0 = 2, 3, 8
-_BLOCK_BYTES = {GGML_Q4_0: 18, GGML_Q4_1: 20, GGML_Q8_0: 34}
+GGML_Q4_0, GGML_Q4_1, GGML_Q5_0, GGML_Q5_1, GGML_Q8_0 = 2, 3, 6, 7, 8
+_BLOCK_BYTES = {GGML_Q4_0: 18, GGML_Q4_1: 20, GGML_Q5_0: 22, GGML_Q5_1: 24, GGML_Q8_0: 34}
 QUANT_GGML_TYPES = frozenset(_BLOCK_BYTES) | KQUANT_TYPES  # K-quants: kernels/kquants.py
 
 
@@ -89,7 +90,8 @@ class QuantWeight:
             return cls(*decode_kquant(raw, ggml_type, shape))
         if ggml_type not in _BLOCK_BYTES:
             raise ValueError(
-                f"quantization: GGML type {ggml_type} is not kept quantized (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K are)"
+                f"quantization: GGML type {ggml_type} is not kept quantized (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, "
+                f"Q5_K, Q6_K are)"
             )
         size = _BLOCK_BYTES[ggml_type]
         blocks = np.ascontiguousarray(raw, dtype=np.uint8).reshape(n, k // BLOCK, size)
@@ -101,8 +103,27 @@ class QuantWeight:
         if ggml_type == GGML_Q4_0:
             q = torch.from_numpy(blocks[..., 2:].copy().reshape(n, k // 2))
             return cls(q, d, (d.float() * -8.0).half(), 4)
+        if ggml_type in (GGML_Q5_0, GGML_Q5_1):
+            return cls._from_q5(blocks, ggml_type, d, shape)
         q8 = blocks[..., 2:].copy().view(np.int8).astype(np.int16) + 128
         return cls(torch.from_numpy(q8.astype(np.uint8).reshape(n, k)), d, (d.float() * -128.0).half(), 8)
+
+    @classmethod
+    def _from_q5(cls, blocks: np.ndarray, ggml_type: int, d: torch.Tensor, shape: tuple[int, int]) -> QuantWeight:
+        """Q5_0 / Q5_1 blocks (d, [m], 32 high bits, 16 bytes of low nibbles) as 8-bit codes: weight
+        i of a block is its low nibble (byte i % 16, low half first) plus bit i of the high bits
+        times 16; Q5_0's codes are centred on 16."""
+        n, k = shape
+        if ggml_type == GGML_Q5_1:
+            m = torch.from_numpy(blocks[..., 2:4].copy().view(np.float16).reshape(n, k // BLOCK))
+            rest = blocks[..., 4:]
+        else:
+            m, rest = (d.float() * -16.0).half(), blocks[..., 2:]
+        high = rest[..., 0:4].copy().view("<u4")  # [n, blocks, 1]
+        low = rest[..., 4:]
+        codes = np.concatenate([low & 0x0F, low >> 4], axis=-1)
+        codes |= (((high >> np.arange(BLOCK, dtype=np.uint32)) & 1) << 4).astype(np.uint8)
+        return cls(torch.from_numpy(codes.reshape(n, k)), d, m, 8)
 
     @classmethod
     def quantize(cls, weight: torch.Tensor, bits: int) -> QuantWeight:
