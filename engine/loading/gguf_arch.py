@@ -290,9 +290,9 @@ def _rotary(
         }
         return
     if "rope_freqs.weight" in shapes:
-        scaling = llama3_rope_scaling(read("rope_freqs.weight").astype(np.float64), rope_dims, config["rope_theta"])
-        if scaling is not None:
-            config["rope_scaling"] = scaling
+        llama3 = llama3_rope_scaling(read("rope_freqs.weight").astype(np.float64), rope_dims, config["rope_theta"])
+        if llama3 is not None:
+            config["rope_scaling"] = llama3
         return
     kind = meta.get(f"{arch}.rope.scaling.type")
     factor = meta.get(f"{arch}.rope.scaling.factor")
