@@ -4,7 +4,7 @@ Each tiny random checkpoint is written by transformers' own `save_pretrained`
 (tinymodel.make_transformers_model), converted to an F32 GGUF by `convert_hf_to_gguf.py`, and run
 with `LLM("x.gguf")`: the greedy tokens for three prompts must be transformers' on the source
 directory, and the prompts' token ids the source tokenizer's. What each family's conversion
-changes is in play: Q/K rows permuted (llama, Mixtral, Granite), q/k norms (Qwen3,
+changes is in play: Q/K rows and biases permuted (llama, Mixtral, Granite), q/k norms (Qwen3,
 OLMo 2), 3-D expert tensors and routers (Mixtral, Qwen3-MoE), Phi-3's fused
 q|k|v and gate|up with partial rotary and LongRoPE factors stored as tensors, Granite's
 multipliers, OLMo 2's post-norms. Gemma's families (SentencePiece vocabularies) are in
@@ -26,7 +26,10 @@ from triollm import LLM, SamplingParams
 
 MOE = {"num_experts_per_tok": 2, "num_local_experts": 8}
 CASES: dict[str, tuple[str, dict[str, Any]]] = {
-    "llama": ("LlamaForCausalLM", {"rope_parameters": {"rope_type": "default", "rope_theta": 50000.0}}),
+    "llama": (
+        "LlamaForCausalLM",
+        {"attention_bias": True, "rope_parameters": {"rope_type": "default", "rope_theta": 50000.0}},
+    ),
     "mixtral": ("MixtralForCausalLM", {"intermediate_size": 48, "sliding_window": None, **MOE}),
     "qwen2": ("Qwen2ForCausalLM", {}),
     "qwen3": ("Qwen3ForCausalLM", {"head_dim": 32, "rope_parameters": {"rope_type": "default", "rope_theta": 1e6}}),
