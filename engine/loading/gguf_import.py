@@ -183,8 +183,8 @@ def _quantized_weights(
     weights: dict[str, QuantWeight] = {}
     dequantized: set[str] = set()
     for name, tensor in tensors.items():
-        if name in CONFIG_TENSORS or len(tensor.shape) != 2:
-            continue
+        if name in CONFIG_TENSORS or len(tensor.shape) != 2 or ".ffn_gate_inp." in name:
+            continue  # 3-D experts and routers stay dense (weights.quantize_model)
         if int(tensor.tensor_type) not in QUANT_GGML_TYPES:
             if tensor.tensor_type.name not in ("F32", "F16", "BF16"):
                 dequantized.add(tensor.tensor_type.name)
