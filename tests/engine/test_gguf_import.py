@@ -350,3 +350,31 @@ def test_llama3_rope_scaling_recovered_from_rope_freqs() -> None:
     assert llama3_rope_scaling(np.ones(32), 64, 500000.0) is None
     with pytest.raises(ValueError, match="rope_freqs"):
         llama3_rope_scaling(np.linspace(1.0, 8.0, 32), 64, 500000.0)
+
+
+@pytest.mark.parametrize(
+    ("drop", "message"),
+    [
+        ("llama.block_count", "lacks the metadata key 'llama.block_count'"),
+        ("llama.embedding_length", "lacks the metadata key 'llama.embedding_length'"),
+        ("tokenizer.ggml.merges", "lacks the metadata key 'tokenizer.ggml.merges'"),
+    ],
+)
+def test_missing_metadata_key_is_named(tiny_gguf: tuple[Path, Path], tmp_path: Path, drop: str, message: str) -> None:
+    reader = gguf.GGUFReader(str(tiny_gguf[1]))
+    path = tmp_path / "less.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    for field in reader.fields.values():
+        if field.name in (drop, "general.architecture", "general.alignment") or field.name.startswith("GGUF."):
+            continue
+        sub = field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
+        writer.add_key_value(field.name, field.contents(), field.types[0], sub_type=sub)
+    for tensor in reader.tensors:
+        shape = tuple(int(d) for d in reversed(tensor.shape))
+        writer.add_tensor(tensor.name, gguf.quants.dequantize(tensor.data, tensor.tensor_type).reshape(shape))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ValueError, match=message):
+        gguf_import.import_gguf(path, tmp_path / "out")
