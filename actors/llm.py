@@ -48,6 +48,7 @@ from triollm.engine.pooling_outputs import (
     ScoringRequestOutput,
 )
 from triollm.engine.pooling_params import POOLING_TASKS, PoolingParams
+from triollm.engine.processing.chat_images import chat_images
 from triollm.engine.processing.tokenizer import Tokenizer
 from triollm.engine.sampling_params import RequestOutputKind, SamplingParams
 from triollm.lora.request import LoRARequest
@@ -394,17 +395,22 @@ class LLM:
         else:
             conversations = list(messages)  # type: ignore[arg-type]
         tok = self.get_tokenizer()
+        config = self.llm_engine.async_llm.config
         prompts: list[PromptType] = []
         for conv in conversations:
+            rendered, images = chat_images(conv, config.model, tok, config.limits)
             text, ids = tok.render_chat(
-                conv,
+                rendered,
                 add_generation_prompt=add_generation_prompt,
                 continue_final_message=continue_final_message,
                 chat_template=chat_template,
                 tools=tools,
                 chat_template_kwargs=chat_template_kwargs,
             )
-            prompts.append({"prompt": text, "prompt_token_ids": ids})  # rendered once: text and ids
+            prompt: dict[str, Any] = {"prompt": text, "prompt_token_ids": ids}  # rendered once: text and ids
+            if images:
+                prompt["multi_modal_data"] = {"image": images}
+            prompts.append(prompt)
         return prompts
 
     def _params_list(

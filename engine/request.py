@@ -22,6 +22,7 @@ __all__ = [
     "EngineCoreOutput",
     "EngineCoreRequest",
     "FinishReason",
+    "ImageFeature",
     "Logprobs",
     "RunnerOutput",
 ]
@@ -35,6 +36,18 @@ class FinishReason(enum.IntEnum):
 
     def __str__(self) -> str:
         return self.name.lower()
+
+
+class ImageFeature(msgspec.Struct, array_like=True, gc=False):
+    """One image of a request (engine/processing/image_inputs.py): the prompt positions its
+    features fill and its processed pixels, which the model runner's vision encoder turns into
+    those features."""
+
+    offset: int  # the first prompt position it fills
+    length: int  # how many positions
+    digest: bytes  # sha256 of shape and pixels: keys the encoder's work and the prefix cache
+    pixels: bytes  # float32, C order
+    shape: list[int]  # [channels, height, width]
 
 
 class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
@@ -51,6 +64,8 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     pooling_params: PoolingParams | None = None
     # The adapter this request runs under (None: the base model); the frontend checked its config.
     lora_request: LoRARequest | None = None
+    # The prompt's images (a vision-language model): placeholders already expanded in the ids.
+    images: list[ImageFeature] = []
 
 
 class Logprobs(msgspec.Struct, array_like=True, gc=False):

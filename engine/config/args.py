@@ -164,7 +164,8 @@ class EngineArgs:
         "smaller values keep running decodes' step time steady")
     async_scheduling: bool = arg(False, "accepted, ignored (one scheduler in the engine core)")
     enable_expert_parallel: bool = arg(False, "accepted, ignored (no expert-parallel mode)")
-    limit_mm_per_prompt: dict[str, Any] | None = arg(None, "accepted, ignored (text only)")
+    limit_mm_per_prompt: dict[str, Any] | None = arg(
+        None, 'images per prompt of a vision-language model, {"image": N} (default 8)')
     scheduler_prefill_budget: str = arg(
         "auto", "with chunked prefill: auto (while requests decode, a step takes only the prompt "
         "tokens that keep it within ~1.5x a decode-only step's measured time, at least 32 per "
@@ -208,7 +209,7 @@ class EngineArgs:
     compilation_config: CompilationConfig | int | dict[str, Any] | None = arg(
         None, "an int level or a JSON object")
     disable_log_stats: bool = arg(False, "no periodic stats line while serving")
-    allowed_local_media_path: str = arg("", "accepted, ignored (text only)")
+    allowed_local_media_path: str = arg("", "the folder whose files chat image_url parts may name (file://)")
     renderer_num_workers: int = arg(1, "accepted, ignored (no renderer pool)")
     kv_transfer_config: dict[str, Any] | None = arg(None, "not supported (no KV transfer)")
     cache_dir: str | None = arg(

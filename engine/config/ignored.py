@@ -23,7 +23,6 @@ IGNORED_ARGS: dict[str, str] = {
     "max_seq_len_to_capture": "CUDA graphs are captured per batch size and serve every context "
     "length",
     "cpu_offload_gb": "weights are not offloaded",
-    "allowed_local_media_path": "prompts are text or token ids only",
     "data_parallel_rpc_port": "dense models need no data parallel coordinator (ranks never "
     "synchronise)",
     "renderer_num_workers": "prompts are tokenized in the request's own task (large ones in a "
@@ -33,7 +32,6 @@ IGNORED_ARGS: dict[str, str] = {
     "disable_cascade_attn": "there is no cascade attention to disable",
     "enable_expert_parallel": "there is no expert-parallel mode (MoE weights follow "
     "tensor_parallel_size)",
-    "limit_mm_per_prompt": "prompts are text or token ids only (no multimodal inputs)",
 }
 _SOMETIMES_IGNORED = {
     "gpu_memory_utilization": "it sizes the KV cache on CUDA only",

@@ -165,7 +165,16 @@ class Executor:
         graphs = self._capture_graphs(kv, sizes)
         if mc.calculate_kv_scales:  # after the capture's dummy steps: from the first real prompt
             calculate_kv_scales_on_first_prompt(self.model)
-        return ModelRunner(self.model, kv, config.device, self.group, graphs, self.lora)
+        vision = None
+        if mc.multimodal is not None and mc.multimodal.takes_images:
+            from triollm.engine.execution.vision import load_vision_encoder
+
+            if self.group is not None:  # the other ranks would embed the placeholders as tokens
+                raise ValueError(
+                    f"tensor_parallel_size: {mc.multimodal.architecture} runs its images on one rank; allowed: 1"
+                )
+            vision = load_vision_encoder(mc, config.device)
+        return ModelRunner(self.model, kv, config.device, self.group, graphs, self.lora, vision)
 
     def _draft_runner(self) -> DraftModel | None:
         """The draft model's runner over a KV cache of its own (the same block ids)."""

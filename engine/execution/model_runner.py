@@ -14,6 +14,12 @@ Tensor parallel (docs/scaling.md): rank 0's runner has a `group` and sends each 
 tensors and attention metadata (`follow`), run the same forward pass and the same logits
 computations (whose rows rank 0 lists in `logit_rows`), and rank 0 samples.
 
+Images (a vision-language model, engine/execution/vision.py): a prefill chunk that touches an
+image's placeholder positions feeds the image's features there instead of token embeddings.
+All of an image's features are computed at the first chunk that touches it (one tower call for
+every image the step needs, equal pixels once) and kept on the request until the chunk that
+feeds its last position, so chunked prefill may cut through an image anywhere.
+
 LoRA (lora/): with a `LoRAManager`, the core has put every scheduled adapter in a slot before
 `execute`; the runner lists each adapted request's rows by slot (`StepInputs.lora_segments`,
 which the other ranks receive too, with any slots just filled) and sets the model's
@@ -43,12 +49,14 @@ from triollm.engine.execution.layers.quantized import QuantEmbedding, QuantLinea
 from triollm.engine.execution.models.base import CausalLM
 from triollm.engine.execution.sampler import Sampler, SamplingRow, gather_logprobs
 from triollm.engine.request import Logprobs, RunnerOutput
+from triollm.engine.scheduling.request_state import Request
 from triollm.engine.scheduling.scheduler import ScheduledRequest
 from triollm.kernels import KVCache, batch_invariant, cpu_native
 from triollm.kernels.attention import DecodeWorkspace, plan_decode, plan_prefill
 
 if TYPE_CHECKING:
     from triollm.engine.distributed.group import TensorParallelGroup
+    from triollm.engine.execution.vision import VisionEncoder
     from triollm.lora.manager import LoRAManager
 
 __all__ = ["ModelRunner", "RunnerOutput"]
@@ -63,8 +71,10 @@ class ModelRunner:
         group: TensorParallelGroup | None = None,
         graphs: DecodeGraphs | None = None,
         lora: LoRAManager | None = None,
+        vision: VisionEncoder | None = None,
     ) -> None:
         self.model = model
+        self.vision = vision  # a vision-language model's tower and projector
         self.lora = lora  # the adapters' slots (rank 0: filled by the core before each step)
         self.group = group  # rank 0 of a tensor-parallel model: the other ranks follow each step
         self.graphs = graphs  # all-decode steps replayed from captured graphs (CUDA)
@@ -141,7 +151,10 @@ class ModelRunner:
             )
         else:
             input_ids, positions, meta = self._tensors(inputs)
-            hidden = self.model(input_ids, positions, meta, self.kv)
+            images = None
+            if self.vision is not None and prefills:
+                images = self._image_rows(prefills, sum(s.num_new_tokens for s in decodes))
+            hidden = self.model(input_ids, positions, meta, self.kv, images)
 
         out = RunnerOutput({}, {}, {})
         if samplers:
@@ -190,6 +203,41 @@ class ModelRunner:
                 span = slice(first, first + n + 1)
                 out.logprobs[rid] = Logprobs(lp.token_ids[span], lp.logprobs[span], lp.ranks[span])
             first += d + 1
+
+    def _image_rows(
+        self, prefills: list[ScheduledRequest], row: int
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(flat rows, features) of the image positions this step's prefill chunks feed (module
+        note); `row`: the first prefill row."""
+        assert self.vision is not None
+        need: dict[bytes, list[tuple[Request, int]]] = {}
+        for s in prefills:
+            req, c, n = s.request, s.num_computed_tokens, s.num_new_tokens
+            for j, (first, end, digest) in enumerate(req.image_spans):
+                if first < c + n and end > c and j not in req.image_features:
+                    need.setdefault(digest, []).append((req, j))
+        if need:
+            owners = list(need.values())
+            features = self.vision.encode([req.images[j] for (req, j), *_ in owners])
+            for users, rows in zip(owners, features):
+                for req, j in users:
+                    req.image_features[j] = rows
+        rows_at: list[torch.Tensor] = []
+        values: list[torch.Tensor] = []
+        for s in prefills:
+            req, c, n = s.request, s.num_computed_tokens, s.num_new_tokens
+            for j, (first, end, _) in enumerate(req.image_spans):
+                lo, hi = max(first, c), min(end, c + n)
+                if lo >= hi:
+                    continue
+                rows_at.append(torch.arange(row + lo - c, row + hi - c))
+                values.append(req.image_features[j][lo - first : hi - first])
+                if hi == end:  # its last position: the features are done with
+                    del req.image_features[j]
+            row += n
+        if not rows_at:
+            return None
+        return torch.cat(rows_at).to(self.device), torch.cat(values)
 
     @torch.inference_mode()
     def follow(self, inputs: StepInputs) -> None:

@@ -39,11 +39,12 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 
 from triollm.engine import request_rules, structured_outputs
+from triollm.engine.config.limits import DEFAULT_IMAGES_PER_PROMPT
 from triollm.engine.inputs import PromptType
 from triollm.engine.loading.model_config import ModelConfig
 from triollm.engine.pooling_params import PoolingParams
 from triollm.engine.processing.tokenizer import Tokenizer
-from triollm.engine.request import EngineCoreRequest
+from triollm.engine.request import EngineCoreRequest, ImageFeature
 from triollm.engine.sampling_params import (
     RequestOutputKind,
     SamplingParams,
@@ -54,6 +55,7 @@ from triollm.lora.request import LoRARequest
 
 if TYPE_CHECKING:
     from triollm.engine.config import LimitsConfig
+    from triollm.engine.processing.image_inputs import ImageInputs
 
 __all__ = [
     "GENERATE_ON_POOLING",
@@ -67,7 +69,7 @@ __all__ = [
     "input_size",
 ]
 
-_PROMPT_KEYS = frozenset({"prompt", "prompt_token_ids"})
+_PROMPT_KEYS = frozenset({"prompt", "prompt_token_ids", "multi_modal_data", "mm_processor_kwargs"})
 # The SamplingParams a pooling request carries where the wire and the output processor expect
 # some: nothing is sampled or detokenized.
 POOLING_PLACEHOLDER = SamplingParams(
@@ -124,8 +126,8 @@ def core_request_ids(request_id: str, n: int, tag: str | None = None) -> list[st
 def input_size(prompt: object, params: SamplingParams | PoolingParams) -> int:
     """The work `InputProcessor.process` will do for this request, in characters or token ids:
     the prompt (text to tokenize, ids to check) plus every `bad_words` entry (tokenized twice,
-    each call with its fixed cost). Cheap: lengths only. Values of the wrong type count 0:
-    `process` rejects them."""
+    each call with its fixed cost); images count as a large input. Cheap: lengths only. Values
+    of the wrong type count 0: `process` rejects them."""
     size = 0
     if isinstance(prompt, str):
         size += len(prompt)
@@ -134,6 +136,8 @@ def input_size(prompt: object, params: SamplingParams | PoolingParams) -> int:
             value = prompt.get(key)
             if isinstance(value, str | list | tuple):
                 size += len(value)
+        if prompt.get("multi_modal_data") is not None:  # images to process: always off the loop
+            size += LARGE_INPUT + 1
     bad_words = params.bad_words if isinstance(params, SamplingParams) else None
     if isinstance(bad_words, list):
         size += sum(
@@ -166,6 +170,14 @@ class InputProcessor:
         if tokenizer.eos_token_id is not None:
             eos.append(tokenizer.eos_token_id)
         self.eos_token_ids = list(dict.fromkeys(eos))
+        mm = model_config.multimodal
+        # A vision-language model's image processor, loaded now (engine/processing/image_inputs.py).
+        self.images: ImageInputs | None = None
+        if mm is not None and mm.takes_images:
+            from triollm.engine.processing.image_inputs import ImageInputs
+
+            image_limit = DEFAULT_IMAGES_PER_PROMPT if limits is None else limits.max_images_per_prompt
+            self.images = ImageInputs(model_config.path, mm, image_limit)
 
     def process(
         self,
@@ -193,6 +205,14 @@ class InputProcessor:
             # Before the ids are walked:
             request_rules.check_prompt_len(len(prompt["prompt_token_ids"]), mc.max_model_len)
         text, token_ids = self._tokenize(prompt)
+        images: list[ImageFeature] = []
+        if isinstance(prompt, Mapping) and prompt.get("multi_modal_data") is not None:
+            token_ids, images = self._expand_images(prompt, token_ids)
+        elif self.images is not None and self.images.spec.image_token_id in token_ids:
+            raise ValueError(
+                f"multi_modal_data: the prompt holds image placeholders (token {self.images.spec.image_token_id}) "
+                "but no images; pass them in multi_modal_data"
+            )
         request_rules.check_prompt_tokens(token_ids, mc.max_model_len, mc.vocab_size)
         params = self._resolve_params(params, len(token_ids))
         bad_words = self._bad_words_token_ids(params.bad_words or [])
@@ -209,6 +229,7 @@ class InputProcessor:
                 arrival_time=arrival,
                 priority=priority,
                 lora_request=lora_request,
+                images=images,
             )
             for core_id, child in zip(core_request_ids(request_id, len(children), tag), children)
         ]
@@ -323,7 +344,8 @@ class InputProcessor:
         unknown = set(prompt) - _PROMPT_KEYS
         if unknown:
             raise ValueError(
-                f"prompt: unsupported keys {sorted(unknown)} (supported: prompt, prompt_token_ids)"
+                f"prompt: unsupported keys {sorted(unknown)} (supported: prompt, prompt_token_ids, "
+                "multi_modal_data, mm_processor_kwargs)"
             )
         text = prompt.get("prompt")
         if text is not None and not isinstance(text, str):
@@ -333,6 +355,25 @@ class InputProcessor:
         if text is None:
             raise ValueError("prompt: needs 'prompt' or 'prompt_token_ids'")
         return text, self.tokenizer.encode(text)
+
+    def _expand_images(
+        self, prompt: Mapping[str, Any], token_ids: list[int]
+    ) -> tuple[list[int], list[ImageFeature]]:
+        """`multi_modal_data` ({"image": a PIL image or a list of them}) through the model's image
+        processor: the placeholders expanded, one `ImageFeature` per image."""
+        data = prompt["multi_modal_data"]
+        if not isinstance(data, Mapping) or set(data) - {"image"}:
+            keys = sorted(map(str, data)) if isinstance(data, Mapping) else type(data).__name__
+            raise ValueError(f"multi_modal_data: expected {{'image': PIL.Image or a list of them}}, got {keys}")
+        mm = self.model_config.multimodal
+        if mm is None:
+            arch = self.model_config.architecture
+            raise ValueError(f"multi_modal_data: {arch} is a text-only model; it takes no images")
+        mm.check_image_request()
+        assert self.images is not None
+        image = data.get("image")
+        images = list(image) if isinstance(image, list | tuple) else [] if image is None else [image]
+        return self.images.expand(token_ids, images, prompt.get("mm_processor_kwargs"))
 
     # ------------------------------------------------------------------ params
 

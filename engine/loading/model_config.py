@@ -32,6 +32,7 @@ from triollm.engine.loading.hf_config import (
     HfConfig,
     parse_hf_config,
 )
+from triollm.engine.loading.multimodal_config import MultimodalSpec, split_multimodal
 from triollm.engine.loading.pooler_config import PoolerConfig, read_pooler_config
 from triollm.engine.loading.rope_config import RopeConfig
 from triollm.kernels import cpu_native
@@ -103,6 +104,9 @@ class ModelConfig(HfConfig):
     # An fp8 cache's per-layer scales computed from the first prompt (`calculate_kv_scales`,
     # engine/execution/layers/attention.py) rather than 1.0.
     calculate_kv_scales: bool = False
+    # A vision-language checkpoint's wrapper (multimodal_config.py); the fields above are its
+    # decoder's. None: a text-only checkpoint.
+    multimodal: MultimodalSpec | None = None
 
     @property
     def cache_dtype(self) -> torch.dtype:
@@ -126,7 +130,16 @@ class ModelConfig(HfConfig):
             raise ValueError(
                 f"model: {path} has no config.json (expected a Hugging Face-format directory or a .gguf file)"
             )
-        hf = json.loads(cfg_file.read_text())
+        hf, multimodal = split_multimodal(json.loads(cfg_file.read_text()))
+        if multimodal is not None and model_impl == "transformers":
+            raise ValueError(
+                f"model_impl: 'transformers' runs causal LMs, not {multimodal.architecture}; its decoder runs "
+                f"natively (allowed: auto, triollm)"
+            )
+        if multimodal is not None and multimodal.takes_images and not (path / "preprocessor_config.json").is_file():
+            raise ValueError(
+                f"model: {path} has no preprocessor_config.json (the image processor of {multimodal.architecture})"
+            )
         spec = parse_hf_config(hf, model_impl)
         runner_type = _runner_type(spec.architecture, runner)
         pooler = read_pooler_config(path, hf) if runner_type == "pooling" else None
@@ -164,6 +177,7 @@ class ModelConfig(HfConfig):
             generation_defaults=defaults,
             runner_type=runner_type,
             pooler=pooler,
+            multimodal=multimodal,
         )
 
 

@@ -67,16 +67,27 @@ _TOKEN_BYTES = array("q").itemsize
 
 
 def hash_full_blocks(
-    token_ids: Sequence[int], block_size: int, parent: bytes = ROOT_BLOCK_HASH
+    token_ids: Sequence[int],
+    block_size: int,
+    parent: bytes = ROOT_BLOCK_HASH,
+    images: Sequence[tuple[int, int, bytes]] = (),
+    start: int = 0,
 ) -> list[bytes]:
     """The chained sha256 digests of the full blocks of `token_ids`, which follow the block
-    whose digest is `parent` (by default: the start of a sequence)."""
+    whose digest is `parent` (by default: the start of a sequence). `images`: the sequence's
+    image spans (first position, end, pixel digest) with `start` the position of token_ids[0];
+    a block holding any position of an image hashes its digest too, since every image's
+    placeholder ids are the same."""
     num_blocks = len(token_ids) // block_size
     packed = array("q", token_ids[: num_blocks * block_size]).tobytes()
     width = block_size * _TOKEN_BYTES
     digests = []
     for i in range(num_blocks):
-        parent = hashlib.sha256(parent + packed[i * width : (i + 1) * width]).digest()
+        data = packed[i * width : (i + 1) * width]
+        if images:
+            lo = start + i * block_size
+            data += b"".join(digest for first, end, digest in images if first < lo + block_size and end > lo)
+        parent = hashlib.sha256(parent + data).digest()
         digests.append(parent)
     return digests
 
@@ -153,7 +164,7 @@ class BlockManager:
         start = len(hashes) * bs
         if num_tokens - start >= bs:
             parent = hashes[-1] if hashes else root_hash(request)
-            hashes += hash_full_blocks(request.all_token_ids[start:num_tokens], bs, parent)
+            hashes += hash_full_blocks(request.all_token_ids[start:num_tokens], bs, parent, request.image_spans, start)
 
     def match_prefix(self, request: Request) -> int:
         """Give a request with no blocks the longest cached prefix of its tokens. Returns the
@@ -265,7 +276,7 @@ class BlockManager:
             for b in held:
                 refs[b] += 1
             hashed = req.all_token_ids[: len(req.block_hashes) * self.block_size]
-            assert req.block_hashes == hash_full_blocks(hashed, self.block_size), (
+            assert req.block_hashes == hash_full_blocks(hashed, self.block_size, root_hash(req), req.image_spans), (
                 f"{req}: block hashes do not match its tokens"
             )
         assert refs == self._ref, "reference counts do not match the live requests"

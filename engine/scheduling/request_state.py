@@ -64,6 +64,13 @@ class Request:
         self.block_ids: list[int] = []
         self.num_released_blocks = 0
         self.block_hashes: list[bytes] = []  # chained sha256 of the full blocks of all_token_ids
+        # A vision-language prompt's images (engine/request.py `ImageFeature`); the spans
+        # (first position, end, digest) key the blocks that hold them (block_manager.py); the
+        # model runner keeps each image's features here from the first prefill chunk that
+        # touches it until the chunk that finishes it.
+        self.images = req.images
+        self.image_spans = tuple((f.offset, f.offset + f.length, f.digest) for f in req.images)
+        self.image_features: dict[int, torch.Tensor] = {}
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
         self.num_preemptions = 0

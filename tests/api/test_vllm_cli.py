@@ -388,8 +388,6 @@ def test_recipe_flags_that_cannot_apply_are_accepted_and_reported() -> None:
             "--async-scheduling",
             "--disable-cascade-attn",
             "--enable-expert-parallel",
-            "--limit-mm-per-prompt",
-            '{"image": 0}',
             "--trust-remote-code",
         )
     )
@@ -397,6 +395,5 @@ def test_recipe_flags_that_cannot_apply_are_accepted_and_reported() -> None:
         "async_scheduling",
         "disable_cascade_attn",
         "enable_expert_parallel",
-        "limit_mm_per_prompt",
         "trust_remote_code",
     }

@@ -40,6 +40,7 @@ from triollm.engine.execution.layers.norm import RMSNorm
 from triollm.engine.execution.layers.quantized import DecodeStack, QuantEmbedding, QuantLinear
 from triollm.engine.execution.layers.rotary import RopeStep, RotaryEmbedding
 from triollm.engine.loading.model_config import ModelConfig
+from triollm.engine.loading.multimodal_config import decoder_tensor_name
 from triollm.kernels import KVCache
 from triollm.kernels.quant import packed_linear
 from triollm.kernels.triton import use_triton
@@ -195,6 +196,11 @@ class CausalLM(nn.Module):
 
     def remap(self, name: str) -> str | None:
         """Our name for checkpoint tensor `name`, or None to skip it."""
+        if self.cfg.multimodal is not None:  # a vision-language checkpoint: its decoder's tensors
+            text_name = decoder_tensor_name(name)
+            if text_name is None:
+                return None
+            name = text_name
         if "rotary_emb" in name:
             return None
         if name == "lm_head.weight" and self.cfg.tie_word_embeddings:
@@ -211,9 +217,16 @@ class CausalLM(nn.Module):
             r.to(device)
 
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, kv: KVCache
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        kv: KVCache,
+        image_rows: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
-        """Hidden states `[T, hidden]` (final norm applied) for the flat batch."""
+        """Hidden states `[T, hidden]` (final norm applied) for the flat batch. `image_rows`:
+        (flat rows, image features `[rows, hidden]`) that replace those rows' (scaled) token
+        embeddings, as transformers' vision-language wrappers scatter them."""
         if self.comm is None:
             x = self.embed_tokens(input_ids)
         else:
@@ -221,6 +234,8 @@ class CausalLM(nn.Module):
             x = self.comm.embed(self.embed_tokens.weight, input_ids)
         if self.embed_scale != 1.0:
             x = x * self.embed_scale
+        if image_rows is not None:
+            x[image_rows[0]] = image_rows[1].to(x.dtype)
         if self.triton is None:
             self.triton = use_triton(x)
         meta.triton = self.triton

@@ -53,7 +53,3 @@ class Gemma2ForCausalLM(CausalLM):
 
     def make_layer(self, cfg: ModelConfig, index: int, shard: TPShard | None) -> nn.Module:
         return SandwichDecoderLayer(cfg, index, shard)
-
-    def remap(self, name: str) -> str | None:
-        # Gemma 3's multimodal checkpoints nest the text model one level deeper.
-        return super().remap(name.replace("model.language_model.", "model.", 1))

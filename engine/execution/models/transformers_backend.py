@@ -158,9 +158,16 @@ class TransformersForCausalLM(CausalLM):
         self._stand_in = _Hidden(tuple(name for name, _ in self.base.named_children()))
 
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, kv: KVCache
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        kv: KVCache,
+        image_rows: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
-        """Hidden states `[T, hidden]` (the base model's last, final norm applied) for the flat batch."""
+        """Hidden states `[T, hidden]` (the base model's last, final norm applied) for the flat batch.
+        `image_rows` is never given: vision-language checkpoints run natively (model_config.py)."""
+        assert image_rows is None
         global _STEP
         if self.triton is None:
             self.triton = use_triton(input_ids)

@@ -1,0 +1,98 @@
+"""The vision side of a vision-language model: pixels in, one feature row per placeholder out.
+
+LLaVA-1.5 (`LlavaForConditionalGeneration`): transformers' own CLIP vision tower, built from the
+checkpoint's `vision_config`, and its `LlavaMultiModalProjector`, with the checkpoint's weights;
+the features are the hidden states of `vision_feature_layer`, less the CLS position under the
+"default" strategy, through the projector (transformers' `LlavaModel.get_image_features`). The
+decoder stays triollm's: the model runner scatters these rows over the token embeddings at the
+image's placeholder positions (engine/execution/model_runner.py).
+
+Rejected: a native CLIP port (the tower runs once per image, off the per-token hot path, so
+transformers' modules cost little, and they are the reference the tests compare with).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from triollm.engine.loading.model_config import ModelConfig
+from triollm.engine.loading.transformers_config import import_transformers
+from triollm.engine.request import ImageFeature
+
+__all__ = ["VisionEncoder", "load_vision_encoder"]
+
+
+class VisionEncoder(nn.Module):
+    """LLaVA's tower and projector; `num_runs` counts the images encoded (tests read it)."""
+
+    def __init__(self, tower: nn.Module, projector: nn.Module, layer: int, drop_cls: bool) -> None:
+        super().__init__()
+        self.tower, self.projector = tower, projector
+        self.layer, self.drop_cls = layer, drop_cls
+        self.num_runs = 0
+
+    @torch.inference_mode()
+    def encode(self, images: list[ImageFeature]) -> list[torch.Tensor]:
+        """Each image's feature rows `[length, hidden]`, in the order given."""
+        param = next(self.tower.parameters())
+        pixels = torch.stack(
+            [torch.frombuffer(bytearray(f.pixels), dtype=torch.float32).view(f.shape) for f in images]
+        ).to(param.device, param.dtype)
+        hidden = self.tower(pixels, output_hidden_states=True, return_dict=True).hidden_states[self.layer]
+        if self.drop_cls:
+            hidden = hidden[:, 1:]
+        features = self.projector(hidden)
+        self.num_runs += len(images)
+        for f, rows in zip(images, features):
+            if rows.shape[0] != f.length:
+                raise ValueError(f"multi_modal_data: the image gives {rows.shape[0]} features for {f.length} positions")
+        return list(features)
+
+
+def load_vision_encoder(cfg: ModelConfig, device: str | torch.device) -> VisionEncoder:
+    transformers = import_transformers()
+    from transformers.models.llava.modeling_llava import LlavaMultiModalProjector
+
+    hf = json.loads((cfg.path / "config.json").read_text())
+    config = transformers.LlavaConfig.from_dict(hf)
+    tower = transformers.AutoModel.from_config(config.vision_config)
+    projector = LlavaMultiModalProjector(config)
+    _load(tower, cfg.path, ("vision_tower.", "model.vision_tower."))
+    _load(projector, cfg.path, ("multi_modal_projector.", "model.multi_modal_projector."))
+    encoder = VisionEncoder(
+        tower, projector, config.vision_feature_layer, config.vision_feature_select_strategy == "default"
+    )
+    return encoder.to(device=device, dtype=cfg.dtype).eval().requires_grad_(False)
+
+
+def _load(module: nn.Module, path: Path, prefixes: tuple[str, ...]) -> None:
+    """The module's tensors from the checkpoint's safetensors files, under one of `prefixes`;
+    a `vision_model.` level (CLIPVisionModel in transformers 4.x) is matched either way."""
+    wanted = module.state_dict()
+    state: dict[str, Any] = {}
+    for file in sorted(path.glob("*.safetensors")):
+        with safe_open(str(file), "pt") as f:
+            for name in f.keys():  # noqa: SIM118 (safe_open is no dict)
+                prefix = next((p for p in prefixes if name.startswith(p)), None)
+                if prefix is None:
+                    continue
+                key = name.removeprefix(prefix)
+                if key not in wanted:
+                    key = (
+                        key.removeprefix("vision_model.") if key.startswith("vision_model.") else f"vision_model.{key}"
+                    )
+                state[key] = f.get_tensor(name)
+    missing = sorted(set(wanted) - set(state))
+    unexpected = sorted(set(state) - set(wanted))
+    if missing or unexpected:
+        raise ValueError(
+            f"model: the checkpoint in {path} does not match its vision config (missing {missing[:3]}, "
+            f"unexpected {unexpected[:3]})"
+        )
+    module.load_state_dict(state)

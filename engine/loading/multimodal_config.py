@@ -1,0 +1,183 @@
+"""Vision-language checkpoints: the decoder inside them, read as its own config.json, and what
+the image side needs to know.
+
+A `*ForConditionalGeneration` checkpoint wraps a decoder that triollm runs natively (Gemma 3's
+`Gemma3ForConditionalGeneration` wraps `Gemma3ForCausalLM`, LLaVA-1.5's
+`LlavaForConditionalGeneration` a `LlamaForCausalLM`) next to a vision tower and a projector.
+`split_multimodal` turns the wrapper's config.json into the decoder's (its `text_config`, with
+transformers' defaults for the keys a shipped config leaves out, since google/gemma-3-4b-it's
+`text_config` names only the sizes that differ) plus a `MultimodalSpec`: the wrapper, the image
+placeholder token and how many positions one image fills.
+
+What the wrapper changes in the decoder's numbers, as transformers' wrapper class computes them:
+- the logits come from the wrapper's own `lm_head`: Gemma 3's has no final soft-capping (only
+  `Gemma3ForCausalLM` applies `final_logit_softcapping`);
+- `tie_word_embeddings`, `dtype` and the special token ids are the wrapper's (top-level) fields,
+  the text config's where it has none.
+
+Which images a wrapper takes: LLaVA-1.5 (a CLIP tower, an MLP projector, `<image>` expanded to
+one position per patch, less the CLS feature under the "default" strategy). Gemma 3's images
+are refused per request for now (its decoder serves text).
+
+Rejected: reading the text config through transformers' config classes (transformers is not a
+runtime dependency of text models); running the wrapper through the Transformers backend (it
+pages a causal LM, not a wrapper that merges image features).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = [
+    "IMAGE_ARCHITECTURES",
+    "MULTIMODAL_ARCHITECTURES",
+    "MultimodalSpec",
+    "decoder_tensor_name",
+    "split_multimodal",
+]
+
+# transformers' LlamaConfig defaults, for the keys our parser needs.
+_LLAMA_TEXT = {
+    "model_type": "llama",
+    "vocab_size": 32000,
+    "hidden_size": 4096,
+    "intermediate_size": 11008,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "max_position_embeddings": 2048,
+    "rms_norm_eps": 1e-6,
+}
+# transformers' Gemma3TextConfig defaults (5.x and 4.5x agree), for the keys our parser needs.
+_GEMMA3_TEXT = {
+    "model_type": "gemma3_text",
+    "vocab_size": 262208,
+    "hidden_size": 2304,
+    "intermediate_size": 9216,
+    "num_hidden_layers": 26,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 4,
+    "head_dim": 256,
+    "query_pre_attn_scalar": 256,
+    "rms_norm_eps": 1e-6,
+    "max_position_embeddings": 131072,
+    "eos_token_id": 1,
+    "bos_token_id": 2,
+    "pad_token_id": 0,
+}
+
+
+@dataclass(frozen=True)
+class _Wrapper:
+    text_architecture: str
+    text_defaults: Mapping[str, Any]
+    tie_default: bool
+    final_softcap: bool  # whether the wrapper's head applies the text config's final soft-capping
+
+
+_WRAPPERS = {
+    "Gemma3ForConditionalGeneration": _Wrapper("Gemma3ForCausalLM", _GEMMA3_TEXT, True, False),
+    "LlavaForConditionalGeneration": _Wrapper("LlamaForCausalLM", _LLAMA_TEXT, False, False),
+}
+# The wrappers whose images the engine computes (engine/execution/vision.py).
+IMAGE_ARCHITECTURES = ("LlavaForConditionalGeneration",)
+MULTIMODAL_ARCHITECTURES = tuple(_WRAPPERS)
+# Top-level fields of the wrapper that are the decoder's too.
+_SHARED = ("dtype", "torch_dtype", "eos_token_id", "bos_token_id", "pad_token_id")
+
+
+@dataclass(frozen=True)
+class MultimodalSpec:
+    """The vision-language checkpoint a decoder config came from."""
+
+    architecture: str  # the checkpoint's `architectures[0]`, e.g. Gemma3ForConditionalGeneration
+    image_token_id: int  # the placeholder one image's features replace
+    tokens_per_image: int  # the positions one image fills (its placeholder expanded)
+    takes_images: bool  # whether the engine computes this wrapper's image features
+
+    def check_image_request(self) -> None:
+        """A ValueError naming `multi_modal_data` when this model's images are not served."""
+        if not self.takes_images:
+            raise ValueError(
+                f"multi_modal_data: image inputs to {self.architecture} are not supported yet (its decoder serves "
+                f"text); image models: {', '.join(IMAGE_ARCHITECTURES)}"
+            )
+
+
+def split_multimodal(hf: Mapping[str, Any]) -> tuple[dict[str, Any], MultimodalSpec | None]:
+    """(the decoder's config.json, the wrapper) for a vision-language checkpoint; (hf, None) otherwise."""
+    archs = hf.get("architectures")
+    arch = archs[0] if isinstance(archs, list) and archs else None
+    if not isinstance(arch, str) or arch not in _WRAPPERS:
+        return dict(hf), None
+    wrapper = _WRAPPERS[arch]
+    text = hf.get("text_config", {})
+    if not isinstance(text, Mapping):
+        raise ValueError(f"text_config: expected a JSON object, got {text!r}")
+    expected = wrapper.text_defaults["model_type"]
+    if text.get("model_type", expected) != expected:
+        raise ValueError(f"text_config.model_type: {arch} needs {expected!r}, got {text.get('model_type')!r}")
+    merged: dict[str, Any] = {**wrapper.text_defaults, **text}
+    merged |= {key: hf[key] for key in _SHARED if key in hf}
+    merged["architectures"] = [wrapper.text_architecture]
+    merged["tie_word_embeddings"] = hf.get("tie_word_embeddings", wrapper.tie_default)
+    if not wrapper.final_softcap:
+        merged["final_logit_softcapping"] = None
+    return merged, _spec(arch, hf, merged)
+
+
+def _spec(arch: str, hf: Mapping[str, Any], text: Mapping[str, Any]) -> MultimodalSpec:
+    vision = hf.get("vision_config", {})
+    if not isinstance(vision, Mapping):
+        raise ValueError(f"vision_config: expected a JSON object, got {vision!r}")
+    if arch == "Gemma3ForConditionalGeneration":
+        token, per_image = _index(hf, "image_token_index", 262144), _index(hf, "mm_tokens_per_image", 256)
+    else:  # LLaVA: one position per patch, plus CLS under the "full" strategy
+        token = _index(hf, "image_token_index", 32000)
+        strategy = hf.get("vision_feature_select_strategy", "default")
+        if strategy not in ("default", "full"):
+            raise ValueError(f"vision_feature_select_strategy: {strategy!r} is not one of default, full")
+        layer = hf.get("vision_feature_layer", -2)
+        if isinstance(layer, bool) or not isinstance(layer, int):
+            raise ValueError(f"vision_feature_layer: expected one layer index (an integer), got {layer!r}")
+        # CLIPVisionConfig's defaults; LlavaConfig's own (336 / 14) when vision_config is absent.
+        size = _index(vision, "image_size", 224 if vision else 336)
+        patch = _index(vision, "patch_size", 32 if vision else 14)
+        if size % patch:
+            raise ValueError(f"vision_config.patch_size: {patch} does not divide image_size {size}")
+        per_image = (size // patch) ** 2 + (strategy == "full")
+        vocab = text["vocab_size"]
+        if isinstance(vocab, int) and not isinstance(vocab, bool) and token >= vocab:
+            raise ValueError(f"image_token_index: {token} lies outside the vocabulary (vocab_size {vocab})")
+    return MultimodalSpec(
+        architecture=arch, image_token_id=token, tokens_per_image=per_image, takes_images=arch in IMAGE_ARCHITECTURES
+    )
+
+
+def _index(hf: Mapping[str, Any], key: str, default: int) -> int:
+    value = hf.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{key}: expected a non-negative integer, got {value!r}")
+    return value
+
+
+# Where a wrapper keeps its decoder's tensors: the original checkpoints (and transformers 5.x's
+# `save_pretrained`, which writes them back that way) and transformers 4.5x's in-memory layout;
+# and its vision side's.
+_DECODER_PREFIXES = {
+    "language_model.model.": "model.",
+    "language_model.lm_head.": "lm_head.",
+    "model.language_model.": "model.",
+}
+_VISION_PREFIXES = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")
+
+
+def decoder_tensor_name(name: str) -> str | None:
+    """The decoder checkpoint's name for the wrapper's tensor `name`; None for the vision tower's
+    and the projector's. Any other name is returned as it is (the weight loader refuses what the
+    decoder has no place for)."""
+    for prefix, ours in _DECODER_PREFIXES.items():
+        if name.startswith(prefix):
+            return ours + name.removeprefix(prefix)
+    return None if name.startswith(_VISION_PREFIXES) else name

@@ -1,0 +1,284 @@
+"""Vision-language checkpoints against transformers' own classes: greedy tokens and logprobs.
+
+Gemma 3's `Gemma3ForConditionalGeneration` serves text-only requests with its decoder (the
+wrapper's head has no final soft-capping, which `Gemma3ForCausalLM` would apply: the tiny model
+sets one, so reading the text config as a causal LM's would change the tokens).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+from test_parity import NEW_TOKENS, assert_parity, engine_greedy, hf_greedy, tiny_prompts
+from vision_models import chatml, data_url, llava_reference, make_gemma3_vlm, make_llava, random_image
+
+from triollm.engine.loading.model_config import ModelConfig
+
+PROMPTS = tiny_prompts()
+
+
+@pytest.fixture(scope="module")
+def gemma3_vlm(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_gemma3_vlm(
+        tmp_path_factory.mktemp("gemma3-vlm"), seed=5, final_logit_softcapping=3.0, attn_logit_softcapping=8.0
+    )
+
+
+@pytest.fixture(scope="module")
+def gemma3_reference(gemma3_vlm: Path) -> list[tuple[list[int], list[float]]]:
+    return hf_greedy(gemma3_vlm, PROMPTS)
+
+
+def test_gemma3_vlm_reads_its_text_config(gemma3_vlm: Path) -> None:
+    cfg = ModelConfig.from_pretrained(gemma3_vlm, max_model_len=160)
+    assert cfg.architecture == "Gemma3ForCausalLM"
+    assert cfg.multimodal is not None and cfg.multimodal.architecture == "Gemma3ForConditionalGeneration"
+    assert (cfg.num_layers, cfg.head_dim, cfg.sliding_window) == (2, 16, 9)
+    assert cfg.final_softcap is None and cfg.attn_softcap == 8.0
+    assert cfg.tie_word_embeddings
+
+
+@pytest.mark.parametrize("regime", ["chunked", "prefix"])
+def test_gemma3_vlm_text_only_greedy_parity(gemma3_vlm: Path, gemma3_reference, regime: str) -> None:
+    ours, _ = engine_greedy(gemma3_vlm, PROMPTS, regime)
+    assert_parity(ours, gemma3_reference)
+
+
+def test_gemma3_vlm_text_only_through_llm(gemma3_vlm: Path, gemma3_reference) -> None:
+    from triollm import LLM, SamplingParams
+
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+    with LLM(str(gemma3_vlm), max_model_len=160, multiprocess=False, model_impl="triollm") as llm:
+        outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS[:4]], params, use_tqdm=False)
+    assert [list(o.outputs[0].token_ids) for o in outs] == [ref[0] for ref in gemma3_reference[:4]]
+
+
+def test_gemma3_vlm_refusals(gemma3_vlm: Path, tmp_path: Path) -> None:
+    import json
+
+    with pytest.raises(ValueError, match="model_impl: 'transformers' runs causal LMs, not Gemma3ForConditional"):
+        ModelConfig.from_pretrained(gemma3_vlm, max_model_len=64, model_impl="transformers")
+    config = json.loads((gemma3_vlm / "config.json").read_text())
+    config["text_config"]["model_type"] = "llama"
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="text_config.model_type: .* needs 'gemma3_text'"):
+        ModelConfig.from_pretrained(tmp_path, max_model_len=64)
+
+
+# ---------------------------------------------------------------------------------------- LLaVA
+
+IMAGE_PROMPTS = [
+    "The capital of <image> is",  # one image
+    "<image> and <image>: count one, two, three",  # two images, the first at position 0
+    "def add(a, b): return a + b",  # text only
+]
+
+
+IMAGES = [[random_image(1, (40, 50))], [random_image(2, (64, 32)), random_image(3, (28, 28))], []]
+
+
+@pytest.fixture(scope="module")
+def llava(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_llava(tmp_path_factory.mktemp("llava"), seed=3)
+
+
+@pytest.fixture(scope="module")
+def llava_references(llava: Path) -> list[list[int]]:
+    return [llava_reference(llava, text, images) for text, images in zip(IMAGE_PROMPTS, IMAGES)]
+
+
+def _mm_prompt(text: str, images: list[Any]) -> dict[str, Any]:
+    return {"prompt": text, "multi_modal_data": {"image": images}} if images else {"prompt": text}
+
+
+def test_llava_greedy_parity_through_llm(llava: Path, llava_references: list[list[int]]) -> None:
+    """One and two images and text only, batched; an 8-token budget cuts prefill chunks through
+    the images' 16 positions."""
+    from triollm import LLM, SamplingParams
+
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    prompts = [_mm_prompt(t, i) for t, i in zip(IMAGE_PROMPTS, IMAGES)]
+    # In a child process: the images cross the wire to the engine core.
+    with LLM(str(llava), max_model_len=160, max_num_batched_tokens=8, multiprocess=True) as llm:
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        single = llm.generate({"prompt": IMAGE_PROMPTS[0], "multi_modal_data": {"image": IMAGES[0][0]}}, params)
+    assert [list(o.outputs[0].token_ids) for o in outs] == llava_references
+    assert list(single[0].outputs[0].token_ids) == llava_references[0]
+
+
+def test_llava_repeated_image_is_a_prefix_cache_hit(llava: Path) -> None:
+    """The same image again: its blocks come from the prefix cache and the vision tower does
+    not run; another image behind the same text: a miss from the image's first block on."""
+    from triollm import SamplingParams
+    from triollm.engine.config import EngineArgs
+    from triollm.engine.sync_engine import SyncEngine
+
+    text = "<image> " + "The quick brown fox jumps over the lazy dog. " * 2
+    engine = SyncEngine.from_engine_args(
+        EngineArgs(model=str(llava), max_model_len=160, enable_prefix_caching=True, block_size=16)
+    )
+    vision = engine.core.executor.runner.vision
+    assert vision is not None
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+
+    def run(image: Any) -> Any:
+        engine.add_request({"prompt": text, "multi_modal_data": {"image": image}}, params)
+        done = []
+        while engine.has_unfinished_requests():
+            done += [out for out in engine.step() if out.finished]
+            engine.core.check_integrity()  # the block hashes include the image spans
+        return done[0]
+
+    first = run(random_image(7, (30, 30)))
+    assert vision.num_runs == 1 and first.num_cached_tokens == 0
+    again = run(random_image(7, (30, 30)))  # equal pixels, another object
+    assert vision.num_runs == 1
+    assert again.num_cached_tokens >= 32 and again.outputs[0].token_ids == first.outputs[0].token_ids
+    other = run(random_image(8, (30, 30)))
+    assert vision.num_runs == 2 and other.num_cached_tokens == 0
+    assert list(other.outputs[0].token_ids) == llava_reference(llava, text, [random_image(8, (30, 30))])
+
+
+def test_llava_mm_processor_kwargs_reach_the_image_processor(llava: Path) -> None:
+    from triollm import SamplingParams
+    from triollm.engine.config import EngineArgs
+    from triollm.engine.sync_engine import SyncEngine
+
+    engine = SyncEngine.from_engine_args(EngineArgs(model=str(llava), max_model_len=160))
+    image = random_image(31, (50, 40))
+    prompt = {"prompt": IMAGE_PROMPTS[0], "multi_modal_data": {"image": image}}
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    [plain] = engine.generate(prompt, params)
+    [raw] = engine.generate({**prompt, "mm_processor_kwargs": {"do_normalize": False}}, params)
+    assert list(raw.outputs[0].token_ids) == llava_reference(llava, IMAGE_PROMPTS[0], [image], do_normalize=False)
+    assert raw.outputs[0].token_ids != plain.outputs[0].token_ids
+    with pytest.raises(ValueError, match="mm_processor_kwargs: expected a JSON object"):
+        engine.generate({**prompt, "mm_processor_kwargs": ["do_normalize"]}, params)
+
+
+def test_llava_image_requests_refused(llava: Path, tiny_model_dir: Path, tmp_path: Path) -> None:
+    import shutil
+
+    from triollm import LLM, SamplingParams
+
+    params = SamplingParams(max_tokens=2)
+    two = {
+        "prompt": "<image> <image>",
+        "multi_modal_data": {"image": [random_image(1, (9, 9)), random_image(2, (9, 9))]},
+    }
+    with LLM(str(llava), max_model_len=160, multiprocess=False, limit_mm_per_prompt={"image": 1}) as llm:
+        with pytest.raises(ValueError, match="limit_mm_per_prompt: 2 images exceed the limit of 1"):
+            llm.generate(two, params)
+        with pytest.raises(ValueError, match="multi_modal_data: 1 images but the prompt has 0 image placeholders"):
+            llm.generate({"prompt": "no placeholder", "multi_modal_data": {"image": random_image(1, (9, 9))}}, params)
+        with pytest.raises(ValueError, match=r"multi_modal_data.image\[0\]: expected a PIL.Image.Image, got str"):
+            llm.generate({"prompt": "<image>", "multi_modal_data": {"image": "cat.png"}}, params)
+        with pytest.raises(ValueError, match="multi_modal_data: the prompt holds image placeholders .* but no images"):
+            llm.generate({"prompt": "<image> alone"}, params)
+        with pytest.raises(ValueError, match="multi_modal_data: expected {'image'"):
+            llm.generate({"prompt": "<image>", "multi_modal_data": {"video": []}}, params)
+    with LLM(str(tiny_model_dir), max_model_len=64, multiprocess=False) as llm:
+        with pytest.raises(ValueError, match="multi_modal_data: LlamaForCausalLM is a text-only model"):
+            llm.generate({"prompt": "x", "multi_modal_data": {"image": random_image(1, (9, 9))}}, params)
+    with pytest.raises(ValueError, match="limit_mm_per_prompt: unsupported modalities \\['video'\\]"):
+        LLM(str(llava), max_model_len=160, multiprocess=False, limit_mm_per_prompt={"video": 1})
+    bare = tmp_path / "llava-without-processor"
+    shutil.copytree(llava, bare)
+    (bare / "preprocessor_config.json").unlink()
+    with pytest.raises(ValueError, match="has no preprocessor_config.json"):
+        LLM(str(bare), max_model_len=160, multiprocess=False)
+
+
+def test_gemma3_images_are_refused_per_request(gemma3_vlm: Path) -> None:
+    from triollm import LLM, SamplingParams
+
+    with LLM(str(gemma3_vlm), max_model_len=64, multiprocess=False) as llm:
+        with pytest.raises(ValueError, match="multi_modal_data: image inputs to Gemma3ForConditionalGeneration"):
+            llm.generate(
+                {"prompt": "x", "multi_modal_data": {"image": random_image(1, (9, 9))}}, SamplingParams(max_tokens=2)
+            )
+
+
+def test_llava_chat_with_image_parts(llava: Path) -> None:
+    """`LLM.chat`: an `image_url` part (a data URL) and an `image_pil` part render as `<image>`
+    where they stand (text parts joined by newlines), the images in order."""
+    from triollm import LLM, SamplingParams
+
+    first, second = random_image(11, (33, 47)), random_image(12, (20, 60))
+    messages = [
+        {
+            "role": "user",
+            "content": [
+                {"type": "text", "text": "Look:"},
+                {"type": "image_url", "image_url": {"url": data_url(first)}},
+                {"type": "image_pil", "image_pil": second},
+                {"type": "text", "text": "count one, two"},
+            ],
+        }
+    ]
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    with LLM(str(llava), max_model_len=160, multiprocess=False) as llm:
+        [out] = llm.chat(messages, params, use_tqdm=False)
+    expected = llava_reference(llava, chatml("Look:\n<image>\n<image>\ncount one, two"), [first, second])
+    assert list(out.outputs[0].token_ids) == expected
+
+
+def test_shipped_configs_split() -> None:
+    """llava-hf/llava-1.5-7b-hf's and google/gemma-3-4b-it's config.json shapes: sparse text
+    configs filled with transformers' defaults, the image geometry read."""
+    from triollm.engine.loading.hf_config import parse_hf_config
+    from triollm.engine.loading.multimodal_config import split_multimodal
+
+    llava = {
+        "architectures": ["LlavaForConditionalGeneration"],
+        "image_token_index": 32000,
+        "model_type": "llava",
+        "pad_token_id": 32001,
+        "projector_hidden_act": "gelu",
+        "text_config": {
+            "architectures": ["LlamaForCausalLM"],
+            "max_position_embeddings": 4096,
+            "model_type": "llama",
+            "rms_norm_eps": 1e-05,
+            "torch_dtype": "float16",
+            "vocab_size": 32064,
+        },
+        "torch_dtype": "float16",
+        "vision_config": {"hidden_size": 1024, "image_size": 336, "model_type": "clip_vision_model", "patch_size": 14},
+        "vision_feature_layer": -2,
+        "vision_feature_select_strategy": "default",
+    }
+    text, spec = split_multimodal(llava)
+    assert spec is not None and (spec.image_token_id, spec.tokens_per_image, spec.takes_images) == (32000, 576, True)
+    cfg = parse_hf_config(text, "triollm")
+    assert (cfg.architecture, cfg.num_layers, cfg.hidden_size, cfg.vocab_size) == ("LlamaForCausalLM", 32, 4096, 32064)
+    gemma = {
+        "architectures": ["Gemma3ForConditionalGeneration"],
+        "eos_token_id": [1, 106],
+        "mm_tokens_per_image": 256,
+        "model_type": "gemma3",
+        "text_config": {
+            "hidden_size": 2560,
+            "intermediate_size": 10240,
+            "model_type": "gemma3_text",
+            "num_hidden_layers": 34,
+            "rope_scaling": {"factor": 8.0, "rope_type": "linear"},
+            "sliding_window": 1024,
+        },
+        "torch_dtype": "bfloat16",
+    }
+    text, spec = split_multimodal(gemma)
+    assert spec is not None and (spec.tokens_per_image, spec.takes_images) == (256, False)
+    cfg = parse_hf_config(text, "triollm")
+    assert (cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim) == (34, 8, 4, 256)
+    assert cfg.tie_word_embeddings and cfg.rope.factor == 8.0 and text["eos_token_id"] == [1, 106]
+    for bad, match in (
+        ({**llava, "vision_feature_layer": [-2, -5]}, "vision_feature_layer: expected one layer index"),
+        ({**llava, "vision_feature_select_strategy": "cls"}, "vision_feature_select_strategy: 'cls'"),
+        ({**llava, "image_token_index": 40000}, "image_token_index: 40000 lies outside the vocabulary"),
+        ({**llava, "text_config": {"model_type": "qwen2"}}, "text_config.model_type: .* needs 'llama'"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            split_multimodal(bad)
