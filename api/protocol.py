@@ -260,9 +260,15 @@ class CompletionRequest(SamplingFields, kw_only=True):
     best_of: Int64 | None = None
 
 
+class ImageURL(msgspec.Struct, kw_only=True):
+    url: str  # a data: URL (file:// under --allowed-local-media-path)
+    detail: str | None = None  # OpenAI's; accepted, ignored
+
+
 class ContentPart(msgspec.Struct, kw_only=True):
     type: str = "text"
     text: str | None = None
+    image_url: ImageURL | None = None  # an "image_url" part (a vision-language model)
 
 
 class ChatMessage(msgspec.Struct, kw_only=True):
@@ -276,7 +282,12 @@ class ChatMessage(msgspec.Struct, kw_only=True):
         """The message as the chat template sees it."""
         out: dict[str, Any] = {"role": self.role}
         if isinstance(self.content, list):
-            out["content"] = [{"type": p.type, "text": p.text} for p in self.content]
+            out["content"] = [
+                {"type": p.type, "text": p.text}
+                if p.image_url is None
+                else {"type": p.type, "image_url": {"url": p.image_url.url}}
+                for p in self.content
+            ]
         else:
             out["content"] = self.content if self.content is not None else ""
         for key in ("name", "tool_call_id", "tool_calls"):

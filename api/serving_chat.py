@@ -23,6 +23,7 @@ import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 
+from triollm.api.chat_images import take_chat_images
 from triollm.api.openai_errors import bad_request
 from triollm.api.output_parsing import OutputParsing, OutputPiece
 from triollm.api.output_plan import plan_tool_output, structured_outputs_params
@@ -134,11 +135,14 @@ async def chat_generation(
         kind=output_kind(stream, timer),
         structured=plan.structured,
     )
+    req, images = await take_chat_images(state, req, tokenizer)
     text, token_ids = await render_chat_request(tokenizer, req, chat_template)
     prompt: dict[str, Any] = {"prompt": text, "prompt_token_ids": token_ids}
     if req.truncate_prompt_tokens is not None:
         token_ids = truncate_prompt(token_ids, req.truncate_prompt_tokens, model_config.max_model_len)
         prompt = {"prompt_token_ids": token_ids}
+    if images:
+        prompt["multi_modal_data"] = {"image": images}
     beam = beam_search_params(req, max_tokens, model_config.max_model_len)
     if beam is not None and params.structured_outputs is not None:  # a forced tool call's grammar, guided_*: dropped
         raise bad_request(

@@ -415,8 +415,8 @@ CHAT_ERRORS: list[tuple[str, dict[str, Any], tuple[str, ...], str | None]] = [
     (
         "image-part",
         {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
-        ("image_url",),
-        "messages[0].content",
+        ("image_url parts need a vision-language model", "LlamaForCausalLM is text-only"),
+        "messages[0].content[0]",
     ),
     ("top-logprobs-alone", {"messages": CHAT, "top_logprobs": 2}, ("logprobs",), "top_logprobs"),
     (
