@@ -27,6 +27,8 @@ if TYPE_CHECKING:
     from triollm.inputs import PromptType, TextPrompt, TokensPrompt
     from triollm.logprobs import Logprob
     from triollm.outputs import (
+        ClassificationOutput,
+        ClassificationRequestOutput,
         CompletionOutput,
         EmbeddingOutput,
         EmbeddingRequestOutput,
@@ -50,6 +52,8 @@ _HOMES = {
     "AsyncEngineArgs": "triollm.actors.async_llm",
     "AsyncLLM": "triollm.actors.async_llm",
     "BeamSearchParams": "triollm.sampling_params",
+    "ClassificationOutput": "triollm.outputs",
+    "ClassificationRequestOutput": "triollm.outputs",
     "CompletionOutput": "triollm.outputs",
     "EmbeddingOutput": "triollm.outputs",
     "EmbeddingRequestOutput": "triollm.outputs",
@@ -101,6 +105,8 @@ __all__ = [
     "AsyncEngineArgs",
     "AsyncLLM",
     "BeamSearchParams",
+    "ClassificationOutput",
+    "ClassificationRequestOutput",
     "CompletionOutput",
     "EmbeddingOutput",
     "EmbeddingRequestOutput",

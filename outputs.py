@@ -1,15 +1,16 @@
-"""`vllm.outputs`, for scripts that import from there: what `generate`, `encode`, `embed` and
-`score` return.
+"""`vllm.outputs`, for scripts that import from there: what `generate`, `encode`, `embed`,
+`classify` and `score` return.
 
 A re-export only; the definitions live in `triollm.engine.outputs` (text generation) and
-`triollm.engine.pooling_outputs` (pooling models). There is no classification head, so vLLM's
-`ClassificationOutput` has no counterpart here.
+`triollm.engine.pooling_outputs` (pooling models).
 """
 
 from __future__ import annotations
 
 from triollm.engine.outputs import CompletionOutput, RequestOutput
 from triollm.engine.pooling_outputs import (
+    ClassificationOutput,
+    ClassificationRequestOutput,
     EmbeddingOutput,
     EmbeddingRequestOutput,
     PoolingOutput,
@@ -19,6 +20,8 @@ from triollm.engine.pooling_outputs import (
 )
 
 __all__ = [
+    "ClassificationOutput",
+    "ClassificationRequestOutput",
     "CompletionOutput",
     "EmbeddingOutput",
     "EmbeddingRequestOutput",

@@ -49,7 +49,7 @@ from triollm.engine.inputs import PromptType
 from triollm.engine.metrics import Metric
 from triollm.engine.outputs import RequestOutput
 from triollm.engine.pooling_outputs import PoolingOutput, PoolingRequestOutput
-from triollm.engine.pooling_params import POOLING_TASKS, PoolingParams
+from triollm.engine.pooling_params import PoolingParams
 from triollm.engine.processing.tokenizer import Tokenizer
 from triollm.engine.request import EngineCoreRequest
 from triollm.engine.sampling_params import SamplingParams
@@ -182,7 +182,8 @@ class AsyncLLM:
 
     async def get_supported_tasks(self) -> tuple[str, ...]:
         await self._rt.ensure_started()
-        return POOLING_TASKS if self.config.model.runner_type == "pooling" else SUPPORTED_TASKS
+        pooler = self.config.model.pooler
+        return pooler.tasks if pooler is not None else SUPPORTED_TASKS
 
     @property
     def num_unfinished_requests(self) -> int:

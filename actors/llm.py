@@ -42,6 +42,7 @@ from triollm.engine.inputs import PromptType
 from triollm.engine.metrics import Metric
 from triollm.engine.outputs import RequestOutput
 from triollm.engine.pooling_outputs import (
+    ClassificationRequestOutput,
     EmbeddingRequestOutput,
     PoolingOutput,
     PoolingRequestOutput,
@@ -49,6 +50,7 @@ from triollm.engine.pooling_outputs import (
 )
 from triollm.engine.pooling_params import POOLING_TASKS, PoolingParams
 from triollm.engine.processing.chat_images import chat_images
+from triollm.engine.processing.text_pairs import pair_prompt
 from triollm.engine.processing.tokenizer import Tokenizer
 from triollm.engine.sampling_params import RequestOutputKind, SamplingParams
 from triollm.lora.request import LoRARequest
@@ -234,8 +236,9 @@ class LLM:
         use_tqdm: bool | Callable[..., Any] = True,
         pooling_task: str | None = None,
     ) -> list[PoolingRequestOutput[PoolingOutput]]:
-        """The pooled hidden states of every prompt (a pooling model, `runner="pooling"`), in
-        input order: `pooling_task="embed"` one vector per prompt, `"encode"` one per token."""
+        """The pooled output of every prompt (a pooling model, `runner="pooling"`), in input
+        order: `pooling_task="embed"` one vector per prompt, `"token_embed"` one per token
+        (`"encode"`: its deprecated name), `"classify"` / `"score"` a classifier's outputs."""
         self._require_runner("pooling", "LLM.encode()")
         prompt_list: list[PromptType] = [prompts] if isinstance(prompts, (str, dict)) else list(prompts)  # type: ignore[list-item]
         params = self._pooling_params(pooling_params, len(prompt_list), pooling_task, truncate_prompt_tokens)
@@ -262,6 +265,26 @@ class LLM:
         )
         return [EmbeddingRequestOutput.from_base(item) for item in items]
 
+    def classify(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        *,
+        pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+        truncate_prompt_tokens: int | None = None,
+        use_tqdm: bool | Callable[..., Any] = True,
+    ) -> list[ClassificationRequestOutput]:
+        """A sequence classifier's outputs per prompt (`outputs.probs`: one value per label,
+        through the model's activation; `PoolingParams(use_activation=False)`: the logits)."""
+        self._require_runner("pooling", "LLM.classify()")
+        items = self.encode(
+            prompts,
+            pooling_params,
+            truncate_prompt_tokens=truncate_prompt_tokens,
+            use_tqdm=use_tqdm,
+            pooling_task="classify",
+        )
+        return [ClassificationRequestOutput.from_base(item) for item in items]
+
     def score(
         self,
         data_1: str | Sequence[str],
@@ -272,10 +295,28 @@ class LLM:
         use_tqdm: bool | Callable[..., Any] = True,
         pooling_params: PoolingParams | None = None,
     ) -> list[ScoringRequestOutput]:
-        """vLLM's bi-encoder score: the cosine similarity of the embeddings of each pair, 1 -> 1,
-        1 -> N (`data_1` paired with every `data_2`) or N -> N (pairwise), in `data_2`'s order."""
+        """vLLM's score of each pair, 1 -> 1, 1 -> N (`data_1` paired with every `data_2`) or
+        N -> N (pairwise), in `data_2`'s order: a cross-encoder's relevance (the pair read as one
+        sequence, text_pairs.py) when the model is a one-label classifier, else the cosine
+        similarity of the two texts' embeddings."""
         self._require_runner("pooling", "LLM.score()")
         texts_1, texts_2 = score_pairs(data_1, data_2)
+        config = self._engine.get_model_config()
+        if config.pooler is not None and config.pooler.num_labels is not None:
+            lefts = texts_1 * len(texts_2) if len(texts_1) == 1 else texts_1
+            tokenizer = self.get_tokenizer()
+            pairs: list[PromptType] = [
+                pair_prompt(tokenizer, a, b, truncate_prompt_tokens, config.max_model_len)
+                for a, b in zip(lefts, texts_2)
+            ]
+            scored = self.encode(
+                pairs,
+                pooling_params,
+                truncate_prompt_tokens=truncate_prompt_tokens,
+                use_tqdm=use_tqdm,
+                pooling_task="score",
+            )
+            return [ScoringRequestOutput.from_base(item) for item in scored]
         embedded = self.encode(
             [*texts_1, *texts_2],
             pooling_params,

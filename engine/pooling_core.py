@@ -1,15 +1,18 @@
-"""`PoolingEngineCore`: the engine core of a pooling (embedding) model.
+"""`PoolingEngineCore`: the engine core of a pooling model (an embedder, a classifier).
 
-An encoder needs no KV cache, no scheduler of decode steps and no sampler: each request is one
-forward pass over its whole prompt. So this core implements the `Core` protocol
-(engine/core_protocol.py; the actor layer drives it as it drives `EngineCore`: `add_request`,
-`abort_requests`, `step`, `has_unfinished_requests`, `statistics`, `check_integrity`, `close`) over
-a much simpler state: an insertion-ordered dict of waiting requests. Each `step()` takes waiting
-requests first come, first served while the padded batch (requests x longest prompt) fits
-`max_num_batched_tokens` and their number `max_num_seqs` (at least one request: every prompt fits,
-max_model_len <= the budget is checked at configuration), encodes them in one pass, pools and
-finishes every one of them with its embedding (`EngineCoreOutput.pooled`, float32 bytes). Requests
-are never preempted or chunked.
+A pooling model needs no KV cache kept across steps, no scheduler of decode steps and no
+sampler: each request is one forward pass over its whole prompt, through an encoder (bert.py,
+modernbert.py) or a decoder's trunk (decoder_pooling.py, which holds a cache for the one pass).
+So this core implements the `Core` protocol (engine/core_protocol.py; the actor layer drives it
+as it drives `EngineCore`: `add_request`, `abort_requests`, `step`, `has_unfinished_requests`,
+`statistics`, `check_integrity`, `close`) over a much simpler state: an insertion-ordered dict
+of waiting requests. Each `step()` takes waiting requests first come, first served while the
+padded batch (requests x longest prompt) fits `max_num_batched_tokens` and their number
+`max_num_seqs` (at least one request: every prompt fits, max_model_len <= the budget is checked
+at configuration), encodes them in one pass, pools and
+finishes every one of them with its result (`EngineCoreOutput.pooled`, float32 bytes): an
+embedding, per-token vectors, or a classifier's activated logits (all labels for "classify", the
+one label for "score"). Requests are never preempted or chunked.
 
 `build_engine_core(config)` (engine/cores.py) builds this class when the model's runner is
 "pooling", so the transports and the engine-core process never name it. Rejected: teaching the
@@ -27,8 +30,11 @@ from triollm.engine import request_rules
 from triollm.engine.config import EngineConfig
 from triollm.engine.core_protocol import EngineCoreStats
 from triollm.engine.execution.models.bert import BertModel, load_bert
-from triollm.engine.execution.pooler import finish_embedding, pool
+from triollm.engine.execution.models.decoder_pooling import DecoderPooler, load_decoder_pooler
+from triollm.engine.execution.models.modernbert import ModernBertModel, load_modernbert
+from triollm.engine.execution.pooler import activate, finish_embedding, pool
 from triollm.engine.pooling_outputs import pack_pooled
+from triollm.engine.pooling_params import PoolingParams
 from triollm.engine.request import EngineCoreOutput, EngineCoreRequest, FinishReason
 
 __all__ = ["PoolingEngineCore"]
@@ -53,13 +59,14 @@ class PoolingEngineCore:
         self.num_blocks = 0  # no KV cache
         self.num_steps = 0
         self.pooler = config.model.pooler
-        self.encoder: BertModel = load_bert(config.model, config.device)
+        self.encoder = _load(config)
         self.waiting: dict[str, EngineCoreRequest] = {}  # insertion order: first come, first served
         log.info(
-            "pooling model %s (%s pooling%s) on %s, max_model_len %d",
+            "pooling model %s (%s) on %s, max_model_len %d",
             config.model.path.name,
-            self.pooler.pooling_type,
-            ", normalised" if self.pooler.normalize else "",
+            f"{self.pooler.pooling_type} pooling{', normalised' if self.pooler.normalize else ''}"
+            if self.pooler.num_labels is None
+            else f"{self.pooler.num_labels} labels, {self.pooler.activation}",
             config.device,
             config.model.max_model_len,
         )
@@ -107,23 +114,37 @@ class PoolingEngineCore:
         device = self.config.device
         lengths = [len(r.prompt_token_ids) for r in batch]
         ids = torch.tensor([t for r in batch for t in r.prompt_token_ids], dtype=torch.long, device=device)
+        types = None
+        if any(r.token_type_ids is not None for r in batch):
+            types = torch.tensor(
+                [t for r in batch for t in (r.token_type_ids or [0] * len(r.prompt_token_ids))],
+                dtype=torch.long,
+                device=device,
+            )
         with torch.inference_mode():
-            hidden, mask = self.encoder(ids, lengths)
-            pooled = pool(hidden, mask, self.pooler.pooling_type)
-            outputs = []
-            for i, req in enumerate(batch):
-                params = req.pooling_params
-                assert params is not None  # checked at add_request
-                normalize = self.pooler.normalize if params.normalize is None else params.normalize
-                if params.task == "encode":
-                    data = hidden[i, : lengths[i]]
-                else:
-                    data = pooled[i]
-                data = finish_embedding(data, params.dimensions, normalize)
-                outputs.append(
-                    EngineCoreOutput(req.request_id, [], finish_reason=FinishReason.STOP, pooled=pack_pooled(data))
-                )
-        return outputs
+            hidden, mask = self.encoder(ids, lengths, types)
+            if self.pooler.num_labels is None:
+                pooled = pool(hidden, mask, self.pooler.pooling_type)
+                rows = [
+                    self._embedding(hidden[i, :n], pooled[i], _params(req))
+                    for i, (req, n) in enumerate(zip(batch, lengths))
+                ]
+            else:
+                logits = self.encoder.classify(hidden, mask)
+                rows = [self._classes(logits[i], _params(r)) for i, r in enumerate(batch)]
+            return [
+                EngineCoreOutput(req.request_id, [], finish_reason=FinishReason.STOP, pooled=pack_pooled(data))
+                for req, data in zip(batch, rows)
+            ]
+
+    def _embedding(self, tokens: torch.Tensor, pooled: torch.Tensor, params: PoolingParams) -> torch.Tensor:
+        normalize = self.pooler.normalize if params.normalize is None else params.normalize
+        data = tokens if params.task == "token_embed" else pooled
+        return finish_embedding(data, params.dimensions, normalize)
+
+    def _classes(self, logits: torch.Tensor, params: PoolingParams) -> torch.Tensor:
+        probs = logits if params.use_activation is False else activate(logits, self.pooler.activation)
+        return probs[0] if params.task == "score" else probs
 
     def _next_batch(self) -> list[EngineCoreRequest]:
         sched = self.config.scheduler
@@ -147,3 +168,18 @@ class PoolingEngineCore:
         for rid, req in self.waiting.items():
             assert rid == req.request_id, f"waiting request filed under {rid!r} is {req.request_id!r}"
             assert req.pooling_params is not None, f"request {rid!r} has no pooling_params"
+
+
+def _params(request: EngineCoreRequest) -> PoolingParams:
+    assert request.pooling_params is not None  # checked at add_request
+    return request.pooling_params
+
+
+def _load(config: EngineConfig) -> BertModel | ModernBertModel | DecoderPooler:
+    """The model's network: an encoder (BERT and XLM-R, or ModernBERT), or a decoder's trunk."""
+    encoder = config.model.encoder
+    if encoder is None:
+        return load_decoder_pooler(config.model, config.device)
+    if encoder.modernbert is not None:
+        return load_modernbert(config.model, config.device)
+    return load_bert(config.model, config.device)

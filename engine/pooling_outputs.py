@@ -1,9 +1,11 @@
 """What a pooling model returns, with vLLM's names: `PoolingRequestOutput` and its typed views.
 
 `PoolingRequestOutput.outputs` is a `PoolingOutput` whose `data` is a float32 tensor: `[hidden]`
-for an embedding (task "embed"), `[num_prompt_tokens, hidden]` for task "encode". `LLM.embed`
-returns `EmbeddingRequestOutput`s (`outputs.embedding`: a list of floats), `LLM.score`
-`ScoringRequestOutput`s (`outputs.score`: a float), each built by `from_base` as in vLLM.
+for an embedding (task "embed"), `[num_prompt_tokens, hidden]` for task "token_embed",
+`[num_labels]` for "classify". `LLM.embed` returns `EmbeddingRequestOutput`s
+(`outputs.embedding`: a list of floats), `LLM.classify` `ClassificationRequestOutput`s
+(`outputs.probs`: one float per label), `LLM.score` `ScoringRequestOutput`s (`outputs.score`: a
+float), each built by `from_base` as in vLLM.
 
 On the wire from the engine core an embedding travels as little-endian float32 bytes
 (`pack_pooled` / `unpack_pooled`): one msgpack bin per request instead of a list of floats.
@@ -18,6 +20,8 @@ import numpy as np
 import torch
 
 __all__ = [
+    "ClassificationOutput",
+    "ClassificationRequestOutput",
     "EmbeddingOutput",
     "EmbeddingRequestOutput",
     "PoolingOutput",
@@ -86,6 +90,37 @@ class EmbeddingRequestOutput(PoolingRequestOutput[EmbeddingOutput]):
         return EmbeddingRequestOutput(
             output.request_id,
             EmbeddingOutput.from_base(output.outputs),
+            output.prompt_token_ids,
+            output.finished,
+            output.num_cached_tokens,
+        )
+
+
+@dataclass
+class ClassificationOutput:
+    probs: list[float]  # the activated logits, one per label (raw logits with use_activation=False)
+
+    @staticmethod
+    def from_base(output: PoolingOutput) -> ClassificationOutput:
+        data = output.data
+        if data.ndim != 1:
+            raise ValueError("pooled data should be a 1-D vector of class probabilities (task 'classify')")
+        return ClassificationOutput(data.tolist())
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.probs)
+
+    def __repr__(self) -> str:
+        return f"ClassificationOutput(num_classes={self.num_classes})"
+
+
+class ClassificationRequestOutput(PoolingRequestOutput[ClassificationOutput]):
+    @staticmethod
+    def from_base(output: PoolingRequestOutput[PoolingOutput]) -> ClassificationRequestOutput:
+        return ClassificationRequestOutput(
+            output.request_id,
+            ClassificationOutput.from_base(output.outputs),
             output.prompt_token_ids,
             output.finished,
             output.num_cached_tokens,

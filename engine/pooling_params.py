@@ -6,14 +6,19 @@ changed afterwards, so the input processor calls `validate()` again and resolves
 defaults there (`resolve`): `normalize` None takes the model's (sentence-transformers'
 Normalize module), `dimensions` needs a Matryoshka model.
 
-- `task`: "embed" (one vector per prompt, pooled as the model says) or "encode" (one vector
-  per prompt token: vLLM's token-level "token_embed", under the older name its `LLM.encode`
-  used). None until the entry point sets it (`LLM.embed` -> "embed").
+- `task` (vLLM's pooling tasks): "embed" (one vector per prompt, pooled as the model says),
+  "token_embed" (one vector per prompt token), "classify" (a classifier's activated logits, one
+  per label), "score" (a one-label classifier's activated logit: a cross-encoder's relevance),
+  "token_classify" (per-token labels; no architecture served here has that head). "encode",
+  the older name of "token_embed", is accepted with a DeprecationWarning (the input processor
+  renames it). None until the entry point sets it (`LLM.embed` -> "embed").
 - `truncate_prompt_tokens`: k >= 1 keeps the first k tokens (a text keeps its [CLS]/[SEP],
-  as the tokenizer and sentence-transformers truncate); -1 truncates to max_model_len; None:
-  a longer prompt is an error.
+  as the tokenizer and sentence-transformers truncate; a text pair loses tokens from its longer
+  text first); -1 truncates to max_model_len; None: a longer prompt is an error.
 - `dimensions`: keep the first d values of the embedding, then normalise (Matryoshka).
-- `normalize`: L2-normalise the embedding (each token's vector for "encode").
+- `normalize`: L2-normalise the embedding (each token's vector for "token_embed").
+- `use_activation`: apply the classifier's activation (sigmoid, softmax... as configured);
+  False returns the raw logits. None: True.
 """
 
 from __future__ import annotations
@@ -25,10 +30,12 @@ import msgspec
 
 from triollm.engine.sampling_params import RequestOutputKind, check_wire_int
 
-__all__ = ["POOLING_TASKS", "PoolingParams", "PoolingTask"]
+__all__ = ["DEPRECATED_TASKS", "POOLING_TASKS", "TOKEN_TASKS", "PoolingParams", "PoolingTask"]
 
-PoolingTask = Literal["embed", "encode"]
+PoolingTask = Literal["embed", "classify", "score", "token_embed", "token_classify"]
 POOLING_TASKS: tuple[str, ...] = get_args(PoolingTask)
+TOKEN_TASKS = ("token_embed", "token_classify")  # one row per prompt token
+DEPRECATED_TASKS = {"encode": "token_embed"}  # old name -> vLLM's current one
 
 
 class PoolingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -36,6 +43,7 @@ class PoolingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     dimensions: int | None = None
     normalize: bool | None = None
     task: str | None = None
+    use_activation: bool | None = None
 
     def __post_init__(self) -> None:
         self.validate()
@@ -56,7 +64,9 @@ class PoolingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
             check_wire_int("dimensions", d)
         if self.normalize is not None and not isinstance(self.normalize, bool):
             raise ValueError(f"normalize: must be true, false or None, got {self.normalize!r}")
-        if self.task is not None and self.task not in POOLING_TASKS:
+        if self.use_activation is not None and not isinstance(self.use_activation, bool):
+            raise ValueError(f"use_activation: must be true, false or None, got {self.use_activation!r}")
+        if self.task is not None and self.task not in POOLING_TASKS and self.task not in DEPRECATED_TASKS:
             raise ValueError(f"task: {self.task!r} is not one of {', '.join(POOLING_TASKS)}")
 
     @property

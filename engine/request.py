@@ -64,6 +64,8 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     pooling_params: PoolingParams | None = None
     # The adapter this request runs under (None: the base model); the frontend checked its config.
     lora_request: LoRARequest | None = None
+    # A pooling request's segment per prompt token (a BERT text pair: 0s, then 1s); None: all 0.
+    token_type_ids: list[int] | None = None
     # The prompt's images (a vision-language model): placeholders already expanded in the ids.
     images: list[ImageFeature] = []
 

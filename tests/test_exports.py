@@ -25,6 +25,8 @@ PUBLIC = [
     "AsyncEngineArgs",
     "AsyncLLM",
     "BeamSearchParams",
+    "ClassificationOutput",
+    "ClassificationRequestOutput",
     "CompletionOutput",
     "EmbeddingOutput",
     "EmbeddingRequestOutput",
@@ -83,6 +85,8 @@ def test_every_name_resolves_to_its_definition() -> None:
         "BeamSearchParams": sampling_params,
         "TextPrompt": inputs,
         "TokensPrompt": inputs,
+        "ClassificationOutput": pooling_outputs,
+        "ClassificationRequestOutput": pooling_outputs,
         "EmbeddingOutput": pooling_outputs,
         "EmbeddingRequestOutput": pooling_outputs,
         "PoolingOutput": pooling_outputs,
@@ -102,11 +106,13 @@ def test_every_name_resolves_to_its_definition() -> None:
 
 
 # vLLM's modules that scripts import from, each with the names it re-exports here (vLLM's names
-# that this engine has; no ClassificationOutput: there is no classification head).
+# that this engine has).
 VLLM_MODULES = {
     "inputs": ["PromptType", "TextPrompt", "TokensPrompt"],
     "logprobs": ["Logprob", "PromptLogprobs", "SampleLogprobs"],
     "outputs": [
+        "ClassificationOutput",
+        "ClassificationRequestOutput",
         "CompletionOutput",
         "EmbeddingOutput",
         "EmbeddingRequestOutput",

@@ -241,3 +241,125 @@ def make_tiny_bert(
     )
     (path / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": 64}))
     return path
+
+
+def write_roberta_tokenizer(path: Path, model_max_length: int = 512) -> int:
+    """The tiny byte-level BPE with RoBERTa's special tokens (<s> 0, <pad> 1, </s> 2, <unk> 3) and
+    its pair template (`<s> a </s></s> b </s>`, token types all 0), as XLM-R checkpoints ship
+    theirs; returns the vocabulary size."""
+    path.mkdir(parents=True, exist_ok=True)
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=384,
+        special_tokens=["<s>", "<pad>", "</s>", "<unk>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(CORPUS * 4, trainer=trainer)
+    tok.post_processor = processors.RobertaProcessing(("</s>", 2), ("<s>", 0), trim_offsets=False)
+    tok.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "tokenizer_class": "PreTrainedTokenizerFast",
+                "bos_token": "<s>", "eos_token": "</s>", "cls_token": "<s>", "sep_token": "</s>",
+                "pad_token": "<pad>", "unk_token": "<unk>",
+                "model_max_length": model_max_length,
+                "model_input_names": ["input_ids", "attention_mask"],
+            }
+        )
+    )  # fmt: skip
+    return int(tok.get_vocab_size())
+
+
+def make_tiny_encoder(
+    path: Path,
+    architecture: str,
+    *,
+    tokenizer_dir: Path | None = None,
+    num_labels: int = 1,
+    seed: int = 0,
+    config_json: dict | None = None,
+) -> Path:
+    """A tiny random BERT, XLM-R or ModernBERT encoder or sequence classifier (`architecture`,
+    e.g. "XLMRobertaForSequenceClassification") written by transformers' `save_pretrained`. BERT
+    and ModernBERT take the WordPiece tokenizer files of `tokenizer_dir`; XLM-R gets
+    `write_roberta_tokenizer`'s.
+    `config_json` is merged into config.json."""
+    import shutil
+
+    import transformers
+
+    roberta, modern = architecture.startswith("XLMRoberta"), architecture.startswith("ModernBert")
+    if roberta:
+        vocab = write_roberta_tokenizer(path)
+    else:
+        assert tokenizer_dir is not None, "a BERT or ModernBERT needs the WordPiece tokenizer's directory"
+        path.mkdir(parents=True, exist_ok=True)
+        for name in ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "special_tokens_map.json"):
+            shutil.copy(tokenizer_dir / name, path / name)
+        vocab = 30522
+    if modern:  # no token types; 3 layers: a global one, then local ones with a window of 4 each side
+        tok_config = json.loads((path / "tokenizer_config.json").read_text())
+        tok_config["model_input_names"] = ["input_ids", "attention_mask"]
+        (path / "tokenizer_config.json").write_text(json.dumps(tok_config))
+        config_class = transformers.ModernBertConfig
+        extra: dict = {"num_hidden_layers": 3, "local_attention": 8, "max_position_embeddings": 128,
+                       "pad_token_id": 0, "bos_token_id": 101, "eos_token_id": 102, "cls_token_id": 101,
+                       "sep_token_id": 102, "classifier_pooling": "mean"}  # fmt: skip
+    elif roberta:
+        config_class = transformers.XLMRobertaConfig
+        extra = {"num_hidden_layers": 2, "type_vocab_size": 1, "max_position_embeddings": 130}
+    else:
+        config_class = transformers.BertConfig
+        extra = {"num_hidden_layers": 2, "max_position_embeddings": 128}
+    config = config_class(
+        vocab_size=vocab, hidden_size=32, num_attention_heads=4, intermediate_size=64, num_labels=num_labels, **extra,
+    )  # fmt: skip
+    torch.manual_seed(seed)
+    model = getattr(transformers, architecture)(config).eval()
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():  # transformers' init (std 0.02) scores every text alike: spread them out
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=g)
+            if "LayerNorm" in name or "norm" in name.split(".")[-2]:
+                p.copy_((1 if name.endswith("weight") else 0) + 0.1 * noise)
+            else:
+                p.copy_(noise * (0.5 if "embeddings" in name or "classifier" in name else 0.2))
+    model.save_pretrained(path, safe_serialization=True)
+    if config_json:
+        cfg = json.loads((path / "config.json").read_text())
+        (path / "config.json").write_text(json.dumps({**cfg, **config_json}))
+    return path
+
+
+def make_tiny_decoder_pooler(path: Path, architecture: str, *, num_labels: int = 1, seed: int = 0) -> Path:
+    """A tiny random decoder classifier (`architecture`: "Qwen3ForSequenceClassification", ...)
+    or causal LM for `--runner pooling` ("Qwen3ForCausalLM", ...) written by transformers'
+    `save_pretrained`, with the tiny tokenizer (its EOS doubling as the pad token, which
+    transformers' classifiers need to find each row's last token)."""
+    import transformers
+
+    eos_id = write_tokenizer(path)
+    tok_config = json.loads((path / "tokenizer_config.json").read_text())
+    (path / "tokenizer_config.json").write_text(json.dumps({**tok_config, "pad_token": "<|endoftext|>"}))
+    family = architecture.replace("ForSequenceClassification", "ForCausalLM")
+    config = getattr(transformers, family.replace("ForCausalLM", "Config"))(
+        vocab_size=build_tokenizer().get_vocab_size(), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-5,
+        bos_token_id=None, eos_token_id=eos_id, pad_token_id=eos_id, tie_word_embeddings=False,
+        num_labels=num_labels,
+    )  # fmt: skip
+    model = getattr(transformers, architecture)(config).eval()
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=g)
+            if name.endswith("norm.weight"):
+                p.copy_(1 + 0.1 * noise)
+            else:
+                p.copy_(noise * (0.5 if "embed_tokens" in name or "score" in name or "lm_head" in name else 0.2))
+    model.save_pretrained(path)
+    return path

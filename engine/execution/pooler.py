@@ -5,6 +5,10 @@ each row). MEAN averages the real tokens only, CLS takes position 0, LAST the la
 (sentence-transformers' `lasttoken`). Matryoshka truncation (`dimensions`) keeps the first d
 values and comes before the L2 normalisation, as in vLLM and sentence-transformers.
 Everything is computed in float32 whatever the model's dtype.
+
+A classifier's logits go through its activation (`activate`: PoolerConfig.activation, as
+sentence-transformers' CrossEncoder applies it): sigmoid and tanh elementwise, softmax over the
+labels, identity for raw logits.
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ import torch.nn.functional as F
 
 from triollm.engine.loading.pooler_config import PoolingType
 
-__all__ = ["finish_embedding", "pool"]
+__all__ = ["activate", "finish_embedding", "pool"]
 
 
 def pool(hidden: torch.Tensor, mask: torch.Tensor, pooling_type: PoolingType) -> torch.Tensor:
@@ -39,3 +43,17 @@ def finish_embedding(vector: torch.Tensor, dimensions: int | None, normalize: bo
     if normalize:
         vector = F.normalize(vector, p=2.0, dim=-1)
     return vector
+
+
+def activate(logits: torch.Tensor, activation: str) -> torch.Tensor:
+    """`logits` `[..., num_labels]` through the classifier's activation (float32)."""
+    logits = logits.float()
+    if activation == "sigmoid":
+        return torch.sigmoid(logits)
+    if activation == "softmax":
+        return torch.softmax(logits, dim=-1)
+    if activation == "tanh":
+        return torch.tanh(logits)
+    if activation == "identity":
+        return logits
+    raise ValueError(f"activation: {activation!r} is not one of sigmoid, softmax, tanh, identity")

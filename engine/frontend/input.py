@@ -32,6 +32,7 @@ Plain code, no I/O: the frontend may run `process` in a worker thread for a larg
 from __future__ import annotations
 
 import time
+import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -42,7 +43,7 @@ from triollm.engine import request_rules, structured_outputs
 from triollm.engine.config.limits import DEFAULT_IMAGES_PER_PROMPT
 from triollm.engine.inputs import PromptType
 from triollm.engine.loading.model_config import ModelConfig
-from triollm.engine.pooling_params import PoolingParams
+from triollm.engine.pooling_params import DEPRECATED_TASKS, PoolingParams
 from triollm.engine.processing.tokenizer import Tokenizer
 from triollm.engine.request import EngineCoreRequest, ImageFeature
 from triollm.engine.sampling_params import (
@@ -257,14 +258,24 @@ class InputProcessor:
         keep = limit if keep == -1 else keep
         if keep is not None and keep > limit:
             raise ValueError(f"truncate_prompt_tokens: {keep} exceeds max_model_len ({limit})")
+        prompt, token_types = _split_token_types(prompt)
         text, token_ids = self._tokenize(prompt)
+        if token_types is not None and len(token_types) != len(token_ids):
+            raise ValueError(
+                f"token_type_ids: {len(token_types)} values for {len(token_ids)} prompt_token_ids; give one per token"
+            )
         if keep is not None and len(token_ids) > keep:
             # A text is cut as the tokenizer cuts it (its special tokens kept), token ids as given.
             from_text = isinstance(prompt, str) or "prompt_token_ids" not in prompt
             token_ids = (
                 self.tokenizer.encode_truncated(text, keep) if from_text and text is not None else token_ids[:keep]
             )
+            token_types = None if token_types is None else token_types[:keep]
         request_rules.check_prompt_tokens(token_ids, limit, mc.vocab_size, generate=False)
+        if token_types is not None and mc.encoder is not None and mc.encoder.modernbert is None:
+            top = mc.encoder.type_vocab_size  # BERT / XLM-R embed them (others ignore them)
+            if any(not 0 <= t < top for t in token_types):
+                raise ValueError(f"token_type_ids: every value must be in [0, {top}) for {mc.architecture}")
         arrival = time.time() if arrival_time is None else arrival_time
         [core_id] = core_request_ids(request_id, 1, tag)
         core = EngineCoreRequest(
@@ -274,6 +285,7 @@ class InputProcessor:
             arrival_time=arrival,
             priority=priority,
             pooling_params=params,
+            token_type_ids=token_types,
         )
         return ProcessedRequest(request_id, text, token_ids, POOLING_PLACEHOLDER, [core], arrival, params)
 
@@ -284,7 +296,18 @@ class InputProcessor:
         mc = self.model_config
         pooler = mc.pooler
         assert pooler is not None
-        params = msgspec.structs.replace(params, task=params.task or "embed")
+        task = params.task or ("embed" if pooler.num_labels is None else "classify")
+        if task in DEPRECATED_TASKS:
+            warnings.warn(
+                f"pooling task {task!r} is deprecated; use {DEPRECATED_TASKS[task]!r}", DeprecationWarning, stacklevel=2
+            )
+            task = DEPRECATED_TASKS[task]
+        if task not in pooler.tasks:
+            raise ValueError(
+                f"task: {task!r} is not supported by {mc.path.name} ({mc.architecture}); supported: "
+                f"{', '.join(pooler.tasks)}"
+            )
+        params = msgspec.structs.replace(params, task=task)
         d = params.dimensions
         if d is not None:
             if not pooler.is_matryoshka:
@@ -461,6 +484,19 @@ class InputProcessor:
         if bad:
             raise ValueError(f"bad_words: tokenize to ids outside [0, {vocab}): {bad[:8]}")
         return out
+
+
+def _split_token_types(prompt: PromptType) -> tuple[PromptType, list[int] | None]:
+    """A pooling prompt's `token_type_ids` (vLLM's TokensPrompt field: the segments of a text
+    pair), apart from the rest of it; they need the pair's `prompt_token_ids`."""
+    if not isinstance(prompt, Mapping) or "token_type_ids" not in prompt:
+        return prompt, None
+    if "prompt_token_ids" not in prompt:
+        raise ValueError("token_type_ids: given without prompt_token_ids (one segment id per token)")
+    types = prompt["token_type_ids"]
+    if not isinstance(types, list | tuple) or not all(isinstance(t, int) and not isinstance(t, bool) for t in types):
+        raise ValueError("token_type_ids: must be a list of ints")
+    return {k: v for k, v in prompt.items() if k != "token_type_ids"}, list(types)
 
 
 def _token_list(value: Any) -> list[int]:

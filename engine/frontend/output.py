@@ -29,6 +29,7 @@ from triollm.engine.outputs import (
     SampleLogprobs,
 )
 from triollm.engine.pooling_outputs import PoolingOutput, PoolingRequestOutput, unpack_pooled
+from triollm.engine.pooling_params import TOKEN_TASKS
 from triollm.engine.processing.detokenizer import IncrementalDetokenizer, StopChecker
 from triollm.engine.processing.tokenizer import Tokenizer
 from triollm.engine.request import EngineCoreOutput, FinishReason, Logprobs
@@ -307,13 +308,14 @@ class OutputState:
         return self.make_output(aborted) if aborted else None
 
     def pooled_output(self, pooled: bytes) -> PoolingRequestOutput[PoolingOutput]:
-        """A pooling request's one output: its embedding (`[H]`) or, for task "encode", one
-        vector per prompt token (`[num_prompt_tokens, H]`). Finishes the request."""
+        """A pooling request's one output: its embedding (`[H]`), its classes (`[num_labels]`),
+        its score, or for the token tasks one row per prompt token (`[num_prompt_tokens, -1]`).
+        Finishes the request."""
         for child in self.children:
             if not child.finished:
                 child.finish_reason = str(FinishReason.STOP)
                 self.num_unfinished -= 1
-        rows = len(self.prompt_token_ids) if self.task == "encode" else None
+        rows = len(self.prompt_token_ids) if self.task in TOKEN_TASKS else None
         return PoolingRequestOutput(
             self.request_id, PoolingOutput(unpack_pooled(pooled, rows)), self.prompt_token_ids, True
         )

@@ -56,12 +56,17 @@ from triollm.engine.loading.rope_config import RopeConfig, parse_rope
 from triollm.engine.loading.transformers_config import parse_transformers_config
 
 __all__ = [
+    "DECODER_CLASSIFIERS",
     "DTYPES",
     "ENCODER_ARCHITECTURES",
+    "ROBERTA_ARCHITECTURES",
     "SUPPORTED_ARCHITECTURES",
     "EncoderSpec",
     "MODEL_IMPLS",
+    "MODERNBERT_ARCHITECTURES",
+    "ModernBertSpec",
     "HfConfig",
+    "causal_architecture",
     "checkpoint_dtype",
     "parse_hf_config",
 ]
@@ -97,9 +102,29 @@ _ARCHITECTURES = {
     "Olmo2ForCausalLM": _Defaults("olmo2", 2048, None, None, False, None, rms_norm_eps=1e-5),
     "GraniteForCausalLM": _Defaults("granite", 2048, None, None, True, None),
 }
-# Encoder-only (bidirectional) models: served by the pooling runner (embeddings), never generate.
-ENCODER_ARCHITECTURES = ("BertModel",)
-SUPPORTED_ARCHITECTURES = (*_ARCHITECTURES, *ENCODER_ARCHITECTURES)
+# Encoder-only (bidirectional) models: served by the pooling runner (embeddings, or a
+# classifier's scores for the *ForSequenceClassification heads), never generate.
+ENCODER_ARCHITECTURES = (
+    "BertModel",
+    "BertForSequenceClassification",
+    "XLMRobertaModel",
+    "XLMRobertaForSequenceClassification",
+    "ModernBertModel",
+    "ModernBertForSequenceClassification",
+)
+MODERNBERT_ARCHITECTURES = ("ModernBertModel", "ModernBertForSequenceClassification")
+# The encoders whose position ids follow RoBERTa's (padding_idx + 1 onwards) and whose tensors
+# sit under `roberta.` in their *For* checkpoints.
+ROBERTA_ARCHITECTURES = ("XLMRobertaModel", "XLMRobertaForSequenceClassification")
+# Decoder sequence classifiers (rerankers, reward models): served by the pooling runner as their
+# family's causal trunk plus a `score` head (engine/execution/models/decoder_pooling.py).
+DECODER_CLASSIFIERS = {
+    "LlamaForSequenceClassification": "LlamaForCausalLM",
+    "MistralForSequenceClassification": "MistralForCausalLM",
+    "Qwen2ForSequenceClassification": "Qwen2ForCausalLM",
+    "Qwen3ForSequenceClassification": "Qwen3ForCausalLM",
+}
+SUPPORTED_ARCHITECTURES = (*_ARCHITECTURES, *ENCODER_ARCHITECTURES, *DECODER_CLASSIFIERS)
 # transformers' activation names, by the function they compute.
 _ACTIVATIONS = {
     "silu": "silu",
@@ -173,6 +198,30 @@ class EncoderSpec:
     layer_norm_eps: float
     hidden_act: str  # "gelu" (exact, erf) or "gelu_new" / "gelu_pytorch_tanh" (tanh)
     pad_token_id: int
+    # The first token's position id: 0 for BERT; pad_token_id + 1 for RoBERTa / XLM-R, whose pad
+    # token sits at position pad_token_id (transformers' `create_position_ids_from_input_ids`).
+    position_offset: int = 0
+    modernbert: ModernBertSpec | None = None  # a ModernBERT's own numerics
+
+    def max_tokens(self, max_position_embeddings: int) -> int:
+        """The longest prompt the position table covers."""
+        return max_position_embeddings - self.position_offset
+
+
+@dataclass(frozen=True)
+class ModernBertSpec:
+    """What a ModernBERT computes beyond BERT's fields (execution/models/modernbert.py)."""
+
+    layer_types: tuple[str, ...]  # "full_attention" or "sliding_attention" per layer
+    local_window: int  # a sliding layer's query sees keys within this distance (local_attention // 2)
+    global_rope_theta: float
+    local_rope_theta: float
+    norm_bias: bool
+    attention_bias: bool
+    mlp_bias: bool
+    classifier_pooling: str  # "cls" or "mean"
+    classifier_activation: str  # "gelu" or a tanh GELU
+    classifier_bias: bool
 
 
 MODEL_IMPLS = ("auto", "triollm", "transformers")  # vLLM's --model-impl ("vllm" is ours: "triollm")
@@ -188,12 +237,15 @@ def parse_hf_config(hf: Mapping[str, Any], model_impl: str = "auto") -> HfConfig
         raise ValueError(f"model_impl: {model_impl!r} is not one of {', '.join(MODEL_IMPLS)}")
     arch = _architecture(hf, native_only=model_impl == "triollm")
     if model_impl == "transformers" or arch not in SUPPORTED_ARCHITECTURES:
-        if arch in ENCODER_ARCHITECTURES:
-            raise ValueError(f"model_impl: 'transformers' runs decoders; {arch} is pooled natively (use 'auto')")
+        if arch in ENCODER_ARCHITECTURES or arch in DECODER_CLASSIFIERS:
+            raise ValueError(f"model_impl: 'transformers' runs causal LMs; {arch} is pooled natively (use 'auto')")
         return _parse_transformers(arch, hf)
+    if arch in MODERNBERT_ARCHITECTURES:
+        return _parse_modernbert(arch, hf)
     if arch in ENCODER_ARCHITECTURES:
         return _parse_bert(arch, hf)
-    d = _ARCHITECTURES[arch]
+    family = causal_architecture(arch)
+    d = _ARCHITECTURES[family]
     quant = parse_quantization_config(hf["quantization_config"]) if hf.get("quantization_config") else None
     act_field = "hidden_activation" if hf.get("hidden_activation") is not None else "hidden_act"
     act = hf.get(act_field) or d.hidden_act
@@ -214,8 +266,8 @@ def parse_hf_config(hf: Mapping[str, Any], model_impl: str = "auto") -> HfConfig
         raise ValueError(f"head_dim: RoPE needs an even head_dim, got {head_dim}")
     max_pos = _int(hf, "max_position_embeddings", d.max_position_embeddings)
     attention_bias = _bool(hf, "attention_bias", False)
-    window, layer_types = _sliding_window(arch, hf, num_layers)
-    extra = family_fields(arch, hf, num_layers=num_layers, head_dim=head_dim, hidden=hidden, max_pos=max_pos)
+    window, layer_types = _sliding_window(family, hf, num_layers)
+    extra = family_fields(family, hf, num_layers=num_layers, head_dim=head_dim, hidden=hidden, max_pos=max_pos)
     return HfConfig(
         architecture=arch,
         hidden_size=hidden,
@@ -246,7 +298,8 @@ _GELUS = ("gelu", "gelu_new", "gelu_pytorch_tanh")
 
 
 def _parse_bert(arch: str, hf: Mapping[str, Any]) -> HfConfig:
-    """BertModel as transformers' `BertConfig` reads it (its defaults when a field is absent).
+    """BERT and XLM-R encoders as transformers' `BertConfig` / `XLMRobertaConfig` read them (their
+    defaults when a field is absent: XLM-R's pad_token_id is 1).
     Refused: relative position embeddings, activations other than GELU, quantised weights."""
     if hf.get("quantization_config"):
         raise ValueError(
@@ -268,6 +321,13 @@ def _parse_bert(arch: str, hf: Mapping[str, Any]) -> HfConfig:
     if isinstance(eps, bool) or not isinstance(eps, int | float) or not (math.isfinite(eps) and eps > 0):
         raise ValueError(f"layer_norm_eps: expected a positive number, got {eps!r}")
     max_pos = _int(hf, "max_position_embeddings", 512)
+    roberta = arch in ROBERTA_ARCHITECTURES
+    pad = _int(hf, "pad_token_id", 1 if roberta else 0, null=0, minimum=0)
+    if roberta and pad + 2 > max_pos:
+        raise ValueError(
+            f"pad_token_id: {pad} leaves no position embeddings for tokens (XLM-R counts positions from "
+            f"pad_token_id + 1; max_position_embeddings is {max_pos})"
+        )
     return HfConfig(
         architecture=arch,
         hidden_size=hidden,
@@ -290,9 +350,88 @@ def _parse_bert(arch: str, hf: Mapping[str, Any]) -> HfConfig:
             type_vocab_size=_int(hf, "type_vocab_size", 2),
             layer_norm_eps=float(eps),
             hidden_act=act,
-            pad_token_id=_int(hf, "pad_token_id", 0, null=0, minimum=0),
+            pad_token_id=pad,
+            position_offset=pad + 1 if roberta else 0,
         ),
     )
+
+
+def _parse_modernbert(arch: str, hf: Mapping[str, Any]) -> HfConfig:
+    """ModernBERT as transformers' `ModernBertConfig` reads it, 4.x (`global_rope_theta`,
+    `local_rope_theta`, `global_attn_every_n_layers`) or 5.x (`layer_types`, `rope_parameters`
+    by layer type); refused: quantized weights, RoPE scaling, activations other than GELU."""
+    if hf.get("quantization_config"):
+        raise ValueError(f"quantization_config: quantized checkpoints of {arch} are not supported")
+    for field in ("hidden_activation", "classifier_activation"):
+        if hf.get(field, "gelu") not in _GELUS:
+            raise ValueError(f"{field}: {hf.get(field)!r} is not supported; supported: {', '.join(_GELUS)}")
+    hidden, num_heads = _int(hf, "hidden_size", 768), _int(hf, "num_attention_heads", 12)
+    num_layers = _int(hf, "num_hidden_layers", 22)
+    if hidden % num_heads:
+        raise ValueError(f"num_attention_heads: {num_heads} does not divide hidden_size {hidden}")
+    every = _int(hf, "global_attn_every_n_layers", 3)
+    types = hf.get("layer_types") or [
+        "sliding_attention" if i % every else "full_attention" for i in range(num_layers)
+    ]
+    if len(types) != num_layers or any(t not in _LAYER_TYPES for t in types):
+        raise ValueError(f"layer_types: expected {num_layers} of {', '.join(_LAYER_TYPES)}, got {types!r:.80}")
+    thetas = {
+        "full_attention": hf.get("global_rope_theta") or 160_000.0,
+        "sliding_attention": hf.get("local_rope_theta") or 10_000.0,
+    }
+    rope = hf.get("rope_parameters") or {}
+    for kind in thetas:
+        params = rope.get(kind) or {}
+        if params.get("rope_type", "default") != "default" or hf.get("rope_scaling"):
+            raise ValueError(f"rope_parameters: only the default RoPE is supported for {arch}")
+        thetas[kind] = params.get("rope_theta", thetas[kind])
+    eps = hf.get("norm_eps", 1e-5)
+    pooling = hf.get("classifier_pooling", "cls")
+    if pooling not in ("cls", "mean"):
+        raise ValueError(f"classifier_pooling: {pooling!r} is not one of cls, mean")
+    max_pos = _int(hf, "max_position_embeddings", 8192)
+    return HfConfig(
+        architecture=arch,
+        hidden_size=hidden,
+        intermediate_size=_int(hf, "intermediate_size", 1152),
+        num_layers=num_layers,
+        num_heads=num_heads,
+        num_kv_heads=num_heads,
+        head_dim=hidden // num_heads,
+        vocab_size=_int(hf, "vocab_size", 50368),
+        rms_norm_eps=float(eps),
+        rope=RopeConfig(max_position_embeddings=max_pos),  # unused: ModernBertSpec's thetas
+        max_position_embeddings=max_pos,
+        tie_word_embeddings=False,
+        qkv_bias=_bool(hf, "attention_bias", False),
+        o_proj_bias=_bool(hf, "attention_bias", False),
+        mlp_bias=_bool(hf, "mlp_bias", False),
+        sliding_window=None,  # the local layers' window is ModernBertSpec's: no limit on length
+        checkpoint_dtype=checkpoint_dtype(hf),
+        encoder=EncoderSpec(
+            type_vocab_size=1,
+            layer_norm_eps=float(eps),
+            hidden_act=hf.get("hidden_activation", "gelu"),
+            pad_token_id=_int(hf, "pad_token_id", 50283, null=0, minimum=0),
+            modernbert=ModernBertSpec(
+                layer_types=tuple(types),
+                local_window=_int(hf, "local_attention", 128) // 2,
+                global_rope_theta=float(thetas["full_attention"]),
+                local_rope_theta=float(thetas["sliding_attention"]),
+                norm_bias=_bool(hf, "norm_bias", False),
+                attention_bias=_bool(hf, "attention_bias", False),
+                mlp_bias=_bool(hf, "mlp_bias", False),
+                classifier_pooling=pooling,
+                classifier_activation=hf.get("classifier_activation", "gelu"),
+                classifier_bias=_bool(hf, "classifier_bias", False),
+            ),
+        ),
+    )
+
+
+def causal_architecture(arch: str) -> str:
+    """The `*ForCausalLM` class of a decoder classifier's family (other architectures: as given)."""
+    return DECODER_CLASSIFIERS.get(arch, arch)
 
 
 def checkpoint_dtype(hf: Mapping[str, Any]) -> torch.dtype | None:
@@ -326,7 +465,11 @@ def _architecture(hf: Mapping[str, Any], *, native_only: bool) -> str:
         arch = archs[0]
     else:  # no architectures: transformers goes by model_type
         model_type = hf.get("model_type") or "llama"
-        by_type = {d.model_type: a for a, d in _ARCHITECTURES.items()} | {"bert": "BertModel"}
+        by_type = {d.model_type: a for a, d in _ARCHITECTURES.items()} | {
+            "bert": "BertModel",
+            "xlm-roberta": "XLMRobertaModel",
+            "modernbert": "ModernBertModel",
+        }
         if model_type not in by_type and not native_only:
             return _causal_lm_for(model_type)
         if model_type not in by_type:

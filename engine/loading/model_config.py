@@ -26,6 +26,7 @@ import torch
 
 from triollm.engine.loading.config_checks import check_special_tokens
 from triollm.engine.loading.hf_config import (
+    DECODER_CLASSIFIERS,
     DTYPES,
     ENCODER_ARCHITECTURES,
     SUPPORTED_ARCHITECTURES,
@@ -141,14 +142,28 @@ class ModelConfig(HfConfig):
                 f"model: {path} has no preprocessor_config.json (the image processor of {multimodal.architecture})"
             )
         spec = parse_hf_config(hf, model_impl)
-        runner_type = _runner_type(spec.architecture, runner)
-        pooler = read_pooler_config(path, hf) if runner_type == "pooling" else None
+        runner_type = _runner_type(spec, runner)
+        pooler = (
+            read_pooler_config(
+                path,
+                hf,
+                classifier=spec.architecture.endswith("ForSequenceClassification"),
+                default_pooling="CLS" if spec.encoder is not None else "LAST",
+            )
+            if runner_type == "pooling"
+            else None
+        )
+        positions = spec.max_position_embeddings
+        if spec.encoder is not None:
+            positions = spec.encoder.max_tokens(positions)
         if pooler is not None and max_model_len is None and pooler.max_seq_length is not None:
-            max_model_len = min(pooler.max_seq_length, spec.max_position_embeddings)
-        if spec.encoder is not None and max_model_len is not None and max_model_len > spec.max_position_embeddings:
+            max_model_len = min(pooler.max_seq_length, positions)
+        if spec.encoder is not None and max_model_len is None:
+            max_model_len = positions
+        if spec.encoder is not None and max_model_len is not None and max_model_len > positions:
             raise ValueError(
                 f"max_model_len: {max_model_len} exceeds the model's max_position_embeddings "
-                f"({spec.max_position_embeddings}), the most positions it has embeddings for"
+                f"({positions}), the most positions it has embeddings for"
             )
         max_model_len = _max_model_len(spec, max_model_len)
         check_generation_config(generation_config, override_generation_config)
@@ -204,22 +219,26 @@ def _sampling_defaults(gen: dict[str, Any]) -> dict[str, Any]:
     return defaults
 
 
-def _runner_type(architecture: str, runner: str) -> str:
-    """vLLM's `--runner`: "auto" follows the architecture; a runner the model cannot serve is
-    refused, naming the field."""
-    encoder = architecture in ENCODER_ARCHITECTURES
-    natural = "pooling" if encoder else "generate"
+def _runner_type(spec: HfConfig, runner: str) -> str:
+    """vLLM's `--runner`: "auto" follows the architecture (encoders and classifiers pool, causal
+    LMs generate); "pooling" on a natively run causal LM pools its last hidden states (a decoder
+    embedder); a runner the model cannot serve is refused, naming the field."""
+    architecture = spec.architecture
+    pools = architecture in ENCODER_ARCHITECTURES or architecture in DECODER_CLASSIFIERS
+    natural = "pooling" if pools else "generate"
     if runner in ("auto", natural):
         return natural
     if runner == "generate":
         raise ValueError(
-            f"runner: 'generate' is not supported for {architecture}, an encoder-only model that "
-            "computes embeddings; use runner 'pooling' (or 'auto')"
+            f"runner: 'generate' is not supported for {architecture}, a model that computes embeddings "
+            "or scores; use runner 'pooling' (or 'auto')"
         )
     if runner == "pooling":
+        if spec.model_impl == "triollm" and spec.checkpoint_quant is None:
+            return "pooling"
         raise ValueError(
-            f"runner: 'pooling' is not supported for {architecture}: triollm pools encoder-only "
-            f"models ({', '.join(ENCODER_ARCHITECTURES)}); use runner 'generate' (or 'auto')"
+            f"runner: 'pooling' is not supported for {architecture}: triollm pools encoders, classifiers and "
+            f"the natively run decoders; use runner 'generate' (or 'auto')"
         )
     raise ValueError(f"runner: {runner!r} is not one of auto, {', '.join(RUNNER_TYPES)}")
 

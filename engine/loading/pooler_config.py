@@ -5,7 +5,16 @@ pipeline (Transformer, Pooling, optionally Normalize), the Pooling module's `con
 (`1_Pooling/config.json`) picks the pooling (`pooling_mode_mean_tokens`, `_cls_token`,
 `_lasttoken`), and `sentence_bert_config.json` gives `max_seq_length`, the length the model was
 trained to embed (it becomes the default `max_model_len`). Without these files a BERT checkpoint
-is pooled as vLLM pools it by default: the [CLS] token, normalised.
+is pooled as vLLM pools it by default: the [CLS] token (a decoder: the last token), normalised.
+
+A sequence classifier (`*ForSequenceClassification`: a cross-encoder reranker, a classifier)
+has `num_labels` outputs (`id2label`'s length, or one per `classifier_from_token` token: vLLM's
+convention for a causal LM read as a classifier, where two tokens make one label) and an
+activation applied to its logits, found as sentence-transformers' CrossEncoder finds it:
+`activation_fn` in config_sentence_transformers.json or under config.json's
+`sentence_transformers`, else the legacy `sbert_ce_default_activation_function`; without any,
+sigmoid for one label and softmax for several (vLLM's classify default; CrossEncoder.predict
+leaves several labels' logits as they are).
 
 Matryoshka models (trained so that a prefix of the vector is an embedding too) say so in
 config.json with `is_matryoshka` or `matryoshka_dimensions`, as vLLM reads them; only they accept
@@ -35,6 +44,13 @@ _UNSUPPORTED_MODES = (
     "pooling_mode_mean_sqrt_len_tokens",
     "pooling_mode_weightedmean_tokens",
 )
+# A classifier's activations, by the torch module class sentence-transformers names.
+ACTIVATIONS = {
+    "torch.nn.modules.activation.Sigmoid": "sigmoid",
+    "torch.nn.modules.activation.Softmax": "softmax",
+    "torch.nn.modules.activation.Tanh": "tanh",
+    "torch.nn.modules.linear.Identity": "identity",
+}
 _NORMALIZE_MODULE = "sentence_transformers.models.Normalize"
 _POOLING_MODULE = "sentence_transformers.models.Pooling"
 
@@ -47,19 +63,38 @@ class PoolerConfig:
     max_seq_length: int | None = None
     is_matryoshka: bool = False
     matryoshka_dimensions: tuple[int, ...] | None = None  # None: any prefix length
+    # A sequence classifier's labels (None: an embedding model) and its activation: one of
+    # "sigmoid", "softmax", "tanh", "identity".
+    num_labels: int | None = None
+    id2label: tuple[str, ...] = ()
+    activation: str = "identity"
+    # vLLM's `classifier_from_token`: a decoder classifier whose head is made from these tokens'
+    # rows of the LM head (two tokens: one label, the second's logit minus the first's).
+    classifier_from_token: tuple[str, ...] = ()
+
+    @property
+    def tasks(self) -> tuple[str, ...]:
+        """The pooling tasks this model serves (vLLM's names)."""
+        if self.num_labels is None:
+            return ("embed", "token_embed")
+        return ("classify", "score") if self.num_labels == 1 else ("classify",)
 
 
-def read_pooler_config(path: Path, hf: Mapping[str, Any]) -> PoolerConfig:
-    """The pooling of the model in directory `path` (`hf`: its config.json)."""
+def read_pooler_config(
+    path: Path, hf: Mapping[str, Any], *, classifier: bool = False, default_pooling: PoolingType = "CLS"
+) -> PoolerConfig:
+    """The pooling of the model in directory `path` (`hf`: its config.json); `classifier`: the
+    checkpoint is a sequence classifier (its labels and activation are read too);
+    `default_pooling`: without sentence-transformers files ("LAST" for decoders, as vLLM)."""
     modules = _read_json(path / "modules.json")
-    pooling_type: PoolingType = "CLS"
+    pooling_type: PoolingType = default_pooling
     normalize = True
     if isinstance(modules, list):
         types = [m.get("type") for m in modules if isinstance(m, dict)]
         normalize = _NORMALIZE_MODULE in types
         for module in modules:
             if isinstance(module, dict) and module.get("type") == _POOLING_MODULE:
-                pooling_type = _pooling_type(path / str(module.get("path", "")) / "config.json")
+                pooling_type = _pooling_type(path / str(module.get("path", "")) / "config.json", default_pooling)
     elif modules is not None:
         raise ValueError("modules.json: expected a list of modules")
     sbert = _read_json(path / "sentence_bert_config.json")
@@ -73,19 +108,70 @@ def read_pooler_config(path: Path, hf: Mapping[str, Any]) -> PoolerConfig:
     dims = hf.get("matryoshka_dimensions")
     if dims is not None and (not isinstance(dims, list) or not all(isinstance(d, int) and d > 0 for d in dims)):
         raise ValueError(f"matryoshka_dimensions: expected a list of positive integers, got {dims!r}")
+    from_token = _from_token(hf) if classifier else ()
+    labels = _labels(hf, from_token) if classifier else None
     return PoolerConfig(
         pooling_type=pooling_type,
-        normalize=normalize,
+        normalize=normalize and not classifier,
         max_seq_length=max_seq_length,
         is_matryoshka=bool(hf.get("is_matryoshka")) or dims is not None,
         matryoshka_dimensions=None if dims is None else tuple(dims),
+        num_labels=None if labels is None else len(labels),
+        id2label=labels or (),
+        activation=_activation(path, hf, len(labels)) if labels else "identity",
+        classifier_from_token=from_token,
     )
 
 
-def _pooling_type(config_file: Path) -> PoolingType:
+def _from_token(hf: Mapping[str, Any]) -> tuple[str, ...]:
+    tokens = hf.get("classifier_from_token")
+    if tokens is None:
+        return ()
+    if not isinstance(tokens, list) or not tokens or not all(isinstance(t, str) for t in tokens):
+        raise ValueError(f"classifier_from_token: expected a non-empty list of token strings, got {tokens!r:.80}")
+    return tuple(tokens)
+
+
+def _labels(hf: Mapping[str, Any], from_token: tuple[str, ...]) -> tuple[str, ...]:
+    """The label names in index order: one per `classifier_from_token` token (one for a pair, the
+    second's score), else `id2label`, else `num_labels` (transformers' default: 2)."""
+    if from_token:
+        return (from_token[1],) if len(from_token) == 2 else from_token
+    id2label = hf.get("id2label")
+    if id2label is None:
+        n = hf.get("num_labels", 2)
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ValueError(f"num_labels: expected a positive integer, got {n!r}")
+        return tuple(f"LABEL_{i}" for i in range(n))
+    if not isinstance(id2label, dict) or not id2label:
+        raise ValueError(f"id2label: expected an object of label names by index, got {id2label!r:.80}")
+    by_index = {str(k): str(v) for k, v in id2label.items()}
+    if set(by_index) != {str(i) for i in range(len(by_index))}:
+        raise ValueError(f"id2label: expected the indices 0 to {len(by_index) - 1}, got {sorted(by_index)!r:.80}")
+    return tuple(by_index[str(i)] for i in range(len(by_index)))
+
+
+def _activation(path: Path, hf: Mapping[str, Any], num_labels: int) -> str:
+    st = _read_json(path / "config_sentence_transformers.json")
+    embedded = hf.get("sentence_transformers")
+    name, field = None, "activation_fn"
+    if isinstance(st, dict) and st.get("activation_fn") is not None:
+        name = st["activation_fn"]
+    elif isinstance(embedded, dict) and embedded.get("activation_fn") is not None:
+        name = embedded["activation_fn"]
+    elif hf.get("sbert_ce_default_activation_function") is not None:
+        name, field = hf["sbert_ce_default_activation_function"], "sbert_ce_default_activation_function"
+    if name is None:
+        return "sigmoid" if num_labels == 1 else "softmax"
+    if name not in ACTIVATIONS:
+        raise ValueError(f"{field}: {name!r} is not supported; supported: {', '.join(ACTIVATIONS)}")
+    return ACTIVATIONS[name]
+
+
+def _pooling_type(config_file: Path, default: PoolingType) -> PoolingType:
     cfg = _read_json(config_file)
     if not isinstance(cfg, dict):
-        return "CLS"
+        return default
     for key in _UNSUPPORTED_MODES:
         if cfg.get(key):
             raise ValueError(f"{key}: this pooling is not supported; supported: mean, cls and last-token pooling")
@@ -95,7 +181,7 @@ def _pooling_type(config_file: Path) -> PoolingType:
             f"{config_file.parent.name}/config.json: several pooling modes at once ({', '.join(chosen)}) are not "
             f"supported"
         )
-    return chosen[0] if chosen else "CLS"
+    return chosen[0] if chosen else default
 
 
 def _read_json(path: Path) -> Any:

@@ -169,6 +169,35 @@ class Tokenizer:
             ids.append(self.eos_token_id)  # type: ignore[arg-type]
         return ids
 
+    def encode_pair(
+        self, first: str, second: str, max_length: int | None = None, max_second: int | None = None
+    ) -> tuple[list[int], list[int]]:
+        """A text pair as the tokenizer encodes it for a cross-encoder (`[CLS] a [SEP] b [SEP]`,
+        `<s> a </s></s> b </s>`): its ids and token type ids. `max_second` first cuts the second
+        text to that many tokens (Cohere's `max_tokens_per_doc`). With `max_length`, the pair is
+        cut as the tokenizer's `longest_first` truncation cuts it: the shorter text keeps up to
+        half the room, the longer takes the rest; the special tokens stay."""
+        a = self.backend.encode(first, add_special_tokens=False)
+        b = self.backend.encode(second, add_special_tokens=False)
+        if max_second is not None and len(b.ids) > max_second:
+            b.truncate(max_second, direction="right")
+        if max_length is not None:
+            room = max_length - self.backend.num_special_tokens_to_add(True)
+            if room < 2:
+                raise ValueError(f"truncate_prompt_tokens: {max_length} leaves no room for the texts of a pair")
+            n1, n2 = len(a.ids), len(b.ids)
+            if n1 + n2 > room:
+                if n1 > n2:
+                    n2 = min(n2, room // 2)
+                    n1 = room - n2
+                else:
+                    n1 = min(n1, room // 2)
+                    n2 = room - n1
+                a.truncate(n1, direction="right")
+                b.truncate(n2, direction="right")
+        pair = self.backend.post_process(a, b, add_special_tokens=True)
+        return list(pair.ids), list(pair.type_ids)
+
     def decode(self, ids: Sequence[int] | int, skip_special_tokens: bool = False) -> str:
         ids = [ids] if isinstance(ids, int) else list(ids)
         return str(self.backend.decode(ids, skip_special_tokens=skip_special_tokens))

@@ -22,7 +22,7 @@ def transport(request: pytest.FixtureRequest) -> str:
 async def test_encode(minilm_dir: Path, transport: str) -> None:
     args = AsyncEngineArgs(model=str(minilm_dir), multiprocess=transport == "multiprocess")
     async with AsyncLLM.from_engine_args(args) as llm:
-        assert await llm.get_supported_tasks() == ("embed", "encode")
+        assert await llm.get_supported_tasks() == ("embed", "token_embed")
         texts = ["first sentence", "a second, longer sentence to pad the batch", "third"]
         results: dict[int, PoolingRequestOutput] = {}
 
@@ -39,7 +39,7 @@ async def test_encode(minilm_dir: Path, transport: str) -> None:
             assert torch.isclose(out.outputs.data.norm(), torch.tensor(1.0), atol=1e-5)
         alone = [o async for o in llm.encode(texts[1], request_id="again")]
         assert len(alone) == 1 and torch.allclose(alone[0].outputs.data, results[1].outputs.data, atol=1e-5)
-        tokens = [o async for o in llm.encode("two words", PoolingParams(task="encode"))][0]
+        tokens = [o async for o in llm.encode("two words", PoolingParams(task="token_embed"))][0]
         assert tokens.outputs.data.shape == (4, 384)
         with pytest.raises(ValueError, match="prompt: must not be empty"):
             async for _ in llm.encode({"prompt_token_ids": []}):

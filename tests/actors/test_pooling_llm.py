@@ -66,7 +66,7 @@ def test_score_is_the_cosine_of_the_embeddings(llm: LLM, reference: torch.Tensor
 def test_encode_tasks_and_parameters(llm: LLM, reference: torch.Tensor) -> None:
     embed = llm.encode(SENTENCES[:1], pooling_task="embed", use_tqdm=False)[0]
     assert isinstance(embed, PoolingRequestOutput) and embed.outputs.data.shape == (384,)
-    tokens = llm.encode(SENTENCES[:1], pooling_task="encode", use_tqdm=False)[0]
+    tokens = llm.encode(SENTENCES[:1], pooling_task="token_embed", use_tqdm=False)[0]
     assert tokens.outputs.data.shape == (len(tokens.prompt_token_ids), 384)  # one vector per token
     assert torch.allclose(tokens.outputs.data.norm(dim=1), torch.ones(len(tokens.prompt_token_ids)), atol=1e-5)
     raw = llm.embed(SENTENCES[:1], PoolingParams(normalize=False), use_tqdm=False)[0].outputs.embedding

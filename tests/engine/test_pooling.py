@@ -59,7 +59,7 @@ def test_pooled_bytes_round_trip() -> None:
 
 
 def test_pooling_params_checks_and_wire() -> None:
-    for bad in ({"truncate_prompt_tokens": 0}, {"truncate_prompt_tokens": -2}, {"dimensions": 0}, {"task": "classify"}):
+    for bad in ({"truncate_prompt_tokens": 0}, {"truncate_prompt_tokens": -2}, {"dimensions": 0}, {"task": "rerank"}):
         with pytest.raises(ValueError, match=next(iter(bad))):
             PoolingParams(**bad)  # type: ignore[arg-type]
     p = PoolingParams(truncate_prompt_tokens=-1, dimensions=8, normalize=False, task="embed")
@@ -91,8 +91,9 @@ def test_runner_follows_the_architecture(minilm_dir: Path, tiny_model_dir: Path)
     assert ModelConfig.from_pretrained(tiny_model_dir).runner_type == "generate"
     with pytest.raises(ValueError, match=r"runner: 'generate' is not supported for BertModel"):
         ModelConfig.from_pretrained(minilm_dir, runner="generate")
-    with pytest.raises(ValueError, match=r"runner: 'pooling' is not supported for LlamaForCausalLM"):
-        ModelConfig.from_pretrained(tiny_model_dir, runner="pooling")
+    decoder = ModelConfig.from_pretrained(tiny_model_dir, runner="pooling")  # a decoder embedder
+    assert decoder.runner_type == "pooling" and decoder.pooler is not None
+    assert (decoder.pooler.pooling_type, decoder.pooler.normalize) == ("LAST", True)
     with pytest.raises(ValueError, match="max_model_len: 600 exceeds the model's max_position_embeddings"):
         ModelConfig.from_pretrained(minilm_dir, max_model_len=600)
     assert (

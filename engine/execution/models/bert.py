@@ -1,4 +1,6 @@
-"""BERT encoders (`BertModel`: all-MiniLM, BGE, E5, ...) for the pooling runner.
+"""BERT and XLM-R encoders (`BertModel`: all-MiniLM, BGE, E5, ...; `XLMRobertaModel`: bge-m3,
+multilingual-e5) and their sequence classifiers (`*ForSequenceClassification`: cross-encoder
+rerankers) for the pooling runner.
 
 An encoder sees a whole prompt at once, every token attending to every other (no causal mask),
 so there is no KV cache and no decode: one forward pass per batch of whole prompts, returning
@@ -9,9 +11,15 @@ computed); attention alone pads the batch to `[B, heads, S, D]` and runs one SDP
 key-padding mask (padded query rows are computed and dropped; each row has at least one real
 key, so no NaN). Per layer, as transformers' BertLayer: self-attention (Q/K/V fused into one
 matmul at load), output dense, residual + LayerNorm (post-norm), GELU MLP, residual +
-LayerNorm. Embeddings: word + absolute position + token type (type 0: single sequences), then
-LayerNorm. The checkpoint's `pooler.*` (the NSP head's dense + tanh) is not used by embedding
-models and is not loaded; tensors under a `bert.` prefix (BertFor* checkpoints) are accepted.
+LayerNorm. Embeddings: word + absolute position + token type (type 0 unless the prompt carries
+`token_type_ids`: the second text of a pair), then LayerNorm. XLM-R is the same network with
+RoBERTa's position ids (from pad_token_id + 1; `EncoderSpec.position_offset`).
+
+A classifier adds `ClassifierHead` on the first token ([CLS] / <s>): dense, tanh, then a linear
+layer to `num_labels` logits. BERT's is its `pooler.dense` + `classifier`, RoBERTa's its
+`classifier.dense` + `classifier.out_proj`: the same computation under two sets of names. An
+embedding model's `pooler.*` (the NSP head) is not used and is not loaded; tensors under a
+`bert.` / `roberta.` prefix (the *For* checkpoints) are accepted.
 """
 
 from __future__ import annotations
@@ -25,7 +33,7 @@ from triollm.engine.execution.layers.linear import Linear, column
 from triollm.engine.loading.model_config import ModelConfig
 from triollm.engine.loading.weights import checkpoint_files
 
-__all__ = ["BertModel", "load_bert"]
+__all__ = ["BertModel", "ClassifierHead", "load_bert"]
 
 
 def _dense(in_features: int, out_features: int) -> Linear:
@@ -77,26 +85,63 @@ class PaddedBatch:
         return padded.reshape(self.batch * self.width, -1)[self.index]
 
 
+class ClassifierHead(nn.Module):
+    """The first token's hidden state -> dense -> tanh -> `num_labels` logits (dropout is the
+    identity at inference)."""
+
+    def __init__(self, hidden: int, num_labels: int) -> None:
+        super().__init__()
+        self.dense = _dense(hidden, hidden)
+        self.out_proj = _dense(hidden, num_labels)
+
+    def forward(self, first: torch.Tensor) -> torch.Tensor:
+        return self.out_proj(torch.tanh(self.dense(first)))
+
+
 class BertModel(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         assert cfg.encoder is not None
         h = cfg.hidden_size
+        self.pad_token_id = cfg.encoder.pad_token_id
+        self.roberta_positions = cfg.encoder.position_offset > 0
         self.word_embeddings = nn.Embedding(cfg.vocab_size, h)
         self.position_embeddings = nn.Embedding(cfg.max_position_embeddings, h)
         self.token_type_embeddings = nn.Embedding(cfg.encoder.type_vocab_size, h)
         self.embed_norm = nn.LayerNorm(h, eps=cfg.encoder.layer_norm_eps)
         self.layers = nn.ModuleList([BertLayer(cfg) for _ in range(cfg.num_layers)])
+        num_labels = cfg.pooler.num_labels if cfg.pooler is not None else None
+        self.head = ClassifierHead(h, num_labels) if num_labels is not None else None
 
-    def forward(self, input_ids: torch.Tensor, lengths: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """`input_ids` `[T]`: the prompts concatenated, of `lengths`. Returns the last hidden
-        states padded, `[B, S, H]`, and the mask of real tokens, `[B, S]`."""
+    def forward(
+        self, input_ids: torch.Tensor, lengths: list[int], token_type_ids: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`input_ids` `[T]`: the prompts concatenated, of `lengths`; `token_type_ids` `[T]` or
+        None (all type 0). Returns the last hidden states padded, `[B, S, H]`, and the mask of
+        real tokens, `[B, S]`."""
         batch = PaddedBatch(lengths, input_ids.device)
-        x = self.word_embeddings(input_ids) + self.position_embeddings(batch.positions)
-        x = self.embed_norm(x + self.token_type_embeddings.weight[0])
+        positions = self._roberta_positions(input_ids, batch) if self.roberta_positions else batch.positions
+        x = self.word_embeddings(input_ids) + self.position_embeddings(positions)
+        if token_type_ids is None:
+            x = self.embed_norm(x + self.token_type_embeddings.weight[0])
+        else:
+            x = self.embed_norm(x + self.token_type_embeddings(token_type_ids))
         for layer in self.layers:
             x = layer(x, batch)
         return batch.pad(x), batch.mask
+
+    def classify(self, hidden: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """`[B, num_labels]` float32 logits from the padded last hidden states `[B, S, H]` (the
+        first token's: `mask` is not needed)."""
+        assert self.head is not None, "classify() needs a *ForSequenceClassification checkpoint"
+        return self.head(hidden[:, 0].contiguous()).float()
+
+    def _roberta_positions(self, input_ids: torch.Tensor, batch: PaddedBatch) -> torch.Tensor:
+        """transformers' `create_position_ids_from_input_ids`: real tokens count from pad + 1
+        within each prompt; a pad token sits at position pad."""
+        real = batch.pad((input_ids != self.pad_token_id).long().unsqueeze(1)).squeeze(-1)  # [B, S]
+        positions = real.cumsum(dim=1) * real + self.pad_token_id
+        return batch.unpad(positions.unsqueeze(-1)).squeeze(-1)
 
     def pack_linears(self) -> None:
         for m in self.modules():
@@ -116,10 +161,22 @@ _RENAMES = {
 _QKV = {"attention.self.query": 0, "attention.self.key": 1, "attention.self.value": 2}
 
 
-def _target(name: str) -> tuple[str | None, int | None]:
+# A classifier's head, by its HF names: BERT's pooler + classifier, RoBERTa's classification head.
+_HEAD = {
+    "pooler.dense": "head.dense",
+    "classifier": "head.out_proj",
+    "classifier.dense": "head.dense",
+    "classifier.out_proj": "head.out_proj",
+}
+
+
+def _target(name: str, classifier: bool) -> tuple[str | None, int | None]:
     """Our parameter for an HF tensor name and, for Q/K/V, its piece; (None, None): not loaded."""
-    name = name.removeprefix("bert.")
-    if name.startswith(("pooler.", "cls.")) or name.endswith("position_ids"):
+    name = name.removeprefix("bert.").removeprefix("roberta.")
+    module, _, leaf = name.rpartition(".")
+    if classifier and module in _HEAD:
+        return f"{_HEAD[module]}.{leaf}", None
+    if name.startswith(("pooler.", "cls.", "lm_head.")) or name.endswith("position_ids"):
         return None, None
     if name.startswith("embeddings."):
         module, _, leaf = name.rpartition(".")
@@ -137,7 +194,8 @@ def _target(name: str) -> tuple[str | None, int | None]:
 
 
 def load_bert(cfg: ModelConfig, device: str | torch.device = "cpu") -> BertModel:
-    """The encoder on `device` in `cfg.dtype`, every tensor checked for presence and shape."""
+    """The encoder (and a classifier's head) on `device` in `cfg.dtype`, every tensor checked for
+    presence and shape."""
     with torch.device("meta"):
         model = BertModel(cfg)
     params = dict(model.named_parameters())
@@ -146,7 +204,7 @@ def load_bert(cfg: ModelConfig, device: str | torch.device = "cpu") -> BertModel
     for file in checkpoint_files(cfg.path):
         with safe_open(str(file), framework="pt") as f:
             for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
-                target, piece = _target(name)
+                target, piece = _target(name, model.head is not None)
                 if target is None:
                     continue
                 if target not in params:
