@@ -45,6 +45,7 @@ from triollm.api.serving_completions import create_completion
 from triollm.api.serving_messages import count_message_tokens, create_message
 from triollm.api.serving_models import LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest
 from triollm.api.serving_pooling import create_embedding, create_score
+from triollm.api.serving_rerank import create_classify, create_cohere_embed, create_pooling, create_rerank
 from triollm.api.serving_responses import ResponsesAPI
 from triollm.api.state import ServerState
 from triollm.engine.config import ModelConfig
@@ -101,6 +102,18 @@ class Endpoints:
 
     async def score(self, request: Request) -> Response:
         return await create_score(self.state, request)
+
+    async def rerank(self, request: Request) -> Response:
+        return await create_rerank(self.state, request)
+
+    async def classify(self, request: Request) -> Response:
+        return await create_classify(self.state, request)
+
+    async def pooling(self, request: Request) -> Response:
+        return await create_pooling(self.state, request)
+
+    async def cohere_embed(self, request: Request) -> Response:
+        return await create_cohere_embed(self.state, request)
 
     # ------------------------------------------------------------------ models and adapters
 

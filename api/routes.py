@@ -55,6 +55,16 @@ from triollm.api.protocol_pooling import (
     ScoreRequest,
     ScoreResponse,
 )
+from triollm.api.protocol_rerank import (
+    ClassificationRequest,
+    ClassificationResponse,
+    CohereEmbedRequest,
+    CohereEmbedResponse,
+    PoolingRequest,
+    PoolingResponse,
+    RerankRequest,
+    RerankResponse,
+)
 from triollm.api.protocol_responses import (
     DeletedResponse,
     ResponseEvent,
@@ -156,6 +166,25 @@ ROUTES: tuple[RouteSpec, ...] = (
             ScoreRequest, ScoreResponse, errors=_GENERATION_ERRORS,
         )
         for path, op_id in (("/score", "create_score"), ("/v1/score", "create_score_v1"))
+    ),
+    *(
+        RouteSpec(
+            path, "POST", Endpoints.rerank, op_id, "Documents ranked by relevance to a query (Jina / Cohere shape)",
+            RerankRequest, RerankResponse, errors=_GENERATION_ERRORS,
+        )
+        for path, op_id in (("/rerank", "rerank"), ("/v1/rerank", "rerank_v1"), ("/v2/rerank", "rerank_v2"))
+    ),
+    RouteSpec(
+        "/classify", "POST", Endpoints.classify, "create_classify", "Labels from a sequence classifier",
+        ClassificationRequest, ClassificationResponse, errors=_GENERATION_ERRORS,
+    ),
+    RouteSpec(
+        "/pooling", "POST", Endpoints.pooling, "create_pooling", "Any pooling task's raw output",
+        PoolingRequest, PoolingResponse, errors=_GENERATION_ERRORS,
+    ),
+    RouteSpec(
+        "/v2/embed", "POST", Endpoints.cohere_embed, "cohere_embed", "Embeddings in Cohere's v2 shape",
+        CohereEmbedRequest, CohereEmbedResponse, errors=_GENERATION_ERRORS,
     ),
     # ------------------------------------------------ the Responses API (serving_responses.py)
     RouteSpec(

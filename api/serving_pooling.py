@@ -10,8 +10,13 @@ single forward pass per batch, over before a watcher would matter.
 `encoding_format: "base64"` sends each embedding as the base64 of its little-endian float32
 bytes (what OpenAI's client decodes with `np.frombuffer(..., dtype="float32")`). The engine's
 messages name the prompt `prompt`; here they name the request's field (`input`, `text_1`...).
-Scores are vLLM's bi-encoder scores: the cosine similarity of the two texts' embeddings,
-1 -> N or N -> N.
+Scores (`compute_scores`, also behind the rerank routes) are vLLM's, 1 -> N or N -> N: a
+cross-encoder's relevance of each pair read as one sequence when the model is a one-label
+classifier (engine/processing/text_pairs.py), else the cosine similarity of the two texts'
+embeddings.
+
+The helpers the other pooling routes share (serving_rerank.py) are public here: `encode_all`,
+`pooling_inputs`, `make_params`, `check_count`, `encode_vector`, `json_response`.
 """
 
 from __future__ import annotations
@@ -53,8 +58,19 @@ from triollm.api.state import ServerState
 from triollm.engine.inputs import PromptType
 from triollm.engine.pooling_outputs import PoolingOutput, PoolingRequestOutput, pack_pooled
 from triollm.engine.pooling_params import PoolingParams
+from triollm.engine.processing.text_pairs import pair_prompt
 
-__all__ = ["create_embedding", "create_score"]
+__all__ = [
+    "check_count",
+    "compute_scores",
+    "create_embedding",
+    "create_score",
+    "encode_all",
+    "encode_vector",
+    "json_response",
+    "make_params",
+    "pooling_inputs",
+]
 
 _PROMPT_FIELDS = ("prompt_token_ids", "prompt")
 
@@ -70,35 +86,18 @@ async def create_embedding(state: ServerState, request: Request) -> Response:
             "encoding_format",
         )
     rid = f"embd-{request_id_base(request, req.request_id)}"
-    value = req.input
-    if isinstance(value, list) and value and not isinstance(value[0], int):
-        _check_count(state, len(value), "input")  # a list of inputs: counted before any walk
-    prompts: list[PromptType] = list(
-        await maybe_in_thread(lambda: embedding_inputs(value), items_size(value))
-    )
-    _check_count(state, len(prompts), "input")
-    if not req.add_special_tokens:
-        tokenizer = state.llm.get_tokenizer()
-        texts = prompts
-        prompts = await maybe_in_thread(
-            lambda: [
-                {"prompt": p, "prompt_token_ids": tokenizer.encode(p, add_special_tokens=False)}
-                if isinstance(p, str) else p
-                for p in texts
-            ],
-            sum(len(p) + 16 for p in texts if isinstance(p, str)),  # 16: a call's fixed cost
-        )
-    params = _params(req.truncate_prompt_tokens, req.dimensions, req.normalize)
-    outputs = await _encode_all(state, prompts, params, rid, req.priority, "input")
+    prompts = await pooling_inputs(state, req.input, req.add_special_tokens)
+    params = make_params("embed", req.truncate_prompt_tokens, req.dimensions, req.normalize)
+    outputs = await encode_all(state, prompts, params, rid, req.priority, "input")
     data = [
-        EmbeddingResponseData(i, _encode_vector(out.outputs.data, req.encoding_format))
+        EmbeddingResponseData(i, encode_vector(out.outputs.data, req.encoding_format))
         for i, out in enumerate(outputs)
     ]
     tokens = sum(len(out.prompt_token_ids) for out in outputs)
     body = EmbeddingResponse(
         id=rid, created=created_now(), model=model, data=data, usage=PoolingUsage(tokens, tokens)
     )
-    return _json(body)
+    return json_response(body)
 
 
 async def create_score(state: ServerState, request: Request) -> Response:
@@ -109,26 +108,79 @@ async def create_score(state: ServerState, request: Request) -> Response:
     rid = f"score-{request_id_base(request, req.request_id)}"
     name_1, value_1 = _side(req, ("text_1", "data_1", "queries"))
     name_2, value_2 = _side(req, ("text_2", "data_2", "documents"))
-    _check_count(state, _count(value_1) + _count(value_2), name_2)  # before any list is walked
+    check_count(state, _count(value_1) + _count(value_2), name_2)  # before any list is walked
     texts_1, texts_2 = score_texts(value_1, name_1), score_texts(value_2, name_2)
     if len(texts_1) > 1 and len(texts_1) != len(texts_2):
         raise bad_request(
             f"{name_1}: {len(texts_1)} texts for {len(texts_2)} in {name_2}; pass one, or as many as {name_2}",
             name_1,
         )
-    _check_count(state, len(texts_1) + len(texts_2), name_2)
-    params = _params(req.truncate_prompt_tokens, None, None)
-    firsts = await _encode_all(state, list(texts_1), params, f"{rid}-a", req.priority, name_1)
-    seconds = await _encode_all(state, list(texts_2), params, f"{rid}-b", req.priority, name_2)
-    if len(firsts) == 1:
-        firsts = firsts * len(seconds)
-    data = [
-        ScoreResponseData(i, float(torch.nn.functional.cosine_similarity(a.outputs.data, b.outputs.data, dim=0)))
-        for i, (a, b) in enumerate(zip(firsts, seconds))
-    ]
-    tokens = sum(len(a.prompt_token_ids) + len(b.prompt_token_ids) for a, b in zip(firsts, seconds))
+    scores, tokens = await compute_scores(
+        state, texts_1, texts_2, (name_1, name_2), req.truncate_prompt_tokens, rid, req.priority
+    )
+    data = [ScoreResponseData(i, score) for i, score in enumerate(scores)]
     body = ScoreResponse(id=rid, created=created_now(), model=model, data=data, usage=PoolingUsage(tokens, tokens))
-    return _json(body)
+    return json_response(body)
+
+
+async def compute_scores(
+    state: ServerState,
+    texts_1: list[str],
+    texts_2: list[str],
+    names: tuple[str, str],
+    truncate: int | None,
+    rid: str,
+    priority: int,
+    max_tokens_second: int | None = None,
+) -> tuple[list[float], int]:
+    """The score of each pair (`texts_1[0]` with every text of `texts_2`, or pairwise) and the
+    prompt tokens read; `max_tokens_second` cuts each second text to that many tokens first."""
+    config = state.llm.get_model_config()
+    firsts = texts_1 * len(texts_2) if len(texts_1) == 1 else texts_1
+    check_count(state, len(texts_1) + len(texts_2), names[1])
+    if config.pooler is not None and config.pooler.num_labels is not None:  # a cross-encoder
+        tokenizer = state.llm.get_tokenizer()
+
+        def build() -> list[PromptType]:
+            return [
+                pair_prompt(tokenizer, a, b, truncate, config.max_model_len, max_tokens_second)
+                for a, b in zip(firsts, texts_2)
+            ]
+
+        try:
+            pairs = await maybe_in_thread(build, sum(len(a) + len(b) + 16 for a, b in zip(firsts, texts_2)))
+        except ValueError as exc:
+            raise bad_request(str(exc)) from None
+        scored = await encode_all(state, pairs, make_params("score", truncate), rid, priority, names[1])
+        return [float(out.outputs.data.item()) for out in scored], sum(len(out.prompt_token_ids) for out in scored)
+    second_truncate = truncate if max_tokens_second is None else max_tokens_second
+    ones = await encode_all(state, texts_1, make_params("embed", truncate), f"{rid}-a", priority, names[0])
+    twos = await encode_all(state, texts_2, make_params("embed", second_truncate), f"{rid}-b", priority, names[1])
+    if len(ones) == 1:
+        ones = ones * len(twos)
+    cosine = torch.nn.functional.cosine_similarity
+    scores = [float(cosine(a.outputs.data, b.outputs.data, dim=0)) for a, b in zip(ones, twos)]
+    return scores, sum(len(a.prompt_token_ids) + len(b.prompt_token_ids) for a, b in zip(ones, twos))
+
+
+async def pooling_inputs(state: ServerState, value: str | list[Any], add_special_tokens: bool) -> list[PromptType]:
+    """OpenAI's `input` (a text, texts, token ids, lists of them) as prompts, counted against
+    max_prompts_per_request; `add_special_tokens: false` tokenizes texts without them."""
+    if isinstance(value, list) and value and not isinstance(value[0], int):
+        check_count(state, len(value), "input")  # a list of inputs: counted before any walk
+    prompts: list[PromptType] = list(await maybe_in_thread(lambda: embedding_inputs(value), items_size(value)))
+    check_count(state, len(prompts), "input")
+    if add_special_tokens:
+        return prompts
+    tokenizer = state.llm.get_tokenizer()
+    return await maybe_in_thread(
+        lambda: [
+            {"prompt": p, "prompt_token_ids": tokenizer.encode(p, add_special_tokens=False)}
+            if isinstance(p, str) else p
+            for p in prompts
+        ],
+        sum(len(p) + 16 for p in prompts if isinstance(p, str)),  # 16: a call's fixed cost
+    )  # fmt: skip
 
 
 def _count(value: object) -> int:
@@ -144,23 +196,33 @@ def _side(req: ScoreRequest, names: tuple[str, ...]) -> tuple[str, Any]:
     return given[0]
 
 
-def _params(truncate: int | None, dimensions: int | None, normalize: bool | None) -> PoolingParams:
+def make_params(
+    task: str | None,
+    truncate: int | None,
+    dimensions: int | None = None,
+    normalize: bool | None = None,
+    use_activation: bool | None = None,
+) -> PoolingParams:
     try:
         return PoolingParams(
-            task="embed", truncate_prompt_tokens=truncate, dimensions=dimensions, normalize=normalize
+            task=task,
+            truncate_prompt_tokens=truncate,
+            dimensions=dimensions,
+            normalize=normalize,
+            use_activation=use_activation,
         )
     except ValueError as exc:
         raise bad_request(str(exc)) from None
 
 
-def _check_count(state: ServerState, count: int, field: str) -> None:
+def check_count(state: ServerState, count: int, field: str) -> None:
     config = state.llm.config
     limit = config.limits.max_prompts_per_request if config is not None else None
     if limit is not None and count > limit:
         raise bad_request(f"{field}: {count} inputs exceed max_prompts_per_request ({limit})", field)
 
 
-async def _encode_all(
+async def encode_all(
     state: ServerState,
     prompts: Sequence[PromptType],
     params: PoolingParams,
@@ -201,11 +263,12 @@ def _renamed(exc: ValueError, field: str, index: int, count: int) -> APIError:
     return bad_request(message)
 
 
-def _encode_vector(data: torch.Tensor, encoding_format: str) -> list[float] | str:
+def encode_vector(data: torch.Tensor, encoding_format: str) -> Any:
+    """A pooled tensor as JSON: its (nested) list of floats, or the base64 of its float32 bytes."""
     if encoding_format == "base64":
         return base64.b64encode(pack_pooled(data)).decode("ascii")
-    return list(data.tolist())
+    return data.tolist()
 
 
-def _json(obj: Any) -> Response:
+def json_response(obj: Any) -> Response:
     return Response(msgspec.json.encode(obj), media_type="application/json")
