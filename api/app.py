@@ -122,13 +122,14 @@ def build_app(state: ServerState, *, playground: bool = True) -> Starlette:
 
 
 def _guard(api: Endpoints, spec: RouteSpec) -> Callable[[Request], Awaitable[Response]]:
-    """The route's handler, wrapped so that no exception escapes it: a POST body must be JSON,
-    and whatever goes wrong becomes an OpenAI error body (Anthropic's on its routes)."""
+    """The route's handler, wrapped so that no exception escapes it: the body of a route that
+    takes one must be JSON, and whatever goes wrong becomes an OpenAI error body (Anthropic's
+    on its routes)."""
     handler = spec.handler
 
     async def endpoint(request: Request) -> Response:
         try:
-            if request.method == "POST":
+            if request.method == "POST" and spec.request is not None:
                 _require_json(request)
             return await handler(api, request)
         except Exception as exc:

@@ -42,6 +42,7 @@ from triollm.api.serving_common import (
     resolve_model,
 )
 from triollm.api.serving_completions import create_completion
+from triollm.api.serving_invocations import invoke
 from triollm.api.serving_messages import count_message_tokens, create_message
 from triollm.api.serving_models import LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest
 from triollm.api.serving_pooling import create_embedding, create_score
@@ -114,6 +115,16 @@ class Endpoints:
 
     async def cohere_embed(self, request: Request) -> Response:
         return await create_cohere_embed(self.state, request)
+
+    async def invocations(self, request: Request) -> Response:
+        """SageMaker's route: any body, answered by the route it belongs to."""
+        pooler = self._model_config().pooler
+        handlers = {
+            "/v1/chat/completions": self.chat, "/v1/completions": self.completions, "/rerank": self.rerank,
+            "/score": self.score, "/v1/embeddings": self.embeddings, "/classify": self.classify,
+            "/pooling": self.pooling,
+        }
+        return await invoke(request, pooler.tasks if pooler is not None else (), handlers)
 
     # ------------------------------------------------------------------ models and adapters
 

@@ -2,7 +2,7 @@
 
 - **Concurrent requests** (`limit_concurrency`, uvicorn's `--limit-concurrency`): beyond the cap
   a request is answered 503 with `Retry-After` at once, before its body is read. The monitoring
-  routes (`/health`, `/metrics`) are never counted nor refused, so a load balancer still sees a
+  routes (`/health`, `/ping`, `/metrics`) are never counted nor refused, so a load balancer still sees a
   live server while the cap is full.
 - **Header count** (`h11_max_header_count`, vLLM's flag): more headers than that is a 431.
   (Their total size is bounded earlier, by Hypercorn: `--h11-max-incomplete-event-size`.)
@@ -34,7 +34,7 @@ from triollm.api.openai_errors import APIError
 __all__ = ["UNCOUNTED_PATHS", "RequestLimits"]
 
 # Routes that are never counted against `limit_concurrency` nor refused by it.
-UNCOUNTED_PATHS = frozenset({"/health", "/metrics"})
+UNCOUNTED_PATHS = frozenset({"/health", "/ping", "/metrics"})
 
 
 class RequestLimits:

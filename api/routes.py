@@ -143,6 +143,19 @@ ROUTES: tuple[RouteSpec, ...] = (
               ok=ModelList),
     RouteSpec("/health", "GET", Endpoints.health, "health", "200 while the engine is healthy",
               errors=("503",), open=True),
+    # SageMaker's / Vertex's container contract, as vLLM serves it (serving_invocations.py)
+    *(
+        RouteSpec("/ping", method, Endpoints.health, f"ping_{method.lower()}", "/health under SageMaker's name",
+                  errors=("503",), open=True)
+        for method in ("GET", "POST")
+    ),
+    RouteSpec(
+        "/invocations", "POST", Endpoints.invocations, "invocations",
+        "Any request body, answered by its own route (chat, completion, embedding, score, rerank, classify, pooling)",
+        (ChatCompletionRequest, CompletionRequest, EmbeddingRequest, ScoreRequest, RerankRequest,
+         ClassificationRequest, PoolingRequest),
+        errors=_GENERATION_ERRORS,
+    ),
     RouteSpec("/version", "GET", Endpoints.version, "version", "Server version",
               ok=VersionResponse, open=True),
     RouteSpec(
