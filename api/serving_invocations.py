@@ -18,7 +18,7 @@ client leave) and applies all of its own checks.
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 
 import msgspec
 from starlette.requests import Request
@@ -64,7 +64,7 @@ def invocation_route(body: bytes, pooling_tasks: tuple[str, ...]) -> str:
     raise bad_request(f"body: /invocations takes {INVOCATION_SHAPES}; none was recognised", "body")
 
 
-async def invoke(request: Request, pooling_tasks: tuple[str, ...], handlers: dict[str, Handler]) -> Response:
+async def invoke(request: Request, pooling_tasks: tuple[str, ...], handlers: Mapping[str, Handler]) -> Response:
     """Read the body, pick its route (`invocation_route`), and run that route's handler on a
     request that reads the same body."""
     body = await read_body(request)
