@@ -154,7 +154,10 @@ class ModelRunner:
             images = None
             if self.vision is not None and prefills:
                 images = self._image_rows(prefills, sum(s.num_new_tokens for s in decodes))
-            hidden = self.model(input_ids, positions, meta, self.kv, images)
+            if images is None:  # text only: the model's plain call (any CausalLM, fakes included)
+                hidden = self.model(input_ids, positions, meta, self.kv)
+            else:
+                hidden = self.model(input_ids, positions, meta, self.kv, images)
 
         out = RunnerOutput({}, {}, {})
         if samplers:

@@ -103,8 +103,6 @@ def test_config_normalisation(tiny_model_dir: Path) -> None:
         EngineArgs(compilation_config={"bogus": 1})
     with pytest.raises(ValueError, match="data_parallel_size: 2 is not supported by LLM .*data_parallel_offline.py"):
         LLM(str(tiny_model_dir), data_parallel_size=2)
-    with pytest.raises(ValueError, match="runner: 'pooling' is not supported for LlamaForCausalLM"):
-        LLM(str(tiny_model_dir), runner="pooling")
     with pytest.raises(TypeError, match="unexpected keyword arguments: not_a_flag"):
         LLM(str(tiny_model_dir), not_a_flag=1)
     with warnings.catch_warnings(record=True) as caught:
