@@ -21,6 +21,8 @@ __all__ = [
     "EmbeddingRequest",
     "EmbeddingResponse",
     "EmbeddingResponseData",
+    "InputRequest",
+    "ListResponse",
     "PoolingUsage",
     "ScoreRequest",
     "ScoreResponse",
@@ -33,18 +35,22 @@ Dimensions = Annotated[int, msgspec.Meta(ge=1, le=2**63 - 1)]
 ENCODING_FORMATS = ("float", "base64")
 
 
-class EmbeddingRequest(msgspec.Struct, kw_only=True):
+class InputRequest(msgspec.Struct, kw_only=True):
+    """The fields every request with OpenAI's `input` shares (embeddings, classify, pooling)."""
+
     input: str | list[Any]
     model: str | None = None
-    encoding_format: str = "float"
-    dimensions: Dimensions | None = None
     user: str | None = None
-    # vLLM's extras
     truncate_prompt_tokens: Truncation | None = None
-    normalize: bool | None = None
     add_special_tokens: bool = True
     priority: Int64 = 0
     request_id: str | None = None
+
+
+class EmbeddingRequest(InputRequest, kw_only=True):
+    encoding_format: str = "float"
+    dimensions: Dimensions | None = None
+    normalize: bool | None = None
 
 
 class ScoreRequest(msgspec.Struct, kw_only=True):
@@ -72,13 +78,18 @@ class EmbeddingResponseData(msgspec.Struct):
     object: Literal["embedding"] = "embedding"
 
 
-class EmbeddingResponse(msgspec.Struct, kw_only=True):
+class ListResponse(msgspec.Struct, kw_only=True):
+    """The envelope of every pooling answer that is a list of `data` items."""
+
     id: str
     created: int
     model: str
-    data: list[EmbeddingResponseData]
     usage: PoolingUsage
     object: Literal["list"] = "list"
+
+
+class EmbeddingResponse(ListResponse, kw_only=True):
+    data: list[EmbeddingResponseData]
 
 
 class ScoreResponseData(msgspec.Struct):
@@ -87,13 +98,8 @@ class ScoreResponseData(msgspec.Struct):
     object: Literal["score"] = "score"
 
 
-class ScoreResponse(msgspec.Struct, kw_only=True):
-    id: str
-    created: int
-    model: str
+class ScoreResponse(ListResponse, kw_only=True):
     data: list[ScoreResponseData]
-    usage: PoolingUsage
-    object: Literal["list"] = "list"
 
 
 def embedding_inputs(value: str | list[Any]) -> list[str | dict[str, Any]]:

@@ -16,7 +16,7 @@ import msgspec
 
 from triollm.api.openai_errors import bad_request
 from triollm.api.protocol import Int64
-from triollm.api.protocol_pooling import Dimensions, PoolingUsage, Truncation
+from triollm.api.protocol_pooling import Dimensions, InputRequest, ListResponse, Truncation
 
 __all__ = [
     "ClassificationData",
@@ -72,15 +72,8 @@ class RerankResponse(msgspec.Struct, kw_only=True):
     object: Literal["rerank"] = "rerank"
 
 
-class ClassificationRequest(msgspec.Struct, kw_only=True):
-    input: str | list[Any]
-    model: str | None = None
-    truncate_prompt_tokens: Truncation | None = None
+class ClassificationRequest(InputRequest, kw_only=True):
     use_activation: bool | None = None
-    add_special_tokens: bool = True
-    priority: Int64 = 0
-    request_id: str | None = None
-    user: str | None = None
 
 
 class ClassificationData(msgspec.Struct):
@@ -91,28 +84,16 @@ class ClassificationData(msgspec.Struct):
     object: Literal["classification"] = "classification"
 
 
-class ClassificationResponse(msgspec.Struct, kw_only=True):
-    id: str
-    created: int
-    model: str
+class ClassificationResponse(ListResponse, kw_only=True):
     data: list[ClassificationData]
-    usage: PoolingUsage
-    object: Literal["list"] = "list"
 
 
-class PoolingRequest(msgspec.Struct, kw_only=True):
-    input: str | list[Any]
-    model: str | None = None
+class PoolingRequest(InputRequest, kw_only=True):
     task: str | None = None  # None: the model's first task ("embed" or "classify")
     encoding_format: str = "float"
     dimensions: Dimensions | None = None
     normalize: bool | None = None
     use_activation: bool | None = None
-    truncate_prompt_tokens: Truncation | None = None
-    add_special_tokens: bool = True
-    priority: Int64 = 0
-    request_id: str | None = None
-    user: str | None = None
 
 
 class PoolingData(msgspec.Struct):
@@ -121,13 +102,8 @@ class PoolingData(msgspec.Struct):
     object: Literal["pooling"] = "pooling"
 
 
-class PoolingResponse(msgspec.Struct, kw_only=True):
-    id: str
-    created: int
-    model: str
+class PoolingResponse(ListResponse, kw_only=True):
     data: list[PoolingData]
-    usage: PoolingUsage
-    object: Literal["list"] = "list"
 
 
 class CohereEmbedRequest(msgspec.Struct, kw_only=True):

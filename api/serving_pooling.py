@@ -16,14 +16,14 @@ classifier (engine/processing/text_pairs.py), else the cosine similarity of the 
 embeddings.
 
 The helpers the other pooling routes share (serving_rerank.py) are public here: `encode_all`,
-`pooling_inputs`, `make_params`, `check_count`, `encode_vector`, `json_response`.
+`encode_inputs`, `pooling_inputs`, `make_params`, `check_count`, `encode_vector`, `list_response`.
 """
 
 from __future__ import annotations
 
 import base64
 import contextlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import msgspec
@@ -37,6 +37,8 @@ from triollm.api.protocol_pooling import (
     EmbeddingRequest,
     EmbeddingResponse,
     EmbeddingResponseData,
+    InputRequest,
+    ListResponse,
     PoolingUsage,
     ScoreRequest,
     ScoreResponse,
@@ -62,14 +64,18 @@ from triollm.engine.processing.text_pairs import pair_prompt
 
 __all__ = [
     "check_count",
+    "check_encoding_format",
     "compute_scores",
     "create_embedding",
     "create_score",
     "encode_all",
+    "encode_inputs",
     "encode_vector",
     "json_response",
+    "list_response",
     "make_params",
     "pooling_inputs",
+    "prompt_tokens",
 ]
 
 _PROMPT_FIELDS = ("prompt_token_ids", "prompt")
@@ -80,24 +86,13 @@ async def create_embedding(state: ServerState, request: Request) -> Response:
     req = await decode_body(request, EmbeddingRequest)
     model = resolve_model(state, req.model)
     require_runner(state, "pooling", "Embeddings API")
-    if req.encoding_format not in ENCODING_FORMATS:
-        raise bad_request(
-            f"encoding_format: {req.encoding_format!r} is not one of {', '.join(ENCODING_FORMATS)}",
-            "encoding_format",
-        )
-    rid = f"embd-{request_id_base(request, req.request_id)}"
-    prompts = await pooling_inputs(state, req.input, req.add_special_tokens)
+    check_encoding_format(req.encoding_format)
     params = make_params("embed", req.truncate_prompt_tokens, req.dimensions, req.normalize)
-    outputs = await encode_all(state, prompts, params, rid, req.priority, "input")
+    rid, outputs = await encode_inputs(state, request, req, "embd", params)
     data = [
-        EmbeddingResponseData(i, encode_vector(out.outputs.data, req.encoding_format))
-        for i, out in enumerate(outputs)
+        EmbeddingResponseData(i, encode_vector(out.outputs.data, req.encoding_format)) for i, out in enumerate(outputs)
     ]
-    tokens = sum(len(out.prompt_token_ids) for out in outputs)
-    body = EmbeddingResponse(
-        id=rid, created=created_now(), model=model, data=data, usage=PoolingUsage(tokens, tokens)
-    )
-    return json_response(body)
+    return list_response(EmbeddingResponse, rid, model, data, prompt_tokens(outputs))
 
 
 async def create_score(state: ServerState, request: Request) -> Response:
@@ -119,8 +114,7 @@ async def create_score(state: ServerState, request: Request) -> Response:
         state, texts_1, texts_2, (name_1, name_2), req.truncate_prompt_tokens, rid, req.priority
     )
     data = [ScoreResponseData(i, score) for i, score in enumerate(scores)]
-    body = ScoreResponse(id=rid, created=created_now(), model=model, data=data, usage=PoolingUsage(tokens, tokens))
-    return json_response(body)
+    return list_response(ScoreResponse, rid, model, data, tokens)
 
 
 async def compute_scores(
@@ -152,7 +146,7 @@ async def compute_scores(
         except ValueError as exc:
             raise bad_request(str(exc)) from None
         scored = await encode_all(state, pairs, make_params("score", truncate), rid, priority, names[1])
-        return [float(out.outputs.data.item()) for out in scored], sum(len(out.prompt_token_ids) for out in scored)
+        return [float(out.outputs.data.item()) for out in scored], prompt_tokens(scored)
     second_truncate = truncate if max_tokens_second is None else max_tokens_second
     ones = await encode_all(state, texts_1, make_params("embed", truncate), f"{rid}-a", priority, names[0])
     twos = await encode_all(state, texts_2, make_params("embed", second_truncate), f"{rid}-b", priority, names[1])
@@ -272,3 +266,27 @@ def encode_vector(data: torch.Tensor, encoding_format: str) -> Any:
 
 def json_response(obj: Any) -> Response:
     return Response(msgspec.json.encode(obj), media_type="application/json")
+
+
+def check_encoding_format(value: str) -> None:
+    if value not in ENCODING_FORMATS:
+        raise bad_request(f"encoding_format: {value!r} is not one of {', '.join(ENCODING_FORMATS)}", "encoding_format")
+
+
+async def encode_inputs(
+    state: ServerState, request: Request, req: InputRequest, prefix: str, params: PoolingParams
+) -> tuple[str, list[PoolingRequestOutput[PoolingOutput]]]:
+    """The request id (`prefix`-...) and one output per prompt of the request's `input`."""
+    rid = f"{prefix}-{request_id_base(request, req.request_id)}"
+    prompts = await pooling_inputs(state, req.input, req.add_special_tokens)
+    return rid, await encode_all(state, prompts, params, rid, req.priority, "input")
+
+
+def prompt_tokens(outputs: Sequence[PoolingRequestOutput[PoolingOutput]]) -> int:
+    return sum(len(out.prompt_token_ids) for out in outputs)
+
+
+def list_response(kind: Callable[..., ListResponse], rid: str, model: str, data: list[Any], tokens: int) -> Response:
+    """A `{"object": "list", "data": [...]}` answer with usage counting `tokens` prompt tokens."""
+    body = kind(id=rid, created=created_now(), model=model, data=data, usage=PoolingUsage(tokens, tokens))
+    return json_response(body)

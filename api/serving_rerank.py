@@ -22,7 +22,6 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from triollm.api.openai_errors import bad_request
-from triollm.api.protocol_pooling import ENCODING_FORMATS, PoolingUsage
 from triollm.api.protocol_rerank import (
     ClassificationData,
     ClassificationRequest,
@@ -43,7 +42,6 @@ from triollm.api.protocol_rerank import (
 )
 from triollm.api.serving_common import (
     check_available,
-    created_now,
     decode_body,
     request_id_base,
     require_runner,
@@ -51,12 +49,15 @@ from triollm.api.serving_common import (
 )
 from triollm.api.serving_pooling import (
     check_count,
+    check_encoding_format,
     compute_scores,
     encode_all,
+    encode_inputs,
     encode_vector,
     json_response,
+    list_response,
     make_params,
-    pooling_inputs,
+    prompt_tokens,
 )
 from triollm.api.state import ServerState
 from triollm.engine.inputs import PromptType
@@ -97,10 +98,8 @@ async def create_classify(state: ServerState, request: Request) -> Response:
     req = await decode_body(request, ClassificationRequest)
     model = resolve_model(state, req.model)
     require_runner(state, "pooling", "Classification API")
-    rid = f"classify-{request_id_base(request, req.request_id)}"
-    prompts = await pooling_inputs(state, req.input, req.add_special_tokens)
     params = make_params("classify", req.truncate_prompt_tokens, use_activation=req.use_activation)
-    outputs = await encode_all(state, prompts, params, rid, req.priority, "input")
+    rid, outputs = await encode_inputs(state, request, req, "classify", params)
     pooler = state.llm.get_model_config().pooler
     labels = pooler.id2label if pooler is not None else ()
     data = []
@@ -108,11 +107,7 @@ async def create_classify(state: ServerState, request: Request) -> Response:
         probs = out.outputs.data.tolist()
         best = max(range(len(probs)), key=probs.__getitem__)
         data.append(ClassificationData(i, labels[best] if best < len(labels) else str(best), probs, len(probs)))
-    tokens = sum(len(out.prompt_token_ids) for out in outputs)
-    body = ClassificationResponse(
-        id=rid, created=created_now(), model=model, data=data, usage=PoolingUsage(tokens, tokens)
-    )
-    return json_response(body)
+    return list_response(ClassificationResponse, rid, model, data, prompt_tokens(outputs))
 
 
 async def create_pooling(state: ServerState, request: Request) -> Response:
@@ -120,21 +115,13 @@ async def create_pooling(state: ServerState, request: Request) -> Response:
     req = await decode_body(request, PoolingRequest)
     model = resolve_model(state, req.model)
     require_runner(state, "pooling", "Pooling API")
-    if req.encoding_format not in ENCODING_FORMATS:
-        raise bad_request(
-            f"encoding_format: {req.encoding_format!r} is not one of {', '.join(ENCODING_FORMATS)}",
-            "encoding_format",
-        )
+    check_encoding_format(req.encoding_format)
     pooler = state.llm.get_model_config().pooler
     task = req.task if req.task is not None else (pooler.tasks[0] if pooler is not None else "embed")
-    rid = f"pool-{request_id_base(request, req.request_id)}"
-    prompts = await pooling_inputs(state, req.input, req.add_special_tokens)
     params = make_params(task, req.truncate_prompt_tokens, req.dimensions, req.normalize, req.use_activation)
-    outputs = await encode_all(state, prompts, params, rid, req.priority, "input")
+    rid, outputs = await encode_inputs(state, request, req, "pool", params)
     data = [PoolingData(i, encode_vector(out.outputs.data, req.encoding_format)) for i, out in enumerate(outputs)]
-    tokens = sum(len(out.prompt_token_ids) for out in outputs)
-    body = PoolingResponse(id=rid, created=created_now(), model=model, data=data, usage=PoolingUsage(tokens, tokens))
-    return json_response(body)
+    return list_response(PoolingResponse, rid, model, data, prompt_tokens(outputs))
 
 
 async def create_cohere_embed(state: ServerState, request: Request) -> Response:
@@ -170,7 +157,7 @@ async def create_cohere_embed(state: ServerState, request: Request) -> Response:
     params = make_params("embed", keep, req.output_dimension)
     outputs = await encode_all(state, prompts, params, rid, req.priority, "texts")
     embeddings = {kind: [encode_vector(out.outputs.data, kind) for out in outputs] for kind in types}
-    tokens = sum(len(out.prompt_token_ids) for out in outputs)
+    tokens = prompt_tokens(outputs)
     body = CohereEmbedResponse(
         id=rid, embeddings=embeddings, texts=list(req.texts), meta=CohereMeta(CohereBilledUnits(tokens))
     )
