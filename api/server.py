@@ -147,26 +147,23 @@ def bind_unix_socket(path: str, backlog: int = DEFAULT_BACKLOG) -> socket.socket
             os.unlink(path)
     except FileNotFoundError:
         pass
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
-        sock.bind(path)
-    except OSError as exc:
-        sock.close()
-        raise OSError(f"--uds: cannot bind {path}: {exc.strerror}") from exc
-    sock.listen(backlog)
-    sock.set_inheritable(True)
-    return sock
+    return _listen(socket.socket(socket.AF_UNIX, socket.SOCK_STREAM), path, backlog, f"--uds: cannot bind {path}")
 
 
 def bind_socket(host: str, port: int, backlog: int = DEFAULT_BACKLOG) -> socket.socket:
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    return _listen(sock, (host, port), backlog, f"cannot bind {host}:{port}")
+
+
+def _listen(sock: socket.socket, address: str | tuple[str, int], backlog: int, failure: str) -> socket.socket:
+    """`sock` bound to `address` and listening (inheritable, for the server's workers); closed when
+    the bind fails, with an OSError saying `failure` and why."""
     try:
-        sock.bind((host, port))
+        sock.bind(address)
     except OSError as exc:
         sock.close()
-        raise OSError(f"cannot bind {host}:{port}: {exc.strerror}") from exc
+        raise OSError(f"{failure}: {exc.strerror}") from exc
     sock.listen(backlog)
     sock.set_inheritable(True)
     return sock
