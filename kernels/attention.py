@@ -58,6 +58,16 @@ first use per window, groups over the rows' tables cut to the window
 covers the first block's positions before it. Prefill with either runs over query chunks with an
 explicit mask and gathers only the keys a chunk's window reaches; soft-capped scores are fp32
 (SDPA cannot cap). With both unset every path is the code that ran before they existed.
+
+Attention sinks (gpt-oss: `sinks=`, one learned logit per query head) join each row's softmax
+denominator and carry no value: p_j = exp(s_j) / (sum_k exp(s_k) + exp(sink)), so a head can
+attend to "nothing". Chunked local attention (Llama 4: `chunk=`) lets the query at position i
+see only keys j <= i in its own chunk, j // chunk == i // chunk. Both are per call like windows;
+the first key a row sees is `_first_key` of its position under window and chunk together. The
+torch paths take them here (decode through the same per-limit groups as a window, with the sink
+as one more score column in fp32; prefill through the masked path); the native CPU decode kernel
+takes them too. The Triton kernels take neither: a call with a sink or a chunk on that path runs
+the torch code below, over the same cache (correct, not fast).
 """
 
 from __future__ import annotations
@@ -82,7 +92,7 @@ from triollm.kernels.kv_quant import (
     scale_bytes_per_token,
     set_cache_scale,
 )
-from triollm.kernels.masking import check_window_softcap
+from triollm.kernels.masking import check_sinks_chunk, check_window_softcap
 from triollm.kernels.triton import use_triton, use_triton_on
 
 __all__ = [
@@ -269,16 +279,18 @@ def paged_decode_attention(
     native: bool | None = None,
     window: int | None = None,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
+    chunk: int | None = None,
 ) -> torch.Tensor:
     """One query token per sequence. q `[B, H, hd]`; block_tables `[B, M]` (padded with any
     valid block id); context_lens `[B]` counts the tokens to attend to, the query's own included
     (its K/V must already be written). Returns `[B, H, hd]`. (One-shot form of `plan_decode` +
-    `decode_attention`, which describes `window` and `softcap`.)"""
+    `decode_attention`, which describes `window`, `softcap`, `sinks` and `chunk`.)"""
     lens = context_lens.tolist()
     bs = v_cache.shape[2]
     tables = [row[: -(-n // bs)] for row, n in zip(block_tables.tolist(), lens)]
     plan = plan_decode(tables, lens, bs, q.device, native=native)
-    return decode_attention(q, k_cache, v_cache, plan, scale, window=window, softcap=softcap)
+    return decode_attention(q, k_cache, v_cache, plan, scale, window=window, softcap=softcap, sinks=sinks, chunk=chunk)
 
 
 # Fixed cost of one more decode group, in blocks of padding it must save to pay off: a group's
@@ -326,32 +338,42 @@ class DecodePlan:
     workspace: DecodeWorkspace
     native: tuple[torch.Tensor, torch.Tensor] | None = None
     triton: tuple[torch.Tensor, torch.Tensor] | None = None  # the same, for the Triton kernel
-    # The torch path's rows (block tables, context lengths), block size and device, from which
-    # `window_groups` cuts a window's groups; and those groups, built once per window.
+    # The rows (block tables, context lengths), block size and device, from which
+    # `window_groups` cuts the torch path's groups for a window or a chunk (on any plan: a call
+    # the native or Triton kernel cannot take runs the torch path); those groups, built once.
     rows: tuple[list[list[int]], list[int], int, torch.device] | None = None
-    _windowed: dict[int, list[DecodeGroup]] = field(default_factory=dict, repr=False)
+    _windowed: dict[tuple[int | None, int | None], list[DecodeGroup]] = field(default_factory=dict, repr=False)
 
-    def window_groups(self, window: int) -> list[DecodeGroup]:
-        """The torch path's groups for a sliding window of `window` tokens: each row's table
-        starts at the block holding its position `len - window`, and the mask also covers that
-        block's positions before it. The plan's own groups when no row is longer than the
-        window. Built on first use and kept: every layer with this window shares them."""
-        groups = self._windowed.get(window)
+    def window_groups(self, window: int | None, chunk: int | None = None) -> list[DecodeGroup]:
+        """The torch path's groups for a sliding window of `window` tokens and chunks of `chunk`
+        (either may be None): each row's table starts at the block holding its first key
+        (`_first_key`), and the mask also covers that block's positions before it. The plan's
+        own groups when every row sees its whole context. Built on first use and kept: every
+        layer with these limits shares them."""
+        groups = self._windowed.get((window, chunk))
         if groups is None:
-            assert self.rows is not None, "window_groups: a plan of the torch path"
+            assert self.rows is not None, "window_groups: a plan with its rows"
             tables, lens, bs, device = self.rows
-            if max(lens) <= window:
-                groups = self.groups
+            starts = [_first_key(n - 1, window, chunk) for n in lens]
+            if not any(starts):
+                groups = self.groups or _make_groups(tables, lens, None, device)
             else:
-                firsts = [max(0, n - window) // bs for n in lens]
+                firsts = [k // bs for k in starts]
                 groups = _make_groups(
                     [t[f:] for t, f in zip(tables, firsts)],
                     [n - f * bs for n, f in zip(lens, firsts)],
-                    [max(0, n - window) - f * bs for n, f in zip(lens, firsts)],
+                    [k - f * bs for k, f in zip(starts, firsts)],
                     device,
                 )
-            self._windowed[window] = groups
+            self._windowed[(window, chunk)] = groups
         return groups
+
+
+def _first_key(pos: int, window: int | None, chunk: int | None) -> int:
+    """The first key position the query at `pos` attends, under a sliding window (i - j < window)
+    and a chunk (j // chunk == i // chunk), either or both None."""
+    first = 0 if window is None else max(0, pos - window + 1)
+    return first if chunk is None else max(first, pos // chunk * chunk)
 
 
 def plan_decode(
@@ -371,6 +393,7 @@ def plan_decode(
         native = not triton and torch.device(device).type == "cpu" and cpu_native.available()
     elif native and not cpu_native.available():
         raise RuntimeError("plan_decode(native=True): the native CPU kernels are not available")
+    source = (block_tables, context_lens, block_size, torch.device(device))
     if native or triton:
         # One host buffer, one copy: [B] lengths, then the [B, width] tables padded with block 0.
         batch, width = len(block_tables), max(map(len, block_tables))
@@ -380,10 +403,9 @@ def plan_decode(
         both = upload_int32(host, device)
         lens_t, table_t = both[:batch], both[batch:].view(batch, width)
         if triton:
-            return DecodePlan([], workspace or DecodeWorkspace(), triton=(table_t, lens_t))
-        return DecodePlan([], workspace or DecodeWorkspace(), (table_t, lens_t))
+            return DecodePlan([], workspace or DecodeWorkspace(), triton=(table_t, lens_t), rows=source)
+        return DecodePlan([], workspace or DecodeWorkspace(), (table_t, lens_t), rows=source)
     groups = _make_groups(block_tables, context_lens, None, device)
-    source = (block_tables, context_lens, block_size, torch.device(device))
     return DecodePlan(groups, workspace or DecodeWorkspace(), rows=source)
 
 
@@ -452,31 +474,38 @@ def decode_attention(
     *,
     window: int | None = None,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
+    chunk: int | None = None,
 ) -> torch.Tensor:
     """One query token per row of the plan. q `[B, H, hd]`; returns `[B, H, hd]`. `window`: a
     row of context length n attends only its last `window` positions, `[max(0, n - window), n)`;
-    `softcap`: scores s become softcap * tanh(s / softcap) before the softmax (None: neither)."""
+    `softcap`: scores s become softcap * tanh(s / softcap) before the softmax; `sinks` `[H]`: a
+    logit per head joining the softmax's denominator; `chunk`: the query at position n - 1
+    attends only positions of its own chunk, from (n - 1) // chunk * chunk (None: none of them)."""
     if window is not None or softcap is not None:
         check_window_softcap(window, softcap)
-    if plan.native is not None:
+    plain = sinks is None and chunk is None
+    if not plain:
+        check_sinks_chunk(sinks, chunk, q.shape[1])
+    if plan.native is not None and plain:
         tables, lens = plan.native
         return cpu_native.paged_decode_attention(
             q, k_cache, v_cache, tables, lens, scale, window=window, softcap=softcap
         )
-    if plan.triton is not None:
+    if plan.triton is not None and plain:
         from triollm.kernels.triton import attention as triton_attention
 
         tables, lens = plan.triton
         return triton_attention.paged_decode_attention(
             q, k_cache, v_cache, tables, lens, scale, window=window, softcap=softcap
         )
-    groups = plan.groups if window is None else plan.window_groups(window)
+    groups = plan.groups if window is None and chunk is None and plan.groups else plan.window_groups(window, chunk)
     if len(groups) == 1:
-        return _group_attention(q, k_cache, v_cache, groups[0], plan.workspace, scale, softcap)
+        return _group_attention(q, k_cache, v_cache, groups[0], plan.workspace, scale, softcap, sinks)
     out = torch.empty_like(q)
     for g in groups:
         out[g.start : g.end] = _group_attention(
-            q[g.start : g.end], k_cache, v_cache, g, plan.workspace, scale, softcap
+            q[g.start : g.end], k_cache, v_cache, g, plan.workspace, scale, softcap, sinks
         )
     return out
 
@@ -489,6 +518,7 @@ def _group_attention(
     workspace: DecodeWorkspace,
     scale: float,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     kvh, _, bs, hd = v_cache.shape
     b, h, _ = q.shape
@@ -497,12 +527,15 @@ def _group_attention(
     torch.index_select(v_cache, 1, g.block_ids, out=v)
     k = _group_values(k, k_cache, g, b, q.dtype)  # a bf16, fp8 or int8 cache under fp32
     v = _group_values(v, v_cache, g, b, q.dtype)
-    if softcap is not None:  # scores, cap and softmax in fp32
+    if softcap is not None or sinks is not None:  # scores, cap and softmax in fp32
         qh = (q.float() * scale).view(b, kvh, h // kvh, hd).transpose(0, 1)  # [kvh, B, group, hd]
-        scores = _soft_cap(torch.matmul(qh, k.float().transpose(-1, -2)), softcap)
+        scores = torch.matmul(qh, k.float().transpose(-1, -2))
+        if softcap is not None:
+            _soft_cap(scores, softcap)
         if g.pad is not None:
             scores.masked_fill_(g.pad[None, :, None, :], float("-inf"))
-        out = torch.matmul(torch.softmax(scores, dim=-1), v.float()).to(q.dtype)
+        sink = None if sinks is None else sinks.float().view(kvh, 1, h // kvh, 1)
+        out = torch.matmul(_softmax(scores, sink), v.float()).to(q.dtype)
         return out.transpose(0, 1).reshape(b, h, hd)
     if g.pad is None:  # nothing to mask: one fused call (fewer dispatches matter at batch 1)
         qh = q.view(b, kvh, h // kvh, hd).transpose(0, 1)  # [kvh, B, group, hd]
@@ -543,15 +576,21 @@ def prefill_attention(
     *,
     window: int | None = None,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
+    chunk: int | None = None,
 ) -> torch.Tensor:
     """Causal attention of n new tokens of one sequence. q `[n, H, hd]`, k/v `[n, kvh, hd]` (the
     new tokens, already written to the cache); `num_context` earlier tokens of the sequence live
     in the cache blocks `block_ids`. Returns `[n, H, hd]`. `window`: the token at position i
     attends positions j with i - j < window; `softcap`: scores s become
-    softcap * tanh(s / softcap) before the softmax (None: neither)."""
+    softcap * tanh(s / softcap) before the softmax; `sinks` `[H]`, `chunk`: as
+    `decode_attention` (None: none of them)."""
     if window is not None or softcap is not None:
         check_window_softcap(window, softcap)
-    if use_triton(q):
+    plain = sinks is None and chunk is None
+    if not plain:
+        check_sinks_chunk(sinks, chunk, q.shape[1])
+    if use_triton(q) and plain:
         from triollm.kernels.triton import attention as triton_attention
 
         return triton_attention.paged_prefill_attention(
@@ -560,9 +599,11 @@ def prefill_attention(
     n = q.shape[0]
     if window is not None and window >= num_context + n:
         window = None  # every token sees its whole causal past
-    if window is not None or softcap is not None:
+    if chunk is not None and num_context + n <= chunk:
+        chunk = None  # every token is in the first chunk
+    if window is not None or softcap is not None or sinks is not None or chunk is not None:
         return _masked_prefill(
-            q, k, v, k_cache, v_cache, block_ids, num_context, scale, window, softcap
+            q, k, v, k_cache, v_cache, block_ids, num_context, scale, window, softcap, sinks, chunk
         )
     qh = q.transpose(0, 1).unsqueeze(0)  # [1, H, n, hd]
     if num_context == 0 and _holds_exactly(k_cache, q):
@@ -641,14 +682,17 @@ def prefill_attention_chunks(
     *,
     window: int | None = None,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
+    chunk: int | None = None,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`prefill_attention` of every chunk of `plan`: q `[P, H, hd]` and k/v `[P, kvh, hd]` are the
     rows of the prefill tokens (K/V already written). Returns `[P, H, hd]` (into `out` if
-    given). On the Triton path one launch runs them all."""
+    given). On the Triton path one launch runs them all (without sinks or chunks: the torch
+    path runs those, module note)."""
     if window is not None or softcap is not None:
         check_window_softcap(window, softcap)
-    if plan.triton is not None:
+    if plan.triton is not None and sinks is None and chunk is None:
         from triollm.kernels.triton import attention as triton_attention
 
         starts, contexts, tables = plan.triton
@@ -662,7 +706,7 @@ def prefill_attention_chunks(
         rows = slice(start, start + length)
         out[rows] = prefill_attention(
             q[rows], k[rows], v[rows], k_cache, v_cache, block_ids, context, scale,
-            window=window, softcap=softcap,
+            window=window, softcap=softcap, sinks=sinks, chunk=chunk,
         )  # fmt: skip
     return out
 
@@ -683,14 +727,16 @@ def _masked_prefill(
     scale: float,
     window: int | None,
     softcap: float | None,
+    sinks: torch.Tensor | None = None,
+    chunk: int | None = None,
 ) -> torch.Tensor:
-    """`prefill_attention` with a window or a soft-cap: over chunks of query rows, each with an
-    explicit mask over the keys its window reaches (the cache is read from the block holding
-    the first token's window start)."""
+    """`prefill_attention` with a window, a soft-cap, sinks or chunks: over chunks of query rows,
+    each with an explicit mask over the keys its window and chunk reach (the cache is read from
+    the block holding the first token's first key)."""
     n, h, hd = q.shape
     kvh, _, bs, _ = v_cache.shape
     total = num_context + n
-    first = 0 if window is None else max(0, num_context - window + 1)  # the first key any row sees
+    first = _first_key(num_context, window, chunk)  # the first key any row sees
     if num_context == 0 and _holds_exactly(k_cache, q):
         key0 = 0
         kh, vh = k.transpose(0, 1), v.transpose(0, 1)  # [kvh, n, hd]
@@ -700,31 +746,47 @@ def _masked_prefill(
         kh, vh = gather_kv(k_cache, v_cache, block_ids[fb:], 0, total - key0, q.dtype)
     qh = q.transpose(0, 1)  # [H, n, hd]
     out = q.new_empty(h, n, hd)
-    # A chunk of r <= window rows reaches at most r + window - 1 < 2 * window keys.
-    reach = total - key0 if window is None else min(total - key0, 2 * window)
+    # A chunk of r <= span rows reaches at most r + span - 1 < 2 * span keys.
+    span = min((x for x in (window, chunk) if x is not None), default=None)
+    reach = total - key0 if span is None else min(total - key0, 2 * span)
     rows = max(1, _PREFILL_CHUNK_SCORES // (h * reach))
-    if window is not None:
-        rows = min(rows, window)
+    if span is not None:
+        rows = min(rows, span)
+    sink = None if sinks is None else sinks.float().view(kvh, h // kvh, 1, 1)
     for r0 in range(0, n, rows):
         r1 = min(n, r0 + rows)
         q_pos = torch.arange(num_context + r0, num_context + r1, device=q.device)[:, None]
-        lo = key0 if window is None else max(key0, num_context + r0 - window + 1)
+        lo = max(key0, _first_key(num_context + r0, window, chunk))
         k_pos = torch.arange(lo, num_context + r1, device=q.device)[None, :]
         allowed = k_pos <= q_pos  # [rows, keys], True = attend
         if window is not None:
             allowed &= k_pos > q_pos - window
+        if chunk is not None:
+            allowed &= k_pos // chunk == q_pos // chunk
         keys = slice(lo - key0, num_context + r1 - key0)
         ks, vs = kh[:, keys], vh[:, keys]
-        if softcap is None:
+        if softcap is None and sink is None:
             out[:, r0:r1] = _sdpa(qh[None, :, r0:r1], ks[None], vs[None], allowed, scale)[0]
             continue
-        # Soft-capped: fp32 scores [kvh, group, rows, keys] (SDPA cannot cap them).
+        # Soft-capped or with sinks: fp32 scores [kvh, group, rows, keys] (SDPA cannot cap them
+        # nor add a sink).
         qg = qh[:, r0:r1].float().reshape(kvh, h // kvh * (r1 - r0), hd) * scale
-        scores = _soft_cap(torch.matmul(qg, ks.float().transpose(1, 2)), softcap)
+        scores = torch.matmul(qg, ks.float().transpose(1, 2))
+        if softcap is not None:
+            _soft_cap(scores, softcap)
         scores = scores.view(kvh, h // kvh, r1 - r0, -1).masked_fill_(~allowed, float("-inf"))
-        probs = torch.softmax(scores, dim=-1).view(kvh, h // kvh * (r1 - r0), -1)
+        probs = _softmax(scores, sink).view(kvh, h // kvh * (r1 - r0), -1)
         out[:, r0:r1] = torch.matmul(probs, vs.float()).view(h, r1 - r0, hd)
     return out.transpose(0, 1)
+
+
+def _softmax(scores: torch.Tensor, sink: torch.Tensor | None) -> torch.Tensor:
+    """Softmax over the last dim of fp32 `scores`, with `sink` (broadcast to one logit per row)
+    as one more column of the denominator that is then dropped (module note)."""
+    if sink is None:
+        return torch.softmax(scores, dim=-1)
+    column = sink.expand(*scores.shape[:-1], 1)
+    return torch.softmax(torch.cat((scores, column), dim=-1), dim=-1)[..., :-1]
 
 
 def _soft_cap(scores: torch.Tensor, softcap: float) -> torch.Tensor:

@@ -9,11 +9,12 @@ activations, RoPE scaling, soft-capping) stays transformers' business
 (engine/execution/models/transformers_backend.py).
 
 Refused here, naming the field: an architecture the installed transformers does not ship as a
-causal LM, encoder-decoder models, `layer_types` other than full and sliding attention (linear
-attention, Mamba, short convolutions, chunked attention: what a paged KV cache alone cannot hold),
+causal LM, encoder-decoder models, `layer_types` other than full, sliding and chunked attention
+(linear attention, Mamba, short convolutions: what a paged KV cache alone cannot hold), chunked
+layers without a positive `attention_chunk_size`,
 RoPE settings rope_config.py does not know or that transformers recomputes per forward call
 (dynamic NTK past max_position_embeddings, rope_config's module note). What only the built model
-shows (a recurrent mixer, cross-attention, attention sinks, a model whose attention bypasses
+shows (a recurrent mixer, cross-attention, a model whose attention bypasses
 transformers' attention interface) is refused when the model is built, naming the layer's class.
 """
 
@@ -28,7 +29,7 @@ from triollm.engine.loading.rope_config import RopeConfig, parse_rope
 
 __all__ = ["PAGED_LAYER_TYPES", "hf_text_config", "import_transformers", "parse_transformers_config"]
 
-PAGED_LAYER_TYPES = ("full_attention", "sliding_attention")
+PAGED_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
 
 
 _ROOT = Path(__file__).resolve().parents[2]  # triollm's package root: a checkout's root
@@ -100,8 +101,14 @@ def parse_transformers_config(hf: Mapping[str, Any], arch: str) -> dict[str, Any
     if unpaged:
         raise ValueError(
             f"layer_types: {', '.join(map(repr, unpaged))} layers cannot be paged by the Transformers backend "
-            f"(recurrent state, convolutions or chunked attention); allowed: {', '.join(PAGED_LAYER_TYPES)}"
+            f"(recurrent state or convolutions); allowed: {', '.join(PAGED_LAYER_TYPES)}"
         )
+    if "chunked_attention" in layer_types:
+        chunk = getattr(cfg, "attention_chunk_size", None)
+        if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
+            raise ValueError(
+                f"attention_chunk_size: {chunk!r} for 'chunked_attention' layers; allowed: an integer >= 1"
+            )
     hidden = _positive_int(cfg, "hidden_size")
     num_heads = _positive_int(cfg, "num_attention_heads")
     num_kv_heads = getattr(cfg, "num_key_value_heads", None) or num_heads

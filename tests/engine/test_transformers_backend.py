@@ -69,6 +69,15 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
                                                    "q_lora_rank": None, "kv_lora_rank": 32, "qk_rope_head_dim": 8,
                                                    "qk_nope_head_dim": 8, "v_head_dim": 8, "num_key_value_heads": 4,
                                                    **_MOE}),
+    # Attention sinks on every layer, windows on alternate ones, biased experts with the clamped SwiGLU.
+    "GptOssForCausalLM": ("GptOssConfig", {**_LLAMA_LIKE, "num_local_experts": 4, "head_dim": 16, "sliding_window": 10,
+                                           "layer_types": ["sliding_attention", "full_attention"], **_MOE}),
+    # Chunks of 8 on the RoPE layer (the prompts cross four), a NoPE layer with temperature tuning
+    # (floor_scale 4: the factor changes every 4 positions), an MoE layer after a dense one.
+    "Llama4ForCausalLM": ("Llama4TextConfig", {**_LLAMA_LIKE, "head_dim": 16, "attention_chunk_size": 8,
+                                               "no_rope_layers": [1, 0], "floor_scale": 4, "attn_scale": 0.5,
+                                               "num_local_experts": 4, "intermediate_size_mlp": 128,
+                                               "interleave_moe_layer_step": 2, "num_experts_per_tok": 1}),
 }  # fmt: skip
 
 
@@ -230,8 +239,9 @@ REFUSED = [
     ("Lfm2Config", "Lfm2ForCausalLM", {**SMALL, "layer_types": ["conv", "full_attention"]},
      r"layer_types: 'conv' layers cannot be paged"),
     ("BartConfig", "BartForCausalLM", {"vocab_size": 384}, r"is_encoder_decoder: BartForCausalLM is an encoder-"),
-    ("Llama4TextConfig", "Llama4ForCausalLM", {**SMALL, "layer_types": ["chunked_attention", "full_attention"]},
-     r"layer_types: 'chunked_attention' layers cannot be paged"),
+    ("Llama4TextConfig", "Llama4ForCausalLM", {**SMALL, "num_key_value_heads": 4, "attention_chunk_size": None,
+                                                "layer_types": ["chunked_attention", "full_attention"]},
+     r"attention_chunk_size: None for 'chunked_attention' layers; allowed: an integer >= 1"),
     ("T5Config", "T5ForConditionalGeneration", {"vocab_size": 384}, r"architectures: 'T5ForConditionalGeneration' is "
      r"not a causal language model"),
 ]  # fmt: skip
@@ -261,8 +271,8 @@ def test_native_only_refuses_other_architectures(tmp_path: Path) -> None:
 
 
 def test_layers_the_backend_cannot_page_are_refused_when_built(tmp_path: Path) -> None:
-    """What only the built model shows: GPT-2 with cross-attention layers, gpt-oss's attention
-    sinks; StableLM, whose attention does not go through transformers' attention interface."""
+    """What only the built model shows: GPT-2 with cross-attention layers; StableLM, whose
+    attention does not go through transformers' attention interface."""
     from triollm.engine.execution.models import load_model
 
     path = make_backend_model(tmp_path / "gpt2", "GPT2LMHeadModel")
@@ -270,15 +280,6 @@ def test_layers_the_backend_cannot_page_are_refused_when_built(tmp_path: Path) -
     (path / "config.json").write_text(json.dumps({**config, "add_cross_attention": True}))
     with pytest.raises(ValueError, match=r"has a GPT2Attention layer \(transformer.h.0.crossattention\)"):
         load_model(ModelConfig.from_pretrained(path, max_model_len=64))
-    CASES["GptOssForCausalLM"] = ("GptOssConfig", {**_LLAMA_LIKE, "num_local_experts": 4, "head_dim": 16, **_MOE})
-    try:
-        gpt_oss = make_backend_model(tmp_path / "gpt-oss", "GptOssForCausalLM")
-    finally:
-        del CASES["GptOssForCausalLM"]
-    with pytest.raises(
-        ValueError, match=r"GptOssForCausalLM's GptOssAttention \(model.layers.0.self_attn\) has attention sinks"
-    ):
-        load_model(ModelConfig.from_pretrained(gpt_oss, max_model_len=64))
     stablelm = _config_dir(
         tmp_path / "stablelm", "StableLmConfig", "StableLmForCausalLM", **SMALL, num_key_value_heads=4
     )
@@ -288,10 +289,13 @@ def test_layers_the_backend_cannot_page_are_refused_when_built(tmp_path: Path) -
         load_model(ModelConfig.from_pretrained(stablelm, max_model_len=64))
 
 
-@pytest.mark.parametrize("arch", ["MinistralForCausalLM", "DeepseekV3ForCausalLM"])
+@pytest.mark.parametrize(
+    "arch", ["MinistralForCausalLM", "DeepseekV3ForCausalLM", "GptOssForCausalLM", "Llama4ForCausalLM"]
+)
 def test_backend_on_the_triton_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, arch: str) -> None:
     """The CUDA code path (Triton attention kernels and the k-head-dim-last cache layout), run on
-    CPU under the interpreter: windows and padded latent-attention heads give transformers' tokens."""
+    CPU under the interpreter: windows and padded latent-attention heads give transformers' tokens,
+    and so do sinks and chunks (their layers on the torch code over the same cache)."""
     monkeypatch.setenv("TRIOLLM_KERNELS", "triton")
     path = make_backend_model(tmp_path / arch, arch, seed=len(arch))
     ids = prompts()

@@ -11,7 +11,9 @@ Triton kernel on GPU, the native CPU kernel in an all-decode step (full rotary o
 rotary's step brings gathered rows, layers/rotary.py). A layer's
 sliding window (`window`: the query at position i sees keys j with i - j < window) and attention
 logit soft-capping (`softcap`, Gemma 2) are passed to every kernel; the decode plan is shared by
-all layers, windowed or not.
+all layers, windowed or not. So are attention sinks (`sinks`, gpt-oss: a learned logit per query
+head in the softmax's denominator) and chunked local attention (`chunk`, Llama 4: a query sees
+only the keys of its own chunk of positions); kernels/attention.py says which kernels take them.
 """
 
 from __future__ import annotations
@@ -74,12 +76,16 @@ class PagedAttention(nn.Module):
         *,
         window: int | None = None,
         softcap: float | None = None,
+        sinks: torch.Tensor | None = None,
+        chunk: int | None = None,
     ) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim, self.scale = num_heads, num_kv_heads, head_dim, scale
-        self.window, self.softcap = window, softcap
+        self.window, self.softcap, self.chunk = window, softcap, chunk
+        self.sinks = sinks  # `[num_heads]`: the model's parameter (this rank's heads), not a copy
         # Passed to the kernels only when set: the plain call stays the plain call.
-        self.extra: dict[str, Any] = {k: v for k, v in (("window", window), ("softcap", softcap)) if v is not None}
+        limits = (("window", window), ("softcap", softcap), ("sinks", sinks), ("chunk", chunk))
+        self.extra: dict[str, Any] = {k: v for k, v in limits if v is not None}
         self.calculate_kv_scales = False  # set by `calculate_kv_scales_on_first_prompt`
 
     def forward(

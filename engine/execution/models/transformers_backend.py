@@ -12,11 +12,17 @@ module calls it with its already-normalised, already-rotated q, k and v (`[1, he
 and its `layer_idx`. The function writes k and v to that layer's paged cache and attends with
 the same kernels and the same `PagedAttention` code the native models use (decode tokens in one
 batched paged call, each prefill chunk causally over its cached context), passing the module's
-`scaling`, `sliding_window` and `softcap` through. The step's `AttentionMetadata` and KV cache
+`scaling`, `sliding_window` and `softcap` through, and its attention sinks (`s_aux`, gpt-oss) and
+its chunk (`attention_chunk_size` where `layer_types` says 'chunked_attention', Llama 4: transformers
+gives that through the mask it builds, and it builds none here). The step's `AttentionMetadata` and KV cache
 reach it through `_STEP`, set by `TransformersForCausalLM.forward` around the one call and
 cleared after it: explicit, and one forward at a time per process (the engine core's loop).
 transformers builds no attention mask for an implementation it has no mask function for, so the
-flat batch `[1, T]` with explicit `position_ids` costs no `[T, T]` mask.
+flat batch `[1, T]` with explicit `position_ids` costs no `[T, T]` mask. One module reads
+positions from the batch's length rather than `position_ids`: Llama 4's NoPE layers scale q by
+log1p(floor((p + 1) / floor_scale)) * attn_scale + 1 with p counted from 0 over the flat batch
+(no cache); the attention function rescales each row to its token's own position
+(`_retune_temperature`), which is what transformers computes for one sequence with its cache.
 
 The forward returns the base model's last hidden states; `compute_logits` runs the causal-LM
 class's own head on them (the base model swapped for one that returns them), so whatever that
@@ -24,8 +30,9 @@ class does after its `lm_head` (Cohere's logit scale, Granite's divisor, Gemma's
 is transformers' own code too.
 
 Refused when the model is built, naming the layer's class: recurrent or convolutional mixers
-(Mamba, gated DeltaNet, short convolutions), cross-attention, attention sinks, and a model whose
-attention does not go through the attention interface (`_supports_attention_backend`). Not run
+(Mamba, gated DeltaNet, short convolutions), cross-attention, a model whose attention does not go
+through the attention interface (`_supports_attention_backend`), and a layer with attention sinks
+that it does not hand to the attention function. Not run
 here yet (refused in engine/config/model.py): tensor parallelism, LoRA, quantized weights.
 Rejected: converting each architecture's weights into the native classes (that is what the
 native families are; the backend exists for everything else).
@@ -60,6 +67,7 @@ class _Step:
     meta: AttentionMetadata
     kv: KVCache
     layers: dict[int, PagedAttention]
+    positions: torch.Tensor  # [T] int64
 
 
 _STEP: _Step | _Probe | None = None  # the step the running forward serves (module note)
@@ -75,18 +83,22 @@ def _paged_attention(
     dropout: float = 0.0,
     sliding_window: int | None = None,
     softcap: float | None = None,
+    s_aux: torch.Tensor | None = None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
     """transformers' attention-function signature: q `[1, H, T, dq]`, k `[1, KVH, T, dq]`, v
-    `[1, KVH, T, dv]`, rotated; returns `[1, T, H, dv]`, having written k and v to the layer's
-    paged cache. Heads narrower than the cache's (multi-head latent attention's v) are padded with
-    zeros, which change no dot product and give zero output columns, sliced off."""
+    `[1, KVH, T, dv]`, rotated; `s_aux` `[H]`: attention sinks; returns `[1, T, H, dv]`, having
+    written k and v to the layer's paged cache. Heads narrower than the cache's (multi-head latent
+    attention's v) are padded with zeros, which change no dot product and give zero output
+    columns, sliced off."""
     step = _STEP
     index: int = getattr(module, "layer_idx")  # noqa: B009 - an nn.Module attribute, not a submodule
     h, t, dq = query.shape[1:]
     kvh, dv = key.shape[1], value.shape[-1]
     if isinstance(step, _Probe):
         step.seen[index] = (h, kvh, key.shape[-1], dv)
+        if s_aux is not None:
+            step.sinks.add(index)
         return query.new_zeros(1, t, h, dv), None
     if step is None:
         raise RuntimeError("the triollm attention runs only inside TransformersForCausalLM.forward")
@@ -95,8 +107,11 @@ def _paged_attention(
     attn = step.layers.get(index)
     if attn is None:
         scale = dq**-0.5 if scaling is None else float(scaling)
-        attn = step.layers[index] = PagedAttention(h, kvh, hd, scale, window=sliding_window, softcap=softcap)
+        attn = step.layers[index] = PagedAttention(
+            h, kvh, hd, scale, window=sliding_window, softcap=softcap, sinks=s_aux, chunk=_layer_chunk(module)
+        )
     q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))
+    q = _retune_temperature(module, q, step.positions)
     if dq < hd:
         q, k = F.pad(q, (0, hd - dq)), F.pad(k, (0, hd - dq))
     if dv < hd:
@@ -107,12 +122,39 @@ def _paged_attention(
     return (out if dv == hd else out[..., :dv]), None
 
 
+def _layer_chunk(module: nn.Module) -> int | None:
+    """The module's chunk of positions where its config's `layer_types` names it a
+    'chunked_attention' layer (checked at load: transformers_config.py), else None."""
+    cfg = getattr(module, "config", None)
+    types = getattr(cfg, "layer_types", None)
+    if types and types[getattr(module, "layer_idx")] == "chunked_attention":  # noqa: B009 - as above
+        return int(cfg.attention_chunk_size)  # type: ignore[union-attr]
+    return None
+
+
+def _retune_temperature(module: nn.Module, q: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """q `[T, H, d]` of a Llama 4 NoPE layer with temperature tuning, scaled by the factor of each
+    token's position instead of the one transformers took from its row in the flat batch (module
+    note); any other module's q as it is."""
+    if not getattr(module, "attn_temperature_tuning", False) or getattr(module, "use_rope", True):
+        return q
+    floor, scale = float(getattr(module, "floor_scale")), float(getattr(module, "attn_scale"))  # noqa: B009
+
+    def factor(p: torch.Tensor) -> torch.Tensor:
+        return torch.log1p(torch.floor((p.float() + 1.0) / floor)) * scale + 1.0
+
+    rows = torch.arange(q.shape[0], device=q.device)
+    return (q.float() * (factor(positions) / factor(rows))[:, None, None]).to(q.dtype)
+
+
 @dataclass
 class _Probe:
     """Set as the step while the model runs one token at load: each layer's (heads, KV heads,
-    k head size, v head size), to check against the KV cache's sizes before any request."""
+    k head size, v head size), to check against the KV cache's sizes before any request, and the
+    layers that handed over attention sinks."""
 
     seen: dict[int, tuple[int, int, int, int]]
+    sinks: set[int]
 
 
 def _register() -> None:
@@ -142,6 +184,20 @@ class _Hidden(nn.Module):
         return self.output_type(last_hidden_state=self.hidden)
 
 
+def _base_name(hf_model: nn.Module) -> str:
+    """The attribute holding the causal LM's base model: its `base_model_prefix`, or `model` where
+    the class shares a prefix it does not use (Llama4ForCausalLM's is 'language_model', the
+    multimodal class's name for the text model it holds as `model`)."""
+    children = dict(hf_model.named_children())
+    for name in (str(hf_model.base_model_prefix), "model"):
+        if name in children:
+            return name
+    raise ValueError(
+        f"model_impl: {type(hf_model).__name__} holds no base model under {hf_model.base_model_prefix!r} or "
+        f"'model' (children: {', '.join(children)}); the Transformers backend cannot find its decoder"
+    )
+
+
 class TransformersForCausalLM(CausalLM):
     """The runner's model interface (`forward`, `compute_logits`, `cfg`) over a transformers
     causal LM. A `CausalLM` for the runner and the executor; none of the native shell is built."""
@@ -152,7 +208,7 @@ class TransformersForCausalLM(CausalLM):
         self.triton: bool | None = None
         self.decode_stack = None
         self.hf = hf_model
-        self.base_name: str = str(hf_model.base_model_prefix)
+        self.base_name = _base_name(hf_model)
         self.base = getattr(hf_model, self.base_name)
         self._layers: dict[int, PagedAttention] = {}  # each layer's attention, made at its first call
         self._stand_in = _Hidden(tuple(name for name, _ in self.base.named_children()))
@@ -172,7 +228,7 @@ class TransformersForCausalLM(CausalLM):
         if self.triton is None:
             self.triton = use_triton(input_ids)
         meta.triton = self.triton
-        _STEP = _Step(meta, kv, self._layers)
+        _STEP = _Step(meta, kv, self._layers, positions)
         try:
             out = self.base(input_ids=input_ids[None], position_ids=positions[None], use_cache=False)
         finally:
@@ -223,7 +279,7 @@ def _check_shapes(cfg: ModelConfig, model: TransformersForCausalLM) -> None:
     """One token through the model with the probe as its attention (`_Probe`): every layer's
     heads must fit the KV cache sized from the config, or the load fails here, not a step."""
     global _STEP
-    probe = _Probe({})
+    probe = _Probe({}, set())
     _STEP = probe
     try:
         with torch.inference_mode():
@@ -232,6 +288,12 @@ def _check_shapes(cfg: ModelConfig, model: TransformersForCausalLM) -> None:
     finally:
         _STEP = None
     want = (cfg.num_kv_heads, cfg.head_dim)
+    for name, m in model.hf.named_modules():
+        if getattr(m, "sinks", None) is not None and getattr(m, "layer_idx", None) not in probe.sinks:
+            raise ValueError(
+                f"model_impl: {cfg.architecture}'s {type(m).__name__} ({name}) has attention sinks that it does not "
+                f"hand to the attention function (s_aux); the Transformers backend cannot apply them"
+            )
     for layer in range(cfg.num_layers):
         if layer not in probe.seen:
             raise ValueError(f"model_impl: {cfg.architecture}'s layer {layer} did not call the paged attention")
@@ -259,11 +321,6 @@ def _check_pageable(cfg: ModelConfig, hf_model: nn.Module) -> None:
             raise ValueError(
                 f"model_impl: {cfg.architecture} has a {cls} layer ({name}): recurrent state, convolutions and "
                 f"cross-attention cannot be paged by the Transformers backend"
-            )
-        if getattr(m, "sinks", None) is not None:
-            raise ValueError(
-                f"model_impl: {cfg.architecture}'s {cls} ({name}) has attention sinks; the Transformers backend's "
-                f"paged attention has none"
             )
         if cls.endswith("Attention") and isinstance(getattr(m, "layer_idx", None), int):
             attention.append(m.layer_idx)
