@@ -253,7 +253,7 @@ class AsyncLLM:
         slow = input_size(prompt, params) > _LARGE_PROMPT or grammar or lora.needs_io(lora_request)
         stream = RequestStream(request_id, params.output_kind, self._release)
         state = table.open(request_id, stream)  # the id is reserved before any await
-        arrival = time.monotonic() if arrival_time is None else arrival_time
+        arrival = time.time() if arrival_time is None else arrival_time  # wall-clock, as vLLM's
 
         def process() -> ProcessedRequest:
             checked = lora.check(lora_request)

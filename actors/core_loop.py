@@ -31,6 +31,7 @@ child process exits non-zero. Callers that must not raise (the in-process transp
 from __future__ import annotations
 
 import logging
+import time
 import traceback
 
 import anyio
@@ -91,7 +92,7 @@ async def serve_engine_core(
                     result = await _step(core, outputs, compute)
                     stuck = core.num_steps == before
                     if result or not stuck:  # its outputs, or a heartbeat: the core steps
-                        await outputs.send(OutputBatch.from_outputs(result, core.statistics()))
+                        await outputs.send(OutputBatch.from_outputs(result, core.statistics(), time.monotonic()))
                     applied = 0
                     continue
             else:

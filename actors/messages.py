@@ -135,6 +135,7 @@ class LogprobColumns(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
 
 
 _NOT_FINISHED = -1
+_NO_TIMES = [0.0, 0.0]
 
 
 class OutputBatch(msgspec.Struct, tag=True, array_like=True, omit_defaults=True, gc=False):
@@ -151,6 +152,11 @@ class OutputBatch(msgspec.Struct, tag=True, array_like=True, omit_defaults=True,
     stats: EngineCoreStats | None = None
     # A pooling model's step: every entry's embedding (float32 bytes); None for a generative one.
     pooled: list[bytes | None] | None = None
+    # When the core made these outputs (time.monotonic(); RequestOutput.metrics' token stamps).
+    timestamp: float = 0.0
+    # [queued_ts, scheduled_ts] per entry, only in a batch where some request sent its first
+    # output (engine/request.py); None in the steady state of decoding.
+    queue_times: list[list[float]] | None = None
 
     @property
     def is_heartbeat(self) -> bool:
@@ -159,7 +165,7 @@ class OutputBatch(msgspec.Struct, tag=True, array_like=True, omit_defaults=True,
 
     @classmethod
     def from_outputs(
-        cls, outputs: list[EngineCoreOutput], stats: EngineCoreStats | None = None
+        cls, outputs: list[EngineCoreOutput], stats: EngineCoreStats | None = None, timestamp: float = 0.0
     ) -> OutputBatch:
         # One core is either generative or pooling, so its first output tells which (O(1) here).
         if outputs and outputs[0].pooled is not None:
@@ -181,6 +187,10 @@ class OutputBatch(msgspec.Struct, tag=True, array_like=True, omit_defaults=True,
             logprobs=LogprobColumns.pack([o.new_logprobs for o in outputs]),
             prompt_logprobs=LogprobColumns.pack([o.new_prompt_logprobs for o in outputs]),
             stats=stats,
+            timestamp=timestamp,
+            queue_times=[[o.queued_ts, o.scheduled_ts] for o in outputs]
+            if any(o.scheduled_ts for o in outputs)
+            else None,
         )
 
     def to_outputs(self) -> list[EngineCoreOutput]:
@@ -194,6 +204,7 @@ class OutputBatch(msgspec.Struct, tag=True, array_like=True, omit_defaults=True,
         n = len(self.request_ids)
         lps = self.logprobs.unpack(n) if self.logprobs else [None] * n
         plps = self.prompt_logprobs.unpack(n) if self.prompt_logprobs else [None] * n
+        times = self.queue_times or [_NO_TIMES] * n
         return [
             EngineCoreOutput(
                 rid,
@@ -203,8 +214,10 @@ class OutputBatch(msgspec.Struct, tag=True, array_like=True, omit_defaults=True,
                 new_logprobs=lp,
                 new_prompt_logprobs=plp,
                 num_cached_tokens=nc,
+                queued_ts=qs[0],
+                scheduled_ts=qs[1],
             )
-            for rid, toks, fr, sr, nc, lp, plp in zip(
+            for rid, toks, fr, sr, nc, lp, plp, qs in zip(
                 self.request_ids,
                 self.new_token_ids,
                 self.finish_reasons,
@@ -212,6 +225,7 @@ class OutputBatch(msgspec.Struct, tag=True, array_like=True, omit_defaults=True,
                 self.num_cached_tokens,
                 lps,
                 plps,
+                times,
             )
         ]
 

@@ -105,7 +105,8 @@ class OutputActor:
         for start in range(0, len(outputs), size):
             if start:
                 await anyio.lowlevel.checkpoint()
-            self.link.abort(self.frontend.on_outputs(outputs[start : start + size]).reqs_to_abort)
+            processed = self.frontend.on_outputs(outputs[start : start + size], batch.timestamp or None)
+            self.link.abort(processed.reqs_to_abort)
 
     def die(self, error: EngineDeadError) -> None:
         """Declare the core dead (once): every request's stream and every call get the error."""

@@ -96,6 +96,10 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
     # A pooling model's result (finished, no tokens): little-endian float32 bytes
     # (engine/pooling_outputs.py `pack_pooled`).
     pooled: bytes | None = None
+    # RequestOutput.metrics' stamps (the scheduler's monotonic clock), on a request's first
+    # output only: when it was queued and first scheduled (0.0 on the others).
+    queued_ts: float = 0.0
+    scheduled_ts: float = 0.0
 
     @property
     def finished(self) -> bool:

@@ -81,7 +81,7 @@ class SyncEngine:
                 state,
                 prompt,
                 params,
-                arrival_time=time.monotonic(),
+                arrival_time=time.time(),
                 priority=priority,
                 lora_request=self.lora.check(lora_request),
             )

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import enum
 import itertools
+import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol, cast
@@ -378,10 +379,12 @@ class Frontend:
 
     # ------------------------------------------------------------------ outputs
 
-    def on_outputs(self, outputs: Sequence[EngineCoreOutput]) -> ProcessedOutputs:
+    def on_outputs(self, outputs: Sequence[EngineCoreOutput], timestamp: float | None = None) -> ProcessedOutputs:
         """Apply one chunk of core outputs: each advanced request's output is put into its
-        stream (and returned); the core ids a stop string finished are returned to abort."""
+        stream (and returned); the core ids a stop string finished are returned to abort.
+        `timestamp`: when the core made them (`time.monotonic()`; None: now)."""
         result = ProcessedOutputs()
+        now = time.monotonic() if timestamp is None else timestamp
         advanced: dict[str, tuple[RequestState, list[SequenceState]]] = {}
         for out in outputs:
             child = self._by_core.get(out.request_id)
@@ -390,7 +393,7 @@ class Frontend:
             state = self._requests[child.parent.request_id]
             self._unqueue(state, child)
             self._num_generation_tokens += len(out.new_token_ids)
-            if child.parent.apply(child, out):
+            if child.parent.apply(child, out, now):
                 result.reqs_to_abort.append(out.request_id)
             if child.finished:
                 del self._by_core[out.request_id]

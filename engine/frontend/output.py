@@ -18,6 +18,7 @@ Differences from vLLM, on purpose:
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING
 
@@ -26,6 +27,7 @@ from triollm.engine.outputs import (
     Logprob,
     PromptLogprobs,
     RequestOutput,
+    RequestStateStats,
     SampleLogprobs,
 )
 from triollm.engine.pooling_outputs import PoolingOutput, PoolingRequestOutput, unpack_pooled
@@ -247,10 +249,25 @@ class OutputState:
             for i, req in enumerate(processed.core_requests)
         ]
         self.num_unfinished = len(self.children)
+        self.metrics = RequestStateStats(arrival_time=processed.arrival_time)
 
     @property
     def finished(self) -> bool:
         return self.num_unfinished == 0
+
+    def record_times(self, out: EngineCoreOutput, timestamp: float) -> None:
+        """Fold one core output's stamps into `metrics` (`timestamp`: when the core made it).
+        With n > 1 the earliest child's queue stamps count, as the request's."""
+        m = self.metrics
+        if out.scheduled_ts:
+            m.queued_ts = min(m.queued_ts or out.queued_ts, out.queued_ts)
+            m.scheduled_ts = min(m.scheduled_ts or out.scheduled_ts, out.scheduled_ts)
+        if out.new_token_ids:
+            if not m.first_token_ts:
+                m.first_token_ts = timestamp
+                m.first_token_latency = time.time() - m.arrival_time
+            m.last_token_ts = timestamp
+            m.num_generation_tokens += len(out.new_token_ids)
 
     def add_prompt_logprobs(self, child: SequenceState, rows: Logprobs) -> None:
         # Every child has the same prompt: take the rows of the first child that sends any.
@@ -274,6 +291,7 @@ class OutputState:
             outputs=[c.completion(delta) for c in children],
             finished=self.finished,
             num_cached_tokens=children[0].num_cached_tokens if children else None,
+            metrics=self.metrics,
         )
 
     def _prompt_logprobs_out(self, delta: bool) -> PromptLogprobs | None:
@@ -284,10 +302,12 @@ class OutputState:
         rows = self.prompt_logprobs[start:]
         return rows if rows or not delta else None
 
-    def apply(self, child: SequenceState, out: EngineCoreOutput) -> bool:
-        """Apply one core output to `child`; True when a stop string finished it while the core
-        still runs it (the core must then abort it)."""
+    def apply(self, child: SequenceState, out: EngineCoreOutput, timestamp: float) -> bool:
+        """Apply one core output (made by the core at `timestamp`, monotonic) to `child`; True
+        when a stop string finished it while the core still runs it (the core must then abort
+        it)."""
         was_finished = child.finished
+        self.record_times(out, timestamp)
         if out.new_prompt_logprobs is not None:
             self.add_prompt_logprobs(child, out.new_prompt_logprobs)
         stopped = child.update(out)

@@ -51,6 +51,11 @@ class Request:
         self.lora_request = req.lora_request  # the adapter it runs under (None: the base model)
         self.arrival_time = req.arrival_time
         self.waiting_since = 0.0  # when it was queued or preempted, by the scheduler's clock
+        # RequestOutput.metrics' core stamps, by the scheduler's clock (monotonic): first queued,
+        # first scheduled; sent with the request's first output (`times_sent`), then not again.
+        self.queued_ts = 0.0
+        self.scheduled_ts = 0.0
+        self.times_sent = False
         self.max_tokens = max_tokens
         # all_token_ids = prompt + output; tokens [0, num_computed_tokens) have KV in the cache.
         self.all_token_ids: list[int] = list(req.prompt_token_ids)

@@ -219,6 +219,8 @@ class Scheduler:
     def add_request(self, request: Request) -> None:
         request.status = RequestStatus.WAITING
         request.waiting_since = self.clock()
+        if not request.queued_ts:
+            request.queued_ts = request.waiting_since
         self.waiting.push(request)
 
     def finish(self, request: Request, status: RequestStatus) -> None:
@@ -360,6 +362,8 @@ class Scheduler:
                 break
             self.waiting.pop()
             req.status = RequestStatus.RUNNING
+            if not req.scheduled_ts:  # a preempted request keeps its first
+                req.scheduled_ts = self.clock()
             self.running.append(req)
             scheduled.append(ScheduledRequest(req, n, req.num_computed_tokens))
             budget -= n
@@ -412,6 +416,9 @@ class Scheduler:
         for item in output.scheduled:
             out = self._update(item, result)
             if out is not None:
+                req = item.request
+                if not req.times_sent:  # the first output carries the queue stamps
+                    out.queued_ts, out.scheduled_ts, req.times_sent = req.queued_ts, req.scheduled_ts, True
                 outputs.append(out)
         return outputs
 
