@@ -124,7 +124,12 @@ class EngineRuntime:
         except BaseException:
             # No shield around aclose(): the stack holds a task group entered outside it, and
             # cancel scopes must be left in LIFO order. The transport shields its own teardown.
-            await stack.aclose()
+            try:
+                await stack.aclose()
+            finally:
+                if self.link.client is not None:  # the output actor may never have taken it
+                    self.link.client.outputs.close()
+                    self.link.client = None
             raise
         self._stack = stack
 

@@ -777,3 +777,27 @@ async def test_start_up_failures_raise_an_error_that_names_the_cause(
     assert not isinstance(info.value, BaseExceptionGroup)
     text = "".join(traceback.format_exception(info.value))
     assert "header" in text.lower(), text
+
+
+async def test_a_start_up_failure_after_the_core_started_closes_its_output_stream(
+    engine_args: Callable[..., AsyncEngineArgs], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The core is up, then start-up fails (here the input processor): the core stops and the
+    stream of its outputs, never handed to the output actor, is closed (no ResourceWarning)."""
+    import gc
+    import warnings
+
+    from triollm.actors import runtime
+
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise ValueError("input processor: refused by the test")
+
+    monkeypatch.setattr(runtime, "InputProcessor", refuse)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", ResourceWarning)
+        with anyio.fail_after(60), pytest.raises(ValueError, match="refused by the test"):
+            async with AsyncLLM.from_engine_args(engine_args()):
+                pass
+        gc.collect()
+    unclosed = [w for w in caught if issubclass(w.category, ResourceWarning) and "Stream" in str(w.message)]
+    assert not unclosed, [str(w.message) for w in unclosed]
