@@ -66,8 +66,9 @@ see only keys j <= i in its own chunk, j // chunk == i // chunk. Both are per ca
 the first key a row sees is `_first_key` of its position under window and chunk together. The
 torch paths take them here (decode through the same per-limit groups as a window, with the sink
 as one more score column in fp32; prefill through the masked path); the native CPU decode kernel
-takes them too. The Triton kernels take neither: a call with a sink or a chunk on that path runs
-the torch code below, over the same cache (correct, not fast).
+takes both (a later start per row; the sink added to the denominator once per row). The Triton
+kernels take neither: a call with a sink or a chunk on that path runs the torch code below, over
+the same cache (correct, not fast).
 """
 
 from __future__ import annotations
@@ -487,10 +488,10 @@ def decode_attention(
     plain = sinks is None and chunk is None
     if not plain:
         check_sinks_chunk(sinks, chunk, q.shape[1])
-    if plan.native is not None and plain:
+    if plan.native is not None:
         tables, lens = plan.native
         return cpu_native.paged_decode_attention(
-            q, k_cache, v_cache, tables, lens, scale, window=window, softcap=softcap
+            q, k_cache, v_cache, tables, lens, scale, window=window, softcap=softcap, sinks=sinks, chunk=chunk
         )
     if plan.triton is not None and plain:
         from triollm.kernels.triton import attention as triton_attention

@@ -193,13 +193,16 @@ def paged_decode_attention(
     *,
     window: int | None = None,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
+    chunk: int | None = None,
 ) -> torch.Tensor:
-    """See kernels/csrc/cpu_attention.cpp (`window`, `softcap`: as `attention.decode_attention`
-    takes them; None is 0 there; a quantized cache's scales come with its tensors,
-    `kv_quant.cache_scale`). Call only when `available()`."""
+    """See kernels/csrc/cpu_attention.cpp (`window`, `softcap`, `sinks`, `chunk`: as
+    `attention.decode_attention` takes them; None is 0 there, sinks go as fp32; a quantized
+    cache's scales come with its tensors, `kv_quant.cache_scale`). Call only when `available()`."""
+    sinks32 = None if sinks is None else sinks.detach().float().contiguous()
     return torch.ops.triollm_cpu.paged_decode_attention(
         q, k_cache, v_cache, block_tables, context_lens, scale, window or 0, softcap or 0.0,
-        cache_scale(k_cache), cache_scale(v_cache),
+        cache_scale(k_cache), cache_scale(v_cache), sinks32, chunk or 0,
     )  # fmt: skip
 
 

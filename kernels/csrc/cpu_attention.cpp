@@ -28,6 +28,13 @@
 // generic and block-16 instances only: the GQA-group instances are never built with it (a
 // soft-capped call takes decode_pair), so the uncapped instances are the same code as before
 // and the build grows by three functions per dtype pair, not seventeen.
+//
+// Attention sinks (gpt-oss; `sinks` [H] fp32): a logit per query head that joins the softmax's
+// denominator and carries no value. It enters once per pair, after the blocks: the running max
+// and sum are moved to max(m, sink) and the sink's exp added to the sum, so the loops are the
+// ones above. Chunked local attention (Llama 4; `chunk` > 0): the query at position n - 1 sees
+// positions [(n - 1) / chunk * chunk, n), which is one more lower bound on `start` (the later of
+// the window's and the chunk's), computed once per pair like the window's.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -208,6 +215,16 @@ inline void soft_cap(float* s, int64_t n, float cap) {
   for (int64_t i = 0; i < n; ++i) s[i] = cap * std::tanh(s[i] * inv);
 }
 
+// 1 / the softmax's denominator for a head whose blocks left running max m and sum l (the
+// accumulated P.V is relative to exp(m)); with a sink, the sum gains exp(sink), both taken
+// relative to max(m, sink) so that neither overflows.
+inline float normaliser(float m, float l, const float* sink) {
+  if (sink == nullptr) return 1.f / l;
+  const float mx = std::max(m, *sink);
+  const float rel = std::exp(m - mx);
+  return rel / (l * rel + std::exp(*sink - mx));
+}
+
 // One (sequence, kv head) pair: its GQA group of G query heads over the sequence's blocks.
 // BS (block size) and D (head dim) are template parameters where they are common (16 x 64,
 // 16 x 128): the block's scores and the group's partial P.V then live in registers (fixed-size
@@ -217,7 +234,8 @@ inline void soft_cap(float* s, int64_t n, float cap) {
 template <typename T, typename K, int kBS, int kD, bool kCap = false>
 void decode_pair(const T* qrow, const K* kp, const K* vp, const int32_t* table, int64_t n,
                  int64_t start, int64_t G, int64_t NB, int64_t h, int64_t rt_bs, int64_t rt_d,
-                 float fscale, float cap, const Scales& sc, float* qf, float* acc, float* kbuf,
+                 float fscale, float cap, const float* sink, const Scales& sc, float* qf,
+                 float* acc, float* kbuf,
                  float* vbuf, float* s, float* m, float* l, T* orow) {
   const int64_t BS = kBS ? kBS : rt_bs;
   const int64_t D = kD ? kD : rt_d;
@@ -312,7 +330,7 @@ void decode_pair(const T* qrow, const K* kp, const K* vp, const int32_t* table, 
     }
   }
   for (int64_t g = 0; g < G; ++g) {
-    const float inv = sc.v_layer / l[g];
+    const float inv = sc.v_layer * normaliser(m[g], l[g], sink ? sink + g : nullptr);
     for (int64_t d = 0; d < D; ++d) orow[g * D + d] = store_f<T>(acc[g * D + d] * inv);
   }
 }
@@ -324,7 +342,8 @@ void decode_pair(const T* qrow, const K* kp, const K* vp, const int32_t* table, 
 template <typename T, typename K, int kD, int kG>
 void decode_pair_group(const T* qrow, const K* kp, const K* vp, const int32_t* table, int64_t n,
                        int64_t start, int64_t, int64_t NB, int64_t h, int64_t, int64_t,
-                       float fscale, float, const Scales& sc, float*, float*, float*, float*,
+                       float fscale, float, const float* sink, const Scales& sc, float*, float*,
+                       float*, float*,
                        float*, float*, float*, T* orow) {
   constexpr int kBS = 16;
   float qf[kG][kD];
@@ -408,7 +427,7 @@ void decode_pair_group(const T* qrow, const K* kp, const K* vp, const int32_t* t
     }
   }
   for (int g = 0; g < kG; ++g) {
-    const float inv = sc.v_layer / l[g];
+    const float inv = sc.v_layer * normaliser(m[g], l[g], sink ? sink + g : nullptr);
     for (int d = 0; d < kD; ++d) orow[g * kD + d] = store_f<T>(acc[g][d] * inv);
   }
 }
@@ -434,7 +453,8 @@ template <typename T, typename K>
 void decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
             const at::Tensor& block_tables, const at::Tensor& context_lens, double scale,
             int64_t window, double softcap, const std::optional<at::Tensor>& k_scale,
-            const std::optional<at::Tensor>& v_scale, at::Tensor& out) {
+            const std::optional<at::Tensor>& v_scale, const float* sinks, int64_t chunk,
+            at::Tensor& out) {
   const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
   const int64_t KVH = v_cache.size(0), NB = v_cache.size(1), BS = v_cache.size(2);
   const int64_t G = H / KVH, M = block_tables.size(1);
@@ -473,9 +493,13 @@ void decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
   }
 
   // Small batches run on the calling thread: a pool wake-up costs more than the work.
+  auto first = [&](int64_t n) {  // the first position a row of length n attends
+    int64_t start = window > 0 ? std::max<int64_t>(0, n - window) : 0;
+    if (chunk > 0) start = std::max<int64_t>(start, (n - 1) / chunk * chunk);
+    return start;
+  };
   int64_t total_tokens = 0;
-  for (int64_t b = 0; b < B; ++b)
-    total_tokens += window > 0 ? std::min<int64_t>(lens[b], window) : lens[b];
+  for (int64_t b = 0; b < B; ++b) total_tokens += lens[b] - first(lens[b]);
   const int64_t grain = total_tokens * KVH * D < (1 << 16) ? B * KVH : 1;
 
   at::parallel_for(0, B * KVH, grain, [&](int64_t begin, int64_t end) {
@@ -483,9 +507,10 @@ void decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
     std::vector<float> m(G), l(G);
     for (int64_t i = begin; i < end; ++i) {
       const int64_t b = i / KVH, h = i % KVH;
-      const int64_t start = window > 0 ? std::max<int64_t>(0, lens[b] - window) : 0;
+      const int64_t start = first(lens[b]);
       pair(qp + (b * H + h * G) * D, kp, vp, tables + b * M, lens[b], start, G, NB, h, BS, D,
-           fscale, cap, sc, qf.data(), acc.data(), kbuf.data(), vbuf.data(), s.data(), m.data(),
+           fscale, cap, sinks ? sinks + h * G : nullptr, sc, qf.data(), acc.data(), kbuf.data(),
+           vbuf.data(), s.data(), m.data(),
            l.data(), op + (b * H + h * G) * D);
     }
   });
@@ -496,15 +521,21 @@ bool is_quantized(at::ScalarType t) {
 }
 
 // window: 0, or a sliding window of that many positions; softcap: 0, or the logit soft-cap;
-// k_scale, v_scale: a quantized cache's (fp8: float32 [1] each; int8: fp16 per token).
+// k_scale, v_scale: a quantized cache's (fp8: float32 [1] each; int8: fp16 per token);
+// sinks: None, or float32 [H], a logit per query head; chunk: 0, or the chunk of positions.
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
                                   const at::Tensor& v_cache, const at::Tensor& block_tables,
                                   const at::Tensor& context_lens, double scale, int64_t window,
                                   double softcap, const std::optional<at::Tensor>& k_scale,
-                                  const std::optional<at::Tensor>& v_scale) {
+                                  const std::optional<at::Tensor>& v_scale,
+                                  const std::optional<at::Tensor>& sinks, int64_t chunk) {
   TORCH_CHECK(q.device().is_cpu() && k_cache.device().is_cpu(), "CPU tensors only");
   TORCH_CHECK(window >= 0, "window: ", window, " must be >= 1 (0: no window)");
   TORCH_CHECK(softcap >= 0, "softcap: ", softcap, " must be > 0 (0: no soft-capping)");
+  TORCH_CHECK(chunk >= 0, "chunk: ", chunk, " must be >= 1 (0: no chunks)");
+  TORCH_CHECK(!sinks || (sinks->scalar_type() == at::kFloat && sinks->dim() == 1 &&
+                         sinks->size(0) == q.size(1) && sinks->is_contiguous()),
+              "sinks: float32 [num_heads], contiguous");
   TORCH_CHECK(q.dim() == 3 && v_cache.dim() == 4 && k_cache.dim() == 4 &&
                   k_cache.size(0) == v_cache.size(0) && k_cache.size(1) == v_cache.size(1) &&
                   k_cache.size(2) == v_cache.size(3) && k_cache.size(3) == v_cache.size(2),
@@ -528,25 +559,26 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
   auto tc = block_tables.contiguous();
   auto lc = context_lens.contiguous();
   auto out = at::empty_like(qc);
+  const float* sp = sinks ? sinks->data_ptr<float>() : nullptr;
   switch (kc.scalar_type()) {  // fp32 activations over a bf16 or quantized cache
     case at::kBFloat16:
       if (qc.scalar_type() == at::kBFloat16) break;
-      decode<float, c10::BFloat16>(qc, kc, vc, tc, lc, scale, window, softcap, k_scale, v_scale, out);
+      decode<float, c10::BFloat16>(qc, kc, vc, tc, lc, scale, window, softcap, k_scale, v_scale, sp, chunk, out);
       return out;
     case at::kFloat8_e4m3fn:
-      decode<float, c10::Float8_e4m3fn>(qc, kc, vc, tc, lc, scale, window, softcap, k_scale, v_scale, out);
+      decode<float, c10::Float8_e4m3fn>(qc, kc, vc, tc, lc, scale, window, softcap, k_scale, v_scale, sp, chunk, out);
       return out;
     case at::kFloat8_e5m2:
-      decode<float, c10::Float8_e5m2>(qc, kc, vc, tc, lc, scale, window, softcap, k_scale, v_scale, out);
+      decode<float, c10::Float8_e5m2>(qc, kc, vc, tc, lc, scale, window, softcap, k_scale, v_scale, sp, chunk, out);
       return out;
     case at::kChar:
-      decode<float, int8_t>(qc, kc, vc, tc, lc, scale, window, softcap, k_scale, v_scale, out);
+      decode<float, int8_t>(qc, kc, vc, tc, lc, scale, window, softcap, k_scale, v_scale, sp, chunk, out);
       return out;
     default:
       break;
   }
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, qc.scalar_type(), "paged_decode", [&] {
-    decode<scalar_t, scalar_t>(qc, kc, vc, tc, lc, scale, window, softcap, k_scale, v_scale, out);
+    decode<scalar_t, scalar_t>(qc, kc, vc, tc, lc, scale, window, softcap, k_scale, v_scale, sp, chunk, out);
   });
   return out;
 }
@@ -792,7 +824,7 @@ TORCH_LIBRARY(triollm_cpu, m) {
   m.def("silu_and_mul(Tensor x) -> Tensor");
   m.def("paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
         "Tensor context_lens, float scale, int window=0, float softcap=0., Tensor? k_scale=None, "
-        "Tensor? v_scale=None) -> Tensor");
+        "Tensor? v_scale=None, Tensor? sinks=None, int chunk=0) -> Tensor");
   m.def("rotary_write_kv(Tensor qkv, Tensor cos, Tensor sin, Tensor(a!) k_cache, "
         "Tensor(b!) v_cache, Tensor slots, int num_heads, int num_kv_heads, Tensor(c!)? k_scale=None, "
         "Tensor(d!)? v_scale=None) -> Tensor");

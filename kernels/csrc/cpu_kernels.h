@@ -23,7 +23,9 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
                                   const at::Tensor& context_lens, double scale,
                                   int64_t window = 0, double softcap = 0.0,  // 0: none
                                   const std::optional<at::Tensor>& k_scale = std::nullopt,
-                                  const std::optional<at::Tensor>& v_scale = std::nullopt);
+                                  const std::optional<at::Tensor>& v_scale = std::nullopt,
+                                  const std::optional<at::Tensor>& sinks = std::nullopt,
+                                  int64_t chunk = 0);  // sinks: float32 [H]; chunk 0: none
 at::Tensor quant_linear_packed(const at::Tensor& x, const at::Tensor& qp, const at::Tensor& dp,
                                const at::Tensor& mp, int64_t bits, int64_t N, const std::string& isa);
 

@@ -66,19 +66,22 @@ def reference(
 
 
 class Paged:
-    """Random K/V of sequences of the given lengths in shuffled blocks of a one-layer fp32 cache
-    (block 0 stays zero: the torch path pads its gathers with it)."""
+    """Random K/V of sequences of the given lengths in shuffled blocks of a one-layer cache; `k`,
+    `v` hold them as the cache stores them (rounded to its dtype), in fp32 (block 0 stays zero:
+    the torch path pads its gathers with it)."""
 
-    def __init__(self, lens: list[int], bs: int, seed: int = 0) -> None:
+    def __init__(
+        self, lens: list[int], bs: int, seed: int = 0, d: int = D, dtype: torch.dtype = torch.float32
+    ) -> None:
         g = torch.Generator().manual_seed(seed)
         need = [-(-n // bs) for n in lens]
         num_blocks = sum(need) + 2
-        cache = allocate_kv_cache(1, num_blocks, bs, KVH, D, torch.float32, "cpu")
+        cache = allocate_kv_cache(1, num_blocks, bs, KVH, d, dtype, "cpu")
         self.kc, self.vc, self.bs = cache.k[0], cache.v[0], bs
         free = (torch.randperm(num_blocks - 1, generator=g) + 1).tolist()
         self.tables = [[free.pop() for _ in range(m)] for m in need]
-        self.k = [torch.randn(n, KVH, D, generator=g) for n in lens]
-        self.v = [torch.randn(n, KVH, D, generator=g) for n in lens]
+        self.k = [torch.randn(n, KVH, d, generator=g).to(dtype).float() for n in lens]
+        self.v = [torch.randn(n, KVH, d, generator=g).to(dtype).float() for n in lens]
         for row, n in enumerate(lens):
             self.write(row, range(n), self.k[row], self.v[row])
 
@@ -91,7 +94,7 @@ class Paged:
         """NaN in the row's whole blocks before position `first`."""
         upto = first // self.bs * self.bs
         if upto > 0:
-            nan = torch.full((upto, KVH, D), float("nan"))
+            nan = torch.full((upto, *self.k[row].shape[1:]), float("nan"))
             self.write(row, range(upto), nan, nan)
 
 
@@ -150,12 +153,33 @@ def test_decode(
         torch.testing.assert_close(out[row : row + 1], expected, rtol=1e-5, atol=1e-5)
 
 
-def test_sinks_take_their_share() -> None:
-    """A sink far above every score leaves almost nothing for the values; one far below changes
-    nothing (the test that the sink is in the denominator, not the numerator)."""
+@NATIVE_OK
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "fp32-over-bf16"])
+@pytest.mark.parametrize("d", [64, 128])
+def test_native_decode_block16_instances(d: int, cache_dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Block size 16 and head dim 64 or 128: the native kernel's GQA-group instances (group 3),
+    with sinks and chunks, also over a bf16 cache under fp32 queries."""
+    monkeypatch.setenv("TRIOLLM_KERNELS", "torch")
+    lens, chunk = [1, 15, 16, 17, 40, 50], 24
+    seqs = Paged(lens, 16, d=d, dtype=cache_dtype)
+    for row, n in enumerate(lens):
+        seqs.poison_blocks_before(row, first_key(n - 1, None, chunk))
+    sinks = sinks_of()
+    q = torch.randn(len(lens), KVH * GROUP, d, generator=torch.Generator().manual_seed(2))
+    plan = plan_decode(seqs.tables, lens, 16, "cpu", native=True)
+    out = decode_attention(q, seqs.kc, seqs.vc, plan, SCALE, sinks=sinks, chunk=chunk)
+    for row, n in enumerate(lens):
+        expected = reference(q[row : row + 1], seqs.k[row], seqs.v[row], n - 1, sinks=sinks, chunk=chunk)
+        torch.testing.assert_close(out[row : row + 1], expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("native", [False, pytest.param(True, marks=NATIVE_OK)], ids=["torch", "native"])
+def test_sinks_take_their_share(native: bool) -> None:
+    """A sink far above every score leaves almost nothing for the values (and overflows nothing);
+    one far below changes nothing: the sink is in the denominator, not the numerator."""
     seqs = Paged([9], 4)
     q = torch.randn(1, KVH * GROUP, D)
-    plan = plan_decode(seqs.tables, [9], 4, "cpu", native=False)
+    plan = plan_decode(seqs.tables, [9], 4, "cpu", native=native)
     plain = decode_attention(q, seqs.kc, seqs.vc, plan, SCALE)
     low = decode_attention(q, seqs.kc, seqs.vc, plan, SCALE, sinks=torch.full((KVH * GROUP,), -1e4))
     high = decode_attention(q, seqs.kc, seqs.vc, plan, SCALE, sinks=torch.full((KVH * GROUP,), 1e2))
