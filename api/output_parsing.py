@@ -73,8 +73,8 @@ class OutputParsing:
 
     @property
     def keep_special_tokens(self) -> bool:
-        """The tool parser reads markers that are special tokens: decode them into the text."""
-        return self.tool_parser is not None and self.tool_parser.keep_special_tokens
+        """A parser reads markers that are special tokens: decode them into the text."""
+        return any(p is not None and p.keep_special_tokens for p in (self.tool_parser, self.reasoning_parser))
 
     def gate(self, structured: StructuredOutputsParams | None) -> StructuredOutputsParams | None:
         """A grammar for this request starts after its reasoning (the reasoning parser's end
@@ -98,6 +98,9 @@ class OutputParsing:
             if found is not None and found.tools_called:
                 calls = found.tool_calls if self.choice.parallel else found.tool_calls[:1]
                 return ParsedOutput(found.content, reasoning, calls, tool_called=True)
+            if found is not None and found.content != (content or ""):
+                # A parser that reads its format's plain text too (harmony's channels).
+                return ParsedOutput(found.content or None, reasoning)
         return ParsedOutput(content, reasoning)
 
     def stream(self) -> ChoiceStream:

@@ -17,12 +17,20 @@ from triollm.api.reasoning_parsers.deepseek import (
     DeepSeekR1ReasoningParser,
     DeepSeekV3ReasoningParser,
 )
+from triollm.api.reasoning_parsers.gpt_oss import GptOssReasoningParser
+from triollm.api.reasoning_parsers.granite import GraniteReasoningParser
+from triollm.api.reasoning_parsers.mistral import MistralReasoningParser
+from triollm.api.reasoning_parsers.olmo3 import Olmo3ReasoningParser
 from triollm.api.reasoning_parsers.qwen3 import Qwen3ReasoningParser
 from triollm.api.reasoning_parsers.think import ThinkTagReasoningParser
 
 __all__ = [
     "DeepSeekR1ReasoningParser",
     "DeepSeekV3ReasoningParser",
+    "GptOssReasoningParser",
+    "GraniteReasoningParser",
+    "MistralReasoningParser",
+    "Olmo3ReasoningParser",
     "Qwen3ReasoningParser",
     "ReasoningParser",
     "ReasoningParserManager",
@@ -60,5 +68,13 @@ class ReasoningParserManager:
         cls.registry.import_plugin(path)
 
 
-for _parser in (DeepSeekR1ReasoningParser, DeepSeekV3ReasoningParser, Qwen3ReasoningParser):
+for _parser in (
+    DeepSeekR1ReasoningParser,
+    DeepSeekV3ReasoningParser,
+    GraniteReasoningParser,
+    MistralReasoningParser,
+    Olmo3ReasoningParser,
+    Qwen3ReasoningParser,
+):
     ReasoningParserManager.register_module()(_parser)
+ReasoningParserManager.register_module(["gpt_oss", "openai_gptoss"])(GptOssReasoningParser)

@@ -48,6 +48,9 @@ class ReasoningParser(ABC):
     name: ClassVar[str]
     start_token: ClassVar[str]
     end_token: ClassVar[str]
+    # True when the markers are special tokens (Magistral's [THINK], gpt-oss's channels): the
+    # server then decodes with skip_special_tokens=False so that the parser sees them.
+    keep_special_tokens: ClassVar[bool] = False
 
     def __init__(
         self, tokenizer: Tokenizer | None = None, *, chat_template_kwargs: Mapping[str, Any] | None = None

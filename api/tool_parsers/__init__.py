@@ -5,7 +5,8 @@ decorator `ToolParserManager.register_module(name)`, and `import_tool_parser(pat
 `--tool-parser-plugin` (a Python file whose decorated classes register on import; they
 subclass `ToolParser` from here, whose interface is this package's, not vLLM's).
 
-Built in: `hermes`, `llama3_json` (`llama4_json`), `mistral`, `pythonic` (`llama4_pythonic`),
+Built in: `deepseek_v31`, `glm45` (`glm47`), `granite`, `hermes`, `kimi_k2`, `llama3_json`
+(`llama4_json`), `mistral`, `openai` (gpt-oss), `phi4_mini_json`, `pythonic` (`llama4_pythonic`),
 `qwen3_coder` (`qwen3_xml`). Each module's docstring shows its format.
 """
 
@@ -22,9 +23,15 @@ from triollm.api.tool_parsers.abstract import (
     ToolParser,
     make_tool_call_id,
 )
+from triollm.api.tool_parsers.deepseek_v31 import DeepSeekV31ToolParser
+from triollm.api.tool_parsers.glm45 import Glm45ToolParser
+from triollm.api.tool_parsers.granite import GraniteToolParser
 from triollm.api.tool_parsers.hermes import HermesToolParser
+from triollm.api.tool_parsers.kimi_k2 import KimiK2ToolParser
 from triollm.api.tool_parsers.llama3_json import Llama3JsonToolParser
 from triollm.api.tool_parsers.mistral import MistralToolParser
+from triollm.api.tool_parsers.openai_harmony import OpenAIToolParser
+from triollm.api.tool_parsers.phi4_mini import Phi4MiniJsonToolParser
 from triollm.api.tool_parsers.pythonic import PythonicToolParser
 from triollm.api.tool_parsers.qwen3_xml import Qwen3XmlToolParser
 
@@ -69,9 +76,15 @@ class ToolParserManager:
 
 
 for _names, _parser in (
+    (["deepseek_v31"], DeepSeekV31ToolParser),
+    (["glm45", "glm47"], Glm45ToolParser),
+    (["granite"], GraniteToolParser),
     (["hermes"], HermesToolParser),
+    (["kimi_k2"], KimiK2ToolParser),
     (["llama3_json", "llama4_json"], Llama3JsonToolParser),
     (["mistral"], MistralToolParser),
+    (["openai"], OpenAIToolParser),
+    (["phi4_mini_json"], Phi4MiniJsonToolParser),
     (["pythonic", "llama4_pythonic"], PythonicToolParser),
     (["qwen3_coder", "qwen3_xml"], Qwen3XmlToolParser),
 ):

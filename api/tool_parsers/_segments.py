@@ -62,6 +62,7 @@ class Text:
 @dataclass(slots=True)
 class Start:
     name: str
+    call_id: str | None = None  # the model's own id of the call (Kimi K2's); None: a new one
 
 
 @dataclass(slots=True)
@@ -110,9 +111,9 @@ class Segmenter:
         if text:
             self._events.append(Text(text))
 
-    def start(self, name: str) -> None:
+    def start(self, name: str, call_id: str | None = None) -> None:
         self.calls += 1
-        self._events.append(Start(name))
+        self._events.append(Start(name, call_id))
 
     def args(self, text: str) -> None:
         if text:
@@ -191,13 +192,13 @@ class SegmentedToolParser(ToolParser):
     def extract_tool_calls(self, text: str) -> ExtractedToolCalls:
         none = ExtractedToolCalls(tools_called=False, tool_calls=[], content=text)
         texts: list[str] = [""]  # the text before each call, and after the last
-        calls: list[list[str]] = []  # [name, arguments] of each call
+        calls: list[list[str]] = []  # [name, arguments, id] of each call
         for event in self.segmenter().push(text, final=True):
             match event:
                 case Text(piece):
                     texts[-1] += piece
-                case Start(name):
-                    calls.append([name, ""])
+                case Start(name, call_id):
+                    calls.append([name, "", call_id or self.new_call_id()])
                     texts.append("")
                 case Args(piece):
                     calls[-1][1] += piece
@@ -206,12 +207,12 @@ class SegmentedToolParser(ToolParser):
         if not calls:
             return none
         tool_calls = []
-        for name, raw in calls:
+        for name, raw, call_id in calls:
             arguments = dumps_args(loads(raw))
             if arguments is None:
                 return none
             function = FunctionCall(name=name, arguments=arguments)
-            tool_calls.append(ToolCall(id=self.new_call_id(), function=function))
+            tool_calls.append(ToolCall(id=call_id, function=function))
         content = "".join(piece for piece in texts if piece.strip())
         return ExtractedToolCalls(tools_called=True, tool_calls=tool_calls, content=content or None)
 
@@ -248,13 +249,13 @@ class SegmentStream(ToolCallStream):
                     if self._held.strip():
                         out.content += self._held
                         self._held, self._texted = "", True
-                case Start(name):
+                case Start(name, call_id):
                     self._index += 1
                     self._held, self._texted = "", False
                     out.tool_calls.append(
                         DeltaToolCall(
                             index=self._index,
-                            id=self._parser.new_call_id(),
+                            id=call_id or self._parser.new_call_id(),
                             type="function",
                             function=DeltaFunctionCall(name=name),
                         )
