@@ -90,8 +90,8 @@ class QuantWeight:
             return cls(*decode_kquant(raw, ggml_type, shape))
         if ggml_type not in _BLOCK_BYTES:
             raise ValueError(
-                f"quantization: GGML type {ggml_type} is not kept quantized (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, "
-                f"Q5_K, Q6_K are)"
+                f"quantization: GGML type {ggml_type} is not kept quantized (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, "
+                f"Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS are)"
             )
         size = _BLOCK_BYTES[ggml_type]
         blocks = np.ascontiguousarray(raw, dtype=np.uint8).reshape(n, k // BLOCK, size)

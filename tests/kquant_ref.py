@@ -17,6 +17,9 @@ import numpy as np
 from gguf import GGMLQuantizationType
 
 KQUANTS = (GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q5_K, GGMLQuantizationType.Q6_K)
+LOW_BIT = tuple(GGMLQuantizationType[name] for name in ("Q2_K", "Q3_K", "IQ4_NL", "IQ4_XS"))
+# ggml-common.h's kvalues_iq4nl
+IQ4_LEVELS = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], np.float64)
 
 
 def quantize_kquant(x: np.ndarray, kind: GGMLQuantizationType) -> tuple[np.ndarray, np.ndarray]:
@@ -29,6 +32,90 @@ def quantize_kquant(x: np.ndarray, kind: GGMLQuantizationType) -> tuple[np.ndarr
     if kind in (GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q5_K):
         return _q4_q5_k(x.astype(np.float64), 4 if kind == GGMLQuantizationType.Q4_K else 5)
     raise ValueError(f"not a K-quant: {kind!r}")
+
+
+def quantize_low_bit(x: np.ndarray, kind: GGMLQuantizationType) -> np.ndarray:
+    """float32 `[N, K]` as Q2_K, Q3_K, IQ4_NL or IQ4_XS bytes (uint8 `[N, K/per * bytes]`): nearest
+    rounding from ggml-common.h's block layouts, for tests (any reader takes the bytes)."""
+    x = x.astype(np.float64)
+    per = 32 if kind == GGMLQuantizationType.IQ4_NL else 256
+    if x.shape[1] % per:
+        raise ValueError(f"{kind.name} needs rows of a multiple of {per} weights, got {x.shape[1]}")
+    quantize = {"Q2_K": _q2_k, "Q3_K": _q3_k, "IQ4_NL": _iq4_nl, "IQ4_XS": _iq4_xs}[kind.name]
+    return quantize(x)
+
+
+def _two_bit_bytes(codes: np.ndarray) -> np.ndarray:
+    """codes 0..3 `[n, S, 256]` as 64 bytes per super-block: per half, byte l holds group j's code l at
+    bits 2j..2j+1."""
+    g = codes.reshape(*codes.shape[:2], 2, 4, 32).astype(np.uint8)
+    return np.bitwise_or.reduce(g << (2 * np.arange(4, dtype=np.uint8))[:, None], axis=3).reshape(*codes.shape[:2], 64)
+
+
+def _q2_k(x: np.ndarray) -> np.ndarray:
+    n, k = x.shape
+    sub = x.reshape(n, k // 256, 16, 16)
+    low = np.minimum(sub.min(-1), 0.0)
+    scale, minimum = (sub.max(-1) - low) / 3, -low
+    d = (scale.max(-1) / 15).astype(np.float16).astype(np.float64)
+    dmin = (minimum.max(-1) / 15).astype(np.float16).astype(np.float64)
+    sc = _ratio(scale, d[..., None]).clip(0, 15).astype(np.uint8)
+    mn = _ratio(minimum, dmin[..., None]).clip(0, 15).astype(np.uint8)
+    codes = _ratio(sub + (dmin[..., None] * mn)[..., None], (d[..., None] * sc)[..., None]).clip(0, 3)
+    parts = [sc | (mn << 4), _two_bit_bytes(codes.reshape(n, k // 256, 256)), _fp16_bytes(d), _fp16_bytes(dmin)]
+    return np.concatenate(parts, axis=-1).reshape(n, -1)
+
+
+def _q3_k(x: np.ndarray) -> np.ndarray:
+    n, k = x.shape
+    sub = x.reshape(n, k // 256, 16, 16)
+    big = np.take_along_axis(sub, np.abs(sub).argmax(-1)[..., None], -1)[..., 0]
+    scale = big / -4.0  # the largest magnitude at code -4
+    d = (np.abs(scale).max(-1) / 31).astype(np.float16).astype(np.float64)
+    s = _ratio(scale, d[..., None]).clip(-32, 31)
+    u = (_ratio(sub, (d[..., None] * s)[..., None]).clip(-4, 3) + 4).astype(np.uint8).reshape(n, k // 256, 256)
+    high = (u >> 2).reshape(n, k // 256, 8, 32)  # bit 4 * half + j of byte l
+    hmask = np.bitwise_or.reduce(high << np.arange(8, dtype=np.uint8)[:, None], axis=2)
+    ls = (s + 32).astype(np.uint8)  # [n, S, 16]: scale 4t + j
+    t = ls.reshape(n, k // 256, 4, 4)
+    packed = np.concatenate(
+        [
+            (t[..., 0, :] & 15) | ((t[..., 2, :] & 15) << 4),
+            (t[..., 1, :] & 15) | ((t[..., 3, :] & 15) << 4),
+            np.bitwise_or.reduce((t >> 4) << (2 * np.arange(4, dtype=np.uint8))[:, None], axis=2),
+        ],
+        axis=-1,
+    )
+    parts = [hmask, _two_bit_bytes(u & 3), packed, _fp16_bytes(d)]
+    return np.concatenate(parts, axis=-1).reshape(n, -1)
+
+
+def _iq4_indices(values: np.ndarray, scale: np.ndarray) -> np.ndarray:
+    """The nearest level's index for each of `values` `[..., 32]` at `scale` `[...]`, packed 16 bytes per
+    32 (byte t: index t low, t + 16 high)."""
+    ratio = np.divide(values, scale[..., None], out=np.zeros(values.shape), where=scale[..., None] != 0)
+    idx = np.abs(ratio[..., None] - IQ4_LEVELS).argmin(-1).astype(np.uint8)
+    return idx[..., :16] | (idx[..., 16:] << 4)
+
+
+def _iq4_nl(x: np.ndarray) -> np.ndarray:
+    n, k = x.shape
+    blocks = x.reshape(n, k // 32, 32)
+    d = (np.abs(blocks).max(-1) / 127).astype(np.float16).astype(np.float64)
+    return np.concatenate([_fp16_bytes(d), _iq4_indices(blocks, d)], axis=-1).reshape(n, -1)
+
+
+def _iq4_xs(x: np.ndarray) -> np.ndarray:
+    n, k = x.shape
+    sub = x.reshape(n, k // 256, 8, 32)
+    scale = np.abs(sub).max(-1) / 127
+    d = (scale.max(-1) / 31).astype(np.float16).astype(np.float64)
+    ls = (_ratio(scale, d[..., None]).clip(-32, 31) + 32).astype(np.uint16)
+    high = np.bitwise_or.reduce((ls >> 4) << (2 * np.arange(8, dtype=np.uint16)), axis=-1)
+    low = (ls & 15).astype(np.uint8).reshape(n, k // 256, 4, 2)
+    qs = _iq4_indices(sub, d[..., None] * (ls.astype(np.float64) - 32)).reshape(n, k // 256, 128)
+    parts = [_fp16_bytes(d), high[..., None].view(np.uint8), low[..., 0] | (low[..., 1] << 4), qs]
+    return np.concatenate(parts, axis=-1).reshape(n, -1)
 
 
 def _fp16_bytes(v: np.ndarray) -> np.ndarray:

@@ -13,7 +13,7 @@ from typing import Any
 
 import gguf
 import numpy as np
-from kquant_ref import KQUANTS, quantize_kquant
+from kquant_ref import KQUANTS, LOW_BIT, quantize_kquant, quantize_low_bit
 from safetensors.torch import load_file
 from tinymodel import CHATML, SPECIALS
 
@@ -73,7 +73,7 @@ def write_tiny_gguf(
         if kind is None:
             writer.add_tensor(name, array)
         else:
-            raw = quantize_kquant(array, kind)[0] if kind in KQUANTS else gguf.quants.quantize(array, kind)
+            raw = quantize_block(array, kind)
             writer.add_tensor(name, raw, raw_dtype=kind)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
@@ -128,10 +128,20 @@ def requantize_gguf(
         if kind == gguf.GGMLQuantizationType.F32:
             writer.add_tensor(tensor.name, array)
         else:
-            raw = quantize_kquant(array, kind)[0] if kind in KQUANTS else gguf.quants.quantize(array, kind)
+            raw = quantize_block(array, kind)
             writer.add_tensor(tensor.name, raw, raw_dtype=kind)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
     return written
+
+
+def quantize_block(array: np.ndarray, kind: gguf.GGMLQuantizationType) -> np.ndarray:
+    """A float32 `[N, K]` as GGUF block bytes: K-quants and the low-bit types through kquant_ref.py,
+    the rest through gguf's quantizer."""
+    if kind in KQUANTS:
+        return quantize_kquant(array, kind)[0]
+    if kind in LOW_BIT:
+        return quantize_low_bit(array, kind)
+    return gguf.quants.quantize(array, kind)

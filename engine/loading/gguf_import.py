@@ -15,12 +15,12 @@ rewrites it once, into the files the rest of the engine already reads:
 * `gguf_quantized.safetensors` (QUANTIZED_FILE, for `quantization="gguf"`): the 2-D tensors in a
   block format the CPU kernels read, kept quantized (kernels/quant.py `QuantWeight.from_ggml`):
   Q4_0, Q4_1 and Q8_0 as shipped, Q5_0 and Q5_1 as 8-bit codes of the same blocks (exact), the
-  K-quants Q4_K, Q5_K and Q6_K mapped onto blocks of 32
+  K-quants Q2_K to Q6_K and IQ4_NL / IQ4_XS mapped onto blocks of 32
   (kernels/kquants.py, with its error bounds). Only whole rows move (Q/K un-permutation, Phi-3's
   fused tensors cut into the q/k/v and gate/up pieces the model stacks), so blocks stay intact. A
   mixed file (`Q4_K_M`: Q4_K, Q6_K and more) is one model; where the parts of a projection the
   model fuses (q|k|v, gate|up) differ in width, the 4-bit parts are widened to 8-bit codes,
-  exactly, so that each fused weight has one format. Any other type (Q5_0, Q2_K, IQ4_XS, ...) is
+  exactly, so that each fused weight has one format. Any other type (F16, IQ2_XS, TQ1_0, ...) is
   dequantized into the float32 file only, with one log line naming the types.
 
 GGUF lists tensor dimensions innermost first; the reader's arrays are already in numpy order
@@ -175,7 +175,7 @@ def _quantized_weights(
     tensors: Mapping[str, ReaderTensor], config: Mapping[str, Any], spec: ArchSpec
 ) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """The 2-D tensors stored in a block format the CPU kernels read (kernels/quant.py
-    QUANT_GGML_TYPES: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K), kept quantized: only rows are
+    QUANT_GGML_TYPES: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K-Q6_K, IQ4_NL, IQ4_XS), kept quantized: only rows are
     reordered or cut (whole rows, so blocks stay intact), and fused parts brought to one width."""
     from triollm.kernels.quant import QUANT_GGML_TYPES, QuantWeight
 

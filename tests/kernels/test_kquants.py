@@ -138,8 +138,8 @@ def test_malformed_k_quant_tensors_are_refused() -> None:
         QuantWeight.from_ggml(raw, int(Q4_K), (4, 128))
     with pytest.raises(ValueError, match="288 bytes of Q4_K do not hold a \\[3, 256\\] tensor"):
         QuantWeight.from_ggml(raw, int(Q4_K), (3, 256))
-    with pytest.raises(ValueError, match="GGML type 10 is not kept quantized .*Q4_K, Q5_K, Q6_K are"):
-        QuantWeight.from_ggml(raw, 10, (2, 256))  # Q2_K
+    with pytest.raises(ValueError, match="GGML type 16 is not kept quantized .*Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS are"):
+        QuantWeight.from_ggml(raw, 16, (2, 256))  # IQ2_XXS
     huge = raw.reshape(2, 144).copy()
     huge[:, 0:2] = np.full((2, 1), 60000.0, np.float16).view(np.uint8)  # d * sc beyond fp16
     with pytest.raises(ValueError, match="Q4_K block scales outside float16's range"):
