@@ -200,14 +200,16 @@ class Endpoints:
         if "messages" in keys:
             req = decode_request(body, TokenizeChatRequest)
             resolve_model(self.state, req.model)
+            settings = self.state.settings  # the prompt exactly as the chat route renders it
             _, ids = await render_chat(
                 tokenizer,
                 req.messages,
                 template=self.chat_template,
                 add_generation_prompt=req.add_generation_prompt,
                 continue_final_message=req.continue_final_message,
-                template_kwargs=req.chat_template_kwargs,
+                template_kwargs={**(settings.default_chat_template_kwargs or {}), **(req.chat_template_kwargs or {})},
                 add_special_tokens=req.add_special_tokens,
+                content_format=settings.chat_template_content_format,
             )
         else:
             req = decode_request(body, TokenizeCompletionRequest)

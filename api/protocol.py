@@ -354,10 +354,16 @@ class DetokenizeRequest(msgspec.Struct, kw_only=True):
 # =============================================================================== responses
 
 
-class UsageInfo(msgspec.Struct):
+class PromptTokensDetails(msgspec.Struct):
+    cached_tokens: int  # prompt tokens the prefix cache held (not computed again)
+
+
+class UsageInfo(msgspec.Struct, omit_defaults=True):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    # With `--enable-prompt-tokens-details` only (vLLM's): absent otherwise.
+    prompt_tokens_details: PromptTokensDetails | None = None
 
 
 class LogprobInfo(msgspec.Struct):

@@ -43,6 +43,7 @@ from triollm.api.serving_models import (
     runtime_lora_updating,
 )
 from triollm.api.state import (
+    CONTENT_FORMATS,
     DEFAULT_BODY_TIMEOUT_S,
     DEFAULT_LIMIT_CONCURRENCY,
     DEFAULT_MAX_HEADER_COUNT,
@@ -177,6 +178,45 @@ def add_serve_args(serve: argparse.ArgumentParser) -> None:
         help="let a request bring its own `chat_template` (vLLM's; off: such a request is a 400)",
     )
     add(
+        "--default-chat-template-kwargs",
+        type=_json_object("--default-chat-template-kwargs"),
+        default=None,
+        metavar="JSON",
+        help=(
+            'a JSON object merged under each request\'s chat_template_kwargs (the request\'s keys win), e.g. '
+            '\'{"enable_thinking": false}\''
+        ),
+    )
+    add(
+        "--chat-template-content-format",
+        choices=list(CONTENT_FORMATS),
+        default="auto",
+        help=(
+            "how a message's content reaches the chat template: string (its text parts joined), openai (a list "
+            "of parts), auto (string unless the template loops over a message's content) (default: %(default)s)"
+        ),
+    )
+    add(
+        "--enable-prompt-tokens-details",
+        action="store_true",
+        help="report usage.prompt_tokens_details.cached_tokens (the prompt tokens the prefix cache held)",
+    )
+    add(
+        "--otlp-traces-endpoint",
+        default=None,
+        metavar="URL",
+        help=(
+            "send an OpenTelemetry span per request to this OTLP collector (http/protobuf, or grpc with "
+            "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL=grpc); needs the `otel` extra"
+        ),
+    )
+    add(
+        "--collect-detailed-traces",
+        default=None,
+        metavar="MODULES",
+        help="accepted (vLLM's model/worker spans); triollm's span per request carries every timing already",
+    )
+    add(
         "--enable-log-requests",
         action=argparse.BooleanOptionalAction,
         default=False,
@@ -282,6 +322,21 @@ def _json_list(flag: str):  # type: ignore[no-untyped-def]
     return parse
 
 
+def _json_object(flag: str):  # type: ignore[no-untyped-def]
+    def parse(text: str) -> dict[str, object]:
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError:
+            value = None
+        if not isinstance(value, dict):
+            example = '{"enable_thinking": false}'
+            raise argparse.ArgumentTypeError(f"expected a JSON object such as '{example}', got {text!r}")
+        return value
+
+    parse.__name__ = flag
+    return parse
+
+
 def _lora_module(text: str) -> LoRAModulePath:
     try:
         return parse_lora_module(text)
@@ -337,6 +392,16 @@ def check_serve_args(ns: argparse.Namespace) -> None:
             )
         if ns.reasoning_parser:
             _named("--reasoning-parser", ReasoningParserManager.get_reasoning_parser, ns.reasoning_parser)
+    if ns.otlp_traces_endpoint:
+        from triollm.api.tracing import check_otel_available
+
+        check_otel_available()
+    if ns.collect_detailed_traces:
+        log.warning(
+            "--collect-detailed-traces=%s has no effect in triollm: each request's span carries its queue, prefill "
+            "and decode times already",
+            ns.collect_detailed_traces,
+        )
     if ns.disable_frontend_multiprocessing:
         log.warning(
             "--disable-frontend-multiprocessing has no effect in triollm: the HTTP server and the engine client share "
@@ -389,6 +454,10 @@ def serve_options(ns: argparse.Namespace, served_model_names: tuple[str, ...], m
         trust_request_chat_template=ns.trust_request_chat_template,
         lora_modules=tuple(ns.lora_modules or ()),
         allow_runtime_lora_updating=runtime_lora,
+        default_chat_template_kwargs=ns.default_chat_template_kwargs,
+        chat_template_content_format=ns.chat_template_content_format,
+        enable_prompt_tokens_details=ns.enable_prompt_tokens_details,
+        otlp_traces_endpoint=ns.otlp_traces_endpoint,
     )
     return ServeOptions(
         ns.host, ns.port, settings, ns.shutdown_timeout, ns.worker, ns.backlog,

@@ -216,6 +216,10 @@ async def serve(
     async with AsyncLLM.from_engine_args(engine_args, chat_template=settings.chat_template) as llm:
         state = ServerState(llm, settings)
         await state.models.check_adapters(llm)  # --lora-modules whole, against the model (serving_models.py)
+        if settings.otlp_traces_endpoint is not None:
+            from triollm.api.tracing import RequestTracer
+
+            state.tracer = RequestTracer.for_endpoint(settings.otlp_traces_endpoint)
         _attach_metrics(state)
         app = build_app(state, playground=options.playground)
         config = _hypercorn_config(
@@ -268,7 +272,12 @@ async def serve(
             for name, page in pages.items():
                 log.warning("triollm: %s: %s", name, page)
             task_status.started(url)
-            await _hypercorn_serve(app, config, shutdown_trigger)
+            try:
+                await _hypercorn_serve(app, config, shutdown_trigger)
+            finally:
+                if state.tracer is not None:  # the spans not exported yet leave now
+                    with anyio.CancelScope(shield=True), anyio.move_on_after(10):
+                        await anyio.to_thread.run_sync(state.tracer.shutdown, abandon_on_cancel=True)
             tg.cancel_scope.cancel()
         log.warning("triollm: shutting down%s", " after the engine died" if died else "")
     return 1 if died else 0

@@ -38,6 +38,7 @@ from triollm.api.protocol import (
     ChatStreamChoice,
     ChatTopLogprob,
     DeltaMessage,
+    PromptTokensDetails,
     UsageInfo,
 )
 from triollm.api.request_log import OutputLog, log_request
@@ -79,6 +80,8 @@ async def create_chat_completion(
         label=start.request_id,
         timer=start.timer,
         admission=state.admission,
+        trace=start.trace,
+        model=start.model,
     )
 
 
@@ -100,6 +103,9 @@ async def chat_generation(
     check_logprobs(state, "top_logprobs", req.top_logprobs)
     check_logprobs(state, "prompt_logprobs", req.prompt_logprobs)
     settings = state.settings
+    if settings.default_chat_template_kwargs:  # the server's defaults; the request's keys win
+        merged = {**settings.default_chat_template_kwargs, **(req.chat_template_kwargs or {})}
+        req = msgspec.structs.replace(req, chat_template_kwargs=merged)
     if req.chat_template is not None and not settings.trust_request_chat_template:
         raise bad_request(
             "chat_template: a chat template in the request needs the server started with "
@@ -136,7 +142,9 @@ async def chat_generation(
         structured=plan.structured,
     )
     req, images = await take_chat_images(state, req, tokenizer)
-    text, token_ids = await render_chat_request(tokenizer, req, chat_template)
+    text, token_ids = await render_chat_request(
+        tokenizer, req, chat_template, content_format=settings.chat_template_content_format
+    )
     prompt: dict[str, Any] = {"prompt": text, "prompt_token_ids": token_ids}
     if req.truncate_prompt_tokens is not None:
         token_ids = truncate_prompt(token_ids, req.truncate_prompt_tokens, model_config.max_model_len)
@@ -167,14 +175,16 @@ async def chat_generation(
         echo=_echo_text(req, role),
         tokens_as_ids=bool(req.return_tokens_as_token_ids),
         output_log=OutputLog(settings, response_id),
+        prompt_tokens_details=settings.enable_prompt_tokens_details,
     )
     return job, formatter
 
 
 async def render_chat_request(
-    tokenizer: Tokenizer, req: ChatCompletionRequest, chat_template: str | None
+    tokenizer: Tokenizer, req: ChatCompletionRequest, chat_template: str | None, *, content_format: str = "auto"
 ) -> tuple[str, list[int]]:
-    """The prompt of a chat request, as its generation sees it (text and token ids)."""
+    """The prompt of a chat request, as its generation sees it (text and token ids);
+    `content_format`: the server's `--chat-template-content-format`."""
     return await render_chat(
         tokenizer,
         req.messages,
@@ -186,6 +196,7 @@ async def render_chat_request(
         add_special_tokens=req.add_special_tokens,
         tools=req.tools,
         documents=req.documents,
+        content_format=content_format,
     )
 
 
@@ -219,8 +230,12 @@ class ChatFormatter:
         echo: str = "",
         tokens_as_ids: bool = False,
         output_log: OutputLog | None = None,
+        prompt_tokens_details: bool = False,
     ) -> None:
+        """`prompt_tokens_details` (`--enable-prompt-tokens-details`): usage reports the prompt
+        tokens the prefix cache held (`prompt_tokens_details.cached_tokens`)."""
         self.id = response_id
+        self.cached_tokens: int | None = 0 if prompt_tokens_details else None
         self.created = created_now()
         self.model = model
         self.n = n
@@ -257,6 +272,7 @@ class ChatFormatter:
 
     def stream_output(self, index: int, output: RequestOutput) -> list[Any]:
         self.prompt_tokens = len(output.prompt_token_ids)
+        self._note_cached(output)
         chunks: list[Any] = []
         for c in output.outputs:
             i = c.index
@@ -324,17 +340,25 @@ class ChatFormatter:
 
     def _usage(self, i: int) -> UsageInfo:
         p, c = self.prompt_tokens, self.completion_tokens[i]
-        return UsageInfo(p, c, p + c)
+        return UsageInfo(p, c, p + c, self._details())
 
     def _total_usage(self) -> UsageInfo:
         p, c = self.prompt_tokens, sum(self.completion_tokens)
-        return UsageInfo(p, c, p + c)
+        return UsageInfo(p, c, p + c, self._details())
+
+    def _note_cached(self, output: RequestOutput) -> None:
+        if self.cached_tokens is not None and output.num_cached_tokens is not None:
+            self.cached_tokens = output.num_cached_tokens
+
+    def _details(self) -> PromptTokensDetails | None:
+        return None if self.cached_tokens is None else PromptTokensDetails(self.cached_tokens)
 
     # ------------------------------------------------------------------ non-streaming
 
     def final(self, outputs: list[RequestOutput]) -> ChatCompletionResponse:
         [output] = outputs
         self.prompt_tokens = len(output.prompt_token_ids)
+        self._note_cached(output)
         choices: list[ChatChoice] = []
         for c in sorted(output.outputs, key=lambda c: c.index):
             self.completion_tokens[c.index] = len(c.token_ids)

@@ -14,6 +14,7 @@ messages weigh what they cost to render (`chat_size`). Counts are capped at deco
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 import uuid
@@ -24,6 +25,8 @@ from pathlib import Path
 from typing import Any, Generic, Protocol, TypeVar
 
 import anyio
+import jinja2
+import jinja2.nodes
 from anyio.lowlevel import RunVar
 from starlette.requests import ClientDisconnect, Request
 
@@ -39,6 +42,7 @@ from triollm.api.protocol import (
     decode_request,
 )
 from triollm.api.state import ServerState
+from triollm.api.tracing import RequestTrace
 from triollm.engine.beam_search import BeamSearchParams
 from triollm.engine.outputs import Logprob, PromptLogprobs
 from triollm.engine.processing.tokenizer import Tokenizer
@@ -141,6 +145,7 @@ class Started(Generic[Req]):
     request_id: str  # the route's prefix + the client's id (or a fresh one)
     timer: RequestTimer | None  # the metrics' timer of this request, when metrics are on
     body_bytes: int  # the body's size, to size the route's own work on it (`maybe_in_thread`)
+    trace: RequestTrace | None = None  # its OpenTelemetry context, when tracing is on (tracing.py)
 
 
 async def start_generation(
@@ -159,7 +164,8 @@ async def start_generation(
     model = resolve_model(state, req.model)
     lora = resolve_lora(state, model)
     request_id = id_prefix + request_id_base(request, req.request_id)
-    return Started(req, model, lora, request_id, start_timer(state, model), len(body))
+    trace = None if state.tracer is None else state.tracer.trace(request.headers)
+    return Started(req, model, lora, request_id, start_timer(state, model), len(body), trace)
 
 
 def check_available(state: ServerState) -> None:
@@ -418,6 +424,7 @@ async def render_chat(
     tools: Sequence[dict[str, Any]] | None = None,
     documents: Sequence[dict[str, Any]] | None = None,
     request_template: str | None = None,
+    content_format: str = "auto",
 ) -> tuple[str, list[int]]:
     """`Tokenizer.render_chat` for a request's messages, in a worker thread for large chats
     (`chat_size` of the messages, tools, documents and `template_kwargs` over `LARGE_TEXT`).
@@ -427,20 +434,29 @@ async def render_chat(
     `template` is the server's (`--chat-template`, or None: the model's). `request_template`,
     a request's own `chat_template`, is its text, never a path: the tokenizer renders it under
     its counted budget, always in a worker thread (`REQUEST_TEMPLATE_THREADS` at once), so the
-    event loop keeps answering while it runs; the budget is what ends it."""
+    event loop keeps answering while it runs; the budget is what ends it.
+
+    `content_format` (`--chat-template-content-format`, vLLM's): how a message's content
+    reaches the template: "string" (a list of parts joined into one text), "openai" (the list
+    kept, and a plain string made one text part), "auto" (the list kept when the template loops
+    over a message's content, `content_format_of`; strings stay strings)."""
     kwargs = dict(template_kwargs or {})
     if documents is not None:
         kwargs["documents"] = list(documents)
+    source = request_template or template or tokenizer.chat_template or ""
+    parts = (content_format if content_format != "auto" else content_format_of(source)) == "openai"
+    wrap = content_format == "openai"
 
     def work() -> tuple[str, list[int]]:
         return tokenizer.render_chat(
-            [m.to_dict() for m in messages],
+            [_text_part(m.to_dict()) if wrap else m.to_dict() for m in messages],
             add_generation_prompt=add_generation_prompt,
             continue_final_message=continue_final_message,
             chat_template=template if request_template is None else request_template,
             tools=tools,
             chat_template_kwargs=kwargs,
             add_special_tokens=add_special_tokens,
+            content_parts=parts,
         )
 
     if request_template is not None:
@@ -451,6 +467,44 @@ async def render_chat(
         return await anyio.to_thread.run_sync(work, limiter=limiter)
     size = chat_size(messages, kwargs, tools, stop_above=LARGE_TEXT)
     return await maybe_in_thread(work, size)
+
+
+def _text_part(message: dict[str, Any]) -> dict[str, Any]:
+    """vLLM's "openai" format: a plain string content becomes one text part."""
+    content = message.get("content")
+    return {**message, "content": [{"type": "text", "text": content}]} if isinstance(content, str) else message
+
+
+@functools.lru_cache(maxsize=64)
+def content_format_of(source: str) -> str:
+    """"openai" when the template loops over a message's content (`for part in
+    message['content']`, also through a variable set from it), else "string": vLLM's "auto".
+    A template that does not parse is "string" (rendering it reports the error)."""
+    try:
+        tree = jinja2.Environment().parse(source)
+    except jinja2.TemplateSyntaxError:
+        return "string"
+    names = {
+        target.name
+        for node in tree.find_all(jinja2.nodes.Assign)
+        if _reads_content(node.node)
+        for target in [node.target]
+        if isinstance(target, jinja2.nodes.Name)
+    }
+    for loop in tree.find_all(jinja2.nodes.For):
+        it = loop.iter
+        if _reads_content(it) or (isinstance(it, jinja2.nodes.Name) and it.name in names):
+            return "openai"
+    return "string"
+
+
+def _reads_content(node: jinja2.nodes.Node) -> bool:
+    """`x['content']` or `x.content` (a filter over it too: `message['content'] | list`)."""
+    while isinstance(node, jinja2.nodes.Filter) and node.node is not None:
+        node = node.node
+    if isinstance(node, jinja2.nodes.Getitem):
+        return isinstance(node.arg, jinja2.nodes.Const) and node.arg.value == "content"
+    return isinstance(node, jinja2.nodes.Getattr) and node.attr == "content"
 
 
 async def maybe_in_thread(fn: Callable[[], R], size: int, threshold: int = LARGE_TEXT) -> R:

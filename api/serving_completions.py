@@ -26,6 +26,7 @@ from triollm.api.protocol import (
     CompletionResponse,
     CompletionStreamChoice,
     CompletionStreamResponse,
+    PromptTokensDetails,
     UsageInfo,
 )
 from triollm.api.request_log import log_request
@@ -127,6 +128,7 @@ async def create_completion(state: ServerState, request: Request) -> Response:
         continuous_usage=continuous,
         tokenizer=llm.get_tokenizer(),
         tokens_as_ids=bool(req.return_tokens_as_token_ids),
+        prompt_tokens_details=state.settings.enable_prompt_tokens_details,
     )
     return GenerationResponse(
         llm, jobs, formatter,
@@ -134,6 +136,8 @@ async def create_completion(state: ServerState, request: Request) -> Response:
         label=response_id,
         timer=timer,
         admission=state.admission,
+        trace=start.trace,
+        model=model,
     )
 
 
@@ -205,8 +209,12 @@ class CompletionFormatter:
         continuous_usage: bool,
         tokenizer: Tokenizer,
         tokens_as_ids: bool = False,
+        prompt_tokens_details: bool = False,
     ) -> None:
+        """`prompt_tokens_details` (`--enable-prompt-tokens-details`): usage reports the prompt
+        tokens the prefix cache held, summed over the prompts as the prompt tokens are."""
         self.id = response_id
+        self.details = prompt_tokens_details
         self.tokens_as_ids = tokens_as_ids  # vLLM's return_tokens_as_token_ids: "token_id:N"
         self.created = created_now()
         self.model = model
@@ -218,6 +226,7 @@ class CompletionFormatter:
         self.tokenizer = tokenizer
         choices = num_prompts * n
         self.prompt_tokens = [0] * num_prompts
+        self.cached_tokens = [0] * num_prompts
         self.prompt_rows: list[PromptLogprobs] = [[] for _ in range(num_prompts)]
         self.completion_tokens = [0] * choices
         self.offsets = [0] * choices  # text_offset of the choice's next token
@@ -231,6 +240,7 @@ class CompletionFormatter:
 
     def stream_output(self, index: int, output: RequestOutput) -> list[Any]:
         self.prompt_tokens[index] = len(output.prompt_token_ids)
+        self.cached_tokens[index] = output.num_cached_tokens or 0
         if output.prompt_logprobs:
             self.prompt_rows[index].extend(output.prompt_logprobs)
         chunks: list[Any] = []
@@ -262,11 +272,14 @@ class CompletionFormatter:
 
     def _usage_of(self, prompt: int, choice: int) -> UsageInfo:
         p, c = self.prompt_tokens[prompt], self.completion_tokens[choice]
-        return UsageInfo(p, c, p + c)
+        return UsageInfo(p, c, p + c, self._details(self.cached_tokens[prompt]))
 
     def _total_usage(self) -> UsageInfo:
         p, c = sum(self.prompt_tokens), sum(self.completion_tokens)
-        return UsageInfo(p, c, p + c)
+        return UsageInfo(p, c, p + c, self._details(sum(self.cached_tokens)))
+
+    def _details(self, cached: int) -> PromptTokensDetails | None:
+        return PromptTokensDetails(cached) if self.details else None
 
     # ------------------------------------------------------------------ non-streaming
 
@@ -274,6 +287,7 @@ class CompletionFormatter:
         choices: list[CompletionChoice] = []
         for index, output in enumerate(outputs):
             self.prompt_tokens[index] = len(output.prompt_token_ids)
+            self.cached_tokens[index] = output.num_cached_tokens or 0
             rows = output.prompt_logprobs or []
             prompt_lps = prompt_logprobs_out(output.prompt_logprobs)
             for c in sorted(output.outputs, key=lambda c: c.index):

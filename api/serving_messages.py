@@ -105,6 +105,8 @@ async def create_message(state: ServerState, request: Request, chat_template: st
         timer=start.timer,
         admission=state.admission,
         error_shape=as_anthropic,
+        trace=start.trace,
+        model=start.model,
     )
 
 

@@ -326,7 +326,8 @@ class ResponsesAPI:
         formatter = ResponsesFormatter(skeleton, parsing, tokenizer, on_done)
         job = Job({"prompt": text, "prompt_token_ids": token_ids}, params, engine_id, req.priority, lora_request=lora)
         return GenerationResponse(
-            llm, [job], formatter, stream=stream, label=skeleton.id, timer=timer, admission=state.admission
+            llm, [job], formatter, stream=stream, label=skeleton.id, timer=timer, admission=state.admission,
+            trace=start.trace, model=model,
         )
 
     async def retrieve(self, request: Request) -> Response:

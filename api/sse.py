@@ -42,6 +42,7 @@ from triollm.actors.async_llm import AsyncLLM
 from triollm.actors.errors import EngineGenerateError
 from triollm.actors.request_stream import OutputMerger
 from triollm.api.openai_errors import APIError, from_exception
+from triollm.api.tracing import RequestTrace
 from triollm.engine.beam_search import BeamSearchParams
 from triollm.engine.inputs import PromptType
 from triollm.engine.log_safe import log_safe
@@ -174,11 +175,14 @@ class GenerationResponse(Response):
         timer: Any = None,
         admission: Callable[[], AbstractContextManager[None]] | None = None,
         error_shape: Callable[[APIError], APIError] | None = None,
+        trace: RequestTrace | None = None,
+        model: str = "",
     ) -> None:
         """`timer`: a metrics `RequestTimer` (on_tokens / finished) or None. `admission`: entered
         around each `add_request` (the server's `ServerState.admission`: refused once the drain
         began, and known to the drain while inside). `error_shape`: how the route's errors are
-        written (the Messages API's: `as_anthropic`); None, OpenAI's."""
+        written (the Messages API's: `as_anthropic`); None, OpenAI's. `trace`: the request's
+        OpenTelemetry context (api/tracing.py): a span per prompt as it finishes, naming `model`."""
         super().__init__()
         self.llm = llm
         self.jobs = list(jobs)
@@ -188,6 +192,8 @@ class GenerationResponse(Response):
         self.timer = timer
         self.admission = admission or nullcontext
         self.error_shape = error_shape
+        self.trace = trace
+        self.model = model
         self._prompt_tokens: dict[int, int] = {}
         self._completion_tokens = 0
         self._finish_reason: str | None = None  # the first choice's, for the metrics
@@ -278,6 +284,8 @@ class GenerationResponse(Response):
                 with stream:
                     async for output in stream:
                         _raise_if_failed(output)
+                        if output.finished and self.trace is not None:
+                            self.trace.record(job.request_id, self.model, job.params, output)
                         await tx.send(_Item(index, output))
             except (anyio.BrokenResourceError, anyio.ClosedResourceError):
                 return  # the consumer is gone; the stream was closed (request aborted)

@@ -3,9 +3,10 @@ and the admission of generation requests that the drain closes without a gap."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 import anyio
 
@@ -13,11 +14,15 @@ from triollm.actors.async_llm import AsyncLLM
 from triollm.api.metrics import Metrics
 from triollm.api.serving_models import LoRAModulePath, ServedModels
 
-__all__ = ["ServerSettings", "ServerState"]
+if TYPE_CHECKING:
+    from triollm.api.tracing import RequestTracer
+
+__all__ = ["CONTENT_FORMATS", "ServerSettings", "ServerState"]
 
 DEFAULT_LIMIT_CONCURRENCY = 2048  # as many as the default listen backlog queues
 DEFAULT_MAX_HEADER_COUNT = 256  # vLLM's default
 DEFAULT_BODY_TIMEOUT_S = 60.0  # a 64 MiB body at about 1 MiB/s
+CONTENT_FORMATS = ("auto", "string", "openai")  # vLLM's --chat-template-content-format
 
 
 @dataclass(frozen=True)
@@ -61,6 +66,19 @@ class ServerSettings:
     # unload routes (`VLLM_ALLOW_RUNTIME_LORA_UPDATING`, read once by serve_args.py).
     lora_modules: tuple[LoRAModulePath, ...] = ()
     allow_runtime_lora_updating: bool = False
+    # `--default-chat-template-kwargs` (vLLM's): merged under each request's chat_template_kwargs
+    # (the request's keys win), e.g. {"enable_thinking": False} for Qwen3.
+    default_chat_template_kwargs: Mapping[str, Any] | None = None
+    # `--chat-template-content-format` (vLLM's): how a message's content reaches the template:
+    # "string" (content parts joined into one text), "openai" (a list of {"type", "text"} parts,
+    # a plain string wrapped into one), "auto" (lists kept when the template loops over a
+    # message's content, else joined: serving_common.content_format_of).
+    chat_template_content_format: str = "auto"
+    # `--enable-prompt-tokens-details` (vLLM's): usage.prompt_tokens_details.cached_tokens, the
+    # prompt tokens the prefix cache held, on chat and completions.
+    enable_prompt_tokens_details: bool = False
+    # `--otlp-traces-endpoint` (vLLM's): an OpenTelemetry span per request sent there (tracing.py).
+    otlp_traces_endpoint: str | None = None
 
     @property
     def api_keys(self) -> tuple[str, ...]:
@@ -79,6 +97,11 @@ class ServerSettings:
             raise ValueError(f"limit_concurrency: must be at least 1 (or None: no cap), got {self.limit_concurrency}")
         if self.h11_max_header_count < 1:
             raise ValueError(f"h11_max_header_count: must be at least 1, got {self.h11_max_header_count}")
+        if self.chat_template_content_format not in CONTENT_FORMATS:
+            raise ValueError(
+                f"chat_template_content_format: {self.chat_template_content_format!r} is not one of "
+                f"{', '.join(CONTENT_FORMATS)}"
+            )
         if not 0 < self.request_body_timeout < float("inf"):
             raise ValueError(
                 f"request_body_timeout: must be a positive number of seconds, got {self.request_body_timeout}"
@@ -92,6 +115,7 @@ class ServerState:
     # False once shutdown began: new generation requests get 503, in-flight ones go on.
     accepting: bool = True
     metrics: Metrics | None = None  # the /metrics route and request timers, when enabled
+    tracer: RequestTracer | None = None  # a span per request (api/tracing.py), when enabled
     models: ServedModels = field(init=False)  # the base model's names and the LoRA adapters
     _entering: int = field(default=0, repr=False)  # requests inside `admission()`
     _entered: anyio.Event | None = field(default=None, repr=False)

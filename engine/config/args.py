@@ -34,6 +34,7 @@ from triollm.engine.config.model import (
     RUNNERS,
     TOKENIZER_MODES,
     canonical_dtype,
+    check_hf_overrides,
 )
 from triollm.engine.config.parallel import DP_BACKENDS, check_parallel
 from triollm.engine.config.quantization import KV_CACHE_DTYPES, QUANTIZATIONS
@@ -120,6 +121,10 @@ class EngineArgs:
     override_generation_config: dict[str, Any] | None = arg(
         None, 'a JSON object merged over those defaults, e.g. \'{"temperature": 0.5}\' (keys: '
         "temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens)")
+    hf_overrides: dict[str, Any] | None = arg(
+        None, 'a JSON object merged into the checkpoint\'s config.json before it is read and '
+        'checked, e.g. \'{"max_position_embeddings": 8192}\' (a nested object merges into the '
+        "object of that key)")
     # --- parallelism
     tensor_parallel_size: int = arg(
         1, "processes the model is sharded over (CPU, gloo); must divide the attention heads")
@@ -254,6 +259,7 @@ class EngineArgs:
         if self.max_model_len == -1:  # vLLM's "auto" (`--max-model-len auto`): the model's own
             self.max_model_len = None
         check_generation_config(self.generation_config, self.override_generation_config)
+        check_hf_overrides(self.hf_overrides)
         self.dtype = canonical_dtype(self.dtype)
         if self.swap_space is not None:
             self.swap_space = None

@@ -22,6 +22,7 @@ __all__ = [
     "RUNNERS",
     "TOKENIZER_MODES",
     "canonical_dtype",
+    "check_hf_overrides",
     "check_model_impl",
     "check_pooling",
     "resolve_device",
@@ -67,6 +68,8 @@ class ModelArgs(Protocol):
     def generation_config(self) -> str: ...
     @property
     def override_generation_config(self) -> dict[str, Any] | None: ...
+    @property
+    def hf_overrides(self) -> dict[str, Any] | None: ...
 
 
 def canonical_dtype(value: object) -> str:
@@ -106,7 +109,18 @@ def resolve_model_config(args: ModelArgs, device: str, cache_dir: Path | None) -
         path, str(args.dtype), args.max_model_len, device, args.runner,
         generation_config=args.generation_config,
         override_generation_config=args.override_generation_config, model_impl=args.model_impl,
+        hf_overrides=args.hf_overrides,
     )  # fmt: skip
+
+
+def check_hf_overrides(value: object) -> None:
+    """`hf_overrides` (vLLM's): a JSON object whose keys are config.json's; a callable (vLLM
+    also takes one) cannot cross to the engine core's process."""
+    if value is not None and not (isinstance(value, dict) and all(isinstance(k, str) for k in value)):
+        raise ValueError(
+            f"hf_overrides: expected a JSON object of config.json keys, e.g. "
+            f'{{"max_position_embeddings": 8192}}, got {type(value).__name__} {value!r:.80}'
+        )
 
 
 def resolve_tokenizer(args: ModelArgs, model_path: Path, cache_dir: Path | None) -> Path:

@@ -125,13 +125,17 @@ class ModelConfig(HfConfig):
         generation_config: str = "auto",
         override_generation_config: dict[str, Any] | None = None,
         model_impl: str = "auto",
+        hf_overrides: dict[str, Any] | None = None,
     ) -> ModelConfig:
+        """`hf_overrides`: merged into config.json before anything reads it (vLLM's), so the
+        load-time checks see the overridden values."""
         cfg_file = path / "config.json"
         if not cfg_file.is_file():
             raise ValueError(
                 f"model: {path} has no config.json (expected a Hugging Face-format directory or a .gguf file)"
             )
-        hf, multimodal = split_multimodal(json.loads(cfg_file.read_text()))
+        raw = merge_overrides(json.loads(cfg_file.read_text()), hf_overrides or {})
+        hf, multimodal = split_multimodal(raw)
         if multimodal is not None and model_impl == "transformers":
             raise ValueError(
                 f"model_impl: 'transformers' runs causal LMs, not {multimodal.architecture}; its decoder runs "
@@ -194,6 +198,16 @@ class ModelConfig(HfConfig):
             pooler=pooler,
             multimodal=multimodal,
         )
+
+
+def merge_overrides(config: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
+    """`config` with `overrides` merged in (a new dict): an object merges into the object of
+    the same key (a vision-language model's `text_config`, say); anything else replaces."""
+    merged = dict(config)
+    for key, value in overrides.items():
+        old = merged.get(key)
+        merged[key] = merge_overrides(old, value) if isinstance(old, dict) and isinstance(value, dict) else value
+    return merged
 
 
 def _read_generation_config(folder: Path, *, required: bool = False) -> dict[str, Any]:

@@ -39,7 +39,7 @@ ChatMessage = Mapping[str, Any]
 _SPECIAL_NAMES = ("bos_token", "eos_token", "unk_token", "pad_token")
 # chat_template_kwargs may not override what the caller sets through its own arguments.
 _RESERVED_TEMPLATE_KWARGS = frozenset(
-    {"messages", "add_generation_prompt", "continue_final_message", "chat_template", "tools"}
+    {"messages", "add_generation_prompt", "continue_final_message", "chat_template", "tools", "content_parts"}
 )
 
 
@@ -306,9 +306,14 @@ class Tokenizer:
         tools: Sequence[Mapping[str, Any]] | None = None,
         tokenize: bool = True,
         return_dict: bool = True,
+        content_parts: bool = False,
         **template_kwargs: Any,
     ) -> str | list[int] | dict[str, list[int]]:
         """Render `messages` with the chat template (transformers' semantics).
+
+        A message's content given as a list of parts reaches the template as one string (the
+        parts' texts, one per line), or with `content_parts` as the list (vLLM's "openai"
+        content format, for templates that loop over the parts).
 
         With `continue_final_message` no generation prompt is added and the text is cut right
         after the final message's content, so the model continues that message.
@@ -328,7 +333,7 @@ class Tokenizer:
                 "chat_template: this tokenizer has no chat template; pass chat_template= "
                 "(or --chat-template) or use a plain-text prompt"
             )
-        chat = [_normalize_message(i, m) for i, m in enumerate(messages)]
+        chat = [_normalize_message(i, m, content_parts) for i, m in enumerate(messages)]
         if continue_final_message and not chat:
             raise ValueError("continue_final_message: needs at least one message")
         context: dict[str, Any] = {**self._special_tokens, **template_kwargs}
@@ -346,7 +351,8 @@ class Tokenizer:
         else:  # the caller's code: counted, and every failure a ValueError naming chat_template
             rendered = render_budgeted(self.templates, source, context, self.template_budget)
         if continue_final_message:
-            rendered = _cut_after_final(rendered, chat[-1].get("content"))
+            final = _normalize_message(len(chat) - 1, chat[-1]) if content_parts else chat[-1]
+            rendered = _cut_after_final(rendered, final.get("content"))
         if not tokenize:
             return rendered
         ids = self.encode(rendered, add_special_tokens=False)
@@ -362,6 +368,7 @@ class Tokenizer:
         tools: Sequence[Mapping[str, Any]] | None = None,
         chat_template_kwargs: Mapping[str, Any] | None = None,
         add_special_tokens: bool = False,
+        content_parts: bool = False,
     ) -> RenderedChat:
         """Render a chat for generation: the one place every caller goes through.
 
@@ -389,6 +396,7 @@ class Tokenizer:
             continue_final_message=continue_final_message,
             chat_template=chat_template,
             tools=tools,
+            content_parts=content_parts,
             **kwargs,
         )
         if add_special_tokens:
@@ -485,8 +493,9 @@ def _config_template(value: Any) -> str | None:
 # chat template rendering
 
 
-def _normalize_message(index: int, message: ChatMessage) -> dict[str, Any]:
-    """A plain dict copy whose content is a string when it was a list of text parts, and whose
+def _normalize_message(index: int, message: ChatMessage, content_parts: bool = False) -> dict[str, Any]:
+    """A plain dict copy whose content is a string when it was a list of text parts (unless
+    `content_parts`: the list stays), and whose
     tool calls carry their arguments as objects: `function.arguments`, a JSON string on the
     wire, becomes what it encodes, as templates read it (`tool_call.arguments | tojson`; vLLM
     does the same); arguments that are not JSON stay strings."""
@@ -494,7 +503,7 @@ def _normalize_message(index: int, message: ChatMessage) -> dict[str, Any]:
         raise ValueError(f"messages[{index}]: must be a mapping with 'role' and 'content'")
     out = dict(message)
     content = out.get("content")
-    if isinstance(content, list):
+    if isinstance(content, list) and not content_parts:
         out["content"] = "\n".join(_part_text(index, part) for part in content)
     calls = out.get("tool_calls")
     if isinstance(calls, list):
