@@ -24,12 +24,14 @@ from __future__ import annotations
 
 import itertools
 import logging
+import pickle
 import time
 import warnings
-from collections.abc import AsyncGenerator, Iterable
+from collections.abc import AsyncGenerator, Callable, Iterable
 from typing import Any, Literal, cast
 
 import anyio
+import cloudpickle
 
 from triollm.actors.beam_search import run_beam_search
 from triollm.actors.core_link import InputTap
@@ -43,6 +45,7 @@ from triollm.engine.beam_search import BeamSearchParams
 from triollm.engine.config import EngineArgs, EngineConfig, ModelConfig
 from triollm.engine.core_factory import EngineCoreFactory
 from triollm.engine.core_protocol import EngineCoreStats
+from triollm.engine.execution.sleep_mode import check_level, check_tags
 from triollm.engine.frontend import Frontend, LoRAChecker, input_size
 from triollm.engine.frontend.input import LARGE_INPUT, ProcessedRequest
 from triollm.engine.inputs import PromptType
@@ -361,10 +364,17 @@ class AsyncLLM:
 
     # ------------------------------------------------------------------ utilities
 
-    async def _call(self, op: UtilityOp) -> EngineCoreStats | bool | None:
+    async def _call(self, op: UtilityOp, payload: bytes = b"") -> EngineCoreStats | bool | bytes | None:
         await self._rt.ensure_started()
         self._rt.require_running()
-        return await self._link.call(op)
+        return await self._link.call(op, payload)
+
+    async def _core_method(self, op: UtilityOp, *args: Any, **kwargs: Any) -> Any:
+        """The engine core's method `op` names (actors/core_loop.py), its arguments and result
+        cloudpickled across the process boundary."""
+        result = await self._call(op, cloudpickle.dumps((args, kwargs)))
+        assert isinstance(result, bytes)
+        return pickle.loads(result)
 
     async def get_engine_stats(self) -> EngineCoreStats:
         """Fresh statistics from the engine core (running, waiting, KV blocks, prefix cache)."""
@@ -446,3 +456,51 @@ class AsyncLLM:
 
     async def is_paused(self) -> bool:
         return self._rt.frontend is not None and self._rt.frontend.paused
+
+    # ------------------------------------------------------------------ sleep, reload, rpc
+
+    async def sleep(self, level: int = 1) -> None:
+        """vLLM's sleep mode: free the KV cache (level 1), and the weights (level 2); the prefix
+        cache is forgotten. Requests sent while asleep fail with a ValueError naming the state;
+        refused while requests are unfinished (engine/execution/sleep_mode.py)."""
+        await self._core_method(UtilityOp.SLEEP, check_level(level))
+
+    async def wake_up(self, tags: list[str] | None = None) -> None:
+        """Restore what `tags` names ("weights", "kv_cache"; None: all): level 2's weights are
+        read from the checkpoint again."""
+        await self._core_method(UtilityOp.WAKE_UP, None if tags is None else sorted(check_tags(tags)))
+
+    async def is_sleeping(self) -> bool:
+        return bool(await self._core_method(UtilityOp.IS_SLEEPING))
+
+    async def reload_weights(self, weights_path: str | None = None) -> None:
+        """Read the weights again: from the running checkpoint, or from `weights_path`, another
+        checkpoint whose config.json describes the same model (a ValueError naming the field
+        that differs). The prefix cache is forgotten."""
+        await self._core_method(UtilityOp.RELOAD_WEIGHTS, weights_path)
+
+    async def collective_rpc(
+        self,
+        method: str | Callable[..., Any],
+        timeout: float | None = None,  # noqa: ASYNC109 - vLLM's signature
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> list[Any]:
+        """vLLM's `collective_rpc`: `method` on every tensor-parallel rank's worker, one result
+        per rank (per data-parallel rank too, in rank order). A name is a method of the worker
+        (rank 0's is the executor: engine/execution/executor.py); a callable is run with the
+        worker as its first argument. Arguments and results must pickle (cloudpickle: lambdas
+        too). `timeout`: seconds to wait (TimeoutError after; the call itself is not undone)."""
+        if not (isinstance(method, str) or callable(method)):
+            raise ValueError(f"method: a method name or a callable, got {type(method).__name__}")
+        with anyio.fail_after(timeout):
+            result = await self._core_method(UtilityOp.COLLECTIVE_RPC, method, tuple(args), dict(kwargs or {}))
+        return cast(list[Any], result)
+
+    async def start_profile(self) -> None:
+        """Start the torch profiler in the engine core; `stop_profile()` writes its trace into
+        `VLLM_TORCH_PROFILER_DIR` (unset: a ValueError naming it)."""
+        await self._core_method(UtilityOp.START_PROFILE)
+
+    async def stop_profile(self) -> None:
+        await self._core_method(UtilityOp.STOP_PROFILE)

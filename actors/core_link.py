@@ -34,6 +34,9 @@ DEATH_REPORT_WAIT_S = 5.0
 InputTap = Callable[[CoreInput], CoreInput]
 
 
+_VALUE_ERROR = "ValueError: "  # how the core loop writes a ValueError's text (actors/core_loop.py)
+
+
 class CoreLink:
     def __init__(self, tap: InputTap | None = None) -> None:
         self.client: CoreClient | None = None
@@ -108,21 +111,26 @@ class CoreLink:
     def calls_pending(self) -> bool:
         return bool(self._calls)
 
-    async def call(self, op: UtilityOp) -> EngineCoreStats | bool | None:
-        """Ask the core and wait for its answer; `EngineDeadError` if it dies first."""
+    async def call(self, op: UtilityOp, payload: bytes = b"") -> EngineCoreStats | bool | bytes | None:
+        """Ask the core and wait for its answer; `EngineDeadError` if it dies first. A
+        `ValueError` in the core (bad arguments) is raised as one here, anything else as a
+        `RuntimeError` with the core's error text."""
         cid = next(self._call_ids)
         done = anyio.Event()
         slot: list[UtilityResult] = []
         self._calls[cid] = (done, slot)
         try:
-            await self.send_or_raise(UtilityCall(cid, op))
+            await self.send_or_raise(UtilityCall(cid, op, payload))
             await done.wait()
         finally:
             self._calls.pop(cid, None)
         if not slot:
             raise self.dead_error() if self.dead else EngineDeadError("the engine core stopped")
-        if slot[0].error is not None:
-            raise RuntimeError(slot[0].error)
+        error = slot[0].error
+        if error is not None:
+            if error.startswith(_VALUE_ERROR):
+                raise ValueError(error.removeprefix(_VALUE_ERROR))
+            raise RuntimeError(error)
         return slot[0].result
 
     def on_result(self, msg: UtilityResult) -> None:

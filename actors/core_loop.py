@@ -18,7 +18,9 @@ then the loop steps before taking more: a burst of a million aborts or adds dela
 requests by a step per batch instead of stopping them until the whole burst is applied. With nothing
 to step (idle, stuck or paused) it applies inputs as they come. `UtilityOp.PAUSE` stops stepping
 (requests keep their place and their KV blocks; adds and aborts are still applied) until
-`UtilityOp.RESUME`. A `Shutdown` message or the end of the input stream ends it cleanly.
+`UtilityOp.RESUME`. The utility calls that reach the device (sleep, wake-up, weight reload,
+`collective_rpc`, the profiler: `_METHODS`) run in the compute thread, as steps do; the others
+are bookkeeping and run here. A `Shutdown` message or the end of the input stream ends it cleanly.
 
 A step still running when the loop is cancelled (a hung forward pass, after the transport's
 grace period) is abandoned in its thread and logged, so the teardown stays bounded.
@@ -31,10 +33,13 @@ child process exits non-zero. Callers that must not raise (the in-process transp
 from __future__ import annotations
 
 import logging
+import pickle
 import time
 import traceback
+from typing import Any
 
 import anyio
+import cloudpickle
 from anyio.abc import ObjectSendStream
 from anyio.streams.memory import MemoryObjectReceiveStream
 
@@ -109,7 +114,10 @@ async def serve_engine_core(
                     await outputs.send(UtilityResult(cid, True))
                     continue
             stuck = False
-            reply = _apply(core, msg)
+            if isinstance(msg, UtilityCall) and msg.op in _METHODS:  # the device's work: its thread
+                reply: CoreOutput | None = await compute.run(_apply, core, msg)
+            else:
+                reply = _apply(core, msg)
             if reply is not None:
                 await outputs.send(reply)
 
@@ -144,15 +152,34 @@ def _apply(core: Core, msg: CoreInput) -> CoreOutput | None:
                 return RequestError(req.request_id, repr(exc), kind=type(exc).__name__)
         case AbortRequests(request_ids=ids):
             core.abort_requests(ids)
-        case UtilityCall(call_id=cid, op=op):
+        case UtilityCall(call_id=cid, op=op, payload=payload):
             try:
-                return UtilityResult(cid, _utility(core, op))
+                return UtilityResult(cid, _utility(core, op, payload))
             except Exception as exc:
                 return UtilityResult(cid, None, error=f"{type(exc).__name__}: {exc}")
     return None
 
 
-def _utility(core: Core, op: UtilityOp) -> EngineCoreStats | bool:
+# The ops that call the core's method of that name with the call's arguments (UtilityOp).
+_METHODS = {
+    UtilityOp.SLEEP: "sleep",
+    UtilityOp.WAKE_UP: "wake_up",
+    UtilityOp.IS_SLEEPING: "is_sleeping",
+    UtilityOp.RELOAD_WEIGHTS: "reload_weights",
+    UtilityOp.COLLECTIVE_RPC: "collective_rpc",
+    UtilityOp.START_PROFILE: "start_profile",
+    UtilityOp.STOP_PROFILE: "stop_profile",
+}
+
+
+def _utility(core: Core, op: UtilityOp, payload: bytes) -> EngineCoreStats | bool | bytes:
+    name = _METHODS.get(op)
+    if name is not None:
+        args: tuple[Any, ...]
+        kwargs: dict[str, Any]
+        args, kwargs = pickle.loads(payload) if payload else ((), {})
+        result: bytes = cloudpickle.dumps(getattr(core, name)(*args, **kwargs))
+        return result
     match op:
         case UtilityOp.STATISTICS:
             return core.statistics()
@@ -163,3 +190,4 @@ def _utility(core: Core, op: UtilityOp) -> EngineCoreStats | bool:
             return True
         case UtilityOp.PAUSE | UtilityOp.RESUME:
             raise RuntimeError(f"{op.name} is the loop's own state, not the core's")
+    raise RuntimeError(f"{op.name}: no such utility call")

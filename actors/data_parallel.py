@@ -47,10 +47,12 @@ import dataclasses
 import itertools
 import logging
 import math
+import pickle
 from collections.abc import AsyncIterator, Callable
 from contextlib import AsyncExitStack, asynccontextmanager
 
 import anyio
+import cloudpickle
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from triollm.actors.core_client import OUTPUT_BUFFER, SHUTDOWN_GRACE_S, CoreClient
@@ -171,6 +173,12 @@ def _combine(call_id: int, results: list[UtilityResult]) -> UtilityResult:
     stats = [v for v in values if isinstance(v, EngineCoreStats)]
     if len(stats) == len(values):
         return UtilityResult(call_id, EngineCoreStats.merge(stats))
+    pickled = [v for v in values if isinstance(v, bytes)]
+    if len(pickled) == len(values):  # a core method's results: rpc lists joined in rank order
+        answers = [pickle.loads(v) for v in pickled]
+        if all(isinstance(a, list) for a in answers):
+            return UtilityResult(call_id, cloudpickle.dumps([x for a in answers for x in a]))
+        return UtilityResult(call_id, pickled[0])
     return UtilityResult(call_id, all(bool(v) for v in values))
 
 

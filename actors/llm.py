@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import itertools
 import threading
 import time
@@ -146,6 +147,44 @@ class LLM:
     def get_metrics(self) -> list[Metric]:
         """The engine's counters and gauges now (`triollm.engine.metrics`)."""
         return self.llm_engine.get_metrics()
+
+    # ------------------------------------------------------------------ sleep, reload, rpc (AsyncLLM's)
+
+    def sleep(self, level: int = 1) -> None:
+        """Free the KV cache (level 1), and the weights (level 2), until `wake_up()`."""
+        self._portal.call(self._engine.sleep, level)
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        self._portal.call(self._engine.wake_up, tags)
+
+    def is_sleeping(self) -> bool:
+        return self._portal.call(self._engine.is_sleeping)
+
+    def reload_weights(self, weights_path: str | None = None) -> None:
+        """Read the weights again, from the running checkpoint or another of its architecture."""
+        self._portal.call(self._engine.reload_weights, weights_path)
+
+    def collective_rpc(
+        self,
+        method: str | Callable[..., Any],
+        timeout: float | None = None,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> list[Any]:
+        """`method` on every rank's worker, one result per rank (`AsyncLLM.collective_rpc`)."""
+        return self._portal.call(functools.partial(self._engine.collective_rpc, method, timeout, args, kwargs))
+
+    def apply_model(self, func: Callable[[torch.nn.Module], Any]) -> list[Any]:
+        """`func(model)` on every rank, one result per rank (results must pickle)."""
+        return self.collective_rpc("apply_model", args=(func,))
+
+    def start_profile(self) -> None:
+        """Profile the engine core's steps until `stop_profile()`, which writes the trace into
+        `VLLM_TORCH_PROFILER_DIR`."""
+        self._portal.call(self._engine.start_profile)
+
+    def stop_profile(self) -> None:
+        self._portal.call(self._engine.stop_profile)
 
     # ------------------------------------------------------------------ generation
 

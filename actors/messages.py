@@ -65,11 +65,21 @@ class UtilityOp(enum.IntEnum):
     CHECK_INTEGRITY = 2  # -> True, or the call fails with the assertion text
     PAUSE = 3  # stop stepping; queued and running requests stay where they are -> True
     RESUME = 4  # step again -> True
+    # The engine core's methods of the same names (engine/core_protocol.py), called with the
+    # call's `payload`, cloudpickled (args, kwargs); the answer is the result, cloudpickled.
+    SLEEP = 5
+    WAKE_UP = 6
+    IS_SLEEPING = 7
+    RELOAD_WEIGHTS = 8
+    COLLECTIVE_RPC = 9  # -> a list, one result per tensor-parallel rank
+    START_PROFILE = 10
+    STOP_PROFILE = 11
 
 
 class UtilityCall(msgspec.Struct, tag=True, array_like=True):
     call_id: int
     op: UtilityOp
+    payload: bytes = b""  # the ops that take arguments: cloudpickle of (args, kwargs)
 
 
 class Shutdown(msgspec.Struct, tag=True, array_like=True):
@@ -240,7 +250,8 @@ class RequestError(msgspec.Struct, tag=True, array_like=True):
 
 class UtilityResult(msgspec.Struct, tag=True, array_like=True):
     call_id: int
-    result: EngineCoreStats | bool | None = None
+    # bytes: a core method's result, cloudpickled (the ops from SLEEP on)
+    result: EngineCoreStats | bool | bytes | None = None
     error: str | None = None
 
 

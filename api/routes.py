@@ -26,6 +26,7 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import Response
 
+from triollm.api import serving_dev as dev
 from triollm.api.endpoints import Endpoints
 from triollm.api.protocol import (
     ChatCompletionChunk,
@@ -238,6 +239,23 @@ ROUTES: tuple[RouteSpec, ...] = (
         "Unload a LoRA adapter by name", UnloadLoRAAdapterRequest, _TEXT, "text/plain",
         errors=("400", "404"), when=_with_runtime_lora,
     ),
+    # ------------------------------- development routes, VLLM_SERVER_DEV_MODE=1 (serving_dev.py)
+    RouteSpec("/sleep", "POST", dev.sleep, "sleep", "Free the KV cache (?level=1), and the weights (?level=2)",
+              errors=("400",), when=dev.with_dev_mode),
+    RouteSpec("/wake_up", "POST", dev.wake_up, "wake_up", "Restore what sleep freed (?tags=weights&tags=kv_cache)",
+              errors=("400",), when=dev.with_dev_mode),
+    RouteSpec("/is_sleeping", "GET", dev.is_sleeping, "is_sleeping", "Whether the engine sleeps",
+              ok={"type": "object", "properties": {"is_sleeping": {"type": "boolean"}}}, when=dev.with_dev_mode),
+    RouteSpec("/collective_rpc", "POST", dev.collective_rpc, "collective_rpc", "A worker method on every rank",
+              dev.CollectiveRPCRequest, {"type": "object", "properties": {"results": {"type": "array"}}},
+              errors=("400",), when=dev.with_dev_mode),
+    RouteSpec("/reset_prefix_cache", "POST", dev.reset_prefix_cache, "reset_prefix_cache",
+              "Forget the cached prefixes", when=dev.with_dev_mode),
+    RouteSpec("/pause", "POST", dev.pause, "pause", "Stop stepping (?mode=keep|wait|abort)", ok={"type": "object"},
+              errors=("400",), when=dev.with_dev_mode),
+    RouteSpec("/resume", "POST", dev.resume, "resume", "Step again", ok={"type": "object"}, when=dev.with_dev_mode),
+    RouteSpec("/is_paused", "GET", dev.is_paused, "is_paused", "Whether the engine is paused",
+              ok={"type": "object", "properties": {"is_paused": {"type": "boolean"}}}, when=dev.with_dev_mode),
     # ------------------------------------------------------------ /metrics (api/metrics.py)
     RouteSpec("/metrics", "GET", Endpoints.metrics, "metrics", "/metrics", open=True,
               when=_with_metrics),

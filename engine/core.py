@@ -29,16 +29,20 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future
 from concurrent.futures import wait as wait_futures
 from dataclasses import replace
+from typing import Any
 
-from triollm.engine import request_rules
+from triollm.engine import envs, request_rules
 from triollm.engine.config import EngineConfig
 from triollm.engine.core_factory import EngineCoreFactory
 from triollm.engine.core_protocol import EngineCoreStats
 from triollm.engine.execution.executor import Executor, Runner
 from triollm.engine.execution.models import CausalLM
+from triollm.engine.execution.profiler import Profiler
+from triollm.engine.execution.sleep_mode import release_memory
 from triollm.engine.request import EngineCoreOutput, EngineCoreRequest, FinishReason, RunnerOutput
 from triollm.engine.scheduling.block_manager import BlockManager
 from triollm.engine.scheduling.request_state import Request, RequestStatus
@@ -94,6 +98,7 @@ class EngineCore:
         # request joins the scheduler once it is ready (`_compiling` until then).
         self._compiling: dict[str, tuple[Request, Future[Grammar]]] = {}
         self.grammars = GrammarCompiler(self.config.tokenizer, mc.vocab_size)
+        self.profiler = Profiler(envs.torch_profiler_dir(), self.config.device)
 
     @property
     def model(self) -> CausalLM | None:
@@ -114,6 +119,8 @@ class EngineCore:
 
     def close(self) -> None:
         """Stop the grammar threads and the tensor-parallel workers, if any (idempotent)."""
+        if self.profiler.running:
+            self.profiler.stop()
         self.grammars.close()
         self.executor.close()
 
@@ -124,6 +131,8 @@ class EngineCore:
         prompt rules of engine/request_rules.py, checked again here (a core trusts no input)."""
         mc = self.config.model
         rid, ids = request.request_id, request.prompt_token_ids
+        if self.executor.is_sleeping:
+            raise ValueError(f"the engine is sleeping ({self._asleep_text()}): call wake_up() before sending requests")
         request_rules.check_new_request_id(rid, self.requests)
         request_rules.check_prompt_tokens(ids, mc.max_model_len, mc.vocab_size)
         room = mc.max_model_len - len(ids)
@@ -159,6 +168,77 @@ class EngineCore:
 
     def reset_prefix_cache(self) -> bool:
         return self.block_manager.reset_prefix_cache()
+
+    # ------------------------------------------------------------------ sleep, reload, rpc
+
+    def sleep(self, level: int = 1) -> None:
+        self._require_idle("sleep")
+        self.block_manager.reset_prefix_cache()  # the blocks' contents are gone
+        self.executor.sleep(level)
+        self._follow_executor()
+        release_memory(self.config.device)  # once no reference to the runner or model is left
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        self.executor.wake_up(tags)
+        self._follow_executor()
+
+    def is_sleeping(self) -> bool:
+        return self.executor.is_sleeping
+
+    def reload_weights(self, weights_path: str | None = None) -> None:
+        """A level-2 sleep and a wake-up from `weights_path` (checked first), so the old weights
+        are gone before the new ones are read; asleep before, asleep after."""
+        self._require_idle("reload_weights")
+        asleep = self.executor.asleep
+        self.executor.use_checkpoint(weights_path)
+        self.sleep(2)
+        self.wake_up()
+        if asleep:
+            self.sleep(2 if "weights" in asleep else 1)
+
+    def collective_rpc(
+        self,
+        method: str | Callable[..., Any],
+        args: Sequence[Any] = (),
+        kwargs: Mapping[str, Any] | None = None,
+    ) -> list[Any]:
+        """The executor's `collective_rpc`. "sleep", "wake_up" and "reload_weights" go through
+        the core's own methods (their checks, the prefix cache), one None per rank."""
+        kwargs = {} if kwargs is None else kwargs
+        if isinstance(method, str) and method in _CORE_RPCS:
+            getattr(self, method)(*args, **kwargs)
+            return [None] * self.config.tensor_parallel_size
+        model, asleep = self.executor.model, self.executor.asleep
+        try:
+            return self.executor.collective_rpc(method, args, kwargs)
+        finally:
+            self._follow_executor()
+            if self.executor.model is not model or self.executor.asleep != asleep:  # a callable slept or swapped
+                self.block_manager.reset_prefix_cache()
+                release_memory(self.config.device)
+
+    def start_profile(self) -> None:
+        self.profiler.start()
+
+    def stop_profile(self) -> None:
+        self.profiler.stop()
+
+    def _require_idle(self, what: str) -> None:
+        if self.has_unfinished_requests():
+            raise ValueError(
+                f"{what}: {len(self.requests)} requests are unfinished; wait for them or abort them first"
+            )
+
+    def _follow_executor(self) -> None:
+        """The executor's runner and draft after sleep, wake-up or reload."""
+        if not self.executor.injected:
+            self.runner = self.executor.runner
+            spec = self.config.speculative
+            if self.speculator is not None and spec is not None and spec.draft is not None:
+                self.speculator.draft = self.executor.draft  # None while asleep
+
+    def _asleep_text(self) -> str:
+        return " and ".join(_PARTS[p] for p in sorted(self.executor.asleep, reverse=True)) + " freed"
 
     # ------------------------------------------------------------------ the step
 
@@ -293,6 +373,12 @@ class EngineCore:
         assert all(not r.block_ids for r, _ in self._compiling.values()), (
             "a compiling request holds KV blocks"
         )
+
+
+_PARTS = {"weights": "weights", "kv_cache": "KV cache"}
+
+# collective_rpc methods that change the core's state too (EngineCore.collective_rpc).
+_CORE_RPCS = ("sleep", "wake_up", "reload_weights")
 
 
 def _error(request_id: str, reason: str) -> EngineCoreOutput:

@@ -19,7 +19,7 @@ This module sits below both implementations (it imports neither), so each may na
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
 
 import msgspec
@@ -158,6 +158,38 @@ class Core(Protocol):
     def check_integrity(self) -> None:
         """Raise AssertionError if the core's bookkeeping is inconsistent (tests, debugging)."""
         ...
+
+    # vLLM's sleep mode, weight reload, collective_rpc and profiler (engine/execution/sleep_mode.py).
+    # Bad arguments, and a state that does not allow the call, are ValueErrors naming them.
+
+    def sleep(self, level: int = 1) -> None:
+        """Free the KV cache (level 1) and the weights (level 2), the prefix cache forgotten;
+        requests are refused until `wake_up`. Refused while requests are unfinished."""
+        ...
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Restore what `tags` names ("weights", "kv_cache"; None: all)."""
+        ...
+
+    def is_sleeping(self) -> bool: ...
+
+    def reload_weights(self, weights_path: str | None = None) -> None:
+        """Read the weights again (from `weights_path`: another checkpoint of the running
+        architecture); the prefix cache is forgotten. Refused while requests are unfinished."""
+        ...
+
+    def collective_rpc(
+        self,
+        method: str | Callable[..., Any],
+        args: Sequence[Any] = (),
+        kwargs: Mapping[str, Any] | None = None,
+    ) -> list[Any]:
+        """`method` on every rank's worker, one result per rank (vLLM's `collective_rpc`)."""
+        ...
+
+    def start_profile(self) -> None: ...
+
+    def stop_profile(self) -> None: ...
 
     def close(self) -> None:
         """Release what the core started (tensor-parallel workers); idempotent."""

@@ -18,6 +18,7 @@ engine is seen, and never per step.
 | `TRIOLLM_CPU_ISA` | `forced_cpu_isa()` | force a quantized-kernel path (kernels/envs.py) |
 | `VLLM_BATCH_INVARIANT` | `batch_invariant()` | 0/1: numbers independent of the batch (kernels/batch_invariant.py) |
 | `VLLM_CPU_KVCACHE_SPACE` | `cpu_kvcache_space_bytes()` | GiB of KV cache on CPU (vLLM-CPU's; 0 or unset: measured) |
+| `VLLM_TORCH_PROFILER_DIR` | `torch_profiler_dir()` | where `start_profile()` traces go (vLLM's; unset: no profiler) |
 
 `VLLM_BATCH_INVARIANT` is vLLM's name (vLLM has no engine argument for it either); it is read
 when the model runner is built (engine/execution/model_runner.py), in the engine core's process,
@@ -52,6 +53,7 @@ __all__ = [
     "ISA_ENV",
     "KERNELS_ENV",
     "MULTIPROCESS_ENV",
+    "TORCH_PROFILER_DIR_ENV",
     "batch_invariant",
     "cache_dir",
     "cpu_kvcache_space_bytes",
@@ -61,6 +63,7 @@ __all__ = [
     "hf_hub_offline",
     "kernels_choice",
     "multiprocess",
+    "torch_profiler_dir",
 ]
 
 MULTIPROCESS_ENV = "TRIOLLM_MULTIPROCESS"
@@ -68,6 +71,7 @@ CACHE_DIR_ENV = "TRIOLLM_CACHE_DIR"
 HF_HUB_OFFLINE_ENV = "HF_HUB_OFFLINE"
 BATCH_INVARIANT_ENV = "VLLM_BATCH_INVARIANT"
 CPU_KVCACHE_SPACE_ENV = "VLLM_CPU_KVCACHE_SPACE"
+TORCH_PROFILER_DIR_ENV = "VLLM_TORCH_PROFILER_DIR"
 
 
 def multiprocess() -> bool | None:
@@ -102,6 +106,13 @@ def cpu_kvcache_space_bytes() -> int | None:
     if not 0 <= gib < float("inf"):
         raise ValueError(f"{CPU_KVCACHE_SPACE_ENV}: {env!r} is not a number of GiB (0 or more; 0: measured)")
     return int(gib * 2**30) or None
+
+
+def torch_profiler_dir() -> Path | None:
+    """$VLLM_TORCH_PROFILER_DIR: the folder `start_profile()`'s traces are written to (read when
+    the engine core is built); None when unset or empty."""
+    env = os.environ.get(TORCH_PROFILER_DIR_ENV, "").strip()
+    return Path(env).expanduser() if env else None
 
 
 def cache_dir() -> Path:

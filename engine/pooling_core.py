@@ -23,16 +23,20 @@ pay for the distinction.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import torch
 
-from triollm.engine import request_rules
+from triollm.engine import envs, request_rules
 from triollm.engine.config import EngineConfig
 from triollm.engine.core_protocol import EngineCoreStats
 from triollm.engine.execution.models.bert import BertModel, load_bert
 from triollm.engine.execution.models.decoder_pooling import DecoderPooler, load_decoder_pooler
 from triollm.engine.execution.models.modernbert import ModernBertModel, load_modernbert
 from triollm.engine.execution.pooler import activate, finish_embedding, pool
+from triollm.engine.execution.profiler import Profiler
+from triollm.engine.execution.sleep_mode import check_tags, run_rpc
 from triollm.engine.pooling_outputs import pack_pooled
 from triollm.engine.pooling_params import PoolingParams
 from triollm.engine.request import EngineCoreOutput, EngineCoreRequest, FinishReason
@@ -61,6 +65,7 @@ class PoolingEngineCore:
         self.pooler = config.model.pooler
         self.encoder = _load(config)
         self.waiting: dict[str, EngineCoreRequest] = {}  # insertion order: first come, first served
+        self.profiler = Profiler(envs.torch_profiler_dir(), config.device)
         log.info(
             "pooling model %s (%s) on %s, max_model_len %d",
             config.model.path.name,
@@ -102,6 +107,41 @@ class PoolingEngineCore:
 
     def reset_prefix_cache(self) -> bool:
         return True  # nothing is cached
+
+    # ------------------------------------------------------------------ vLLM's worker calls
+
+    def sleep(self, level: int = 1) -> None:
+        raise ValueError("sleep: a pooling model's engine does not sleep (it holds no KV cache to free)")
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        check_tags(tags)  # never asleep: nothing to restore
+
+    def is_sleeping(self) -> bool:
+        return False
+
+    def reload_weights(self, weights_path: str | None = None) -> None:
+        raise ValueError("reload_weights: not supported for pooling models; start a new engine")
+
+    def get_model(self) -> torch.nn.Module:
+        """vLLM's `worker.get_model()`: the encoder (the worker of `collective_rpc` is this core)."""
+        return self.encoder
+
+    def apply_model(self, func: Callable[[torch.nn.Module], Any]) -> Any:
+        return func(self.encoder)
+
+    def collective_rpc(
+        self,
+        method: str | Callable[..., Any],
+        args: Sequence[Any] = (),
+        kwargs: Mapping[str, Any] | None = None,
+    ) -> list[Any]:
+        return [run_rpc(self, method, args, {} if kwargs is None else kwargs)]
+
+    def start_profile(self) -> None:
+        self.profiler.start()
+
+    def stop_profile(self) -> None:
+        self.profiler.stop()
 
     # ------------------------------------------------------------------ the step
 

@@ -21,6 +21,13 @@ With an injected `runner` (tests, benchmarks) steps 2-4 and 6 are skipped: no mo
 memory, and the block count comes from the model's configuration alone. `close()` stops the
 TP workers (idempotent); a build that raises closes what it started.
 
+Sleep mode (engine/execution/sleep_mode.py): `sleep(1)` drops the runner (the KV cache and the
+graphs over it), `sleep(2)` the model, the LoRA manager and the draft model too; `wake_up`
+rebuilds them as steps 2-4 and 6 did; a weight reload (the core's) is a level-2 sleep and a
+wake-up after `use_checkpoint` named the same or another checkpoint of the architecture. The
+executor is also the rank-0 worker of `collective_rpc`: a method name is one of its methods, a
+callable gets it as first argument.
+
 Rejected: the core building these itself (the order was held by comments such as "before the
 KV cache is sized"), and a worker class per device as in vLLM: one process drives the device
 here, and tensor parallelism is the group the runner already talks to.
@@ -32,7 +39,9 @@ import logging
 import math
 import os
 import time
-from typing import TYPE_CHECKING, Protocol
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -41,6 +50,7 @@ from triollm.engine.execution.cuda_graphs import DecodeGraphs, cuda_capture
 from triollm.engine.execution.layers.attention import calculate_kv_scales_on_first_prompt
 from triollm.engine.execution.model_runner import ModelRunner, RunnerOutput
 from triollm.engine.execution.models import CausalLM, load_model
+from triollm.engine.execution.sleep_mode import check_level, check_tags, run_rpc, same_architecture
 from triollm.engine.scheduling.scheduler import ScheduledRequest
 from triollm.engine.speculative.draft import DraftModel
 from triollm.kernels import KVCache, allocate_kv_cache
@@ -79,6 +89,8 @@ class Executor:
         self.num_kv_heads = config.model.num_kv_heads
         self.num_blocks = 0
         self.runner: Runner
+        self._injected: Runner | None = None  # tests' runner: kept through sleep
+        self._asleep: set[str] = set()  # of sleep_mode.WAKE_TAGS
 
     @classmethod
     def build(cls, config: EngineConfig, runner: Runner | None = None) -> Executor:
@@ -109,7 +121,7 @@ class Executor:
             self.group.send_cache(self.num_blocks)
         self._check_fits_max_model_len()
         if runner is not None:
-            self.runner = runner
+            self.runner = self._injected = runner
         else:
             self.runner = self._model_runner()
             self.draft = self._draft_runner()
@@ -122,6 +134,86 @@ class Executor:
             mc.path.name,
             config.device,
         )
+
+    # ------------------------------------------------------------------ sleep mode
+
+    @property
+    def is_sleeping(self) -> bool:
+        return bool(self._asleep)
+
+    @property
+    def asleep(self) -> frozenset[str]:
+        """The parts asleep: "weights", "kv_cache" (sleep_mode.WAKE_TAGS)."""
+        return frozenset(self._asleep)
+
+    @property
+    def injected(self) -> bool:
+        """A runner was injected (tests, benchmarks): no model, and sleep frees nothing."""
+        return self._injected is not None
+
+    def get_model(self) -> CausalLM | None:
+        """vLLM's `worker.get_model()`: the model (None with an injected runner or asleep)."""
+        return self.model
+
+    def apply_model(self, func: Callable[[CausalLM], Any]) -> Any:
+        """vLLM's `worker.apply_model`: `func(model)` (LLM.apply_model's rank-0 part)."""
+        if self.model is None:
+            raise ValueError("apply_model: no model is loaded (the weights are asleep, or a runner was injected)")
+        return func(self.model)
+
+    def sleep(self, level: int = 1) -> None:
+        """Drop the KV cache (level 1), and the weights (level 2); see sleep_mode.py. The
+        memory is given back once the caller has dropped its own references to the runner
+        (`sleep_mode.release_memory`)."""
+        level = check_level(level)
+        self._refuse_tensor_parallel("sleep")
+        self._asleep.add("kv_cache")
+        if self._injected is None:
+            self.runner = _Asleep()
+            self.draft = None
+        if level == 2:
+            self._asleep.add("weights")
+            self.model = self.lora = self.draft_model = None
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Restore the parts `tags` names ("weights", "kv_cache"; None: both): the weights read
+        from the checkpoint again, the KV cache allocated anew (empty). The runner is rebuilt
+        once both are back."""
+        wanted = check_tags(tags) & self._asleep
+        if "weights" in wanted and self._injected is None:
+            self._load_weights()
+        self._asleep -= wanted
+        if not self._asleep and self._injected is None and isinstance(self.runner, _Asleep):
+            self.runner = self._model_runner()
+            self.draft = self._draft_runner()
+
+    def use_checkpoint(self, weights_path: str | None) -> None:
+        """Read the weights from `weights_path` from the next wake-up on: another checkpoint of
+        the running architecture (checked now: a ValueError naming the field that differs).
+        None: the running checkpoint."""
+        self._refuse_tensor_parallel("reload_weights")
+        if weights_path is not None:
+            self.config = replace(self.config, model=same_architecture(self.config.model, weights_path))
+
+    def collective_rpc(
+        self, method: str | Callable[..., Any], args: Sequence[Any], kwargs: Mapping[str, Any]
+    ) -> list[Any]:
+        """`method` run on every rank (this one), one result per rank (sleep_mode.run_rpc)."""
+        self._refuse_tensor_parallel("collective_rpc")
+        return [run_rpc(self, method, args, kwargs)]
+
+    def _load_weights(self) -> None:
+        config = self.config
+        self.model = load_model(config.model, config.device)
+        if config.lora is not None:
+            self.lora = LoRAManager(self.model, config.lora, config.device)
+        spec = config.speculative
+        if spec is not None and spec.draft is not None:
+            self.draft_model = load_model(spec.draft, config.device)
+
+    def _refuse_tensor_parallel(self, what: str) -> None:
+        if self.group is not None:
+            raise ValueError(f"tensor_parallel_size: {what} runs on one rank here; allowed: 1")
 
     def close(self) -> None:
         """Stop the tensor-parallel workers, if any (idempotent)."""
@@ -273,6 +365,14 @@ class Executor:
                 f"({self.num_blocks} blocks x {cache.block_size} = {tokens} tokens); "
                 "raise kv_cache_memory_bytes or lower max_model_len"
             )
+
+
+class _Asleep:
+    """The runner while the executor sleeps: the core refuses requests first, so a step here
+    is a bug."""
+
+    def execute(self, scheduled: list[ScheduledRequest]) -> RunnerOutput:
+        raise RuntimeError("the engine is sleeping: call wake_up() before stepping")
 
 
 def default_kv_budget(device: str, gpu_memory_utilization: float) -> int:

@@ -96,6 +96,8 @@ def test_the_table_is_well_formed() -> None:
     assert len({spec.operation_id for spec in ROUTES}) == len(ROUTES)
     for spec in ROUTES:
         assert spec.method in ("GET", "POST", "DELETE"), spec
-        assert getattr(Endpoints, spec.handler.__name__) is spec.handler, spec
+        # An Endpoints method, or a serving module's function of (Endpoints, Request): serving_dev.py
+        own = getattr(Endpoints, spec.handler.__name__, None) is spec.handler
+        assert own or spec.handler.__module__.startswith("triollm.api.serving_"), spec
         assert spec.request is None or spec.method == "POST", spec
     assert {spec.path for spec in ROUTES} >= {"/health", "/openapi.json", "/metrics"}
