@@ -36,6 +36,8 @@ import re
 from dataclasses import dataclass
 from typing import Final
 
+from triollm.api.text_markers import earliest, held
+
 __all__ = [
     "CALL_END",
     "CallBody",
@@ -90,25 +92,6 @@ class CallClose:
 Piece = Plain | Thought | CallOpen | CallBody | CallClose
 
 
-def _earliest(text: str, markers: tuple[str, ...]) -> tuple[int, str] | None:
-    """(index, marker) of the first of `markers` in `text`."""
-    best: tuple[int, str] | None = None
-    for marker in markers:
-        i = text.find(marker)
-        if i >= 0 and (best is None or i < best[0]):
-            best = (i, marker)
-    return best
-
-
-def held(text: str, markers: tuple[str, ...]) -> int:
-    """Length of the longest end of `text` that is a proper beginning of one of `markers`."""
-    for k in range(min(max(map(len, markers)) - 1, len(text)), 0, -1):
-        tail = text[-k:]
-        if any(len(m) > k and m.startswith(tail) for m in markers):
-            return k
-    return 0
-
-
 # What a message's body is.
 _PLAIN, _THOUGHT, _CALL, _DROPPED = range(4)
 # Where the reader is.
@@ -137,7 +120,7 @@ class HarmonyReader:
     def _step(self, out: list[Piece], final: bool) -> bool:
         buf = self._buf
         if self._state == _OUTSIDE:
-            found = _earliest(buf, _OPENERS)
+            found = earliest(buf, _OPENERS)
             end = found[0] if found else len(buf) - (0 if final else held(buf, _OPENERS))
             self._plain(out, buf[:end])
             if found is None:
@@ -157,7 +140,7 @@ class HarmonyReader:
             self._open(out, self._header + buf[: i + len(MESSAGE)])
             self._buf, self._state = buf[i + len(MESSAGE) :], _BODY
             return True
-        found = _earliest(buf, _BODY_STOPS)
+        found = earliest(buf, _BODY_STOPS)
         end = found[0] if found else len(buf) - (0 if final else held(buf, _BODY_STOPS))
         self._body(out, buf[:end])
         if found is None and not final:

@@ -16,8 +16,8 @@ from __future__ import annotations
 
 from typing import ClassVar
 
-from triollm.api.harmony import held
 from triollm.api.reasoning_parsers.abstract import ReasoningParser, ReasoningStream
+from triollm.api.text_markers import earliest, held
 
 __all__ = ["MarkerReasoningParser"]
 
@@ -59,7 +59,7 @@ class _MarkerStream(ReasoningStream):
         buf = self._buf + text
         out: dict[bool, list[str]] = {False: [], True: []}  # by self._thinking
         while True:
-            found = self._earliest(buf)
+            found = earliest(buf, self._markers)
             if found is None:
                 keep = 0 if final else held(buf, self._markers)
                 out[self._thinking].append(buf[: len(buf) - keep])
@@ -72,11 +72,3 @@ class _MarkerStream(ReasoningStream):
             else:
                 self._thinking = False
             buf = buf[i + len(marker) :]
-
-    def _earliest(self, text: str) -> tuple[int, str] | None:
-        best: tuple[int, str] | None = None
-        for marker in self._markers:
-            i = text.find(marker)
-            if i >= 0 and (best is None or i < best[0] or (i == best[0] and len(marker) > len(best[1]))):
-                best = (i, marker)
-        return best

@@ -14,7 +14,7 @@ another shape until it closes.
 
 from __future__ import annotations
 
-from triollm.api.harmony import held
+from triollm.api.text_markers import earliest, held
 from triollm.api.tool_parsers._json_call import BROKEN, CALL, TEXT, JsonCall
 from triollm.api.tool_parsers._segments import Segmenter
 
@@ -37,13 +37,9 @@ class JsonArraySegmenter(Segmenter):
 
     def _find(self, final: bool) -> tuple[int, int]:
         """(start, end) of the first marker in `buf`, or (-1, how much of `buf` is surely not one)."""
-        best = (-1, 0)
-        for marker in self._markers:
-            i = self.buf.find(marker)
-            if i >= 0 and (best[0] < 0 or i < best[0]):
-                best = (i, i + len(marker))
-        if best[0] >= 0:
-            return best
+        found = earliest(self.buf, self._markers)
+        if found is not None:
+            return found[0], found[0] + len(found[1])
         return -1, len(self.buf) - (0 if final else held(self.buf, self._markers))
 
     def step(self, final: bool) -> bool:

@@ -27,7 +27,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from triollm.api.harmony import held
+from triollm.api.text_markers import held
 from triollm.api.tool_parsers._segments import ArgsStreamer, Segmenter
 
 __all__ = ["MAX_HEADER", "SectionMarkers", "SectionSegmenter"]
