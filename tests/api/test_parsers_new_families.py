@@ -15,6 +15,7 @@ from typing import Any
 
 import httpx
 import pytest
+import tinymodel
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_app import CHAT, GREEDY, ok, post, sse
@@ -693,3 +694,50 @@ async def test_olmo3_reasoning_through_the_chat_route(roomy_llm: AsyncLLM) -> No
     plain, olmo = answers
     assert plain["content"] and plain["reasoning"] is None
     assert olmo["reasoning"] == plain["content"] and olmo["content"] is None
+
+
+HARMONY_SPECIALS = ["<|channel|>", "<|message|>", "<|end|>", "<|start|>", "<|constrain|>"]
+
+
+@pytest.fixture(scope="module")
+def harmony_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny model whose tokenizer has gpt-oss's markers as special tokens, as gpt-oss's has."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(tinymodel, "SPECIALS", [*tinymodel.SPECIALS, *HARMONY_SPECIALS])
+        return tinymodel.make_tiny_model(tmp_path_factory.mktemp("tiny-harmony"))
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("tool_parser", [None, "openai"])
+async def test_harmony_markers_written_as_special_tokens_reach_the_parsers(
+    harmony_model_dir: Path, tool_parser: str | None
+) -> None:
+    """The model writes the markers as special tokens (a grammar with llguidance's special-token
+    syntax makes it): the server decodes them for the parsers (`keep_special_tokens`, asked by
+    the reasoning parser too), or the reasoning parser would see "analysisHm.assistantfinal"."""
+    from triollm.api.app import build_app
+
+    grammar = (
+        'start: <|channel|> "analysis" <|message|> "Hm." <|end|> <|start|> "assistant" <|channel|> '
+        + ('"commentary to=functions.get_time " <|constrain|> "json" <|message|> "{}"' if tool_parser else
+           '"final" <|message|> "Sunny."')
+    )  # fmt: skip
+    settings = ServerSettings(
+        served_model_names=("tiny",), reasoning_parser="gpt_oss", enable_auto_tool_choice=tool_parser is not None,
+        tool_call_parser=tool_parser,
+    )  # fmt: skip
+    body = {"messages": CHAT, "max_tokens": 60, **GREEDY, "structured_outputs": {"grammar": grammar}}
+    if tool_parser:
+        body["tools"] = TOOLS
+    args = EngineArgs(model=str(harmony_model_dir), max_model_len=256, multiprocess=False, seed=0)
+    async with AsyncLLM.from_engine_args(args) as llm:
+        app = build_app(ServerState(llm, settings))
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as client:
+            choice = (await ok(client, "/v1/chat/completions", body))["choices"][0]
+            events = sse(await post(client, "/v1/chat/completions", {**body, "stream": True}))
+    message = choice["message"]
+    calls = [("get_time", {})] if tool_parser else []
+    got_calls = [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in message["tool_calls"]]
+    content = None if tool_parser else "Sunny."
+    assert (message["reasoning"], message["content"] or None, got_calls) == ("Hm.", content, calls)
+    assert assemble(events)[:3] == (content or "", "Hm.", calls)
