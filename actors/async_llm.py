@@ -345,6 +345,28 @@ class AsyncLLM:
             return await anyio.to_thread.run_sync(self._lora.check, lora_request)
         return self._lora.check(lora_request)
 
+    async def remove_lora(self, lora_id: int) -> bool:
+        """vLLM's `remove_lora`: forget the adapter (checked config, pin, the engine core's copy
+        of its weights; a slot a running request uses is kept until it finishes). Requests may
+        name it again, and it is read again then. False if it was not known."""
+        if not self._lora.enabled:
+            return False
+        known = self._lora.forget(lora_id)
+        held = await self.collective_rpc("remove_lora", args=(lora_id,))
+        return known or any(held)
+
+    async def list_loras(self) -> set[int]:
+        """vLLM's `list_loras`: the ids of the adapters added or used and still remembered."""
+        return self._lora.ids()
+
+    async def pin_lora(self, lora_id: int) -> bool:
+        """vLLM's `pin_lora`: keep the adapter (added first: `add_lora`) remembered and, once the
+        engine core has loaded it, in host memory and in its slot; ValueError naming `lora_id`
+        when it is unknown or no slot would stay free."""
+        self._lora.pin(lora_id)
+        await self.collective_rpc("pin_lora", args=(lora_id,))
+        return True
+
     async def abort(self, request_id: str | Iterable[str], internal: bool = False) -> None:
         """Abort requests (vLLM's coroutine); their streams end normally with finish_reason
         "abort". Unknown or finished ids are ignored. `internal` is accepted for vLLM's signature."""

@@ -108,6 +108,19 @@ class LLMEngine:
     def do_log_stats(self) -> None:
         self.portal.call(self.async_llm.do_log_stats)
 
+    # vLLM's LLMEngine LoRA calls (AsyncLLM's)
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        return self.portal.call(self.async_llm.add_lora, lora_request)
+
+    def remove_lora(self, lora_id: int) -> bool:
+        return self.portal.call(self.async_llm.remove_lora, lora_id)
+
+    def list_loras(self) -> set[int]:
+        return self.portal.call(self.async_llm.list_loras)
+
+    def pin_lora(self, lora_id: int) -> bool:
+        return self.portal.call(self.async_llm.pin_lora, lora_id)
+
     def add_request(
         self,
         request_id: str | None,

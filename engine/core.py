@@ -202,12 +202,11 @@ class EngineCore:
         args: Sequence[Any] = (),
         kwargs: Mapping[str, Any] | None = None,
     ) -> list[Any]:
-        """The executor's `collective_rpc`. "sleep", "wake_up" and "reload_weights" go through
-        the core's own methods (their checks, the prefix cache), one None per rank."""
+        """The executor's `collective_rpc`. The names in `_CORE_RPCS` go through the core's own
+        methods (their checks, the prefix cache, the requests' adapters), one result per rank."""
         kwargs = {} if kwargs is None else kwargs
         if isinstance(method, str) and method in _CORE_RPCS:
-            getattr(self, method)(*args, **kwargs)
-            return [None] * self.config.tensor_parallel_size
+            return [getattr(self, method)(*args, **kwargs)] * self.config.tensor_parallel_size
         model, asleep = self.executor.model, self.executor.asleep
         try:
             return self.executor.collective_rpc(method, args, kwargs)
@@ -216,6 +215,20 @@ class EngineCore:
             if self.executor.model is not model or self.executor.asleep != asleep:  # a callable slept or swapped
                 self.block_manager.reset_prefix_cache()
                 release_memory(self.config.device)
+
+    def remove_lora(self, lora_id: int) -> bool:
+        """Forget an adapter's weights (LoRAManager.remove); False if none were held."""
+        if self.lora is None:
+            return False
+        in_use = {r.lora_request.lora_int_id for r in self.requests.values() if r.lora_request is not None}
+        return self.lora.remove(lora_id, in_use)
+
+    def pin_lora(self, lora_id: int) -> bool:
+        """Keep an adapter loaded once it is (LoRAManager.pin)."""
+        if self.lora is None:
+            raise ValueError("lora_id: LoRA adapters are not enabled on this engine (enable_lora=True)")
+        self.lora.pin(lora_id)
+        return True
 
     def start_profile(self) -> None:
         self.profiler.start()
@@ -378,7 +391,7 @@ class EngineCore:
 _PARTS = {"weights": "weights", "kv_cache": "KV cache"}
 
 # collective_rpc methods that change the core's state too (EngineCore.collective_rpc).
-_CORE_RPCS = ("sleep", "wake_up", "reload_weights")
+_CORE_RPCS = ("sleep", "wake_up", "reload_weights", "remove_lora", "pin_lora")
 
 
 def _error(request_id: str, reason: str) -> EngineCoreOutput:

@@ -122,6 +122,31 @@ class LoRAManager:
         self._clock = 0
         self.keep_loads = keep_loads
         self._loads: list[tuple[int, Adapter]] = []
+        self.pinned: set[int] = set()  # never evicted from `cpu`, their slots never reused (`pin`)
+
+    # ------------------------------------------------------------------ vLLM's remove / pin
+
+    def remove(self, lora_id: int, in_use: Collection[int]) -> bool:
+        """Forget adapter `lora_id` (vLLM's `remove_lora`): its host copy, its pin, and its slot
+        unless `in_use` (the adapters of unfinished requests) holds it; it is read again when a
+        request next names it. False if it was not held."""
+        held = self.cpu.pop(lora_id, None) is not None or lora_id in self.pinned
+        self.pinned.discard(lora_id)
+        slot = self.slot_of.get(lora_id)
+        if slot is not None and lora_id not in in_use:
+            del self.slot_of[lora_id]
+            self.slots[slot] = None  # refilled (cleared first) when a slot is next needed
+        return held or slot is not None
+
+    def pin(self, lora_id: int) -> None:
+        """Keep adapter `lora_id` in host memory and in its slot once loaded (vLLM's
+        `pin_lora`); a ValueError when every slot but one would be pinned."""
+        if lora_id not in self.pinned and len(self.pinned) + 1 >= len(self.slots):
+            raise ValueError(
+                f"lora_id: {lora_id} cannot be pinned: {len(self.pinned)} of max_loras={len(self.slots)} "
+                "slots are pinned, and one must stay free for the other adapters"
+            )
+        self.pinned.add(lora_id)
 
     # ------------------------------------------------------------------ the core's side
 
@@ -144,7 +169,7 @@ class LoRAManager:
                         else f"lora_path: {req.lora_path!r}: {type(exc).__name__}: {exc}"
                     )
                     continue
-                slot = self._free_slot(set(needed) | set(running))
+                slot = self._free_slot(set(needed) | set(running) | self.pinned)
                 self.load_slot(slot, adapter)
             self._used[slot] = self._clock
         return failed
@@ -156,8 +181,9 @@ class LoRAManager:
             return adapter
         adapter = self.read(req)
         self.cpu[req.lora_int_id] = adapter
-        while len(self.cpu) > self.config.max_cpu_loras:
-            self.cpu.popitem(last=False)
+        evictable = (lid for lid in list(self.cpu) if lid not in self.pinned)
+        while len(self.cpu) > self.config.max_cpu_loras and (lid := next(evictable, None)) is not None:
+            del self.cpu[lid]
         return adapter
 
     def read(self, req: LoRARequest) -> Adapter:

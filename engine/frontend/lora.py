@@ -59,6 +59,7 @@ class LoRAChecker:
         self._lock = threading.Lock()
         # lora_int_id -> (path, config), least recently used first
         self._checked: OrderedDict[int, tuple[str, AdapterConfig]] = OrderedDict()
+        self._pinned: set[int] = set()  # never forgotten by the LRU (`pin`)
 
     @property
     def enabled(self) -> bool:
@@ -67,6 +68,24 @@ class LoRAChecker:
     def __len__(self) -> int:
         """The ids remembered now (at most `max_checked`)."""
         return len(self._checked)
+
+    def ids(self) -> set[int]:
+        """The adapter ids checked and remembered (vLLM's `list_loras`)."""
+        with self._lock:
+            return set(self._checked)
+
+    def forget(self, lora_id: int) -> bool:
+        """Forget `lora_id` and its pin (vLLM's `remove_lora`); False if it was not known."""
+        with self._lock:
+            self._pinned.discard(lora_id)
+            return self._checked.pop(lora_id, None) is not None
+
+    def pin(self, lora_id: int) -> None:
+        """Keep `lora_id` known whatever the LRU does; a ValueError naming it if it is unknown."""
+        with self._lock:
+            if lora_id not in self._checked:
+                raise ValueError(f"lora_id: {lora_id} is not a known adapter; add it first (add_lora)")
+            self._pinned.add(lora_id)
 
     def needs_io(self, request: object) -> bool:
         """Whether `check(request)` would read the adapter's files (not checked before)."""
@@ -107,8 +126,9 @@ class LoRAChecker:
             self.shapes.check(config)
         with self._lock:
             seen = self._checked.setdefault(rid, (path, config))  # a racing check of the same id
-            while len(self._checked) > self.max_checked:
-                self._checked.popitem(last=False)
+            evictable = (lid for lid in list(self._checked) if lid not in self._pinned)
+            while len(self._checked) > self.max_checked and (lid := next(evictable, None)) is not None:
+                del self._checked[lid]
         if seen[0] != path:
             return self.adapter_config(request)  # raises, naming the id
         return seen[1]
