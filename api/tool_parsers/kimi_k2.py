@@ -7,7 +7,8 @@
 
 The header `functions.NAME:INDEX` is the model's own call id, and the call keeps it (as in vLLM:
 Kimi's template shows the ids of earlier calls back to the model); a header without `:INDEX`
-gets a new id. The markers are special tokens, so the server decodes with special tokens kept.
+gets a new id. Text after the section is content (vLLM drops it). The markers are special
+tokens, so the server decodes with special tokens kept.
 See _sections.py for the rules and what streaming holds back.
 """
 
