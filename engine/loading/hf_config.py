@@ -86,6 +86,7 @@ class _Defaults:
     tie_word_embeddings: bool = False
     rms_norm_eps: float = 1e-6
     hidden_act: str = "silu"
+    attention_bias: bool = False  # `attention_bias` when config.json does not say
 
 
 _ARCHITECTURES = {
@@ -101,6 +102,7 @@ _ARCHITECTURES = {
     "Phi3ForCausalLM": _Defaults("phi3", 4096, None, False, False, None, rms_norm_eps=1e-5),
     "Olmo2ForCausalLM": _Defaults("olmo2", 2048, None, None, False, None, rms_norm_eps=1e-5),
     "GraniteForCausalLM": _Defaults("granite", 2048, None, None, True, None),
+    "GptOssForCausalLM": _Defaults("gpt_oss", 131072, 8, None, False, 128, 64, rms_norm_eps=1e-5, attention_bias=True),
 }
 # Encoder-only (bidirectional) models: served by the pooling runner (embeddings, or a
 # classifier's scores for the *ForSequenceClassification heads), never generate.
@@ -265,7 +267,7 @@ def parse_hf_config(hf: Mapping[str, Any], model_impl: str = "auto") -> HfConfig
     if head_dim % 2:
         raise ValueError(f"head_dim: RoPE needs an even head_dim, got {head_dim}")
     max_pos = _int(hf, "max_position_embeddings", d.max_position_embeddings)
-    attention_bias = _bool(hf, "attention_bias", False)
+    attention_bias = _bool(hf, "attention_bias", d.attention_bias)
     window, layer_types = _sliding_window(family, hf, num_layers)
     extra = family_fields(family, hf, num_layers=num_layers, head_dim=head_dim, hidden=hidden, max_pos=max_pos)
     return HfConfig(
@@ -504,7 +506,8 @@ def _causal_lm_for(model_type: str) -> str:
 # family's default pattern when config.json has no layer_types).
 _EVERY_LAYER = ("MistralForCausalLM", "MixtralForCausalLM", "Phi3ForCausalLM")
 _QWEN = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
-_GEMMA_PATTERN = {"Gemma2ForCausalLM": 2, "Gemma3ForCausalLM": 6}
+# gpt-oss has no `sliding_window_pattern`; its default layer_types alternate as Gemma 2's.
+_GEMMA_PATTERN = {"Gemma2ForCausalLM": 2, "Gemma3ForCausalLM": 6, "GptOssForCausalLM": 2}
 
 
 def _sliding_window(arch: str, hf: Mapping[str, Any], num_layers: int) -> tuple[int | None, tuple[str, ...]]:

@@ -16,6 +16,8 @@ What differs from Llama, by family:
 - Phi-3 / Phi-4: q/k/v and gate/up stored fused; partial rotary; LongRoPE.
 - OLMo 2: norms after attention and MLP (none before), RMSNorm of the whole q and k projections.
 - Granite: embedding, residual, attention and logit multipliers.
+- gpt-oss: routed experts with biases and a clamped SwiGLU (`swiglu_alpha`, `swiglu_limit`), a
+  router with a bias, attention sinks (models/gpt_oss.py); windows on alternate layers.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ class MoESpec:
     intermediate_size: int  # each expert's
     renormalize: bool  # divide the top-k weights by their sum (Mixtral always; Qwen3-MoE: norm_topk_prob)
     sparse_layers: tuple[bool, ...]
+    swiglu: tuple[float, float] | None = None  # gpt-oss: (alpha, limit) of its clamped SwiGLU
 
 
 def family_fields(
@@ -53,6 +56,15 @@ def family_fields(
             out["moe"] = _qwen3_moe(hf, num_layers)
         case "MixtralForCausalLM":
             out["moe"] = _mixtral(hf, num_layers)
+        case "GptOssForCausalLM":
+            out["moe"] = MoESpec(
+                num_experts=_int(hf, "num_local_experts", 128),
+                top_k=_int(hf, "num_experts_per_tok", 4),
+                intermediate_size=_int(hf, "intermediate_size", 2880),
+                renormalize=True,  # a softmax over the top-k logits
+                sparse_layers=(True,) * num_layers,
+                swiglu=(_positive(hf, "swiglu_alpha", 1.702), _positive(hf, "swiglu_limit", 7.0)),
+            )
         case "GemmaForCausalLM":
             out |= _gemma(hidden)
         case "Gemma2ForCausalLM":

@@ -69,9 +69,11 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
                                                    "q_lora_rank": None, "kv_lora_rank": 32, "qk_rope_head_dim": 8,
                                                    "qk_nope_head_dim": 8, "v_head_dim": 8, "num_key_value_heads": 4,
                                                    **_MOE}),
-    # Attention sinks on every layer, windows on alternate ones, biased experts with the clamped SwiGLU.
+    # Attention sinks on every layer, windows on alternate ones, biased experts with the clamped
+    # SwiGLU (a limit of 1 that clamps some of the tiny model's activations).
     "GptOssForCausalLM": ("GptOssConfig", {**_LLAMA_LIKE, "num_local_experts": 4, "head_dim": 16, "sliding_window": 10,
-                                           "layer_types": ["sliding_attention", "full_attention"], **_MOE}),
+                                           "layer_types": ["sliding_attention", "full_attention"], "swiglu_limit": 1.0,
+                                           **_MOE}),
     # Chunks of 8 on the RoPE layer (the prompts cross four), a NoPE layer with temperature tuning
     # (floor_scale 4: the factor changes every 4 positions), an MoE layer after a dense one.
     "Llama4ForCausalLM": ("Llama4TextConfig", {**_LLAMA_LIKE, "head_dim": 16, "attention_chunk_size": 8,
@@ -79,6 +81,8 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
                                                "num_local_experts": 4, "intermediate_size_mlp": 128,
                                                "interleave_moe_layer_step": 2, "num_experts_per_tok": 1}),
 }  # fmt: skip
+# Of those, the ones with a native class too (auto runs them natively; the parity test asks for the backend).
+NATIVE = {"GptOssForCausalLM"}
 
 
 def make_backend_model(path: Path, arch: str, seed: int = 0) -> Path:
@@ -169,12 +173,30 @@ def assert_parity(ours: list[Any], ref: list[Any]) -> None:
 @pytest.mark.parametrize("arch", list(CASES))
 def test_backend_greedy_parity(tmp_path: Path, arch: str) -> None:
     path = make_backend_model(tmp_path / arch, arch, seed=len(arch))
-    assert ModelConfig.from_pretrained(path, max_model_len=96).model_impl == "transformers"  # auto: no native class
+    auto = ModelConfig.from_pretrained(path, max_model_len=96).model_impl
+    assert auto == ("triollm" if arch in NATIVE else "transformers")  # auto: the backend where no native class
     ids = prompts()
-    ours, core = engine_greedy(path, ids)
+    ours, core = engine_greedy(path, ids, model_impl="transformers")
     assert_parity(ours, hf_greedy(path, ids))
     stats = core.statistics()
     assert stats.prefix_cache_hit_rate > 0 and stats.num_preemptions > 0
+
+
+def test_native_gpt_oss_gives_transformers_and_the_backends_tokens(tmp_path: Path) -> None:
+    """gpt-oss's native class (models/gpt_oss.py: sinks, alternating windows, the clamped-SwiGLU
+    experts with biases) against transformers, and the backend against it."""
+    from triollm.engine.execution.models.gpt_oss import GptOssForCausalLM
+
+    arch = "GptOssForCausalLM"
+    path = make_backend_model(tmp_path / arch, arch, seed=len(arch))
+    ids = prompts()
+    native, core = engine_greedy(path, ids)
+    assert isinstance(core.executor.model, GptOssForCausalLM)
+    assert_parity(native, hf_greedy(path, ids))
+    stats = core.statistics()
+    assert stats.prefix_cache_hit_rate > 0 and stats.num_preemptions > 0
+    backend, _ = engine_greedy(path, ids, model_impl="transformers")
+    assert_parity(backend, native)
 
 
 def _native_vs_backend(path: Path) -> None:
@@ -242,6 +264,8 @@ REFUSED = [
     ("Llama4TextConfig", "Llama4ForCausalLM", {**SMALL, "num_key_value_heads": 4, "attention_chunk_size": None,
                                                 "layer_types": ["chunked_attention", "full_attention"]},
      r"attention_chunk_size: None for 'chunked_attention' layers; allowed: an integer >= 1"),
+    ("GptOssConfig", "GptOssForCausalLM", {**SMALL, "num_key_value_heads": 2, "quantization_config":
+     {"quant_method": "mxfp4"}}, r"quantization_config.quant_method: 'mxfp4' is not supported"),
     ("T5Config", "T5ForConditionalGeneration", {"vocab_size": 384}, r"architectures: 'T5ForConditionalGeneration' is "
      r"not a causal language model"),
 ]  # fmt: skip

@@ -82,8 +82,8 @@ class PagedAttention(nn.Module):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim, self.scale = num_heads, num_kv_heads, head_dim, scale
         self.window, self.softcap, self.chunk = window, softcap, chunk
-        self.sinks = sinks  # `[num_heads]`: the model's parameter (this rank's heads), not a copy
-        # Passed to the kernels only when set: the plain call stays the plain call.
+        # Passed to the kernels only when set: the plain call stays the plain call. `sinks`
+        # `[num_heads]` is held here only, not as a parameter: the model's module owns it.
         limits = (("window", window), ("softcap", softcap), ("sinks", sinks), ("chunk", chunk))
         self.extra: dict[str, Any] = {k: v for k, v in limits if v is not None}
         self.calculate_kv_scales = False  # set by `calculate_kv_scales_on_first_prompt`

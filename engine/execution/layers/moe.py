@@ -27,6 +27,10 @@ Rejected:
 * a C++ kernel: the GEMMs are already oneDNN/MKL calls on contiguous weight views, and what is
   left per expert is a handful of dispatches (the benchmark `triollm bench moe` measures it).
 
+gpt-oss's experts (models/gpt_oss.py) run through the same dispatch with biases on both
+projections and its clamped SwiGLU (`ClampedSwiGLU`): gate clamped above at `limit`, up to
+[-limit, limit], out = (up + 1) * gate * sigmoid(alpha * gate).
+
 On CUDA the same code runs (the `tolist()` is one host sync per layer, so a MoE layer is not
 captured in a CUDA graph). The block is for inference: call it under `torch.inference_mode()`
 (the model runner does) or `torch.no_grad()`, as the GEMMs write into preallocated outputs.
@@ -34,13 +38,28 @@ captured in a CUDA graph). The block is for inference: call it under `torch.infe
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["EXPERT_WEIGHT_KINDS", "FusedMoE", "fused_experts", "load_expert_weight", "route"]
+__all__ = ["EXPERT_WEIGHT_KINDS", "ClampedSwiGLU", "FusedMoE", "fused_experts", "load_expert_weight", "route"]
 
 EXPERT_WEIGHT_KINDS = ("gate", "up", "down", "gate_up")
+
+
+@dataclass(frozen=True)
+class ClampedSwiGLU:
+    """gpt-oss's expert activation (transformers' `GptOssExperts._apply_gate`)."""
+
+    alpha: float
+    limit: float
+
+    def __call__(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        gate = gate.clamp(max=self.limit)
+        up = up.clamp(min=-self.limit, max=self.limit)
+        return (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
 
 
 def route(
@@ -103,16 +122,30 @@ class FusedMoE(nn.Module):
 
 
 def fused_experts(
-    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+    *,
+    b13: torch.Tensor | None = None,
+    b2: torch.Tensor | None = None,
+    act: ClampedSwiGLU | None = None,
 ) -> torch.Tensor:
     """`sum_j weights[t, j] * expert_{ids[t, j]}(x[t])`, running only the experts in `ids`.
 
-    x `[T, H]`, w13 `[E, 2I, H]`, w2 `[E, H, I]`, weights `[T, k]` (x's dtype), ids `[T, k]`."""
+    x `[T, H]`, w13 `[E, 2I, H]`, w2 `[E, H, I]`, weights `[T, k]` (x's dtype), ids `[T, k]`;
+    gpt-oss's: biases b13 `[E, 2I]` and b2 `[E, H]`, and its activation `act` (None: SiLU)."""
     tokens, top_k = ids.shape
+
+    def expert_fn(e: int, rows: torch.Tensor, out: torch.Tensor) -> None:
+        bias13 = None if b13 is None else b13[e]
+        _swiglu(rows, w13[e], w2[e], out, bias13, None if b2 is None else b2[e], act)
+
     if tokens == 1:  # decode at batch 1: a token's top-k experts are distinct, one pair each
         ys = x.new_empty(top_k, x.shape[1])
         for j, expert in enumerate(ids[0].tolist()):
-            _swiglu(x, w13[expert], w2[expert], ys[j : j + 1])
+            expert_fn(expert, x, ys[j : j + 1])
         return torch.mm(weights, ys)
     flat = ids.reshape(-1)
     order = torch.argsort(flat, stable=True)  # pairs grouped by expert, tokens ascending in each
@@ -122,17 +155,30 @@ def fused_experts(
     start = 0
     for expert, n in enumerate(counts):
         if n:
-            _swiglu(xs[start : start + n], w13[expert], w2[expert], ys[start : start + n])
+            expert_fn(expert, xs[start : start + n], ys[start : start + n])
             start += n
     per_pair = torch.empty_like(ys).index_copy_(0, order, ys).view(tokens, top_k, x.shape[1])
     return torch.bmm(weights.unsqueeze(1), per_pair).squeeze(1)
 
 
-def _swiglu(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, out: torch.Tensor) -> None:
-    """out = down(silu(gate(x)) * up(x)) for one expert: w13 `[2I, H]`, w2 `[H, I]`."""
-    h = F.linear(x, w13)
+def _swiglu(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    out: torch.Tensor,
+    b13: torch.Tensor | None = None,
+    b2: torch.Tensor | None = None,
+    act: ClampedSwiGLU | None = None,
+) -> None:
+    """out = down(silu(gate(x)) * up(x)) for one expert: w13 `[2I, H]`, w2 `[H, I]`; with
+    gpt-oss's biases and activation where given."""
+    h = F.linear(x, w13, b13)
     inter = w2.shape[1]
-    torch.mm(F.silu(h[:, :inter]).mul_(h[:, inter:]), w2.t(), out=out)
+    gated = F.silu(h[:, :inter]).mul_(h[:, inter:]) if act is None else act(h[:, :inter], h[:, inter:])
+    if b2 is None:
+        torch.mm(gated, w2.t(), out=out)
+    else:
+        torch.addmm(b2, gated, w2.t(), out=out)
 
 
 def load_expert_weight(moe: FusedMoE, kind: str, expert: int | None, tensor: torch.Tensor) -> None:
