@@ -129,11 +129,11 @@ class HarmonyReader:
             self._header, self._buf, self._state = found[1], buf[end + len(found[1]) :], _HEADER
             return True
         if self._state == _HEADER:
-            i = buf.find(MESSAGE)
-            # Wait while `<|message|>` may still come within the limit.
-            if i < 0 and not final and len(self._header) + len(buf) - held(buf, (MESSAGE,)) <= MAX_HEADER:
-                return False
-            if i < 0 or len(self._header) + i > MAX_HEADER:  # no header: its opener is text
+            limit = MAX_HEADER - len(self._header)  # where `<|message|>` may start, at the latest
+            i = buf.find(MESSAGE, 0, limit + len(MESSAGE))
+            if i < 0 and not final and len(buf) - held(buf, (MESSAGE,)) <= limit:
+                return False  # it may still come
+            if i < 0:  # no header: its opener is text
                 self._plain(out, self._header)
                 self._state = _OUTSIDE
                 return True

@@ -85,10 +85,10 @@ class SectionSegmenter(Segmenter):
             self._end_section()
             return True
         if self._state == _HEADER:
-            i = buf.find(m.separator)
+            i = buf.find(m.separator, 0, MAX_HEADER + len(m.separator))
             if i < 0 and not final and len(buf) - held(buf, (m.separator,)) <= MAX_HEADER:
-                return False
-            call = self._read_header(buf[:i]) if 0 <= i <= MAX_HEADER else None
+                return False  # it may still come
+            call = self._read_header(buf[:i]) if i >= 0 else None
             if call is None:
                 self._end_section()
                 return True

@@ -332,6 +332,27 @@ def test_text_is_sent_at_once_and_only_a_marker_or_header_held() -> None:
     assert stream.finish().content == "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_"
 
 
+def test_a_header_is_read_up_to_its_length_limit() -> None:
+    """A harmony header (or a Kimi/DeepSeek call header) longer than its limit is no header: its
+    opening marker is text, and a stream decides it as the whole output does, at any cut."""
+    from triollm.api.harmony import MAX_HEADER
+    from triollm.api.tool_parsers._sections import MAX_HEADER as MAX_CALL_HEADER
+
+    opener = "<|channel|>final"
+    for pad, header in ((MAX_HEADER - len(opener), True), (MAX_HEADER - len(opener) + 1, False)):
+        text = opener + " " * pad + "<|message|>Hi"
+        want = "Hi" if header else text
+        assert whole(parser("openai"), text) == (want, [])
+        for cut in range(0, len(text), 7):
+            assert streamed(parser("openai"), [text[:cut], text[cut:]])[:2] == (want, [])
+    for pad, call in ((MAX_CALL_HEADER - len("get_time"), True), (MAX_CALL_HEADER - len("get_time") + 1, False)):
+        text = DS_BEGIN + "<｜tool▁call▁begin｜>get_time" + " " * pad + "<｜tool▁sep｜>{}"
+        want: tuple[str | None, Calls] = (None, [("get_time", {})]) if call else (text, [])
+        assert whole(parser("deepseek_v31"), text) == want
+        for cut in range(0, len(text), 7):
+            assert streamed(parser("deepseek_v31"), [text[:cut], text[cut:]])[:2] == (want[0] or "", want[1])
+
+
 def test_kimi_keeps_its_call_ids() -> None:
     text = CASES["kimi_k2"][1][0]
     ids = streamed(parser("kimi_k2"), [text])[2]
