@@ -173,6 +173,8 @@ def test_llm_hf_overrides_reach_the_model(tiny_model_dir: Path) -> None:
         assert llm.llm_engine.async_llm.get_model_config().max_model_len == 40  # seen by the load-time checks
         changed = llm.generate("The capital of France", params, use_tqdm=False)[0].outputs[0].token_ids
     assert changed != plain  # the model runs with the overridden RoPE base
+    with LLM(str(tiny_model_dir), multiprocess=True, hf_overrides=overrides) as llm:  # the engine core's child too
+        assert llm.generate("The capital of France", params, use_tqdm=False)[0].outputs[0].token_ids == changed
 
 
 def test_bad_hf_overrides_name_the_field(tiny_model_dir: Path) -> None:
