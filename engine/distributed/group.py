@@ -28,17 +28,22 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Mapping, Sequence
 from datetime import timedelta
+from typing import Any
 
+import cloudpickle
 import torch.distributed as dist
 
 from triollm.engine import envs
 from triollm.engine.distributed.collectives import Collectives
 from triollm.engine.distributed.protocol import (
     CACHE,
+    RPC,
     SETUP,
     STEP,
     STOP,
+    RpcFailure,
     StepInputs,
     WorkerSetup,
     encode_step,
@@ -126,6 +131,37 @@ class TensorParallelGroup:
         payload = encode_step(inputs)
         for rank in range(1, self.shard.size):
             self._send(rank, STEP, payload)
+
+    def call(
+        self,
+        method: str | Callable[..., Any],
+        args: Sequence[Any],
+        kwargs: Mapping[str, Any],
+        local: Callable[[], Any],
+    ) -> list[Any]:
+        """`collective_rpc` on every rank: the workers run `method` (a name of their worker's
+        methods, or a callable given the worker), rank 0 runs `local`; the results by rank,
+        gathered over gloo. A rank that raised is raised here (a ValueError stays one), after
+        every rank has answered, so the group stays in step."""
+        payload = cloudpickle.dumps((method, tuple(args), dict(kwargs)))
+        for rank in range(1, self.shard.size):
+            self._send(rank, RPC, payload)
+        mine: Any
+        failure: BaseException | None = None
+        try:
+            mine = local()
+        except Exception as exc:  # raised below, once the workers' answers are in
+            mine, failure = None, exc
+        gathered: list[Any] = [None] * self.shard.size
+        dist.gather_object(None, gathered, dst=0)  # rank 0's own result never needs pickling
+        gathered[0] = mine
+        if failure is not None:
+            raise failure
+        for result in gathered:
+            if isinstance(result, RpcFailure):
+                text = f"rank {result.rank}: {result.message}"
+                raise ValueError(text) if result.kind == "ValueError" else RuntimeError(f"{result.kind}: {text}")
+        return gathered
 
     def close(self) -> None:
         """Stop the workers (killed if they do not leave within STOP_GRACE_S) and leave the group."""

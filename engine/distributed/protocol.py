@@ -22,6 +22,8 @@ from triollm.engine.loading.model_config import ModelConfig
 
 __all__ = [
     "CACHE",
+    "RPC",
+    "RpcFailure",
     "SETUP",
     "STEP",
     "STOP",
@@ -35,6 +37,9 @@ __all__ = [
 ]
 
 SETUP, CACHE, STEP, STOP = 1, 2, 3, 4
+# collective_rpc (engine/execution/sleep_mode.py): a cloudpickled (method, args, kwargs); every
+# rank runs it and rank 0 gathers the results over gloo (`TensorParallelGroup.call`).
+RPC = 5
 _HEADER = struct.Struct("<qq")
 
 
@@ -66,6 +71,15 @@ class WorkerSetup:
     device: str
     block_size: int
     timeout_s: float  # init and collectives
+
+
+@dataclass(frozen=True)
+class RpcFailure:
+    """A worker's `collective_rpc` part raised: what rank 0 raises in its place."""
+
+    rank: int
+    kind: str  # the exception's class name
+    message: str
 
 
 def write_message(pipe: IO[bytes], kind: int, payload: bytes = b"") -> None:

@@ -26,7 +26,8 @@ graphs over it), `sleep(2)` the model, the LoRA manager and the draft model too;
 rebuilds them as steps 2-4 and 6 did; a weight reload (the core's) is a level-2 sleep and a
 wake-up after `use_checkpoint` named the same or another checkpoint of the architecture. The
 executor is also the rank-0 worker of `collective_rpc`: a method name is one of its methods, a
-callable gets it as first argument.
+callable gets it as first argument. With tensor parallelism each of these goes to the workers
+too (`TensorParallelGroup.call`; their side is engine/distributed/worker.py's `RankWorker`).
 
 Rejected: the core building these itself (the order was held by comments such as "before the
 KV cache is sized"), and a worker class per device as in vLLM: one process drives the device
@@ -166,7 +167,6 @@ class Executor:
         memory is given back once the caller has dropped its own references to the runner
         (`sleep_mode.release_memory`)."""
         level = check_level(level)
-        self._refuse_tensor_parallel("sleep")
         self._asleep.add("kv_cache")
         if self._injected is None:
             self.runner = _Asleep()
@@ -174,6 +174,8 @@ class Executor:
         if level == 2:
             self._asleep.add("weights")
             self.model = self.lora = self.draft_model = None
+        if self.group is not None:
+            self.group.call("sleep", (level,), {}, local=lambda: None)
 
     def wake_up(self, tags: list[str] | None = None) -> None:
         """Restore the parts `tags` names ("weights", "kv_cache"; None: both): the weights read
@@ -182,6 +184,8 @@ class Executor:
         wanted = check_tags(tags) & self._asleep
         if "weights" in wanted and self._injected is None:
             self._load_weights()
+        if self.group is not None:  # the workers' shards of the same checkpoint
+            self.group.call("wake_up", (sorted(wanted),), {"model": self.config.model}, local=lambda: None)
         self._asleep -= wanted
         if not self._asleep and self._injected is None and isinstance(self.runner, _Asleep):
             self.runner = self._model_runner()
@@ -191,29 +195,29 @@ class Executor:
         """Read the weights from `weights_path` from the next wake-up on: another checkpoint of
         the running architecture (checked now: a ValueError naming the field that differs).
         None: the running checkpoint."""
-        self._refuse_tensor_parallel("reload_weights")
         if weights_path is not None:
             self.config = replace(self.config, model=same_architecture(self.config.model, weights_path))
 
     def collective_rpc(
         self, method: str | Callable[..., Any], args: Sequence[Any], kwargs: Mapping[str, Any]
     ) -> list[Any]:
-        """`method` run on every rank (this one), one result per rank (sleep_mode.run_rpc)."""
-        self._refuse_tensor_parallel("collective_rpc")
+        """`method` run on every rank, one result per rank (sleep_mode.run_rpc): on this one
+        with the executor as the worker, on the others with their `RankWorker`."""
+        if self.group is not None:
+            return self.group.call(method, args, kwargs, local=lambda: run_rpc(self, method, args, kwargs))
         return [run_rpc(self, method, args, kwargs)]
 
     def _load_weights(self) -> None:
-        config = self.config
-        self.model = load_model(config.model, config.device)
+        config, group = self.config, self.group
+        if group is None:
+            self.model = load_model(config.model, config.device)
+        else:
+            self.model = load_model(config.model, config.device, group.shard, group.comm)
         if config.lora is not None:
-            self.lora = LoRAManager(self.model, config.lora, config.device)
+            self.lora = LoRAManager(self.model, config.lora, config.device, keep_loads=group is not None)
         spec = config.speculative
         if spec is not None and spec.draft is not None:
             self.draft_model = load_model(spec.draft, config.device)
-
-    def _refuse_tensor_parallel(self, what: str) -> None:
-        if self.group is not None:
-            raise ValueError(f"tensor_parallel_size: {what} runs on one rank here; allowed: 1")
 
     def close(self) -> None:
         """Stop the tensor-parallel workers, if any (idempotent)."""

@@ -56,15 +56,8 @@ def tokens(llm: LLM, prompts: list[str] = PROMPTS) -> list[list[int]]:
 
 
 def build(path: Path, multiprocess: bool, **kwargs: Any) -> LLM:
-    return LLM(
-        str(path),
-        max_model_len=128,
-        num_threads=1,
-        seed=0,
-        multiprocess=multiprocess,
-        kv_cache_memory_bytes=KV_BYTES,
-        **kwargs,
-    )
+    options: dict[str, Any] = dict(max_model_len=128, num_threads=1, seed=0, kv_cache_memory_bytes=KV_BYTES)
+    return LLM(str(path), multiprocess=multiprocess, **{**options, **kwargs})
 
 
 @pytest.fixture(scope="module")
@@ -269,6 +262,26 @@ def test_apply_model(llm: LLM) -> None:
     llm.sleep(2)
     with pytest.raises(ValueError, match="apply_model: no model is loaded"):
         llm.apply_model(weight_bytes)
+
+
+def test_tensor_parallel_ranks_all_answer_sleep_and_reload(tiny_model_dir: Path, other_weights: Path) -> None:
+    with build(other_weights, False) as b:
+        expected = tokens(b)
+    with build(tiny_model_dir, True, tensor_parallel_size=2, num_threads=2) as llm:
+        before = tokens(llm)
+        pids = llm.collective_rpc(lambda worker: os.getpid())
+        assert len(set(pids)) == 2  # rank 0 (the engine core) and the worker, each its own process
+        assert llm.collective_rpc("bytes_per_block") == llm.collective_rpc("bytes_per_block")[:1] * 2
+        shards = llm.apply_model(lambda model: model.layers[0].mlp.gate_up_proj.weight.shape[0])
+        assert shards[0] == shards[1] == 2 * 128 // 2  # gate and up, each half of 128 rows
+        llm.sleep(2)
+        assert llm.collective_rpc(lambda worker: worker.model is None) == [True, True]
+        with pytest.raises(ValueError, match="rank 1: apply_model: no model is loaded|apply_model: no model"):
+            llm.apply_model(weight_bytes)
+        llm.wake_up()
+        assert tokens(llm) == before
+        llm.reload_weights(str(other_weights))
+        assert tokens(llm) == expected
 
 
 # ------------------------------------------------------------------ profiler
