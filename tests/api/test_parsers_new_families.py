@@ -530,7 +530,7 @@ FRAMES = [
 ]
 
 
-@settings(max_examples=40, deadline=None, database=None)
+@settings(max_examples=20, deadline=None, database=None)
 @given(frame=st.sampled_from(FRAMES), payload=PAYLOADS, cuts=st.lists(st.integers(0, 12_000), max_size=8))
 def test_no_parser_raises_on_these_formats_around_any_payload(
     frame: tuple[str, str], payload: str, cuts: list[int]
@@ -665,7 +665,11 @@ def assemble(events: list[dict[str, Any]]) -> tuple[str, str, list[tuple[str, An
 
 
 @pytest.mark.anyio
-@pytest.mark.parametrize(("tool_parser", "reasoning", "output", "content", "thought", "calls"), SERVER_CASES)
+@pytest.mark.parametrize(
+    ("tool_parser", "reasoning", "output", "content", "thought", "calls"),
+    SERVER_CASES,
+    ids=[f"{case[0]}-{case[1]}" for case in SERVER_CASES],
+)
 async def test_each_format_through_the_chat_route(
     roomy_llm: AsyncLLM,
     tool_parser: str,
