@@ -112,6 +112,12 @@ def test_sleep_2_frees_the_engines_memory_in_its_process(big_model: Path) -> Non
         (kv,) = llm.collective_rpc(kv_bytes)
         assert weights > 95 << 20 and kv == KV_BYTES
         (loaded,) = llm.collective_rpc(rss_bytes)
+        llm.sleep(1)
+        (kv_asleep,) = llm.collective_rpc(rss_bytes)
+        assert loaded - kv_asleep >= 0.9 * kv, ((loaded - kv_asleep) >> 20, kv >> 20)  # the KV cache only
+        assert loaded - kv_asleep < kv + weights / 2  # the weights stayed
+        llm.wake_up()
+        (loaded,) = llm.collective_rpc(rss_bytes)
         llm.sleep(2)
         (asleep,) = llm.collective_rpc(rss_bytes)
         assert loaded - asleep >= 0.9 * (weights + kv), ((loaded - asleep) >> 20, (weights + kv) >> 20)
