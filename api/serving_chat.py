@@ -58,11 +58,17 @@ from triollm.api.serving_common import (
     truncate_prompt,
 )
 from triollm.api.sse import GenerationResponse, Job
-from triollm.api.state import ServerState
+from triollm.api.state import ServerSettings, ServerState
 from triollm.engine.outputs import Logprob, RequestOutput, SampleLogprobs
 from triollm.engine.processing.tokenizer import Tokenizer
 
-__all__ = ["ChatFormatter", "chat_generation", "create_chat_completion", "render_chat_request"]
+__all__ = [
+    "ChatFormatter",
+    "chat_generation",
+    "create_chat_completion",
+    "render_chat_request",
+    "with_default_template_kwargs",
+]
 
 
 async def create_chat_completion(
@@ -103,9 +109,7 @@ async def chat_generation(
     check_logprobs(state, "top_logprobs", req.top_logprobs)
     check_logprobs(state, "prompt_logprobs", req.prompt_logprobs)
     settings = state.settings
-    if settings.default_chat_template_kwargs:  # the server's defaults; the request's keys win
-        merged = {**settings.default_chat_template_kwargs, **(req.chat_template_kwargs or {})}
-        req = msgspec.structs.replace(req, chat_template_kwargs=merged)
+    req = with_default_template_kwargs(req, settings)
     if req.chat_template is not None and not settings.trust_request_chat_template:
         raise bad_request(
             "chat_template: a chat template in the request needs the server started with "
@@ -198,6 +202,14 @@ async def render_chat_request(
         documents=req.documents,
         content_format=content_format,
     )
+
+
+def with_default_template_kwargs(req: ChatCompletionRequest, settings: ServerSettings) -> ChatCompletionRequest:
+    """`req` with the server's `--default-chat-template-kwargs` merged under its own (its keys win)."""
+    if not settings.default_chat_template_kwargs:
+        return req
+    merged = {**settings.default_chat_template_kwargs, **(req.chat_template_kwargs or {})}
+    return msgspec.structs.replace(req, chat_template_kwargs=merged)
 
 
 def _echo_text(req: ChatCompletionRequest, role: str) -> str:

@@ -59,7 +59,7 @@ from triollm.api.protocol_messages import (
     TokensCount,
     ToolUseBlock,
 )
-from triollm.api.serving_chat import ChatFormatter, chat_generation, render_chat_request
+from triollm.api.serving_chat import ChatFormatter, chat_generation, render_chat_request, with_default_template_kwargs
 from triollm.api.serving_common import (
     LARGE_BODY,
     Started,
@@ -116,7 +116,10 @@ async def count_message_tokens(state: ServerState, request: Request, chat_templa
     req = await decode_sized(body, CountTokensRequest)
     resolve_model(state, req.model)
     chat = await maybe_in_thread(lambda: chat_request(req), len(body), LARGE_BODY)
-    _, token_ids = await render_chat_request(state.llm.get_tokenizer(), chat, chat_template)
+    chat = with_default_template_kwargs(chat, state.settings)
+    _, token_ids = await render_chat_request(
+        state.llm.get_tokenizer(), chat, chat_template, content_format=state.settings.chat_template_content_format
+    )
     return Response(_encoder.encode(TokensCount(input_tokens=len(token_ids))), media_type="application/json")
 
 

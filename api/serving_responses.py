@@ -291,8 +291,9 @@ class ResponsesAPI:
             template=self.chat_template,
             add_generation_prompt=True,
             continue_final_message=False,
-            template_kwargs=None,
+            template_kwargs=dict(settings.default_chat_template_kwargs or {}),
             tools=chat_tools or None,
+            content_format=settings.chat_template_content_format,
         )
         if not settings.disable_log_requests:
             shown = log_safe(engine_id), len(token_ids), short_repr(params)

@@ -71,6 +71,15 @@ async def test_default_chat_template_kwargs_merge_under_the_request(llm: AsyncLL
         r = await client.post("/v1/chat/completions", json=body)
         assert r.status_code == 200, r.text
         assert r.json()["usage"]["prompt_tokens"] == len(tok.encode("Hello;NOTHINK", add_special_tokens=False))
+        # The Messages API's count_tokens and the Responses API render it the same way.
+        count = {"model": MODEL, "messages": hello, "max_tokens": 1}
+        r = await client.post("/v1/messages/count_tokens", json=count)
+        assert r.status_code == 200, r.text
+        with_prompt = tok.encode("Hello;NOTHINK", add_special_tokens=False)
+        assert r.json()["input_tokens"] == len(with_prompt)  # (this template adds no generation prompt)
+        r = await client.post("/v1/responses", json={"model": MODEL, "input": "Hello", "max_output_tokens": 1})
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["input_tokens"] == len(with_prompt)
 
 
 # ---------------------------------------------------------------- --chat-template-content-format
