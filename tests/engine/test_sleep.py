@@ -32,7 +32,12 @@ from triollm.engine.config import EngineArgs
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8)
-PROMPTS = ["The capital of France is", "Once upon a time there was"]
+# The last one is several whole KV blocks long: with prefix caching, a stale cache would serve it.
+PROMPTS = [
+    "The capital of France is",
+    "Once upon a time there was",
+    "The quick brown fox jumps over the lazy dog. " * 4,
+]
 KV_BYTES = 32 << 20
 BIG = dict(hidden_size=512, num_layers=8, num_heads=8, num_kv_heads=4, intermediate_size=1536)
 
