@@ -167,6 +167,8 @@ class OutputBatch(msgspec.Struct, tag=True, array_like=True, omit_defaults=True,
     # [queued_ts, scheduled_ts] per entry, only in a batch where some request sent its first
     # output (engine/request.py); None in the steady state of decoding.
     queue_times: list[list[float]] | None = None
+    # Per entry, the preemptions since the request's previous output; None when none happened.
+    preemptions: list[int] | None = None
 
     @property
     def is_heartbeat(self) -> bool:
@@ -201,6 +203,7 @@ class OutputBatch(msgspec.Struct, tag=True, array_like=True, omit_defaults=True,
             queue_times=[[o.queued_ts, o.scheduled_ts] for o in outputs]
             if any(o.scheduled_ts for o in outputs)
             else None,
+            preemptions=[o.num_preemptions for o in outputs] if any(o.num_preemptions for o in outputs) else None,
         )
 
     def to_outputs(self) -> list[EngineCoreOutput]:
@@ -215,6 +218,7 @@ class OutputBatch(msgspec.Struct, tag=True, array_like=True, omit_defaults=True,
         lps = self.logprobs.unpack(n) if self.logprobs else [None] * n
         plps = self.prompt_logprobs.unpack(n) if self.prompt_logprobs else [None] * n
         times = self.queue_times or [_NO_TIMES] * n
+        preemptions = self.preemptions or [0] * n
         return [
             EngineCoreOutput(
                 rid,
@@ -226,8 +230,9 @@ class OutputBatch(msgspec.Struct, tag=True, array_like=True, omit_defaults=True,
                 num_cached_tokens=nc,
                 queued_ts=qs[0],
                 scheduled_ts=qs[1],
+                num_preemptions=np,
             )
-            for rid, toks, fr, sr, nc, lp, plp, qs in zip(
+            for rid, toks, fr, sr, nc, lp, plp, qs, np in zip(
                 self.request_ids,
                 self.new_token_ids,
                 self.finish_reasons,
@@ -236,6 +241,7 @@ class OutputBatch(msgspec.Struct, tag=True, array_like=True, omit_defaults=True,
                 lps,
                 plps,
                 times,
+                preemptions,
             )
         ]
 

@@ -51,7 +51,8 @@ class RequestStateStats:
     request; `scheduled_ts`: it was first scheduled (a preemption does not move it);
     `first_token_ts` / `last_token_ts`: the steps that produced its first and latest tokens.
     `first_token_latency`: seconds from arrival to the first token (wall-clock, measured by the
-    frontend when that token arrived). A stamp not reached yet is 0.0. One object per request,
+    frontend when that token arrived). A stamp not reached yet is 0.0. `num_preemptions`: times
+    the scheduler preempted it (its KV blocks freed, recomputed later). One object per request,
     updated in place as outputs arrive (as vLLM's is).
     """
 

@@ -100,6 +100,8 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
     # output only: when it was queued and first scheduled (0.0 on the others).
     queued_ts: float = 0.0
     scheduled_ts: float = 0.0
+    # Times it was preempted since its previous output (RequestOutput.metrics.num_preemptions).
+    num_preemptions: int = 0
 
     @property
     def finished(self) -> bool:

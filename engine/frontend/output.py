@@ -259,6 +259,7 @@ class OutputState:
         """Fold one core output's stamps into `metrics` (`timestamp`: when the core made it).
         With n > 1 the earliest child's queue stamps count, as the request's."""
         m = self.metrics
+        m.num_preemptions += out.num_preemptions
         if out.scheduled_ts:
             m.queued_ts = min(m.queued_ts or out.queued_ts, out.queued_ts)
             m.scheduled_ts = min(m.scheduled_ts or out.scheduled_ts, out.scheduled_ts)

@@ -395,6 +395,7 @@ class Scheduler:
         req.num_computed_tokens = 0
         req.draft_computed = 0  # the draft model's K/V lived in those blocks too
         req.num_preemptions += 1
+        req.preemptions_unsent += 1
         self.num_preemptions += 1
         req.status = RequestStatus.PREEMPTED
         req.waiting_since = self.clock()
@@ -419,6 +420,8 @@ class Scheduler:
                 req = item.request
                 if not req.times_sent:  # the first output carries the queue stamps
                     out.queued_ts, out.scheduled_ts, req.times_sent = req.queued_ts, req.scheduled_ts, True
+                if req.preemptions_unsent:
+                    out.num_preemptions, req.preemptions_unsent = req.preemptions_unsent, 0
                 outputs.append(out)
         return outputs
 

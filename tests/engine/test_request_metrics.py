@@ -98,3 +98,19 @@ async def test_async_llm_stream_metrics(tiny_model_dir: Path, multiprocess: bool
         assert [n for _, _, n in last_seen] == sorted(n for _, _, n in last_seen)
         assert [t for _, t, _ in last_seen] == sorted(t for _, t, _ in last_seen)
         check_metrics(final, wall, time.time(), mono, tokens=streamed)
+
+
+@pytest.mark.parametrize("multiprocess", [False, True], ids=["inproc", "multiprocess"])
+def test_preemptions_are_counted_per_request(tiny_model_dir: Path, multiprocess: bool) -> None:
+    """A KV cache of 8 blocks for 6 requests of up to 3 blocks each: the scheduler preempts, and
+    each request's metrics count its own preemptions (summing to the engine's counter)."""
+    params = SamplingParams(max_tokens=36, temperature=0.0, ignore_eos=True)
+    with LLM(
+        str(tiny_model_dir), max_model_len=64, multiprocess=multiprocess, num_gpu_blocks_override=8,
+        block_size=16, enable_prefix_caching=False,
+    ) as llm:  # fmt: skip
+        outs = llm.generate([f"request number {i}" for i in range(6)], params, use_tqdm=False)
+        [total] = [m.value for m in llm.get_metrics() if m.name == "vllm:num_preemptions"]
+    per_request = [o.metrics.num_preemptions for o in outs if o.metrics is not None]
+    assert len(per_request) == 6 and total > 0
+    assert sum(per_request) == total
