@@ -66,9 +66,8 @@ see only keys j <= i in its own chunk, j // chunk == i // chunk. Both are per ca
 the first key a row sees is `_first_key` of its position under window and chunk together. The
 torch paths take them here (decode through the same per-limit groups as a window, with the sink
 as one more score column in fp32; prefill through the masked path); the native CPU decode kernel
-takes both (a later start per row; the sink added to the denominator once per row). The Triton
-kernels take neither: a call with a sink or a chunk on that path runs the torch code below, over
-the same cache (correct, not fast).
+takes both (a later start per row; the sink added to the denominator once per row), and so do
+the Triton kernels (kernels/triton/attention.py, constexpr switches like the window's).
 """
 
 from __future__ import annotations
@@ -339,9 +338,8 @@ class DecodePlan:
     workspace: DecodeWorkspace
     native: tuple[torch.Tensor, torch.Tensor] | None = None
     triton: tuple[torch.Tensor, torch.Tensor] | None = None  # the same, for the Triton kernel
-    # The rows (block tables, context lengths), block size and device, from which
-    # `window_groups` cuts the torch path's groups for a window or a chunk (on any plan: a call
-    # the native or Triton kernel cannot take runs the torch path); those groups, built once.
+    # The torch path's rows (block tables, context lengths), block size and device, from which
+    # `window_groups` cuts the groups for a window or a chunk; those groups, built once.
     rows: tuple[list[list[int]], list[int], int, torch.device] | None = None
     _windowed: dict[tuple[int | None, int | None], list[DecodeGroup]] = field(default_factory=dict, repr=False)
 
@@ -353,11 +351,11 @@ class DecodePlan:
         layer with these limits shares them."""
         groups = self._windowed.get((window, chunk))
         if groups is None:
-            assert self.rows is not None, "window_groups: a plan with its rows"
+            assert self.rows is not None, "window_groups: a plan of the torch path"
             tables, lens, bs, device = self.rows
             starts = [_first_key(n - 1, window, chunk) for n in lens]
             if not any(starts):
-                groups = self.groups or _make_groups(tables, lens, None, device)
+                groups = self.groups
             else:
                 firsts = [k // bs for k in starts]
                 groups = _make_groups(
@@ -394,7 +392,6 @@ def plan_decode(
         native = not triton and torch.device(device).type == "cpu" and cpu_native.available()
     elif native and not cpu_native.available():
         raise RuntimeError("plan_decode(native=True): the native CPU kernels are not available")
-    source = (block_tables, context_lens, block_size, torch.device(device))
     if native or triton:
         # One host buffer, one copy: [B] lengths, then the [B, width] tables padded with block 0.
         batch, width = len(block_tables), max(map(len, block_tables))
@@ -404,9 +401,10 @@ def plan_decode(
         both = upload_int32(host, device)
         lens_t, table_t = both[:batch], both[batch:].view(batch, width)
         if triton:
-            return DecodePlan([], workspace or DecodeWorkspace(), triton=(table_t, lens_t), rows=source)
-        return DecodePlan([], workspace or DecodeWorkspace(), (table_t, lens_t), rows=source)
+            return DecodePlan([], workspace or DecodeWorkspace(), triton=(table_t, lens_t))
+        return DecodePlan([], workspace or DecodeWorkspace(), (table_t, lens_t))
     groups = _make_groups(block_tables, context_lens, None, device)
+    source = (block_tables, context_lens, block_size, torch.device(device))
     return DecodePlan(groups, workspace or DecodeWorkspace(), rows=source)
 
 
@@ -485,22 +483,21 @@ def decode_attention(
     attends only positions of its own chunk, from (n - 1) // chunk * chunk (None: none of them)."""
     if window is not None or softcap is not None:
         check_window_softcap(window, softcap)
-    plain = sinks is None and chunk is None
-    if not plain:
+    if sinks is not None or chunk is not None:
         check_sinks_chunk(sinks, chunk, q.shape[1])
     if plan.native is not None:
         tables, lens = plan.native
         return cpu_native.paged_decode_attention(
             q, k_cache, v_cache, tables, lens, scale, window=window, softcap=softcap, sinks=sinks, chunk=chunk
         )
-    if plan.triton is not None and plain:
+    if plan.triton is not None:
         from triollm.kernels.triton import attention as triton_attention
 
         tables, lens = plan.triton
         return triton_attention.paged_decode_attention(
-            q, k_cache, v_cache, tables, lens, scale, window=window, softcap=softcap
+            q, k_cache, v_cache, tables, lens, scale, window=window, softcap=softcap, sinks=sinks, chunk=chunk
         )
-    groups = plan.groups if window is None and chunk is None and plan.groups else plan.window_groups(window, chunk)
+    groups = plan.groups if window is None and chunk is None else plan.window_groups(window, chunk)
     if len(groups) == 1:
         return _group_attention(q, k_cache, v_cache, groups[0], plan.workspace, scale, softcap, sinks)
     out = torch.empty_like(q)
@@ -588,14 +585,14 @@ def prefill_attention(
     `decode_attention` (None: none of them)."""
     if window is not None or softcap is not None:
         check_window_softcap(window, softcap)
-    plain = sinks is None and chunk is None
-    if not plain:
+    if sinks is not None or chunk is not None:
         check_sinks_chunk(sinks, chunk, q.shape[1])
-    if use_triton(q) and plain:
+    if use_triton(q):
         from triollm.kernels.triton import attention as triton_attention
 
         return triton_attention.paged_prefill_attention(
-            q, k_cache, v_cache, block_ids, num_context, scale, window=window, softcap=softcap
+            q, k_cache, v_cache, block_ids, num_context, scale, window=window, softcap=softcap, sinks=sinks,
+            chunk=chunk,
         )
     n = q.shape[0]
     if window is not None and window >= num_context + n:
@@ -689,17 +686,16 @@ def prefill_attention_chunks(
 ) -> torch.Tensor:
     """`prefill_attention` of every chunk of `plan`: q `[P, H, hd]` and k/v `[P, kvh, hd]` are the
     rows of the prefill tokens (K/V already written). Returns `[P, H, hd]` (into `out` if
-    given). On the Triton path one launch runs them all (without sinks or chunks: the torch
-    path runs those, module note)."""
+    given). On the Triton path one launch runs them all."""
     if window is not None or softcap is not None:
         check_window_softcap(window, softcap)
-    if plan.triton is not None and sinks is None and chunk is None:
+    if plan.triton is not None:
         from triollm.kernels.triton import attention as triton_attention
 
         starts, contexts, tables = plan.triton
         return triton_attention.paged_prefill_attention_varlen(
             q, k_cache, v_cache, tables, starts, contexts, max(plan.max_tokens, 1), scale,
-            window=window, softcap=softcap, out=out,
+            window=window, softcap=softcap, sinks=sinks, chunk=chunk, out=out,
         )  # fmt: skip
     if out is None:
         out = q.new_empty(q.shape)

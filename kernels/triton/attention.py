@@ -63,6 +63,14 @@ stored, but must keep a column to attend). Soft-capping maps each score s (here 
 as is the cap) to softcap * tanh(s / softcap), with tanh from exp2 of a non-positive argument
 (no overflow).
 
+Attention sinks and chunks (`sinks`, `chunk`; constexpr switches `SINKS`, `CHUNKED`, gpt-oss and
+Llama 4). A sink is a logit per query head (fp32 `[H]`) that joins the softmax's denominator: after
+the loop the running max and sum move to max(m, sink) and the sink's exp2 is added to the sum (a
+split decode adds it in the reduce kernel, as one more split with no value). A chunk lets the query
+at position i see keys j with j // chunk == i // chunk: one more lower bound on the first key, like
+a window's (decode: `(context_len - 1) // chunk * chunk`; prefill: per row, the tile starting at the
+chunk of its first row's position, with the -1e30 running max as for windows).
+
 Numerics. An fp32 `tl.dot` runs in tf32 on the GPU unless told otherwise (about 3e-4 relative
 error, where fp32 would be 1e-6): with an fp32 cache the dots here ask for "ieee" (constexpr
 `DOT_PRECISION`); fp16 and bf16 operands are unaffected.
@@ -87,7 +95,7 @@ import torch
 import triton
 import triton.language as tl
 
-from triollm.kernels.masking import check_window_softcap
+from triollm.kernels.masking import check_sinks_chunk, check_window_softcap
 from triollm.kernels.triton import AotSpec
 from triollm.kernels.triton.kv_quant import INT8, cache_args, fp8_to_float, kv_quant_mode
 
@@ -149,9 +157,11 @@ def _paged_decode_kernel(
     v_scale_ptr,
     block_tables_ptr,
     context_lens_ptr,
+    sinks_ptr,  # fp32 [H] (read only when SINKS)
     qk_scale,  # softmax scale * log2(e)
     window,  # sliding window in positions (read only when WINDOWED)
     softcap,  # soft-cap * log2(e) (read only when SOFTCAP)
+    chunk,  # chunk of positions (read only when CHUNKED)
     stride_qb,
     stride_qh,
     stride_qd,
@@ -181,6 +191,8 @@ def _paged_decode_kernel(
     SOFTCAP: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     KV_QUANT: tl.constexpr,
+    SINKS: tl.constexpr = False,
+    CHUNKED: tl.constexpr = False,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -197,8 +209,12 @@ def _paged_decode_kernel(
 
     context_len = tl.load(context_lens_ptr + seq)
     num_tiles = tl.cdiv(context_len, TILE_N)
-    if WINDOWED:
-        window_start = tl.maximum(context_len - window, 0)
+    if WINDOWED or CHUNKED:
+        window_start = context_len * 0
+        if WINDOWED:
+            window_start = tl.maximum(context_len - window, 0)
+        if CHUNKED:
+            window_start = tl.maximum(window_start, (context_len - 1) // chunk * chunk)
         start_tile = window_start // TILE_N
         tiles_per_split = tl.cdiv(num_tiles - start_tile, NUM_SPLITS)
         first_tile = start_tile + split * tiles_per_split
@@ -218,7 +234,7 @@ def _paged_decode_kernel(
     for tile in range(first_tile, end_tile):
         pos = tile * TILE_N + cols
         in_context = pos < context_len
-        if WINDOWED:
+        if WINDOWED or CHUNKED:
             in_context = in_context & (pos >= window_start)
         block_ids = tl.load(table + (pos // BLOCK_SIZE) * stride_tm, mask=in_context, other=0)
         k_cols = k_head + block_ids.to(tl.int64) * stride_kb + (pos % BLOCK_SIZE) * stride_kt
@@ -264,6 +280,12 @@ def _paged_decode_kernel(
         + dims[None, :] * stride_od
     )
     if NUM_SPLITS == 1:
+        if SINKS:  # the sink joins the denominator (module note)
+            sink = tl.load(sinks_ptr + heads, mask=is_head, other=0.0) * 1.4426950408889634
+            new_max = tl.maximum(running_max, sink)
+            rescale = tl.exp2(running_max - new_max)
+            acc = acc * rescale[:, None]
+            running_sum = running_sum * rescale + tl.exp2(sink - new_max)
         out = acc / running_sum[:, None]
         tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=is_head[:, None])
     else:
@@ -279,12 +301,14 @@ def _split_kv_reduce_kernel(
     partial_ptr,  # fp32 [B, H, S, hd], contiguous
     max_ptr,  # fp32 [B, H, S], contiguous
     sum_ptr,  # fp32 [B, H, S], contiguous
+    sinks_ptr,  # fp32 [H] (read only when SINKS)
     stride_ob,
     stride_oh,
     stride_od,
     HEAD_DIM: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     SPLITS_PAD: tl.constexpr,
+    SINKS: tl.constexpr = False,
 ):
     seq = tl.program_id(0)
     head = tl.program_id(1)
@@ -298,8 +322,15 @@ def _split_kv_reduce_kernel(
     partial = tl.load(
         partial_ptr + stats[:, None] * HEAD_DIM + dims[None, :], mask=is_split[:, None], other=0.0
     )
-    weight = tl.exp2(split_max - tl.max(split_max, 0))
-    out = tl.sum(partial * weight[:, None], 0) / tl.sum(split_sum * weight, 0)
+    top = tl.max(split_max, 0)
+    if SINKS:  # one more split: the sink, with no value (module note)
+        sink = tl.load(sinks_ptr + head) * 1.4426950408889634
+        top = tl.maximum(top, sink)
+    weight = tl.exp2(split_max - top)
+    denominator = tl.sum(split_sum * weight, 0)
+    if SINKS:
+        denominator += tl.exp2(sink - top)
+    out = tl.sum(partial * weight[:, None], 0) / denominator
     out_ptrs = out_ptr + seq * stride_ob + head * stride_oh + dims * stride_od
     tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty))
 
@@ -318,9 +349,11 @@ def _paged_prefill_kernel(
     num_context_ptr,  # int32 [N] (VARLEN only)
     num_tokens,  # (not VARLEN)
     num_context,  # (not VARLEN)
+    sinks_ptr,  # fp32 [H] (read only when SINKS)
     qk_scale,  # softmax scale * log2(e)
     window,  # sliding window in positions (read only when WINDOWED)
     softcap,  # soft-cap * log2(e) (read only when SOFTCAP)
+    chunk,  # chunk of positions (read only when CHUNKED)
     stride_qn,
     stride_qh,
     stride_qd,
@@ -349,6 +382,8 @@ def _paged_prefill_kernel(
     VARLEN: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     KV_QUANT: tl.constexpr,
+    SINKS: tl.constexpr = False,
+    CHUNKED: tl.constexpr = False,
 ):
     seq = tl.program_id(0)
     query_tile = tl.num_programs(1) - 1 - tl.program_id(1)  # heaviest (latest) tiles first
@@ -383,10 +418,16 @@ def _paged_prefill_kernel(
     v_head = v_ptr + kv_head.to(tl.int64) * stride_vh
     cols = tl.arange(0, TILE_N)
 
-    if WINDOWED:
-        # From the window start of the tile's first token; padding rows act as the last token.
+    if WINDOWED or CHUNKED:
+        # From the window's (chunk's) start of the tile's first token; padding rows act as the
+        # last token.
         q_pos = num_context + tl.minimum(tokens, num_tokens - 1)
-        kv_start = tl.maximum(num_context + (query_tile * BLOCK_M) // GROUP - window + 1, 0)
+        first_pos = num_context + (query_tile * BLOCK_M) // GROUP
+        kv_start = first_pos * 0
+        if WINDOWED:
+            kv_start = tl.maximum(first_pos - window + 1, 0)
+        if CHUNKED:
+            kv_start = tl.maximum(kv_start, first_pos // chunk * chunk)
         start_tile = kv_start // TILE_N
         running_max = tl.full([BLOCK_M], -1e30, tl.float32)  # see the module docstring
     else:
@@ -397,7 +438,7 @@ def _paged_prefill_kernel(
     for tile in range(start_tile, tl.cdiv(kv_len, TILE_N)):
         pos = tile * TILE_N + cols
         in_range = pos < kv_len
-        if WINDOWED:
+        if WINDOWED or CHUNKED:
             in_range = in_range & (pos >= kv_start)
         block_ids = tl.load(
             block_table_ptr + (pos // BLOCK_SIZE) * stride_tm, mask=in_range, other=0
@@ -424,6 +465,8 @@ def _paged_prefill_kernel(
         attend = pos[None, :] <= q_pos[:, None]
         if WINDOWED:
             attend = attend & (pos[None, :] > q_pos[:, None] - window)
+        if CHUNKED:
+            attend = attend & (pos[None, :] // chunk == q_pos[:, None] // chunk)
         scores = tl.where(attend, scores, float("-inf"))
         new_max = tl.maximum(running_max, tl.max(scores, 1))
         rescale = tl.exp2(running_max - new_max)
@@ -440,6 +483,12 @@ def _paged_prefill_kernel(
             )
         running_max = new_max
 
+    if SINKS:  # the sink joins the denominator (module note)
+        sink = tl.load(sinks_ptr + heads) * 1.4426950408889634
+        new_max = tl.maximum(running_max, sink)
+        rescale = tl.exp2(running_max - new_max)
+        acc = acc * rescale[:, None]
+        running_sum = running_sum * rescale + tl.exp2(sink - new_max)
     out = acc / running_sum[:, None]
     if KV_QUANT == 1 or KV_QUANT == 2:  # fp8: the layer's V scale on the output
         out = out * tl.load(v_scale_ptr)
@@ -462,6 +511,8 @@ def paged_decode_attention(
     *,
     window: int | None = None,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
+    chunk: int | None = None,
     num_splits: int | None = None,
     out: torch.Tensor | None = None,
     tile_n: int | None = None,
@@ -473,13 +524,15 @@ def paged_decode_attention(
     to, the query's own included (its K/V already written). Returns `[B, H, hd]` in q's dtype
     (written into `out` if given, any strides). `window`: a row of length n attends positions
     `[max(0, n - window), n)`; `softcap`: scores s become softcap * tanh(s / softcap) before the
-    softmax. `num_splits` cuts each sequence's KV into that many parts run in parallel
+    softmax; `sinks` `[H]`: a logit per head in the denominator; `chunk`: the row attends only
+    positions of its own chunk (module note). `num_splits` cuts each sequence's KV into that many parts run in parallel
     (default: chosen from the batch and the table width, no sync). `tile_n` (a power of two, at
     least 16 and the block size; default `DECODE_TILE_N` or the block size), `num_warps` and
     `num_stages` are the launch's tuning knobs (tests/gpu_check.py sweeps them)."""
     if window is not None or softcap is not None:
         check_window_softcap(window, softcap)
     batch, num_heads, head_dim = q.shape
+    sinks_arg = _sinks_arg(sinks, chunk, q)
     kv_heads, _, block_size, _ = v_cache.shape
     group = _check_shapes(num_heads, head_dim, kv_heads, block_size, v_cache.shape[3])
     floor = max(block_size, _MIN_DOT)
@@ -493,8 +546,9 @@ def paged_decode_attention(
         raise ValueError(f"num_stages: {num_stages} must be >= 1")
     if num_splits is None:
         max_tiles = triton.cdiv(block_tables.shape[1] * block_size, tile_n)
-        if window is not None:  # a window spans at most this many tiles
-            max_tiles = min(max_tiles, triton.cdiv(window, tile_n) + 1)
+        for span in (window, chunk):  # a window or a chunk spans at most this many tiles
+            if span is not None:
+                max_tiles = min(max_tiles, triton.cdiv(span, tile_n) + 1)
         num_splits = choose_num_splits(batch, kv_heads, max_tiles, _num_sms(q.device))
     if num_splits < 1:
         raise ValueError(f"num_splits: {num_splits} must be >= 1")
@@ -528,9 +582,11 @@ def paged_decode_attention(
         v_scale,
         block_tables,
         context_lens,
+        sinks_arg,
         scale * _LOG2E,
         _NO_WINDOW if window is None else window,
         0.0 if softcap is None else softcap * _LOG2E,
+        _NO_WINDOW if chunk is None else chunk,
         *q.stride(),
         *k_arg.stride(),
         *v_arg.stride(),
@@ -547,6 +603,8 @@ def paged_decode_attention(
         SOFTCAP=softcap is not None,
         DOT_PRECISION=_dot_precision(q, k_cache, v_cache),
         KV_QUANT=kv_quant_mode(k_cache),
+        SINKS=sinks is not None and num_splits == 1,
+        CHUNKED=chunk is not None,
         num_warps=num_warps,
         num_stages=num_stages,
     )
@@ -556,10 +614,12 @@ def paged_decode_attention(
             target,
             max_scratch,
             sum_scratch,
+            sinks_arg,
             *out.stride(),
             HEAD_DIM=head_dim,
             NUM_SPLITS=num_splits,
             SPLITS_PAD=triton.next_power_of_2(num_splits),
+            SINKS=sinks is not None,
             num_warps=1,
         )
     return out
@@ -575,20 +635,22 @@ def paged_prefill_attention(
     *,
     window: int | None = None,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
+    chunk: int | None = None,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of n new tokens of one sequence. q `[n, H, hd]`; the new tokens' K/V are
     already in the cache after `num_context` earlier tokens; block_table `[M]` (int32 or int64)
     covers all `num_context + n` positions. Query i attends positions `0..num_context + i`, the
     last `window` of them if given; `softcap`: scores s become softcap * tanh(s / softcap)
-    before the softmax. Returns `[n, H, hd]` in q's dtype (written into `out` if given, any
-    strides)."""
+    before the softmax; `sinks`, `chunk`: as `paged_decode_attention`. Returns `[n, H, hd]` in
+    q's dtype (written into `out` if given, any strides)."""
     if block_table.dim() != 1:
         raise ValueError(f"block_table: must be 1-D, got shape {tuple(block_table.shape)}")
     unused = block_table  # the varlen pointers: never read without VARLEN
     return _launch_prefill(
         q, k_cache, v_cache, block_table, unused, unused, 1, q.shape[0], num_context, scale,
-        window, softcap, out, varlen=False,
+        window, softcap, sinks, chunk, out, varlen=False,
     )  # fmt: skip
 
 
@@ -604,6 +666,8 @@ def paged_prefill_attention_varlen(
     *,
     window: int | None = None,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
+    chunk: int | None = None,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`paged_prefill_attention` for N sequences in one launch. q `[T, H, hd]` holds their new
@@ -622,7 +686,7 @@ def paged_prefill_attention_varlen(
         raise ValueError(f"max_tokens: {max_tokens} must be >= 1")
     return _launch_prefill(
         q, k_cache, v_cache, block_tables, query_start, num_context, n, max_tokens, 0, scale,
-        window, softcap, out, varlen=True,
+        window, softcap, sinks, chunk, out, varlen=True,
     )  # fmt: skip
 
 
@@ -639,6 +703,8 @@ def _launch_prefill(
     scale: float,
     window: int | None,
     softcap: float | None,
+    sinks: torch.Tensor | None,
+    chunk: int | None,
     out: torch.Tensor | None,
     *,
     varlen: bool,
@@ -646,6 +712,7 @@ def _launch_prefill(
     if window is not None or softcap is not None:
         check_window_softcap(window, softcap)
     num_tokens, num_heads, head_dim = q.shape
+    sinks_arg = _sinks_arg(sinks, chunk, q)
     kv_heads, _, block_size, _ = v_cache.shape
     group = _check_shapes(num_heads, head_dim, kv_heads, block_size, v_cache.shape[3])
     if out is None:
@@ -668,9 +735,11 @@ def _launch_prefill(
         contexts,
         num_tokens,
         num_context,
+        sinks_arg,
         scale * _LOG2E,
         _NO_WINDOW if window is None else window,
         0.0 if softcap is None else softcap * _LOG2E,
+        _NO_WINDOW if chunk is None else chunk,
         *q.stride(),
         *k_arg.stride(),
         *v_arg.stride(),
@@ -687,10 +756,21 @@ def _launch_prefill(
         VARLEN=varlen,
         DOT_PRECISION=_dot_precision(q, k_cache, v_cache),
         KV_QUANT=kv_quant_mode(k_cache),
+        SINKS=sinks is not None,
+        CHUNKED=chunk is not None,
         num_warps=_PREFILL_WARPS,
         num_stages=2,
     )
     return out
+
+
+def _sinks_arg(sinks: torch.Tensor | None, chunk: int | None, q: torch.Tensor) -> torch.Tensor:
+    """The kernels' `sinks_ptr`: the sinks as fp32 `[H]` (checked with `chunk`), or q when
+    there are none (never read without SINKS)."""
+    if sinks is None and chunk is None:
+        return q
+    check_sinks_chunk(sinks, chunk, q.shape[1])
+    return q if sinks is None else sinks.detach().to(device=q.device, dtype=torch.float32).contiguous()
 
 
 def choose_num_splits(batch: int, kv_heads: int, max_tiles: int, num_sms: int) -> int:
@@ -797,7 +877,7 @@ def _decode_spec(
         "max_ptr": "*fp32",
         "sum_ptr": "*fp32",
     }
-    pointers |= {"block_tables_ptr": "*i32", "context_lens_ptr": "*i32"}
+    pointers |= {"block_tables_ptr": "*i32", "context_lens_ptr": "*i32", "sinks_ptr": "*fp32"}
     constexprs = {
         "GROUP": group,
         "GROUP_PAD": max(_MIN_DOT, triton.next_power_of_2(group)),
@@ -809,25 +889,29 @@ def _decode_spec(
         "SOFTCAP": masked,
         "DOT_PRECISION": "tf32",
         "KV_QUANT": mode,
+        "SINKS": masked and num_splits == 1,
+        "CHUNKED": masked,
     }
-    extra = (", window, softcap" if masked else "") + (f", {cache} cache" if cache else "")
+    extra = (", window, softcap, sinks, chunk" if masked else "") + (f", {cache} cache" if cache else "")
     name = f"paged_decode[hd={head_dim}, group={group}, splits={num_splits}, {dtype}{extra}]"
     return _aot_spec(name, _paged_decode_kernel, pointers, constexprs)
 
 
-def _reduce_spec(dtype: str, head_dim: int) -> AotSpec:
+def _reduce_spec(dtype: str, head_dim: int, sinks: bool = False) -> AotSpec:
     pointers = {
         "out_ptr": f"*{dtype}",
         "partial_ptr": "*fp32",
         "max_ptr": "*fp32",
         "sum_ptr": "*fp32",
+        "sinks_ptr": "*fp32",
     }
     constexprs = {
         "HEAD_DIM": head_dim,
         "NUM_SPLITS": _AOT_SPLITS,
         "SPLITS_PAD": triton.next_power_of_2(_AOT_SPLITS),
+        "SINKS": sinks,
     }
-    name = f"split_kv_reduce[hd={head_dim}, splits={_AOT_SPLITS}, {dtype}]"
+    name = f"split_kv_reduce[hd={head_dim}, splits={_AOT_SPLITS}, {dtype}{', sinks' if sinks else ''}]"
     return _aot_spec(name, _split_kv_reduce_kernel, pointers, constexprs, num_warps=1)
 
 
@@ -837,6 +921,7 @@ def _prefill_spec(
     cache_pointers, mode = _cache_pointers(dtype, cache)
     pointers = dict.fromkeys(("out_ptr", "q_ptr"), f"*{dtype}") | cache_pointers
     pointers |= dict.fromkeys(("block_table_ptr", "query_start_ptr", "num_context_ptr"), "*i32")
+    pointers |= {"sinks_ptr": "*fp32"}
     constexprs = {
         "GROUP": group,
         "HEAD_DIM": head_dim,
@@ -848,8 +933,10 @@ def _prefill_spec(
         "VARLEN": varlen,
         "DOT_PRECISION": "tf32",
         "KV_QUANT": mode,
+        "SINKS": masked,
+        "CHUNKED": masked,
     }
-    extra = (", window, softcap" if masked else "") + (", varlen" if varlen else "")
+    extra = (", window, softcap, sinks, chunk" if masked else "") + (", varlen" if varlen else "")
     extra += f", {cache} cache" if cache else ""
     name = f"paged_prefill[hd={head_dim}, group={group}, {dtype}{extra}]"
     return _aot_spec(name, _paged_prefill_kernel, pointers, constexprs, _PREFILL_WARPS)
@@ -872,7 +959,7 @@ AOT_SPECS: list[AotSpec] = [
 ] + [
     _decode_spec("bf16", 256, 2, 1, masked=True),
     _decode_spec("bf16", 256, 2, _AOT_SPLITS, masked=True),
-    _reduce_spec("bf16", 256),
+    _reduce_spec("bf16", 256, sinks=True),
     _prefill_spec("bf16", 256, 2, masked=True),
 ] + [
     spec

@@ -1,10 +1,12 @@
 """Attention sinks (gpt-oss) and chunked local attention (Llama 4) in the paged attention, on every
-path (the torch reference, the native CPU decode kernel, the Triton path, which hands such calls
-to the torch code), against dense fp32 attention over the unpaged K/V.
+path (the torch reference, the native CPU decode kernel, the Triton kernels under the
+interpreter), against dense fp32 attention over the unpaged K/V.
 
 A sink is a logit per query head that joins the softmax's denominator and carries no value; a
-chunk of C positions limits the query at i to keys j <= i with j // C == i // C. The blocks wholly
-before a row's first key are NaN: every path must skip them.
+chunk of C positions limits the query at i to keys j <= i with j // C == i // C. The positions
+before a row's first key are NaN where a path must not read them: the whole blocks before it
+(every path skips them), and for the Triton kernels, which mask their loads per position, every
+position before it.
 """
 
 from __future__ import annotations
@@ -90,9 +92,9 @@ class Paged:
         slots = torch.tensor([table[p // bs] * bs + p % bs for p in positions], dtype=torch.long)
         write_kv(self.kc, self.vc, k, v, slots)
 
-    def poison_blocks_before(self, row: int, first: int) -> None:
-        """NaN in the row's whole blocks before position `first`."""
-        upto = first // self.bs * self.bs
+    def poison_blocks_before(self, row: int, first: int, whole_blocks: bool = True) -> None:
+        """NaN at the row's positions before `first` (those of its whole blocks before it)."""
+        upto = first // self.bs * self.bs if whole_blocks else first
         if upto > 0:
             nan = torch.full((upto, *self.k[row].shape[1:]), float("nan"))
             self.write(row, range(upto), nan, nan)
@@ -138,7 +140,7 @@ def test_decode(
     native = use_backend(backend, monkeypatch)
     seqs = Paged(lens, bs)
     for row, n in enumerate(lens):
-        seqs.poison_blocks_before(row, first_key(n - 1, window, chunk))
+        seqs.poison_blocks_before(row, first_key(n - 1, window, chunk), whole_blocks=backend != "triton")
     sinks = sinks_of() if with_sinks else None
     q = torch.randn(len(lens), KVH * GROUP, D, generator=torch.Generator().manual_seed(1))
     width = max(map(len, seqs.tables))
@@ -173,6 +175,31 @@ def test_native_decode_block16_instances(d: int, cache_dtype: torch.dtype, monke
         torch.testing.assert_close(out[row : row + 1], expected, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("num_splits", [2, 3])
+@pytest.mark.parametrize(("with_sinks", "chunk"), [(True, None), (False, 24), (True, 24)])
+def test_triton_decode_split_kv(num_splits: int, with_sinks: bool, chunk: int | None) -> None:
+    """Split-KV: the splits share the tiles from the chunk's start, and the reduce kernel adds the
+    sink once to the combined denominator."""
+    pytest.importorskip("triton", reason="triton is not installed")
+    from triollm.kernels.triton.attention import paged_decode_attention as triton_decode
+
+    lens, bs = [3, 40, 75], 8
+    seqs = Paged(lens, bs, seed=2)
+    for row, n in enumerate(lens):
+        seqs.poison_blocks_before(row, first_key(n - 1, None, chunk), whole_blocks=False)
+    sinks = sinks_of() if with_sinks else None
+    q = torch.randn(len(lens), KVH * GROUP, D, generator=torch.Generator().manual_seed(3))
+    width = max(map(len, seqs.tables))
+    table = torch.tensor([t + [0] * (width - len(t)) for t in seqs.tables], dtype=torch.int32)
+    out = triton_decode(
+        q, seqs.kc, seqs.vc, table, torch.tensor(lens, dtype=torch.int32), SCALE, sinks=sinks, chunk=chunk,
+        num_splits=num_splits,
+    )  # fmt: skip
+    for row, n in enumerate(lens):
+        expected = reference(q[row : row + 1], seqs.k[row], seqs.v[row], n - 1, sinks=sinks, chunk=chunk)
+        torch.testing.assert_close(out[row : row + 1], expected, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("native", [False, pytest.param(True, marks=NATIVE_OK)], ids=["torch", "native"])
 def test_sinks_take_their_share(native: bool) -> None:
     """A sink far above every score leaves almost nothing for the values (and overflows nothing);
@@ -200,7 +227,7 @@ def check_prefill(backend: str, monkeypatch: pytest.MonkeyPatch, bs: int, num_co
     use_backend(backend, monkeypatch)
     total = num_context + n
     seqs = Paged([total], bs, seed=4)
-    seqs.poison_blocks_before(0, first_key(num_context, window, chunk))
+    seqs.poison_blocks_before(0, first_key(num_context, window, chunk), whole_blocks=backend != "triton")
     q = torch.randn(n, KVH * GROUP, D, generator=torch.Generator().manual_seed(5))
     k_new, v_new = seqs.k[0][num_context:], seqs.v[0][num_context:]
     block_ids = torch.tensor(seqs.tables[0], dtype=torch.long)
