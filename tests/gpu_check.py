@@ -594,7 +594,8 @@ def _rand(ctx: Ctx, gen: Any, *size: int, dtype: Any) -> Any:
 
 
 def _check_decode(ctx: Ctx, compare: Compare, gen: Any, shape: Shape, dtype: Any, lens: list[int], tag: str) -> None:
-    """Paged decode with one split, the default splits and four; windowed + soft-capped with the default."""
+    """Paged decode with one split, the default splits and four; windowed + soft-capped with the
+    default; attention sinks + chunks (gpt-oss, Llama 4) with one split and four."""
     import torch
 
     from triollm.kernels.attention import paged_decode_attention
@@ -605,7 +606,13 @@ def _check_decode(ctx: Ctx, compare: Compare, gen: Any, shape: Shape, dtype: Any
     lens_t = torch.tensor(lens, dtype=torch.int32, device=ctx.device)
     q = _rand(ctx, gen, len(lens), shape.kv_heads * shape.group, shape.head_dim, dtype=dtype)
     scale = shape.head_dim**-0.5
-    for extra, split_counts in (({}, (1, None, 4)), ({"window": 100, "softcap": 30.0}, (None,))):
+    sinks = 2 * torch.randn(shape.kv_heads * shape.group, generator=gen).to(ctx.device)
+    cases: list[tuple[dict[str, Any], tuple[int | None, ...], str]] = [
+        ({}, (1, None, 4), ""),
+        ({"window": 100, "softcap": 30.0}, (None,), "window+softcap "),
+        ({"sinks": sinks, "chunk": max(lens) // 3 + 1}, (1, 4), "sinks+chunk "),  # chunks cross the rows
+    ]
+    for extra, split_counts, label in cases:
         with torch_path():
             want = paged_decode_attention(
                 q.float(), cache.ref_k, cache.ref_v, tables, lens_t, scale, native=False, **extra
@@ -613,7 +620,6 @@ def _check_decode(ctx: Ctx, compare: Compare, gen: Any, shape: Shape, dtype: Any
         for splits in split_counts:
             out = torch.full_like(q, float("nan"))
             ta.paged_decode_attention(q, cache.k, cache.v, tables, lens_t, scale, num_splits=splits, out=out, **extra)  # type: ignore[arg-type]
-            label = "window+softcap " if extra else ""
             compare(f"decode[{tag}, {label}splits={splits or 'auto'}]", out, want, dtype)
 
 
@@ -654,6 +660,24 @@ def _check_prefill(
         q, cache.k, cache.v, cache.table_tensor(extra=1), starts_t, contexts, longest, scale, out=out
     )
     compare(f"prefill_varlen[{tag}, {len(chunks)} chunks]", out, torch.cat(wants), dtype)
+    # Attention sinks and chunks (gpt-oss, Llama 4) in the same varlen launch.
+    sinks, chunk = 2 * torch.randn(heads, generator=gen).to(ctx.device), max(c + n for c, n in chunks) // 3 + 1
+    wants = []
+    for i, (c, _) in enumerate(chunks):
+        k_new, v_new = cache.keys[i][c:].float(), cache.values[i][c:].float()
+        with torch_path():
+            wants.append(
+                prefill_attention(
+                    q[starts[i] : starts[i + 1]].float(), k_new, v_new, cache.ref_k, cache.ref_v, ids[i], c, scale,
+                    sinks=sinks, chunk=chunk,
+                )
+            )  # fmt: skip
+    out = torch.full_like(q, float("nan"))
+    ta.paged_prefill_attention_varlen(
+        q, cache.k, cache.v, cache.table_tensor(extra=1), starts_t, contexts, longest, scale, sinks=sinks, chunk=chunk,
+        out=out,
+    )  # fmt: skip
+    compare(f"prefill_varlen[{tag}, {len(chunks)} chunks, sinks+chunk]", out, torch.cat(wants), dtype)
 
 
 def _check_rotary(ctx: Ctx, compare: Compare, gen: Any, shape: Shape, dtype: Any, tag: str) -> None:

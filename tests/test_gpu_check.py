@@ -87,11 +87,12 @@ def test_the_report_holds_every_parts_figures(
     _, report, out = cpu_run
     parts = report["parts"]
     kernels = parts["kernels"]["checks"]
-    assert len(kernels) == 24 and all(c["ok"] for c in kernels)  # 2 dtypes x (4 decode, 2 prefill, 3 rotary, 3 norm)
+    assert len(kernels) == 30 and all(c["ok"] for c in kernels)  # 2 dtypes x (6 decode, 3 prefill, 3 rotary, 3 norm)
     names = " ".join(c["name"] for c in kernels)
     for kernel in (
         "decode[",
         "window+softcap",
+        "sinks+chunk",
         "prefill[",
         "prefill_varlen[",
         "rotary_write_kv cache[",
