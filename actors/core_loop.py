@@ -19,8 +19,9 @@ requests by a step per batch instead of stopping them until the whole burst is a
 to step (idle, stuck or paused) it applies inputs as they come. `UtilityOp.PAUSE` stops stepping
 (requests keep their place and their KV blocks; adds and aborts are still applied) until
 `UtilityOp.RESUME`. The utility calls that reach the device (sleep, wake-up, weight reload,
-`collective_rpc`, the profiler: `_METHODS`) run in the compute thread, as steps do; the others
-are bookkeeping and run here. A `Shutdown` message or the end of the input stream ends it cleanly.
+`collective_rpc`, the profiler: `_METHODS`) run in the compute thread, as steps do, with a
+heartbeat every `BUSY_HEARTBEAT_S` while they run; the others are bookkeeping and run here. A
+`Shutdown` message or the end of the input stream ends it cleanly.
 
 A step still running when the loop is cancelled (a hung forward pass, after the transport's
 grace period) is abandoned in its thread and logged, so the teardown stays bounded.
@@ -61,7 +62,7 @@ from triollm.engine.core_protocol import Core, EngineCoreStats
 from triollm.engine.log_safe import log_safe
 from triollm.engine.request import EngineCoreOutput
 
-__all__ = ["MAX_INPUTS_PER_STEP", "serve_engine_core"]
+__all__ = ["BUSY_HEARTBEAT_S", "MAX_INPUTS_PER_STEP", "serve_engine_core"]
 
 log = logging.getLogger("triollm")
 
@@ -70,6 +71,9 @@ log = logging.getLogger("triollm")
 # Applying one input costs microseconds, a step milliseconds: 256 keeps the added latency per
 # step small and still drains a burst at ~256 inputs per step.
 MAX_INPUTS_PER_STEP = 256
+# While a utility call runs on the device: a heartbeat this often (`_device_call`), well inside
+# any `engine_output_timeout_s` a user would set.
+BUSY_HEARTBEAT_S = 0.5
 
 
 async def serve_engine_core(
@@ -115,7 +119,7 @@ async def serve_engine_core(
                     continue
             stuck = False
             if isinstance(msg, UtilityCall) and msg.op in _METHODS:  # the device's work: its thread
-                reply: CoreOutput | None = await compute.run(_apply, core, msg)
+                reply: CoreOutput | None = await _device_call(core, msg, outputs, compute)
             else:
                 reply = _apply(core, msg)
             if reply is not None:
@@ -137,6 +141,26 @@ async def _step(core: Core, outputs: ObjectSendStream[CoreOutput], compute: Comp
             await outputs.send(EngineDead(f"engine core failed: {exc!r}", traceback.format_exc()))
         raise
     return result
+
+
+async def _device_call(
+    core: Core, msg: UtilityCall, outputs: ObjectSendStream[CoreOutput], compute: ComputeThread
+) -> CoreOutput | None:
+    """Run a utility call that reaches the device in the compute thread, sending a heartbeat
+    (an `OutputBatch` with no entries and no statistics) every `BUSY_HEARTBEAT_S` meanwhile: a
+    wake-up or a weight reload reads a whole checkpoint, and a core that loads is busy, not hung
+    (actors/watchdog.py). A `collective_rpc` bounds its own wait with `timeout`."""
+    async with anyio.create_task_group() as tg:
+
+        async def beat() -> None:
+            while True:
+                await anyio.sleep(BUSY_HEARTBEAT_S)
+                await outputs.send(OutputBatch([], [], [], [], []))
+
+        tg.start_soon(beat)
+        reply = await compute.run(_apply, core, msg)
+        tg.cancel_scope.cancel()
+    return reply
 
 
 def _apply(core: Core, msg: CoreInput) -> CoreOutput | None:

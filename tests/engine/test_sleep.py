@@ -266,6 +266,13 @@ def test_collective_rpc_sleep_goes_through_the_core(llm: LLM) -> None:
     assert tokens(llm) == before
 
 
+def test_a_long_device_call_is_busy_not_hung(tiny_model_dir: Path, multiprocess: bool) -> None:
+    # A reload of a large checkpoint outlasts engine_output_timeout_s; the core loop heartbeats.
+    with build(tiny_model_dir, multiprocess, engine_output_timeout_s=1.0) as llm:
+        assert llm.collective_rpc(lambda worker: __import__("time").sleep(3) or "done") == ["done"]
+        assert len(tokens(llm)) == len(PROMPTS)  # not declared dead meanwhile
+
+
 def test_apply_model(llm: LLM) -> None:
     assert llm.apply_model(lambda model: model.cfg.hidden_size) == [64]
     (n,) = llm.apply_model(weight_bytes)
