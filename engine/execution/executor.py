@@ -92,6 +92,7 @@ class Executor:
         self.runner: Runner
         self._injected: Runner | None = None  # tests' runner: kept through sleep
         self._asleep: set[str] = set()  # of sleep_mode.WAKE_TAGS
+        self._lora_pins: set[int] = set()  # the LoRA manager's pins, kept while the weights sleep
 
     @classmethod
     def build(cls, config: EngineConfig, runner: Runner | None = None) -> Executor:
@@ -173,6 +174,8 @@ class Executor:
             self.draft = None
         if level == 2:
             self._asleep.add("weights")
+            if self.lora is not None:  # pins outlive the manager (`pin_lora`)
+                self._lora_pins = set(self.lora.pinned)
             self.model = self.lora = self.draft_model = None
         if self.group is not None:
             self.group.call("sleep", (level,), {}, local=lambda: None)
@@ -215,6 +218,7 @@ class Executor:
             self.model = load_model(config.model, config.device, group.shard, group.comm)
         if config.lora is not None:
             self.lora = LoRAManager(self.model, config.lora, config.device, keep_loads=group is not None)
+            self.lora.pinned = self._lora_pins
         spec = config.speculative
         if spec is not None and spec.draft is not None:
             self.draft_model = load_model(spec.draft, config.device)

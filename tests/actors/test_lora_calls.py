@@ -55,6 +55,9 @@ async def test_remove_list_and_pin(llm: AsyncLLM, paths: dict[str, str]) -> None
     assert with_a != with_b
     assert await llm.list_loras() == {1, 2}
     assert await llm.pin_lora(1)
+    await llm.sleep(2)
+    await llm.wake_up()
+    assert await llm.collective_rpc(lambda worker: worker.lora.pinned) == [{1}]  # pins outlive sleep
     with pytest.raises(ValueError, match=r"lora_id: 99 is not a known adapter"):
         await llm.pin_lora(99)
     with pytest.raises(ValueError, match=r"lora_id: 2 cannot be pinned: 1 of max_loras=2"):
