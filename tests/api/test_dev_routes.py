@@ -73,6 +73,12 @@ async def test_without_dev_mode_the_routes_are_404(
         assert path not in (await client.get("/openapi.json")).json()["paths"]
 
 
+async def test_with_dev_mode_the_routes_are_documented(dev_client: httpx.AsyncClient) -> None:
+    paths = (await dev_client.get("/openapi.json")).json()["paths"]
+    for method, path in ROUTES:
+        assert method.lower() in paths[path], path
+
+
 async def test_sleep_wake_up_and_is_sleeping(dev_client: httpx.AsyncClient) -> None:
     before = await _tokens(dev_client)
     assert (await dev_client.get("/is_sleeping")).json() == {"is_sleeping": False}
