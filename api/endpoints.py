@@ -164,6 +164,7 @@ class Endpoints:
     async def unload_lora_adapter(self, request: Request) -> Response:
         body = await read_body(request, SMALL_BODY_BYTES)
         lora = self.state.models.unload(decode_request(body, UnloadLoRAAdapterRequest))
+        await self.llm.remove_lora(lora.lora_int_id)  # the engine's copy too, as vLLM's route does
         name = shorten(lora.lora_name, 100)
         text = f"Success: LoRA adapter '{name}' removed successfully."
         return Response(text, media_type="text/plain")

@@ -8,10 +8,13 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from pathlib import Path
 
+import httpx
 import pytest
 from lora_adapters import make_peft_adapter
 
 from triollm import LLM, AsyncLLM, SamplingParams
+from triollm.api.app import build_app
+from triollm.api.state import ServerSettings, ServerState
 from triollm.engine.config import EngineArgs
 from triollm.lora.request import LoRARequest
 
@@ -67,6 +70,21 @@ async def test_remove_list_and_pin(llm: AsyncLLM, paths: dict[str, str]) -> None
     assert not await llm.remove_lora(1)
     # Id 1 now names b's weights: the engine core forgot a's, so b's tokens come out.
     assert await _tokens(llm, LoRARequest("b-again", 1, paths["b"]), "3") == with_b
+
+
+async def test_the_unload_route_removes_the_adapter_from_the_engine(llm: AsyncLLM, paths: dict[str, str]) -> None:
+    settings = ServerSettings(served_model_names=("base",), allow_runtime_lora_updating=True)
+    transport = httpx.ASGITransport(app=build_app(ServerState(llm, settings)))
+    async with httpx.AsyncClient(transport=transport, base_url="http://t") as http:
+        r = await http.post("/v1/load_lora_adapter", json={"lora_name": "a", "lora_path": paths["a"]})
+        assert r.status_code == 200, r.text
+        (lora_id,) = await llm.list_loras()
+        r = await http.post("/v1/completions", json={"model": "a", "prompt": PROMPT, "max_tokens": 2})
+        assert r.status_code == 200, r.text
+        assert await llm.collective_rpc(lambda worker: set(worker.lora.cpu)) == [{lora_id}]
+        assert (await http.post("/v1/unload_lora_adapter", json={"lora_name": "a"})).status_code == 200
+        assert await llm.list_loras() == set()
+        assert await llm.collective_rpc(lambda worker: set(worker.lora.cpu)) == [set()]  # the engine's copy went
 
 
 def test_llm_engine_lora_calls(tiny_model_dir: Path, paths: dict[str, str]) -> None:
