@@ -326,3 +326,17 @@ def test_backend_on_the_triton_path(tmp_path: Path, monkeypatch: pytest.MonkeyPa
     ours, core = engine_greedy(path, ids, dtype="float32", model_impl="transformers")
     assert core.executor.model is not None and core.executor.model.triton  # the Triton kernels ran
     assert_parity(ours, hf_greedy(path, ids))
+
+
+def test_native_gpt_oss_on_the_triton_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The native class on the CUDA code path under the interpreter: the fused Triton rotary and
+    cache write, then the Triton attention with sinks and windows."""
+    from triollm.engine.execution.models.gpt_oss import GptOssForCausalLM
+
+    monkeypatch.setenv("TRIOLLM_KERNELS", "triton")
+    arch = "GptOssForCausalLM"
+    path = make_backend_model(tmp_path / arch, arch, seed=len(arch))
+    ids = prompts()
+    ours, core = engine_greedy(path, ids, dtype="float32")
+    assert isinstance(core.executor.model, GptOssForCausalLM) and core.executor.model.triton
+    assert_parity(ours, hf_greedy(path, ids))
