@@ -11,7 +11,6 @@ from typing import Any
 import anyio
 import httpx
 import pytest
-from conftest import MAX_MODEL_LEN, MODEL
 
 from triollm.actors.async_llm import AsyncLLM
 from triollm.api.app import build_app
@@ -19,6 +18,9 @@ from triollm.api.state import ServerSettings, ServerState
 from triollm.engine.config import EngineArgs
 
 pytestmark = pytest.mark.anyio
+
+MODEL = "tiny"  # the name served here (the `llm` fixture, tests/api/conftest.py: the tiny model)
+MAX_MODEL_LEN = 256
 
 ROUTES = [
     ("POST", "/sleep"),
