@@ -248,7 +248,8 @@ def parse_hf_config(hf: Mapping[str, Any], model_impl: str = "auto") -> HfConfig
         return _parse_bert(arch, hf)
     family = causal_architecture(arch)
     d = _ARCHITECTURES[family]
-    quant = parse_quantization_config(hf["quantization_config"]) if hf.get("quantization_config") else None
+    raw_quant = hf.get("quantization_config")
+    quant = parse_quantization_config(raw_quant) if raw_quant and not _mxfp4_experts(family, raw_quant) else None
     act_field = "hidden_activation" if hf.get("hidden_activation") is not None else "hidden_act"
     act = hf.get(act_field) or d.hidden_act
     if act not in _ACTIVATIONS:
@@ -294,6 +295,12 @@ def parse_hf_config(hf: Mapping[str, Any], model_impl: str = "auto") -> HfConfig
         checkpoint_quant=quant,
         **extra,
     )
+
+
+def _mxfp4_experts(family: str, raw: Any) -> bool:
+    """gpt-oss's released checkpoints: MXFP4 experts, every other weight in bf16. The experts are
+    dequantized as they load (models/gpt_oss.py), so the model is a float checkpoint here."""
+    return family == "GptOssForCausalLM" and isinstance(raw, Mapping) and raw.get("quant_method") == "mxfp4"
 
 
 _GELUS = ("gelu", "gelu_new", "gelu_pytorch_tanh")

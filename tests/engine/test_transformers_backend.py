@@ -121,10 +121,10 @@ def prompts() -> list[list[int]]:
     return [first, second, first[:33] + [7, 9, 11]]  # the third hits the first's cached blocks
 
 
-def hf_greedy(path: Path, ids_list: list[list[int]]) -> list[tuple[list[int], list[float]]]:
+def hf_greedy(path: Path, ids_list: list[list[int]], **load: Any) -> list[tuple[list[int], list[float]]]:
     import transformers
 
-    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **load).eval()
     model.generation_config.eos_token_id = None
     out_all = []
     with torch.inference_mode():
@@ -264,8 +264,6 @@ REFUSED = [
     ("Llama4TextConfig", "Llama4ForCausalLM", {**SMALL, "num_key_value_heads": 4, "attention_chunk_size": None,
                                                 "layer_types": ["chunked_attention", "full_attention"]},
      r"attention_chunk_size: None for 'chunked_attention' layers; allowed: an integer >= 1"),
-    ("GptOssConfig", "GptOssForCausalLM", {**SMALL, "num_key_value_heads": 2, "quantization_config":
-     {"quant_method": "mxfp4"}}, r"quantization_config.quant_method: 'mxfp4' is not supported"),
     ("T5Config", "T5ForConditionalGeneration", {"vocab_size": 384}, r"architectures: 'T5ForConditionalGeneration' is "
      r"not a causal language model"),
 ]  # fmt: skip
@@ -340,3 +338,58 @@ def test_native_gpt_oss_on_the_triton_path(tmp_path: Path, monkeypatch: pytest.M
     ours, core = engine_greedy(path, ids, dtype="float32")
     assert isinstance(core.executor.model, GptOssForCausalLM) and core.executor.model.triton
     assert_parity(ours, hf_greedy(path, ids))
+
+
+def _write_mxfp4_experts(path: Path) -> None:
+    """Replace the experts of the checkpoint in `path` by random MXFP4 blocks and scales (2^-6 to
+    2^-3) as gpt-oss's released checkpoints store them, and say so in config.json."""
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(path / "model.safetensors")
+    g = torch.Generator().manual_seed(11)
+    for name in [n for n in tensors if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        experts, cols, rows = tensors.pop(name).shape  # transformers' [E, in, out]
+        codes = torch.randint(0, 256, (experts, rows, cols // 32, 16), generator=g, dtype=torch.uint8)
+        tensors[f"{name}_blocks"] = codes
+        tensors[f"{name}_scales"] = torch.randint(121, 125, codes.shape[:3], generator=g, dtype=torch.uint8)
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((path / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn"]}
+    (path / "config.json").write_text(json.dumps(config))
+
+
+def test_native_gpt_oss_dequantizes_mxfp4_experts(tmp_path: Path) -> None:
+    """An MXFP4 checkpoint (the released gpt-oss weights' format) runs natively with its experts
+    dequantized at load: transformers' tokens, transformers dequantizing the same checkpoint
+    (Mxfp4Config(dequantize=True)); one of a blocks/scales pair missing is refused at load."""
+    import transformers
+    from safetensors.torch import load_file, save_file
+
+    from triollm.engine.execution.models import load_model
+    from triollm.engine.execution.models.gpt_oss import GptOssForCausalLM
+
+    arch = "GptOssForCausalLM"
+    path = make_backend_model(tmp_path / arch, arch, seed=len(arch))
+    _write_mxfp4_experts(path)
+    ids = prompts()
+    ours, core = engine_greedy(path, ids)
+    assert isinstance(core.executor.model, GptOssForCausalLM)
+    assert_parity(ours, hf_greedy(path, ids, quantization_config=transformers.Mxfp4Config(dequantize=True)))
+
+    tensors = load_file(path / "model.safetensors")
+    del tensors["model.layers.1.mlp.experts.down_proj_scales"]
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"only one of layers.1.mlp.routed.down_proj_blocks / _scales"):
+        load_model(ModelConfig.from_pretrained(path, max_model_len=64))
+
+
+def test_mxfp4_dequantization_is_transformers() -> None:
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    from triollm.engine.execution.models.gpt_oss import dequantize_mxfp4
+
+    g = torch.Generator().manual_seed(12)
+    blocks = torch.randint(0, 256, (3, 10, 4, 16), generator=g, dtype=torch.uint8)
+    scales = torch.randint(100, 140, (3, 10, 4), generator=g, dtype=torch.uint8)
+    want = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32).transpose(1, 2)  # [E, rows, cols]
+    assert torch.equal(dequantize_mxfp4(blocks, scales), want)

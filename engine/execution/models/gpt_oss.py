@@ -15,8 +15,15 @@ differs from Llama:
 The checkpoint's expert tensors are converted once at load (`GptOssExperts.load`) into the
 layout `fused_experts` runs: gate rows then up rows, `[E, 2I, H]`, and down `[E, H, I]`.
 Rejected: keeping transformers' layout and a second expert loop (the dispatch is the same code).
-MXFP4 checkpoints (the released weights' `quantization_config`) are refused at load, naming the
-field (quant_checkpoints.py); the Transformers backend does not take them either.
+
+MXFP4 checkpoints (the released weights: `quantization_config.quant_method` "mxfp4", experts
+only) are dequantized as they load, exactly as transformers' `convert_moe_packed_tensors` does:
+`<proj>_blocks` `[E, rows, cols / 32, 16]` hold two e2m1 codes a byte (low nibble first) and
+`<proj>_scales` `[E, rows, cols / 32]` one E8M0 exponent (bias 127) per 32 values; the rows are
+the output features (gate|up interleaved for gate_up_proj), so the dequantized gate_up is
+de-interleaved and down is already `[E, H, I]`. Blocks and scales arrive as separate tensors:
+the first waits for the second (`GptOssExperts.pending`), and a model left with one of a pair is
+refused after loading (`pack_linears`). Kept in MXFP4 it is not: the experts run dense.
 """
 
 from __future__ import annotations
@@ -78,6 +85,8 @@ class GptOssExperts(nn.Module):
         self.gate_up_proj_bias = nn.Parameter(torch.empty(e, 2 * i), requires_grad=False)
         self.down_proj = nn.Parameter(torch.empty(e, h, i), requires_grad=False)
         self.down_proj_bias = nn.Parameter(torch.empty(e, h), requires_grad=False)
+        # An MXFP4 checkpoint's blocks or scales of a projection, until the other arrives.
+        self.pending: dict[str, torch.Tensor] = {}
 
     def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         weights, ids = route(router_logits, self.top_k, True, x.dtype)
@@ -89,6 +98,9 @@ class GptOssExperts(nn.Module):
     def load(self, leaf: str, piece: int, source: Any) -> None:
         """One checkpoint tensor, from transformers' layout into ours (module note)."""
         tensor = source[:]
+        if tensor.dtype == torch.uint8:  # MXFP4 blocks (4-D) or scales (3-D): remap named both `leaf`
+            self._load_mxfp4(leaf, tensor)
+            return
         if leaf == "gate_up_proj":  # [E, H, 2I], gate|up interleaved in the last dim
             tensor = torch.cat((tensor[..., ::2], tensor[..., 1::2]), dim=-1).transpose(1, 2)
         elif leaf == "gate_up_proj_bias":
@@ -98,6 +110,36 @@ class GptOssExperts(nn.Module):
         elif leaf != "down_proj_bias":
             raise ValueError(f"model: unexpected tensor mlp.experts.{leaf}")
         _copy(getattr(self, leaf), tensor, f"mlp.experts.{leaf}")
+
+    def _load_mxfp4(self, leaf: str, tensor: torch.Tensor) -> None:
+        other = self.pending.pop(leaf, None)
+        if other is None:
+            self.pending[leaf] = tensor
+            return
+        blocks, scales = (tensor, other) if tensor.dim() == 4 else (other, tensor)
+        if blocks.dim() != 4 or scales.dim() != 3 or blocks.shape[:3] != scales.shape or blocks.shape[3] != 16:
+            raise ValueError(
+                f"model: mlp.experts.{leaf}_blocks {list(blocks.shape)} and _scales {list(scales.shape)}: expected "
+                f"[E, rows, groups, 16] and [E, rows, groups]"
+            )
+        param = getattr(self, leaf)
+        for e in range(blocks.shape[0]):  # one expert at a time: the fp32 copy stays small
+            dense = dequantize_mxfp4(blocks[e], scales[e])  # [rows, cols]
+            if leaf == "gate_up_proj":
+                dense = torch.cat((dense[::2], dense[1::2]))
+            _copy(param[e], dense, f"mlp.experts.{leaf} (MXFP4) of expert {e}")
+
+
+def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """fp32 `[..., groups * 32]` of MXFP4 `blocks` `[..., groups, 16]` (uint8, two e2m1 codes a
+    byte, low nibble first) and `scales` `[..., groups]` (uint8 E8M0, bias 127)."""
+    codes = torch.stack((blocks & 0x0F, blocks >> 4), dim=-1).flatten(-2).long()  # [..., groups, 32]
+    values = _E2M1[codes]
+    return torch.ldexp(values, scales.to(torch.int32)[..., None] - 127).flatten(-2)
+
+
+# The 16 e2m1 values by code: sign bit 3, then 0, 0.5, 1, 1.5, 2, 3, 4, 6.
+_E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0])
 
 
 class GptOssMoE(nn.Module):
@@ -122,9 +164,19 @@ class GptOssForCausalLM(CausalLM):
         return layer
 
     def remap(self, name: str) -> str | None:
-        # Off `.experts.` (the loader's path for FusedMoE's tensors): GptOssExperts loads its own.
+        # Off `.experts.` (the loader's path for FusedMoE's tensors): GptOssExperts loads its own,
+        # an MXFP4 pair's blocks and scales both under the projection's name.
         name = name.replace(".mlp.router.", ".mlp.gate.").replace(".mlp.experts.", ".mlp.routed.")
+        name = name.removesuffix("_blocks").removesuffix("_scales")
         return super().remap(name)
+
+    def pack_linears(self) -> None:
+        """After loading (load_model calls this next): no MXFP4 blocks without their scales."""
+        for name, m in self.named_modules():
+            if isinstance(m, GptOssExperts) and m.pending:
+                leaf = next(iter(m.pending))
+                raise ValueError(f"model: the checkpoint has only one of {name}.{leaf}_blocks / _scales (MXFP4)")
+        super().pack_linears()
 
 
 def _copy(param: torch.Tensor, tensor: torch.Tensor, name: str) -> None:
