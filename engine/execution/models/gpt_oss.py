@@ -42,7 +42,7 @@ from triollm.engine.execution.models.base import CausalLM, SelfAttention
 from triollm.engine.execution.models.llama import LlamaDecoderLayer
 from triollm.engine.loading.model_config import ModelConfig
 
-__all__ = ["GptOssAttention", "GptOssExperts", "GptOssForCausalLM"]
+__all__ = ["GptOssAttention", "GptOssExperts", "GptOssForCausalLM", "dequantize_mxfp4"]
 
 
 class GptOssAttention(SelfAttention):
