@@ -117,20 +117,24 @@ def _turn(
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
-def test_a_two_turn_agent_loop(client: anthropic.Anthropic, stream: bool) -> None:
-    """tool_use -> tool_result -> an answer, as an agent loop runs it."""
+def test_an_agent_loop_of_two_tool_turns(client: anthropic.Anthropic, stream: bool) -> None:
+    """tool_use -> tool_result, twice (each call sent back with the client's own blocks, the
+    results under their ids), then an answer in text, as an agent loop runs it."""
     messages: list[dict[str, Any]] = list(QUESTION)
     named = {"type": "tool", "name": "get_weather"}
-    first = _turn(client, messages, stream, max_tokens=24, tools=[TOOL], tool_choice=named)
-    assert first.stop_reason == "tool_use"
-    [call] = [b for b in first.content if b.type == "tool_use"]
-    assert call.id.startswith("toolu_") and call.name == "get_weather"
-    assert call.input["city"] in ("Paris", "Rome", "Oslo")  # type: ignore[index]
-    result = json.dumps({"city": call.input["city"], "sky": "sunny", "celsius": 21})  # type: ignore[index]
-    messages += [
-        {"role": "assistant", "content": first.content},  # the client's own blocks, sent back as they came
-        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": call.id, "content": result}]},
-    ]
+    ids = []
+    for celsius in (21, 23):
+        turn = _turn(client, messages, stream, max_tokens=24, tools=[TOOL], tool_choice=named)
+        assert turn.stop_reason == "tool_use"
+        [call] = [b for b in turn.content if b.type == "tool_use"]
+        assert call.id.startswith("toolu_") and call.name == "get_weather" and call.id not in ids
+        assert call.input["city"] in ("Paris", "Rome", "Oslo")  # type: ignore[index]
+        ids.append(call.id)
+        result = json.dumps({"city": call.input["city"], "sky": "sunny", "celsius": celsius})  # type: ignore[index]
+        messages += [
+            {"role": "assistant", "content": turn.content},  # the client's own blocks, sent back as they came
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": call.id, "content": result}]},
+        ]
     second = _turn(client, messages, stream, max_tokens=12, tools=[TOOL], tool_choice={"type": "none"})
     assert second.stop_reason in ("end_turn", "max_tokens")
     assert [b.type for b in second.content] == ["text"] and second.content[0].text.strip()  # type: ignore[union-attr]
