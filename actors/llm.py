@@ -324,6 +324,26 @@ class LLM:
         )
         return [ClassificationRequestOutput.from_base(item) for item in items]
 
+    def reward(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        /,
+        *,
+        truncate_prompt_tokens: int | None = None,
+        use_tqdm: bool | Callable[..., Any] = True,
+        pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+    ) -> list[PoolingRequestOutput[PoolingOutput]]:
+        """vLLM's reward: per-token rewards of a reward model (`--convert reward`: `outputs.data`
+        `[num_prompt_tokens, -1]`, pooling task "token_classify")."""
+        self._require_runner("pooling", "LLM.reward()")
+        return self.encode(
+            prompts,
+            pooling_params,
+            truncate_prompt_tokens=truncate_prompt_tokens,
+            use_tqdm=use_tqdm,
+            pooling_task="token_classify",
+        )
+
     def score(
         self,
         data_1: str | Sequence[str],

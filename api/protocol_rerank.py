@@ -89,7 +89,7 @@ class ClassificationResponse(ListResponse, kw_only=True):
 
 
 class PoolingRequest(InputRequest, kw_only=True):
-    task: str | None = None  # None: the model's first task ("embed" or "classify")
+    task: str | None = None  # None: the model's first task ("embed", "classify" or "token_classify")
     encoding_format: str = "float"
     dimensions: Dimensions | None = None
     normalize: bool | None = None

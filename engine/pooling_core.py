@@ -11,8 +11,9 @@ padded batch (requests x longest prompt) fits `max_num_batched_tokens` and their
 `max_num_seqs` (at least one request: every prompt fits, max_model_len <= the budget is checked
 at configuration), encodes them in one pass, pools and
 finishes every one of them with its result (`EngineCoreOutput.pooled`, float32 bytes): an
-embedding, per-token vectors, or a classifier's activated logits (all labels for "classify", the
-one label for "score"). Requests are never preempted or chunked.
+embedding, per-token vectors, a classifier's activated logits (all labels for "classify", the
+one label for "score"), or a reward model's per-token rewards ("token_classify"). Requests are
+never preempted or chunked.
 
 `build_engine_core(config)` (engine/cores.py) builds this class when the model's runner is
 "pooling", so the transports and the engine-core process never name it. Rejected: teaching the
@@ -163,7 +164,9 @@ class PoolingEngineCore:
             )
         with torch.inference_mode():
             hidden, mask = self.encoder(ids, lengths, types)
-            if self.pooler.num_labels is None:
+            if self.pooler.reward:
+                rows = [self._rewards(hidden[i, :n], _params(req)) for i, (req, n) in enumerate(zip(batch, lengths))]
+            elif self.pooler.num_labels is None:
                 pooled = pool(hidden, mask, self.pooler.pooling_type)
                 rows = [
                     self._embedding(hidden[i, :n], pooled[i], _params(req))
@@ -181,6 +184,9 @@ class PoolingEngineCore:
         normalize = self.pooler.normalize if params.normalize is None else params.normalize
         data = tokens if params.task == "token_embed" else pooled
         return finish_embedding(data, params.dimensions, normalize)
+
+    def _rewards(self, tokens: torch.Tensor, params: PoolingParams) -> torch.Tensor:
+        return tokens.float() if params.use_activation is False else activate(tokens, self.pooler.activation)
 
     def _classes(self, logits: torch.Tensor, params: PoolingParams) -> torch.Tensor:
         probs = logits if params.use_activation is False else activate(logits, self.pooler.activation)

@@ -9,7 +9,7 @@ Normalize module), `dimensions` needs a Matryoshka model.
 - `task` (vLLM's pooling tasks): "embed" (one vector per prompt, pooled as the model says),
   "token_embed" (one vector per prompt token), "classify" (a classifier's activated logits, one
   per label), "score" (a one-label classifier's activated logit: a cross-encoder's relevance),
-  "token_classify" (per-token labels; no architecture served here has that head). "encode",
+  "token_classify" (per token: a reward model's rewards, `--convert reward`, `LLM.reward`). "encode",
   the older name of "token_embed", is accepted with a DeprecationWarning (the input processor
   renames it). None until the entry point sets it (`LLM.embed` -> "embed").
 - `truncate_prompt_tokens`: k >= 1 keeps the first k tokens (a text keeps its [CLS]/[SEP],
@@ -17,8 +17,8 @@ Normalize module), `dimensions` needs a Matryoshka model.
   text first); -1 truncates to max_model_len; None: a longer prompt is an error.
 - `dimensions`: keep the first d values of the embedding, then normalise (Matryoshka).
 - `normalize`: L2-normalise the embedding (each token's vector for "token_embed").
-- `use_activation`: apply the classifier's activation (sigmoid, softmax... as configured);
-  False returns the raw logits. None: True.
+- `use_activation`: apply the classifier's activation (sigmoid, softmax... as configured; a
+  reward model's softmax); False returns the raw logits (hidden states). None: True.
 """
 
 from __future__ import annotations

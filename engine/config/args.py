@@ -27,6 +27,7 @@ from triollm.engine.config.engine_config import EngineConfig
 from triollm.engine.config.ignored import ignored_args
 from triollm.engine.config.lora import LORA_DTYPES, LORA_RANKS
 from triollm.engine.config.model import (
+    CONVERTS,
     DEVICES,
     DTYPES,
     LOAD_FORMATS,
@@ -198,6 +199,10 @@ class EngineArgs:
     runner: str = arg(
         "auto", "auto (from the architecture: *ForCausalLM generate, encoder-only models such as "
         "BertModel are pooled into embeddings), generate or pooling", choices=RUNNERS)
+    convert: str = arg(
+        "auto", "serve a generative *ForCausalLM model as a pooling model: auto (embed on --runner pooling), "
+        "none, embed (last token, normalised), classify (score head at the last token) or reward "
+        "(per-token rewards)", choices=CONVERTS)
     model_impl: str = arg(
         "auto", "whose modeling code runs the model: auto (triollm's native class where there is one, "
         "else transformers' own through the Transformers backend), triollm or transformers (vllm: "
@@ -274,6 +279,7 @@ class EngineArgs:
                 "(disaggregated prefill, KV connectors); remove kv_transfer_config"
             )
         one_of("runner", self.runner, RUNNERS)
+        one_of("convert", self.convert, CONVERTS)
         if self.model_impl == "vllm":  # vLLM's spelling of "the engine's own classes"
             self.model_impl = "triollm"
         one_of("model_impl", self.model_impl, MODEL_IMPLS)

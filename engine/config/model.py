@@ -14,8 +14,10 @@ from triollm.engine.loading.hf_config import MODEL_IMPLS
 from triollm.engine.loading.hub import is_hub_id, resolve_hub
 from triollm.engine.loading.model_config import ModelConfig
 from triollm.engine.loading.model_files import resolve_model
+from triollm.engine.loading.pooler_config import CONVERTS
 
 __all__ = [
+    "CONVERTS",
     "DTYPES",
     "LOAD_FORMATS",
     "MODEL_IMPLS",
@@ -63,6 +65,8 @@ class ModelArgs(Protocol):
     @property
     def runner(self) -> str: ...
     @property
+    def convert(self) -> str: ...
+    @property
     def model_impl(self) -> str: ...
     @property
     def generation_config(self) -> str: ...
@@ -106,7 +110,7 @@ def resolve_model_config(args: ModelArgs, device: str, cache_dir: Path | None) -
         token=args.hf_token,
     )  # fmt: skip
     return ModelConfig.from_pretrained(
-        path, str(args.dtype), args.max_model_len, device, args.runner,
+        path, str(args.dtype), args.max_model_len, device, args.runner, convert=args.convert,
         generation_config=args.generation_config,
         override_generation_config=args.override_generation_config, model_impl=args.model_impl,
         hf_overrides=args.hf_overrides,

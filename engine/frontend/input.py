@@ -296,7 +296,7 @@ class InputProcessor:
         mc = self.model_config
         pooler = mc.pooler
         assert pooler is not None
-        task = params.task or ("embed" if pooler.num_labels is None else "classify")
+        task = params.task or pooler.tasks[0]
         if task in DEPRECATED_TASKS:
             warnings.warn(
                 f"pooling task {task!r} is deprecated; use {DEPRECATED_TASKS[task]!r}", DeprecationWarning, stacklevel=2

@@ -34,7 +34,7 @@ from triollm.engine.loading.hf_config import (
     parse_hf_config,
 )
 from triollm.engine.loading.multimodal_config import MultimodalSpec, split_multimodal
-from triollm.engine.loading.pooler_config import PoolerConfig, read_pooler_config
+from triollm.engine.loading.pooler_config import PoolerConfig, read_pooler_config, resolve_convert
 from triollm.engine.loading.rope_config import RopeConfig
 from triollm.kernels import cpu_native
 
@@ -122,13 +122,15 @@ class ModelConfig(HfConfig):
         device: str = "cpu",
         runner: str = "auto",
         *,
+        convert: str = "auto",
         generation_config: str = "auto",
         override_generation_config: dict[str, Any] | None = None,
         model_impl: str = "auto",
         hf_overrides: dict[str, Any] | None = None,
     ) -> ModelConfig:
         """`hf_overrides`: merged into config.json before anything reads it (vLLM's), so the
-        load-time checks see the overridden values."""
+        load-time checks see the overridden values; `convert`: vLLM's, a causal LM served as a
+        pooling model (pooler_config.resolve_convert)."""
         cfg_file = path / "config.json"
         if not cfg_file.is_file():
             raise ValueError(
@@ -146,12 +148,13 @@ class ModelConfig(HfConfig):
                 f"model: {path} has no preprocessor_config.json (the image processor of {multimodal.architecture})"
             )
         spec = parse_hf_config(hf, model_impl)
-        runner_type = _runner_type(spec, runner)
+        runner_type, convert_type = _runner_type(spec, runner, convert)
         pooler = (
             read_pooler_config(
                 path,
                 hf,
-                classifier=spec.architecture.endswith("ForSequenceClassification"),
+                classifier=spec.architecture.endswith("ForSequenceClassification") or convert_type == "classify",
+                reward=convert_type == "reward",
                 default_pooling="CLS" if spec.encoder is not None else "LAST",
             )
             if runner_type == "pooling"
@@ -233,28 +236,30 @@ def _sampling_defaults(gen: dict[str, Any]) -> dict[str, Any]:
     return defaults
 
 
-def _runner_type(spec: HfConfig, runner: str) -> str:
-    """vLLM's `--runner`: "auto" follows the architecture (encoders and classifiers pool, causal
-    LMs generate); "pooling" on a natively run causal LM pools its last hidden states (a decoder
-    embedder); a runner the model cannot serve is refused, naming the field."""
+def _runner_type(spec: HfConfig, runner: str, convert: str) -> tuple[str, str]:
+    """vLLM's `--runner` and `--convert` (pooler_config.resolve_convert): "auto" follows the
+    architecture (encoders and classifiers pool, causal LMs generate, a conversion pools); a
+    natively run causal LM on the pooling runner is converted ("embed": a decoder embedder);
+    a runner the model cannot serve is refused, naming the field. Returns (runner type,
+    conversion)."""
     architecture = spec.architecture
-    pools = architecture in ENCODER_ARCHITECTURES or architecture in DECODER_CLASSIFIERS
-    natural = "pooling" if pools else "generate"
-    if runner in ("auto", natural):
-        return natural
-    if runner == "generate":
+    native = None
+    if architecture in ENCODER_ARCHITECTURES or architecture in DECODER_CLASSIFIERS:
+        native = "classify" if architecture.endswith("ForSequenceClassification") else "embed"
+    if runner not in ("auto", *RUNNER_TYPES):
+        raise ValueError(f"runner: {runner!r} is not one of auto, {', '.join(RUNNER_TYPES)}")
+    if runner == "generate" and native is not None:
         raise ValueError(
             f"runner: 'generate' is not supported for {architecture}, a model that computes embeddings "
             "or scores; use runner 'pooling' (or 'auto')"
         )
-    if runner == "pooling":
-        if spec.model_impl == "triollm" and spec.checkpoint_quant is None:
-            return "pooling"
+    runner_type, convert_type = resolve_convert(architecture, native, runner, convert)
+    if convert_type != "none" and not (spec.model_impl == "triollm" and spec.checkpoint_quant is None):
         raise ValueError(
             f"runner: 'pooling' is not supported for {architecture}: triollm pools encoders, classifiers and "
             f"the natively run decoders; use runner 'generate' (or 'auto')"
         )
-    raise ValueError(f"runner: {runner!r} is not one of auto, {', '.join(RUNNER_TYPES)}")
+    return runner_type, convert_type
 
 
 def _max_model_len(spec: HfConfig, requested: int | None) -> int:

@@ -7,8 +7,10 @@ with `--runner pooling`) and a decoder classifier (`Qwen3ForSequenceClassificati
 same loader. A classifier adds `score`, a bias-free linear layer to `num_labels` logits read at
 each prompt's last token (transformers' `*ForSequenceClassification`). With vLLM's
 `classifier_from_token` the checkpoint is a causal LM and `score` is made from its LM head: the
-named tokens' rows, or for two tokens (Qwen3-Reranker's "no", "yes") the second's row minus the
-first's, so the one label's logit is their logit difference.
+named tokens' rows (vLLM's method "no_post_processing"), or for two tokens (Qwen3-Reranker's
+"no", "yes"; method "from_2_way_softmax") the second's row minus the first's, so the one
+label's logit is their logit difference. The same trunk serves vLLM's `--convert`: "embed"
+and "reward" read its hidden states, "classify" adds `score` as above.
 
 Each step is one causal prefill of whole prompts (no chunking, no reuse): a KV cache sized for
 this batch alone is allocated and dropped, so the pooling core keeps its one-pass-per-batch
@@ -132,7 +134,14 @@ def _score_weight(cfg: ModelConfig) -> torch.Tensor:
     assert cfg.pooler is not None
     tokens = cfg.pooler.classifier_from_token
     if not tokens:
-        return _tensor(cfg, "score.weight")
+        try:
+            return _tensor(cfg, "score.weight")
+        except ValueError:
+            raise ValueError(
+                f"model: a classifier needs its score head, and the checkpoint in {cfg.path} lacks score.weight; "
+                "for a causal LM read as a classifier set classifier_from_token (and method: "
+                "from_2_way_softmax or no_post_processing) in hf_overrides"
+            ) from None
     tokenizer = Tokenizer.from_pretrained(cfg.path)
     ids = []
     for token in tokens:
@@ -142,7 +151,7 @@ def _score_weight(cfg: ModelConfig) -> torch.Tensor:
         ids.append(token_id)
     head = _tensor(cfg, "model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight")
     rows = head[ids]
-    return (rows[1] - rows[0]).unsqueeze(0) if len(ids) == 2 else rows
+    return (rows[1] - rows[0]).unsqueeze(0) if cfg.pooler.two_way else rows
 
 
 def _tensor(cfg: ModelConfig, name: str) -> torch.Tensor:
