@@ -1,4 +1,4 @@
-"""GGUF super-blocks (Q2_K..Q6_K, IQ4_XS) and IQ4_NL blocks decoded into kernels/quant.py's block form.
+"""GGUF super-blocks (Q2_K..Q6_K, IQ4_XS) and IQ4_NL blocks decoded into kernels/quant.py's block forms.
 
 K-quants group 256 weights in a super-block with one float16 scale `d` (and `dmin`), and give
 each sub-block its own small integer scale: 8 sub-blocks of 32 with 6-bit scale and minimum
@@ -27,16 +27,18 @@ of 32 (`QuantWeight`: weight = d * q + m), so each K-quant is mapped once, at lo
   values are requantized to 8 bits as Q6_K's, an error far below Q2_K's own step (d * sc).
 * IQ4_NL (blocks of 32) and IQ4_XS (8 blocks of 32 per super-block, a 6-bit scale ls each:
   d * (ls - 32)): 4-bit indices into llama.cpp's 16 non-linear int8 levels (`IQ4_LEVELS`);
-  weight = d * level. As 8-bit codes level + 128 with m = -128 d: exact for IQ4_NL; IQ4_XS's
+  weight = d * level. Kept as they are, in the IQ4 code format (`IQ4`: the file's nibbles, which
+  the kernel looks up as the 8-bit codes level + 128, with m = -128 d): exact for IQ4_NL; IQ4_XS's
   d * (ls - 32) is rounded once to fp16, as Q4_K's scales are.
 
 The cost is memory for the 8-bit forms: 9 bits a weight (codes, fp16 d and m per 32) where the
-file has 2.6 (Q2_K), 3.4 (Q3_K), 4.25-4.5 (IQ4), 5.5 (Q5_K) or 6.56 (Q6_K); Q4_K keeps its 4.5 -> 5.
-Still under a third of the dense fp32 import, and read by the same kernels. Rejected: Q6_K's (Q2_K's, Q3_K's) 16-weight
-sub-blocks in the kernel (it and its packed layout are built around blocks of 32, as every other
-GGUF type is); a kernel per K-quant (a second dot-product family, where one conversion at load
-costs one fp16 rounding of the scales); IQ4's table lookup in the 4-bit kernel (llama.cpp's
-byte shuffle: half the bytes, but a kernel of its own).
+file has 2.6 (Q2_K), 3.4 (Q3_K), 5.5 (Q5_K) or 6.56 (Q6_K); Q4_K keeps its 4.5 -> 5, IQ4 its
+4.25-4.5 -> 5. Still under a third of the dense fp32 import, and read by the same kernels.
+Rejected: Q6_K's (Q2_K's, Q3_K's) 16-weight sub-blocks in the kernel (it and its packed layout are
+built around blocks of 32, as every other GGUF type is); a kernel per K-quant (a second
+dot-product family, where one conversion at load costs one fp16 rounding of the scales); IQ4 as
+8-bit codes (what this module did first: exact, but twice the bytes to read per token, and decode
+is bandwidth-bound: docs/benchmarks.md).
 
 Everything is numpy over whole rows (a bounded number of rows at a time, to bound the scratch
 memory of a large embedding), no loop per block. `decode_kquant` returns the QuantWeight parts;
@@ -56,6 +58,8 @@ __all__ = [
     "GGML_Q4_K",
     "GGML_Q5_K",
     "GGML_Q6_K",
+    "IQ4",
+    "IQ4_CODES",
     "IQ4_LEVELS",
     "KQUANT_TYPES",
     "QK_K",
@@ -77,6 +81,10 @@ _SUPER_WEIGHTS = {GGML_IQ4_NL: 32}  # the others: QK_K
 KQUANT_TYPES = frozenset(_SUPER_BYTES)
 # IQ4_NL's and IQ4_XS's 16 levels (ggml-common.h's kvalues_iq4nl), as int16 for the code arithmetic.
 IQ4_LEVELS = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], np.int16)
+# The IQ4 code format (QuantWeight.bits, kernels/csrc/quant_linear.cpp kIq4): 4-bit indices, read
+# as the 8-bit codes IQ4_CODES[index] = level + 128 (with m = -128 d). Negative: not a bit count.
+IQ4 = -4
+IQ4_CODES = (IQ4_LEVELS + 128).astype(np.uint8)
 _CHUNK_SUPER_BLOCKS = 1 << 15  # super-blocks decoded at a time: scratch of a few fp32 copies of 8M weights
 
 
@@ -84,7 +92,8 @@ def decode_kquant(
     raw: np.ndarray, ggml_type: int, shape: tuple[int, int]
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
     """GGUF K-quant bytes (the reader's uint8 array) of a `[N, K]` tensor as QuantWeight's
-    (q, d, m, bits): q uint8 `[N, K/2]` (bits 4, Q4_K) or `[N, K]` (bits 8, Q5_K and Q6_K)."""
+    (q, d, m, bits): q uint8 `[N, K/2]` (bits 4, Q4_K; IQ4, IQ4_NL and IQ4_XS) or `[N, K]` (bits
+    8, the others)."""
     if ggml_type not in _SUPER_BYTES:
         names = ", ".join(_NAMES.values())
         raise ValueError(f"quantization: GGML type {ggml_type} is not a K-quant ({names} are)")
@@ -96,9 +105,9 @@ def decode_kquant(
     data = np.ascontiguousarray(raw, dtype=np.uint8).reshape(-1)
     if data.size != n * (k // per) * size:
         raise ValueError(f"quantization: {data.size} bytes of {name} do not hold a [{n}, {k}] tensor")
-    bits = 4 if ggml_type == GGML_Q4_K else 8
+    bits = {GGML_Q4_K: 4, GGML_IQ4_NL: IQ4, GGML_IQ4_XS: IQ4}.get(ggml_type, 8)
     blocks = data.reshape(n, k // per, size)
-    q = np.empty((n, k * bits // 8), np.uint8)
+    q = np.empty((n, k if bits == 8 else k // 2), np.uint8)
     d = np.empty((n, k // 32), np.float16)
     m = np.empty((n, k // 32), np.float16)
     step = max(1, _CHUNK_SUPER_BLOCKS * (QK_K // per) // (k // per))
@@ -206,36 +215,28 @@ def _q3_k_scales(packed: np.ndarray) -> np.ndarray:
     4 + j (t = 3), and its top 2 bits in bits 2t..2t+1 of byte 8 + j."""
     a, b, c = packed[..., 0:4], packed[..., 4:8], packed[..., 8:12]
     top = [((c >> (2 * t)) & 3) << 4 for t in range(4)]
-    return np.concatenate(
-        [(a & 0x0F) | top[0], (b & 0x0F) | top[1], (a >> 4) | top[2], (b >> 4) | top[3]], axis=-1
-    )
-
-
-def _iq4_codes(nibbles: np.ndarray) -> np.ndarray:
-    """IQ4 bytes `[..., 16]` of one block of 32 (byte t: index t low, t + 16 high) as 8-bit codes
-    level + 128 in weight order."""
-    idx = np.concatenate([nibbles & 0x0F, nibbles >> 4], axis=-1)
-    return (IQ4_LEVELS[idx] + 128).astype(np.uint8)
+    return np.concatenate([(a & 0x0F) | top[0], (b & 0x0F) | top[1], (a >> 4) | top[2], (b >> 4) | top[3]], axis=-1)
 
 
 def _iq4_nl(b: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Bytes: d (fp16), 16 of 4-bit indices. Exact."""
+    """Bytes: d (fp16), 16 of 4-bit indices (byte t: index t low, t + 16 high, QuantWeight's
+    nibble order). Exact."""
     r, s = b.shape[:2]
     d = _half(_f16(b[..., 0:2]), "IQ4_NL")
     m = _half(d.astype(np.float32) * np.float32(-128.0), "IQ4_NL")
-    return _iq4_codes(b[..., 2:18]).reshape(r, s * 32), d, m
+    return b[..., 2:18].reshape(r, s * 16), d, m
 
 
 def _iq4_xs(b: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Bytes: d (fp16), scales_h (u16: bits 2i..2i+1 are block i's top scale bits), 4 of scales_l
-    (block i's low 4 bits in nibble i % 2 of byte i // 2), 128 of indices (16 per block)."""
+    (block i's low 4 bits in nibble i % 2 of byte i // 2), 128 of indices (16 per block, as IQ4_NL's)."""
     r, s = b.shape[:2]
     high = np.ascontiguousarray(b[..., 2:4]).view("<u2")  # [R, S, 1]
     low = np.stack([b[..., 4:8] & 0x0F, b[..., 4:8] >> 4], axis=-1).reshape(r, s, 8)
     ls = low.astype(np.int32) | (((high >> (2 * np.arange(8, dtype=np.uint16))) & 3).astype(np.int32) << 4)
     d = _half(_f16(b[..., 0:2])[..., None] * (ls - 32).astype(np.float32), "IQ4_XS").reshape(r, s * 8)
     m = _half(d.astype(np.float32) * np.float32(-128.0), "IQ4_XS")
-    return _iq4_codes(b[..., 8:136].reshape(r, s, 8, 16)).reshape(r, s * QK_K), d, m
+    return b[..., 8:136].reshape(r, s * QK_K // 2), d, m
 
 
 # ------------------------------------------------------------------------------- helpers

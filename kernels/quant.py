@@ -3,14 +3,16 @@
 `QuantWeight` holds a `[N, K]` weight as unsigned codes `q` (4 bits, two per byte in GGML's
 nibble order, or 8 bits) with a float16 scale `d` and offset `m` per block: weight = d * q + m.
 That one form covers GGUF's Q4_1 (as shipped), Q4_0 (m = -8 d), Q8_0 (q = w + 128,
-m = -128 d), Q5_1 and Q5_0 (m = -16 d; their 5-bit codes held in 8 bits, exactly), and what
+m = -128 d), Q5_1 and Q5_0 (m = -16 d; their 5-bit codes held in 8 bits, exactly), IQ4_NL and
+IQ4_XS (`bits=IQ4`: 4-bit indices whose codes are `IQ4_CODES[index]`, 8-bit), and what
 `quantization="int4"` (asymmetric, group 32: Q4_1's scheme) and `quantization="int8"`
 (symmetric, one scale per output channel) make from float weights.
 
 `PackedWeight` is the same bits in the kernel's layout (rows in groups of 16, codes interleaved
 for 512-bit registers), made once at load. `packed_linear` runs the native kernel
 (kernels/csrc/quant_linear.cpp: int8 activations per block, integer dot products with AVX-512
-VNNI or AVX2, whichever the CPU has, as llama.cpp does; plain loops elsewhere) where the native
+VNNI or AVX2, whichever the CPU has, as llama.cpp does, IQ4's indices looked up with a byte
+shuffle; plain loops elsewhere) where the native
 kernels are built, else a dense product of the dequantized weight (no compiler: slow, still
 right). `reference_linear` is the kernel's arithmetic in torch, for tests.
 """
@@ -24,10 +26,11 @@ import numpy as np
 import torch
 
 from triollm.kernels import cpu_native
-from triollm.kernels.kquants import KQUANT_TYPES, decode_kquant
+from triollm.kernels.kquants import IQ4, IQ4_CODES, KQUANT_TYPES, decode_kquant
 
 __all__ = [
     "BLOCK",
+    "IQ4",
     "QUANT_GGML_TYPES",
     "PackedWeight",
     "QuantWeight",
@@ -41,26 +44,36 @@ BLOCK = 32
 GGML_Q4_0, GGML_Q4_1, GGML_Q5_0, GGML_Q5_1, GGML_Q8_0 = 2, 3, 6, 7, 8
 _BLOCK_BYTES = {GGML_Q4_0: 18, GGML_Q4_1: 20, GGML_Q5_0: 22, GGML_Q5_1: 24, GGML_Q8_0: 34}
 QUANT_GGML_TYPES = frozenset(_BLOCK_BYTES) | KQUANT_TYPES  # K-quants: kernels/kquants.py
+_IQ4_CODES = torch.from_numpy(IQ4_CODES).to(torch.int32)
 
 
 @dataclass
 class QuantWeight:
-    q: torch.Tensor  # uint8 [N, K/2] (bits 4) or [N, K] (bits 8)
+    q: torch.Tensor  # uint8 [N, K/2] (bits 4 and IQ4) or [N, K] (bits 8)
     d: torch.Tensor  # float16 [N, K/32]
     m: torch.Tensor  # float16 [N, K/32]
-    bits: int
+    bits: int  # the code format: 4, 8 or IQ4 (4-bit indices into IQ4_CODES)
 
     @property
     def shape(self) -> tuple[int, int]:
         return self.q.shape[0], self.d.shape[1] * BLOCK
 
     def codes(self) -> torch.Tensor:
-        """The unsigned codes as int32 `[N, K]`, in weight order."""
+        """The unsigned codes as int32 `[N, K]`, in weight order (IQ4: its indices looked up)."""
         if self.bits == 8:
             return self.q.to(torch.int32)
+        nibbles = self.nibbles()
+        return _IQ4_CODES[nibbles] if self.bits == IQ4 else nibbles
+
+    def nibbles(self) -> torch.Tensor:
+        """The 4-bit values as stored (bits 4: the codes; IQ4: the indices), int32 `[N, K]`."""
         n, k = self.shape
         blocks = self.q.view(n, k // BLOCK, 16).to(torch.int32)
         return torch.cat([blocks & 0x0F, blocks >> 4], dim=-1).view(n, k)
+
+    def widened(self) -> QuantWeight:
+        """The same weight as 8-bit codes (exact: the same codes, scales and offsets)."""
+        return self if self.bits == 8 else QuantWeight(self.codes().to(torch.uint8), self.d, self.m, 8)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         n, k = self.shape
@@ -155,7 +168,7 @@ class PackedWeight:
     codes fill one 512-bit register; scales and offsets `[groups, blocks, 16]`. The same bits,
     reordered once at load."""
 
-    qp: torch.Tensor  # uint8 [G, K/32, 256] (bits 4) or [G, K/32, 512] (bits 8)
+    qp: torch.Tensor  # uint8 [G, K/32, 256] (bits 4 and IQ4: nibbles) or [G, K/32, 512] (bits 8)
     dp: torch.Tensor  # float16 [G, K/32, 16]
     mp: torch.Tensor  # float16 [G, K/32, 16]
     bits: int
@@ -170,12 +183,12 @@ class PackedWeight:
         n, k = w.shape
         nb, groups = k // BLOCK, -(-n // 16)
         pad = groups * 16 - n
-        codes, d, m = w.codes(), w.d, w.m
+        codes, d, m = (w.codes() if w.bits == 8 else w.nibbles()), w.d, w.m
         if pad:
             codes = torch.cat([codes, codes.new_zeros(pad, k)])
             d, m = torch.cat([d, d.new_zeros(pad, nb)]), torch.cat([m, m.new_zeros(pad, nb)])
         c = codes.view(groups, 16, nb, 8, 4).permute(0, 2, 3, 1, 4)  # [g, block, step, lane, byte]
-        if w.bits == 4:
+        if w.bits != 8:
             qp = (c[:, :, :4] | (c[:, :, 4:] << 4)).to(torch.uint8).reshape(groups, nb, 256)
         else:
             qp = c.to(torch.uint8).reshape(groups, nb, 512)
@@ -194,6 +207,8 @@ class PackedWeight:
         else:
             v = self.qp.view(groups, nb, 4, 16, 4)[g, :, :, lane, :]
             codes = torch.cat([v & 0x0F, v >> 4], dim=2)
+            if self.bits == IQ4:
+                codes = _IQ4_CODES[codes.long()]
         d = self.dp[g, :, lane].float().unsqueeze(-1)  # [R, block, 1]
         m = self.mp[g, :, lane].float().unsqueeze(-1)
         w = codes.reshape(len(index), nb, BLOCK).float() * d + m

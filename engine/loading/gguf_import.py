@@ -14,13 +14,13 @@ rewrites it once, into the files the rest of the engine already reads:
   (gguf_vocab.py: byte-level BPE or SentencePiece), and the file's chat template.
 * `gguf_quantized.safetensors` (QUANTIZED_FILE, for `quantization="gguf"`): the 2-D tensors in a
   block format the CPU kernels read, kept quantized (kernels/quant.py `QuantWeight.from_ggml`):
-  Q4_0, Q4_1 and Q8_0 as shipped, Q5_0 and Q5_1 as 8-bit codes of the same blocks (exact), the
-  K-quants Q2_K to Q6_K and IQ4_NL / IQ4_XS mapped onto blocks of 32
+  Q4_0, Q4_1 and Q8_0 as shipped, Q5_0 and Q5_1 as 8-bit codes of the same blocks (exact),
+  IQ4_NL / IQ4_XS as their 4-bit indices, the K-quants Q2_K to Q6_K mapped onto blocks of 32
   (kernels/kquants.py, with its error bounds). Only whole rows move (Q/K un-permutation, Phi-3's
   fused tensors cut into the q/k/v and gate/up pieces the model stacks), so blocks stay intact. A
   mixed file (`Q4_K_M`: Q4_K, Q6_K and more) is one model; where the parts of a projection the
-  model fuses (q|k|v, gate|up) differ in width, the 4-bit parts are widened to 8-bit codes,
-  exactly, so that each fused weight has one format. Any other type (F16, IQ2_XS, TQ1_0, ...) is
+  model fuses (q|k|v, gate|up) differ in code format, the 4-bit and IQ4 parts are widened to
+  8-bit codes, exactly, so that each fused weight has one format. Any other type (F16, IQ2_XS, TQ1_0, ...) is
   dequantized into the float32 file only, with one log line naming the types.
 
 GGUF lists tensor dimensions innermost first; the reader's arrays are already in numpy order
@@ -63,7 +63,7 @@ __all__ = ["IMPORT_FORMAT_VERSION", "import_gguf", "llama3_rope_factors", "llama
 logger = logging.getLogger("triollm")
 
 # Bump whenever the files written here change, so cached imports are redone.
-IMPORT_FORMAT_VERSION = 4  # 4: every family in gguf_arch.ARCHS, SentencePiece vocabularies
+IMPORT_FORMAT_VERSION = 5  # 4: every family in gguf_arch.ARCHS, SentencePiece vocabularies; 5: IQ4 kept 4-bit
 # QUANTIZED_FILE (model_config.py) holds the quantized tensors as shipped (`quantization="gguf"`):
 # kernels/quant.py's QuantWeight parts per HF tensor name ("<name>.q", ".d", ".m"), with the bits
 # per name in the metadata.
@@ -230,19 +230,16 @@ def _unfused(hf_name: str, weight: QuantWeight, config: Mapping[str, Any]) -> di
 
 def _one_width_per_fused_weight(weights: dict[str, QuantWeight], num_layers: int) -> None:
     """A `Q4_K_M` file mixes types inside a fused projection (Q4_K q and k with a Q6_K v, both
-    kept: 4- and 8-bit codes); its 4-bit parts become 8-bit codes, the same codes, scales and
+    kept: 4- and 8-bit codes; an IQ4_XS file's Q4_K or Q5_K parts beside IQ4 ones); where the
+    parts' code formats differ, those not 8-bit become 8-bit codes, the same codes, scales and
     offsets (exact, twice the bytes for those parts), so the parts concatenate."""
-    from triollm.kernels.quant import QuantWeight
-
     for layer in range(num_layers):
         for group in _FUSED:
             names = [f"model.layers.{layer}.{part}.weight" for part in group]
             present = [n for n in names if n in weights]
             if len({weights[n].bits for n in present}) > 1:
                 for n in present:
-                    w = weights[n]
-                    if w.bits == 4:
-                        weights[n] = QuantWeight(w.codes().to(torch.uint8), w.d, w.m, 8)
+                    weights[n] = weights[n].widened()
 
 
 def _hf_name(name: str, num_layers: int, spec: ArchSpec) -> tuple[str, str]:

@@ -1,7 +1,11 @@
 // Weight-only quantized linear layers for CPU: y = x W^T with W kept quantized in 32-weight blocks.
 //
 // A weight is codes q (4 or 8 bits, unsigned) with an fp16 scale d and offset m per block of 32:
-// weight = d * q + m (GGUF's Q4_1 as is; Q4_0: m = -8 d; Q8_0: q = w + 128, m = -128 d). The
+// weight = d * q + m (GGUF's Q4_1 as is; Q4_0: m = -8 d; Q8_0: q = w + 128, m = -128 d). A third
+// code format, IQ4 (`kIq4`, GGUF's IQ4_NL and IQ4_XS), stores 4-bit indices into 16 non-linear
+// levels and is read as the 8-bit codes level + 128 (m = -128 d): each vector path looks the
+// nibbles up in a 16-byte table with a byte shuffle (`vpshufb`), so the weight stays 4.5 bits in
+// memory and the arithmetic after the lookup is the 8-bit format's, to the bit. The
 // activations are quantized per 32-value block to int8 with a float scale (llama.cpp's Q8
 // activations): x ~= dx * qx, so each block's dot product is an integer one,
 //   sum_j w_j x_j = dx * (d * sum_j q_j qx_j + m * sum_j qx_j),
@@ -40,6 +44,17 @@ namespace triollm_cpu {
 
 constexpr int64_t kBlock = 32;
 constexpr int64_t kRowsPerPass = 8;  // activation rows whose accumulators live in registers
+
+// The code formats (`bits`): 4 and 8, unsigned codes of that width; kIq4, 4-bit indices into
+// IQ4's levels (ggml's kvalues_iq4nl), each standing for the 8-bit code level + 128 (kIq4Codes).
+// A format's packed block is 256 bytes (4 and kIq4: nibbles) or 512 (8).
+constexpr int kIq4 = -4;
+alignas(16) constexpr uint8_t kIq4Codes[16] = {1, 24, 45, 63, 79, 93, 106, 118, 129, 141, 153, 166, 181, 197, 217, 241};
+// The same codes split in two nibble planes (code = 16 * high + low), for AVX2's u8 x s8 products
+// in int16 lanes, which 8-bit codes would overflow (block_dot_avx2).
+alignas(16) constexpr uint8_t kIq4Low[16] = {1, 8, 13, 15, 15, 13, 10, 6, 1, 13, 9, 6, 5, 5, 9, 1};
+alignas(16) constexpr uint8_t kIq4High[16] = {0, 1, 2, 3, 4, 5, 6, 7, 8, 8, 9, 10, 11, 12, 13, 15};
+constexpr int64_t block_bytes(int bits) { return bits == 8 ? 512 : 256; }
 
 inline float half_to_float(uint16_t h) { return c10::detail::fp16_ieee_to_fp32_value(h); }
 
@@ -90,20 +105,25 @@ inline void prefetch_block(const uint8_t* wb, int64_t bytes, const uint16_t* dg,
 
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512vnni,fma,f16c")
-// Block b of a group: its 8 code vectors (4-bit codes split into low and high nibbles) and its
-// 16 rows' scales and offsets (prefetching ahead: `prefetch_block`).
-template <bool FourBit>
+// Block b of a group: its 8 code vectors (4-bit codes split into low and high nibbles; IQ4's
+// nibbles then looked up: 8-bit codes) and its 16 rows' scales and offsets (prefetching ahead:
+// `prefetch_block`).
+template <int Bits>
 inline void load_block(const uint8_t* qg, const uint16_t* dg, const uint16_t* mg, int64_t b, __m512i w[8], __m512& dw,
                        __m512& mw) {
-  constexpr int64_t kBytes = FourBit ? 256 : 512;
+  constexpr int64_t kBytes = block_bytes(Bits);
   const uint8_t* wb = qg + b * kBytes;
   prefetch_block(wb, kBytes, dg, mg, b);
-  if constexpr (FourBit) {
+  if constexpr (Bits != 8) {
     const __m512i low = _mm512_set1_epi8(0x0F);
     for (int t = 0; t < 4; ++t) {
       const __m512i v = _mm512_loadu_si512(reinterpret_cast<const void*>(wb + t * 64));
       w[t] = _mm512_and_si512(v, low);
       w[t + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+    }
+    if constexpr (Bits == kIq4) {
+      const __m512i table = _mm512_broadcast_i32x4(_mm_load_si128(reinterpret_cast<const __m128i*>(kIq4Codes)));
+      for (int s = 0; s < 8; ++s) w[s] = _mm512_shuffle_epi8(table, w[s]);
     }
   } else {
     for (int s = 0; s < 8; ++s) w[s] = _mm512_loadu_si512(reinterpret_cast<const void*>(wb + s * 64));
@@ -112,7 +132,7 @@ inline void load_block(const uint8_t* qg, const uint16_t* dg, const uint16_t* mg
   mw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(mg + b * 16)));
 }
 
-template <bool FourBit>
+template <int Bits>
 inline void packed_group(const uint8_t* qg, const uint16_t* dg, const uint16_t* mg, int64_t nb,
                          const int8_t* qx, const float* dx, const float* sx, int64_t K, int64_t rows,
                          float* out, int64_t ldo, __mmask16 store_mask) {
@@ -121,7 +141,7 @@ inline void packed_group(const uint8_t* qg, const uint16_t* dg, const uint16_t* 
   for (int64_t b = 0; b < nb; ++b) {
     __m512i w[8];
     __m512 dw, mw;
-    load_block<FourBit>(qg, dg, mg, b, w, dw, mw);
+    load_block<Bits>(qg, dg, mg, b, w, dw, mw);
     (void)mw;  // the offsets: a pass of their own, below
     for (int64_t r = 0; r < rows; ++r) {
       const int32_t* xb = reinterpret_cast<const int32_t*>(qx + r * K + b * kBlock);
@@ -153,14 +173,14 @@ inline void packed_group(const uint8_t* qg, const uint16_t* dg, const uint16_t* 
 // dot-product chains and the offset term in an accumulator of its own (shorter dependency
 // chains). Faster than packed_group<.., rows = 1> for the head and the layers, measured A/B
 // interleaved in one process (docs/benchmarks.md, quantized second pass).
-template <bool FourBit>
+template <int Bits>
 inline void packed_group_m1(const uint8_t* qg, const uint16_t* dg, const uint16_t* mg, int64_t nb,
                             const int8_t* qx, const float* dx, const float* sx, float* out, __mmask16 store_mask) {
   __m512 acc = _mm512_setzero_ps(), acc_m = _mm512_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
     __m512i w[8];
     __m512 dw, mw;
-    load_block<FourBit>(qg, dg, mg, b, w, dw, mw);
+    load_block<Bits>(qg, dg, mg, b, w, dw, mw);
     const int32_t* xb = reinterpret_cast<const int32_t*>(qx + b * kBlock);
     __m512i d[4];
     for (int c = 0; c < 4; ++c) d[c] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[c], _mm512_set1_epi32(xb[c]));
@@ -183,11 +203,11 @@ inline void packed_group_m1(const uint8_t* qg, const uint16_t* dg, const uint16_
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c")
 
-template <bool FourBit>
+template <int Bits>
 inline __m256i block_dot_avx2(const uint8_t* wb, int half, const int32_t* xb) {
   const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
   __m256i s0 = _mm256_setzero_si256(), s1 = _mm256_setzero_si256();
-  if constexpr (FourBit) {
+  if constexpr (Bits == 4) {
     for (int t = 0; t < 4; ++t) {
       const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + t * 64 + half * 32));
       s0 = _mm256_add_epi16(s0, _mm256_maddubs_epi16(_mm256_and_si256(v, low), _mm256_set1_epi32(xb[t])));
@@ -195,6 +215,21 @@ inline __m256i block_dot_avx2(const uint8_t* wb, int half, const int32_t* xb) {
                                                      _mm256_set1_epi32(xb[t + 4])));
     }
     return _mm256_madd_epi16(_mm256_add_epi16(s0, s1), ones);
+  } else if constexpr (Bits == kIq4) {
+    // The 8-bit sums below with each index looked up in the two nibble planes of its code: s0
+    // and s1 take the same 8 products each, so the same bound holds.
+    const __m256i lo = _mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(kIq4Low)));
+    const __m256i hi = _mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(kIq4High)));
+    for (int t = 0; t < 4; ++t) {
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + t * 64 + half * 32));
+      const __m256i i0 = _mm256_and_si256(v, low), i1 = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+      const __m256i x0 = _mm256_set1_epi32(xb[t]), x1 = _mm256_set1_epi32(xb[t + 4]);
+      s0 = _mm256_add_epi16(s0, _mm256_maddubs_epi16(_mm256_shuffle_epi8(lo, i0), x0));
+      s1 = _mm256_add_epi16(s1, _mm256_maddubs_epi16(_mm256_shuffle_epi8(hi, i0), x0));
+      s0 = _mm256_add_epi16(s0, _mm256_maddubs_epi16(_mm256_shuffle_epi8(lo, i1), x1));
+      s1 = _mm256_add_epi16(s1, _mm256_maddubs_epi16(_mm256_shuffle_epi8(hi, i1), x1));
+    }
+    return _mm256_add_epi32(_mm256_madd_epi16(s0, ones), _mm256_madd_epi16(s1, _mm256_set1_epi16(16)));
   } else {
     for (int t = 0; t < 8; ++t) {
       const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + t * 64 + half * 32));
@@ -240,10 +275,10 @@ inline void store8_avx2(float* out, __m256 v, int64_t valid) {
   }
 }
 
-template <bool FourBit>
+template <int Bits>
 void packed_group_m1_avx2(const uint8_t* qg, const uint16_t* dg, const uint16_t* mg, int64_t nb, const int8_t* qx,
                           const float* dx, const float* sx, float* out, int64_t valid) {
-  constexpr int64_t kBytes = FourBit ? 256 : 512;
+  constexpr int64_t kBytes = block_bytes(Bits);
   __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()}, acc_m[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* wb = qg + b * kBytes;
@@ -251,7 +286,7 @@ void packed_group_m1_avx2(const uint8_t* qg, const uint16_t* dg, const uint16_t*
     const int32_t* xb = reinterpret_cast<const int32_t*>(qx + b * kBlock);
     const __m256 scale = _mm256_set1_ps(dx[b]), offset = _mm256_set1_ps(sx[b]);
     for (int h = 0; h < 2; ++h) {
-      const __m256 dot = _mm256_cvtepi32_ps(block_dot_avx2<FourBit>(wb, h, xb));
+      const __m256 dot = _mm256_cvtepi32_ps(block_dot_avx2<Bits>(wb, h, xb));
       acc[h] = _mm256_fmadd_ps(dot, _mm256_mul_ps(half8_avx2(dg + b * 16 + h * 8), scale), acc[h]);
       acc_m[h] = _mm256_fmadd_ps(half8_avx2(mg + b * 16 + h * 8), offset, acc_m[h]);
     }
@@ -259,11 +294,11 @@ void packed_group_m1_avx2(const uint8_t* qg, const uint16_t* dg, const uint16_t*
   for (int h = 0; h < 2; ++h) store8_avx2(out + h * 8, _mm256_add_ps(acc[h], acc_m[h]), valid - h * 8);
 }
 
-template <bool FourBit>
+template <int Bits>
 void packed_group_avx2(const uint8_t* qg, const uint16_t* dg, const uint16_t* mg, int64_t nb, const int8_t* qx,
                        const float* dx, const float* sx, int64_t K, int64_t rows, float* out, int64_t ldo,
                        int64_t valid) {
-  constexpr int64_t kBytes = FourBit ? 256 : 512;
+  constexpr int64_t kBytes = block_bytes(Bits);
   for (int h = 0; h < 2 && h * 8 < valid; ++h) {
     __m256 acc[kRowsPerPass];
     for (int64_t r = 0; r < rows; ++r) acc[r] = _mm256_setzero_ps();
@@ -272,10 +307,10 @@ void packed_group_avx2(const uint8_t* qg, const uint16_t* dg, const uint16_t* mg
       if (h == 0) prefetch_block(wb, kBytes, dg, mg, b);
       const __m256 dw = half8_avx2(dg + b * 16 + h * 8);
       __m256i w[8];
-      if constexpr (FourBit) load_codes4_avx2(wb, h, w);
+      if constexpr (Bits == 4) load_codes4_avx2(wb, h, w);
       for (int64_t r = 0; r < rows; ++r) {
         const int32_t* xb = reinterpret_cast<const int32_t*>(qx + r * K + b * kBlock);
-        const __m256i idot = FourBit ? codes4_dot_avx2(w, xb) : block_dot_avx2<false>(wb, h, xb);
+        const __m256i idot = Bits == 4 ? codes4_dot_avx2(w, xb) : block_dot_avx2<Bits>(wb, h, xb);
         const __m256 dot = _mm256_cvtepi32_ps(idot);
         acc[r] = _mm256_fmadd_ps(dot, _mm256_mul_ps(dw, _mm256_set1_ps(dx[r * nb + b])), acc[r]);
       }
@@ -294,27 +329,26 @@ void packed_group_avx2(const uint8_t* qg, const uint16_t* dg, const uint16_t* mg
 
 
 // The plain loops' view of the packed layout: the code of row `lane`, input `k` of group g.
-inline int32_t packed_code(const uint8_t* qg, bool four_bit, int64_t lane, int64_t k) {
+inline int32_t packed_code(const uint8_t* qg, int bits, int64_t lane, int64_t k) {
   const int64_t b = k / kBlock, c = k % kBlock, s = c / 4, j = c % 4;
-  if (four_bit) {
-    const uint8_t byte = qg[b * 256 + (s % 4) * 64 + lane * 4 + j];
-    return s < 4 ? (byte & 0x0F) : (byte >> 4);
-  }
-  return qg[b * 512 + s * 64 + lane * 4 + j];
+  if (bits == 8) return qg[b * 512 + s * 64 + lane * 4 + j];
+  const uint8_t byte = qg[b * 256 + (s % 4) * 64 + lane * 4 + j];
+  const uint8_t nibble = s < 4 ? (byte & 0x0F) : (byte >> 4);
+  return bits == kIq4 ? kIq4Codes[nibble] : nibble;
 }
 
 // The plain loops: the same integer sums, and per output lane the same float operations in the
 // same order as the vector paths (fused multiply-adds, the offset sum kept apart), so all paths
 // give the same bits, and a row the same bits at every batch size.
 void packed_group_scalar(const uint8_t* qg, const uint16_t* dg, const uint16_t* mg, int64_t nb, const int8_t* qx,
-                         const float* dx, const float* sx, int64_t K, int64_t M, bool four_bit, int64_t valid,
+                         const float* dx, const float* sx, int64_t K, int64_t M, int bits, int64_t valid,
                          float* out, int64_t ldo) {
   for (int64_t lane = 0; lane < valid; ++lane) {
     for (int64_t r = 0; r < M; ++r) {
       float acc = 0.f, acc_m = 0.f;
       for (int64_t b = 0; b < nb; ++b) {
         int32_t dot = 0;
-        for (int64_t c = 0; c < kBlock; ++c) dot += packed_code(qg, four_bit, lane, b * kBlock + c) * qx[r * K + b * kBlock + c];
+        for (int64_t c = 0; c < kBlock; ++c) dot += packed_code(qg, bits, lane, b * kBlock + c) * qx[r * K + b * kBlock + c];
         const float d = half_to_float(dg[b * 16 + lane]), m = half_to_float(mg[b * 16 + lane]);
         acc = std::fma(static_cast<float>(dot), d * dx[r * nb + b], acc);
         acc_m = std::fma(m, sx[r * nb + b], acc_m);
@@ -387,13 +421,36 @@ QuantIsa resolve_isa(const std::string& name) {
   return chosen;
 }
 
-// `isa`: "auto" (module note), or a path by name (tests compare them).
+// Group g's 16 outputs (`valid` of them real) for all M rows, by one vector path.
+template <int Bits>
+void vector_group(QuantIsa isa, const uint8_t* qg, const uint16_t* dg, const uint16_t* mg, int64_t nb,
+                  const int8_t* qx, const float* dx, const float* sx, int64_t K, int64_t M, int64_t valid, float* out,
+                  int64_t N) {
+  if (isa == QuantIsa::kAvx2) {
+    if (M == 1) return packed_group_m1_avx2<Bits>(qg, dg, mg, nb, qx, dx, sx, out, valid);
+    for (int64_t r0 = 0; r0 < M; r0 += kRowsPerPass) {
+      const int64_t rows = std::min(kRowsPerPass, M - r0);
+      packed_group_avx2<Bits>(qg, dg, mg, nb, qx + r0 * K, dx + r0 * nb, sx + r0 * nb, K, rows, out + r0 * N, N, valid);
+    }
+    return;
+  }
+  const __mmask16 mask = static_cast<__mmask16>((1u << valid) - 1u);
+  if (M == 1) return packed_group_m1<Bits>(qg, dg, mg, nb, qx, dx, sx, out, mask);
+  for (int64_t r0 = 0; r0 < M; r0 += kRowsPerPass) {
+    const int64_t rows = std::min(kRowsPerPass, M - r0);
+    packed_group<Bits>(qg, dg, mg, nb, qx + r0 * K, dx + r0 * nb, sx + r0 * nb, K, rows, out + r0 * N, N, mask);
+  }
+}
+
+// `isa`: "auto" (module note), or a path by name (tests compare them). `bits`: 4, 8 or kIq4.
 at::Tensor quant_linear_packed(const at::Tensor& x, const at::Tensor& qp, const at::Tensor& dp,
                                const at::Tensor& mp, int64_t bits, int64_t N, const std::string& isa_name_arg) {
-  TORCH_CHECK(bits == 4 || bits == 8, "quant_linear_packed: bits must be 4 or 8, got ", bits);
+  TORCH_CHECK(bits == 4 || bits == 8 || bits == kIq4, "quant_linear_packed: bits must be 4, 8 or ", kIq4,
+              " (IQ4 indices), got ", bits);
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "quant_linear_packed: x must be [M, K] float32");
   const int64_t M = x.size(0), K = x.size(1), nb = K / kBlock, G = qp.size(0);
-  TORCH_CHECK(K % kBlock == 0 && qp.dim() == 3 && qp.size(1) == nb && qp.size(2) == (bits == 4 ? 256 : 512) &&
+  const int fmt = static_cast<int>(bits);
+  TORCH_CHECK(K % kBlock == 0 && qp.dim() == 3 && qp.size(1) == nb && qp.size(2) == block_bytes(fmt) &&
                   qp.scalar_type() == at::kByte && dp.sizes() == at::IntArrayRef({G, nb, 16}) &&
                   mp.sizes() == dp.sizes() && dp.scalar_type() == at::kHalf && mp.scalar_type() == at::kHalf &&
                   N <= G * 16 && N > (G - 1) * 16,
@@ -409,10 +466,9 @@ at::Tensor quant_linear_packed(const at::Tensor& x, const at::Tensor& qp, const 
   const auto* d = reinterpret_cast<const uint16_t*>(dc.data_ptr<at::Half>());
   const auto* m = reinterpret_cast<const uint16_t*>(mc.data_ptr<at::Half>());
   float* o = out.data_ptr<float>();
-  const int64_t group_bytes = nb * (bits == 4 ? 256 : 512);
+  const int64_t group_bytes = nb * block_bytes(fmt);
   // Tasks of at least ~32K weight bytes x activation rows: smaller ones cost more to start.
   const int64_t grain = std::max<int64_t>(1, (32 << 10) / (group_bytes * M));
-  const bool four = bits == 4;
   at::parallel_for(0, G, grain, [&](int64_t g0, int64_t g1) {
     for (int64_t g = g0; g < g1; ++g) {
       const int64_t valid = std::min<int64_t>(16, N - g * 16);
@@ -420,42 +476,13 @@ at::Tensor quant_linear_packed(const at::Tensor& x, const at::Tensor& qp, const 
       const uint16_t* dg = d + g * nb * 16;
       const uint16_t* mg = m + g * nb * 16;
       if (isa == QuantIsa::kScalar) {
-        packed_group_scalar(qg, dg, mg, nb, qx.data(), dx.data(), sx.data(), K, M, four, valid, o + g * 16, N);
-      } else if (isa == QuantIsa::kAvx2) {
-        if (M == 1) {
-          if (four)
-            packed_group_m1_avx2<true>(qg, dg, mg, nb, qx.data(), dx.data(), sx.data(), o + g * 16, valid);
-          else
-            packed_group_m1_avx2<false>(qg, dg, mg, nb, qx.data(), dx.data(), sx.data(), o + g * 16, valid);
-          continue;
-        }
-        for (int64_t r0 = 0; r0 < M; r0 += kRowsPerPass) {
-          const int64_t rows = std::min(kRowsPerPass, M - r0);
-          const int8_t* qr = qx.data() + r0 * K;
-          const float *dr = dx.data() + r0 * nb, *sr = sx.data() + r0 * nb;
-          if (four)
-            packed_group_avx2<true>(qg, dg, mg, nb, qr, dr, sr, K, rows, o + r0 * N + g * 16, N, valid);
-          else
-            packed_group_avx2<false>(qg, dg, mg, nb, qr, dr, sr, K, rows, o + r0 * N + g * 16, N, valid);
-        }
+        packed_group_scalar(qg, dg, mg, nb, qx.data(), dx.data(), sx.data(), K, M, fmt, valid, o + g * 16, N);
+      } else if (fmt == 4) {
+        vector_group<4>(isa, qg, dg, mg, nb, qx.data(), dx.data(), sx.data(), K, M, valid, o + g * 16, N);
+      } else if (fmt == 8) {
+        vector_group<8>(isa, qg, dg, mg, nb, qx.data(), dx.data(), sx.data(), K, M, valid, o + g * 16, N);
       } else {
-        const __mmask16 mask = static_cast<__mmask16>((1u << valid) - 1u);
-        if (M == 1) {
-          if (four)
-            packed_group_m1<true>(qg, dg, mg, nb, qx.data(), dx.data(), sx.data(), o + g * 16, mask);
-          else
-            packed_group_m1<false>(qg, dg, mg, nb, qx.data(), dx.data(), sx.data(), o + g * 16, mask);
-          continue;
-        }
-        for (int64_t r0 = 0; r0 < M; r0 += kRowsPerPass) {
-          const int64_t rows = std::min(kRowsPerPass, M - r0);
-          if (four)
-            packed_group<true>(qg, dg, mg, nb, qx.data() + r0 * K, dx.data() + r0 * nb, sx.data() + r0 * nb, K, rows,
-                               o + r0 * N + g * 16, N, mask);
-          else
-            packed_group<false>(qg, dg, mg, nb, qx.data() + r0 * K, dx.data() + r0 * nb, sx.data() + r0 * nb, K, rows,
-                                o + r0 * N + g * 16, N, mask);
-        }
+        vector_group<kIq4>(isa, qg, dg, mg, nb, qx.data(), dx.data(), sx.data(), K, M, valid, o + g * 16, N);
       }
     }
   });

@@ -1,5 +1,6 @@
-"""GGUF's low-bit types kept quantized (kernels/kquants.py): Q2_K, Q3_K, IQ4_NL and IQ4_XS decoded
-into the kernels' 8-bit block form, against gguf's own dequantizer over random bytes (exact where
+"""GGUF's low-bit types kept quantized (kernels/kquants.py): Q2_K and Q3_K decoded into the kernels'
+8-bit block form, IQ4_NL and IQ4_XS kept as 4-bit indices (tests/kernels/test_iq4.py: their kernel),
+against gguf's own dequantizer over random bytes (exact where
 the module says so, within the stated bound elsewhere), the quantized kernel over them, and a
 tiny GGUF of those types imported with every block tensor kept and run near its dense import."""
 
@@ -24,7 +25,7 @@ from tinymodel import make_tiny_model
 from triollm.engine.config import EngineArgs
 from triollm.engine.loading.model_files import resolve_model
 from triollm.kernels import cpu_native
-from triollm.kernels.quant import QUANT_GGML_TYPES, PackedWeight, QuantWeight, packed_linear, reference_linear
+from triollm.kernels.quant import IQ4, QUANT_GGML_TYPES, PackedWeight, QuantWeight, packed_linear, reference_linear
 
 Q2_K, Q3_K, IQ4_NL, IQ4_XS = LOW_BIT
 U16 = 2.0**-11  # fp16's unit roundoff
@@ -52,15 +53,15 @@ def test_the_low_bit_types_are_kept_quantized() -> None:
 
 @pytest.mark.parametrize("kind", [IQ4_NL, IQ4_XS], ids=lambda t: t.name)
 def test_iq4_decodes_to_ggufs_values(kind: GGMLQuantizationType) -> None:
-    """IQ4's levels as 8-bit codes level + 128, m = -128 d: IQ4_NL to the bit with any fp16 scale;
-    IQ4_XS to the bit where d * (ls - 32) is exact in fp16 (power-of-two d), else within the one
-    fp16 rounding of that product (2^-11 of it per weight, 127 levels at most)."""
+    """IQ4's indices kept, read as the 8-bit codes level + 128, m = -128 d: IQ4_NL to the bit with
+    any fp16 scale; IQ4_XS to the bit where d * (ls - 32) is exact in fp16 (power-of-two d), else
+    within the one fp16 rounding of that product (2^-11 of it per weight, 127 levels at most)."""
     rng = np.random.default_rng(11)
     n, k = 6, 512
     exact = np.array([2.0**-e * s for e in range(5, 12) for s in (1, -1)])
     raw = _random_blocks(rng, kind, n, k, exact if kind == IQ4_XS else rng.uniform(-0.05, 0.05, 64))
     w = QuantWeight.from_ggml(raw, int(kind), (n, k))
-    assert (w.bits, w.q.shape) == (8, (n, k))
+    assert (w.bits, w.q.shape) == (IQ4, (n, k // 2))
     assert torch.equal(w.m, (w.d.float() * -128).half())
     np.testing.assert_array_equal(w.dequantize().double().numpy(), _gguf(raw, kind, n, k))
     if kind == IQ4_XS:
@@ -146,13 +147,18 @@ def low_bit_gguf(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
 
 
 def test_a_low_bit_gguf_keeps_every_block_tensor(low_bit_gguf: tuple[Path, Path]) -> None:
-    """Every projection of the file kept in 8-bit blocks (none dequantized to fp32), each within
-    half an 8-bit step of the dense import (gguf's own dequantization)."""
+    """Every projection of the file kept in blocks (none dequantized to fp32): IQ4 alone as 4-bit
+    indices, fused with other types (and Q2_K, Q3_K) as 8-bit codes; each within half an 8-bit
+    step of the dense import (gguf's own dequantization)."""
     from triollm.engine.execution.layers.quantized import read_gguf_quantized
 
     _, out = low_bit_gguf
     quant, dense = read_gguf_quantized(out), load_file(str(out / "model.safetensors"))
-    assert len(quant) == len(MIX) and all(w.bits == 8 for w in quant.values())
+    assert len(quant) == len(MIX)
+    layers = ("0.self_attn.o_proj", "0.mlp.down_proj", "1.mlp.down_proj")
+    alone = {"model.embed_tokens.weight"} | {f"model.layers.{p}.weight" for p in layers}
+    assert {n for n, w in quant.items() if w.bits == IQ4} == alone
+    assert all(w.bits == 8 for n, w in quant.items() if n not in alone)
     for name, w in quant.items():
         err = (w.dequantize().double() - dense[name].double()).abs().view(w.shape[0], -1, 32)
         assert (err <= w.d.double().abs().unsqueeze(-1) / 2 * 1.000001 + 1e-7).all(), name
