@@ -51,12 +51,6 @@ import torch
 
 from triollm.engine.loading.config_checks import check_head_counts
 from triollm.engine.loading.hf_families import MoESpec, family_fields
-from triollm.engine.loading.hf_recurrent import (
-    RECURRENT_ARCHITECTURES,
-    RECURRENT_LAYER_TYPES,
-    RecurrentSpec,
-    parse_recurrent,
-)
 from triollm.engine.loading.quant_checkpoints import CheckpointQuant, parse_quantization_config
 from triollm.engine.loading.rope_config import RopeConfig, parse_rope
 from triollm.engine.loading.transformers_config import parse_transformers_config
@@ -109,6 +103,10 @@ _ARCHITECTURES = {
     "Olmo2ForCausalLM": _Defaults("olmo2", 2048, None, None, False, None, rms_norm_eps=1e-5),
     "GraniteForCausalLM": _Defaults("granite", 2048, None, None, True, None),
     "GptOssForCausalLM": _Defaults("gpt_oss", 131072, 8, None, False, 128, 64, rms_norm_eps=1e-5, attention_bias=True),
+    # LayerNorm and partial rotary (models/layernorm_decoder.py); eps and biases: hf_families.py.
+    "GPTNeoXForCausalLM": _Defaults("gpt_neox", 2048, None, None, False, None, hidden_act="gelu", attention_bias=True),
+    "PhiForCausalLM": _Defaults("phi", 2048, None, True, False, None, hidden_act="gelu_new"),
+    "StableLmForCausalLM": _Defaults("stablelm", 4096, 32, False, False, None),
 }
 # Encoder-only (bidirectional) models: served by the pooling runner (embeddings, or a
 # classifier's scores for the *ForSequenceClassification heads), never generate.
@@ -132,7 +130,7 @@ DECODER_CLASSIFIERS = {
     "Qwen2ForSequenceClassification": "Qwen2ForCausalLM",
     "Qwen3ForSequenceClassification": "Qwen3ForCausalLM",
 }
-SUPPORTED_ARCHITECTURES = (*_ARCHITECTURES, *RECURRENT_ARCHITECTURES, *ENCODER_ARCHITECTURES, *DECODER_CLASSIFIERS)
+SUPPORTED_ARCHITECTURES = (*_ARCHITECTURES, *ENCODER_ARCHITECTURES, *DECODER_CLASSIFIERS)
 # transformers' activation names, by the function they compute.
 _ACTIVATIONS = {
     "silu": "silu",
@@ -173,7 +171,10 @@ class HfConfig:
     layer_types: tuple[str, ...] = ()  # "full_attention" / "sliding_attention" per layer; (): all full
     local_rope: RopeConfig | None = None  # the sliding layers' own RoPE (Gemma 3); None: `rope`
     rotary_dim: int | None = None  # partial rotary: dims of each head that rotate; None: head_dim
-    qk_norm: str | None = None  # RMSNorm of q and k: "head" (over each head) or "full" (OLMo 2)
+    # Norm of q and k: RMSNorm "head" (over each head) or "full" (OLMo 2); LayerNorm over each head,
+    # "layernorm" (one weight and bias for every head: Phi) or "layernorm_head" (a weight per head: StableLM).
+    qk_norm: str | None = None
+    parallel_residual: bool = False  # x + attn(norm(x)) + mlp(norm'(x)) (GPT-NeoX, Phi, StableLM)
     norm_layout: str = "pre"  # "pre" (Llama), "sandwich" (Gemma 2/3: pre and post), "post" (OLMo 2)
     norm_offset: bool = False  # Gemma's RMSNorm scales by (1 + weight)
     embedding_multiplier: float = 1.0  # Gemma: sqrt(hidden_size); Granite: embedding_multiplier
@@ -184,21 +185,11 @@ class HfConfig:
     logits_divisor: float = 1.0  # Granite: logits_scaling
     fused_checkpoint: bool = False  # Phi-3: qkv_proj and gate_up_proj stored fused
     moe: MoESpec | None = None
-    # Layers with a per-request state instead of a KV cache (hf_recurrent.py: LFM2's short
-    # convolutions); None: every layer attends.
-    recurrent: RecurrentSpec | None = None
     # config.json's `quantization_config` (quant_checkpoints.py); None: a float checkpoint.
     checkpoint_quant: CheckpointQuant | None = None
     # Whose modeling code runs: "triollm" (engine/execution/models/) or "transformers" (the
     # Transformers backend, transformers_backend.py; only the sizes above are read then).
     model_impl: str = "triollm"
-
-    @property
-    def kv_layers(self) -> tuple[int, ...]:
-        """The layers that read and write the KV cache, in order (all but a hybrid's recurrent ones)."""
-        if self.recurrent is None:
-            return tuple(range(self.num_layers))
-        return tuple(i for i, t in enumerate(self.layer_types) if t not in RECURRENT_LAYER_TYPES)
 
     def layer_window(self, layer: int) -> int | None:
         """The sliding window of `layer`, None for full attention."""
@@ -262,8 +253,6 @@ def parse_hf_config(hf: Mapping[str, Any], model_impl: str = "auto") -> HfConfig
         return _parse_modernbert(arch, hf)
     if arch in ENCODER_ARCHITECTURES:
         return _parse_bert(arch, hf)
-    if arch in RECURRENT_ARCHITECTURES:
-        return parse_recurrent(arch, hf)
     family = causal_architecture(arch)
     d = _ARCHITECTURES[family]
     raw_quant = hf.get("quantization_config")
@@ -298,12 +287,13 @@ def parse_hf_config(hf: Mapping[str, Any], model_impl: str = "auto") -> HfConfig
         num_kv_heads=num_kv_heads,
         head_dim=head_dim,
         vocab_size=_int(hf, "vocab_size"),
-        rms_norm_eps=_eps(hf, d.rms_norm_eps),
+        # LayerNorm families read their eps and biases from fields of their own (hf_families.py).
+        rms_norm_eps=extra.pop("rms_norm_eps", None) or _eps(hf, d.rms_norm_eps),
         rope=extra.pop("rope", None) or parse_rope(hf, max_pos),
         max_position_embeddings=max_pos,
         tie_word_embeddings=_bool(hf, "tie_word_embeddings", d.tie_word_embeddings),
-        qkv_bias=attention_bias if d.qkv_bias is None else d.qkv_bias,
-        o_proj_bias=attention_bias if d.qkv_bias is None else False,  # Llama biases o_proj too
+        qkv_bias=extra.pop("qkv_bias", attention_bias if d.qkv_bias is None else d.qkv_bias),
+        o_proj_bias=extra.pop("o_proj_bias", attention_bias if d.qkv_bias is None else False),  # Llama biases o_proj
         mlp_bias=_bool(hf, "mlp_bias", False) if d.has_mlp_bias else False,
         sliding_window=window,
         checkpoint_dtype=checkpoint_dtype(hf),
@@ -493,8 +483,6 @@ def _architecture(hf: Mapping[str, Any], *, native_only: bool) -> str:
     else:  # no architectures: transformers goes by model_type
         model_type = hf.get("model_type") or "llama"
         by_type = {d.model_type: a for a, d in _ARCHITECTURES.items()} | {
-            t: a for a, t in RECURRENT_ARCHITECTURES.items()
-        } | {
             "bert": "BertModel",
             "xlm-roberta": "XLMRobertaModel",
             "modernbert": "ModernBertModel",

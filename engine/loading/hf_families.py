@@ -18,6 +18,10 @@ What differs from Llama, by family:
 - Granite: embedding, residual, attention and logit multipliers.
 - gpt-oss: routed experts with biases and a clamped SwiGLU (`swiglu_alpha`, `swiglu_limit`), a
   router with a bias, attention sinks (models/gpt_oss.py); windows on alternate layers.
+- GPT-NeoX, Phi (1, 1.5, 2), StableLM: LayerNorm (`layer_norm_eps`), partial rotary by default
+  (NeoX 4.x: `rotary_pct`, `rotary_emb_base`), parallel residuals (`use_parallel_residual`; Phi
+  always), their biases (NeoX `attention_bias`, Phi everywhere, StableLM `use_qkv_bias`), q/k
+  LayerNorms (`qk_layernorm`: Phi one for every head, StableLM one per head); models/layernorm_decoder.py.
 """
 
 from __future__ import annotations
@@ -80,16 +84,35 @@ def family_fields(
             out["local_rope"] = parse_rope(_gemma3_local(hf), max_pos, layer_type="sliding_attention")
         case "Phi3ForCausalLM":
             out["fused_checkpoint"] = True
-            factor = partial_rotary_factor(hf)
-            out["rope"] = parse_rope(hf, max_pos, allow_partial=True)
-            if factor != 1.0:
-                rotary = int(head_dim * factor)
-                if rotary % 2 or rotary == 0:
-                    raise ValueError(
-                        f"partial_rotary_factor: {factor} gives {rotary} rotary dims of {head_dim}; RoPE needs an even "
-                        f"number"
-                    )
-                out["rotary_dim"] = rotary
+            out |= _partial_rope(hf, head_dim, max_pos)
+        case "GPTNeoXForCausalLM":
+            if hf.get("quantization_config"):
+                raise ValueError(
+                    "quantization_config: quantized GPTNeoXForCausalLM checkpoints are not supported (their q|k|v "
+                    "rows interleave per head); use unquantized weights"
+                )
+            out |= _layer_norm_family(hf, head_dim, max_pos, _neox_rope(hf), rotary=0.25)
+            out["parallel_residual"] = _flag(hf, "use_parallel_residual", True)
+        case "PhiForCausalLM":
+            if _flag(hf, "tie_word_embeddings", False):
+                raise ValueError(
+                    "tie_word_embeddings: PhiForCausalLM's lm_head has a bias; a tied head is not supported"
+                )
+            out |= _layer_norm_family(hf, head_dim, max_pos, hf, rotary=0.5)
+            out["parallel_residual"] = True
+            out["qkv_bias"] = out["o_proj_bias"] = True
+            out["qk_norm"] = "layernorm" if _flag(hf, "qk_layernorm", False) else None
+        case "StableLmForCausalLM":
+            act = hf.get("hidden_act") or "silu"
+            if act not in ("silu", "swish", "gelu_pytorch_tanh", "gelu_new"):
+                raise ValueError(
+                    f"hidden_act: {act!r} is not supported for StableLmForCausalLM's gated MLP; supported: silu, "
+                    "swish, gelu_pytorch_tanh, gelu_new"
+                )
+            out |= _layer_norm_family(hf, head_dim, max_pos, hf, rotary=0.25)
+            out["parallel_residual"] = _flag(hf, "use_parallel_residual", False)
+            out["qkv_bias"], out["o_proj_bias"] = _flag(hf, "use_qkv_bias", False), False
+            out["qk_norm"] = "layernorm_head" if _flag(hf, "qk_layernorm", False) else None
         case "Olmo2ForCausalLM":
             out["norm_layout"], out["qk_norm"] = "post", "full"
         case "GraniteForCausalLM":
@@ -97,6 +120,45 @@ def family_fields(
             out["residual_multiplier"] = _positive(hf, "residual_multiplier", 1.0)
             out["attention_scale"] = _positive(hf, "attention_multiplier", 1.0)
             out["logits_divisor"] = _positive(hf, "logits_scaling", 1.0)
+    return out
+
+
+def _partial_rope(hf: Mapping[str, Any], head_dim: int, max_pos: int) -> dict[str, Any]:
+    """`rope`, and `rotary_dim` where `partial_rotary_factor` rotates only part of each head
+    (`int(head_dim * factor)` dims, as transformers counts them)."""
+    out: dict[str, Any] = {"rope": parse_rope(hf, max_pos, allow_partial=True)}
+    factor = partial_rotary_factor(hf)
+    if factor != 1.0:
+        rotary = int(head_dim * factor)
+        if rotary % 2 or rotary == 0:
+            raise ValueError(
+                f"partial_rotary_factor: {factor} gives {rotary} rotary dims of {head_dim}; RoPE needs an even number"
+            )
+        out["rotary_dim"] = rotary
+    return out
+
+
+def _layer_norm_family(
+    hf: Mapping[str, Any], head_dim: int, max_pos: int, rope_hf: Mapping[str, Any], *, rotary: float
+) -> dict[str, Any]:
+    """GPT-NeoX, Phi and StableLM: `layer_norm_eps`, and a partial rotary whose factor defaults to
+    `rotary` (the config classes' default) when config.json does not give one."""
+    eps = _positive(hf, "layer_norm_eps", 1e-5)
+    params = rope_hf.get("rope_parameters") or rope_hf.get("rope_scaling") or {}
+    if "partial_rotary_factor" not in rope_hf and not (
+        isinstance(params, Mapping) and "partial_rotary_factor" in params
+    ):
+        rope_hf = {**rope_hf, "partial_rotary_factor": rotary}
+    return {"rms_norm_eps": eps, **_partial_rope(rope_hf, head_dim, max_pos)}
+
+
+def _neox_rope(hf: Mapping[str, Any]) -> Mapping[str, Any]:
+    """GPT-NeoX's 4.x spelling: `rotary_pct` and `rotary_emb_base` (5.x: `rope_parameters`)."""
+    out = dict(hf)
+    if "rotary_pct" in hf and "partial_rotary_factor" not in hf:
+        out["partial_rotary_factor"] = hf["rotary_pct"]
+    if "rotary_emb_base" in hf and "rope_theta" not in hf:
+        out["rope_theta"] = hf["rotary_emb_base"]
     return out
 
 

@@ -82,7 +82,7 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
                                                "interleave_moe_layer_step": 2, "num_experts_per_tok": 1}),
 }  # fmt: skip
 # Of those, the ones with a native class too (auto runs them natively; the parity test asks for the backend).
-NATIVE = {"GptOssForCausalLM"}
+NATIVE = {"GptOssForCausalLM", "GPTNeoXForCausalLM", "PhiForCausalLM"}
 
 
 def make_backend_model(path: Path, arch: str, seed: int = 0) -> Path:
@@ -293,8 +293,9 @@ def test_native_only_refuses_other_architectures(tmp_path: Path) -> None:
 
 
 def test_layers_the_backend_cannot_page_are_refused_when_built(tmp_path: Path) -> None:
-    """What only the built model shows: GPT-2 with cross-attention layers; StableLM, whose
-    attention does not go through transformers' attention interface."""
+    """What only the built model shows: GPT-2 with cross-attention layers; StableLM through the
+    backend (its native class is what auto picks), whose attention does not go through
+    transformers' attention interface."""
     from triollm.engine.execution.models import load_model
 
     path = make_backend_model(tmp_path / "gpt2", "GPT2LMHeadModel")
@@ -308,7 +309,7 @@ def test_layers_the_backend_cannot_page_are_refused_when_built(tmp_path: Path) -
     with pytest.raises(
         ValueError, match=r"StableLmForCausalLM's attention does not go through transformers' attention"
     ):
-        load_model(ModelConfig.from_pretrained(stablelm, max_model_len=64))
+        load_model(ModelConfig.from_pretrained(stablelm, max_model_len=64, model_impl="transformers"))
 
 
 @pytest.mark.parametrize(

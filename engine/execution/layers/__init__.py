@@ -3,7 +3,7 @@
 - `linear`: dense linear layers (oneDNN-packed on CPU), column- or row-parallel, each knowing
   which rows or columns of which checkpoint tensors it holds (`Linear.load`);
 - `quantized`: the same projections over quantized blocks, and the native decoder stack;
-- `norm`: RMSNorm, plain or fused with the residual add;
+- `norm`: RMSNorm, plain or fused with the residual add; LayerNorm (GPT-NeoX, Phi, StableLM);
 - `rotary`: the rotary tables of one RoPE configuration, full or partial;
 - `attention`: attention over the paged KV cache (rotation, cache write, decode and prefill
   kernels, sliding windows and soft-capping), and the per-step metadata;

@@ -12,11 +12,13 @@ from triollm.engine.distributed.sharding import TPShard
 from triollm.engine.execution.layers.linear import Linear
 from triollm.engine.execution.models.base import CausalLM
 from triollm.engine.execution.models.gemma import Gemma2ForCausalLM
+from triollm.engine.execution.models.gpt_neox import GPTNeoXForCausalLM
 from triollm.engine.execution.models.gpt_oss import GptOssForCausalLM
-from triollm.engine.execution.models.lfm2 import Lfm2ForCausalLM
 from triollm.engine.execution.models.llama import LlamaForCausalLM, Phi3ForCausalLM
 from triollm.engine.execution.models.moe import MoEForCausalLM
 from triollm.engine.execution.models.olmo2 import Olmo2ForCausalLM
+from triollm.engine.execution.models.phi import PhiForCausalLM
+from triollm.engine.execution.models.stablelm import StableLmForCausalLM
 from triollm.engine.loading.model_config import ModelConfig
 from triollm.engine.loading.weights import load_weights, materialize, quantize_model
 
@@ -39,7 +41,9 @@ MODELS: dict[str, type[CausalLM]] = {
     "MixtralForCausalLM": MoEForCausalLM,
     "Qwen3MoeForCausalLM": MoEForCausalLM,
     "GptOssForCausalLM": GptOssForCausalLM,
-    "Lfm2ForCausalLM": Lfm2ForCausalLM,
+    "GPTNeoXForCausalLM": GPTNeoXForCausalLM,
+    "PhiForCausalLM": PhiForCausalLM,
+    "StableLmForCausalLM": StableLmForCausalLM,
 }
 
 
