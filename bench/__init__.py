@@ -1,7 +1,8 @@
 """`triollm bench`: throughput and latency (offline), pipeline (the actor layer), serve (a
 client), quality (quantized weights against the dense model), soak (a mixed hostile load with leak
 checks), moe (the routed-experts block by expert count), lora (adapters against the base model),
-step (where a batch-N decode step's time goes, against its floors).
+step (where a batch-N decode step's time goes, against its floors), embed (LLM.embed beside
+sentence-transformers).
 
 The rule: a benchmark uses what a user can: `triollm`'s exports (`LLM`, `AsyncLLM`, `EngineArgs`,
 `SamplingParams`), the HTTP server (serve and soak are clients of `triollm serve`), the vLLM
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from triollm.bench.embed import add_embed_parser
 from triollm.bench.latency import add_latency_parser
 from triollm.bench.lora import add_lora_parser
 from triollm.bench.moe import add_moe_parsers
@@ -31,7 +33,7 @@ __all__ = ["add_bench_parser"]
 
 def add_bench_parser(sub: Any) -> None:
     bench = sub.add_parser(
-        "bench", help="benchmarks (throughput, latency, pipeline, serve, quality, soak, moe, lora, step)"
+        "bench", help="benchmarks (throughput, latency, pipeline, serve, quality, soak, moe, lora, step, embed)"
     )
     kinds = bench.add_subparsers(dest="bench", required=True)
     add_throughput_parsers(kinds)
@@ -43,3 +45,4 @@ def add_bench_parser(sub: Any) -> None:
     add_moe_parsers(kinds)
     add_lora_parser(kinds)
     add_step_parser(kinds)
+    add_embed_parser(kinds)

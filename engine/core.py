@@ -89,7 +89,14 @@ class EngineCore:
         w = mc.sliding_window
         window = w if windowed and w is not None and w < mc.max_model_len else None
         cache = self.config.cache
-        self.block_manager = BlockManager(self.num_blocks, cache.block_size, cache.enable_prefix_caching, window)
+        prefix_caching = cache.enable_prefix_caching
+        slots = 0
+        if mc.recurrent is not None:  # a hybrid model: a state slot per running request
+            slots = self.config.scheduler.max_num_seqs
+            if prefix_caching:
+                log.info("prefix caching is off for %s: a cached block holds no recurrent state", mc.architecture)
+                prefix_caching = False
+        self.block_manager = BlockManager(self.num_blocks, cache.block_size, prefix_caching, window, slots)
         self.scheduler = Scheduler(self.config.scheduler, self.block_manager, mc.max_model_len)
         self.speculator = self._speculator()
         self.requests: dict[str, Request] = {}
@@ -112,6 +119,11 @@ class EngineCore:
         spec = self.config.speculative
         if spec is None:
             return None
+        if self.config.model.recurrent is not None:
+            raise ValueError(
+                f"speculative_config: {self.config.model.architecture} has recurrent layers, whose state cannot "
+                f"roll back rejected draft tokens; speculative decoding is not supported for it"
+            )
         if spec.draft is not None and self.executor.draft is None:
             log.info("speculative decoding is off: the engine core runs an injected runner")
             return None

@@ -49,6 +49,7 @@ import torch
 from triollm.engine.config import EngineConfig
 from triollm.engine.execution.cuda_graphs import DecodeGraphs, cuda_capture
 from triollm.engine.execution.layers.attention import calculate_kv_scales_on_first_prompt
+from triollm.engine.execution.layers.recurrent import StatePool
 from triollm.engine.execution.model_runner import ModelRunner, RunnerOutput
 from triollm.engine.execution.models import CausalLM, load_model
 from triollm.engine.execution.sleep_mode import check_level, check_tags, run_rpc, same_architecture
@@ -254,7 +255,7 @@ class Executor:
         config, mc = self.config, self.config.model
         sizes = config.cuda_graph_sizes
         kv = allocate_kv_cache(
-            mc.num_layers,
+            len(mc.kv_layers),
             self.num_blocks + (1 if sizes else 0),
             config.cache.block_size,
             self.num_kv_heads,
@@ -274,7 +275,17 @@ class Executor:
                     f"tensor_parallel_size: {mc.multimodal.architecture} runs its images on one rank; allowed: 1"
                 )
             vision = load_vision_encoder(mc, config.device)
-        return ModelRunner(self.model, kv, config.device, self.group, graphs, self.lora, vision)
+        states = None
+        if mc.recurrent is not None:  # a hybrid model's recurrent layers (layers/recurrent.py)
+            states = StatePool(*self._state_pool_shape(), mc.dtype, config.device)
+        return ModelRunner(self.model, kv, config.device, self.group, graphs, self.lora, vision, states)
+
+    def _state_pool_shape(self) -> tuple[int, int, tuple[int, ...]]:
+        """(recurrent layers, slots, one layer's state per request): a slot per running request."""
+        mc = self.config.model
+        assert mc.recurrent is not None
+        layers = mc.num_layers - len(mc.kv_layers)
+        return layers, self.config.scheduler.max_num_seqs, mc.recurrent.state_shape(mc.hidden_size)
 
     def _draft_runner(self) -> DraftModel | None:
         """The draft model's runner over a KV cache of its own (the same block ids)."""
@@ -302,6 +313,9 @@ class Executor:
             return None
         assert self.model is not None
         mc, bs = self.config.model, self.config.cache.block_size
+        if mc.recurrent is not None:  # the states are indexed by slots the host picks each step
+            log.info("CUDA graphs are off for %s: its recurrent layers run eagerly", mc.architecture)
+            return None
         if mc.moe is not None:  # the experts' routing reads token counts on the host each layer
             log.info("CUDA graphs are off for %s: routed experts run eagerly", mc.architecture)
             return None
@@ -328,7 +342,7 @@ class Executor:
     def bytes_per_block(self) -> int:
         """KV bytes per block: the model's and, with a draft model, the draft's (same blocks)."""
         mc, bs = self.config.model, self.config.cache.block_size
-        size = KVCache.bytes_per_block(mc.num_layers, self.num_kv_heads, mc.head_dim, bs, mc.cache_dtype)
+        size = KVCache.bytes_per_block(len(mc.kv_layers), self.num_kv_heads, mc.head_dim, bs, mc.cache_dtype)
         spec = self.config.speculative
         if spec is not None and spec.draft is not None and self.draft_model is not None:
             d = spec.draft
@@ -338,7 +352,9 @@ class Executor:
     def fixed_bytes(self) -> int:
         """KV bytes whatever the block count (an fp8 cache's per-layer scales), draft included."""
         mc = self.config.model
-        size = KVCache.fixed_bytes(mc.num_layers, mc.cache_dtype)
+        size = KVCache.fixed_bytes(len(mc.kv_layers), mc.cache_dtype)
+        if mc.recurrent is not None:
+            size += StatePool.bytes_needed(*self._state_pool_shape(), mc.dtype)
         spec = self.config.speculative
         if spec is not None and spec.draft is not None and self.draft_model is not None:
             size += KVCache.fixed_bytes(spec.draft.num_layers, spec.draft.cache_dtype)

@@ -46,6 +46,7 @@ from triollm.engine.execution.layers.attention import AttentionMetadata, Prefill
 from triollm.engine.execution.layers.linear import Linear
 from triollm.engine.execution.layers.moe import FusedMoE
 from triollm.engine.execution.layers.quantized import QuantEmbedding, QuantLinear
+from triollm.engine.execution.layers.recurrent import StatePool, StateRows
 from triollm.engine.execution.models.base import CausalLM
 from triollm.engine.execution.sampler import Sampler, SamplingRow, gather_logprobs
 from triollm.engine.request import Logprobs, RunnerOutput
@@ -72,8 +73,10 @@ class ModelRunner:
         graphs: DecodeGraphs | None = None,
         lora: LoRAManager | None = None,
         vision: VisionEncoder | None = None,
+        states: StatePool | None = None,
     ) -> None:
         self.model = model
+        self.states = states  # a hybrid model's recurrent-layer states, by the requests' slots
         self.vision = vision  # a vision-language model's tower and projector
         self.lora = lora  # the adapters' slots (rank 0: filled by the core before each step)
         self.group = group  # rank 0 of a tensor-parallel model: the other ranks follow each step
@@ -151,6 +154,8 @@ class ModelRunner:
             )
         else:
             input_ids, positions, meta = self._tensors(inputs)
+            if self.states is not None:
+                meta.state_rows = self._state_rows(decodes, prefills)
             images = None
             if self.vision is not None and prefills:
                 images = self._image_rows(prefills, sum(s.num_new_tokens for s in decodes))
@@ -280,6 +285,28 @@ class ModelRunner:
         input_ids, positions, meta = self._tensors(inputs)
         hidden = self.model(input_ids, positions, meta, self.kv)
         return hidden.index_select(0, torch.tensor(ends, device=self.device))
+
+    def _state_rows(self, decodes: list[ScheduledRequest], prefills: list[ScheduledRequest]) -> StateRows:
+        """Each request's rows and state slot (decode rows first, as `_gather` lays them out);
+        the slots of requests that start at position 0 are zeroed first (layers/recurrent.py)."""
+        assert self.states is not None
+        slots: list[int] = []
+        fresh: list[int] = []
+        for s in (*decodes, *prefills):
+            slot = s.request.state_slot
+            if slot is None:
+                raise RuntimeError(f"request {s.request.request_id!r} runs without a recurrent-state slot")
+            slots.append(slot)
+            if s.num_computed_tokens == 0:
+                fresh.append(slot)
+        self.states.reset(fresh)
+        d = len(decodes)
+        chunks, row = [], d
+        for s, slot in zip(prefills, slots[d:], strict=True):
+            chunks.append((row, s.num_new_tokens, slot))
+            row += s.num_new_tokens
+        decode_slots = torch.tensor(slots[:d], dtype=torch.long, device=self.device)
+        return StateRows(decode_slots, chunks, self.states)
 
     def _lora_segments(self, order: list[ScheduledRequest]) -> list[tuple[int, int, int]]:
         """(slot, first row, rows) of each request fed under an adapter, in batch order."""

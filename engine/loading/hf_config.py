@@ -51,6 +51,12 @@ import torch
 
 from triollm.engine.loading.config_checks import check_head_counts
 from triollm.engine.loading.hf_families import MoESpec, family_fields
+from triollm.engine.loading.hf_recurrent import (
+    RECURRENT_ARCHITECTURES,
+    RECURRENT_LAYER_TYPES,
+    RecurrentSpec,
+    parse_recurrent,
+)
 from triollm.engine.loading.quant_checkpoints import CheckpointQuant, parse_quantization_config
 from triollm.engine.loading.rope_config import RopeConfig, parse_rope
 from triollm.engine.loading.transformers_config import parse_transformers_config
@@ -130,7 +136,7 @@ DECODER_CLASSIFIERS = {
     "Qwen2ForSequenceClassification": "Qwen2ForCausalLM",
     "Qwen3ForSequenceClassification": "Qwen3ForCausalLM",
 }
-SUPPORTED_ARCHITECTURES = (*_ARCHITECTURES, *ENCODER_ARCHITECTURES, *DECODER_CLASSIFIERS)
+SUPPORTED_ARCHITECTURES = (*_ARCHITECTURES, *RECURRENT_ARCHITECTURES, *ENCODER_ARCHITECTURES, *DECODER_CLASSIFIERS)
 # transformers' activation names, by the function they compute.
 _ACTIVATIONS = {
     "silu": "silu",
@@ -185,11 +191,21 @@ class HfConfig:
     logits_divisor: float = 1.0  # Granite: logits_scaling
     fused_checkpoint: bool = False  # Phi-3: qkv_proj and gate_up_proj stored fused
     moe: MoESpec | None = None
+    # Layers with a per-request state instead of a KV cache (hf_recurrent.py: LFM2's short
+    # convolutions); None: every layer attends.
+    recurrent: RecurrentSpec | None = None
     # config.json's `quantization_config` (quant_checkpoints.py); None: a float checkpoint.
     checkpoint_quant: CheckpointQuant | None = None
     # Whose modeling code runs: "triollm" (engine/execution/models/) or "transformers" (the
     # Transformers backend, transformers_backend.py; only the sizes above are read then).
     model_impl: str = "triollm"
+
+    @property
+    def kv_layers(self) -> tuple[int, ...]:
+        """The layers that read and write the KV cache, in order (all but a hybrid's recurrent ones)."""
+        if self.recurrent is None:
+            return tuple(range(self.num_layers))
+        return tuple(i for i, t in enumerate(self.layer_types) if t not in RECURRENT_LAYER_TYPES)
 
     def layer_window(self, layer: int) -> int | None:
         """The sliding window of `layer`, None for full attention."""
@@ -253,6 +269,8 @@ def parse_hf_config(hf: Mapping[str, Any], model_impl: str = "auto") -> HfConfig
         return _parse_modernbert(arch, hf)
     if arch in ENCODER_ARCHITECTURES:
         return _parse_bert(arch, hf)
+    if arch in RECURRENT_ARCHITECTURES:
+        return parse_recurrent(arch, hf)
     family = causal_architecture(arch)
     d = _ARCHITECTURES[family]
     raw_quant = hf.get("quantization_config")
@@ -483,6 +501,8 @@ def _architecture(hf: Mapping[str, Any], *, native_only: bool) -> str:
     else:  # no architectures: transformers goes by model_type
         model_type = hf.get("model_type") or "llama"
         by_type = {d.model_type: a for a, d in _ARCHITECTURES.items()} | {
+            t: a for a, t in RECURRENT_ARCHITECTURES.items()
+        } | {
             "bert": "BertModel",
             "xlm-roberta": "XLMRobertaModel",
             "modernbert": "ModernBertModel",

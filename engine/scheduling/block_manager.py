@@ -34,6 +34,11 @@ that block by then). Rejected: a ring of `window / bs` blocks per request (the r
 tables and the prefix cache both index blocks by position), and releasing in models where some
 layer attends to everything (Gemma 2/3, Qwen2 with `max_window_layers`): those read every block.
 
+A hybrid model's recurrent layers keep a fixed-size state per request beside its blocks
+(engine/execution/layers/recurrent.py): with `num_state_slots`, `allocate` gives a request one of
+the slots with its first block and `free` takes it back with its blocks, so a slot is held
+exactly while blocks are (a running request; a preempted one starts over with a fresh slot).
+
 `check_integrity()` re-derives every invariant from scratch; tests and debug loops call it.
 """
 
@@ -112,7 +117,12 @@ class BlockManagerStats:
 
 class BlockManager:
     def __init__(
-        self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, window: int | None = None
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool = True,
+        window: int | None = None,
+        num_state_slots: int = 0,
     ) -> None:
         if num_blocks <= 0:
             raise ValueError(f"num_blocks: must be positive, got {num_blocks}")
@@ -129,6 +139,8 @@ class BlockManager:
         self._cached: dict[bytes, int] = {}  # block hash -> block id
         self._queries = 0
         self._hits = 0
+        self.num_state_slots = num_state_slots
+        self._free_slots = list(range(num_state_slots - 1, -1, -1))  # popped from the end: 0 first
 
     # ------------------------------------------------------------------ queries
 
@@ -215,6 +227,10 @@ class BlockManager:
         """Append num_blocks fresh blocks to the request, or change nothing and return False."""
         if num_blocks > len(self._free):
             return False
+        if self.num_state_slots and request.state_slot is None:
+            if not self._free_slots:
+                return False
+            request.state_slot = self._free_slots.pop()
         for _ in range(num_blocks):
             block, _ = self._free.popitem(last=False)
             self._evict(block)
@@ -241,6 +257,9 @@ class BlockManager:
         request.block_ids.clear()
         request.block_hashes.clear()
         request.num_released_blocks = 0
+        if request.state_slot is not None:
+            self._free_slots.append(request.state_slot)
+            request.state_slot = None
 
     def _unref(self, block: int) -> None:
         self._ref[block] -= 1
@@ -263,6 +282,7 @@ class BlockManager:
     def check_integrity(self, live_requests: Iterable[Request] = ()) -> None:
         """Raise AssertionError if any invariant is broken. `live_requests` must be every
         request currently holding blocks."""
+        live_requests = list(live_requests)
         refs = [0] * self.num_blocks
         for req in live_requests:
             held = req.held_block_ids
@@ -280,6 +300,12 @@ class BlockManager:
                 f"{req}: block hashes do not match its tokens"
             )
         assert refs == self._ref, "reference counts do not match the live requests"
+        if self.num_state_slots:
+            held_slots = [r.state_slot for r in live_requests if r.state_slot is not None]
+            assert len(set(held_slots)) == len(held_slots), "two requests hold one state slot"
+            assert sorted([*held_slots, *self._free_slots]) == list(range(self.num_state_slots)), (
+                "state slots lost or duplicated"
+            )
         free = [b for b in range(self.num_blocks) if self._ref[b] == 0]
         assert sorted(self._free) == free, "free list differs from the unreferenced blocks"
         for h, b in self._cached.items():

@@ -70,6 +70,8 @@ class Request:
         self.block_ids: list[int] = []
         self.num_released_blocks = 0
         self.block_hashes: list[bytes] = []  # chained sha256 of the full blocks of all_token_ids
+        # A hybrid model's recurrent-state slot (layers/recurrent.py), held with the blocks.
+        self.state_slot: int | None = None
         # A vision-language prompt's images (engine/request.py `ImageFeature`); the spans
         # (first position, end, digest) key the blocks that hold them (block_manager.py); the
         # model runner keeps each image's features here from the first prefill chunk that

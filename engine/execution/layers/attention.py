@@ -19,7 +19,7 @@ only the keys of its own chunk of positions); kernels/attention.py says which ke
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -34,6 +34,9 @@ from triollm.kernels.attention import (
 )
 from triollm.kernels.kv_quant import cache_scale
 from triollm.kernels.rotary import apply_rotary_signed
+
+if TYPE_CHECKING:
+    from triollm.engine.execution.layers.recurrent import StateRows
 
 __all__ = ["AttentionMetadata", "PagedAttention", "PrefillChunk", "calculate_kv_scales_on_first_prompt"]
 
@@ -62,6 +65,8 @@ class AttentionMetadata:
     # Whether this pass runs the Triton kernels (`use_triton`), decided once per forward pass:
     # the environment lookup behind it costs microseconds, and a layer would pay it four times.
     triton: bool | None = None
+    # A hybrid model's recurrent layers: each request's rows and state slot (layers/recurrent.py).
+    state_rows: StateRows | None = None
 
 
 class PagedAttention(nn.Module):

@@ -1,0 +1,107 @@
+"""`triollm bench embed`: offline embedding throughput beside sentence-transformers.
+
+The workload: `--num-texts` texts of English words whose token counts (the model's tokenizer,
+special tokens included) are uniform in [`--min-tokens`, `--max-tokens`], seed 0. `LLM.embed`
+encodes them in one call (the engine batches them, engine/pooling_core.py); then, in the same
+process, sentence-transformers' `SentenceTransformer.encode` (`--st-batch-size`) encodes the same
+texts with the same number of torch threads. Each side is warmed up on a few texts first and
+timed once; the two results' agreement (the smallest cosine between a text's two embeddings) is
+printed beside the texts/s, so a fast wrong answer does not pass.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import time
+from typing import Any
+
+import torch
+
+from triollm import LLM, EngineArgs
+
+__all__ = ["add_embed_parser", "text_workload"]
+
+_WORDS = (
+    "the quick brown fox jumps over a lazy dog while river stones shine under bright summer light and "
+    "people walk along quiet streets to buy fresh bread from small shops near the old market square where "
+    "children play games with friends after school before dinner is ready at home"
+).split()
+
+
+def add_embed_parser(kinds: Any) -> None:
+    p = kinds.add_parser("embed", help="offline embedding throughput (LLM.embed) beside sentence-transformers")
+    p.add_argument("--num-texts", type=int, default=1000, help="(default: %(default)s)")
+    p.add_argument("--min-tokens", type=int, default=32, help="(default: %(default)s)")
+    p.add_argument("--max-tokens", type=int, default=256, help="(default: %(default)s)")
+    p.add_argument("--st-batch-size", type=int, default=32, help="sentence-transformers' batch (default: %(default)s)")
+    p.add_argument("--no-compare", action="store_true", help="skip sentence-transformers")
+    p.add_argument("--output-json", default=None, help="write the results here")
+    EngineArgs.add_cli_args(p)
+    p.set_defaults(func=run_embed)
+
+
+def text_workload(tokenizer: Any, num: int, low: int, high: int, seed: int = 0) -> list[str]:
+    """`num` texts whose token counts (`tokenizer.encode`, special tokens included) are uniform
+    in [low, high]."""
+    rng = random.Random(seed)
+    texts = []
+    for _ in range(num):
+        target = rng.randint(low, high)
+        words: list[str] = []
+        count = 0
+        while count < target:
+            word = rng.choice(_WORDS)
+            longer = len(tokenizer.encode(" ".join([*words, word])))
+            if longer <= high:  # a word of several tokens may not fit the last place
+                words.append(word)
+                count = longer
+        texts.append(" ".join(words))
+    return texts
+
+
+def run_embed(ns: argparse.Namespace) -> int:
+    args = EngineArgs.from_cli_args(ns)
+    with LLM.from_engine_args(args) as llm:
+        tokenizer = llm.get_tokenizer()
+        texts = text_workload(tokenizer, ns.num_texts, ns.min_tokens, ns.max_tokens)
+        tokens = sum(len(tokenizer.encode(t)) for t in texts)
+        llm.embed(texts[:16], use_tqdm=False)  # warm-up
+        start = time.perf_counter()
+        ours = torch.tensor([o.outputs.embedding for o in llm.embed(texts, use_tqdm=False)])
+        elapsed = time.perf_counter() - start
+        model_path = str(llm.llm_engine.model_config.path)
+    result: dict[str, Any] = {
+        "texts": len(texts),
+        "tokens": tokens,
+        "triollm_s": elapsed,
+        "triollm_texts_per_s": len(texts) / elapsed,
+        "threads": torch.get_num_threads(),
+    }
+    rate = len(texts) / elapsed
+    print(f"triollm LLM.embed: {len(texts)} texts ({tokens} tokens) in {elapsed:.2f} s: {rate:.1f} texts/s")
+    if not ns.no_compare:
+        from sentence_transformers import SentenceTransformer
+
+        st = SentenceTransformer(model_path, device="cpu")
+        st.encode(texts[:16], batch_size=ns.st_batch_size)  # warm-up
+        start = time.perf_counter()
+        theirs = torch.tensor(st.encode(texts, batch_size=ns.st_batch_size, normalize_embeddings=True))
+        st_elapsed = time.perf_counter() - start
+        cosine = torch.nn.functional.cosine_similarity(ours, theirs, dim=-1).min().item()
+        result |= {
+            "st_s": st_elapsed,
+            "st_texts_per_s": len(texts) / st_elapsed,
+            "speedup": st_elapsed / elapsed,
+            "min_cosine": cosine,
+        }
+        print(
+            f"sentence-transformers encode(batch_size={ns.st_batch_size}): {st_elapsed:.2f} s: "
+            f"{len(texts) / st_elapsed:.1f} texts/s; triollm {st_elapsed / elapsed:.2f}x; "
+            f"smallest cosine between the two {cosine:.6f}"
+        )
+    if ns.output_json:
+        with open(ns.output_json, "w") as f:
+            json.dump(result, f, indent=2)
+    return 0

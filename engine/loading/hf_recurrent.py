@@ -1,0 +1,122 @@
+"""config.json of hybrid decoders: attention layers beside layers that carry a recurrent state.
+
+LFM2 (`Lfm2ForCausalLM`) interleaves Qwen3-style attention layers with gated short
+convolutions: `in_proj` to B, C and x, a causal depthwise convolution of B*x over the last
+`conv_L_cache` positions, times C, `out_proj`. What a convolution layer remembers of a sequence
+is its last `conv_L_cache - 1` inputs: a fixed-size state per request, not a KV cache that grows
+(engine/execution/layers/recurrent.py keeps it).
+
+`RecurrentSpec` is what `HfConfig.recurrent` holds for such a model; `layer_types` names each
+layer "full_attention" or "conv". Read as transformers' `Lfm2Config` reads config.json: the MLP
+width is `block_ff_dim` (or `intermediate_size`) adjusted by `block_auto_adjust_ff_dim`, the
+attention layers are `layer_types` or else `full_attn_idxs` (default: every layer), RoPE's base
+defaults to 1,000,000, the embedding is tied unless `tie_embedding` / `tie_word_embeddings`
+says otherwise.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from triollm.engine.loading.hf_config import HfConfig
+
+__all__ = ["RECURRENT_ARCHITECTURES", "RECURRENT_LAYER_TYPES", "RecurrentSpec", "parse_recurrent"]
+
+RECURRENT_LAYER_TYPES = ("conv",)  # layers with a state of their own and no KV cache
+RECURRENT_ARCHITECTURES = {"Lfm2ForCausalLM": "lfm2"}  # architecture -> model_type
+_LFM2_LAYER_TYPES = ("full_attention", "conv")
+
+
+@dataclass(frozen=True)
+class RecurrentSpec:
+    """The per-request state of a hybrid model's recurrent layers."""
+
+    conv_kernel: int  # a convolution layer reads this many positions (its state: kernel - 1)
+    conv_bias: bool
+
+    def state_shape(self, hidden: int) -> tuple[int, int]:
+        """One convolution layer's state for one request: its last kernel - 1 inputs."""
+        return (hidden, self.conv_kernel - 1)
+
+
+def parse_recurrent(arch: str, hf: Mapping[str, Any]) -> HfConfig:
+    """`Lfm2ForCausalLM`'s config.json (module note); a `ValueError` naming the field otherwise."""
+    from triollm.engine.loading.config_checks import check_head_counts
+    from triollm.engine.loading.hf_config import HfConfig, _bool, _int, checkpoint_dtype
+    from triollm.engine.loading.rope_config import parse_rope
+
+    if hf.get("quantization_config"):
+        raise ValueError(f"quantization_config: quantized checkpoints of {arch} are not supported")
+    hidden = _int(hf, "hidden_size", 2560)
+    num_heads = _int(hf, "num_attention_heads", 32)
+    num_layers = _int(hf, "num_hidden_layers", 32)
+    check_head_counts({"head_dim": None}, hidden, num_heads)
+    num_kv_heads = _int(hf, "num_key_value_heads", 8, null=num_heads)
+    if num_heads % num_kv_heads:
+        raise ValueError(
+            f"num_key_value_heads: {num_kv_heads} does not divide num_attention_heads {num_heads}; allowed: a "
+            f"divisor of {num_heads}"
+        )
+    head_dim = hidden // num_heads
+    if head_dim % 2:
+        raise ValueError(f"num_attention_heads: RoPE needs an even head dimension, got {head_dim}")
+    layer_types = hf.get("layer_types")
+    if layer_types is None:
+        full = hf.get("full_attn_idxs")
+        full = list(range(num_layers)) if full is None else full
+        if not isinstance(full, list) or not all(isinstance(i, int) and 0 <= i < num_layers for i in full):
+            raise ValueError(f"full_attn_idxs: expected a list of layer indices below {num_layers}, got {full!r:.80}")
+        layer_types = ["full_attention" if i in full else "conv" for i in range(num_layers)]
+    if not isinstance(layer_types, list) or len(layer_types) != num_layers:
+        raise ValueError(
+            f"layer_types: expected a list of {num_layers} entries (one per layer), got {layer_types!r:.80}"
+        )
+    unknown = sorted({str(t) for t in layer_types if t not in _LFM2_LAYER_TYPES})
+    if unknown:
+        raise ValueError(f"layer_types: {', '.join(unknown)} not supported for {arch}; supported: full_attention, conv")
+    if "full_attention" not in layer_types:
+        raise ValueError(f"layer_types: {arch} needs at least one full_attention layer")
+    kernel = _int(hf, "conv_L_cache", 3, minimum=2)
+    ff = _int(hf, "block_ff_dim", None) if "block_ff_dim" in hf else _int(hf, "intermediate_size", 12288)
+    if _bool(hf, "block_auto_adjust_ff_dim", True):  # transformers' Lfm2MLP
+        ff = int(2 * ff / 3)
+        multiplier = hf.get("block_ffn_dim_multiplier", 1.0)
+        if multiplier is not None:
+            if isinstance(multiplier, bool) or not isinstance(multiplier, int | float) or multiplier <= 0:
+                raise ValueError(f"block_ffn_dim_multiplier: expected a positive number, got {multiplier!r}")
+            multiple = _int(hf, "block_multiple_of", 256)
+            ff = multiple * ((int(multiplier * ff) + multiple - 1) // multiple)
+    eps = hf.get("norm_eps", 1e-5)
+    if isinstance(eps, bool) or not isinstance(eps, int | float) or not eps > 0:
+        raise ValueError(f"norm_eps: expected a positive number, got {eps!r}")
+    max_pos = _int(hf, "max_position_embeddings", 128_000)
+    rope_hf = hf if ("rope_theta" in hf or hf.get("rope_parameters")) else {**hf, "rope_theta": 1_000_000.0}
+    tie = hf.get("tie_embedding", hf.get("tie_word_embeddings", True))
+    if not isinstance(tie, bool):
+        raise ValueError(f"tie_word_embeddings: expected true or false, got {tie!r}")
+    return HfConfig(
+        architecture=arch,
+        hidden_size=hidden,
+        intermediate_size=ff,
+        num_layers=num_layers,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        vocab_size=_int(hf, "vocab_size", 65536),
+        rms_norm_eps=float(eps),
+        rope=parse_rope(rope_hf, max_pos),
+        max_position_embeddings=max_pos,
+        tie_word_embeddings=tie,
+        qkv_bias=False,
+        o_proj_bias=False,
+        mlp_bias=False,
+        sliding_window=None,
+        checkpoint_dtype=checkpoint_dtype(hf),
+        encoder=None,
+        layer_types=tuple(layer_types),
+        qk_norm="head",
+        recurrent=RecurrentSpec(conv_kernel=kernel, conv_bias=_bool(hf, "conv_bias", False)),
+    )

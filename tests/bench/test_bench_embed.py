@@ -1,0 +1,38 @@
+"""`triollm bench embed` on all-MiniLM-L6-v2, a few short texts: the workload's token counts lie
+in the asked range, both sides ran, and their embeddings agree (the smallest cosine is printed
+and written so that a fast wrong answer cannot pass). Speed is not checked here: the lead
+measures it (docs/benchmarks.md)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from triollm import LLM
+from triollm.api.cli import main
+from triollm.bench.embed import text_workload
+
+
+def test_workload_lengths(minilm_dir: Path) -> None:
+    with LLM(str(minilm_dir), multiprocess=False) as llm:
+        tokenizer = llm.get_tokenizer()
+        texts = text_workload(tokenizer, 20, 8, 40)
+    counts = [len(tokenizer.encode(t)) for t in texts]
+    assert all(8 <= n <= 40 for n in counts) and len(set(counts)) > 5
+    assert texts == text_workload(tokenizer, 20, 8, 40)  # seeded
+
+
+def test_bench_embed_beside_sentence_transformers(minilm_dir: Path, tmp_path: Path) -> None:
+    pytest.importorskip("sentence_transformers")
+    out = tmp_path / "embed.json"
+    rc = main([
+        "bench", "embed", "--model", str(minilm_dir), "--num-texts", "12", "--min-tokens", "8",
+        "--max-tokens", "40", "--no-multiprocess", "--output-json", str(out),
+    ])  # fmt: skip
+    assert rc == 0
+    res = json.loads(out.read_text())
+    assert res["texts"] == 12 and 12 * 8 <= res["tokens"] <= 12 * 40
+    assert res["triollm_texts_per_s"] > 0 and res["st_texts_per_s"] > 0
+    assert res["min_cosine"] > 0.9999

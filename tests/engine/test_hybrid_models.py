@@ -1,0 +1,183 @@
+"""Hybrid decoders (issue 42, item 3): layers with a per-request recurrent state beside the KV cache.
+
+LFM2's short-convolution layers keep each running request's last `conv_L_cache - 1` inputs in a
+state slot (engine/execution/layers/recurrent.py), taken with the request's blocks and zeroed
+when it starts over. Tiny checkpoints written by transformers' `Lfm2Config` and `save_pretrained`
+(convolution and attention layers interleaved) must give transformers' greedy tokens and
+logprobs with chunked prefill (16-token steps, so a prompt's state crosses chunk boundaries), a
+forced preemption (the recompute starts from a zeroed slot) and requests joining mid-run.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+from test_transformers_backend import assert_parity, engine_greedy, hf_greedy, prompts
+from tinymodel import build_tokenizer, write_tokenizer
+
+from triollm.engine.config import EngineArgs
+from triollm.engine.core import EngineCore
+from triollm.engine.execution.models.lfm2 import Lfm2ForCausalLM
+from triollm.engine.loading.model_config import ModelConfig
+from triollm.engine.request import EngineCoreRequest
+from triollm.engine.sampling_params import SamplingParams
+from triollm.engine.scheduling.block_manager import BlockManager
+
+
+def make_lfm2(path: Path, seed: int = 0, **fields: object) -> Path:
+    import transformers
+
+    eos = write_tokenizer(path)
+    settings: dict[str, object] = {
+        "hidden_size": 64, "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "intermediate_size": 192, "layer_types": ["conv", "full_attention", "conv", "full_attention"],
+        "conv_L_cache": 3, **fields,
+    }  # fmt: skip
+    cfg = transformers.Lfm2Config(
+        vocab_size=build_tokenizer().get_vocab_size(), max_position_embeddings=512, bos_token_id=None,
+        eos_token_id=eos, pad_token_id=None, tie_word_embeddings=True, dtype="float32", **settings,
+    )  # fmt: skip
+    cfg.architectures = ["Lfm2ForCausalLM"]
+    model = transformers.Lfm2ForCausalLM(cfg).to(torch.float32)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=g)
+            if p.ndim == 1 and name.endswith("weight"):  # norms' scales
+                p.copy_(1 + 0.1 * noise)
+            elif p.ndim == 1:
+                p.copy_(0.1 * noise)
+            else:
+                p.copy_(noise * (0.5 if "embed" in name else 0.3))
+    model.save_pretrained(path)
+    return path
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [{}, {"conv_L_cache": 4, "conv_bias": True, "layer_types": ["full_attention", "conv", "conv", "conv"]}],
+    ids=["lfm2", "kernel4-bias"],
+)
+def test_lfm2_gives_transformers_tokens_through_chunks_and_preemption(tmp_path: Path, fields: dict) -> None:
+    path = make_lfm2(tmp_path / "lfm2", seed=7, **fields)
+    cfg = ModelConfig.from_pretrained(path, max_model_len=96)
+    assert cfg.model_impl == "triollm" and cfg.recurrent is not None
+    assert len(cfg.kv_layers) == cfg.layer_types.count("full_attention")
+    ids = prompts()
+    ours, core = engine_greedy(path, ids)
+    assert isinstance(core.executor.model, Lfm2ForCausalLM)
+    assert_parity(ours, hf_greedy(path, ids))
+    stats = core.statistics()
+    assert stats.num_preemptions > 0  # a request started over from a zeroed state slot
+    assert stats.prefix_cache_hit_rate == 0  # off: a cached block holds no state
+    core.check_integrity()
+
+
+def test_the_kv_cache_holds_only_the_attention_layers(tmp_path: Path) -> None:
+    path = make_lfm2(tmp_path / "lfm2")
+    args = EngineArgs(model=str(path), max_model_len=96, kv_cache_memory_bytes=1 << 20, block_size=16)
+    core = EngineCore(args.create_engine_config())
+    try:
+        runner = core.executor.runner
+        assert len(runner.kv.k) == 2  # of 4 layers, 2 attend
+        assert runner.states is not None and len(runner.states.layers) == 2
+        assert runner.states.layers[0].shape == (args.max_num_seqs, 64, 2)
+        assert not core.block_manager.enable_prefix_caching
+    finally:
+        core.close()
+
+
+def test_a_request_joining_a_running_batch_gets_a_clean_state(tmp_path: Path) -> None:
+    """Slots are reused: the third request takes the slot a finished one left, and must still
+    give its tokens alone."""
+    path = make_lfm2(tmp_path / "lfm2", seed=3)
+    ids = prompts()
+    args = EngineArgs(model=str(path), max_model_len=96, max_num_seqs=2, max_num_batched_tokens=16, seed=0)
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    core = EngineCore(args.create_engine_config())
+    got: dict[str, list[int]] = {str(i): [] for i in range(3)}
+    try:
+        for i in range(3):
+            core.add_request(EngineCoreRequest(str(i), ids[i], params))
+        while core.has_unfinished_requests():
+            for out in core.step():
+                got[out.request_id] += out.new_token_ids
+            core.check_integrity()
+    finally:
+        core.close()
+    alone = [tokens[:8] for tokens, _ in hf_greedy(path, ids)]
+    assert [got[str(i)] for i in range(3)] == alone
+
+
+def test_lfm2_through_llm(tmp_path: Path) -> None:
+    from triollm import LLM
+
+    path = make_lfm2(tmp_path / "lfm2", seed=5)
+    ids = prompts()
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    with LLM(str(path), max_model_len=96, multiprocess=False) as llm:
+        outs = llm.generate([{"prompt_token_ids": p} for p in ids], params, use_tqdm=False)
+    assert [list(o.outputs[0].token_ids) for o in outs] == [t[:6] for t, _ in hf_greedy(path, ids)]
+
+
+def test_speculative_decoding_is_refused_for_a_hybrid_model(tmp_path: Path) -> None:
+    path = make_lfm2(tmp_path / "lfm2")
+    args = EngineArgs(
+        model=str(path), max_model_len=96, speculative_config={"method": "ngram", "num_speculative_tokens": 2}
+    )
+    with pytest.raises(ValueError, match="speculative_config: .*recurrent"):
+        EngineCore(args.create_engine_config())
+
+
+def test_prefix_caching_is_switched_off_with_a_log_line(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    path = make_lfm2(tmp_path / "lfm2")
+    args = EngineArgs(model=str(path), max_model_len=96, enable_prefix_caching=True)
+    with caplog.at_level(logging.INFO, logger="triollm"):
+        core = EngineCore(args.create_engine_config())
+    core.close()
+    assert any("prefix caching is off" in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "match"),
+    [
+        ("layer_types", ["conv", "mamba", "conv", "full_attention"], "layer_types: mamba not supported"),
+        ("layer_types", ["conv", "conv", "conv", "conv"], "at least one full_attention"),
+        ("conv_L_cache", 1, "conv_L_cache: expected an integer >= 2"),
+        ("full_attn_idxs", [9], "full_attn_idxs"),
+    ],
+)
+def test_lfm2_configs_are_checked_at_load(tmp_path: Path, field: str, value: object, match: str) -> None:
+    import json
+
+    path = make_lfm2(tmp_path / "lfm2")
+    raw = json.loads((path / "config.json").read_text())
+    raw[field] = value
+    if field == "full_attn_idxs":
+        raw.pop("layer_types")
+    (path / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(ValueError, match=match):
+        ModelConfig.from_pretrained(path, max_model_len=96)
+
+
+def test_state_slots_follow_the_blocks() -> None:
+    """A slot is taken with the first block, returned with the blocks, and never shared."""
+    from types import SimpleNamespace
+
+    bm = BlockManager(num_blocks=8, block_size=4, enable_prefix_caching=False, num_state_slots=2)
+
+    def req() -> SimpleNamespace:
+        return SimpleNamespace(state_slot=None, block_ids=[], block_hashes=[], num_released_blocks=0)
+
+    a, b, c = req(), req(), req()
+    assert bm.allocate(a, 1) and bm.allocate(b, 1)
+    assert {a.state_slot, b.state_slot} == {0, 1}
+    assert not bm.allocate(c, 1) and c.state_slot is None and c.block_ids == []  # no slot: nothing taken
+    a.held_block_ids = a.block_ids
+    slot = a.state_slot
+    bm.free(a)
+    assert a.state_slot is None
+    assert bm.allocate(c, 1) and c.state_slot == slot
