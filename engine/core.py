@@ -92,7 +92,7 @@ class EngineCore:
         prefix_caching = cache.enable_prefix_caching
         slots = 0
         if mc.recurrent is not None:  # a hybrid model: a state slot per running request
-            slots = self.config.scheduler.max_num_seqs
+            slots = self.executor.num_state_slots
             if prefix_caching:
                 log.info("prefix caching is off for %s: a cached block holds no recurrent state", mc.architecture)
                 prefix_caching = False
@@ -250,9 +250,7 @@ class EngineCore:
 
     def _require_idle(self, what: str) -> None:
         if self.has_unfinished_requests():
-            raise ValueError(
-                f"{what}: {len(self.requests)} requests are unfinished; wait for them or abort them first"
-            )
+            raise ValueError(f"{what}: {len(self.requests)} requests are unfinished; wait for them or abort them first")
 
     def _follow_executor(self) -> None:
         """The executor's runner and draft after sleep, wake-up or reload."""
@@ -320,9 +318,7 @@ class EngineCore:
             if tokens is not None:
                 self.speculator.record(item.request, item.num_draft, len(tokens) - 1)
 
-    def _place_adapters(
-        self, sched: SchedulerOutput, outputs: list[EngineCoreOutput]
-    ) -> SchedulerOutput:
+    def _place_adapters(self, sched: SchedulerOutput, outputs: list[EngineCoreOutput]) -> SchedulerOutput:
         """Every scheduled request's adapter in a slot; a request whose adapter fails to load
         ends alone, with the reason as its error (in `outputs`), and leaves the step."""
         assert self.lora is not None
@@ -395,9 +391,7 @@ class EngineCore:
         # Every request is in the scheduler or compiling its grammar, never both, never neither.
         ids = sorted([r.request_id for r in live] + list(self._compiling))
         assert ids == sorted(self.requests), f"requests {sorted(self.requests)} vs {ids}"
-        assert all(not r.block_ids for r, _ in self._compiling.values()), (
-            "a compiling request holds KV blocks"
-        )
+        assert all(not r.block_ids for r, _ in self._compiling.values()), "a compiling request holds KV blocks"
 
 
 _PARTS = {"weights": "weights", "kv_cache": "KV cache"}

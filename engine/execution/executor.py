@@ -90,6 +90,7 @@ class Executor:
         self.draft: DraftModel | None = None
         self.num_kv_heads = config.model.num_kv_heads
         self.num_blocks = 0
+        self.num_state_slots = 0  # a hybrid model's recurrent-state slots (_num_state_slots)
         self.runner: Runner
         self._injected: Runner | None = None  # tests' runner: kept through sleep
         self._asleep: set[str] = set()  # of sleep_mode.WAKE_TAGS
@@ -277,15 +278,15 @@ class Executor:
             vision = load_vision_encoder(mc, config.device)
         states = None
         if mc.recurrent is not None:  # a hybrid model's recurrent layers (layers/recurrent.py)
-            states = StatePool(*self._state_pool_shape(), mc.dtype, config.device)
+            states = StatePool(self.state_shapes(), self.num_state_slots, mc.dtype, config.device)
         return ModelRunner(self.model, kv, config.device, self.group, graphs, self.lora, vision, states)
 
-    def _state_pool_shape(self) -> tuple[int, int, tuple[int, ...]]:
-        """(recurrent layers, slots, one layer's state per request): a slot per running request."""
+    def state_shapes(self) -> list[tuple[int, ...]]:
+        """A hybrid model's recurrent states for one request, layer by layer ([] for others)."""
         mc = self.config.model
-        assert mc.recurrent is not None
-        layers = mc.num_layers - len(mc.kv_layers)
-        return layers, self.config.scheduler.max_num_seqs, mc.recurrent.state_shape(mc.hidden_size)
+        if mc.recurrent is None:
+            return []
+        return (mc.num_layers - len(mc.kv_layers)) * mc.recurrent.state_shapes(mc.hidden_size)
 
     def _draft_runner(self) -> DraftModel | None:
         """The draft model's runner over a KV cache of its own (the same block ids)."""
@@ -323,9 +324,7 @@ class Executor:
         device = torch.device(self.config.device)
         max_blocks = -(-mc.max_model_len // bs)
         try:
-            graphs = DecodeGraphs(
-                self.model, kv, device, sizes, max_blocks, self.num_blocks, cuda_capture()
-            )
+            graphs = DecodeGraphs(self.model, kv, device, sizes, max_blocks, self.num_blocks, cuda_capture())
         except Exception as exc:  # noqa: BLE001 - eager still works; say why graphs are off
             log.warning(
                 "CUDA graphs are off, every step runs eagerly: capture failed (%s: %s)",
@@ -353,8 +352,7 @@ class Executor:
         """KV bytes whatever the block count (an fp8 cache's per-layer scales), draft included."""
         mc = self.config.model
         size = KVCache.fixed_bytes(len(mc.kv_layers), mc.cache_dtype)
-        if mc.recurrent is not None:
-            size += StatePool.bytes_needed(*self._state_pool_shape(), mc.dtype)
+        size += StatePool.bytes_needed(self.state_shapes(), self.num_state_slots, mc.dtype)
         spec = self.config.speculative
         if spec is not None and spec.draft is not None and self.draft_model is not None:
             size += KVCache.fixed_bytes(spec.draft.num_layers, spec.draft.cache_dtype)
@@ -365,10 +363,12 @@ class Executor:
         every byte of the cache counted, its scales included (`KVCache.bytes_per_block`)."""
         cache = self.config.cache
         if cache.num_kv_blocks is not None:
+            self.num_state_slots = self._num_state_slots(None)
             return cache.num_kv_blocks
         budget = cache.kv_cache_memory_bytes
         if budget is None:
             budget = default_kv_budget(self.config.device, cache.gpu_memory_utilization)
+        self.num_state_slots = self._num_state_slots(budget)
         blocks = (budget - self.fixed_bytes()) // self.bytes_per_block()
         # More blocks than every sequence at full length could use would only waste memory.
         per_seq = math.ceil(self.config.model.max_model_len / cache.block_size)
@@ -379,6 +379,24 @@ class Executor:
                 f"(one block needs {self.bytes_per_block()} bytes)"
             )
         return int(blocks)
+
+    def _num_state_slots(self, budget: int | None) -> int:
+        """Recurrent-state slots: one per running request (`max_num_seqs`), or as many as half
+        the memory budget holds where that is fewer (a Mamba-2 layer's state is megabytes): the
+        scheduler then admits no more requests than there are slots (BlockManager)."""
+        shapes = self.state_shapes()
+        if not shapes:
+            return 0
+        slots = self.config.scheduler.max_num_seqs
+        if budget is not None:
+            per_slot = StatePool.bytes_per_slot(shapes, self.config.model.dtype)
+            slots = min(slots, budget // 2 // per_slot)
+            if slots < 1:
+                raise ValueError(
+                    f"kv_cache_memory_bytes: {budget} bytes hold no recurrent state of "
+                    f"{self.config.model.architecture} (one request's needs {per_slot} bytes, within half the budget)"
+                )
+        return int(slots)
 
     def _check_fits_max_model_len(self) -> None:
         cache, max_len = self.config.cache, self.config.model.max_model_len

@@ -16,6 +16,7 @@ says otherwise.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -25,25 +26,53 @@ if TYPE_CHECKING:
 
 __all__ = ["RECURRENT_ARCHITECTURES", "RECURRENT_LAYER_TYPES", "RecurrentSpec", "parse_recurrent"]
 
-RECURRENT_LAYER_TYPES = ("conv",)  # layers with a state of their own and no KV cache
-RECURRENT_ARCHITECTURES = {"Lfm2ForCausalLM": "lfm2"}  # architecture -> model_type
+RECURRENT_LAYER_TYPES = ("conv", "mamba")  # layers with a state of their own and no KV cache
+RECURRENT_ARCHITECTURES = {"Lfm2ForCausalLM": "lfm2", "BambaForCausalLM": "bamba"}  # architecture -> model_type
 _LFM2_LAYER_TYPES = ("full_attention", "conv")
 
 
 @dataclass(frozen=True)
 class RecurrentSpec:
-    """The per-request state of a hybrid model's recurrent layers."""
+    """The per-request state of a hybrid model's recurrent layers: LFM2's short convolutions
+    (`kind` "short_conv") or Mamba-2 mixers ("mamba2": Bamba)."""
 
-    conv_kernel: int  # a convolution layer reads this many positions (its state: kernel - 1)
+    kind: str
+    conv_kernel: int  # a convolution reads this many positions (its state: the last kernel - 1 inputs)
     conv_bias: bool
+    # Mamba-2 only: heads x head_dim = the mixer's inner width; B and C per group of heads.
+    mamba_heads: int = 0
+    mamba_head_dim: int = 0
+    mamba_groups: int = 1
+    mamba_state: int = 0
+    mamba_chunk: int = 256  # the scan's chunk in prefill (a reduction order, not a result)
+    mamba_proj_bias: bool = False
+    time_step_limit: tuple[float, float] = (0.0, math.inf)
 
-    def state_shape(self, hidden: int) -> tuple[int, int]:
-        """One convolution layer's state for one request: its last kernel - 1 inputs."""
-        return (hidden, self.conv_kernel - 1)
+    @property
+    def mamba_inner(self) -> int:
+        return self.mamba_heads * self.mamba_head_dim
+
+    @property
+    def conv_channels(self) -> int:
+        """Channels the convolution runs over: Mamba-2's x|B|C (LFM2's: the hidden size)."""
+        return self.mamba_inner + 2 * self.mamba_groups * self.mamba_state
+
+    def state_shapes(self, hidden: int) -> list[tuple[int, ...]]:
+        """One recurrent layer's states for one request: the convolution's last kernel - 1
+        inputs, and a Mamba-2 mixer's SSM state `[heads, head_dim, state]`."""
+        if self.kind == "short_conv":
+            return [(hidden, self.conv_kernel - 1)]
+        return [(self.conv_channels, self.conv_kernel - 1), (self.mamba_heads, self.mamba_head_dim, self.mamba_state)]
 
 
 def parse_recurrent(arch: str, hf: Mapping[str, Any]) -> HfConfig:
-    """`Lfm2ForCausalLM`'s config.json (module note); a `ValueError` naming the field otherwise."""
+    """The config.json of a hybrid architecture (module note); a `ValueError` naming the field."""
+    if arch == "BambaForCausalLM":
+        return _parse_bamba(arch, hf)
+    return _parse_lfm2(arch, hf)
+
+
+def _parse_lfm2(arch: str, hf: Mapping[str, Any]) -> HfConfig:
     from triollm.engine.loading.config_checks import check_head_counts
     from triollm.engine.loading.hf_config import HfConfig, _bool, _int, checkpoint_dtype
     from triollm.engine.loading.rope_config import parse_rope
@@ -118,5 +147,100 @@ def parse_recurrent(arch: str, hf: Mapping[str, Any]) -> HfConfig:
         encoder=None,
         layer_types=tuple(layer_types),
         qk_norm="head",
-        recurrent=RecurrentSpec(conv_kernel=kernel, conv_bias=_bool(hf, "conv_bias", False)),
+        recurrent=RecurrentSpec("short_conv", conv_kernel=kernel, conv_bias=_bool(hf, "conv_bias", False)),
     )
+
+
+def _parse_bamba(arch: str, hf: Mapping[str, Any]) -> HfConfig:
+    """Bamba as transformers' `BambaConfig` reads it: Llama attention (partial rotary, 0.5 as
+    transformers fixes it) on `attn_layer_indices`, Mamba-2 mixers on the other layers, a gated MLP
+    on every layer."""
+    from triollm.engine.loading.config_checks import check_head_counts
+    from triollm.engine.loading.hf_config import HfConfig, _bool, _eps, _int, checkpoint_dtype
+    from triollm.engine.loading.rope_config import parse_rope
+
+    if hf.get("quantization_config"):
+        raise ValueError(f"quantization_config: quantized checkpoints of {arch} are not supported")
+    if hf.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"hidden_act: {hf.get('hidden_act')!r} is not supported for {arch}; supported: silu")
+    hidden = _int(hf, "hidden_size", 4096)
+    num_heads = _int(hf, "num_attention_heads", 32)
+    num_layers = _int(hf, "num_hidden_layers", 32)
+    check_head_counts({"head_dim": None}, hidden, num_heads)
+    num_kv_heads = _int(hf, "num_key_value_heads", 8, null=num_heads)
+    if num_heads % num_kv_heads:
+        raise ValueError(f"num_key_value_heads: {num_kv_heads} does not divide num_attention_heads {num_heads}")
+    head_dim = hidden // num_heads
+    attn = hf.get("attn_layer_indices") or []
+    if not isinstance(attn, list) or not all(isinstance(i, int) and 0 <= i < num_layers for i in attn):
+        raise ValueError(f"attn_layer_indices: expected a list of layer indices below {num_layers}, got {attn!r:.80}")
+    if not attn:
+        raise ValueError(f"attn_layer_indices: {arch} without attention layers is not supported (at least one)")
+    layer_types = tuple("full_attention" if i in attn else "mamba" for i in range(num_layers))
+    heads = _int(hf, "mamba_n_heads", 128)
+    expand = _int(hf, "mamba_expand", 2)
+    if (expand * hidden) % heads:
+        raise ValueError(f"mamba_n_heads: {heads} does not divide mamba_expand x hidden_size = {expand * hidden}")
+    head = hf.get("mamba_d_head", "auto")
+    head = expand * hidden // heads if head in ("auto", None) else head
+    if not isinstance(head, int) or head * heads != expand * hidden:
+        raise ValueError(f"mamba_d_head: {head!r} x mamba_n_heads {heads} must equal mamba_expand x hidden_size")
+    groups = _int(hf, "mamba_n_groups", 1)
+    if heads % groups:
+        raise ValueError(f"mamba_n_groups: {groups} does not divide mamba_n_heads {heads}")
+    limit = hf.get("time_step_limit") or (0.0, math.inf)
+    low, high = (
+        (_float_or_inf(v) for v in limit) if isinstance(limit, list | tuple) and len(limit) == 2 else (None, None)
+    )
+    if low is None or high is None or not low <= high:
+        raise ValueError(f"time_step_limit: expected [low, high] with low <= high, got {limit!r:.80}")
+    max_pos = _int(hf, "max_position_embeddings", 262144)
+    rope = parse_rope(hf, max_pos, allow_partial=True)
+    params = hf.get("rope_parameters") or {}
+    partial = params.get("partial_rotary_factor", 0.5) if isinstance(params, Mapping) else 0.5
+    rotary = int(head_dim * partial)
+    if rotary <= 0 or rotary % 2 or rotary > head_dim:
+        raise ValueError(f"rope_parameters.partial_rotary_factor: {partial} gives {rotary} rotary dimensions")
+    return HfConfig(
+        architecture=arch,
+        hidden_size=hidden,
+        intermediate_size=_int(hf, "intermediate_size", 14336),
+        num_layers=num_layers,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        vocab_size=_int(hf, "vocab_size", 128000),
+        rms_norm_eps=_eps(hf, 1e-5),
+        rope=rope,
+        max_position_embeddings=max_pos,
+        tie_word_embeddings=_bool(hf, "tie_word_embeddings", False),
+        qkv_bias=_bool(hf, "attention_bias", False),
+        o_proj_bias=_bool(hf, "attention_bias", False),
+        mlp_bias=_bool(hf, "mlp_bias", False),
+        sliding_window=None,
+        checkpoint_dtype=checkpoint_dtype(hf),
+        encoder=None,
+        layer_types=layer_types,
+        rotary_dim=None if rotary == head_dim else rotary,
+        recurrent=RecurrentSpec(
+            "mamba2",
+            conv_kernel=_int(hf, "mamba_d_conv", 4, minimum=2),
+            conv_bias=_bool(hf, "mamba_conv_bias", True),
+            mamba_heads=heads,
+            mamba_head_dim=head,
+            mamba_groups=groups,
+            mamba_state=_int(hf, "mamba_d_state", 256),
+            mamba_chunk=_int(hf, "mamba_chunk_size", 256),
+            mamba_proj_bias=_bool(hf, "mamba_proj_bias", False),
+            time_step_limit=(low, high),
+        ),
+    )
+
+
+def _float_or_inf(value: Any) -> float | None:
+    """A number, or transformers' JSON spelling of infinity (`{"__float__": "Infinity"}`)."""
+    if isinstance(value, Mapping) and value.get("__float__") in ("Infinity", "inf"):
+        return math.inf
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    return float(value)

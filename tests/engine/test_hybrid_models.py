@@ -20,7 +20,7 @@ from tinymodel import build_tokenizer, write_tokenizer
 
 from triollm.engine.config import EngineArgs
 from triollm.engine.core import EngineCore
-from triollm.engine.execution.models.lfm2 import Lfm2ForCausalLM
+from triollm.engine.execution.models.hybrid import BambaForCausalLM, Lfm2ForCausalLM
 from triollm.engine.loading.model_config import ModelConfig
 from triollm.engine.request import EngineCoreRequest
 from triollm.engine.sampling_params import SamplingParams
@@ -42,38 +42,121 @@ def make_lfm2(path: Path, seed: int = 0, **fields: object) -> Path:
     )  # fmt: skip
     cfg.architectures = ["Lfm2ForCausalLM"]
     model = transformers.Lfm2ForCausalLM(cfg).to(torch.float32)
+    _redraw(model, seed)
+    model.save_pretrained(path)
+    return path
+
+
+def make_bamba(path: Path, seed: int = 0, **fields: object) -> Path:
+    """A tiny Bamba: Mamba-2 mixers around one attention layer, scan chunks of 8 (the prompts
+    cross several, and the engine's 16-token prefill chunks cut through them)."""
+    import transformers
+
+    eos = write_tokenizer(path)
+    settings: dict[str, object] = {
+        "hidden_size": 64, "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "intermediate_size": 128, "attn_layer_indices": [1], "mamba_n_heads": 8, "mamba_d_state": 16,
+        "mamba_n_groups": 2, "mamba_chunk_size": 8, "mamba_d_conv": 4, **fields,
+    }  # fmt: skip
+    cfg = transformers.BambaConfig(
+        vocab_size=build_tokenizer().get_vocab_size(), max_position_embeddings=512, bos_token_id=None,
+        eos_token_id=eos, pad_token_id=None, dtype="float32", **settings,
+    )  # fmt: skip
+    model = transformers.BambaForCausalLM(cfg).to(torch.float32)
+    _redraw(model, seed)
+    model.save_pretrained(path)
+    return path
+
+
+def _redraw(model: torch.nn.Module, seed: int) -> None:
+    """Weights at scales where greedy picks are not near-ties."""
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
             noise = torch.randn(p.shape, generator=g)
             if p.ndim == 1 and name.endswith("weight"):  # norms' scales
                 p.copy_(1 + 0.1 * noise)
-            elif p.ndim == 1:
-                p.copy_(0.1 * noise)
+            elif p.ndim == 1:  # biases, and a Mamba mixer's A_log, dt_bias, D
+                p.copy_(0.3 * noise)
             else:
                 p.copy_(noise * (0.5 if "embed" in name else 0.3))
-    model.save_pretrained(path)
-    return path
 
 
-@pytest.mark.parametrize(
-    "fields",
-    [{}, {"conv_L_cache": 4, "conv_bias": True, "layer_types": ["full_attention", "conv", "conv", "conv"]}],
-    ids=["lfm2", "kernel4-bias"],
-)
-def test_lfm2_gives_transformers_tokens_through_chunks_and_preemption(tmp_path: Path, fields: dict) -> None:
-    path = make_lfm2(tmp_path / "lfm2", seed=7, **fields)
+CASES = {
+    "lfm2": (make_lfm2, Lfm2ForCausalLM, {}),
+    "lfm2-kernel4-bias": (
+        make_lfm2, Lfm2ForCausalLM,
+        {"conv_L_cache": 4, "conv_bias": True, "layer_types": ["full_attention", "conv", "conv", "conv"]},
+    ),
+    "bamba": (make_bamba, BambaForCausalLM, {}),
+    "bamba-one-group-bias": (
+        make_bamba, BambaForCausalLM,
+        {"mamba_n_groups": 1, "mamba_proj_bias": True, "mamba_conv_bias": False, "attn_layer_indices": [0, 2]},
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_hybrids_give_transformers_tokens_through_chunks_and_preemption(tmp_path: Path, case: str) -> None:
+    make, cls, fields = CASES[case]
+    path = make(tmp_path / case, seed=7, **fields)
     cfg = ModelConfig.from_pretrained(path, max_model_len=96)
     assert cfg.model_impl == "triollm" and cfg.recurrent is not None
     assert len(cfg.kv_layers) == cfg.layer_types.count("full_attention")
     ids = prompts()
     ours, core = engine_greedy(path, ids)
-    assert isinstance(core.executor.model, Lfm2ForCausalLM)
+    assert isinstance(core.executor.model, cls)
     assert_parity(ours, hf_greedy(path, ids))
     stats = core.statistics()
     assert stats.num_preemptions > 0  # a request started over from a zeroed state slot
     assert stats.prefix_cache_hit_rate == 0  # off: a cached block holds no state
     core.check_integrity()
+
+
+def test_a_bamba_request_in_every_step_kind_matches_alone(tmp_path: Path) -> None:
+    """Mamba-2 states across a decode batch, prefills beside decodes and slot reuse (two slots
+    for three requests): every request's tokens are transformers' alone."""
+    path = make_bamba(tmp_path / "bamba", seed=2)
+    ids = prompts()
+    args = EngineArgs(model=str(path), max_model_len=96, max_num_seqs=2, max_num_batched_tokens=16, seed=0)
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    core = EngineCore(args.create_engine_config())
+    got: dict[str, list[int]] = {str(i): [] for i in range(3)}
+    try:
+        for i in range(3):
+            core.add_request(EngineCoreRequest(str(i), ids[i], params))
+        while core.has_unfinished_requests():
+            for out in core.step():
+                got[out.request_id] += out.new_token_ids
+            core.check_integrity()
+    finally:
+        core.close()
+    assert [got[str(i)] for i in range(3)] == [tokens[:10] for tokens, _ in hf_greedy(path, ids)]
+
+
+def test_state_slots_are_capped_by_the_memory_budget(tmp_path: Path) -> None:
+    """A Mamba-2 state is large: the slots are what half the budget holds, and admission waits
+    for a free slot rather than running past them."""
+    path = make_bamba(tmp_path / "bamba", mamba_d_state=64)
+    cfg = ModelConfig.from_pretrained(path, max_model_len=96)
+    # Two Mamba-2 layers, fp32: the convolution's x|B|C (128 + 2 groups x 2 x 64) x 3 and the SSM's 8 x 16 x 64.
+    per_slot = 2 * 4 * ((128 + 2 * 2 * 64) * 3 + 8 * 16 * 64)
+    args = EngineArgs(model=str(path), max_model_len=96, kv_cache_memory_bytes=5 * per_slot, max_num_seqs=8)
+    core = EngineCore(args.create_engine_config())
+    try:
+        assert cfg.recurrent is not None
+        assert core.executor.num_state_slots == 2 == core.block_manager.num_state_slots
+        params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+        for i, p in enumerate(prompts()):
+            core.add_request(EngineCoreRequest(str(i), p, params))
+        running_most = 0
+        while core.has_unfinished_requests():
+            core.step()
+            running_most = max(running_most, core.statistics().num_running)
+            core.check_integrity()
+        assert running_most == 2
+    finally:
+        core.close()
 
 
 def test_the_kv_cache_holds_only_the_attention_layers(tmp_path: Path) -> None:

@@ -24,6 +24,7 @@ conv(B * x); out_proj(y), where conv is causal and depthwise over the last `kern
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -33,25 +34,28 @@ import torch.nn.functional as F
 from torch import nn
 
 from triollm.engine.execution.layers.linear import column, row
+from triollm.engine.loading.hf_recurrent import RecurrentSpec
 
-__all__ = ["ShortConv", "StatePool", "StateRows"]
+__all__ = ["Mamba2Mixer", "ShortConv", "StatePool", "StateRows", "causal_conv"]
 
 
 class StatePool:
-    """Per recurrent layer, `[slots, *shape]` of zeros (module note)."""
+    """One tensor `[slots, *shape]` of zeros per state of the model's recurrent layers (module
+    note): `shapes` in layer order, a layer's states consecutive (a Mamba-2 mixer has two)."""
 
     def __init__(
-        self, num_layers: int, slots: int, shape: Sequence[int], dtype: torch.dtype, device: torch.device | str
+        self, shapes: Sequence[tuple[int, ...]], slots: int, dtype: torch.dtype, device: torch.device | str
     ) -> None:
         self.num_slots = slots
-        self.layers = [torch.zeros((slots, *shape), dtype=dtype, device=device) for _ in range(num_layers)]
+        self.layers = [torch.zeros((slots, *shape), dtype=dtype, device=device) for shape in shapes]
 
     @staticmethod
-    def bytes_needed(num_layers: int, slots: int, shape: Sequence[int], dtype: torch.dtype) -> int:
-        n = 1
-        for d in shape:
-            n *= d
-        return num_layers * slots * n * torch.empty((), dtype=dtype).element_size()
+    def bytes_needed(shapes: Sequence[tuple[int, ...]], slots: int, dtype: torch.dtype) -> int:
+        return slots * StatePool.bytes_per_slot(shapes, dtype)
+
+    @staticmethod
+    def bytes_per_slot(shapes: Sequence[tuple[int, ...]], dtype: torch.dtype) -> int:
+        return sum(math.prod(shape) for shape in shapes) * torch.empty((), dtype=dtype).element_size()
 
     def reset(self, slots: Sequence[int]) -> None:
         """Zero the state of requests that start over (their step begins at position 0)."""
@@ -90,6 +94,25 @@ class DepthwiseConv(nn.Module):
         param.data.copy_(tensor)
 
 
+def causal_conv(bx: torch.Tensor, state: torch.Tensor, conv: DepthwiseConv, rows: StateRows) -> torch.Tensor:
+    """The causal depthwise convolution of `bx` `[T, channels]` over each request's rows, its last
+    kernel - 1 inputs (`state` `[slots, channels, kernel - 1]`) in front; the states move on."""
+    weight, bias = conv.weight, conv.bias
+    out = torch.empty_like(bx)
+    d = rows.decode_slots.numel()
+    if d:
+        window = torch.cat([state[rows.decode_slots], bx[:d, :, None]], dim=2)  # [D, channels, kernel]
+        y = (window * weight).sum(dim=-1)
+        out[:d] = y if bias is None else y + bias
+        state[rows.decode_slots] = window[:, :, 1:]
+    for start, n, slot in rows.prefills:
+        seq = torch.cat([state[slot], bx[start : start + n].t()], dim=1)  # [channels, kernel - 1 + n]
+        y = F.conv1d(seq[None], weight[:, None, :], bias, groups=weight.shape[0])[0]  # [channels, n]
+        out[start : start + n] = y.t()
+        state[slot] = seq[:, n:]
+    return out
+
+
 class ShortConv(nn.Module):
     """LFM2's gated short convolution (module note); `state_index`: its tensor in the pool."""
 
@@ -102,19 +125,124 @@ class ShortConv(nn.Module):
 
     def forward(self, h: torch.Tensor, rows: StateRows) -> torch.Tensor:
         b, c, x = self.in_proj.forward(h).split(self.hidden, dim=-1)
-        bx = b * x  # [T, H]
-        state = rows.pool.layers[self.state_index]  # [slots, H, kernel - 1]
-        weight, bias = self.conv.weight, self.conv.bias
-        out = torch.empty_like(bx)
+        out = causal_conv(b * x, rows.pool.layers[self.state_index], self.conv, rows)
+        return self.out_proj.forward(c * out)
+
+
+class GatedRMSNorm(nn.Module):
+    """Mamba-2's output norm (transformers' `MambaRMSNormGated`, norm after the gate): x * silu(z),
+    RMS-normalised over each group of `group` channels, in fp32, times the weight."""
+
+    def __init__(self, width: int, group: int, eps: float) -> None:
+        super().__init__()
+        self.group, self.eps = group, eps
+        self.weight = nn.Parameter(torch.empty(width), requires_grad=False)
+
+    def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        h = x.float() * F.silu(z.float())
+        g = h.view(*h.shape[:-1], -1, self.group)
+        g = g * torch.rsqrt(g.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * g.view(h.shape).to(dtype)
+
+    def load(self, leaf: str, piece: int, source: Any) -> None:
+        _load_exact(self, leaf, source)
+
+
+class Mamba2Mixer(nn.Module):
+    """A Mamba-2 mixer (transformers' `BambaMixer`): in_proj to z | x,B,C | dt; the causal
+    convolution over x,B,C then SiLU; the selective scan with a state `[heads, head_dim, state]`
+    per request (`A = -exp(A_log)`, `dt = softplus(dt + dt_bias)` clamped to `time_step_limit`,
+    the skip `D`); the gated RMSNorm with z; out_proj. Prefill scans in chunks of `mamba_chunk`
+    (the state-space dual form: within a chunk a masked matrix product, across chunks the state
+    carried); decode updates the state of every row at once."""
+
+    def __init__(self, hidden: int, spec: RecurrentSpec, eps: float, state_index: int) -> None:
+        super().__init__()
+        self.spec, self.state_index = spec, state_index
+        inner, channels, heads = spec.mamba_inner, spec.conv_channels, spec.mamba_heads
+        self.in_proj = column(hidden, [(0, inner + channels + heads)], spec.mamba_proj_bias)
+        self.conv1d = DepthwiseConv(channels, spec.conv_kernel, spec.conv_bias)
+        self.dt_bias = nn.Parameter(torch.empty(heads), requires_grad=False)
+        self.A_log = nn.Parameter(torch.empty(heads), requires_grad=False)
+        self.D = nn.Parameter(torch.empty(heads), requires_grad=False)
+        self.norm = GatedRMSNorm(inner, inner // spec.mamba_groups, eps)
+        self.out_proj = row(inner, hidden, spec.mamba_proj_bias, None, 0)
+
+    def load(self, leaf: str, piece: int, source: Any) -> None:
+        _load_exact(self, leaf, source)
+
+    def forward(self, h: torch.Tensor, rows: StateRows) -> torch.Tensor:
+        spec = self.spec
+        inner, heads, p, n = spec.mamba_inner, spec.mamba_heads, spec.mamba_head_dim, spec.mamba_state
+        gn = spec.mamba_groups * n
+        z, xbc, dt = self.in_proj.forward(h).split([inner, spec.conv_channels, heads], dim=-1)
+        xbc = F.silu(causal_conv(xbc, rows.pool.layers[self.state_index], self.conv1d, rows))
+        x, b, c = xbc.split([inner, gn, gn], dim=-1)
+        t = x.shape[0]
+        rep = heads // spec.mamba_groups
+        xh = x.reshape(t, heads, p).float()
+        bh = b.reshape(t, spec.mamba_groups, n).repeat_interleave(rep, dim=1).float()  # [T, heads, n]
+        ch = c.reshape(t, spec.mamba_groups, n).repeat_interleave(rep, dim=1).float()
+        low, high = spec.time_step_limit
+        step = F.softplus(dt.float() + self.dt_bias.float()).clamp(low, high)  # [T, heads]
+        a = -torch.exp(self.A_log.float())  # [heads]
+        ssm = rows.pool.layers[self.state_index + 1]  # [slots, heads, p, n]
+        y = torch.empty_like(xh)
         d = rows.decode_slots.numel()
         if d:
-            window = torch.cat([state[rows.decode_slots], bx[:d, :, None]], dim=2)  # [D, H, kernel]
-            y = (window * weight).sum(dim=-1)
-            out[:d] = y if bias is None else y + bias
-            state[rows.decode_slots] = window[:, :, 1:]
-        for start, n, slot in rows.prefills:
-            seq = torch.cat([state[slot], bx[start : start + n].t()], dim=1)  # [H, kernel - 1 + n]
-            y = F.conv1d(seq[None], weight[:, None, :], bias, groups=self.hidden)[0]  # [H, n]
-            out[start : start + n] = y.t()
-            state[slot] = seq[:, n:]
-        return self.out_proj.forward(c * out)
+            s = ssm[rows.decode_slots].float()
+            s = (
+                s * torch.exp(step[:d] * a)[..., None, None]
+                + (step[:d, :, None] * xh[:d])[..., None] * bh[:d, :, None, :]
+            )
+            y[:d] = (s @ ch[:d, :, :, None]).squeeze(-1)
+            ssm[rows.decode_slots] = s.to(ssm.dtype)
+        for start, length, slot in rows.prefills:
+            rows_ = slice(start, start + length)
+            out, state = _ssd_scan(xh[rows_], step[rows_], a, bh[rows_], ch[rows_], ssm[slot].float(), spec.mamba_chunk)
+            y[rows_] = out
+            ssm[slot] = state.to(ssm.dtype)
+        y = y + self.D.float()[None, :, None] * xh
+        return self.out_proj.forward(self.norm.forward(y.reshape(t, inner).to(h.dtype), z))
+
+
+def _ssd_scan(
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    c: torch.Tensor,
+    state: torch.Tensor,
+    chunk: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One sequence's selective scan from `state` `[heads, p, n]`: x `[T, heads, p]`, dt
+    `[T, heads]`, a `[heads]`, b and c `[T, heads, n]`; returns (y without the D skip, the final
+    state). s_t = exp(dt_t a) s_{t-1} + dt_t x_t b_t^T, y_t = s_t c_t, computed per chunk."""
+    y = torch.empty_like(x)
+    xdt = x * dt[..., None]
+    log_decay = dt * a  # [T, heads], <= 0
+    for c0 in range(0, x.shape[0], chunk):
+        c1 = min(c0 + chunk, x.shape[0])
+        cum = torch.cumsum(log_decay[c0:c1], dim=0)  # [q, heads]
+        seg = cum[:, None, :] - cum[None, :, :]  # [i, j, heads]: decay from j to i
+        q = c1 - c0
+        causal = torch.ones(q, q, dtype=torch.bool, device=x.device).tril()
+        weights = torch.exp(seg.masked_fill(~causal[..., None], -math.inf))
+        scores = torch.einsum("ihn,jhn->ijh", c[c0:c1], b[c0:c1]) * weights
+        inside = torch.einsum("ijh,jhp->ihp", scores, xdt[c0:c1])
+        before = torch.einsum("ihn,hpn->ihp", c[c0:c1], state) * torch.exp(cum)[..., None]
+        y[c0:c1] = inside + before
+        to_end = torch.exp(cum[-1][None, :] - cum)  # [q, heads]
+        state = state * torch.exp(cum[-1])[:, None, None] + torch.einsum(
+            "jhn,jhp->hpn", b[c0:c1] * to_end[..., None], xdt[c0:c1]
+        )
+    return y, state
+
+
+def _load_exact(module: nn.Module, leaf: str, source: Any) -> None:
+    param = getattr(module, leaf)
+    tensor = source[:]
+    if tuple(tensor.shape) != tuple(param.shape):
+        raise ValueError(f"model: a tensor of shape {tuple(tensor.shape)} where {tuple(param.shape)} was expected")
+    param.data.copy_(tensor)

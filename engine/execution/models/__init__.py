@@ -14,7 +14,7 @@ from triollm.engine.execution.models.base import CausalLM
 from triollm.engine.execution.models.gemma import Gemma2ForCausalLM
 from triollm.engine.execution.models.gpt_neox import GPTNeoXForCausalLM
 from triollm.engine.execution.models.gpt_oss import GptOssForCausalLM
-from triollm.engine.execution.models.lfm2 import Lfm2ForCausalLM
+from triollm.engine.execution.models.hybrid import BambaForCausalLM, Lfm2ForCausalLM
 from triollm.engine.execution.models.llama import LlamaForCausalLM, Phi3ForCausalLM
 from triollm.engine.execution.models.moe import MoEForCausalLM
 from triollm.engine.execution.models.olmo2 import Olmo2ForCausalLM
@@ -46,6 +46,7 @@ MODELS: dict[str, type[CausalLM]] = {
     "PhiForCausalLM": PhiForCausalLM,
     "StableLmForCausalLM": StableLmForCausalLM,
     "Lfm2ForCausalLM": Lfm2ForCausalLM,
+    "BambaForCausalLM": BambaForCausalLM,
 }
 
 

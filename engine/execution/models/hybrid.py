@@ -1,0 +1,130 @@
+"""Hybrid decoders: attention layers interleaved with layers that keep a recurrent state.
+
+Every layer is: norm, then self-attention or a recurrent mixer, residual add; norm, the gated
+MLP, residual add. Only the attention layers have a KV cache (`ModelConfig.kv_layers`); each
+recurrent layer keeps its state in the runner's `StatePool`, and the step says where each
+request's rows and state are (`AttentionMetadata.state_rows`, layers/recurrent.py).
+
+- LFM2 (`Lfm2ForCausalLM`): Qwen3-style attention (q/k RMSNorm per head; checkpoint names
+  `out_proj`, `q_layernorm`, `k_layernorm`) and gated short convolutions (`conv`); norms
+  `operator_norm` / `ffn_norm`, the MLP `feed_forward.w1/w3/w2`, the final norm `embedding_norm`.
+- Bamba (`BambaForCausalLM`): Llama attention with partial rotary and Mamba-2 mixers (`mamba`);
+  norms `input_layernorm` / `pre_ff_layernorm`, the MLP `feed_forward.*_proj`, the final norm
+  `final_layernorm`.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import torch
+from torch import nn
+
+from triollm.engine.distributed.sharding import TPShard
+from triollm.engine.execution.layers.attention import AttentionMetadata
+from triollm.engine.execution.layers.norm import RMSNorm
+from triollm.engine.execution.layers.recurrent import Mamba2Mixer, ShortConv
+from triollm.engine.execution.layers.rotary import RopeStep
+from triollm.engine.execution.models.base import CausalLM, GatedMLP, SelfAttention
+from triollm.engine.loading.model_config import ModelConfig
+from triollm.kernels import KVCache
+from triollm.kernels.triton import use_triton
+
+__all__ = ["BambaForCausalLM", "HybridForCausalLM", "Lfm2ForCausalLM"]
+
+
+class HybridDecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, index: int, kv_index: int | None, state_index: int) -> None:
+        super().__init__()
+        self.kv_index = kv_index
+        self.self_attn: SelfAttention | None = None
+        self.conv: ShortConv | None = None
+        self.mamba: Mamba2Mixer | None = None
+        spec = cfg.recurrent
+        assert spec is not None
+        if kv_index is not None:
+            self.self_attn = SelfAttention(cfg, index, None)
+        elif spec.kind == "short_conv":
+            self.conv = ShortConv(cfg.hidden_size, spec.conv_kernel, spec.conv_bias, state_index)
+        else:
+            self.mamba = Mamba2Mixer(cfg.hidden_size, spec, cfg.rms_norm_eps, state_index)
+        self.mlp = GatedMLP(cfg, None)
+        exact = cfg.quantization is None
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, exact=exact)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, exact=exact)
+
+    def forward(self, x: torch.Tensor, ropes: list[RopeStep], meta: AttentionMetadata, kv: KVCache) -> torch.Tensor:
+        h = self.input_layernorm.forward(x, meta.triton)
+        if self.self_attn is not None:
+            assert self.kv_index is not None
+            h = self.self_attn.forward(h, ropes, meta, kv.k[self.kv_index], kv.v[self.kv_index])
+        else:
+            assert meta.state_rows is not None
+            mixer = self.conv if self.conv is not None else self.mamba
+            assert mixer is not None
+            h = mixer.forward(h, meta.state_rows)
+        normed, x = self.post_attention_layernorm.add_forward(h, x, meta.triton)  # x + h, normed
+        return x + self.mlp.forward(normed)
+
+
+class HybridForCausalLM(CausalLM):
+    """The shell of every hybrid family: a family names its checkpoint's differences in `renames`."""
+
+    renames: ClassVar[tuple[tuple[str, str], ...]] = ()
+
+    def make_layer(self, cfg: ModelConfig, index: int, shard: TPShard | None) -> nn.Module:
+        if shard is not None:
+            raise ValueError(f"tensor_parallel_size: {cfg.architecture} is not supported with tensor parallelism")
+        assert cfg.recurrent is not None
+        kv_layers = cfg.kv_layers
+        if index in kv_layers:
+            return HybridDecoderLayer(cfg, index, kv_layers.index(index), 0)
+        per_layer = len(cfg.recurrent.state_shapes(cfg.hidden_size))
+        before = sum(i not in kv_layers for i in range(index))  # recurrent layers before this one
+        return HybridDecoderLayer(cfg, index, None, before * per_layer)
+
+    def remap(self, name: str) -> str | None:
+        for theirs, ours in self.renames:
+            name = name.replace(theirs, ours)
+        return super().remap(name)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        kv: KVCache,
+        image_rows: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        if image_rows is not None:
+            raise ValueError(f"multi_modal_data: {self.cfg.architecture} takes text only")
+        x = self.embed_tokens(input_ids)
+        if self.triton is None:
+            self.triton = use_triton(x)
+        meta.triton = self.triton
+        ropes = [r.step(positions, x.dtype, meta.triton) for r in self.rotaries]
+        for layer in self.layers:
+            x = layer.forward(x, ropes, meta, kv)
+        return self.norm.forward(x, meta.triton)
+
+
+class Lfm2ForCausalLM(HybridForCausalLM):
+    renames = (
+        ("model.embedding_norm.", "model.norm."),
+        (".operator_norm.", ".input_layernorm."),
+        (".ffn_norm.", ".post_attention_layernorm."),
+        (".self_attn.out_proj.", ".self_attn.o_proj."),
+        (".self_attn.q_layernorm.", ".self_attn.q_norm."),
+        (".self_attn.k_layernorm.", ".self_attn.k_norm."),
+        (".feed_forward.w1.", ".mlp.gate_proj."),
+        (".feed_forward.w3.", ".mlp.up_proj."),
+        (".feed_forward.w2.", ".mlp.down_proj."),
+    )
+
+
+class BambaForCausalLM(HybridForCausalLM):
+    renames = (
+        ("model.final_layernorm.", "model.norm."),
+        (".pre_ff_layernorm.", ".post_attention_layernorm."),
+        (".feed_forward.", ".mlp."),
+    )
