@@ -48,6 +48,8 @@ class ImageFeature(msgspec.Struct, array_like=True, gc=False):
     digest: bytes  # sha256 of shape and pixels: keys the encoder's work and the prefix cache
     pixels: bytes  # float32, C order
     shape: list[int]  # [channels, height, width]
+    # Whether its positions attend to each other both ways (Gemma 3): prefill never cuts it.
+    bidirectional: bool = False
 
 
 class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):

@@ -68,6 +68,13 @@ torch paths take them here (decode through the same per-limit groups as a window
 as one more score column in fp32; prefill through the masked path); the native CPU decode kernel
 takes both (a later start per row; the sink added to the denominator once per row), and so do
 the Triton kernels (kernels/triton/attention.py, constexpr switches like the window's).
+
+Bidirectional spans (Gemma 3's images: `bidirectional=`, ordered `[first, end)` position ranges
+of one prefill chunk): a query inside a span also sees the span's later keys, as transformers'
+`token_type_ids` block mask ORs them onto the causal mask, before the window and the chunk
+limit apply (AND). Only the torch prefill path takes them (on any device: a chunk with spans
+skips the Triton kernels); the scheduler never cuts a span across prefill chunks, so every key
+a span's query needs is in its chunk or already in the cache. Decode rows never need them.
 """
 
 from __future__ import annotations
@@ -92,7 +99,7 @@ from triollm.kernels.kv_quant import (
     scale_bytes_per_token,
     set_cache_scale,
 )
-from triollm.kernels.masking import check_sinks_chunk, check_window_softcap
+from triollm.kernels.masking import check_sinks_chunk, check_spans, check_window_softcap, same_span
 from triollm.kernels.triton import use_triton, use_triton_on
 
 __all__ = [
@@ -576,18 +583,22 @@ def prefill_attention(
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
     chunk: int | None = None,
+    bidirectional: Sequence[tuple[int, int]] = (),
 ) -> torch.Tensor:
     """Causal attention of n new tokens of one sequence. q `[n, H, hd]`, k/v `[n, kvh, hd]` (the
     new tokens, already written to the cache); `num_context` earlier tokens of the sequence live
     in the cache blocks `block_ids`. Returns `[n, H, hd]`. `window`: the token at position i
     attends positions j with i - j < window; `softcap`: scores s become
     softcap * tanh(s / softcap) before the softmax; `sinks` `[H]`, `chunk`: as
-    `decode_attention` (None: none of them)."""
+    `decode_attention` (None: none of them); `bidirectional`: spans of positions that attend to
+    each other both ways (module note; empty: none)."""
     if window is not None or softcap is not None:
         check_window_softcap(window, softcap)
     if sinks is not None or chunk is not None:
         check_sinks_chunk(sinks, chunk, q.shape[1])
-    if use_triton(q):
+    if bidirectional:
+        check_spans(bidirectional)
+    elif use_triton(q):
         from triollm.kernels.triton import attention as triton_attention
 
         return triton_attention.paged_prefill_attention(
@@ -599,9 +610,9 @@ def prefill_attention(
         window = None  # every token sees its whole causal past
     if chunk is not None and num_context + n <= chunk:
         chunk = None  # every token is in the first chunk
-    if window is not None or softcap is not None or sinks is not None or chunk is not None:
+    if window is not None or softcap is not None or sinks is not None or chunk is not None or bidirectional:
         return _masked_prefill(
-            q, k, v, k_cache, v_cache, block_ids, num_context, scale, window, softcap, sinks, chunk
+            q, k, v, k_cache, v_cache, block_ids, num_context, scale, window, softcap, sinks, chunk, bidirectional
         )
     qh = q.transpose(0, 1).unsqueeze(0)  # [1, H, n, hd]
     if num_context == 0 and _holds_exactly(k_cache, q):
@@ -633,11 +644,13 @@ class PrefillPlan:
     new tokens are consecutive rows of the prefill part of the batch. The torch path runs each
     chunk (`chunks`: first row, rows, earlier tokens, block ids as int64); the Triton path runs
     them all in one launch from `triton` (int32 query starts `[N + 1]`, context lengths `[N]`,
-    block tables `[N, M]`) and `max_tokens`."""
+    block tables `[N, M]`) and `max_tokens`. `bidirectional`: per chunk, its spans (module
+    note); set only where some chunk has one, and then every chunk runs the torch path."""
 
     chunks: list[tuple[int, int, int, torch.Tensor]]
     max_tokens: int
     triton: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    bidirectional: list[list[tuple[int, int]]] | None = None
 
 
 def plan_prefill(
@@ -689,7 +702,7 @@ def prefill_attention_chunks(
     given). On the Triton path one launch runs them all."""
     if window is not None or softcap is not None:
         check_window_softcap(window, softcap)
-    if plan.triton is not None:
+    if plan.triton is not None and plan.bidirectional is None:
         from triollm.kernels.triton import attention as triton_attention
 
         starts, contexts, tables = plan.triton
@@ -699,11 +712,12 @@ def prefill_attention_chunks(
         )  # fmt: skip
     if out is None:
         out = q.new_empty(q.shape)
-    for start, length, context, block_ids in plan.chunks:
+    for i, (start, length, context, block_ids) in enumerate(plan.chunks):
         rows = slice(start, start + length)
+        spans = () if plan.bidirectional is None else plan.bidirectional[i]
         out[rows] = prefill_attention(
-            q[rows], k[rows], v[rows], k_cache, v_cache, block_ids, context, scale,
-            window=window, softcap=softcap, sinks=sinks, chunk=chunk,
+            q[rows], k[rows], v[rows], k_cache, v_cache, block_ids.long(), context, scale,
+            window=window, softcap=softcap, sinks=sinks, chunk=chunk, bidirectional=spans,
         )  # fmt: skip
     return out
 
@@ -726,10 +740,12 @@ def _masked_prefill(
     softcap: float | None,
     sinks: torch.Tensor | None = None,
     chunk: int | None = None,
+    bidirectional: Sequence[tuple[int, int]] = (),
 ) -> torch.Tensor:
-    """`prefill_attention` with a window, a soft-cap, sinks or chunks: over chunks of query rows,
-    each with an explicit mask over the keys its window and chunk reach (the cache is read from
-    the block holding the first token's first key)."""
+    """`prefill_attention` with a window, a soft-cap, sinks, chunks or bidirectional spans: over
+    chunks of query rows, each with an explicit mask over the keys its window and chunk reach
+    (the cache is read from the block holding the first token's first key); with spans, a row's
+    keys run to the end of the chunk (a span's later positions)."""
     n, h, hd = q.shape
     kvh, _, bs, _ = v_cache.shape
     total = num_context + n
@@ -745,7 +761,7 @@ def _masked_prefill(
     out = q.new_empty(h, n, hd)
     # A chunk of r <= span rows reaches at most r + span - 1 < 2 * span keys.
     span = min((x for x in (window, chunk) if x is not None), default=None)
-    reach = total - key0 if span is None else min(total - key0, 2 * span)
+    reach = total - key0 if span is None or bidirectional else min(total - key0, 2 * span)
     rows = max(1, _PREFILL_CHUNK_SCORES // (h * reach))
     if span is not None:
         rows = min(rows, span)
@@ -754,13 +770,16 @@ def _masked_prefill(
         r1 = min(n, r0 + rows)
         q_pos = torch.arange(num_context + r0, num_context + r1, device=q.device)[:, None]
         lo = max(key0, _first_key(num_context + r0, window, chunk))
-        k_pos = torch.arange(lo, num_context + r1, device=q.device)[None, :]
+        hi = total if bidirectional else num_context + r1
+        k_pos = torch.arange(lo, hi, device=q.device)[None, :]
         allowed = k_pos <= q_pos  # [rows, keys], True = attend
+        if bidirectional:
+            allowed |= same_span(q_pos, k_pos, bidirectional)
         if window is not None:
             allowed &= k_pos > q_pos - window
         if chunk is not None:
             allowed &= k_pos // chunk == q_pos // chunk
-        keys = slice(lo - key0, num_context + r1 - key0)
+        keys = slice(lo - key0, hi - key0)
         ks, vs = kh[:, keys], vh[:, keys]
         if softcap is None and sink is None:
             out[:, r0:r1] = _sdpa(qh[None, :, r0:r1], ks[None], vs[None], allowed, scale)[0]

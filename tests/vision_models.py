@@ -15,7 +15,10 @@ from tinymodel import build_tokenizer, write_tokenizer
 IMAGE_TOKEN = "<image>"
 
 
-def _redraw(model: torch.nn.Module, seed: int) -> None:
+def _redraw(model: torch.nn.Module, seed: int, *, embed: float = 0.5, decoder_norm: float = 1.0) -> None:
+    """`embed`: the embedding's scale; `decoder_norm`: the decoder norms' weights' mean (Gemma's
+    norms scale by 1 + w, and its embedding by sqrt(hidden): with 0.5 and 1 the last token's own
+    embedding outweighs what the layers add, and the model repeats it)."""
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -23,9 +26,9 @@ def _redraw(model: torch.nn.Module, seed: int) -> None:
             if name.endswith("bias"):
                 p.copy_(0.1 * noise)
             elif name.endswith("weight") and p.dim() == 1:  # norms
-                p.copy_(1 + 0.1 * noise)
+                p.copy_((decoder_norm if "language_model" in name else 1.0) + 0.1 * noise)
             else:
-                p.copy_(noise * (0.5 if "embed_tokens" in name or "lm_head" in name else 0.2))
+                p.copy_(noise * (embed if "embed_tokens" in name or "lm_head" in name else 0.2))
 
 
 def write_image_tokenizer(path: Path) -> tuple[int, int, int]:
@@ -69,14 +72,23 @@ def make_llava(path: Path, *, seed: int = 0) -> Path:
     return path
 
 
+GEMMA3_IMAGE_TOKENS = ("<start_of_image>", "<end_of_image>", "<image_soft_token>")
+
+
 def make_gemma3_vlm(path: Path, *, seed: int = 0, **text: object) -> Path:
-    """A tiny `Gemma3ForConditionalGeneration` (SigLIP tower, projector, Gemma 3 text model);
+    """A tiny `Gemma3ForConditionalGeneration` (SigLIP tower 28 x 28 pixels in 7 x 7 patches,
+    pooled by the projector to 4 features per image; Gemma 3 text model), the tiny tokenizer
+    with Gemma 3's three image tokens added, and Gemma 3's image processor at 28 x 28;
     `text` overrides the text config's arguments."""
     import transformers
 
     eos_id = write_tokenizer(path)
+    tok = build_tokenizer()
+    tok.add_special_tokens(list(GEMMA3_IMAGE_TOKENS))
+    tok.save(str(path / "tokenizer.json"))
+    boi, eoi, image = (tok.token_to_id(t) for t in GEMMA3_IMAGE_TOKENS)
     text_config = {
-        "vocab_size": build_tokenizer().get_vocab_size(),
+        "vocab_size": tok.get_vocab_size(),
         "hidden_size": 64,
         "intermediate_size": 128,
         "num_hidden_layers": 2,
@@ -103,13 +115,51 @@ def make_gemma3_vlm(path: Path, *, seed: int = 0, **text: object) -> Path:
         "vision_use_head": False,
     }
     cfg = transformers.Gemma3Config(
-        text_config=text_config, vision_config=vision_config, mm_tokens_per_image=4, dtype="float32"
-    )
+        text_config=text_config, vision_config=vision_config, mm_tokens_per_image=4, dtype="float32",
+        boi_token_index=boi, eoi_token_index=eoi, image_token_index=image,
+    )  # fmt: skip
     cfg.architectures = ["Gemma3ForConditionalGeneration"]
     model = transformers.Gemma3ForConditionalGeneration(cfg).to(torch.float32)
-    _redraw(model, seed)
+    _redraw(model, seed, embed=0.1, decoder_norm=2.0)
     model.save_pretrained(path)
+    transformers.Gemma3ImageProcessor(size={"height": 28, "width": 28}).save_pretrained(path)
     return path
+
+
+def gemma3_ids(path: Path, text: str) -> tuple[list[int], list[int]]:
+    """(ids, token_type_ids) of `text` as Gemma3Processor makes them: each `<start_of_image>`
+    replaced by "\n\n<start_of_image>" + 4 x "<image_soft_token>" + "<end_of_image>\n\n"
+    (here at the token level: the tiny tokenizer's newlines are bytes), 1 at image tokens."""
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(path / "tokenizer.json"))
+    boi, eoi, image = (tok.token_to_id(t) for t in GEMMA3_IMAGE_TOKENS)
+    blank = tok.encode("\n\n", add_special_tokens=False).ids
+    ids: list[int] = []
+    for t in tok.encode(text).ids:
+        ids += [*blank, boi, *[image] * 4, eoi, *blank] if t == boi else [t]
+    return ids, [int(t == image) for t in ids]
+
+
+def gemma3_reference(path: Path, text: str, images: list[Any]) -> list[int]:
+    """transformers' Gemma3ForConditionalGeneration, greedy, 16 tokens: the processor's ids and
+    token_type_ids (the bidirectional mask over each image's positions), the checkpoint's pixels."""
+    from triollm.engine.loading.transformers_config import import_transformers
+
+    transformers = import_transformers()
+    ids, types = gemma3_ids(path, text)
+    model = transformers.Gemma3ForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval()
+    kwargs: dict[str, Any] = {}
+    if images:
+        processor = transformers.AutoImageProcessor.from_pretrained(path)
+        kwargs["pixel_values"] = processor(images=images, return_tensors="pt")["pixel_values"]
+        kwargs["token_type_ids"] = torch.tensor([types])
+    with torch.inference_mode():
+        out = model.generate(
+            input_ids=torch.tensor([ids]), max_new_tokens=16, do_sample=False, eos_token_id=None, pad_token_id=0,
+            **kwargs,
+        )  # fmt: skip
+    return list(out[0, len(ids) :].tolist())
 
 
 def random_image(seed: int, size: tuple[int, int]) -> Any:

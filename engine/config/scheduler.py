@@ -85,6 +85,12 @@ def resolve_scheduler(args: SchedulerArgs, model: ModelConfig) -> SchedulerConfi
             f"({model.max_model_len}) with chunked prefill disabled; raise it or enable chunked "
             "prefill"
         )
+    mm = model.multimodal
+    if mm is not None and mm.bidirectional and budget < mm.tokens_per_image:
+        raise ValueError(
+            f"max_num_batched_tokens: {budget} is smaller than the {mm.tokens_per_image} positions of one image "
+            f"of {mm.architecture}, which a prefill chunk takes whole; raise it to at least {mm.tokens_per_image}"
+        )
     return SchedulerConfig(
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=budget,

@@ -18,7 +18,9 @@ Images (a vision-language model, engine/execution/vision.py): a prefill chunk th
 image's placeholder positions feeds the image's features there instead of token embeddings.
 All of an image's features are computed at the first chunk that touches it (one tower call for
 every image the step needs, equal pixels once) and kept on the request until the chunk that
-feeds its last position, so chunked prefill may cut through an image anywhere.
+feeds its last position, so chunked prefill may cut through an image anywhere, except where
+the image's positions attend to each other both ways (Gemma 3: the scheduler keeps such an image
+in one chunk, and its span goes on the prefill plan for the attention mask).
 
 LoRA (lora/): with a `LoRAManager`, the core has put every scheduled adapter in a slot before
 `execute`; the runner lists each adapted request's rows by slot (`StepInputs.lora_segments`,
@@ -159,6 +161,7 @@ class ModelRunner:
             images = None
             if self.vision is not None and prefills:
                 images = self._image_rows(prefills, sum(s.num_new_tokens for s in decodes))
+                _bidirectional_spans(meta, prefills)
             if images is None:  # text only: the model's plain call (any CausalLM, fakes included)
                 hidden = self.model(input_ids, positions, meta, self.kv)
             else:
@@ -372,6 +375,18 @@ class ModelRunner:
         k = logprobs.shape[-1] if k < 0 else k
         ids, lps, ranks = gather_logprobs(logprobs, targets, k)
         return Logprobs(ids.tolist(), lps.tolist(), ranks.tolist())
+
+
+def _bidirectional_spans(meta: AttentionMetadata, prefills: list[ScheduledRequest]) -> None:
+    """Put each prefill chunk's bidirectional image spans (Gemma 3; kernels/attention.py) on the
+    step's prefill plan, if any chunk touches one."""
+    spans = [
+        [(f.offset, f.offset + f.length) for f in s.request.images if f.bidirectional
+         and f.offset < s.num_computed_tokens + s.num_new_tokens and f.offset + f.length > s.num_computed_tokens]
+        for s in prefills
+    ]  # fmt: skip
+    if any(spans) and meta.prefill_plan is not None:
+        meta.prefill_plan.bidirectional = spans
 
 
 def _num_prompt_logprob_rows(s: ScheduledRequest) -> int:

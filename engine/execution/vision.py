@@ -3,8 +3,15 @@
 LLaVA-1.5 (`LlavaForConditionalGeneration`): transformers' own CLIP vision tower, built from the
 checkpoint's `vision_config`, and its `LlavaMultiModalProjector`, with the checkpoint's weights;
 the features are the hidden states of `vision_feature_layer`, less the CLS position under the
-"default" strategy, through the projector (transformers' `LlavaModel.get_image_features`). The
-decoder stays triollm's: the model runner scatters these rows over the token embeddings at the
+"default" strategy, through the projector (transformers' `LlavaModel.get_image_features`).
+
+Gemma 3 (`Gemma3ForConditionalGeneration`): transformers' SigLIP vision model, built from the
+checkpoint's `vision_config`, its last hidden state through `Gemma3MultiModalProjector` (average
+pooling to `mm_tokens_per_image` rows, a soft-embedding norm, a projection), as
+`Gemma3Model.get_image_features`. Its features are not multiplied by the text embedding's
+sqrt(hidden) scale (transformers scatters them over the scaled embeddings).
+
+The decoder stays triollm's: the model runner scatters these rows over the token embeddings at the
 image's placeholder positions (engine/execution/model_runner.py).
 
 Rejected: a native CLIP port (the tower runs once per image, off the per-token hot path, so
@@ -14,6 +21,7 @@ transformers' modules cost little, and they are the reference the tests compare 
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -29,9 +37,11 @@ __all__ = ["VisionEncoder", "load_vision_encoder"]
 
 
 class VisionEncoder(nn.Module):
-    """LLaVA's tower and projector; `num_runs` counts the images encoded (tests read it)."""
+    """A tower and its projector; `num_runs` counts the images encoded (tests read it).
+    `layer`: the hidden state taken (None: the last hidden state); `drop_cls`: LLaVA's "default"
+    strategy."""
 
-    def __init__(self, tower: nn.Module, projector: nn.Module, layer: int, drop_cls: bool) -> None:
+    def __init__(self, tower: nn.Module, projector: nn.Module, layer: int | None, drop_cls: bool) -> None:
         super().__init__()
         self.tower, self.projector = tower, projector
         self.layer, self.drop_cls = layer, drop_cls
@@ -44,7 +54,10 @@ class VisionEncoder(nn.Module):
         pixels = torch.stack(
             [torch.frombuffer(bytearray(f.pixels), dtype=torch.float32).view(f.shape) for f in images]
         ).to(param.device, param.dtype)
-        hidden = self.tower(pixels, output_hidden_states=True, return_dict=True).hidden_states[self.layer]
+        if self.layer is None:
+            hidden = self.tower(pixel_values=pixels, return_dict=True).last_hidden_state
+        else:
+            hidden = self.tower(pixels, output_hidden_states=True, return_dict=True).hidden_states[self.layer]
         if self.drop_cls:
             hidden = hidden[:, 1:]
         features = self.projector(hidden)
@@ -56,19 +69,46 @@ class VisionEncoder(nn.Module):
 
 
 def load_vision_encoder(cfg: ModelConfig, device: str | torch.device) -> VisionEncoder:
+    hf = json.loads((cfg.path / "config.json").read_text())
+    if cfg.multimodal is not None and cfg.multimodal.architecture == "Gemma3ForConditionalGeneration":
+        encoder = _gemma3_encoder(cfg, hf)
+    else:
+        encoder = _llava_encoder(cfg, hf)
+    return encoder.to(device=device, dtype=cfg.dtype).eval().requires_grad_(False)
+
+
+def _gemma3_encoder(cfg: ModelConfig, hf: dict[str, Any]) -> VisionEncoder:
+    transformers = import_transformers()
+    from transformers.models.gemma3.modeling_gemma3 import Gemma3MultiModalProjector
+
+    config = transformers.Gemma3Config.from_dict(hf)
+    vision = config.vision_config
+    patches, side = vision.image_size // vision.patch_size, math.isqrt(config.mm_tokens_per_image)
+    if side * side != config.mm_tokens_per_image or not 0 < side <= patches or patches % side:
+        raise ValueError(
+            f"mm_tokens_per_image: {config.mm_tokens_per_image} must be the square of a divisor of the "
+            f"{patches} patches per side of vision_config (image_size {vision.image_size}, patch_size "
+            f"{vision.patch_size})"
+        )
+    tower = transformers.AutoModel.from_config(vision)
+    projector = Gemma3MultiModalProjector(config)
+    _load(tower, cfg.path, ("vision_tower.", "model.vision_tower."))
+    _load(projector, cfg.path, ("multi_modal_projector.", "model.multi_modal_projector."))
+    return VisionEncoder(tower, projector, None, False)
+
+
+def _llava_encoder(cfg: ModelConfig, hf: dict[str, Any]) -> VisionEncoder:
     transformers = import_transformers()
     from transformers.models.llava.modeling_llava import LlavaMultiModalProjector
 
-    hf = json.loads((cfg.path / "config.json").read_text())
     config = transformers.LlavaConfig.from_dict(hf)
     tower = transformers.AutoModel.from_config(config.vision_config)
     projector = LlavaMultiModalProjector(config)
     _load(tower, cfg.path, ("vision_tower.", "model.vision_tower."))
     _load(projector, cfg.path, ("multi_modal_projector.", "model.multi_modal_projector."))
-    encoder = VisionEncoder(
+    return VisionEncoder(
         tower, projector, config.vision_feature_layer, config.vision_feature_select_strategy == "default"
     )
-    return encoder.to(device=device, dtype=cfg.dtype).eval().requires_grad_(False)
 
 
 def _load(module: nn.Module, path: Path, prefixes: tuple[str, ...]) -> None:

@@ -178,7 +178,8 @@ class InputProcessor:
             from triollm.engine.processing.image_inputs import ImageInputs
 
             image_limit = DEFAULT_IMAGES_PER_PROMPT if limits is None else limits.max_images_per_prompt
-            self.images = ImageInputs(model_config.path, mm, image_limit)
+            blank = tokenizer.encode("\n\n", add_special_tokens=False) if mm.blank_lines else []
+            self.images = ImageInputs(model_config.path, mm, image_limit, blank)
 
     def process(
         self,
@@ -209,9 +210,9 @@ class InputProcessor:
         images: list[ImageFeature] = []
         if isinstance(prompt, Mapping) and prompt.get("multi_modal_data") is not None:
             token_ids, images = self._expand_images(prompt, token_ids)
-        elif self.images is not None and self.images.spec.image_token_id in token_ids:
+        elif self.images is not None and self.images.spec.prompt_token_id in token_ids:
             raise ValueError(
-                f"multi_modal_data: the prompt holds image placeholders (token {self.images.spec.image_token_id}) "
+                f"multi_modal_data: the prompt holds image placeholders (token {self.images.spec.prompt_token_id}) "
                 "but no images; pass them in multi_modal_data"
             )
         request_rules.check_prompt_tokens(token_ids, mc.max_model_len, mc.vocab_size)

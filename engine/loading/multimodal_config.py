@@ -15,9 +15,14 @@ What the wrapper changes in the decoder's numbers, as transformers' wrapper clas
 - `tie_word_embeddings`, `dtype` and the special token ids are the wrapper's (top-level) fields,
   the text config's where it has none.
 
-Which images a wrapper takes: LLaVA-1.5 (a CLIP tower, an MLP projector, `<image>` expanded to
-one position per patch, less the CLS feature under the "default" strategy). Gemma 3's images
-are refused per request for now (its decoder serves text).
+Which images a wrapper takes, and how a prompt's placeholder expands:
+- LLaVA-1.5: a CLIP tower, an MLP projector; `<image>` expands to one position per patch, less
+  the CLS feature under the "default" strategy.
+- Gemma 3: a SigLIP tower, `Gemma3MultiModalProjector` (pooled to `mm_tokens_per_image`); the
+  prompt holds `<start_of_image>` (`boi_token_index`), which expands as Gemma3Processor's text
+  does to "\n\n", `<start_of_image>`, `mm_tokens_per_image` x `<image_soft_token>`
+  (`image_token_index`, the positions the features fill), `<end_of_image>`, "\n\n"; the
+  positions of one image attend to each other both ways (`bidirectional`: kernels/attention.py).
 
 Rejected: reading the text config through transformers' config classes (transformers is not a
 runtime dependency of text models); running the wrapper through the Transformers backend (it
@@ -81,7 +86,7 @@ _WRAPPERS = {
     "LlavaForConditionalGeneration": _Wrapper("LlamaForCausalLM", _LLAMA_TEXT, False, False),
 }
 # The wrappers whose images the engine computes (engine/execution/vision.py).
-IMAGE_ARCHITECTURES = ("LlavaForConditionalGeneration",)
+IMAGE_ARCHITECTURES = ("Gemma3ForConditionalGeneration", "LlavaForConditionalGeneration")
 MULTIMODAL_ARCHITECTURES = tuple(_WRAPPERS)
 # Top-level fields of the wrapper that are the decoder's too.
 _SHARED = ("dtype", "torch_dtype", "eos_token_id", "bos_token_id", "pad_token_id")
@@ -92,9 +97,23 @@ class MultimodalSpec:
     """The vision-language checkpoint a decoder config came from."""
 
     architecture: str  # the checkpoint's `architectures[0]`, e.g. Gemma3ForConditionalGeneration
-    image_token_id: int  # the placeholder one image's features replace
+    image_token_id: int  # the token at the positions one image's features replace
     tokens_per_image: int  # the positions one image fills (its placeholder expanded)
     takes_images: bool  # whether the engine computes this wrapper's image features
+    # The token a prompt holds for one image (LLaVA: the image token; Gemma 3: <start_of_image>),
+    # and the tokens around the image's positions in its expansion (-1: none).
+    placeholder_id: int = -1
+    begin_id: int = -1
+    end_id: int = -1
+    # Whether one image's positions attend to each other both ways (Gemma 3), not causally.
+    bidirectional: bool = False
+    # Whether the expansion puts "\n\n" before `begin_id` and after `end_id` (Gemma 3).
+    blank_lines: bool = False
+
+    @property
+    def prompt_token_id(self) -> int:
+        """The token that stands for one image in a prompt."""
+        return self.image_token_id if self.placeholder_id < 0 else self.placeholder_id
 
     def check_image_request(self) -> None:
         """A ValueError naming `multi_modal_data` when this model's images are not served."""
@@ -133,6 +152,12 @@ def _spec(arch: str, hf: Mapping[str, Any], text: Mapping[str, Any]) -> Multimod
         raise ValueError(f"vision_config: expected a JSON object, got {vision!r}")
     if arch == "Gemma3ForConditionalGeneration":
         token, per_image = _index(hf, "image_token_index", 262144), _index(hf, "mm_tokens_per_image", 256)
+        boi, eoi = _index(hf, "boi_token_index", 255999), _index(hf, "eoi_token_index", 256000)
+        _in_vocab(text, image_token_index=token, boi_token_index=boi, eoi_token_index=eoi)
+        return MultimodalSpec(
+            architecture=arch, image_token_id=token, tokens_per_image=per_image, takes_images=True,
+            placeholder_id=boi, begin_id=boi, end_id=eoi, bidirectional=True, blank_lines=True,
+        )  # fmt: skip
     else:  # LLaVA: one position per patch, plus CLS under the "full" strategy
         token = _index(hf, "image_token_index", 32000)
         strategy = hf.get("vision_feature_select_strategy", "default")
@@ -147,12 +172,18 @@ def _spec(arch: str, hf: Mapping[str, Any], text: Mapping[str, Any]) -> Multimod
         if size % patch:
             raise ValueError(f"vision_config.patch_size: {patch} does not divide image_size {size}")
         per_image = (size // patch) ** 2 + (strategy == "full")
-        vocab = text["vocab_size"]
-        if isinstance(vocab, int) and not isinstance(vocab, bool) and token >= vocab:
-            raise ValueError(f"image_token_index: {token} lies outside the vocabulary (vocab_size {vocab})")
+        _in_vocab(text, image_token_index=token)
     return MultimodalSpec(
         architecture=arch, image_token_id=token, tokens_per_image=per_image, takes_images=arch in IMAGE_ARCHITECTURES
     )
+
+
+def _in_vocab(text: Mapping[str, Any], **tokens: int) -> None:
+    vocab = text["vocab_size"]
+    if isinstance(vocab, int) and not isinstance(vocab, bool):
+        for key, token in tokens.items():
+            if token >= vocab:
+                raise ValueError(f"{key}: {token} lies outside the vocabulary (vocab_size {vocab})")
 
 
 def _index(hf: Mapping[str, Any], key: str, default: int) -> int:

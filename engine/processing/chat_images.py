@@ -4,10 +4,10 @@ image placeholder text.
 `take_images(messages, ...)` walks every message's content parts in order. An image part
 (OpenAI's `{"type": "image_url", "image_url": {"url": ...}}`, or vLLM's `{"type": "image_pil",
 "image_pil": PIL.Image}` for `LLM.chat`) becomes a text part holding the placeholder (LLaVA's
-`<image>`), so the chat template, which sees text, renders it where the image was; the images
-come back in the same order, ready for the prompt's `multi_modal_data`. Parts are counted
-against the per-prompt limit before any is decoded, so fifty images cost fifty dictionary
-lookups, not fifty decodes.
+`<image>`, Gemma 3's `<start_of_image>`), so the chat template, which sees text, renders it
+where the image was; the images come back in the same order, ready for the prompt's
+`multi_modal_data`. Parts are counted against the per-prompt limit before any is decoded, so
+fifty images cost fifty dictionary lookups, not fifty decodes.
 
 Every refusal is a ValueError naming the part (`messages[0].content[1].image_url`).
 """
@@ -53,9 +53,9 @@ def image_placeholder(model_config: ModelConfig, tokenizer: Tokenizer, what: str
         mm.check_image_request()
     except ValueError as e:
         raise ValueError(f"{what}: {str(e).split(': ', 1)[1]}") from None
-    token = tokenizer.convert_ids_to_tokens(mm.image_token_id)
+    token = tokenizer.convert_ids_to_tokens(mm.prompt_token_id)
     if token is None:
-        raise ValueError(f"{what}: the tokenizer has no token for the image placeholder id {mm.image_token_id}")
+        raise ValueError(f"{what}: the tokenizer has no token for the image placeholder id {mm.prompt_token_id}")
     return token
 
 

@@ -19,6 +19,9 @@ Each step:
    request whose adapter would be one more waits where it is, and later requests (the base
    model, adapters already running) are admitted past it, as in vLLM; at most `max_num_seqs`
    are passed over per step, so a long queue of such requests costs a bounded scan.
+   A prompt chunk never cuts an image whose positions attend to each other both ways (Gemma 3,
+   `ImageFeature.bidirectional`): it ends before the image, or takes the rest of it whole if the
+   budget left allows, or the request waits a step (max_num_batched_tokens holds one image).
 
 The prefill budget (`prefill_budget="auto"`, with chunked prefill). A step's time grows with the
 tokens it carries, and every running request waits for the whole step: on a 2-core CPU, prompt
@@ -321,7 +324,9 @@ class Scheduler:
         for req in reqs:
             if req.status != RequestStatus.RUNNING or budget == 0:
                 continue
-            n = min(self._chunk(req), budget)
+            n = _whole_images(req, min(self._chunk(req), budget), budget)
+            if n == 0:
+                continue
             while not self.blocks.allocate(req, self.blocks.blocks_needed(req, n)):
                 victim = self._pick_victim()
                 self._preempt(victim)
@@ -356,8 +361,8 @@ class Scheduler:
             if n > budget and not self.config.enable_chunked_prefill:
                 self._undo_admission(req, fresh)
                 break
-            n = min(n, budget)
-            if not self.blocks.allocate(req, self.blocks.blocks_needed(req, n)):
+            n = _whole_images(req, min(n, budget), budget)
+            if n == 0 or not self.blocks.allocate(req, self.blocks.blocks_needed(req, n)):
                 self._undo_admission(req, fresh)
                 break
             self.waiting.pop()
@@ -499,3 +504,18 @@ class Scheduler:
         if req.num_output_tokens >= req.max_tokens or req.num_tokens >= self.max_model_len:
             return RequestStatus.FINISHED_LENGTH
         return None
+
+
+def _whole_images(req: Request, n: int, budget: int) -> int:
+    """`n` tokens from the request's next one, or fewer so that no image whose positions attend
+    to each other both ways (Gemma 3) is cut across prefill chunks: a chunk that would end inside
+    one ends before it, or takes the rest of it if the chunk starts in or at it and `budget`
+    allows (0: not this step)."""
+    c = req.num_computed_tokens
+    for f in req.images:
+        first, end = f.offset, f.offset + f.length
+        if f.bidirectional and first < c + n < end:
+            if first > c:
+                return first - c
+            return end - c if end - c <= budget else 0
+    return n

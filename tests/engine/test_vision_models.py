@@ -12,7 +12,16 @@ from typing import Any
 
 import pytest
 from test_parity import NEW_TOKENS, assert_parity, engine_greedy, hf_greedy, tiny_prompts
-from vision_models import chatml, data_url, llava_reference, make_gemma3_vlm, make_llava, random_image
+from vision_models import (
+    chatml,
+    data_url,
+    gemma3_ids,
+    llava_reference,
+    make_gemma3_vlm,
+    make_llava,
+    random_image,
+)
+from vision_models import gemma3_reference as gemma3_images_reference
 
 from triollm.engine.loading.model_config import ModelConfig
 
@@ -21,9 +30,8 @@ PROMPTS = tiny_prompts()
 
 @pytest.fixture(scope="module")
 def gemma3_vlm(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_gemma3_vlm(
-        tmp_path_factory.mktemp("gemma3-vlm"), seed=5, final_logit_softcapping=3.0, attn_logit_softcapping=8.0
-    )
+    # No attention soft-capping (Gemma 3 has none; transformers' SDPA path would ignore it).
+    return make_gemma3_vlm(tmp_path_factory.mktemp("gemma3-vlm"), seed=5, final_logit_softcapping=3.0)
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +44,7 @@ def test_gemma3_vlm_reads_its_text_config(gemma3_vlm: Path) -> None:
     assert cfg.architecture == "Gemma3ForCausalLM"
     assert cfg.multimodal is not None and cfg.multimodal.architecture == "Gemma3ForConditionalGeneration"
     assert (cfg.num_layers, cfg.head_dim, cfg.sliding_window) == (2, 16, 9)
-    assert cfg.final_softcap is None and cfg.attn_softcap == 8.0
+    assert cfg.final_softcap is None and cfg.attn_softcap is None
     assert cfg.tie_word_embeddings
 
 
@@ -191,14 +199,155 @@ def test_llava_image_requests_refused(llava: Path, tiny_model_dir: Path, tmp_pat
         LLM(str(bare), max_model_len=160, multiprocess=False)
 
 
-def test_gemma3_images_are_refused_per_request(gemma3_vlm: Path) -> None:
+# -------------------------------------------------------------------------------- Gemma 3 images
+
+GEMMA3_PROMPTS = [
+    "The capital of <start_of_image> is",  # one image
+    "<start_of_image> and <start_of_image>: count one, two, three",  # two images, the first at the start
+    "def add(a, b): return a + b",  # text only
+]
+GEMMA3_IMAGES = [[random_image(1, (40, 50))], [random_image(2, (64, 32)), random_image(3, (28, 28))], []]
+
+
+@pytest.fixture(scope="module")
+def gemma3_image_references(gemma3_vlm: Path) -> list[list[int]]:
+    return [gemma3_images_reference(gemma3_vlm, t, i) for t, i in zip(GEMMA3_PROMPTS, GEMMA3_IMAGES)]
+
+
+@pytest.mark.parametrize("budget", [8, 2048])
+def test_gemma3_images_greedy_parity_through_llm(
+    gemma3_vlm: Path, gemma3_image_references: list[list[int]], budget: int
+) -> None:
+    """One and two images and text only, batched, against transformers (its bidirectional
+    token_type_ids mask over each image's 4 positions); an 8-token budget makes prefill chunks
+    that must stop before an image or take it whole."""
     from triollm import LLM, SamplingParams
 
-    with LLM(str(gemma3_vlm), max_model_len=64, multiprocess=False) as llm:
-        with pytest.raises(ValueError, match="multi_modal_data: image inputs to Gemma3ForConditionalGeneration"):
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    prompts = [_mm_prompt(t, i) for t, i in zip(GEMMA3_PROMPTS, GEMMA3_IMAGES)]
+    with LLM(str(gemma3_vlm), max_model_len=160, max_num_batched_tokens=budget, multiprocess=budget == 8) as llm:
+        outs = llm.generate(prompts, params, use_tqdm=False)
+    assert [list(o.outputs[0].token_ids) for o in outs] == gemma3_image_references
+    ids, _ = gemma3_ids(gemma3_vlm, GEMMA3_PROMPTS[0])
+    assert list(outs[0].prompt_token_ids) == ids  # <start_of_image> expanded as Gemma3Processor does
+
+
+def test_gemma3_images_need_the_bidirectional_mask(
+    gemma3_vlm: Path, gemma3_image_references: list[list[int]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Without the spans on the prefill plan (causal image positions), the tokens differ."""
+    from triollm import LLM, SamplingParams
+    from triollm.engine.execution import model_runner
+
+    monkeypatch.setattr(model_runner, "_bidirectional_spans", lambda meta, prefills: None)
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    with LLM(str(gemma3_vlm), max_model_len=160, multiprocess=False) as llm:
+        outs = llm.generate([_mm_prompt(t, i) for t, i in zip(GEMMA3_PROMPTS[:2], GEMMA3_IMAGES)], params)
+    assert [list(o.outputs[0].token_ids) for o in outs] != gemma3_image_references[:2]
+
+
+def test_gemma3_prefill_chunks_never_cut_an_image(gemma3_vlm: Path) -> None:
+    """With a 5-token budget every chunk ends before an image or holds all of its 4 positions."""
+    from triollm import SamplingParams
+    from triollm.engine.config import EngineArgs
+    from triollm.engine.sync_engine import SyncEngine
+
+    engine = SyncEngine.from_engine_args(EngineArgs(model=str(gemma3_vlm), max_model_len=160, max_num_batched_tokens=5))
+    engine.add_request(_mm_prompt(GEMMA3_PROMPTS[1], GEMMA3_IMAGES[1]), SamplingParams(max_tokens=2))
+    scheduler, chunks = engine.core.scheduler, []
+    schedule = scheduler.schedule
+
+    def spy() -> Any:
+        out = schedule()
+        chunks.extend((s.num_computed_tokens, s.num_new_tokens) for s in out.scheduled if s.num_new_tokens > 1)
+        return out
+
+    scheduler.schedule = spy  # type: ignore[method-assign]
+    while engine.has_unfinished_requests():
+        engine.step()
+    _, types = gemma3_ids(gemma3_vlm, GEMMA3_PROMPTS[1])
+    starts = [i for i, t in enumerate(types) if t and not (i and types[i - 1])]
+    spans = [(a, a + 4) for a in starts]
+    assert len(spans) == 2 and all(types[a:b] == [1] * 4 for a, b in spans)
+    assert all(not (a < c + n < b) and not (a < c < b) for c, n in chunks for a, b in spans)
+    assert [c for c, _ in chunks] == sorted(c for c, _ in chunks) and sum(n for _, n in chunks) >= len(types) - 1
+
+
+def test_gemma3_chat_with_image_parts(gemma3_vlm: Path) -> None:
+    """`LLM.chat`: image parts render as `<start_of_image>` where they stand."""
+    from triollm import LLM, SamplingParams
+
+    first, second = random_image(11, (33, 47)), random_image(12, (20, 60))
+    messages = [
+        {
+            "role": "user",
+            "content": [
+                {"type": "text", "text": "Look:"},
+                {"type": "image_url", "image_url": {"url": data_url(first)}},
+                {"type": "image_pil", "image_pil": second},
+                {"type": "text", "text": "count one, two"},
+            ],
+        }
+    ]
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    with LLM(str(gemma3_vlm), max_model_len=160, multiprocess=False) as llm:
+        [out] = llm.chat(messages, params, use_tqdm=False)
+    text = chatml("Look:\n<start_of_image>\n<start_of_image>\ncount one, two")
+    assert list(out.outputs[0].token_ids) == gemma3_images_reference(gemma3_vlm, text, [first, second])
+
+
+def test_gemma3_repeated_image_is_a_prefix_cache_hit(gemma3_vlm: Path) -> None:
+    """The same image again: a prefix-cache hit through the image's block, and the tower does
+    not run; another image: a miss from the block holding its first position."""
+    from triollm import SamplingParams
+    from triollm.engine.config import EngineArgs
+    from triollm.engine.sync_engine import SyncEngine
+
+    text = "<start_of_image> " + "The quick brown fox jumps over the lazy dog. " * 2
+    engine = SyncEngine.from_engine_args(
+        EngineArgs(model=str(gemma3_vlm), max_model_len=160, enable_prefix_caching=True, block_size=8)
+    )
+    vision = engine.core.executor.runner.vision
+    assert vision is not None
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+
+    def run(image: Any) -> Any:
+        engine.add_request({"prompt": text, "multi_modal_data": {"image": image}}, params)
+        done = []
+        while engine.has_unfinished_requests():
+            done += [out for out in engine.step() if out.finished]
+            engine.core.check_integrity()
+        return done[0]
+
+    first = run(random_image(7, (30, 30)))
+    assert vision.num_runs == 1 and first.num_cached_tokens == 0
+    assert list(first.outputs[0].token_ids) == gemma3_images_reference(gemma3_vlm, text, [random_image(7, (30, 30))])
+    again = run(random_image(7, (30, 30)))
+    assert vision.num_runs == 1
+    assert again.num_cached_tokens >= 16 and again.outputs[0].token_ids == first.outputs[0].token_ids
+    other = run(random_image(8, (30, 30)))
+    assert vision.num_runs == 2 and other.num_cached_tokens == 0
+    assert list(other.outputs[0].token_ids) == gemma3_images_reference(gemma3_vlm, text, [random_image(8, (30, 30))])
+
+
+def test_gemma3_image_refusals(gemma3_vlm: Path, tmp_path: Path) -> None:
+    import json
+
+    from triollm import LLM, SamplingParams
+
+    with pytest.raises(ValueError, match="max_num_batched_tokens: 3 is smaller than the 4 positions of one image"):
+        LLM(str(gemma3_vlm), max_model_len=160, max_num_batched_tokens=3, multiprocess=False)
+    with LLM(str(gemma3_vlm), max_model_len=160, multiprocess=False) as llm:
+        with pytest.raises(ValueError, match="multi_modal_data: 1 images but the prompt has 0 image placeholders"):
             llm.generate(
                 {"prompt": "x", "multi_modal_data": {"image": random_image(1, (9, 9))}}, SamplingParams(max_tokens=2)
             )
+    config = json.loads((gemma3_vlm / "config.json").read_text())
+    for name in ("tokenizer.json", "tokenizer_config.json", "model.safetensors", "preprocessor_config.json"):
+        (tmp_path / name).symlink_to(gemma3_vlm / name)
+    (tmp_path / "config.json").write_text(json.dumps({**config, "mm_tokens_per_image": 9}))
+    with pytest.raises(ValueError, match="mm_tokens_per_image: 9 must be the square of a divisor of the 4 patches"):
+        LLM(str(tmp_path), max_model_len=160, multiprocess=False)
 
 
 def test_llava_chat_with_image_parts(llava: Path) -> None:
@@ -270,7 +419,8 @@ def test_shipped_configs_split() -> None:
         "torch_dtype": "bfloat16",
     }
     text, spec = split_multimodal(gemma)
-    assert spec is not None and (spec.tokens_per_image, spec.takes_images) == (256, False)
+    assert spec is not None and (spec.tokens_per_image, spec.takes_images, spec.bidirectional) == (256, True, True)
+    assert (spec.prompt_token_id, spec.image_token_id, spec.end_id) == (255999, 262144, 256000)
     cfg = parse_hf_config(text, "triollm")
     assert (cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim) == (34, 8, 4, 256)
     assert cfg.tie_word_embeddings and cfg.rope.factor == 8.0 and text["eos_token_id"] == [1, 106]
