@@ -19,6 +19,7 @@ engine is seen, and never per step.
 | `VLLM_BATCH_INVARIANT` | `batch_invariant()` | 0/1: numbers independent of the batch (kernels/batch_invariant.py) |
 | `VLLM_CPU_KVCACHE_SPACE` | `cpu_kvcache_space_bytes()` | GiB of KV cache on CPU (vLLM-CPU's; 0 or unset: measured) |
 | `VLLM_TORCH_PROFILER_DIR` | `torch_profiler_dir()` | where `start_profile()` traces go (vLLM's; unset: no profiler) |
+| `VLLM_IMAGE_FETCH_TIMEOUT` | `image_fetch_timeout()` | seconds to fetch one http(s) chat image (vLLM's; default 5) |
 
 `VLLM_BATCH_INVARIANT` is vLLM's name (vLLM has no engine argument for it either); it is read
 when the model runner is built (engine/execution/model_runner.py), in the engine core's process,
@@ -50,6 +51,7 @@ __all__ = [
     "CPU_KVCACHE_SPACE_ENV",
     "CPU_KERNELS_ENV",
     "HF_HUB_OFFLINE_ENV",
+    "IMAGE_FETCH_TIMEOUT_ENV",
     "ISA_ENV",
     "KERNELS_ENV",
     "MULTIPROCESS_ENV",
@@ -61,6 +63,7 @@ __all__ = [
     "forced_cpu_isa",
     "gloo_over_loopback",
     "hf_hub_offline",
+    "image_fetch_timeout",
     "kernels_choice",
     "multiprocess",
     "torch_profiler_dir",
@@ -72,6 +75,7 @@ HF_HUB_OFFLINE_ENV = "HF_HUB_OFFLINE"
 BATCH_INVARIANT_ENV = "VLLM_BATCH_INVARIANT"
 CPU_KVCACHE_SPACE_ENV = "VLLM_CPU_KVCACHE_SPACE"
 TORCH_PROFILER_DIR_ENV = "VLLM_TORCH_PROFILER_DIR"
+IMAGE_FETCH_TIMEOUT_ENV = "VLLM_IMAGE_FETCH_TIMEOUT"
 
 
 def multiprocess() -> bool | None:
@@ -106,6 +110,20 @@ def cpu_kvcache_space_bytes() -> int | None:
     if not 0 <= gib < float("inf"):
         raise ValueError(f"{CPU_KVCACHE_SPACE_ENV}: {env!r} is not a number of GiB (0 or more; 0: measured)")
     return int(gib * 2**30) or None
+
+
+def image_fetch_timeout() -> float:
+    """$VLLM_IMAGE_FETCH_TIMEOUT: the seconds the API server gives one http(s) image URL of a chat
+    message, connection to last byte (api/chat_images.py, read when a request has such a URL);
+    5 when unset or empty. Anything but a finite number > 0 is a ValueError naming it."""
+    env = os.environ.get(IMAGE_FETCH_TIMEOUT_ENV, "").strip()
+    try:
+        seconds = float(env) if env else 5.0
+    except ValueError:
+        seconds = 0.0
+    if not 0 < seconds < float("inf"):
+        raise ValueError(f"{IMAGE_FETCH_TIMEOUT_ENV}: {env!r} is not a number of seconds (> 0)")
+    return seconds
 
 
 def torch_profiler_dir() -> Path | None:

@@ -6,7 +6,8 @@ Pillow's `Image.open` reads only the header: the pixel count is checked against
 costs microseconds, not 300 MB. A truncated or corrupt file fails in `load()`; both become a
 `ValueError` naming the request field (`messages[0].content[1].image_url`), which the API turns
 into a 400. `image_url` resolves the URLs a chat part may carry: `data:` URLs always, `file://`
-only under `allowed_local_media_path`; http(s) URLs are refused (no fetcher yet).
+only under `allowed_local_media_path`; http(s) URLs are fetched by the API server
+(api/chat_images.py), which hands their bytes on as data URLs, and refused here (`LLM.chat`).
 
 Decoding is CPU work (milliseconds for a real photo): the API calls it in a worker thread, off
 the event loop.
@@ -69,7 +70,7 @@ def image_url(url: str, field: str, allowed_local_media_path: str | None = None)
     if parsed.scheme == "file":
         return _local_file(Path(unquote(parsed.path)), field, allowed_local_media_path)
     if parsed.scheme in ("http", "https"):
-        raise ValueError(f"{field}: http(s) image URLs are not fetched by this server; send a data URL")
+        raise ValueError(f"{field}: http(s) image URLs are fetched by the API server only; send a data URL")
     raise ValueError(f"{field}: unsupported URL scheme {parsed.scheme!r}; allowed: data, file")
 
 
