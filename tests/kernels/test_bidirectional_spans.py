@@ -110,3 +110,19 @@ def test_same_span_and_bad_spans() -> None:
     for bad in ([(3, 3)], [(2, 4), (1, 3)]):
         with pytest.raises(ValueError, match="bidirectional: span"):
             prefill_attention(x, x, x, seqs.kc, seqs.vc, torch.tensor(seqs.tables[0]), 0, SCALE, bidirectional=bad)
+
+
+def test_spans_take_the_torch_path_under_triton(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With the Triton kernels selected (the interpreter on CPU), a plan with spans runs every
+    chunk on the torch path (the kernels have no spans) and matches the reference."""
+    pytest.importorskip("triton", reason="triton is not installed")
+    monkeypatch.setenv("TRIOLLM_KERNELS", "triton")
+    kvh, group, d, bs = 2, 2, 16, 4
+    seqs = Paged([10], bs, kvh, d, torch.float32, seed=8)
+    q = torch.randn(6, kvh * group, d, generator=torch.Generator().manual_seed(9))
+    plan = plan_prefill([(6, 4, seqs.tables[0])], "cpu")
+    assert plan.triton is not None  # planned for the Triton kernels
+    plan.bidirectional = [[(3, 8)]]
+    out = prefill_attention_chunks(q, seqs.k[0][4:], seqs.v[0][4:], seqs.kc, seqs.vc, plan, SCALE)
+    expected = span_reference(q, seqs.k[0], seqs.v[0], 4, None, [(3, 8)])
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
