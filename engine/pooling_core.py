@@ -6,11 +6,12 @@ modernbert.py) or a decoder's trunk (decoder_pooling.py, which holds a cache for
 So this core implements the `Core` protocol (engine/core_protocol.py; the actor layer drives it
 as it drives `EngineCore`: `add_request`, `abort_requests`, `step`, `has_unfinished_requests`,
 `statistics`, `check_integrity`, `close`) over a much simpler state: an insertion-ordered dict
-of waiting requests. Each `step()` takes waiting requests first come, first served while the
-padded batch (requests x longest prompt) fits `max_num_batched_tokens` and their number
-`max_num_seqs` (at least one request: every prompt fits, max_model_len <= the budget is checked
-at configuration), encodes them in one pass, pools and
-finishes every one of them with its result (`EngineCoreOutput.pooled`, float32 bytes): an
+of waiting requests, whoever sent them. Each `step()` takes the oldest waiting request and those
+nearest it in length (length buckets around the oldest, so short prompts are not padded to a
+long one's length) while the padded batch (requests x longest prompt) fits
+`max_num_batched_tokens` and their number `max_num_seqs` (at least one request: every prompt
+fits, max_model_len <= the budget is checked at configuration), encodes them in one pass, pools
+and finishes every one of them with its result (`EngineCoreOutput.pooled`, float32 bytes): an
 embedding, per-token vectors, a classifier's activated logits (all labels for "classify", the
 one label for "score"), or a reward model's per-token rewards ("token_classify"). Requests are
 never preempted or chunked.
@@ -193,13 +194,21 @@ class PoolingEngineCore:
         return probs[0] if params.task == "score" else probs
 
     def _next_batch(self) -> list[EngineCoreRequest]:
+        """The oldest waiting request, joined by those whose lengths are nearest its own (ties:
+        the older first) while the padded batch fits the budget: one long prompt no longer pads
+        a batch of short ones, and every request is at most as many steps away as there are
+        requests older than it."""
         sched = self.config.scheduler
-        batch: list[EngineCoreRequest] = []
-        longest = 0
-        for req in self.waiting.values():
+        if not self.waiting:
+            return []
+        oldest, *rest = self.waiting.values()
+        anchor = len(oldest.prompt_token_ids)
+        rest.sort(key=lambda r: abs(len(r.prompt_token_ids) - anchor))  # stable: older first on ties
+        batch = [oldest]
+        longest = anchor
+        for req in rest:
             longest_if_added = max(longest, len(req.prompt_token_ids))
-            too_many = len(batch) >= sched.max_num_seqs
-            if batch and (too_many or longest_if_added * (len(batch) + 1) > sched.max_num_batched_tokens):
+            if len(batch) >= sched.max_num_seqs or longest_if_added * (len(batch) + 1) > sched.max_num_batched_tokens:
                 break
             batch.append(req)
             longest = longest_if_added

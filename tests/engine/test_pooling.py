@@ -153,14 +153,22 @@ def test_engine_core_on_a_pooling_model(tiny_berts: dict[str, Path]) -> None:
     core.abort_requests("gone")
     core.check_integrity()
     assert core.statistics().num_waiting == 3
-    # The padded batch (requests x longest prompt) must fit 64 tokens: "a" + "b" would be
-    # 2 x 40, so "b" waits; then "b" + "c" would be 2 x 40 too: one request per step here.
-    steps = [core.step() for _ in range(3)]
-    assert [[o.request_id for o in step] for step in steps] == [["a"], ["b"], ["c"]]
+    # The oldest ("a", 3 tokens) is joined by the nearest in length ("c", 5) while the padded
+    # batch (requests x longest prompt) fits 64 tokens: "b" (40) would make it 3 x 40, so it
+    # waits for the next step, although it came before "c".
+    steps = [core.step() for _ in range(2)]
+    assert [[o.request_id for o in step] for step in steps] == [["a", "c"], ["b"]]
     assert not core.has_unfinished_requests() and core.step() == []
     core.add_request(EngineCoreRequest("d", [7] * 20, POOLING_PLACEHOLDER, pooling_params=params))
     core.add_request(EngineCoreRequest("e", [8] * 30, POOLING_PLACEHOLDER, pooling_params=params))
     assert [o.request_id for o in core.step()] == ["d", "e"]  # 2 x 30 fits: one batch
+    # A long oldest request takes the long ones; the short ones go together next, whatever
+    # their order of arrival.
+    for rid, n in (("long", 30), ("s1", 4), ("l1", 28), ("s2", 3), ("s3", 5)):
+        core.add_request(EngineCoreRequest(rid, [9] * n, POOLING_PLACEHOLDER, pooling_params=params))
+    assert [o.request_id for o in core.step()] == ["long", "l1"]
+    assert [o.request_id for o in core.step()] == ["s1", "s2", "s3"]  # equally near: the older first
+    core.check_integrity()
     for out in [o for step in steps for o in step]:
         assert out.finished and out.new_token_ids == []
         assert out.pooled is not None
