@@ -20,8 +20,9 @@ Each step:
    model, adapters already running) are admitted past it, as in vLLM; at most `max_num_seqs`
    are passed over per step, so a long queue of such requests costs a bounded scan.
    A prompt chunk never cuts an image whose positions attend to each other both ways (Gemma 3,
-   `ImageFeature.bidirectional`): it ends before the image, or takes the rest of it whole if the
-   budget left allows, or the request waits a step (max_num_batched_tokens holds one image).
+   `ImageFeature.bidirectional`): it ends before the image, or takes the rest of it whole if
+   max_num_batched_tokens allows (past the prefill budget if need be), or the request waits a
+   step (max_num_batched_tokens holds one image: checked at load).
 
 The prefill budget (`prefill_budget="auto"`, with chunked prefill). A step's time grows with the
 tokens it carries, and every running request waits for the whole step: on a 2-core CPU, prompt
@@ -324,7 +325,7 @@ class Scheduler:
         for req in reqs:
             if req.status != RequestStatus.RUNNING or budget == 0:
                 continue
-            n = _whole_images(req, min(self._chunk(req), budget), budget)
+            n = _whole_images(req, min(self._chunk(req), budget), self._hard_left(scheduled))
             if n == 0:
                 continue
             while not self.blocks.allocate(req, self.blocks.blocks_needed(req, n)):
@@ -336,8 +337,12 @@ class Scheduler:
             if req.status != RequestStatus.RUNNING:
                 continue
             scheduled.append(ScheduledRequest(req, n, req.num_computed_tokens))
-            budget -= n
+            budget = max(0, budget - n)  # a whole image may pass the (prefill) budget
         return budget
+
+    def _hard_left(self, scheduled: list[ScheduledRequest]) -> int:
+        """The step's tokens not yet scheduled, of max_num_batched_tokens."""
+        return self.config.max_num_batched_tokens - sum(s.num_new_tokens for s in scheduled)
 
     def _admit_waiting(self, budget: int, scheduled: list[ScheduledRequest]) -> int:
         loras = {r.lora_request.lora_int_id for r in self.running if r.lora_request is not None}
@@ -361,7 +366,7 @@ class Scheduler:
             if n > budget and not self.config.enable_chunked_prefill:
                 self._undo_admission(req, fresh)
                 break
-            n = _whole_images(req, min(n, budget), budget)
+            n = _whole_images(req, min(n, budget), self._hard_left(scheduled))
             if n == 0 or not self.blocks.allocate(req, self.blocks.blocks_needed(req, n)):
                 self._undo_admission(req, fresh)
                 break
@@ -371,7 +376,7 @@ class Scheduler:
                 req.scheduled_ts = self.clock()
             self.running.append(req)
             scheduled.append(ScheduledRequest(req, n, req.num_computed_tokens))
-            budget -= n
+            budget = max(0, budget - n)
             if lora is not None:
                 loras.add(lora.lora_int_id)
         for req in reversed(skipped):
@@ -507,10 +512,11 @@ class Scheduler:
 
 
 def _whole_images(req: Request, n: int, budget: int) -> int:
-    """`n` tokens from the request's next one, or fewer so that no image whose positions attend
-    to each other both ways (Gemma 3) is cut across prefill chunks: a chunk that would end inside
-    one ends before it, or takes the rest of it if the chunk starts in or at it and `budget`
-    allows (0: not this step)."""
+    """`n` tokens from the request's next one, or another count so that no image whose positions
+    attend to each other both ways (Gemma 3) is cut across prefill chunks: a chunk that would end
+    inside one ends before it, or takes the rest of it (more than `n`: past the prefill budget,
+    which would otherwise hold it back for as long as decodes keep that budget small) if the
+    chunk starts in or at it and `budget`, the step's tokens left, allows (0: not this step)."""
     c = req.num_computed_tokens
     for f in req.images:
         first, end = f.offset, f.offset + f.length

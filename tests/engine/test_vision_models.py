@@ -273,6 +273,28 @@ def test_gemma3_prefill_chunks_never_cut_an_image(gemma3_vlm: Path) -> None:
     assert [c for c, _ in chunks] == sorted(c for c, _ in chunks) and sum(n for _, n in chunks) >= len(types) - 1
 
 
+def test_gemma3_image_passes_a_small_prefill_budget(gemma3_vlm: Path, gemma3_image_references: list[list[int]]) -> None:
+    """A prefill budget smaller than an image (decodes keep it small under load) does not hold
+    the image back: its chunk takes all of it, within max_num_batched_tokens."""
+    from triollm import SamplingParams
+    from triollm.engine.config import EngineArgs
+    from triollm.engine.sync_engine import SyncEngine
+
+    engine = SyncEngine.from_engine_args(
+        EngineArgs(model=str(gemma3_vlm), max_model_len=160, max_num_batched_tokens=16)
+    )
+    scheduler = engine.core.scheduler
+    scheduler._prefill_budget = lambda *args: 2  # type: ignore[method-assign]
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    engine.add_request(_mm_prompt(GEMMA3_PROMPTS[0], GEMMA3_IMAGES[0]), params)
+    done = []
+    for _ in range(64):
+        done += [out for out in engine.step() if out.finished]
+        if not engine.has_unfinished_requests():
+            break
+    assert len(done) == 1 and list(done[0].outputs[0].token_ids) == gemma3_image_references[0]
+
+
 def test_gemma3_chat_with_image_parts(gemma3_vlm: Path) -> None:
     """`LLM.chat`: image parts render as `<start_of_image>` where they stand."""
     from triollm import LLM, SamplingParams
