@@ -27,7 +27,18 @@ if TYPE_CHECKING:
 __all__ = ["RECURRENT_ARCHITECTURES", "RECURRENT_LAYER_TYPES", "RecurrentSpec", "parse_recurrent"]
 
 RECURRENT_LAYER_TYPES = ("conv", "mamba")  # layers with a state of their own and no KV cache
-RECURRENT_ARCHITECTURES = {"Lfm2ForCausalLM": "lfm2", "BambaForCausalLM": "bamba"}  # architecture -> model_type
+RECURRENT_ARCHITECTURES = {  # architecture -> model_type
+    "Lfm2ForCausalLM": "lfm2",
+    "BambaForCausalLM": "bamba",
+    "GraniteMoeHybridForCausalLM": "granitemoehybrid",
+}
+# A Mamba-2 hybrid's layer types as config.json spells them (Granite 4.0-H: "mamba", "attention").
+_MAMBA_TYPES = {
+    "mamba": "mamba",
+    "linear_attention": "mamba",
+    "attention": "full_attention",
+    "full_attention": "full_attention",
+}
 _LFM2_LAYER_TYPES = ("full_attention", "conv")
 
 
@@ -67,8 +78,8 @@ class RecurrentSpec:
 
 def parse_recurrent(arch: str, hf: Mapping[str, Any]) -> HfConfig:
     """The config.json of a hybrid architecture (module note); a `ValueError` naming the field."""
-    if arch == "BambaForCausalLM":
-        return _parse_bamba(arch, hf)
+    if arch in ("BambaForCausalLM", "GraniteMoeHybridForCausalLM"):
+        return _parse_mamba_hybrid(arch, hf)
     return _parse_lfm2(arch, hf)
 
 
@@ -151,14 +162,19 @@ def _parse_lfm2(arch: str, hf: Mapping[str, Any]) -> HfConfig:
     )
 
 
-def _parse_bamba(arch: str, hf: Mapping[str, Any]) -> HfConfig:
+def _parse_mamba_hybrid(arch: str, hf: Mapping[str, Any]) -> HfConfig:
     """Bamba as transformers' `BambaConfig` reads it: Llama attention (partial rotary, 0.5 as
     transformers fixes it) on `attn_layer_indices`, Mamba-2 mixers on the other layers, a gated MLP
-    on every layer."""
+    on every layer. Granite 4.0-H (`GraniteMoeHybridConfig`): the layers by `layer_types`, RoPE
+    only with `position_embedding_type` "rope" (else none), Granite's multipliers, and the MLP of
+    every layer routed experts (`num_local_experts`, top-k softmax) plus a shared MLP
+    (`shared_intermediate_size`)."""
     from triollm.engine.loading.config_checks import check_head_counts
     from triollm.engine.loading.hf_config import HfConfig, _bool, _eps, _int, checkpoint_dtype
+    from triollm.engine.loading.hf_families import MoESpec
     from triollm.engine.loading.rope_config import parse_rope
 
+    granite = arch == "GraniteMoeHybridForCausalLM"
     if hf.get("quantization_config"):
         raise ValueError(f"quantization_config: quantized checkpoints of {arch} are not supported")
     if hf.get("hidden_act", "silu") != "silu":
@@ -167,16 +183,29 @@ def _parse_bamba(arch: str, hf: Mapping[str, Any]) -> HfConfig:
     num_heads = _int(hf, "num_attention_heads", 32)
     num_layers = _int(hf, "num_hidden_layers", 32)
     check_head_counts({"head_dim": None}, hidden, num_heads)
-    num_kv_heads = _int(hf, "num_key_value_heads", 8, null=num_heads)
+    num_kv_heads = _int(hf, "num_key_value_heads", num_heads if granite else 8, null=num_heads)
     if num_heads % num_kv_heads:
         raise ValueError(f"num_key_value_heads: {num_kv_heads} does not divide num_attention_heads {num_heads}")
     head_dim = hidden // num_heads
-    attn = hf.get("attn_layer_indices") or []
-    if not isinstance(attn, list) or not all(isinstance(i, int) and 0 <= i < num_layers for i in attn):
-        raise ValueError(f"attn_layer_indices: expected a list of layer indices below {num_layers}, got {attn!r:.80}")
-    if not attn:
-        raise ValueError(f"attn_layer_indices: {arch} without attention layers is not supported (at least one)")
-    layer_types = tuple("full_attention" if i in attn else "mamba" for i in range(num_layers))
+    if granite:
+        raw_types = hf.get("layer_types") or ["mamba"] * num_layers
+        if (
+            not isinstance(raw_types, list)
+            or len(raw_types) != num_layers
+            or any(t not in _MAMBA_TYPES for t in raw_types)
+        ):
+            raise ValueError(f"layer_types: expected {num_layers} of {', '.join(_MAMBA_TYPES)}, got {raw_types!r:.80}")
+        layer_types = tuple(_MAMBA_TYPES[t] for t in raw_types)
+    else:
+        attn = hf.get("attn_layer_indices") or []
+        if not isinstance(attn, list) or not all(isinstance(i, int) and 0 <= i < num_layers for i in attn):
+            raise ValueError(
+                f"attn_layer_indices: expected a list of layer indices below {num_layers}, got {attn!r:.80}"
+            )
+        layer_types = tuple("full_attention" if i in attn else "mamba" for i in range(num_layers))
+    if "full_attention" not in layer_types:
+        field = "layer_types" if granite else "attn_layer_indices"
+        raise ValueError(f"{field}: {arch} without attention layers is not supported (at least one)")
     heads = _int(hf, "mamba_n_heads", 128)
     expand = _int(hf, "mamba_expand", 2)
     if (expand * hidden) % heads:
@@ -194,29 +223,46 @@ def _parse_bamba(arch: str, hf: Mapping[str, Any]) -> HfConfig:
     )
     if low is None or high is None or not low <= high:
         raise ValueError(f"time_step_limit: expected [low, high] with low <= high, got {limit!r:.80}")
-    max_pos = _int(hf, "max_position_embeddings", 262144)
-    rope = parse_rope(hf, max_pos, allow_partial=True)
-    params = hf.get("rope_parameters") or {}
-    partial = params.get("partial_rotary_factor", 0.5) if isinstance(params, Mapping) else 0.5
-    rotary = int(head_dim * partial)
-    if rotary <= 0 or rotary % 2 or rotary > head_dim:
-        raise ValueError(f"rope_parameters.partial_rotary_factor: {partial} gives {rotary} rotary dimensions")
+    max_pos = _int(hf, "max_position_embeddings", 2048 if granite else 262144)
+    rope = parse_rope(hf, max_pos, allow_partial=not granite)
+    extra: dict[str, Any] = {}
+    if granite:
+        rotary = head_dim if hf.get("position_embedding_type") == "rope" else 0  # 0: no rotary (NoPE)
+        extra = {
+            "embedding_multiplier": _number(hf, "embedding_multiplier"),
+            "residual_multiplier": _number(hf, "residual_multiplier"),
+            "attention_scale": _number(hf, "attention_multiplier"),
+            "logits_divisor": _number(hf, "logits_scaling"),
+        }
+        experts = _int(hf, "num_local_experts", 8, minimum=0)
+        shared = _int(hf, "shared_intermediate_size", 1024)
+        if experts:
+            top_k = _int(hf, "num_experts_per_tok", 2)
+            if top_k > experts:
+                raise ValueError(f"num_experts_per_tok: {top_k} is more than num_local_experts {experts}")
+            extra["moe"] = MoESpec(experts, top_k, _int(hf, "intermediate_size", 11008), True, (True,) * num_layers)
+    else:
+        params = hf.get("rope_parameters") or {}
+        partial = params.get("partial_rotary_factor", 0.5) if isinstance(params, Mapping) else 0.5
+        rotary = int(head_dim * partial)
+        if rotary <= 0 or rotary % 2 or rotary > head_dim:
+            raise ValueError(f"rope_parameters.partial_rotary_factor: {partial} gives {rotary} rotary dimensions")
     return HfConfig(
         architecture=arch,
         hidden_size=hidden,
-        intermediate_size=_int(hf, "intermediate_size", 14336),
+        intermediate_size=shared if granite else _int(hf, "intermediate_size", 14336),
         num_layers=num_layers,
         num_heads=num_heads,
         num_kv_heads=num_kv_heads,
         head_dim=head_dim,
-        vocab_size=_int(hf, "vocab_size", 128000),
-        rms_norm_eps=_eps(hf, 1e-5),
+        vocab_size=_int(hf, "vocab_size", 32000 if granite else 128000),
+        rms_norm_eps=_eps(hf, 1e-6 if granite else 1e-5),
         rope=rope,
         max_position_embeddings=max_pos,
         tie_word_embeddings=_bool(hf, "tie_word_embeddings", False),
         qkv_bias=_bool(hf, "attention_bias", False),
         o_proj_bias=_bool(hf, "attention_bias", False),
-        mlp_bias=_bool(hf, "mlp_bias", False),
+        mlp_bias=False if granite else _bool(hf, "mlp_bias", False),
         sliding_window=None,
         checkpoint_dtype=checkpoint_dtype(hf),
         encoder=None,
@@ -234,7 +280,17 @@ def _parse_bamba(arch: str, hf: Mapping[str, Any]) -> HfConfig:
             mamba_proj_bias=_bool(hf, "mamba_proj_bias", False),
             time_step_limit=(low, high),
         ),
+        **extra,
     )
+
+
+def _number(hf: Mapping[str, Any], key: str, default: float = 1.0) -> float:
+    value = hf.get(key)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int | float) or not (math.isfinite(value) and value > 0):
+        raise ValueError(f"{key}: expected a positive number, got {value!r}")
+    return float(value)
 
 
 def _float_or_inf(value: Any) -> float | None:

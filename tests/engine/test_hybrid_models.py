@@ -20,7 +20,7 @@ from tinymodel import build_tokenizer, write_tokenizer
 
 from triollm.engine.config import EngineArgs
 from triollm.engine.core import EngineCore
-from triollm.engine.execution.models.hybrid import BambaForCausalLM, Lfm2ForCausalLM
+from triollm.engine.execution.models.hybrid import BambaForCausalLM, GraniteMoeHybridForCausalLM, Lfm2ForCausalLM
 from triollm.engine.loading.model_config import ModelConfig
 from triollm.engine.request import EngineCoreRequest
 from triollm.engine.sampling_params import SamplingParams
@@ -68,6 +68,30 @@ def make_bamba(path: Path, seed: int = 0, **fields: object) -> Path:
     return path
 
 
+def make_granite_hybrid(path: Path, seed: int = 0, **fields: object) -> Path:
+    """A tiny Granite 4.0-H: Mamba-2 mixers and attention without rotary, routed experts plus a
+    shared MLP, every Granite multiplier away from 1."""
+    import transformers
+
+    eos = write_tokenizer(path)
+    settings: dict[str, object] = {
+        "hidden_size": 64, "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "intermediate_size": 48, "shared_intermediate_size": 96, "layer_types": ["mamba", "attention", "mamba"],
+        "mamba_n_heads": 8, "mamba_d_state": 16, "mamba_n_groups": 2, "mamba_chunk_size": 8,
+        "num_local_experts": 4, "num_experts_per_tok": 2, "position_embedding_type": "nope",
+        "embedding_multiplier": 2.0, "residual_multiplier": 0.5, "attention_multiplier": 0.2, "logits_scaling": 1.5,
+        **fields,
+    }  # fmt: skip
+    cfg = transformers.GraniteMoeHybridConfig(
+        vocab_size=build_tokenizer().get_vocab_size(), max_position_embeddings=512, bos_token_id=None,
+        eos_token_id=eos, pad_token_id=None, dtype="float32", **settings,
+    )  # fmt: skip
+    model = transformers.GraniteMoeHybridForCausalLM(cfg).to(torch.float32)
+    _redraw(model, seed)
+    model.save_pretrained(path)
+    return path
+
+
 def _redraw(model: torch.nn.Module, seed: int) -> None:
     """Weights at scales where greedy picks are not near-ties."""
     g = torch.Generator().manual_seed(seed)
@@ -92,6 +116,11 @@ CASES = {
     "bamba-one-group-bias": (
         make_bamba, BambaForCausalLM,
         {"mamba_n_groups": 1, "mamba_proj_bias": True, "mamba_conv_bias": False, "attn_layer_indices": [0, 2]},
+    ),
+    "granite-4.0-h": (make_granite_hybrid, GraniteMoeHybridForCausalLM, {}),
+    "granite-4.0-h-rope-dense": (
+        make_granite_hybrid, GraniteMoeHybridForCausalLM,
+        {"position_embedding_type": "rope", "num_local_experts": 0, "layer_types": ["attention", "mamba", "mamba"]},
     ),
 }  # fmt: skip
 

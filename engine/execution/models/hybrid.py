@@ -11,6 +11,11 @@ request's rows and state are (`AttentionMetadata.state_rows`, layers/recurrent.p
 - Bamba (`BambaForCausalLM`): Llama attention with partial rotary and Mamba-2 mixers (`mamba`);
   norms `input_layernorm` / `pre_ff_layernorm`, the MLP `feed_forward.*_proj`, the final norm
   `final_layernorm`.
+- Granite 4.0-H (`GraniteMoeHybridForCausalLM`): Bamba's mixers, attention without rotary unless
+  `position_embedding_type` is "rope", Granite's multipliers (embeddings, residuals, the softmax
+  scale, the logits' divisor), and as MLP routed experts (`block_sparse_moe`: `router.layer`,
+  `input_linear` gate|up and `output_linear` per expert) plus a shared MLP (`shared_mlp`:
+  `input_linear` gate|up stored fused, `output_linear`).
 """
 
 from __future__ import annotations
@@ -26,11 +31,27 @@ from triollm.engine.execution.layers.norm import RMSNorm
 from triollm.engine.execution.layers.recurrent import Mamba2Mixer, ShortConv
 from triollm.engine.execution.layers.rotary import RopeStep
 from triollm.engine.execution.models.base import CausalLM, GatedMLP, SelfAttention
+from triollm.engine.execution.models.moe import SparseMoeBlock
 from triollm.engine.loading.model_config import ModelConfig
 from triollm.kernels import KVCache
 from triollm.kernels.triton import use_triton
 
-__all__ = ["BambaForCausalLM", "HybridForCausalLM", "Lfm2ForCausalLM"]
+__all__ = ["BambaForCausalLM", "GraniteMoeHybridForCausalLM", "HybridForCausalLM", "Lfm2ForCausalLM"]
+
+_SHARED_EXPERTS = ("GraniteMoeHybridForCausalLM",)
+
+
+class SharedExpertMLP(nn.Module):
+    """Granite 4.0-H's MLP: the shared MLP, plus the routed experts where the model has them."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.moe = SparseMoeBlock(cfg) if cfg.moe is not None else None
+        self.shared = GatedMLP(cfg, None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.shared.forward(x)
+        return out if self.moe is None else out + self.moe.forward(x)
 
 
 class HybridDecoderLayer(nn.Module):
@@ -48,7 +69,8 @@ class HybridDecoderLayer(nn.Module):
             self.conv = ShortConv(cfg.hidden_size, spec.conv_kernel, spec.conv_bias, state_index)
         else:
             self.mamba = Mamba2Mixer(cfg.hidden_size, spec, cfg.rms_norm_eps, state_index)
-        self.mlp = GatedMLP(cfg, None)
+        self.mlp: nn.Module = SharedExpertMLP(cfg) if cfg.architecture in _SHARED_EXPERTS else GatedMLP(cfg, None)
+        self.residual_multiplier = cfg.residual_multiplier
         exact = cfg.quantization is None
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, exact=exact)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, exact=exact)
@@ -63,8 +85,10 @@ class HybridDecoderLayer(nn.Module):
             mixer = self.conv if self.conv is not None else self.mamba
             assert mixer is not None
             h = mixer.forward(h, meta.state_rows)
-        normed, x = self.post_attention_layernorm.add_forward(h, x, meta.triton)  # x + h, normed
-        return x + self.mlp.forward(normed)
+        m = self.residual_multiplier
+        normed, x = self.post_attention_layernorm.add_forward(h if m == 1.0 else h * m, x, meta.triton)
+        out = self.mlp.forward(normed)
+        return x + (out if m == 1.0 else out * m)
 
 
 class HybridForCausalLM(CausalLM):
@@ -99,6 +123,8 @@ class HybridForCausalLM(CausalLM):
         if image_rows is not None:
             raise ValueError(f"multi_modal_data: {self.cfg.architecture} takes text only")
         x = self.embed_tokens(input_ids)
+        if self.embed_scale != 1.0:
+            x = x * self.embed_scale
         if self.triton is None:
             self.triton = use_triton(x)
         meta.triton = self.triton
@@ -128,3 +154,20 @@ class BambaForCausalLM(HybridForCausalLM):
         (".pre_ff_layernorm.", ".post_attention_layernorm."),
         (".feed_forward.", ".mlp."),
     )
+
+
+class GraniteMoeHybridForCausalLM(HybridForCausalLM):
+    renames = (
+        (".block_sparse_moe.router.layer.", ".mlp.moe.gate."),
+        (".block_sparse_moe.router.weight", ".mlp.moe.gate.weight"),  # transformers 5's own names
+        (".block_sparse_moe.input_linear.weight", ".mlp.moe.experts.gate_up_proj"),
+        (".block_sparse_moe.output_linear.weight", ".mlp.moe.experts.down_proj"),
+        (".block_sparse_moe.experts.", ".mlp.moe.experts."),
+        (".shared_mlp.input_linear.", ".mlp.shared.gate_up_proj."),
+        (".shared_mlp.output_linear.", ".mlp.shared.down_proj."),
+    )
+
+    def fused_pieces(self, module: str) -> list[int] | None:
+        if module.endswith("mlp.shared.gate_up_proj"):  # gate | up in one checkpoint tensor
+            return [self.cfg.intermediate_size] * 2
+        return None
