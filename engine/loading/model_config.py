@@ -144,9 +144,10 @@ class ModelConfig(HfConfig):
                 f"natively (allowed: auto, triollm)"
             )
         if multimodal is not None and multimodal.takes_images and not (path / "preprocessor_config.json").is_file():
-            raise ValueError(
-                f"model: {path} has no preprocessor_config.json (the image processor of {multimodal.architecture})"
-            )
+            missing = f"{path} has no preprocessor_config.json (the image processor of {multimodal.architecture})"
+            if multimodal.architecture != "Gemma3ForConditionalGeneration":
+                raise ValueError(f"model: {missing}")
+            multimodal = multimodal.without_images(missing)  # Gemma 3 is served for text too
         spec = parse_hf_config(hf, model_impl)
         runner_type, convert_type = _runner_type(spec, runner, convert)
         pooler = (

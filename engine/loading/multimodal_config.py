@@ -32,7 +32,7 @@ pages a causal LM, not a wrapper that merges image features).
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 __all__ = [
@@ -109,6 +109,12 @@ class MultimodalSpec:
     bidirectional: bool = False
     # Whether the expansion puts "\n\n" before `begin_id` and after `end_id` (Gemma 3).
     blank_lines: bool = False
+    # Why a wrapper that takes images serves text only here (`without_images`); "" otherwise.
+    text_only_why: str = ""
+
+    def without_images(self, why: str) -> MultimodalSpec:
+        """This spec serving text only, image requests refused with `why`."""
+        return replace(self, takes_images=False, text_only_why=why)
 
     @property
     def prompt_token_id(self) -> int:
@@ -117,6 +123,8 @@ class MultimodalSpec:
 
     def check_image_request(self) -> None:
         """A ValueError naming `multi_modal_data` when this model's images are not served."""
+        if self.text_only_why:
+            raise ValueError(f"multi_modal_data: {self.architecture} serves text only here: {self.text_only_why}")
         if not self.takes_images:
             raise ValueError(
                 f"multi_modal_data: image inputs to {self.architecture} are not supported yet (its decoder serves "

@@ -370,6 +370,15 @@ def test_gemma3_image_refusals(gemma3_vlm: Path, tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text(json.dumps({**config, "mm_tokens_per_image": 9}))
     with pytest.raises(ValueError, match="mm_tokens_per_image: 9 must be the square of a divisor of the 4 patches"):
         LLM(str(tmp_path), max_model_len=160, multiprocess=False)
+    # Without its image processor a Gemma 3 checkpoint still serves text; images are refused.
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    (tmp_path / "preprocessor_config.json").unlink()
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    with LLM(str(tmp_path), max_model_len=160, multiprocess=False) as llm:
+        [text] = llm.generate(GEMMA3_PROMPTS[2], params, use_tqdm=False)
+        assert list(text.outputs[0].token_ids) == gemma3_images_reference(gemma3_vlm, GEMMA3_PROMPTS[2], [])
+        with pytest.raises(ValueError, match="multi_modal_data: .* serves text only here: .* no preprocessor_config"):
+            llm.generate(_mm_prompt(GEMMA3_PROMPTS[0], GEMMA3_IMAGES[0]), params)
 
 
 def test_llava_chat_with_image_parts(llava: Path) -> None:
