@@ -29,13 +29,11 @@ from triollm.api.protocol import ChatCompletionRequest, ChatMessage
 from triollm.api.state import ServerState
 from triollm.engine import envs
 from triollm.engine.processing.chat_images import IMAGE_PART_TYPES, chat_images
+from triollm.engine.processing.images import MAX_FETCH_BYTES  # a file:// image's limit too
 from triollm.engine.processing.tokenizer import Tokenizer
 
 __all__ = ["MAX_FETCH_BYTES", "fetch_image", "take_chat_images"]
 
-# The most bytes one fetched image may have: the limit a file:// image has
-# (engine/processing/images.py).
-MAX_FETCH_BYTES = 64 << 20
 
 
 async def take_chat_images(

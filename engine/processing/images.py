@@ -6,8 +6,10 @@ Pillow's `Image.open` reads only the header: the pixel count is checked against
 costs microseconds, not 300 MB. A truncated or corrupt file fails in `load()`; both become a
 `ValueError` naming the request field (`messages[0].content[1].image_url`), which the API turns
 into a 400. `image_url` resolves the URLs a chat part may carry: `data:` URLs always, `file://`
-only under `allowed_local_media_path`; http(s) URLs are fetched by the API server
-(api/chat_images.py), which hands their bytes on as data URLs, and refused here (`LLM.chat`).
+only under `allowed_local_media_path`; http(s) URLs within `VLLM_IMAGE_FETCH_TIMEOUT` seconds
+and `MAX_FETCH_BYTES`. The API server fetches them itself, asynchronously (api/chat_images.py),
+and hands their bytes on as data URLs; here they are fetched with a blocking client, in the
+caller's thread (`LLM.chat`, the user's).
 
 Decoding is CPU work (milliseconds for a real photo): the API calls it in a worker thread, off
 the event loop.
@@ -18,19 +20,24 @@ from __future__ import annotations
 import base64
 import binascii
 import io
+import time
 import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING
 from urllib.parse import unquote, urlparse
 
+from triollm.engine import envs
+
 if TYPE_CHECKING:
     from PIL import Image
 
-__all__ = ["MAX_IMAGE_PIXELS", "decode_image", "image_url", "load_image_url"]
+__all__ = ["MAX_FETCH_BYTES", "MAX_IMAGE_PIXELS", "decode_image", "fetch_url", "image_url", "load_image_url"]
 
 # The most pixels one image may have (about 16.8 M: 4096 x 4096); the processors resize every
 # image down to a few hundred pixels a side, so more only costs memory.
 MAX_IMAGE_PIXELS = 4096 * 4096
+# The most bytes one image file or fetched URL may have.
+MAX_FETCH_BYTES = 64 << 20
 
 
 def decode_image(data: bytes, field: str) -> Image.Image:
@@ -70,8 +77,42 @@ def image_url(url: str, field: str, allowed_local_media_path: str | None = None)
     if parsed.scheme == "file":
         return _local_file(Path(unquote(parsed.path)), field, allowed_local_media_path)
     if parsed.scheme in ("http", "https"):
-        raise ValueError(f"{field}: http(s) image URLs are fetched by the API server only; send a data URL")
-    raise ValueError(f"{field}: unsupported URL scheme {parsed.scheme!r}; allowed: data, file")
+        return fetch_url(url, field)
+    raise ValueError(f"{field}: unsupported URL scheme {parsed.scheme!r}; allowed: data, file, http, https")
+
+
+def fetch_url(url: str, field: str) -> bytes:
+    """The body of GET `url` (blocking); a ValueError naming `field` on a failed connection, a
+    status other than 200, more than `MAX_FETCH_BYTES`, or more than $VLLM_IMAGE_FETCH_TIMEOUT
+    seconds (checked per read: a server that trickles may take up to one read timeout more)."""
+    import httpx
+
+    timeout = envs.image_fetch_timeout()
+    deadline = time.monotonic() + timeout
+    short = url if len(url) <= 100 else url[:97] + "..."
+    late = f"{field}: fetching {short} took longer than {timeout:g} s ({envs.IMAGE_FETCH_TIMEOUT_ENV})"
+    try:
+        with (
+            httpx.Client(follow_redirects=True, max_redirects=3, timeout=timeout) as client,
+            client.stream("GET", url) as response,
+        ):
+            if response.status_code != 200:
+                raise ValueError(f"{field}: fetching {short} gave HTTP {response.status_code}")
+            length = response.headers.get("content-length", "")
+            if length.isdigit() and int(length) > MAX_FETCH_BYTES:
+                raise ValueError(f"{field}: {short} is {length} bytes, over the limit of {MAX_FETCH_BYTES}")
+            body = bytearray()
+            for chunk in response.iter_bytes():
+                body += chunk
+                if len(body) > MAX_FETCH_BYTES:
+                    raise ValueError(f"{field}: {short} sent more than the limit of {MAX_FETCH_BYTES} bytes")
+                if time.monotonic() > deadline:
+                    raise ValueError(late)
+            return bytes(body)
+    except httpx.TimeoutException:
+        raise ValueError(late) from None
+    except httpx.HTTPError as e:
+        raise ValueError(f"{field}: could not fetch {short} ({type(e).__name__}: {e})") from None
 
 
 def load_image_url(url: str, field: str, allowed_local_media_path: str | None = None) -> Image.Image:
@@ -87,6 +128,6 @@ def _local_file(path: Path, field: str, allowed: str | None) -> bytes:
         raise ValueError(f"{field}: {path} lies outside --allowed-local-media-path ({root})")
     if not target.is_file():
         raise ValueError(f"{field}: {path} is not a file")
-    if target.stat().st_size > 64 << 20:
+    if target.stat().st_size > MAX_FETCH_BYTES:
         raise ValueError(f"{field}: {path} is larger than 64 MiB")
     return target.read_bytes()

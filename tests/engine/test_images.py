@@ -67,8 +67,8 @@ def test_urls(tmp_path: Path) -> None:
         image_url("data:image/png;base64,@@", FIELD)
     with pytest.raises(ValueError, match="must be 'data:image/...;base64,<data>'"):
         image_url("data:image/png,raw", FIELD)
-    with pytest.raises(ValueError, match="http\\(s\\) image URLs are fetched by the API server only"):
-        image_url("https://example.com/a.png", FIELD)
+    with pytest.raises(ValueError, match="unsupported URL scheme 'ftp'; allowed: data, file, http, https"):
+        image_url("ftp://example.com/a.png", FIELD)
     (tmp_path / "media").mkdir()
     (tmp_path / "media" / "a.png").write_bytes(png)
     (tmp_path / "secret.png").write_bytes(png)

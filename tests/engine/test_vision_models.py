@@ -7,6 +7,9 @@ sets one, so reading the text config as a causal LM's would change the tokens).
 
 from __future__ import annotations
 
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -316,6 +319,65 @@ def test_gemma3_chat_with_image_parts(gemma3_vlm: Path) -> None:
         [out] = llm.chat(messages, params, use_tqdm=False)
     text = chatml("Look:\n<start_of_image>\n<start_of_image>\ncount one, two")
     assert list(out.outputs[0].token_ids) == gemma3_images_reference(gemma3_vlm, text, [first, second])
+
+
+@contextmanager
+def threaded_server(routes: dict[str, tuple[int, bytes, float]]) -> Iterator[str]:
+    """An HTTP server on 127.0.0.1 in a thread: path -> (status, body, seconds to wait first)."""
+    import http.server
+    import threading
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+            status, body, wait = routes[self.path]
+            time.sleep(wait)
+            self.send_response(status)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            try:
+                self.wfile.write(body)
+            except OSError:
+                pass  # the client gave up
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join()
+
+
+def test_gemma3_chat_fetches_http_image_urls(gemma3_vlm: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`LLM.chat` fetches an http URL (blocking, in the caller's thread); a 404 and a response
+    later than VLLM_IMAGE_FETCH_TIMEOUT are ValueErrors naming the part."""
+    import io
+
+    from triollm import LLM, SamplingParams
+
+    monkeypatch.setenv("VLLM_IMAGE_FETCH_TIMEOUT", "0.3")
+    image = random_image(13, (30, 40))
+    png = io.BytesIO()
+    image.save(png, format="PNG")
+    routes = {"/a.png": (200, png.getvalue(), 0.0), "/gone.png": (404, b"", 0.0), "/slow.png": (200, b"", 1.0)}
+
+    def chat(url: str) -> list[dict[str, Any]]:
+        parts = [{"type": "text", "text": "Look:"}, {"type": "image_url", "image_url": {"url": url}}]
+        return [{"role": "user", "content": parts}]
+
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    with threaded_server(routes) as base, LLM(str(gemma3_vlm), max_model_len=160, multiprocess=False) as llm:
+        [out] = llm.chat(chat(f"{base}/a.png"), params, use_tqdm=False)
+        for path, text in (("/gone.png", "gave HTTP 404"), ("/slow.png", "took longer than 0.3 s")):
+            with pytest.raises(ValueError, match=rf"messages\[0\].content\[1\].image_url: .*{text}"):
+                llm.chat(chat(base + path), params, use_tqdm=False)
+    expected = gemma3_images_reference(gemma3_vlm, chatml("Look:\n<start_of_image>"), [image])
+    assert list(out.outputs[0].token_ids) == expected
 
 
 def test_gemma3_repeated_image_is_a_prefix_cache_hit(gemma3_vlm: Path) -> None:
