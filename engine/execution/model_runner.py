@@ -150,7 +150,12 @@ class ModelRunner:
             self.group.send_step(inputs)
         graphs = self.graphs
         rows = len(inputs.decode_lens)
-        if graphs is not None and not prefills and not inputs.lora_segments and graphs.size_for(rows) is not None:
+        # A one-token prompt chunk runs as a decode row: it may still feed an image position.
+        image_decodes = self.vision is not None and _feeds_images(decodes)
+        if (
+            graphs is not None and not prefills and not inputs.lora_segments and not image_decodes
+            and graphs.size_for(rows) is not None
+        ):  # fmt: skip
             hidden = graphs.run(
                 inputs.token_ids, inputs.positions, inputs.slots, inputs.decode_tables, inputs.decode_lens
             )
@@ -159,8 +164,8 @@ class ModelRunner:
             if self.states is not None:
                 meta.state_rows = self._state_rows(decodes, prefills)
             images = None
-            if self.vision is not None and prefills:
-                images = self._image_rows(prefills, sum(s.num_new_tokens for s in decodes))
+            if self.vision is not None and (prefills or image_decodes):
+                images = self._image_rows(order)
                 _bidirectional_spans(meta, prefills)
             if images is None:  # text only: the model's plain call (any CausalLM, fakes included)
                 hidden = self.model(input_ids, positions, meta, self.kv)
@@ -215,14 +220,12 @@ class ModelRunner:
                 out.logprobs[rid] = Logprobs(lp.token_ids[span], lp.logprobs[span], lp.ranks[span])
             first += d + 1
 
-    def _image_rows(
-        self, prefills: list[ScheduledRequest], row: int
-    ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """(flat rows, features) of the image positions this step's prefill chunks feed (module
-        note); `row`: the first prefill row."""
+    def _image_rows(self, order: list[ScheduledRequest]) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(flat rows, features) of the image positions this step's requests (`order`: the
+        batch's, decodes first) feed (module note)."""
         assert self.vision is not None
         need: dict[bytes, list[tuple[Request, int]]] = {}
-        for s in prefills:
+        for s in order:
             req, c, n = s.request, s.num_computed_tokens, s.num_new_tokens
             for j, (first, end, digest) in enumerate(req.image_spans):
                 if first < c + n and end > c and j not in req.image_features:
@@ -235,7 +238,8 @@ class ModelRunner:
                     req.image_features[j] = rows
         rows_at: list[torch.Tensor] = []
         values: list[torch.Tensor] = []
-        for s in prefills:
+        row = 0
+        for s in order:
             req, c, n = s.request, s.num_computed_tokens, s.num_new_tokens
             for j, (first, end, _) in enumerate(req.image_spans):
                 lo, hi = max(first, c), min(end, c + n)
@@ -375,6 +379,11 @@ class ModelRunner:
         k = logprobs.shape[-1] if k < 0 else k
         ids, lps, ranks = gather_logprobs(logprobs, targets, k)
         return Logprobs(ids.tolist(), lps.tolist(), ranks.tolist())
+
+
+def _feeds_images(decodes: list[ScheduledRequest]) -> bool:
+    """Whether a decode row feeds an image position (a one-token prompt chunk)."""
+    return any(first <= s.num_computed_tokens < end for s in decodes for first, end, _ in s.request.image_spans)
 
 
 def _bidirectional_spans(meta: AttentionMetadata, prefills: list[ScheduledRequest]) -> None:

@@ -119,6 +119,17 @@ def test_llava_greedy_parity_through_llm(llava: Path, llava_references: list[lis
     assert list(single[0].outputs[0].token_ids) == llava_references[0]
 
 
+def test_llava_one_token_chunks_feed_the_image(llava: Path, llava_references: list[list[int]]) -> None:
+    """A one-token budget: every prompt position, the image's included, runs as a decode row
+    (a one-token chunk), and the image's features still replace its positions' embeddings."""
+    from triollm import LLM, SamplingParams
+
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    with LLM(str(llava), max_model_len=160, max_num_batched_tokens=1, multiprocess=False) as llm:
+        [out] = llm.generate(_mm_prompt(IMAGE_PROMPTS[0], IMAGES[0]), params, use_tqdm=False)
+    assert list(out.outputs[0].token_ids) == llava_references[0]
+
+
 def test_llava_repeated_image_is_a_prefix_cache_hit(llava: Path) -> None:
     """The same image again: its blocks come from the prefix cache and the vision tower does
     not run; another image behind the same text: a miss from the image's first block on."""
