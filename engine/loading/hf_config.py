@@ -101,6 +101,10 @@ _ARCHITECTURES = {
     "Qwen2ForCausalLM": _Defaults("qwen2", 32768, 32, True, False, 4096),
     "Qwen3ForCausalLM": _Defaults("qwen3", 32768, 32, None, False, None, head_dim=128),
     "Qwen3MoeForCausalLM": _Defaults("qwen3_moe", 32768, 4, None, False, None),
+    "Qwen2MoeForCausalLM": _Defaults("qwen2_moe", 32768, 16, True, False, 4096),
+    "OlmoeForCausalLM": _Defaults("olmoe", 4096, None, None, False, None, rms_norm_eps=1e-5),
+    "GraniteMoeForCausalLM": _Defaults("granitemoe", 4096, None, None, False, None),
+    "GraniteMoeSharedForCausalLM": _Defaults("granitemoeshared", 4096, None, None, False, None),
     "MixtralForCausalLM": _Defaults("mixtral", 4096 * 32, 8, False, False, None, rms_norm_eps=1e-5),
     "GemmaForCausalLM": _Defaults("gemma", 8192, 16, None, False, None, 256, True, 1e-6, "gelu_pytorch_tanh"),
     "Gemma2ForCausalLM": _Defaults("gemma2", 8192, 4, None, False, 4096, 256, True, 1e-6, "gelu_pytorch_tanh"),
@@ -540,7 +544,7 @@ def _causal_lm_for(model_type: str) -> str:
 # Where each family's windows apply: every layer, or the layers `layer_types` marks (with that
 # family's default pattern when config.json has no layer_types).
 _EVERY_LAYER = ("MistralForCausalLM", "MixtralForCausalLM", "Phi3ForCausalLM")
-_QWEN = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
+_QWEN = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM")
 # gpt-oss has no `sliding_window_pattern`; its default layer_types alternate as Gemma 2's.
 _GEMMA_PATTERN = {"Gemma2ForCausalLM": 2, "Gemma3ForCausalLM": 6, "GptOssForCausalLM": 2}
 

@@ -46,6 +46,10 @@ class MoESpec:
     renormalize: bool  # divide the top-k weights by their sum (Mixtral always; Qwen3-MoE: norm_topk_prob)
     sparse_layers: tuple[bool, ...]
     swiglu: tuple[float, float] | None = None  # gpt-oss: (alpha, limit) of its clamped SwiGLU
+    # A shared expert every token runs beside the routed ones (Qwen2-MoE: scaled by a sigmoid
+    # gate per token; Granite MoE Shared: added as is); 0: none.
+    shared_intermediate_size: int = 0
+    shared_gate: bool = False
 
 
 def family_fields(
@@ -115,11 +119,27 @@ def family_fields(
             out["qk_norm"] = "layernorm_head" if _flag(hf, "qk_layernorm", False) else None
         case "Olmo2ForCausalLM":
             out["norm_layout"], out["qk_norm"] = "post", "full"
-        case "GraniteForCausalLM":
+        case "GraniteForCausalLM" | "GraniteMoeForCausalLM" | "GraniteMoeSharedForCausalLM":
             out["embedding_multiplier"] = _positive(hf, "embedding_multiplier", 1.0)
             out["residual_multiplier"] = _positive(hf, "residual_multiplier", 1.0)
             out["attention_scale"] = _positive(hf, "attention_multiplier", 1.0)
             out["logits_divisor"] = _positive(hf, "logits_scaling", 1.0)
+            if arch != "GraniteForCausalLM":
+                out["moe"] = _granite_moe(hf, num_layers, shared=arch == "GraniteMoeSharedForCausalLM")
+        case "Qwen2MoeForCausalLM":
+            out["moe"] = _qwen3_moe(hf, num_layers, default_experts=60, default_k=4, shared=True)
+            out["qkv_bias"] = _flag(hf, "qkv_bias", True)
+        case "OlmoeForCausalLM":
+            if hf.get("clip_qkv") is not None:
+                raise ValueError("clip_qkv: clipping q, k and v is not supported for OlmoeForCausalLM")
+            out["qk_norm"] = "full"
+            out["moe"] = MoESpec(
+                num_experts=_int(hf, "num_experts", 64),
+                top_k=_int(hf, "num_experts_per_tok", 8),
+                intermediate_size=_int(hf, "intermediate_size", 2048),
+                renormalize=_flag(hf, "norm_topk_prob", False),
+                sparse_layers=(True,) * num_layers,
+            )
     return out
 
 
@@ -190,21 +210,41 @@ def _gemma3_local(hf: Mapping[str, Any]) -> Mapping[str, Any]:
     return {"rope_theta": hf.get("rope_local_base_freq", 10_000.0)}
 
 
-def _qwen3_moe(hf: Mapping[str, Any], num_layers: int) -> MoESpec:
-    if hf.get("shared_expert_intermediate_size"):
+def _qwen3_moe(
+    hf: Mapping[str, Any], num_layers: int, *, default_experts: int = 128, default_k: int = 8, shared: bool = False
+) -> MoESpec:
+    """Qwen3-MoE, and Qwen2-MoE (`shared`: its shared expert with a sigmoid gate)."""
+    if hf.get("shared_expert_intermediate_size") and not shared:
         raise ValueError("shared_expert_intermediate_size: shared experts are not supported for Qwen3MoeForCausalLM")
     step = _int(hf, "decoder_sparse_step", 1)
     only_mlp = hf.get("mlp_only_layers") or []
     if not isinstance(only_mlp, list) or not all(isinstance(i, int) for i in only_mlp):
         raise ValueError(f"mlp_only_layers: expected a list of layer indices, got {only_mlp!r}")
-    num_experts = _int(hf, "num_local_experts", None) if "num_local_experts" in hf else _int(hf, "num_experts", 128)
+    num_experts = (
+        _int(hf, "num_local_experts", None) if "num_local_experts" in hf else _int(hf, "num_experts", default_experts)
+    )
     sparse = tuple(i not in only_mlp and num_experts > 0 and (i + 1) % step == 0 for i in range(num_layers))
     return MoESpec(
         num_experts=num_experts,
-        top_k=_int(hf, "num_experts_per_tok", 8),
-        intermediate_size=_int(hf, "moe_intermediate_size", 768),
+        top_k=_int(hf, "num_experts_per_tok", default_k),
+        intermediate_size=_int(hf, "moe_intermediate_size", 768 if not shared else 1408),
         renormalize=_flag(hf, "norm_topk_prob", False),
         sparse_layers=sparse,
+        shared_intermediate_size=_int(hf, "shared_expert_intermediate_size", 5632) if shared else 0,
+        shared_gate=shared,
+    )
+
+
+def _granite_moe(hf: Mapping[str, Any], num_layers: int, *, shared: bool) -> MoESpec:
+    """Granite MoE: top-k of the router's logits, softmaxed (the same weights as a softmax over
+    all renormalised); Granite MoE Shared adds a shared MLP to every layer."""
+    return MoESpec(
+        num_experts=_int(hf, "num_local_experts", 8),
+        top_k=_int(hf, "num_experts_per_tok", 2),
+        intermediate_size=_int(hf, "intermediate_size", 1024),
+        renormalize=True,
+        sparse_layers=(True,) * num_layers,
+        shared_intermediate_size=_int(hf, "shared_intermediate_size", 1024) if shared else 0,
     )
 
 

@@ -59,6 +59,9 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
     "OlmoeForCausalLM": ("OlmoeConfig", {**_LLAMA_LIKE, "num_experts": 4, **_MOE}),
     "GraniteMoeForCausalLM": ("GraniteMoeConfig", {**_LLAMA_LIKE, "num_local_experts": 4, "embedding_multiplier": 2.0,
                                                    "logits_scaling": 2.0, **_MOE}),
+    "GraniteMoeSharedForCausalLM": ("GraniteMoeSharedConfig", {
+        **_LLAMA_LIKE, "num_local_experts": 4, "shared_intermediate_size": 80, "residual_multiplier": 0.5,
+        "attention_multiplier": 0.3, **_MOE}),
     "Glm4MoeForCausalLM": ("Glm4MoeConfig", {**_LLAMA_LIKE, "n_routed_experts": 4, "moe_intermediate_size": 48,
                                              "first_k_dense_replace": 1, "n_group": 1, "topk_group": 1, "head_dim": 16,
                                              **_MOE}),
@@ -82,7 +85,10 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
                                                "interleave_moe_layer_step": 2, "num_experts_per_tok": 1}),
 }  # fmt: skip
 # Of those, the ones with a native class too (auto runs them natively; the parity test asks for the backend).
-NATIVE = {"GptOssForCausalLM", "GPTNeoXForCausalLM", "PhiForCausalLM"}
+NATIVE = {
+    "GptOssForCausalLM", "GPTNeoXForCausalLM", "PhiForCausalLM",
+    "Qwen2MoeForCausalLM", "OlmoeForCausalLM", "GraniteMoeForCausalLM", "GraniteMoeSharedForCausalLM",
+}  # fmt: skip
 
 
 def make_backend_model(path: Path, arch: str, seed: int = 0) -> Path:
@@ -180,6 +186,26 @@ def test_backend_greedy_parity(tmp_path: Path, arch: str) -> None:
     assert_parity(ours, hf_greedy(path, ids))
     stats = core.statistics()
     assert stats.prefix_cache_hit_rate > 0 and stats.num_preemptions > 0
+
+
+@pytest.mark.parametrize(
+    "arch", ["Qwen2MoeForCausalLM", "OlmoeForCausalLM", "GraniteMoeForCausalLM", "GraniteMoeSharedForCausalLM"]
+)
+def test_native_moe_families_give_transformers_and_the_backends_tokens(tmp_path: Path, arch: str) -> None:
+    """The MoE families with a native class (models/moe.py): Qwen2-MoE's gated shared expert and
+    dense-vs-sparse layers, OLMoE's q/k norms over whole projections, Granite's multipliers and
+    stacked expert tensors, Granite MoE Shared's shared MLP; the backend gives the same tokens."""
+    from triollm.engine.execution.models.moe import MoEForCausalLM
+
+    path = make_backend_model(tmp_path / arch, arch, seed=len(arch))
+    ids = prompts()
+    native, core = engine_greedy(path, ids)
+    assert isinstance(core.executor.model, MoEForCausalLM)
+    assert_parity(native, hf_greedy(path, ids))
+    stats = core.statistics()
+    assert stats.prefix_cache_hit_rate > 0 and stats.num_preemptions > 0
+    backend, _ = engine_greedy(path, ids, model_impl="transformers")
+    assert_parity(backend, native)
 
 
 def test_native_gpt_oss_gives_transformers_and_the_backends_tokens(tmp_path: Path) -> None:

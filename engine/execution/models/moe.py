@@ -1,10 +1,13 @@
-"""Mixture-of-experts decoders: Mixtral and Qwen3-MoE.
+"""Mixture-of-experts decoders: Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, Granite MoE (and Shared).
 
-Llama's layer (Qwen3-MoE: with Qwen3's q/k norms, from the config) whose MLP is a sparse block: a
-router (`gate`, a linear layer to one logit per expert) and the routed experts (layers/moe.py),
-which run only the experts each token picked. Qwen3-MoE layers listed in `mlp_only_layers` (or
-off the `decoder_sparse_step`) keep a dense MLP. Checkpoints name the block `mlp` (Qwen3-MoE) or
-`block_sparse_moe` with experts `w1`/`w3`/`w2` (Mixtral); the loader maps both.
+Llama's layer (with the family's q/k norms and multipliers, from the config) whose MLP is a
+sparse block: a router (`gate`, a linear layer to one logit per expert) and the routed experts
+(layers/moe.py), which run only the experts each token picked, plus a shared expert every token
+runs where the family has one (Qwen2-MoE: scaled per token by sigmoid(`shared_expert_gate`);
+Granite MoE Shared: `shared_mlp`, added as is). Qwen2/3-MoE layers listed in `mlp_only_layers`
+(or off the `decoder_sparse_step`) keep a dense MLP. Checkpoints name the block `mlp` (Qwen, OLMoE)
+or `block_sparse_moe` with experts `w1`/`w3`/`w2` (Mixtral) or `input_linear` (gate|up of every
+expert) / `output_linear` and `router.layer` (Granite); the loader maps them all.
 """
 
 from __future__ import annotations
@@ -21,6 +24,16 @@ from triollm.engine.loading.model_config import ModelConfig
 
 __all__ = ["MoEForCausalLM", "SparseMoeBlock"]
 
+# Granite MoE's checkpoint names: every expert's gate|up and down stacked in one tensor each (read
+# as transformers 5's stacked form), the router's linear layer one level down.
+_GRANITE_NAMES = (
+    (".block_sparse_moe.input_linear.weight", ".mlp.experts.gate_up_proj"),
+    (".block_sparse_moe.output_linear.weight", ".mlp.experts.down_proj"),
+    (".block_sparse_moe.router.layer.", ".mlp.gate."),
+    (".shared_mlp.input_linear.", ".mlp.shared_expert.gate_up_proj."),
+    (".shared_mlp.output_linear.", ".mlp.shared_expert.down_proj."),
+)
+
 
 class SparseMoeBlock(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
@@ -31,13 +44,21 @@ class SparseMoeBlock(nn.Module):
         self.experts = FusedMoE(
             moe.num_experts, moe.top_k, cfg.hidden_size, moe.intermediate_size, renormalize=moe.renormalize
         )
+        self.shared_expert = GatedMLP(cfg, None, moe.shared_intermediate_size) if moe.shared_intermediate_size else None
+        self.shared_expert_gate = column(cfg.hidden_size, [(0, 1)], False) if moe.shared_gate else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.experts.forward(x, self.gate.forward(x))
+        out = self.experts.forward(x, self.gate.forward(x))
+        if self.shared_expert is None:
+            return out
+        shared = self.shared_expert.forward(x)
+        if self.shared_expert_gate is not None:
+            shared = torch.sigmoid(self.shared_expert_gate.forward(x)) * shared
+        return out + shared
 
 
 class MoEForCausalLM(LlamaForCausalLM):
-    """Mixtral and Qwen3-MoE."""
+    """Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, Granite MoE."""
 
     def make_layer(self, cfg: ModelConfig, index: int, shard: TPShard | None) -> nn.Module:
         moe = cfg.moe
@@ -50,8 +71,18 @@ class MoEForCausalLM(LlamaForCausalLM):
         return LlamaDecoderLayer(cfg, index, shard, mlp)
 
     def remap(self, name: str) -> str | None:
+        for theirs, ours in _GRANITE_NAMES:
+            name = name.replace(theirs, ours)
         if ".block_sparse_moe." in name:
             name = name.replace(".block_sparse_moe.", ".mlp.")
             for ours, theirs in (("gate_proj", "w1"), ("up_proj", "w3"), ("down_proj", "w2")):
                 name = name.replace(f".{theirs}.weight", f".{ours}.weight")
         return super().remap(name)
+
+    def fused_pieces(self, module: str) -> list[int] | None:
+        moe = self.cfg.moe
+        if moe is not None and module.endswith("mlp.shared_expert.gate_up_proj") and self.cfg.architecture.startswith(
+            "GraniteMoe"
+        ):  # Granite's shared MLP: gate | up in one checkpoint tensor
+            return [moe.shared_intermediate_size] * 2
+        return None
