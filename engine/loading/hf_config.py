@@ -102,6 +102,7 @@ _ARCHITECTURES = {
     "Qwen3ForCausalLM": _Defaults("qwen3", 32768, 32, None, False, None, head_dim=128),
     "Qwen3MoeForCausalLM": _Defaults("qwen3_moe", 32768, 4, None, False, None),
     "Qwen2MoeForCausalLM": _Defaults("qwen2_moe", 32768, 16, True, False, 4096),
+    "Glm4MoeForCausalLM": _Defaults("glm4_moe", 131072, 8, None, False, None, rms_norm_eps=1e-5),
     "OlmoeForCausalLM": _Defaults("olmoe", 4096, None, None, False, None, rms_norm_eps=1e-5),
     "GraniteMoeForCausalLM": _Defaults("granitemoe", 4096, None, None, False, None),
     "GraniteMoeSharedForCausalLM": _Defaults("granitemoeshared", 4096, None, None, False, None),

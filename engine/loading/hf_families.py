@@ -50,6 +50,14 @@ class MoESpec:
     # gate per token; Granite MoE Shared: added as is); 0: none.
     shared_intermediate_size: int = 0
     shared_gate: bool = False
+    # DeepSeek-V3-style routing (GLM-4.5): sigmoid scores, a per-expert correction bias added for
+    # the choice only, the top `topk_groups` of `groups` expert groups (each scored by its best
+    # two), then top-k within them; the chosen scores (renormalised when `renormalize`) times
+    # `routed_scaling`. "softmax": the plain top-k of a softmax.
+    scoring: str = "softmax"
+    groups: int = 1
+    topk_groups: int = 1
+    routed_scaling: float = 1.0
 
 
 def family_fields(
@@ -129,6 +137,11 @@ def family_fields(
         case "Qwen2MoeForCausalLM":
             out["moe"] = _qwen3_moe(hf, num_layers, default_experts=60, default_k=4, shared=True)
             out["qkv_bias"] = _flag(hf, "qkv_bias", True)
+        case "Glm4MoeForCausalLM":
+            out |= _partial_rope(hf, head_dim, max_pos)
+            out["qk_norm"] = "head" if _flag(hf, "use_qk_norm", False) else None
+            out["qkv_bias"], out["o_proj_bias"] = _flag(hf, "attention_bias", False), False
+            out["moe"] = _glm4_moe(hf, num_layers)
         case "OlmoeForCausalLM":
             if hf.get("clip_qkv") is not None:
                 raise ValueError("clip_qkv: clipping q, k and v is not supported for OlmoeForCausalLM")
@@ -232,6 +245,33 @@ def _qwen3_moe(
         sparse_layers=sparse,
         shared_intermediate_size=_int(hf, "shared_expert_intermediate_size", 5632) if shared else 0,
         shared_gate=shared,
+    )
+
+
+def _glm4_moe(hf: Mapping[str, Any], num_layers: int) -> MoESpec:
+    experts = _int(hf, "n_routed_experts", 128)
+    groups, topk_groups = _int(hf, "n_group", 1), _int(hf, "topk_group", 1)
+    if experts % groups or topk_groups > groups:
+        raise ValueError(
+            f"n_group: {groups} groups (topk_group {topk_groups}) must divide n_routed_experts {experts} and "
+            f"topk_group must not exceed n_group"
+        )
+    if experts // groups < 2:
+        raise ValueError(f"n_group: each of the {groups} groups needs at least 2 of the {experts} experts")
+    first_dense = _int(hf, "first_k_dense_replace", 1) if hf.get("first_k_dense_replace") != 0 else 0
+    return MoESpec(
+        num_experts=experts,
+        top_k=_int(hf, "num_experts_per_tok", 8),
+        intermediate_size=_int(hf, "moe_intermediate_size", 1408),
+        renormalize=_flag(hf, "norm_topk_prob", True),
+        sparse_layers=tuple(i >= first_dense for i in range(num_layers)),
+        shared_intermediate_size=_int(hf, "moe_intermediate_size", 1408) * _int(hf, "n_shared_experts", 1)
+        if hf.get("n_shared_experts") != 0
+        else 0,
+        scoring="sigmoid",
+        groups=groups,
+        topk_groups=topk_groups,
+        routed_scaling=_positive(hf, "routed_scaling_factor", 1.0),
     )
 
 

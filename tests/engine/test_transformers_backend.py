@@ -88,15 +88,28 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
 NATIVE = {
     "GptOssForCausalLM", "GPTNeoXForCausalLM", "PhiForCausalLM",
     "Qwen2MoeForCausalLM", "OlmoeForCausalLM", "GraniteMoeForCausalLM", "GraniteMoeSharedForCausalLM",
+    "Glm4MoeForCausalLM",
+}  # fmt: skip
+
+
+# Variants of CASES for the native tests: "Arch-variant" -> fields over Arch's.
+VARIANTS: dict[str, dict[str, Any]] = {
+    # DeepSeek-V3-style grouped routing: 8 experts in 4 groups, the best 2 groups, a correction
+    # bias (redrawn below), a routed scaling, q/k norms per head.
+    "Glm4MoeForCausalLM-grouped": {"n_routed_experts": 8, "n_group": 4, "topk_group": 2, "routed_scaling_factor": 2.5,
+                                   "use_qk_norm": True, "n_shared_experts": 2},
 }  # fmt: skip
 
 
 def make_backend_model(path: Path, arch: str, seed: int = 0) -> Path:
-    """A tiny random `arch` written by transformers (module note)."""
+    """A tiny random `arch` written by transformers (module note); "Arch-variant": a VARIANTS entry."""
     import transformers
 
     eos = write_tokenizer(path)
+    variant = VARIANTS.get(arch, {})
+    arch = arch.split("-")[0]
     config_class, fields = CASES[arch]
+    fields = {**fields, **variant}
     sizes = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4}
     if arch == "GPT2LMHeadModel":
         sizes = {}
@@ -117,6 +130,9 @@ def make_backend_model(path: Path, arch: str, seed: int = 0) -> Path:
             else:
                 big = any(k in name for k in ("embed", "lm_head", "wte", "wpe", "embed_out"))
                 p.copy_(noise * (0.5 if big else 0.2))
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # a grouped router's: a choice it changes
+                b.copy_(0.5 * torch.randn(b.shape, generator=g))
     model.save_pretrained(path)
     return path
 
@@ -189,7 +205,11 @@ def test_backend_greedy_parity(tmp_path: Path, arch: str) -> None:
 
 
 @pytest.mark.parametrize(
-    "arch", ["Qwen2MoeForCausalLM", "OlmoeForCausalLM", "GraniteMoeForCausalLM", "GraniteMoeSharedForCausalLM"]
+    "arch",
+    [
+        "Qwen2MoeForCausalLM", "OlmoeForCausalLM", "GraniteMoeForCausalLM", "GraniteMoeSharedForCausalLM",
+        "Glm4MoeForCausalLM", "Glm4MoeForCausalLM-grouped",
+    ],
 )
 def test_native_moe_families_give_transformers_and_the_backends_tokens(tmp_path: Path, arch: str) -> None:
     """The MoE families with a native class (models/moe.py): Qwen2-MoE's gated shared expert and

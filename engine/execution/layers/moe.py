@@ -38,13 +38,22 @@ captured in a CUDA graph). The block is for inference: call it under `torch.infe
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["EXPERT_WEIGHT_KINDS", "ClampedSwiGLU", "FusedMoE", "fused_experts", "load_expert_weight", "route"]
+__all__ = [
+    "EXPERT_WEIGHT_KINDS",
+    "ClampedSwiGLU",
+    "FusedMoE",
+    "fused_experts",
+    "load_expert_weight",
+    "route",
+    "route_grouped",
+]
 
 EXPERT_WEIGHT_KINDS = ("gate", "up", "down", "gate_up")
 
@@ -71,6 +80,34 @@ def route(
     if renormalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
     return weights.to(dtype), ids
+
+
+def route_grouped(
+    router_logits: torch.Tensor,
+    correction: torch.Tensor,
+    top_k: int,
+    groups: int,
+    topk_groups: int,
+    renormalize: bool,
+    scaling: float,
+    dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek-V3's routing as transformers computes it (GLM-4.5's `Glm4MoeTopkRouter`): sigmoid
+    scores; for the choice only, plus the correction bias; the best `topk_groups` groups by the sum
+    of each group's two best; top-k among their experts; the chosen (uncorrected) scores,
+    renormalised, times `scaling`."""
+    scores = router_logits.float().sigmoid()
+    choice = scores + correction.float()
+    t, e = choice.shape
+    group_scores = choice.view(t, groups, e // groups).topk(2, dim=-1)[0].sum(dim=-1)
+    group_idx = torch.topk(group_scores, k=topk_groups, dim=-1, sorted=False)[1]
+    mask = torch.zeros_like(group_scores).scatter_(1, group_idx, 1).bool()
+    choice = choice.masked_fill(~mask[..., None].expand(t, groups, e // groups).reshape(t, e), -math.inf)
+    ids = torch.topk(choice, k=top_k, dim=-1, sorted=False)[1]
+    weights = scores.gather(1, ids)
+    if renormalize:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return (weights * scaling).to(dtype), ids
 
 
 class FusedMoE(nn.Module):

@@ -42,6 +42,7 @@ MODELS: dict[str, type[CausalLM]] = {
     "MixtralForCausalLM": MoEForCausalLM,
     "Qwen3MoeForCausalLM": MoEForCausalLM,
     "Qwen2MoeForCausalLM": MoEForCausalLM,
+    "Glm4MoeForCausalLM": MoEForCausalLM,
     "OlmoeForCausalLM": MoEForCausalLM,
     "GraniteMoeForCausalLM": MoEForCausalLM,
     "GraniteMoeSharedForCausalLM": MoEForCausalLM,

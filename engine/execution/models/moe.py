@@ -12,12 +12,14 @@ expert) / `output_linear` and `router.layer` (Granite); the loader maps them all
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
 from triollm.engine.distributed.sharding import TPShard
 from triollm.engine.execution.layers.linear import column
-from triollm.engine.execution.layers.moe import FusedMoE
+from triollm.engine.execution.layers.moe import FusedMoE, fused_experts, route_grouped
 from triollm.engine.execution.models.base import GatedMLP
 from triollm.engine.execution.models.llama import LlamaDecoderLayer, LlamaForCausalLM
 from triollm.engine.loading.model_config import ModelConfig
@@ -32,6 +34,9 @@ _GRANITE_NAMES = (
     (".block_sparse_moe.router.layer.", ".mlp.gate."),
     (".shared_mlp.input_linear.", ".mlp.shared_expert.gate_up_proj."),
     (".shared_mlp.output_linear.", ".mlp.shared_expert.down_proj."),
+    # GLM-4.5 (DeepSeek V3's names): the shared experts, the grouped router's correction bias.
+    (".mlp.shared_experts.", ".mlp.shared_expert."),
+    (".mlp.gate.e_score_correction_bias", ".mlp.e_score_correction_bias"),
 )
 
 
@@ -46,9 +51,30 @@ class SparseMoeBlock(nn.Module):
         )
         self.shared_expert = GatedMLP(cfg, None, moe.shared_intermediate_size) if moe.shared_intermediate_size else None
         self.shared_expert_gate = column(cfg.hidden_size, [(0, 1)], False) if moe.shared_gate else None
+        self.moe = moe
+        self.e_score_correction_bias = (
+            nn.Parameter(torch.zeros(moe.num_experts), requires_grad=False) if moe.scoring == "sigmoid" else None
+        )
+
+    def load(self, leaf: str, piece: int, source: Any) -> None:
+        """The grouped router's correction bias (checkpoint: `mlp.gate.e_score_correction_bias`)."""
+        param = getattr(self, leaf)
+        tensor = source[:]
+        if tuple(tensor.shape) != tuple(param.shape):
+            raise ValueError(f"model: a tensor of shape {tuple(tensor.shape)} where {tuple(param.shape)} was expected")
+        param.data.copy_(tensor)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.experts.forward(x, self.gate.forward(x))
+        logits = self.gate.forward(x)
+        if self.e_score_correction_bias is None:
+            out = self.experts.forward(x, logits)
+        else:
+            moe, experts = self.moe, self.experts
+            weights, ids = route_grouped(
+                logits, self.e_score_correction_bias, moe.top_k, moe.groups, moe.topk_groups, moe.renormalize,
+                moe.routed_scaling, x.dtype,
+            )  # fmt: skip
+            out = fused_experts(x, experts.w13, experts.w2, weights, ids)
         if self.shared_expert is None:
             return out
         shared = self.shared_expert.forward(x)
@@ -71,6 +97,9 @@ class MoEForCausalLM(LlamaForCausalLM):
         return LlamaDecoderLayer(cfg, index, shard, mlp)
 
     def remap(self, name: str) -> str | None:
+        parts = name.split(".")
+        if len(parts) > 3 and parts[1] == "layers" and parts[2].isdigit() and int(parts[2]) >= self.cfg.num_layers:
+            return None  # GLM-4.5's multi-token-prediction layers, after the decoder's
         for theirs, ours in _GRANITE_NAMES:
             name = name.replace(theirs, ours)
         if ".block_sparse_moe." in name:
