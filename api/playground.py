@@ -19,6 +19,12 @@ send a key to load a page. The API behind them stays keyed: the playground's key
 `Authorization: Bearer` from a variable of the page (never stored), Swagger UI's "Authorize"
 dialog likewise.
 
+Images: the playground's chat view attaches images (a file picker, a paste, a drop), sent as
+OpenAI `image_url` parts with data URLs, downscaled in the page (a canvas) past a bound on the
+long side. Whether the served model takes images is written into the page per request (the
+`<html data-accepts-images>` attribute, from the engine's model config): no route of its own,
+so nothing more to key or to document; with "false" the attach button is disabled and says why.
+
 Each file is read once (at the first `page_routes`, so missing package data fails at start-up)
 and served from memory with an ETag (304 on If-None-Match) and `Cache-Control: no-cache`, so a
 new version shows on the next load. The HTML pages carry a Content-Security-Policy that allows
@@ -61,6 +67,7 @@ _DOCS_CSP = (
     "frame-ancestors 'none'"
 )
 _BASE = '<base href="/">'  # in each HTML file, replaced per request
+_IMAGES = b'data-accepts-images="false"'  # in playground.html, "true" for a vision-language model
 
 
 @dataclass(frozen=True)
@@ -112,6 +119,21 @@ def page_urls(
     return urls
 
 
+def _accepts_images(request: Request) -> bool:
+    """Whether the app's engine serves image inputs (a vision-language model whose images are
+    supported here); False for a text-only or pooling model."""
+    state = getattr(request.app.state, "server", None)
+    config = getattr(getattr(state, "llm", None), "config", None)
+    multimodal = getattr(getattr(config, "model", None), "multimodal", None)
+    if multimodal is None:
+        return False
+    try:
+        multimodal.check_image_request()
+    except ValueError:
+        return False
+    return True
+
+
 @cache
 def _read(file: str) -> bytes:
     path = STATIC_DIR / file
@@ -135,6 +157,8 @@ def _endpoint(asset: _Asset):  # type: ignore[no-untyped-def]
         if asset.csp is not None:
             root = html.escape(request.scope.get("root_path", "").rstrip("/"), quote=True)
             body = static.replace(_BASE.encode(), f'<base href="{root}/">'.encode(), 1)
+            if _accepts_images(request):
+                body = body.replace(_IMAGES, b'data-accepts-images="true"', 1)
             etag = _etag(body)
             headers["Content-Security-Policy"] = asset.csp
             headers["Referrer-Policy"] = "no-referrer"

@@ -6,12 +6,33 @@
 // client go and aborts the request. A 4xx's OpenAI error body is shown where the answer would
 // be. Model output goes into the page as text (textContent), never as HTML. The API key lives
 // in the input field only: never stored, sent as `Authorization: Bearer` to this server alone.
+//
+// Images (a vision-language model: the server sets <html data-accepts-images="true">): picked,
+// pasted or dropped, each read as a data URL and, past MAX_IMAGE_SIDE on its long side, redrawn
+// smaller on a canvas in its own type; shown as removable thumbnails until sent, then as
+// `image_url` parts before the text part of the user's message, kept in the history so later
+// turns send them again. (The page's CSP allows data: images, not blob: ones.)
 "use strict";
 
 const $ = (id) => document.getElementById(id);
 const history = []; // the conversation sent with each request: {role, content}
 let running = null; // the AbortController of the request in flight
 let epoch = 0; // counts Clear presses: a request from before one leaves the history alone
+const pending = []; // the data URLs of the images attached to the next message
+const MAX_IMAGE_SIDE = 1536; // pixels on the long side; a larger image is downscaled first
+const CANVAS_TYPES = ["image/png", "image/jpeg", "image/webp"]; // what a canvas writes back
+
+// A user message's content: the text alone, or its images' `image_url` parts and then the text.
+function userContent(text, images) {
+  if (!images.length) return text;
+  const parts = images.map((url) => ({ type: "image_url", image_url: { url } }));
+  if (text.trim()) parts.push({ type: "text", text });
+  return parts;
+}
+
+function acceptsImages() {
+  return document.documentElement.dataset.acceptsImages === "true";
+}
 
 function headers() {
   const h = { "Content-Type": "application/json" };
@@ -81,10 +102,21 @@ function numberField(id, body, key) {
 
 let emptyHint = null; // "Send a message to start", shown while the conversation is empty
 
-function addMessage(role, text) {
+function addMessage(role, text, images = []) {
   emptyHint.remove();
   const el = document.createElement("div");
   el.className = `msg ${role}`;
+  if (images.length) {
+    const row = document.createElement("div");
+    row.className = "images";
+    for (const url of images) {
+      const img = document.createElement("img");
+      img.src = url;
+      img.alt = "attached image";
+      row.append(img);
+    }
+    el.append(row);
+  }
   const reasoning = document.createElement("div");
   reasoning.className = "reasoning";
   const body = document.createElement("span");
@@ -136,9 +168,111 @@ async function readEvents(res, onEvent, onRead) {
   }
 }
 
+// The image of `file` as a data URL, downscaled to MAX_IMAGE_SIDE on its long side.
+function readImage(file) {
+  return new Promise((resolve, reject) => {
+    const reader = new FileReader();
+    reader.onerror = () => reject(new Error(`${file.name}: could not be read`));
+    reader.onload = () => {
+      const img = new Image();
+      img.onerror = () => reject(new Error(`${file.name || "the image"}: not an image this browser can show`));
+      img.onload = () => {
+        const scale = MAX_IMAGE_SIDE / Math.max(img.naturalWidth, img.naturalHeight);
+        if (scale >= 1) return resolve(reader.result);
+        const canvas = document.createElement("canvas");
+        canvas.width = Math.max(1, Math.round(img.naturalWidth * scale));
+        canvas.height = Math.max(1, Math.round(img.naturalHeight * scale));
+        canvas.getContext("2d").drawImage(img, 0, 0, canvas.width, canvas.height);
+        resolve(canvas.toDataURL(CANVAS_TYPES.includes(file.type) ? file.type : "image/png"));
+      };
+      img.src = reader.result;
+    };
+    reader.readAsDataURL(file);
+  });
+}
+
+async function attachFiles(files) {
+  const images = [...files].filter((f) => f.type.startsWith("image/"));
+  if (!images.length) return false;
+  if (!acceptsImages()) {
+    setStatus("the served model takes no images");
+    return true;
+  }
+  for (const file of images) {
+    try {
+      pending.push(await readImage(file));
+    } catch (err) {
+      setStatus(err.message);
+    }
+  }
+  showAttachments();
+  return true;
+}
+
+function showAttachments() {
+  const box = $("attachments");
+  box.replaceChildren();
+  pending.forEach((url, i) => {
+    const thumb = document.createElement("div");
+    thumb.className = "thumb";
+    const img = document.createElement("img");
+    img.src = url;
+    img.alt = `image ${i + 1} to send`;
+    const remove = document.createElement("button");
+    remove.type = "button";
+    remove.className = "remove";
+    remove.title = "Remove this image";
+    remove.textContent = "×";
+    remove.addEventListener("click", () => {
+      pending.splice(i, 1);
+      showAttachments();
+    });
+    thumb.append(img, remove);
+    box.append(thumb);
+  });
+  box.hidden = pending.length === 0;
+}
+
+function setUpImages() {
+  const attach = $("attach");
+  if (!acceptsImages()) {
+    attach.disabled = true;
+    attach.title = "The served model takes no images: it is a text-only model";
+    return;
+  }
+  attach.disabled = false;
+  attach.addEventListener("click", () => $("image-file").click());
+  $("image-file").addEventListener("change", async (event) => {
+    await attachFiles(event.target.files);
+    event.target.value = "";
+  });
+  $("prompt").addEventListener("paste", (event) => {
+    const files = event.clipboardData ? event.clipboardData.files : [];
+    if ([...files].some((f) => f.type.startsWith("image/"))) {
+      event.preventDefault();
+      attachFiles(files);
+    }
+  });
+  const chat = $("chat");
+  chat.addEventListener("dragover", (event) => {
+    if (![...event.dataTransfer.types].includes("Files")) return;
+    event.preventDefault();
+    chat.classList.add("dropping");
+  });
+  chat.addEventListener("dragleave", (event) => {
+    if (!chat.contains(event.relatedTarget)) chat.classList.remove("dropping");
+  });
+  chat.addEventListener("drop", (event) => {
+    chat.classList.remove("dropping");
+    if (!event.dataTransfer.files.length) return;
+    event.preventDefault();
+    attachFiles(event.dataTransfer.files);
+  });
+}
+
 async function send() {
   const text = $("prompt").value;
-  if (!text.trim() || running) return;
+  if ((!text.trim() && !pending.length) || running) return;
   let format;
   try {
     format = responseFormat();
@@ -148,10 +282,12 @@ async function send() {
   }
   const model = $("model").value;
   const conversation = epoch;
-  addMessage("user", text);
+  const images = pending.splice(0);
+  showAttachments();
+  addMessage("user", text, images);
   const reply = addMessage("assistant", "");
   $("prompt").value = "";
-  history.push({ role: "user", content: text });
+  history.push({ role: "user", content: userContent(text, images) });
   const system = $("system").value.trim();
   const body = {
     model,
@@ -219,6 +355,10 @@ async function send() {
       // The turn did not happen: its message goes back into the box, to edit and send again.
       if (conversation === epoch) history.pop();
       if (!$("prompt").value) $("prompt").value = text;
+      if (!pending.length) {
+        pending.push(...images);
+        showAttachments();
+      }
       setStatus("error");
     }
   } finally {
@@ -239,6 +379,8 @@ function clearChat() {
   stop();
   epoch += 1;
   history.length = 0;
+  pending.length = 0;
+  showAttachments();
   $("messages").replaceChildren(emptyHint);
   $("stats").textContent = "";
   $("prompt").focus();
@@ -274,6 +416,7 @@ document.addEventListener("DOMContentLoaded", () => {
   $("format").addEventListener("change", () => {
     $("schema-box").hidden = $("format").value !== "json_schema";
   });
+  setUpImages();
   loadModels();
   hideDocsLinkIfOff();
   $("prompt").focus();
