@@ -113,10 +113,12 @@ def has_fast_quant() -> bool:
 
 
 def _machine_tag() -> str:
-    """A short hash of the CPU model and flags (the build uses -march=native) and of the torch
-    installation built against: two environments on one machine (a checkout and a CI clone, each
-    with its own venv) would otherwise take turns rebuilding one cache entry, since torch rebuilds
-    whenever the include paths in its build file change."""
+    """A short hash of the CPU model and flags (the build uses -march=native), of the torch
+    installation built against and of where the sources are: two environments on one machine (a
+    checkout and a CI clone, each with its own venv), or two checkouts sharing one venv (a soak run
+    from a copy beside the working tree), would otherwise take turns rebuilding one cache entry,
+    since torch rebuilds whenever the include or source paths in its build file change (each
+    engine start then waits a minute for the build)."""
     seen: dict[str, str] = {}
     try:
         with open("/proc/cpuinfo") as f:
@@ -128,6 +130,7 @@ def _machine_tag() -> str:
     except OSError:
         pass
     seen["torch"] = f"{torch.__version__} {Path(torch.__file__).parent}"
+    seen["sources"] = str(Path(__file__).resolve().parent)
     return hashlib.sha256(repr(sorted(seen.items())).encode()).hexdigest()[:12]
 
 

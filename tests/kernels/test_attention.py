@@ -259,3 +259,12 @@ def test_a_stale_build_lock_is_removed_with_the_half_built_library(tmp_path: Pat
     (tmp_path / "triollm_cpu_x.so").write_bytes(b"ELF")  # no lock: a finished build stays
     with cpu_native._build_lock(tmp_path):
         assert (tmp_path / "triollm_cpu_x.so").read_bytes() == b"ELF"
+
+
+def test_two_checkouts_sharing_a_venv_build_apart(monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch rebuilds a cache entry whenever the source paths in its build file change: a soak run
+    from a copy beside the working tree rebuilt the kernels at every engine start (a minute each,
+    long enough for the watchdog) as the two took turns. The cache entry names the sources' place."""
+    here = cpu_native._machine_tag()
+    monkeypatch.setattr(cpu_native, "__file__", "/elsewhere/triollm/kernels/cpu_native.py")
+    assert cpu_native._machine_tag() != here
