@@ -142,13 +142,15 @@ def test_hybrids_give_transformers_tokens_through_chunks_and_preemption(tmp_path
     core.check_integrity()
 
 
-def test_a_bamba_request_in_every_step_kind_matches_alone(tmp_path: Path) -> None:
-    """Mamba-2 states across a decode batch, prefills beside decodes and slot reuse (two slots
-    for three requests): every request's tokens are transformers' alone."""
-    path = make_bamba(tmp_path / "bamba", seed=2)
+@pytest.mark.parametrize(("make", "tokens"), [(make_lfm2, 8), (make_bamba, 10)], ids=["lfm2", "bamba"])
+def test_requests_sharing_two_slots_each_match_alone(tmp_path: Path, make, tokens: int) -> None:
+    """States across a decode batch, prefills beside decodes and slot reuse (two slots for three
+    requests: the third takes the slot a finished one left): every request's tokens are
+    transformers' for it alone."""
+    path = make(tmp_path / "hybrid", seed=3)
     ids = prompts()
     args = EngineArgs(model=str(path), max_model_len=96, max_num_seqs=2, max_num_batched_tokens=16, seed=0)
-    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
     core = EngineCore(args.create_engine_config())
     got: dict[str, list[int]] = {str(i): [] for i in range(3)}
     try:
@@ -160,7 +162,7 @@ def test_a_bamba_request_in_every_step_kind_matches_alone(tmp_path: Path) -> Non
             core.check_integrity()
     finally:
         core.close()
-    assert [got[str(i)] for i in range(3)] == [tokens[:10] for tokens, _ in hf_greedy(path, ids)]
+    assert [got[str(i)] for i in range(3)] == [t[:tokens] for t, _ in hf_greedy(path, ids)]
 
 
 def test_state_slots_are_capped_by_the_memory_budget(tmp_path: Path) -> None:
@@ -200,28 +202,6 @@ def test_the_kv_cache_holds_only_the_attention_layers(tmp_path: Path) -> None:
         assert not core.block_manager.enable_prefix_caching
     finally:
         core.close()
-
-
-def test_a_request_joining_a_running_batch_gets_a_clean_state(tmp_path: Path) -> None:
-    """Slots are reused: the third request takes the slot a finished one left, and must still
-    give its tokens alone."""
-    path = make_lfm2(tmp_path / "lfm2", seed=3)
-    ids = prompts()
-    args = EngineArgs(model=str(path), max_model_len=96, max_num_seqs=2, max_num_batched_tokens=16, seed=0)
-    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
-    core = EngineCore(args.create_engine_config())
-    got: dict[str, list[int]] = {str(i): [] for i in range(3)}
-    try:
-        for i in range(3):
-            core.add_request(EngineCoreRequest(str(i), ids[i], params))
-        while core.has_unfinished_requests():
-            for out in core.step():
-                got[out.request_id] += out.new_token_ids
-            core.check_integrity()
-    finally:
-        core.close()
-    alone = [tokens[:8] for tokens, _ in hf_greedy(path, ids)]
-    assert [got[str(i)] for i in range(3)] == alone
 
 
 def test_lfm2_through_llm(tmp_path: Path) -> None:

@@ -252,9 +252,14 @@ class CausalLM(nn.Module):
             assert stack is not None and plan is not None and plan.native is not None
             x = stack(x, ropes[0].cos, ropes[0].sin, meta.slot_mapping, plan.native, kv.k, kv.v, lora_args)
         else:
-            for i, layer in enumerate(self.layers):
-                x = layer.forward(x, ropes, meta, kv.k[i], kv.v[i])
+            x = self.run_layers(x, ropes, meta, kv)
         return self.norm.forward(x, meta.triton)
+
+    def run_layers(self, x: torch.Tensor, ropes: list[RopeStep], meta: AttentionMetadata, kv: KVCache) -> torch.Tensor:
+        """Every decoder layer in turn, layer i on the cache's layer i (a hybrid family maps them)."""
+        for i, layer in enumerate(self.layers):
+            x = layer.forward(x, ropes, meta, kv.k[i], kv.v[i])
+        return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """fp32 logits `[n, vocab]`; sharded, gathered on rank 0 (the other ranks get their own

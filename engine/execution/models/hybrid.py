@@ -34,7 +34,6 @@ from triollm.engine.execution.models.base import CausalLM, GatedMLP, SelfAttenti
 from triollm.engine.execution.models.moe import SparseMoeBlock
 from triollm.engine.loading.model_config import ModelConfig
 from triollm.kernels import KVCache
-from triollm.kernels.triton import use_triton
 
 __all__ = ["BambaForCausalLM", "GraniteMoeHybridForCausalLM", "HybridForCausalLM", "Lfm2ForCausalLM"]
 
@@ -112,26 +111,10 @@ class HybridForCausalLM(CausalLM):
             name = name.replace(theirs, ours)
         return super().remap(name)
 
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        meta: AttentionMetadata,
-        kv: KVCache,
-        image_rows: tuple[torch.Tensor, torch.Tensor] | None = None,
-    ) -> torch.Tensor:
-        if image_rows is not None:
-            raise ValueError(f"multi_modal_data: {self.cfg.architecture} takes text only")
-        x = self.embed_tokens(input_ids)
-        if self.embed_scale != 1.0:
-            x = x * self.embed_scale
-        if self.triton is None:
-            self.triton = use_triton(x)
-        meta.triton = self.triton
-        ropes = [r.step(positions, x.dtype, meta.triton) for r in self.rotaries]
-        for layer in self.layers:
+    def run_layers(self, x: torch.Tensor, ropes: list[RopeStep], meta: AttentionMetadata, kv: KVCache) -> torch.Tensor:
+        for layer in self.layers:  # each layer knows its KV cache layer or its recurrent states
             x = layer.forward(x, ropes, meta, kv)
-        return self.norm.forward(x, meta.triton)
+        return x
 
 
 class Lfm2ForCausalLM(HybridForCausalLM):
