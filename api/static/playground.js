@@ -21,6 +21,7 @@ let epoch = 0; // counts Clear presses: a request from before one leaves the his
 const pending = []; // the data URLs of the images attached to the next message
 const MAX_IMAGE_SIDE = 1536; // pixels on the long side; a larger image is downscaled first
 const CANVAS_TYPES = ["image/png", "image/jpeg", "image/webp"]; // what a canvas writes back
+const SENT_AS_IS = [...CANVAS_TYPES, "image/gif", "image/bmp"]; // others (SVG, ...) go as PNG
 
 // A user message's content: the text alone, or its images' `image_url` parts and then the text.
 function userContent(text, images) {
@@ -168,7 +169,8 @@ async function readEvents(res, onEvent, onRead) {
   }
 }
 
-// The image of `file` as a data URL, downscaled to MAX_IMAGE_SIDE on its long side.
+// The image of `file` as a data URL, downscaled to MAX_IMAGE_SIDE on its long side (and drawn
+// as a PNG where its type is one the server may not read).
 function readImage(file) {
   return new Promise((resolve, reject) => {
     const reader = new FileReader();
@@ -177,8 +179,10 @@ function readImage(file) {
       const img = new Image();
       img.onerror = () => reject(new Error(`${file.name || "the image"}: not an image this browser can show`));
       img.onload = () => {
-        const scale = MAX_IMAGE_SIDE / Math.max(img.naturalWidth, img.naturalHeight);
-        if (scale >= 1) return resolve(reader.result);
+        const side = Math.max(img.naturalWidth, img.naturalHeight);
+        if (!side) return reject(new Error(`${file.name || "the image"}: it has no size`));
+        const scale = Math.min(1, MAX_IMAGE_SIDE / side);
+        if (scale === 1 && SENT_AS_IS.includes(file.type)) return resolve(reader.result);
         const canvas = document.createElement("canvas");
         canvas.width = Math.max(1, Math.round(img.naturalWidth * scale));
         canvas.height = Math.max(1, Math.round(img.naturalHeight * scale));
@@ -234,6 +238,12 @@ function showAttachments() {
 }
 
 function setUpImages() {
+  // A file dropped beside the conversation would replace the page (and the conversation) by it.
+  for (const type of ["dragover", "drop"]) {
+    document.addEventListener(type, (event) => {
+      if (event.dataTransfer && [...event.dataTransfer.types].includes("Files")) event.preventDefault();
+    });
+  }
   const attach = $("attach");
   if (!acceptsImages()) {
     attach.disabled = true;

@@ -1,9 +1,10 @@
 """The playground's images in a real browser: `triollm serve` on a tiny LLaVA and one headless
 Chromium (browser.py). An image attached by the file picker (larger than the page's bound: sent
-downscaled), one pasted and one dropped show as thumbnails, one is removed, the message is sent
-with the other two as `image_url` parts and answers as the same request sent by hand does, the
-images show in the conversation, and the next turn sends them again. Served a text-only model,
-the attach button is disabled, saying why. Skipped, saying so, without Chromium and chromedriver.
+downscaled), one pasted, one dropped and an SVG (sent as a PNG) show as thumbnails, one is
+removed, the message is sent with the other three as `image_url` parts and answers as the same
+request sent by hand does, the images show in the conversation, and the next turn sends them
+again. Served a text-only model, the attach button is disabled, saying why. Skipped, saying so,
+without Chromium and chromedriver.
 """
 
 from __future__ import annotations
@@ -87,19 +88,24 @@ def test_attach_send_and_keep_images(browser: Browser, llava_server: Server, tmp
     browser.wait_for(f"{THUMBS} === 2")
     assert browser.run_async(DISPATCH, "drop", "messages") is True
     browser.wait_for(f"{THUMBS} === 3")
+    svg = tmp_path / "shape.svg"  # a type Pillow does not read: sent drawn as a PNG
+    svg.write_text('<svg xmlns="http://www.w3.org/2000/svg" width="10" height="20"><rect width="5" height="5"/></svg>')
+    add_file(browser, svg)
+    browser.wait_for(f"{THUMBS} === 4")
     browser.click("#attachments .thumb:nth-child(2) button")  # the pasted one goes
-    assert browser.run(f"return {THUMBS};") == 2
+    assert browser.run(f"return {THUMBS};") == 3
 
     browser.type("#prompt", "What is this?")
     browser.click("#send")
     browser.wait_for("document.querySelector('.msg.assistant[data-state=done]')")
-    assert browser.run("return document.querySelectorAll('.msg.user img').length;") == 2
+    assert browser.run("return document.querySelectorAll('.msg.user img').length;") == 3
     assert browser.run("return document.getElementById('attachments').hidden;") is True
     [first] = browser.run("return window.sent;")
     content: list[dict[str, Any]] = first["messages"][-1]["content"]
-    assert [p["type"] for p in content] == ["image_url", "image_url", "text"] and content[2]["text"] == "What is this?"
+    assert [p["type"] for p in content] == ["image_url"] * 3 + ["text"] and content[3]["text"] == "What is this?"
     assert decoded_size(content[0]["image_url"]["url"]) == (1536, 768)  # downscaled, the type kept
     assert decoded_size(content[1]["image_url"]["url"]) == (8, 8)
+    assert decoded_size(content[2]["image_url"]["url"]) == (10, 20)
     answer = browser.text(".msg.assistant .text")
     plain = {**first, "stream": False}
     del plain["stream_options"]
