@@ -17,10 +17,11 @@ the Transformers backend alike.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["check_head_counts", "check_special_tokens"]
+__all__ = ["MISSING", "check_head_counts", "check_special_tokens", "read_bool", "read_eps", "read_int"]
 
 _SPECIAL = ("eos_token_id", "bos_token_id", "pad_token_id")
 
@@ -55,3 +56,51 @@ def check_head_counts(hf: Mapping[str, Any], hidden: int, num_heads: int) -> Non
             f"num_attention_heads: {num_heads} does not divide hidden_size {hidden} (and config.json gives no "
             f"head_dim); allowed: a divisor of {hidden}"
         )
+
+
+# Readers of one config.json field each: the value, or a ValueError naming the field.
+MISSING: Any = object()
+
+
+def read_int(
+    hf: Mapping[str, Any],
+    key: str,
+    default: int | None = MISSING,
+    *,
+    null: int | None = None,
+    minimum: int = 1,
+) -> int:
+    """hf[key] as an int >= minimum; `default` when absent (required if not given), `null` when null."""
+    if key not in hf:
+        if default is MISSING:
+            raise ValueError(f"{key}: required in config.json")
+        value = default
+    else:
+        value = hf[key]
+    if value is None:
+        value = null
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{key}: expected an integer >= {minimum}, got {value!r}")
+    return value
+
+
+def read_bool(hf: Mapping[str, Any], key: str, default: bool) -> bool:
+    value = hf.get(key)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise ValueError(f"{key}: expected true or false, got {value!r}")
+    return value
+
+
+def read_eps(hf: Mapping[str, Any], default: float = 1e-6) -> float:
+    value = hf.get("rms_norm_eps")
+    if value is None:
+        return default
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int | float)
+        or not (math.isfinite(value) and value > 0)
+    ):
+        raise ValueError(f"rms_norm_eps: expected a positive number, got {value!r}")
+    return float(value)

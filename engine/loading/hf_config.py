@@ -50,6 +50,9 @@ from typing import Any
 import torch
 
 from triollm.engine.loading.config_checks import check_head_counts
+from triollm.engine.loading.config_checks import read_bool as _bool
+from triollm.engine.loading.config_checks import read_eps as _eps
+from triollm.engine.loading.config_checks import read_int as _int
 from triollm.engine.loading.hf_families import MoESpec, family_fields
 from triollm.engine.loading.hf_recurrent import (
     RECURRENT_ARCHITECTURES,
@@ -275,7 +278,7 @@ def parse_hf_config(hf: Mapping[str, Any], model_impl: str = "auto") -> HfConfig
     if arch in ENCODER_ARCHITECTURES:
         return _parse_bert(arch, hf)
     if arch in RECURRENT_ARCHITECTURES:
-        return parse_recurrent(arch, hf)
+        return HfConfig(architecture=arch, checkpoint_dtype=checkpoint_dtype(hf), **parse_recurrent(arch, hf))
     family = causal_architecture(arch)
     d = _ARCHITECTURES[family]
     raw_quant = hf.get("quantization_config")
@@ -601,50 +604,3 @@ def _window(hf: Mapping[str, Any], default: int | None) -> int | None:
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         raise ValueError(f"sliding_window: expected a positive integer or null, got {value!r}")
     return value
-
-
-_MISSING: Any = object()
-
-
-def _int(
-    hf: Mapping[str, Any],
-    key: str,
-    default: int | None = _MISSING,
-    *,
-    null: int | None = None,
-    minimum: int = 1,
-) -> int:
-    """hf[key] as an int >= minimum; `default` when absent (required if not given), `null` when null."""
-    if key not in hf:
-        if default is _MISSING:
-            raise ValueError(f"{key}: required in config.json")
-        value = default
-    else:
-        value = hf[key]
-    if value is None:
-        value = null
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{key}: expected an integer >= {minimum}, got {value!r}")
-    return value
-
-
-def _bool(hf: Mapping[str, Any], key: str, default: bool) -> bool:
-    value = hf.get(key)
-    if value is None:
-        return default
-    if not isinstance(value, bool):
-        raise ValueError(f"{key}: expected true or false, got {value!r}")
-    return value
-
-
-def _eps(hf: Mapping[str, Any], default: float = 1e-6) -> float:
-    value = hf.get("rms_norm_eps")
-    if value is None:
-        return default
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, int | float)
-        or not (math.isfinite(value) and value > 0)
-    ):
-        raise ValueError(f"rms_norm_eps: expected a positive number, got {value!r}")
-    return float(value)

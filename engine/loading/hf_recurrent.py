@@ -19,10 +19,14 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from triollm.engine.loading.hf_config import HfConfig
+from triollm.engine.loading.config_checks import check_head_counts
+from triollm.engine.loading.config_checks import read_bool as _bool
+from triollm.engine.loading.config_checks import read_eps as _eps
+from triollm.engine.loading.config_checks import read_int as _int
+from triollm.engine.loading.hf_families import MoESpec
+from triollm.engine.loading.rope_config import parse_rope
 
 __all__ = ["RECURRENT_ARCHITECTURES", "RECURRENT_LAYER_TYPES", "RecurrentSpec", "parse_recurrent"]
 
@@ -76,18 +80,15 @@ class RecurrentSpec:
         return [(self.conv_channels, self.conv_kernel - 1), (self.mamba_heads, self.mamba_head_dim, self.mamba_state)]
 
 
-def parse_recurrent(arch: str, hf: Mapping[str, Any]) -> HfConfig:
-    """The config.json of a hybrid architecture (module note); a `ValueError` naming the field."""
+def parse_recurrent(arch: str, hf: Mapping[str, Any]) -> dict[str, Any]:
+    """`HfConfig`'s fields (but `architecture` and `checkpoint_dtype`, which hf_config.py adds) from
+    the config.json of a hybrid architecture (module note); a `ValueError` naming the field."""
     if arch in ("BambaForCausalLM", "GraniteMoeHybridForCausalLM"):
         return _parse_mamba_hybrid(arch, hf)
     return _parse_lfm2(arch, hf)
 
 
-def _parse_lfm2(arch: str, hf: Mapping[str, Any]) -> HfConfig:
-    from triollm.engine.loading.config_checks import check_head_counts
-    from triollm.engine.loading.hf_config import HfConfig, _bool, _int, checkpoint_dtype
-    from triollm.engine.loading.rope_config import parse_rope
-
+def _parse_lfm2(arch: str, hf: Mapping[str, Any]) -> dict[str, Any]:
     if hf.get("quantization_config"):
         raise ValueError(f"quantization_config: quantized checkpoints of {arch} are not supported")
     hidden = _int(hf, "hidden_size", 2560)
@@ -137,8 +138,7 @@ def _parse_lfm2(arch: str, hf: Mapping[str, Any]) -> HfConfig:
     tie = hf.get("tie_embedding", hf.get("tie_word_embeddings", True))
     if not isinstance(tie, bool):
         raise ValueError(f"tie_word_embeddings: expected true or false, got {tie!r}")
-    return HfConfig(
-        architecture=arch,
+    return dict(
         hidden_size=hidden,
         intermediate_size=ff,
         num_layers=num_layers,
@@ -154,7 +154,6 @@ def _parse_lfm2(arch: str, hf: Mapping[str, Any]) -> HfConfig:
         o_proj_bias=False,
         mlp_bias=False,
         sliding_window=None,
-        checkpoint_dtype=checkpoint_dtype(hf),
         encoder=None,
         layer_types=tuple(layer_types),
         qk_norm="head",
@@ -162,18 +161,13 @@ def _parse_lfm2(arch: str, hf: Mapping[str, Any]) -> HfConfig:
     )
 
 
-def _parse_mamba_hybrid(arch: str, hf: Mapping[str, Any]) -> HfConfig:
+def _parse_mamba_hybrid(arch: str, hf: Mapping[str, Any]) -> dict[str, Any]:
     """Bamba as transformers' `BambaConfig` reads it: Llama attention (partial rotary, 0.5 as
     transformers fixes it) on `attn_layer_indices`, Mamba-2 mixers on the other layers, a gated MLP
     on every layer. Granite 4.0-H (`GraniteMoeHybridConfig`): the layers by `layer_types`, RoPE
     only with `position_embedding_type` "rope" (else none), Granite's multipliers, and the MLP of
     every layer routed experts (`num_local_experts`, top-k softmax) plus a shared MLP
     (`shared_intermediate_size`)."""
-    from triollm.engine.loading.config_checks import check_head_counts
-    from triollm.engine.loading.hf_config import HfConfig, _bool, _eps, _int, checkpoint_dtype
-    from triollm.engine.loading.hf_families import MoESpec
-    from triollm.engine.loading.rope_config import parse_rope
-
     granite = arch == "GraniteMoeHybridForCausalLM"
     if hf.get("quantization_config"):
         raise ValueError(f"quantization_config: quantized checkpoints of {arch} are not supported")
@@ -247,8 +241,7 @@ def _parse_mamba_hybrid(arch: str, hf: Mapping[str, Any]) -> HfConfig:
         rotary = int(head_dim * partial)
         if rotary <= 0 or rotary % 2 or rotary > head_dim:
             raise ValueError(f"rope_parameters.partial_rotary_factor: {partial} gives {rotary} rotary dimensions")
-    return HfConfig(
-        architecture=arch,
+    return dict(
         hidden_size=hidden,
         intermediate_size=shared if granite else _int(hf, "intermediate_size", 14336),
         num_layers=num_layers,
@@ -264,7 +257,6 @@ def _parse_mamba_hybrid(arch: str, hf: Mapping[str, Any]) -> HfConfig:
         o_proj_bias=_bool(hf, "attention_bias", False),
         mlp_bias=False if granite else _bool(hf, "mlp_bias", False),
         sliding_window=None,
-        checkpoint_dtype=checkpoint_dtype(hf),
         encoder=None,
         layer_types=layer_types,
         rotary_dim=None if rotary == head_dim else rotary,

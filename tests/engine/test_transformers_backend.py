@@ -304,8 +304,6 @@ SMALL = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "v
 REFUSED = [
     ("Qwen3NextConfig", "Qwen3NextForCausalLM", {**SMALL, "layer_types": ["linear_attention", "full_attention"]},
      r"layer_types: 'linear_attention' layers cannot be paged"),
-    ("Lfm2Config", "Lfm2ForCausalLM", {**SMALL, "layer_types": ["conv", "full_attention"]},
-     r"layer_types: 'conv' layers cannot be paged"),
     ("BartConfig", "BartForCausalLM", {"vocab_size": 384}, r"is_encoder_decoder: BartForCausalLM is an encoder-"),
     ("Llama4TextConfig", "Llama4ForCausalLM", {**SMALL, "num_key_value_heads": 4, "attention_chunk_size": None,
                                                 "layer_types": ["chunked_attention", "full_attention"]},
@@ -322,6 +320,16 @@ def test_unpageable_configs_are_refused_at_load(
     path = _config_dir(tmp_path, config_class, arch, **fields)
     with pytest.raises(ValueError, match=match):
         ModelConfig.from_pretrained(path, max_model_len=64)
+
+
+def test_the_backend_refuses_a_hybrid_that_runs_natively(tmp_path: Path) -> None:
+    """LFM2's convolutions hold a state the paged cache cannot: through the backend it is refused
+    at load (natively it runs, tests/engine/test_hybrid_models.py)."""
+    fields = {**SMALL, "num_key_value_heads": 2, "layer_types": ["conv", "full_attention"]}
+    path = _config_dir(tmp_path, "Lfm2Config", "Lfm2ForCausalLM", **fields)
+    assert ModelConfig.from_pretrained(path, max_model_len=64).recurrent is not None
+    with pytest.raises(ValueError, match=r"layer_types: 'conv' layers cannot be paged"):
+        ModelConfig.from_pretrained(path, max_model_len=64, model_impl="transformers")
 
 
 def test_native_only_refuses_other_architectures(tmp_path: Path) -> None:
