@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
 import os
 import subprocess
 import sys
@@ -108,7 +109,9 @@ def test_the_report_holds_every_parts_figures(
     assert parts["prefill"]["metrics"]["cases"]["tiny 3x16 fresh"]["varlen_ms"] > 0
     for name in ("e2e_graphs", "e2e_eager", "e2e_hf"):
         m = parts[name]["metrics"]
-        assert m["batch_tok_s"] > 0 and m["b1_ms_per_token"] > 0 and len(m["first_tokens"]) == 4
+        # b1 is a difference of two medians of wall times: on a loaded CPU it may come out <= 0 (a
+        # timing, not a check; CI failed on -17.6 ms once); the report must hold it, finite.
+        assert m["batch_tok_s"] > 0 and math.isfinite(m["b1_ms_per_token"]) and len(m["first_tokens"]) == 4
     # The same seeded weights and prompts: the engine gives the same greedy tokens either way.
     assert parts["e2e_graphs"]["metrics"]["first_tokens"] == parts["e2e_eager"]["metrics"]["first_tokens"]
     assert report["agreement"]["e2e_graphs vs e2e_eager"] == "16/16 tokens equal"

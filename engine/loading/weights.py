@@ -36,7 +36,7 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Iterator
-from contextlib import ExitStack
+from contextlib import ExitStack, nullcontext
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -47,9 +47,9 @@ from torch import nn
 from triollm.engine.execution.layers.linear import Linear
 from triollm.engine.execution.layers.moe import FusedMoE, load_expert_weight
 from triollm.engine.execution.layers.quantized import (
+    GGUFQuantized,
     QuantEmbedding,
     QuantLinear,
-    read_gguf_quantized,
 )
 from triollm.engine.loading.quant_checkpoints import (
     CheckpointQuant,
@@ -324,7 +324,11 @@ def _expected(model: nn.Module) -> dict[str, int]:
 def quantize_model(model: CausalLM, scheme: str, path: Path) -> None:
     """Replace the decoder layers' linear layers (and a tied embedding in a block format) in place
     by quantized ones (layers/quantized.py)."""
-    gguf = read_gguf_quantized(path) if scheme == "gguf" else {}
+    with GGUFQuantized(path) if scheme == "gguf" else nullcontext(None) as kept:
+        _quantize_layers(model, scheme, kept)
+
+
+def _quantize_layers(model: CausalLM, scheme: str, gguf: GGUFQuantized | None) -> None:
     bits = {"int8": 8, "int4": 4}.get(scheme)
     unstack: dict[str, list[str]] = {}
     for theirs, (ours, _) in model.stacked.items():
@@ -337,6 +341,7 @@ def quantize_model(model: CausalLM, scheme: str, path: Path) -> None:
             continue  # experts and routers stay dense
         if scheme == "gguf":
             names = [f"model.{owner_name}.{p}.weight" for p in unstack.get(attr, [attr])]
+            assert gguf is not None
             if not all(n in gguf for n in names):
                 continue  # stored as floats in the GGUF: stays dense
             weight = QuantWeight.cat([gguf[n] for n in names])
@@ -347,6 +352,8 @@ def quantize_model(model: CausalLM, scheme: str, path: Path) -> None:
         quant = QuantLinear(weight, bias)
         quant.rows, quant.cols = dense.rows, dense.cols  # the bias loads as the dense one would
         setattr(model.get_submodule(owner_name), attr, quant)
+    if gguf is None:
+        return
     embedding = gguf.get("model.embed_tokens.weight")
     if model.lm_head is None and embedding is not None:
         model.embed_tokens = QuantEmbedding(embedding, model.cfg.dtype)

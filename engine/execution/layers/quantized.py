@@ -17,6 +17,7 @@ records (two norms, four projections), so the layers sit below the models that u
 from __future__ import annotations
 
 from collections.abc import Sequence
+from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -37,7 +38,7 @@ if TYPE_CHECKING:
     # and masks, the pieces' bounds, the groups' row ranges and row indices.
     LoRAArgs = tuple[list[torch.Tensor], list[int], list[int], list[int], list[torch.Tensor]]
 
-__all__ = ["DecodeStack", "QuantEmbedding", "QuantLinear", "StackLayer", "read_gguf_quantized"]
+__all__ = ["DecodeStack", "GGUFQuantized", "QuantEmbedding", "QuantLinear", "StackLayer", "read_gguf_quantized"]
 
 
 class _Packed(nn.Module):
@@ -217,13 +218,38 @@ class DecodeStack:
 
 
 def read_gguf_quantized(path: Path) -> dict[str, QuantWeight]:
-    """The import's quantized tensors by HF name (engine/loading/gguf_import.py)."""
-    from triollm.engine.loading.model_config import QUANTIZED_FILE
+    """The import's quantized tensors by HF name (engine/loading/gguf_import.py), all read."""
+    with GGUFQuantized(path) as kept:
+        return {name: kept[name] for name in kept.names}
 
-    file = path / QUANTIZED_FILE
-    out: dict[str, QuantWeight] = {}
-    with safe_open(str(file), framework="pt") as f:
-        bits = {k: int(v) for k, v in (f.metadata() or {}).items() if k != "format"}
-        for name, b in bits.items():
-            out[name] = QuantWeight(f.get_tensor(f"{name}.q"), f.get_tensor(f"{name}.d"), f.get_tensor(f"{name}.m"), b)
-    return out
+
+class GGUFQuantized:
+    """The import's quantized tensors by HF name, each read when asked for: the loader builds a
+    layer's fused weight from its pieces and lets them go, so a load never holds the whole file
+    twice (reading it all first, then concatenating, peaked at twice the weights)."""
+
+    def __init__(self, path: Path) -> None:
+        from triollm.engine.loading.model_config import QUANTIZED_FILE
+
+        self._file = str(path / QUANTIZED_FILE)
+        self._stack = ExitStack()
+        self._f: Any = None
+        self.names: dict[str, int] = {}
+
+    def __enter__(self) -> GGUFQuantized:
+        self._f = self._stack.enter_context(safe_open(self._file, framework="pt"))
+        self.names = {k: int(v) for k, v in (self._f.metadata() or {}).items() if k != "format"}
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stack.close()
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.names
+
+    def __getitem__(self, name: str) -> QuantWeight:
+        q, d, m = (self._f.get_tensor(f"{name}.{part}") for part in ("q", "d", "m"))
+        return QuantWeight(q, d, m, self.names[name])
+
+    def get(self, name: str) -> QuantWeight | None:
+        return self[name] if name in self.names else None
