@@ -32,6 +32,7 @@ __all__ = [
     "available",
     "has_native_bf16",
     "best_isa",
+    "decode_attention_dot",
     "has_fast_quant",
     "quant_isa",
     "supported_isas",
@@ -104,6 +105,14 @@ def quant_isa() -> str:
             f"{ISA_ENV}: {forced!r} is not a path this CPU can run; allowed here: {', '.join(supported_isas())}"
         )
     return forced
+
+
+def decode_attention_dot() -> str:
+    """The dot product the native decode kernel uses over a bf16 KV cache in this process:
+    "bf16" (`vdpbf16ps`, where the CPU has AVX-512 BF16 and $TRIOLLM_CPU_ISA forces no path:
+    queries and probabilities meet the cache rounded to bf16) or "fp32" (K and V widened).
+    The C++ side decides (kernels/csrc/cpu_attention.cpp); call only when `available()`."""
+    return str(torch.ops.triollm_cpu.decode_attention_dot())
 
 
 def has_fast_quant() -> bool:

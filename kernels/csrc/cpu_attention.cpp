@@ -47,10 +47,10 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
-#if defined(__AVX512F__)
 #include <immintrin.h>
-#endif
+#include <cstdlib>
 #include <optional>
+#include <string>
 #include <type_traits>
 #include <vector>
 
@@ -432,11 +432,161 @@ void decode_pair_group(const T* qrow, const K* kp, const K* vp, const int32_t* t
   }
 }
 
+// ------------------------------------------------------------------------------------------
+// A bf16 cache on a CPU with AVX-512 BF16 (Zen 4/5, Cooper Lake, Sapphire Rapids and later):
+// the dot products run on `vdpbf16ps`, which multiplies pairs of bf16 values and adds both
+// products to an fp32 lane, so a block's K and V are never widened to fp32 and each instruction
+// does twice the FMA's work. Q meets K in the cache's precision: the query is rounded to bf16
+// once per pair (exact for a bf16 model; for fp32 activations the same rounding the cache
+// applied to K, as llama.cpp rounds Q to its f16 cache), the scale applied to the fp32 scores.
+// The probabilities are rounded to bf16 before P.V (as flash attention rounds P to the value
+// dtype); scores, the running max and sum, and the accumulators stay fp32.
+//   Scores: K's block [kD][16] holds rows d and d + 1 as 64 contiguous bytes; `vpermw`
+//   interleaves them into 16 lanes of (k[d][t], k[d+1][t]), and `vdpbf16ps` against the
+//   broadcast pair (q[d], q[d+1]) adds both products to token t's lane.
+//   P.V: rows t and t + 1 of V's block [16][kD], interleaved by `vpunpck{l,h}wd` (within
+//   128-bit lanes, so the accumulators hold head_dim in a fixed permuted order, undone once at
+//   the end), against the broadcast pair (p[t], p[t+1]); an odd last token pairs with zeros.
+// The order of every sum is fixed by the block and the pair, so a row's result does not depend
+// on its batch, as with the fp32 path (kernels/batch_invariant.py). Chosen at run time
+// (`bf16_dot_enabled`): the CPU has AVX-512 BF16 and $TRIOLLM_CPU_ISA forces no other path.
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,fma,f16c")
+inline __m512 dpbf16(__m512 acc, __m512i a, __m512i b) {
+  return _mm512_dpbf16_ps(acc, (__m512bh)a, (__m512bh)b);
+}
+
+// n fp32 values (a multiple of 2) rounded to bf16, as n / 2 pairs (lower index in the low half).
+inline void bf16_pairs(const float* src, int n, uint32_t* dst) {
+  for (int i = 0; i < n; i += 32) {
+    const __m512 lo = _mm512_loadu_ps(src + i), hi = _mm512_loadu_ps(src + i + 16);
+    // cvtne2ps: the second operand's 16 values land in the low half.
+    _mm512_storeu_si512(reinterpret_cast<void*>(dst + i / 2), (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+  }
+}
+
+template <typename T, int kD, int kG>
+void decode_pair_group_bf16(const T* qrow, const c10::BFloat16* kp, const c10::BFloat16* vp, const int32_t* table,
+                            int64_t n, int64_t start, int64_t, int64_t NB, int64_t h, int64_t, int64_t,
+                            float fscale, float, const float* sink, const Scales& sc, float*, float*, float*,
+                            float*, float*, float*, float*, T* orow) {
+  constexpr int kBS = 16, kC = kD / 32;  // kC: 32-wide chunks of head_dim per V row
+  static_assert(kD % 32 == 0, "head_dim a multiple of 32");
+  alignas(64) float qf[kG][kD];
+  for (int g = 0; g < kG; ++g)
+    for (int d = 0; d < kD; ++d) qf[g][d] = load_f(qrow[g * kD + d]);
+  alignas(64) uint32_t qp[kG][kD / 2];
+  for (int g = 0; g < kG; ++g) bf16_pairs(qf[g], kD, qp[g]);
+  // vpermw's index: lane pair t takes word t (row d) and word 16 + t (row d + 1).
+  alignas(64) int16_t idx[32];
+  for (int t = 0; t < 16; ++t) idx[2 * t] = static_cast<int16_t>(t), idx[2 * t + 1] = static_cast<int16_t>(16 + t);
+  const __m512i perm = _mm512_load_si512(reinterpret_cast<const void*>(idx));
+  __m512 lo[kG][kC], hi[kG][kC];  // head_dim permuted: see the epilogue
+  for (int g = 0; g < kG; ++g)
+    for (int c = 0; c < kC; ++c) lo[g][c] = _mm512_setzero_ps(), hi[g][c] = _mm512_setzero_ps();
+  float m[kG], l[kG] = {};
+  for (int g = 0; g < kG; ++g) m[g] = kNegBig;
+  const uint16_t* kbase = reinterpret_cast<const uint16_t*>(kp);
+  const uint16_t* vbase = reinterpret_cast<const uint16_t*>(vp);
+  for (int64_t blk = start / kBS; blk * kBS < n; ++blk) {
+    const int64_t id = table[blk];
+    const int64_t cnt = std::min<int64_t>(kBS, n - blk * kBS);
+    const uint16_t* kt = kbase + (h * NB + id) * kD * kBS;  // [kD][kBS]
+    const uint16_t* vb = vbase + (h * NB + id) * kBS * kD;  // [kBS][kD]
+    __m512 sv[kG];
+    for (int g = 0; g < kG; ++g) sv[g] = _mm512_setzero_ps();
+    for (int p = 0; p < kD / 2; ++p) {
+      const __m512i kk = _mm512_permutexvar_epi16(perm, _mm512_loadu_si512(reinterpret_cast<const void*>(kt + p * 2 * kBS)));
+      for (int g = 0; g < kG; ++g) sv[g] = dpbf16(sv[g], kk, _mm512_set1_epi32(static_cast<int>(qp[g][p])));
+    }
+    alignas(64) float s[kG][kBS];
+    for (int g = 0; g < kG; ++g) _mm512_store_ps(s[g], _mm512_mul_ps(sv[g], _mm512_set1_ps(fscale)));
+    alignas(64) uint32_t pp[kG][kBS / 2];
+    for (int g = 0; g < kG; ++g) {
+      for (int t = cnt; t < kBS; ++t) s[g][t] = kNegBig;  // past the sequence's end
+      for (int64_t t = 0; t < start - blk * kBS; ++t) s[g][t] = kNegBig;  // before the window
+      float mx = m[g];
+      for (int t = 0; t < kBS; ++t) mx = std::max(mx, s[g][t]);
+      float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+      for (int t = 0; t < kBS; ++t) {
+        s[g][t] = std::exp(s[g][t] - mx);
+        sum += s[g][t];
+      }
+      const float corr = std::exp(m[g] - mx);
+      l[g] = l[g] * corr + sum;
+      m[g] = mx;
+      const __m512 cv = _mm512_set1_ps(corr);
+      for (int c = 0; c < kC; ++c) lo[g][c] = _mm512_mul_ps(lo[g][c], cv), hi[g][c] = _mm512_mul_ps(hi[g][c], cv);
+      _mm256_store_si256(reinterpret_cast<__m256i*>(pp[g]), (__m256i)_mm512_cvtneps_pbh(_mm512_load_ps(s[g])));
+    }
+    for (int64_t t = 0; t < cnt; t += 2) {
+      const uint16_t* v0 = vb + t * kD;
+      for (int c = 0; c < kC; ++c) {
+        const __m512i a = _mm512_loadu_si512(reinterpret_cast<const void*>(v0 + c * 32));
+        const __m512i b = t + 1 < cnt ? _mm512_loadu_si512(reinterpret_cast<const void*>(v0 + kD + c * 32))
+                                      : _mm512_setzero_si512();  // past the end: never read
+        const __m512i vl = _mm512_unpacklo_epi16(a, b), vh = _mm512_unpackhi_epi16(a, b);
+        for (int g = 0; g < kG; ++g) {
+          const __m512i pb = _mm512_set1_epi32(static_cast<int>(pp[g][t / 2]));
+          lo[g][c] = dpbf16(lo[g][c], vl, pb);
+          hi[g][c] = dpbf16(hi[g][c], vh, pb);
+        }
+      }
+    }
+  }
+  // Undo the unpack's order: in chunk c, 128-bit lane L of `lo` holds head_dim 32c + 8L + 0..3
+  // and of `hi` 32c + 8L + 4..7.
+  for (int g = 0; g < kG; ++g) {
+    const float inv = sc.v_layer * normaliser(m[g], l[g], sink ? sink + g : nullptr);
+    for (int c = 0; c < kC; ++c) {
+      alignas(64) float a[16], b[16];
+      _mm512_store_ps(a, _mm512_mul_ps(lo[g][c], _mm512_set1_ps(inv)));
+      _mm512_store_ps(b, _mm512_mul_ps(hi[g][c], _mm512_set1_ps(inv)));
+      for (int L = 0; L < 4; ++L)
+        for (int i = 0; i < 4; ++i) {
+          orow[g * kD + 32 * c + 8 * L + i] = store_f<T>(a[4 * L + i]);
+          orow[g * kD + 32 * c + 8 * L + 4 + i] = store_f<T>(b[4 * L + i]);
+        }
+    }
+  }
+}
+#pragma GCC pop_options
+
+// The CPU has AVX-512 BF16 and $TRIOLLM_CPU_ISA (the quantized kernels' override, for tests and
+// A/B runs) is unset or "auto": any forced path means "as a CPU without it". Once per process.
+bool bf16_dot_enabled() {
+  static const bool enabled = [] {
+    __builtin_cpu_init();
+    const bool cpu = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                     __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
+                     __builtin_cpu_supports("avx512bf16");
+    const char* forced = std::getenv("TRIOLLM_CPU_ISA");
+    const bool free = forced == nullptr || *forced == '\0' || std::string(forced) == "auto";
+    return cpu && free;
+  }();
+  return enabled;
+}
+
 template <typename T, typename K>
 using PairFn = decltype(&decode_pair<T, K, 0, 0>);
 
 template <typename T, typename K, int kD>
 PairFn<T, K> group_instance(int64_t G) {
+  if constexpr (std::is_same_v<K, c10::BFloat16>) {
+    if (bf16_dot_enabled()) {
+      switch (G) {
+        case 1: return &decode_pair_group_bf16<T, kD, 1>;
+        case 2: return &decode_pair_group_bf16<T, kD, 2>;
+        case 3: return &decode_pair_group_bf16<T, kD, 3>;
+        case 4: return &decode_pair_group_bf16<T, kD, 4>;
+        case 6: return &decode_pair_group_bf16<T, kD, 6>;
+        case 7: return &decode_pair_group_bf16<T, kD, 7>;
+        case 8: return &decode_pair_group_bf16<T, kD, 8>;
+        default: break;  // the fp32 path's generic instance
+      }
+    }
+  }
   switch (G) {
     case 1: return &decode_pair_group<T, K, kD, 1>;
     case 2: return &decode_pair_group<T, K, kD, 2>;
@@ -820,6 +970,7 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
 using namespace triollm_cpu;
 
 TORCH_LIBRARY(triollm_cpu, m) {
+  m.def("decode_attention_dot() -> str", [] { return std::string(bf16_dot_enabled() ? "bf16" : "fp32"); });
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("silu_and_mul(Tensor x) -> Tensor");
   m.def("paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "

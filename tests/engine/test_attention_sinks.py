@@ -72,9 +72,7 @@ class Paged:
     `v` hold them as the cache stores them (rounded to its dtype), in fp32 (block 0 stays zero:
     the torch path pads its gathers with it)."""
 
-    def __init__(
-        self, lens: list[int], bs: int, seed: int = 0, d: int = D, dtype: torch.dtype = torch.float32
-    ) -> None:
+    def __init__(self, lens: list[int], bs: int, seed: int = 0, d: int = D, dtype: torch.dtype = torch.float32) -> None:
         g = torch.Generator().manual_seed(seed)
         need = [-(-n // bs) for n in lens]
         num_blocks = sum(need) + 2
@@ -160,8 +158,11 @@ def test_decode(
 @pytest.mark.parametrize("d", [64, 128])
 def test_native_decode_block16_instances(d: int, cache_dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
     """Block size 16 and head dim 64 or 128: the native kernel's GQA-group instances (group 3),
-    with sinks and chunks, also over a bf16 cache under fp32 queries."""
+    with sinks and chunks, also over a bf16 cache under fp32 queries (on a CPU with AVX-512 BF16
+    that cache takes `vdpbf16ps`, the query and probabilities rounded to bf16: bf16's tolerance)."""
     monkeypatch.setenv("TRIOLLM_KERNELS", "torch")
+    bf16_dot = cache_dtype == torch.bfloat16 and cpu_native.decode_attention_dot() == "bf16"
+    tol = 2e-2 if bf16_dot else 1e-5
     lens, chunk = [1, 15, 16, 17, 40, 50], 24
     seqs = Paged(lens, 16, d=d, dtype=cache_dtype)
     for row, n in enumerate(lens):
@@ -172,7 +173,7 @@ def test_native_decode_block16_instances(d: int, cache_dtype: torch.dtype, monke
     out = decode_attention(q, seqs.kc, seqs.vc, plan, SCALE, sinks=sinks, chunk=chunk)
     for row, n in enumerate(lens):
         expected = reference(q[row : row + 1], seqs.k[row], seqs.v[row], n - 1, sinks=sinks, chunk=chunk)
-        torch.testing.assert_close(out[row : row + 1], expected, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(out[row : row + 1], expected, rtol=tol, atol=tol)
 
 
 @pytest.mark.parametrize("num_splits", [2, 3])

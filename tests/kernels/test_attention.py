@@ -68,6 +68,16 @@ def test_paged_decode_matches_dense(native: bool) -> None:
         torch.testing.assert_close(out[i : i + 1], ref, rtol=1e-5, atol=1e-5)
 
 
+def _decode_tolerance(dtype: torch.dtype, cache_dtype: torch.dtype, bs: int, d: int) -> float:
+    """fp32 queries over an fp32 cache: the reference's bits up to summation order. Over a bf16
+    cache on a CPU with AVX-512 BF16, the block-16 instances (head_dim 64, 128) take `vdpbf16ps`
+    with the query and the probabilities rounded to bf16 (cpu_attention.cpp): bf16's tolerance."""
+    bf16_dot = (
+        cache_dtype == torch.bfloat16 and bs == 16 and d in (64, 128) and cpu_native.decode_attention_dot() == "bf16"
+    )
+    return 1e-5 if dtype == torch.float32 and not bf16_dot else 2e-2
+
+
 @pytest.mark.skipif(not cpu_native.available(), reason="no native kernels")
 @settings(max_examples=80, deadline=None)
 @given(
@@ -104,7 +114,7 @@ def test_native_decode_matches_the_torch_path(
 
     native, ref = (decode_attention(q, kc, vc, p, d**-0.5) for p in plans)
     assert plans[0].native is not None and plans[1].native is None
-    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    tol = _decode_tolerance(dtype, cache_dtype, bs, d)
     torch.testing.assert_close(native.float(), ref.float(), rtol=tol, atol=tol)
 
 
@@ -157,6 +167,98 @@ def test_native_silu_and_mul_matches_torch(rows: int, dtype: torch.dtype) -> Non
     torch.testing.assert_close(cpu_native.silu_and_mul(x).float(), ref, **tol)
 
 
+BF16_DOT = pytest.mark.skipif(
+    not cpu_native.available() or cpu_native.decode_attention_dot() != "bf16",
+    reason="the bf16 dot-product decode path needs AVX-512 BF16",
+)
+
+
+def _bf16_case(d: int, group: int, lens: list[int], seed: int) -> tuple[torch.Tensor, ...]:
+    """fp32 queries over a bf16 cache, blocks of 16 in a scattered order; every cache position
+    past a row's length in its last block holds NaN (a kernel that reads a value it should not
+    returns NaN)."""
+    g = torch.Generator().manual_seed(seed)
+    kvh, bs = 2, 16
+    need = [-(-n // bs) for n in lens]
+    nb = sum(need) + 2
+    kc = torch.randn(kvh, nb, d, bs, generator=g).to(torch.bfloat16)
+    vc = torch.randn(kvh, nb, bs, d, generator=g).to(torch.bfloat16)
+    perm = torch.randperm(nb, generator=g).tolist()
+    tables, used = [], 0
+    for n, m in zip(lens, need):
+        tables.append(perm[used : used + m])
+        used += m
+        last, tail = tables[-1][-1], n - (m - 1) * bs
+        kc[:, last, :, tail:] = float("nan")
+        vc[:, last, tail:, :] = float("nan")
+    q = torch.randn(len(lens), kvh * group, d, generator=g) * 2
+    return (
+        q,
+        kc,
+        vc,
+        torch.tensor([t + [0] * (max(need) - len(t)) for t in tables], dtype=torch.int32),
+        torch.tensor(lens, dtype=torch.int32),
+    )
+
+
+def _rounded_reference(
+    q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor, round_q: bool = True
+) -> torch.Tensor:
+    """Dense attention in fp64 over the cache's values with the query rounded to bf16 (`round_q`):
+    what the bf16 path computes, but for the probabilities' rounding."""
+    b, h, d = q.shape
+    kvh = kc.shape[0]
+    out = torch.empty(b, h, d, dtype=torch.float64)
+    qr = q.bfloat16().double() if round_q else q.double()
+    for row in range(b):
+        n = int(lens[row])
+        blocks = tables[row, : -(-n // 16)].long()
+        k = kc[:, blocks].double().permute(0, 1, 3, 2).reshape(kvh, -1, d)[:, :n]  # [kvh, n, d]
+        v = vc[:, blocks].double().reshape(kvh, -1, d)[:, :n]
+        qh = qr[row].view(kvh, h // kvh, d)
+        probs = (qh @ k.transpose(1, 2) * d**-0.5).softmax(-1)
+        out[row] = (probs @ v).reshape(h, d)
+    return out
+
+
+@BF16_DOT
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("group", [1, 3, 4, 8])
+def test_bf16_dot_decode_is_close_to_its_rounded_reference(d: int, group: int) -> None:
+    """The `vdpbf16ps` path (fp32 queries over a bf16 cache): against fp64 attention with the
+    query rounded as the kernel rounds it, the only error left is the probabilities' bf16
+    rounding; odd and even lengths, one token, block edges, NaN past each row's end."""
+    lens = [1, 2, 15, 16, 17, 33, 250]
+    q, kc, vc, tables, lens_t = _bf16_case(d, group, lens, seed=group * d)
+    out = cpu_native.paged_decode_attention(q, kc, vc, tables, lens_t, d**-0.5)
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out.double(), _rounded_reference(q, kc, vc, tables, lens_t), rtol=0, atol=4e-3)
+
+
+@BF16_DOT
+def test_the_fp32_decode_path_over_a_bf16_cache_runs_where_a_path_is_forced(tmp_path: Path) -> None:
+    """$TRIOLLM_CPU_ISA (any forced path) turns the bf16 dot products off: the fp32 path, which
+    CPUs without AVX-512 BF16 run, is still tested on one that has it, to fp32's tolerance."""
+    script = tmp_path / "fp32_path.py"
+    script.write_text(
+        "from triollm.kernels import cpu_native\n"
+        "from tests.kernels.test_attention import _bf16_case, _rounded_reference\n"
+        "assert cpu_native.decode_attention_dot() == 'fp32'\n"
+        "q, kc, vc, tables, lens = _bf16_case(64, 3, [1, 17, 40, 250], seed=3)\n"
+        "out = cpu_native.paged_decode_attention(q, kc, vc, tables, lens, 0.125)\n"
+        "err = (out.double() - _rounded_reference(q, kc, vc, tables, lens, round_q=False)).abs().max()\n"
+        "assert err < 1e-5, float(err)\n"
+    )
+    root = Path(__file__).resolve().parents[2]
+    env = {
+        **os.environ,
+        "TRIOLLM_CPU_ISA": "scalar",
+        "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]),
+    }
+    proc = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300, cwd=root)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+
 @pytest.mark.skipif(not cpu_native.available(), reason="no native kernels")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("d", [64, 128])
@@ -175,8 +277,7 @@ def test_native_decode_instances_of_every_group_size(group: int, d: int, dtype: 
     from triollm.kernels.attention import decode_attention
 
     native, ref = (
-        decode_attention(q, kc, vc, plan_decode(tables, lens, bs, "cpu", native=n), d**-0.5)
-        for n in (True, False)
+        decode_attention(q, kc, vc, plan_decode(tables, lens, bs, "cpu", native=n), d**-0.5) for n in (True, False)
     )
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(native.float(), ref.float(), rtol=tol, atol=tol)
