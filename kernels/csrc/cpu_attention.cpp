@@ -56,6 +56,10 @@
 
 namespace triollm_cpu {
 
+// A row's context is attended in parts of this many blocks, merged after (decode, below).
+constexpr int64_t kPartBlocks = 32;
+constexpr int64_t kMaxParts = 64;  // the merge's weights' initial room (more grows it)
+
 // The running max starts here rather than at -inf: the kernel is built with -ffast-math (for
 // vectorised exp), which assumes finite values. exp(kNegBig - m) underflows to 0 as exp(-inf).
 constexpr float kNegBig = -1e30f;
@@ -225,6 +229,17 @@ inline float normaliser(float m, float l, const float* sink) {
   return rel / (l * rel + std::exp(*sink - mx));
 }
 
+// A pair's output value i: into the output row (rounded to T), or, for one part of a split row
+// (`part`, see decode), into that part's fp32 buffer.
+template <typename T>
+inline void emit(T* orow, float* part, int64_t i, float v) {
+  if (part != nullptr) {
+    part[i] = v;
+  } else {
+    orow[i] = store_f<T>(v);
+  }
+}
+
 // One (sequence, kv head) pair: its GQA group of G query heads over the sequence's blocks.
 // BS (block size) and D (head dim) are template parameters where they are common (16 x 64,
 // 16 x 128): the block's scores and the group's partial P.V then live in registers (fixed-size
@@ -236,7 +251,7 @@ void decode_pair(const T* qrow, const K* kp, const K* vp, const int32_t* table, 
                  int64_t start, int64_t G, int64_t NB, int64_t h, int64_t rt_bs, int64_t rt_d,
                  float fscale, float cap, const float* sink, const Scales& sc, float* qf,
                  float* acc, float* kbuf,
-                 float* vbuf, float* s, float* m, float* l, T* orow) {
+                 float* vbuf, float* s, float* m, float* l, T* orow, float* part, float* lse) {
   const int64_t BS = kBS ? kBS : rt_bs;
   const int64_t D = kD ? kD : rt_d;
   for (int64_t j = 0; j < G * D; ++j) qf[j] = load_f(qrow[j]) * fscale;
@@ -331,7 +346,8 @@ void decode_pair(const T* qrow, const K* kp, const K* vp, const int32_t* table, 
   }
   for (int64_t g = 0; g < G; ++g) {
     const float inv = sc.v_layer * normaliser(m[g], l[g], sink ? sink + g : nullptr);
-    for (int64_t d = 0; d < D; ++d) orow[g * D + d] = store_f<T>(acc[g * D + d] * inv);
+    if (part != nullptr) lse[g] = m[g] + std::log(l[g]);
+    for (int64_t d = 0; d < D; ++d) emit(orow, part, g * D + d, acc[g * D + d] * inv);
   }
 }
 
@@ -344,7 +360,7 @@ void decode_pair_group(const T* qrow, const K* kp, const K* vp, const int32_t* t
                        int64_t start, int64_t, int64_t NB, int64_t h, int64_t, int64_t,
                        float fscale, float, const float* sink, const Scales& sc, float*, float*,
                        float*, float*,
-                       float*, float*, float*, T* orow) {
+                       float*, float*, float*, T* orow, float* part, float* lse) {
   constexpr int kBS = 16;
   float qf[kG][kD];
   for (int g = 0; g < kG; ++g)
@@ -428,7 +444,8 @@ void decode_pair_group(const T* qrow, const K* kp, const K* vp, const int32_t* t
   }
   for (int g = 0; g < kG; ++g) {
     const float inv = sc.v_layer * normaliser(m[g], l[g], sink ? sink + g : nullptr);
-    for (int d = 0; d < kD; ++d) orow[g * kD + d] = store_f<T>(acc[g][d] * inv);
+    if (part != nullptr) lse[g] = m[g] + std::log(l[g]);
+    for (int d = 0; d < kD; ++d) emit(orow, part, g * kD + d, acc[g][d] * inv);
   }
 }
 
@@ -469,7 +486,7 @@ template <typename T, int kD, int kG>
 void decode_pair_group_bf16(const T* qrow, const c10::BFloat16* kp, const c10::BFloat16* vp, const int32_t* table,
                             int64_t n, int64_t start, int64_t, int64_t NB, int64_t h, int64_t, int64_t,
                             float fscale, float, const float* sink, const Scales& sc, float*, float*, float*,
-                            float*, float*, float*, float*, T* orow) {
+                            float*, float*, float*, float*, T* orow, float* part, float* lse) {
   constexpr int kBS = 16, kC = kD / 32;  // kC: 32-wide chunks of head_dim per V row
   static_assert(kD % 32 == 0, "head_dim a multiple of 32");
   alignas(64) float qf[kG][kD];
@@ -539,14 +556,15 @@ void decode_pair_group_bf16(const T* qrow, const c10::BFloat16* kp, const c10::B
   // and of `hi` 32c + 8L + 4..7.
   for (int g = 0; g < kG; ++g) {
     const float inv = sc.v_layer * normaliser(m[g], l[g], sink ? sink + g : nullptr);
+    if (part != nullptr) lse[g] = m[g] + std::log(l[g]);
     for (int c = 0; c < kC; ++c) {
       alignas(64) float a[16], b[16];
       _mm512_store_ps(a, _mm512_mul_ps(lo[g][c], _mm512_set1_ps(inv)));
       _mm512_store_ps(b, _mm512_mul_ps(hi[g][c], _mm512_set1_ps(inv)));
       for (int L = 0; L < 4; ++L)
         for (int i = 0; i < 4; ++i) {
-          orow[g * kD + 32 * c + 8 * L + i] = store_f<T>(a[4 * L + i]);
-          orow[g * kD + 32 * c + 8 * L + 4 + i] = store_f<T>(b[4 * L + i]);
+          emit(orow, part, g * kD + 32 * c + 8 * L + i, a[4 * L + i]);
+          emit(orow, part, g * kD + 32 * c + 8 * L + 4 + i, b[4 * L + i]);
         }
     }
   }
@@ -642,26 +660,79 @@ void decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
     if (BS == 16 && D == 128) pair = group_instance<T, K, 128>(G);
   }
 
-  // Small batches run on the calling thread: a pool wake-up costs more than the work.
   auto first = [&](int64_t n) {  // the first position a row of length n attends
     int64_t start = window > 0 ? std::max<int64_t>(0, n - window) : 0;
     if (chunk > 0) start = std::max<int64_t>(start, (n - 1) / chunk * chunk);
     return start;
   };
-  int64_t total_tokens = 0;
-  for (int64_t b = 0; b < B; ++b) total_tokens += lens[b] - first(lens[b]);
-  const int64_t grain = total_tokens * KVH * D < (1 << 16) ? B * KVH : 1;
-
-  at::parallel_for(0, B * KVH, grain, [&](int64_t begin, int64_t end) {
+  // A long row is cut into parts of kPartBlocks blocks, each part its own task, merged after by
+  // the parts' log-sum-exps (flash decoding's split): at batch 1 a model with 2-8 kv heads has
+  // only that many (row, kv head) pairs to spread over the threads, and one pair's 8k-token
+  // context is all the work. The cut depends on the row's own length only, never on the batch
+  // or the thread count, so a row's bits stay the same in any batch (kernels/batch_invariant.py);
+  // a row within one part runs exactly as before, normalised in place.
+  struct Task {
+    int64_t b, h, lo, hi, slot;  // positions [lo, hi); slot: the part's buffer, -1 for a whole row
+  };
+  std::vector<Task> tasks;
+  tasks.reserve(B * KVH);
+  std::vector<int64_t> row_slot(B, -1), row_parts(B, 1);
+  int64_t slots = 0, total_tokens = 0;
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t n = lens[b], start = first(n), fb = start / BS;
+    total_tokens += n - start;
+    const int64_t parts = ((n - 1) / BS - fb) / kPartBlocks + 1;
+    if (parts == 1) {
+      for (int64_t h = 0; h < KVH; ++h) tasks.push_back({b, h, start, n, -1});
+      continue;
+    }
+    row_slot[b] = slots, row_parts[b] = parts;
+    for (int64_t h = 0; h < KVH; ++h)
+      for (int64_t p = 0; p < parts; ++p)
+        tasks.push_back({b, h, p == 0 ? start : (fb + p * kPartBlocks) * BS,
+                         std::min(n, (fb + (p + 1) * kPartBlocks) * BS), slots + h * parts + p});
+    slots += KVH * parts;
+  }
+  std::vector<float> part(slots * G * D), lse(slots * G);
+  const int64_t T_ = static_cast<int64_t>(tasks.size());
+  // Small batches run on the calling thread: a pool wake-up costs more than the work.
+  const int64_t grain = total_tokens * KVH * D < (1 << 16) ? T_ : 1;
+  at::parallel_for(0, T_, grain, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(G * D), acc(G * D), kbuf(D * BS), vbuf(BS * D), s(G * BS);
     std::vector<float> m(G), l(G);
     for (int64_t i = begin; i < end; ++i) {
+      const Task& t = tasks[i];
+      const bool whole = t.slot < 0;
+      pair(qp + (t.b * H + t.h * G) * D, kp, vp, tables + t.b * M, t.hi, t.lo, G, NB, t.h, BS, D, fscale, cap,
+           whole && sinks ? sinks + t.h * G : nullptr, sc, qf.data(), acc.data(), kbuf.data(), vbuf.data(), s.data(),
+           m.data(), l.data(), op + (t.b * H + t.h * G) * D, whole ? nullptr : part.data() + t.slot * G * D,
+           whole ? nullptr : lse.data() + t.slot * G);
+    }
+  });
+  if (slots == 0) return;
+  // The merge, parts in order: out = sum_p w_p part_p, w_p = exp(lse_p - mx) / (sum_p exp(lse_p -
+  // mx) [+ exp(sink - mx)]), mx the largest of them (a sink joins the denominator once, here).
+  at::parallel_for(0, B * KVH, slots * G * D < (1 << 16) ? B * KVH : 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> w(kMaxParts);
+    for (int64_t i = begin; i < end; ++i) {
       const int64_t b = i / KVH, h = i % KVH;
-      const int64_t start = first(lens[b]);
-      pair(qp + (b * H + h * G) * D, kp, vp, tables + b * M, lens[b], start, G, NB, h, BS, D,
-           fscale, cap, sinks ? sinks + h * G : nullptr, sc, qf.data(), acc.data(), kbuf.data(),
-           vbuf.data(), s.data(), m.data(),
-           l.data(), op + (b * H + h * G) * D);
+      if (row_slot[b] < 0) continue;
+      const int64_t parts = row_parts[b], base = row_slot[b] + h * parts;
+      w.resize(parts);
+      for (int64_t g = 0; g < G; ++g) {
+        const float* sink = sinks ? sinks + h * G + g : nullptr;
+        float mx = sink ? *sink : kNegBig;
+        for (int64_t p = 0; p < parts; ++p) mx = std::max(mx, lse[(base + p) * G + g]);
+        float den = sink ? std::exp(*sink - mx) : 0.f;
+        for (int64_t p = 0; p < parts; ++p) den += w[p] = std::exp(lse[(base + p) * G + g] - mx);
+        for (int64_t p = 0; p < parts; ++p) w[p] /= den;
+        T* orow = op + (b * H + h * G + g) * D;
+        for (int64_t d = 0; d < D; ++d) {
+          float v = 0.f;
+          for (int64_t p = 0; p < parts; ++p) v += w[p] * part[((base + p) * G + g) * D + d];
+          orow[d] = store_f<T>(v);
+        }
+      }
     }
   });
 }

@@ -369,3 +369,57 @@ def test_two_checkouts_sharing_a_venv_build_apart(monkeypatch: pytest.MonkeyPatc
     here = cpu_native._machine_tag()
     monkeypatch.setattr(cpu_native, "__file__", "/elsewhere/triollm/kernels/cpu_native.py")
     assert cpu_native._machine_tag() != here
+
+
+def _long_rows(lens: list[int], d: int, group: int, cache_dtype: torch.dtype, seed: int) -> tuple[torch.Tensor, ...]:
+    g = torch.Generator().manual_seed(seed)
+    kvh, bs = 2, 16
+    need = [-(-n // bs) for n in lens]
+    nb = sum(need) + 1
+    kc = torch.randn(kvh, nb, d, bs, generator=g).to(cache_dtype)
+    vc = torch.randn(kvh, nb, bs, d, generator=g).to(cache_dtype)
+    perm = torch.randperm(nb, generator=g).tolist()
+    tables, used = [], 0
+    for m in need:
+        tables.append(perm[used : used + m])
+        used += m
+    q = torch.randn(len(lens), kvh * group, d, generator=g)
+    return q, kc, vc, tables
+
+
+@pytest.mark.skipif(not cpu_native.available(), reason="no native kernels")
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize(
+    ("window", "chunk", "sinks"), [(None, None, False), (700, None, True), (None, 600, False), (None, None, True)]
+)
+def test_native_decode_of_long_rows_in_parts(
+    cache_dtype: torch.dtype, window: int | None, chunk: int | None, sinks: bool
+) -> None:
+    """Rows longer than one part (32 blocks) are attended part by part and merged by log-sum-exp:
+    against the torch path with windows, chunks and sinks across part edges; the same bits alone
+    as in a batch and on one thread as on two (the cut follows the row's own length only)."""
+    lens = [1100, 513, 512, 40, 1, 2049]
+    d, group = 64, 3
+    q, kc, vc, tables = _long_rows(lens, d, group, cache_dtype, seed=len(lens))
+    sink = torch.randn(q.shape[1], generator=torch.Generator().manual_seed(9)) if sinks else None
+    kw = {"window": window, "chunk": chunk, "sinks": sink}
+    from triollm.kernels.attention import decode_attention
+
+    native, ref = (
+        decode_attention(q, kc, vc, plan_decode(tables, lens, 16, "cpu", native=n), d**-0.5, **kw)
+        for n in (True, False)
+    )
+    tol = _decode_tolerance(torch.float32, cache_dtype, 16, d)
+    torch.testing.assert_close(native, ref, rtol=tol, atol=tol)
+    for row in (0, 5):
+        alone = decode_attention(
+            q[row : row + 1], kc, vc, plan_decode([tables[row]], [lens[row]], 16, "cpu", native=True), d**-0.5, **kw
+        )
+        assert torch.equal(alone, native[row : row + 1])
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = decode_attention(q, kc, vc, plan_decode(tables, lens, 16, "cpu", native=True), d**-0.5, **kw)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, native)
