@@ -351,6 +351,27 @@ void decode_pair(const T* qrow, const K* kp, const K* vp, const int32_t* table, 
   }
 }
 
+// One block's 16 scores of one query head, in place: positions past `cnt` and before `skip`
+// masked, then exponentiated relative to the new running max (m, l updated); returns the factor
+// the head's accumulated P.V takes for the new max.
+inline float softmax_block16(float* s, int64_t cnt, int64_t skip, float& m, float& l) {
+  constexpr int kBS = 16;
+  for (int64_t t = cnt; t < kBS; ++t) s[t] = kNegBig;  // past the sequence's end
+  for (int64_t t = 0; t < skip; ++t) s[t] = kNegBig;  // before the window
+  float mx = m;
+  for (int t = 0; t < kBS; ++t) mx = std::max(mx, s[t]);
+  float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+  for (int t = 0; t < kBS; ++t) {
+    s[t] = std::exp(s[t] - mx);
+    sum += s[t];
+  }
+  const float corr = std::exp(m - mx);
+  l = l * corr + sum;
+  m = mx;
+  return corr;
+}
+
 // The common shapes with the GQA group size also fixed (kG query heads per kv head): the
 // group's scores (kG x 16) and outputs (kG x kD) stay in registers, and each K and V row is
 // widened once, in registers, for the whole group (no fp32 copy of the block; a quantized
@@ -410,19 +431,7 @@ void decode_pair_group(const T* qrow, const K* kp, const K* vp, const int32_t* t
     }
     float corr[kG];
     for (int g = 0; g < kG; ++g) {
-      for (int t = cnt; t < kBS; ++t) s[g][t] = kNegBig;  // past the sequence's end
-      for (int64_t t = 0; t < start - blk * kBS; ++t) s[g][t] = kNegBig;  // before the window
-      float mx = m[g];
-      for (int t = 0; t < kBS; ++t) mx = std::max(mx, s[g][t]);
-      float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-      for (int t = 0; t < kBS; ++t) {
-        s[g][t] = std::exp(s[g][t] - mx);
-        sum += s[g][t];
-      }
-      corr[g] = std::exp(m[g] - mx);
-      l[g] = l[g] * corr[g] + sum;
-      m[g] = mx;
+      corr[g] = softmax_block16(s[g], cnt, start - blk * kBS, m[g], l[g]);
 #pragma omp simd
       for (int d = 0; d < kD; ++d) acc[g][d] *= corr[g];
     }
@@ -520,20 +529,7 @@ void decode_pair_group_bf16(const T* qrow, const c10::BFloat16* kp, const c10::B
     for (int g = 0; g < kG; ++g) _mm512_store_ps(s[g], _mm512_mul_ps(sv[g], _mm512_set1_ps(fscale)));
     alignas(64) uint32_t pp[kG][kBS / 2];
     for (int g = 0; g < kG; ++g) {
-      for (int t = cnt; t < kBS; ++t) s[g][t] = kNegBig;  // past the sequence's end
-      for (int64_t t = 0; t < start - blk * kBS; ++t) s[g][t] = kNegBig;  // before the window
-      float mx = m[g];
-      for (int t = 0; t < kBS; ++t) mx = std::max(mx, s[g][t]);
-      float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-      for (int t = 0; t < kBS; ++t) {
-        s[g][t] = std::exp(s[g][t] - mx);
-        sum += s[g][t];
-      }
-      const float corr = std::exp(m[g] - mx);
-      l[g] = l[g] * corr + sum;
-      m[g] = mx;
-      const __m512 cv = _mm512_set1_ps(corr);
+      const __m512 cv = _mm512_set1_ps(softmax_block16(s[g], cnt, start - blk * kBS, m[g], l[g]));
       for (int c = 0; c < kC; ++c) lo[g][c] = _mm512_mul_ps(lo[g][c], cv), hi[g][c] = _mm512_mul_ps(hi[g][c], cv);
       _mm256_store_si256(reinterpret_cast<__m256i*>(pp[g]), (__m256i)_mm512_cvtneps_pbh(_mm512_load_ps(s[g])));
     }
