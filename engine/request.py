@@ -47,9 +47,11 @@ class ImageFeature(msgspec.Struct, array_like=True, gc=False):
     length: int  # how many positions
     digest: bytes  # sha256 of shape and pixels: keys the encoder's work and the prefix cache
     pixels: bytes  # float32, C order
-    shape: list[int]  # [channels, height, width]
+    shape: list[int]  # [channels, height, width]; Qwen2-VL: [patches, channels * patch volume]
     # Whether its positions attend to each other both ways (Gemma 3): prefill never cuts it.
     bidirectional: bool = False
+    # Qwen2-VL: the patch grid (temporal, height, width) the tower and the M-RoPE positions read.
+    grid: list[int] = []
 
 
 class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):

@@ -22,6 +22,15 @@ feeds its last position, so chunked prefill may cut through an image anywhere, e
 the image's positions attend to each other both ways (Gemma 3: the scheduler keeps such an image
 in one chunk, and its span goes on the prefill plan for the attention mask).
 
+M-RoPE (Qwen2-VL, Qwen2.5-VL; engine/execution/mrope.py): a step that feeds any request with
+images rotates by 3-D positions (`AttentionMetadata.mrope_positions`, one column per row, in the
+batch's row order): the request's prompt positions, built once from its images' grids and kept
+on the request with its delta, and index + delta past the prompt. A chunk is a slice of them, so
+chunked prefill may cut through an image as for LLaVA (the decoder attends causally over image
+positions), and a recomputed request reads the same table. Such a step never replays a CUDA
+graph (the graphs rotate by the plain positions). Steps without images pass no 3-D positions:
+three equal components are plain RoPE.
+
 LoRA (lora/): with a `LoRAManager`, the core has put every scheduled adapter in a slot before
 `execute`; the runner lists each adapted request's rows by slot (`StepInputs.lora_segments`,
 which the other ranks receive too, with any slots just filled) and sets the model's
@@ -50,7 +59,9 @@ from triollm.engine.execution.layers.moe import FusedMoE
 from triollm.engine.execution.layers.quantized import QuantEmbedding, QuantLinear
 from triollm.engine.execution.layers.recurrent import StatePool, StateRows
 from triollm.engine.execution.models.base import CausalLM
+from triollm.engine.execution.mrope import mrope_positions, mrope_rows
 from triollm.engine.execution.sampler import Sampler, SamplingRow, gather_logprobs
+from triollm.engine.loading.model_config import ModelConfig
 from triollm.engine.request import Logprobs, RunnerOutput
 from triollm.engine.scheduling.request_state import Request
 from triollm.engine.scheduling.scheduler import ScheduledRequest
@@ -91,6 +102,10 @@ class ModelRunner:
         if self.device.type == "cpu":
             cpu_native.available()  # build or load the native kernels now, not in the first step
         self.batch_invariant = envs.batch_invariant()
+        cfg = getattr(model, "cfg", None)
+        mm = cfg.multimodal if isinstance(cfg, ModelConfig) else None
+        # An M-RoPE model's spatial merge (its images' grids over merge**2 are their positions); 0: none.
+        self.mrope_merge = mm.spatial_merge if mm is not None and mm.mrope_section else 0
         self._tile_logits = False  # a dense lm_head: compute_logits over fixed row tiles
         if self.batch_invariant:
             self._make_batch_invariant()
@@ -152,6 +167,9 @@ class ModelRunner:
         rows = len(inputs.decode_lens)
         # A one-token prompt chunk runs as a decode row: it may still feed an image position.
         image_decodes = self.vision is not None and _feeds_images(decodes)
+        mrope = self.mrope_merge > 0 and any(s.request.images for s in order)
+        if mrope and any(s.request.images for s in decodes):
+            image_decodes = True  # their positions are M-RoPE's (module note): no graph replay
         if (
             graphs is not None and not prefills and not inputs.lora_segments and not image_decodes
             and graphs.size_for(rows) is not None
@@ -161,6 +179,8 @@ class ModelRunner:
             )
         else:
             input_ids, positions, meta = self._tensors(inputs)
+            if mrope:
+                meta.mrope_positions = self._mrope_positions(order).to(self.device)
             if self.states is not None:
                 meta.state_rows = self._state_rows(decodes, prefills)
             images = None
@@ -253,6 +273,19 @@ class ModelRunner:
         if not rows_at:
             return None
         return torch.cat(rows_at).to(self.device), torch.cat(values)
+
+    def _mrope_positions(self, order: list[ScheduledRequest]) -> torch.Tensor:
+        """`[3, rows]`: each request's rows' M-RoPE positions, in batch order (module note)."""
+        columns: list[torch.Tensor] = []
+        for s in order:
+            req, c, n = s.request, s.num_computed_tokens, s.num_new_tokens
+            if not req.images:
+                columns.append(torch.arange(c, c + n).expand(3, -1))
+                continue
+            if req.mrope is None:
+                req.mrope = mrope_positions(req.num_prompt_tokens, req.images, self.mrope_merge)
+            columns.append(mrope_rows(*req.mrope, c, n))
+        return torch.cat(columns, dim=1)
 
     @torch.inference_mode()
     def follow(self, inputs: StepInputs) -> None:
@@ -363,9 +396,7 @@ class ModelRunner:
         meta.positions = positions
         return input_ids, positions, meta
 
-    def _prompt_logprobs(
-        self, hidden: torch.Tensor, start: int, s: ScheduledRequest, k: int
-    ) -> Logprobs | None:
+    def _prompt_logprobs(self, hidden: torch.Tensor, start: int, s: ScheduledRequest, k: int) -> Logprobs | None:
         """Rows for the prompt tokens predicted by this chunk's positions."""
         req = s.request
         c = s.num_computed_tokens

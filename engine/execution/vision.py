@@ -11,6 +11,13 @@ pooling to `mm_tokens_per_image` rows, a soft-embedding norm, a projection), as
 `Gemma3Model.get_image_features`. Its features are not multiplied by the text embedding's
 sqrt(hidden) scale (transformers scatters them over the scaled embeddings).
 
+Qwen2-VL / Qwen2.5-VL (`Qwen2VLForConditionalGeneration`, `Qwen2_5_VLForConditionalGeneration`):
+transformers' `Qwen2VisionTransformerPretrainedModel` / `Qwen2_5_VisionTransformerPretrainedModel`
+(Qwen2.5-VL's windowed attention included), built from the checkpoint's `vision_config`, with its
+patch merger; it takes the processor's flattened patches of every image of the call in one
+tensor and their `image_grid_thw`, and its merged rows split per image by grid (each image's
+attention stays within it), as `Qwen2VLModel.get_image_features`.
+
 The decoder stays triollm's: the model runner scatters these rows over the token embeddings at the
 image's placeholder positions (engine/execution/model_runner.py).
 
@@ -33,7 +40,7 @@ from triollm.engine.loading.model_config import ModelConfig
 from triollm.engine.loading.transformers_config import import_transformers
 from triollm.engine.request import ImageFeature
 
-__all__ = ["VisionEncoder", "load_vision_encoder"]
+__all__ = ["GridVisionEncoder", "VisionEncoder", "load_vision_encoder"]
 
 
 class VisionEncoder(nn.Module):
@@ -68,10 +75,38 @@ class VisionEncoder(nn.Module):
         return list(features)
 
 
+class GridVisionEncoder(VisionEncoder):
+    """Qwen2-VL's tower (its merger inside): images of any patch grid (module note)."""
+
+    def __init__(self, tower: nn.Module, merge: int) -> None:
+        super().__init__(tower, nn.Identity(), None, False)
+        self.merge = merge
+
+    @torch.inference_mode()
+    def encode(self, images: list[ImageFeature]) -> list[torch.Tensor]:
+        param = next(self.tower.parameters())
+        pixels = torch.cat(
+            [torch.frombuffer(bytearray(f.pixels), dtype=torch.float32).view(f.shape) for f in images]
+        ).to(param.device, param.dtype)
+        grid = torch.tensor([f.grid for f in images], dtype=torch.long, device=param.device)
+        merged = self.tower(pixels, grid_thw=grid, return_dict=True).pooler_output
+        sizes = [t * h * w // self.merge**2 for t, h, w in (f.grid for f in images)]
+        self.num_runs += len(images)
+        if merged.shape[0] != sum(sizes):
+            raise ValueError(f"multi_modal_data: the tower gave {merged.shape[0]} features for {sum(sizes)} positions")
+        for f, n in zip(images, sizes):
+            if n != f.length:
+                raise ValueError(f"multi_modal_data: the image gives {n} features for {f.length} positions")
+        return list(torch.split(merged, sizes))
+
+
 def load_vision_encoder(cfg: ModelConfig, device: str | torch.device) -> VisionEncoder:
     hf = json.loads((cfg.path / "config.json").read_text())
-    if cfg.multimodal is not None and cfg.multimodal.architecture == "Gemma3ForConditionalGeneration":
+    arch = None if cfg.multimodal is None else cfg.multimodal.architecture
+    if arch == "Gemma3ForConditionalGeneration":
         encoder = _gemma3_encoder(cfg, hf)
+    elif arch in ("Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration"):
+        encoder = _qwen_vl_encoder(cfg, hf, arch)
     else:
         encoder = _llava_encoder(cfg, hf)
     return encoder.to(device=device, dtype=cfg.dtype).eval().requires_grad_(False)
@@ -95,6 +130,23 @@ def _gemma3_encoder(cfg: ModelConfig, hf: dict[str, Any]) -> VisionEncoder:
     _load(tower, cfg.path, ("vision_tower.", "model.vision_tower."))
     _load(projector, cfg.path, ("multi_modal_projector.", "model.multi_modal_projector."))
     return VisionEncoder(tower, projector, None, False)
+
+
+def _qwen_vl_encoder(cfg: ModelConfig, hf: dict[str, Any], arch: str) -> VisionEncoder:
+    transformers = import_transformers()
+    from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VisionTransformerPretrainedModel
+    from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VisionTransformerPretrainedModel
+
+    tower: nn.Module
+    if arch == "Qwen2VLForConditionalGeneration":
+        vision = transformers.Qwen2VLConfig.from_dict(hf).vision_config
+        tower = Qwen2VisionTransformerPretrainedModel._from_config(vision)
+    else:
+        vision = transformers.Qwen2_5_VLConfig.from_dict(hf).vision_config
+        tower = Qwen2_5_VisionTransformerPretrainedModel._from_config(vision)
+    # The checkpoint keeps the tower under `visual.` (transformers 4.5x in memory: `model.visual.`).
+    _load(tower, cfg.path, ("visual.", "model.visual."))
+    return GridVisionEncoder(tower, vision.spatial_merge_size)
 
 
 def _llava_encoder(cfg: ModelConfig, hf: dict[str, Any]) -> VisionEncoder:

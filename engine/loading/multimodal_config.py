@@ -23,6 +23,14 @@ Which images a wrapper takes, and how a prompt's placeholder expands:
   does to "\n\n", `<start_of_image>`, `mm_tokens_per_image` x `<image_soft_token>`
   (`image_token_index`, the positions the features fill), `<end_of_image>`, "\n\n"; the
   positions of one image attend to each other both ways (`bidirectional`: kernels/attention.py).
+- Qwen2-VL / Qwen2.5-VL: a ViT over dynamic-resolution patches with its patch merger
+  (`spatial_merge_size`); the prompt holds `<|vision_start|><|image_pad|><|vision_end|>` per
+  image and the one `<|image_pad|>` (`image_token_id`) expands to grid_t * grid_h * grid_w /
+  merge**2 positions, as Qwen2VLProcessor does: the count differs per image
+  (`tokens_per_image` is 0). The decoder is Qwen2's with M-RoPE: `rope_scaling.mrope_section`
+  (`mrope_section`) splits the rotary half-dims into (temporal, height, width) sections, which
+  the engine rotates by 3-D positions (engine/execution/mrope.py). A shipped Qwen2-VL config
+  keeps the text fields at the top level (no `text_config`); transformers 5 writes both.
 
 Rejected: reading the text config through transformers' config classes (transformers is not a
 runtime dependency of text models); running the wrapper through the Transformers backend (it
@@ -72,6 +80,27 @@ _GEMMA3_TEXT = {
     "pad_token_id": 0,
 }
 
+# transformers' Qwen2VLTextConfig defaults (Qwen2.5-VL's agree on these keys).
+_QWEN2_VL_TEXT = {
+    "model_type": "qwen2",
+    "vocab_size": 152064,
+    "hidden_size": 8192,
+    "intermediate_size": 29568,
+    "num_hidden_layers": 80,
+    "num_attention_heads": 64,
+    "num_key_value_heads": 8,
+    "max_position_embeddings": 32768,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 1000000.0,
+    "use_sliding_window": False,
+}
+_QWEN_VL = ("Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration")
+# The text config's model_type each Qwen wrapper writes (read as Qwen2's).
+_QWEN_TEXT_TYPES = {
+    "Qwen2VLForConditionalGeneration": "qwen2_vl_text",
+    "Qwen2_5_VLForConditionalGeneration": "qwen2_5_vl_text",
+}
+
 
 @dataclass(frozen=True)
 class _Wrapper:
@@ -84,9 +113,11 @@ class _Wrapper:
 _WRAPPERS = {
     "Gemma3ForConditionalGeneration": _Wrapper("Gemma3ForCausalLM", _GEMMA3_TEXT, True, False),
     "LlavaForConditionalGeneration": _Wrapper("LlamaForCausalLM", _LLAMA_TEXT, False, False),
+    "Qwen2VLForConditionalGeneration": _Wrapper("Qwen2ForCausalLM", _QWEN2_VL_TEXT, False, False),
+    "Qwen2_5_VLForConditionalGeneration": _Wrapper("Qwen2ForCausalLM", _QWEN2_VL_TEXT, False, False),
 }
 # The wrappers whose images the engine computes (engine/execution/vision.py).
-IMAGE_ARCHITECTURES = ("Gemma3ForConditionalGeneration", "LlavaForConditionalGeneration")
+IMAGE_ARCHITECTURES = ("Gemma3ForConditionalGeneration", "LlavaForConditionalGeneration", *_QWEN_VL)
 MULTIMODAL_ARCHITECTURES = tuple(_WRAPPERS)
 # Top-level fields of the wrapper that are the decoder's too.
 _SHARED = ("dtype", "torch_dtype", "eos_token_id", "bos_token_id", "pad_token_id")
@@ -111,6 +142,13 @@ class MultimodalSpec:
     blank_lines: bool = False
     # Why a wrapper that takes images serves text only here (`without_images`); "" otherwise.
     text_only_why: str = ""
+    # Qwen2-VL: the vision tower's `spatial_merge_size` (an image's positions are its patch grid
+    # over merge**2; 0: a fixed `tokens_per_image`), the M-RoPE sections of the rotary half-dims
+    # (temporal, height, width), and the tokens a chat image part renders around the placeholder.
+    spatial_merge: int = 0
+    mrope_section: tuple[int, ...] = ()
+    chat_begin_id: int = -1
+    chat_end_id: int = -1
 
     def without_images(self, why: str) -> MultimodalSpec:
         """This spec serving text only, image requests refused with `why`."""
@@ -143,21 +181,67 @@ def split_multimodal(hf: Mapping[str, Any]) -> tuple[dict[str, Any], MultimodalS
     if not isinstance(text, Mapping):
         raise ValueError(f"text_config: expected a JSON object, got {text!r}")
     expected = wrapper.text_defaults["model_type"]
+    mrope: tuple[int, ...] = ()
+    if arch in _QWEN_VL:
+        text, mrope = _qwen_text(arch, hf, text)
+        expected = _QWEN_TEXT_TYPES[arch]
     if text.get("model_type", expected) != expected:
         raise ValueError(f"text_config.model_type: {arch} needs {expected!r}, got {text.get('model_type')!r}")
     merged: dict[str, Any] = {**wrapper.text_defaults, **text}
+    if arch in _QWEN_VL:
+        merged["model_type"] = "qwen2"
     merged |= {key: hf[key] for key in _SHARED if key in hf}
     merged["architectures"] = [wrapper.text_architecture]
     merged["tie_word_embeddings"] = hf.get("tie_word_embeddings", wrapper.tie_default)
     if not wrapper.final_softcap:
         merged["final_logit_softcapping"] = None
-    return merged, _spec(arch, hf, merged)
+    spec = _spec(arch, hf, merged)
+    return merged, replace(spec, mrope_section=mrope) if mrope else spec
+
+
+def _qwen_text(arch: str, hf: Mapping[str, Any], text: Mapping[str, Any]) -> tuple[dict[str, Any], tuple[int, ...]]:
+    """(Qwen2-VL's text config with its RoPE dict read as a plain one, its `mrope_section`). A
+    shipped config keeps the text fields at the top level; 4.x's `{"type": "mrope"}` is the
+    default RoPE with sections (transformers reads it so)."""
+    out = dict(text) if text else {k: v for k, v in hf.items() if k not in ("vision_config", "text_config")}
+    out.pop("architectures", None)
+    if not text:
+        out["model_type"] = _QWEN_TEXT_TYPES[arch]
+    field = "rope_scaling" if isinstance(out.get("rope_scaling"), Mapping) else "rope_parameters"
+    rope = dict(out.get(field) or {})
+    section = rope.pop("mrope_section", None)
+    if rope.get("type") == "mrope" or rope.get("rope_type") == "mrope":
+        rope.pop("type", None)
+        rope["rope_type"] = "default"
+    if rope or field in out:
+        out[field] = rope
+    if section is None:
+        return out, ()
+    if not (
+        isinstance(section, list) and len(section) == 3
+        and all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in section)
+    ):  # fmt: skip
+        raise ValueError(
+            f"{field}.mrope_section: expected 3 positive integers (temporal, height, width), got {section!r}"
+        )
+    return out, tuple(section)
 
 
 def _spec(arch: str, hf: Mapping[str, Any], text: Mapping[str, Any]) -> MultimodalSpec:
     vision = hf.get("vision_config", {})
     if not isinstance(vision, Mapping):
         raise ValueError(f"vision_config: expected a JSON object, got {vision!r}")
+    if arch in _QWEN_VL:
+        token = _index(hf, "image_token_id", 151655)
+        start, end = _index(hf, "vision_start_token_id", 151652), _index(hf, "vision_end_token_id", 151653)
+        merge = _index(vision, "spatial_merge_size", 2)
+        if merge == 0:
+            raise ValueError("vision_config.spatial_merge_size: must be positive, got 0")
+        _in_vocab(text, image_token_id=token, vision_start_token_id=start, vision_end_token_id=end)
+        return MultimodalSpec(
+            architecture=arch, image_token_id=token, tokens_per_image=0, takes_images=True, spatial_merge=merge,
+            chat_begin_id=start, chat_end_id=end,
+        )  # fmt: skip
     if arch == "Gemma3ForConditionalGeneration":
         token, per_image = _index(hf, "image_token_index", 262144), _index(hf, "mm_tokens_per_image", 256)
         boi, eoi = _index(hf, "boi_token_index", 255999), _index(hf, "eoi_token_index", 256000)
@@ -209,7 +293,10 @@ _DECODER_PREFIXES = {
     "language_model.lm_head.": "lm_head.",
     "model.language_model.": "model.",
 }
-_VISION_PREFIXES = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")
+_VISION_PREFIXES = (
+    "vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.",
+    "visual.", "model.visual.",  # Qwen2-VL's tower and merger
+)  # fmt: skip
 
 
 def decoder_tensor_name(name: str) -> str | None:

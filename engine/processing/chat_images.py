@@ -4,7 +4,8 @@ image placeholder text.
 `take_images(messages, ...)` walks every message's content parts in order. An image part
 (OpenAI's `{"type": "image_url", "image_url": {"url": ...}}`, or vLLM's `{"type": "image_pil",
 "image_pil": PIL.Image}` for `LLM.chat`) becomes a text part holding the placeholder (LLaVA's
-`<image>`, Gemma 3's `<start_of_image>`), so the chat template, which sees text, renders it
+`<image>`, Gemma 3's `<start_of_image>`, Qwen2-VL's `<|vision_start|><|image_pad|><|vision_end|>`
+as its own template renders an image part), so the chat template, which sees text, renders it
 where the image was; the images come back in the same order, ready for the prompt's
 `multi_modal_data`. Parts are counted against the per-prompt limit before any is decoded, so
 fifty images cost fifty dictionary lookups, not fifty decodes.
@@ -53,10 +54,14 @@ def image_placeholder(model_config: ModelConfig, tokenizer: Tokenizer, what: str
         mm.check_image_request()
     except ValueError as e:
         raise ValueError(f"{what}: {str(e).split(': ', 1)[1]}") from None
-    token = tokenizer.convert_ids_to_tokens(mm.prompt_token_id)
-    if token is None:
-        raise ValueError(f"{what}: the tokenizer has no token for the image placeholder id {mm.prompt_token_id}")
-    return token
+    ids = [mm.prompt_token_id]
+    if mm.chat_begin_id >= 0 and mm.chat_end_id >= 0:  # Qwen2-VL: <|vision_start|>, <|vision_end|>
+        ids = [mm.chat_begin_id, mm.prompt_token_id, mm.chat_end_id]
+    tokens = [tokenizer.convert_ids_to_tokens(i) for i in ids]
+    for i, token in zip(ids, tokens):
+        if token is None:
+            raise ValueError(f"{what}: the tokenizer has no token for the image placeholder id {i}")
+    return "".join(t for t in tokens if t is not None)
 
 
 def take_images(

@@ -7,7 +7,12 @@ that the prompt holds one placeholder token per image, and expands each placehol
 `tokens_per_image` positions the model's features fill (LLaVA's processor does the same to the
 text); Gemma 3's `<start_of_image>` becomes "\n\n", `<start_of_image>`, the image positions,
 `<end_of_image>`, "\n\n" (Gemma3Processor's `full_image_sequence`, here in token ids: the
-blank lines are the tokenizer's ids for "\n\n"). Each image becomes an `ImageFeature`
+blank lines are the tokenizer's ids for "\n\n"). Qwen2-VL's processor (Qwen2VLImageProcessor:
+dynamic resolution between its min and max pixels, `mm_processor_kwargs` may set them) gives
+each image its own patch grid: its rows of flattened patches and `image_grid_thw` go on the
+feature, and its `<|image_pad|>` expands to grid_t * grid_h * grid_w / merge**2 positions (the
+`<|vision_start|>` / `<|vision_end|>` around it are the prompt's, as Qwen2VLProcessor leaves
+them). Each image becomes an `ImageFeature`
 (engine/request.py): its positions, its pixels as float32 bytes and their sha256, which keys
 both the vision encoder's work and the prefix cache (engine/scheduling/block_manager.py), so
 equal pixels mean equal features.
@@ -72,31 +77,69 @@ class ImageInputs:
             )
         if not images:
             return list(token_ids), []
-        pixels = self._pixels(images, kwargs or {})
+        pixels, grids = self._pixels(images, kwargs or {})
         out: list[int] = []
         features: list[ImageFeature] = []
         start = 0
-        for place, one in zip(places, pixels):
+        for place, one, grid in zip(places, pixels, grids):
             out.extend(token_ids[start:place])
             out.extend(self.before)
             data = one.contiguous().numpy().tobytes()
             shape = list(one.shape)
-            digest = hashlib.sha256(repr(shape).encode() + data).digest()
-            features.append(ImageFeature(len(out), spec.tokens_per_image, digest, data, shape, spec.bidirectional))
-            out.extend([spec.image_token_id] * spec.tokens_per_image)
+            # The grid too: equal patch rows on another grid are another image.
+            digest = hashlib.sha256(repr((shape, grid)).encode() + data).digest()
+            length = grid[0] * grid[1] * grid[2] // spec.spatial_merge**2 if grid else spec.tokens_per_image
+            features.append(ImageFeature(len(out), length, digest, data, shape, spec.bidirectional, grid))
+            out.extend([spec.image_token_id] * length)
             out.extend(self.after)
             start = place + 1
         out.extend(token_ids[start:])
         return out, features
 
-    def _pixels(self, images: Sequence[Any], kwargs: Mapping[str, Any]) -> torch.Tensor:
+    def _pixels(
+        self, images: Sequence[Any], kwargs: Mapping[str, Any]
+    ) -> tuple[Sequence[torch.Tensor], list[list[int]]]:
+        """(each image's pixels, each image's patch grid: [] but for Qwen2-VL)."""
         if not isinstance(kwargs, Mapping) or not all(isinstance(k, str) for k in kwargs):
             raise ValueError(f"mm_processor_kwargs: expected a JSON object of processor options, got {kwargs!r:.80}")
+        if self.spec.spatial_merge:
+            kwargs = self._qwen_size(kwargs)
         try:
             batch = self.processor(images=list(images), return_tensors="pt", **kwargs)
         except (TypeError, ValueError) as e:
             raise ValueError(f"mm_processor_kwargs: the image processor refused them ({e})") from None
         pixels = batch["pixel_values"]
+        if self.spec.spatial_merge:
+            return self._split_patches(pixels, batch.get("image_grid_thw"), len(images))
         if not isinstance(pixels, torch.Tensor) or pixels.shape[0] != len(images):
             raise ValueError(f"mm_processor_kwargs: the image processor gave no pixel batch for {len(images)} images")
-        return pixels.float()
+        return list(pixels.float()), [[] for _ in images]
+
+    def _qwen_size(self, kwargs: Mapping[str, Any]) -> dict[str, Any]:
+        """`min_pixels` / `max_pixels` (vLLM's and Qwen's names) as the processor's `size` bounds."""
+        out = dict(kwargs)
+        bounds = {"min_pixels": "shortest_edge", "max_pixels": "longest_edge"}
+        if any(key in out for key in bounds):
+            size = dict(out.pop("size", None) or self.processor.size)
+            for key, edge in bounds.items():
+                if key in out:
+                    value = out.pop(key)
+                    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                        raise ValueError(f"mm_processor_kwargs.{key}: expected a positive integer, got {value!r}")
+                    size[edge] = value
+            out["size"] = size
+        return out
+
+    def _split_patches(self, pixels: Any, grid: Any, count: int) -> tuple[Sequence[torch.Tensor], list[list[int]]]:
+        """Qwen2-VL's batch (every image's patch rows in one tensor) cut per image by its grid."""
+        if not isinstance(pixels, torch.Tensor) or not isinstance(grid, torch.Tensor) or grid.shape != (count, 3):
+            raise ValueError(f"mm_processor_kwargs: the image processor gave no patch grids for {count} images")
+        grids = [[int(v) for v in row] for row in grid.tolist()]
+        sizes = [t * h * w for t, h, w in grids]
+        merge = self.spec.spatial_merge
+        if sum(sizes) != pixels.shape[0] or any(h % merge or w % merge for _, h, w in grids):
+            raise ValueError(
+                f"mm_processor_kwargs: the image processor's patch grids {grids} do not fit its "
+                f"{pixels.shape[0]} patches in merges of {merge} x {merge}"
+            )
+        return torch.split(pixels.float(), sizes), grids

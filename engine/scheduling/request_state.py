@@ -44,9 +44,7 @@ class Request:
         self.eos_token_ids = req.eos_token_ids
         self.bad_words_token_ids = req.bad_words_token_ids
         # Token-id sets and tensors for the stop checks and the sampler, deduplicated once here.
-        self.sampling_plan = SamplingPlan.prepare(
-            req.sampling_params, req.eos_token_ids, req.bad_words_token_ids
-        )
+        self.sampling_plan = SamplingPlan.prepare(req.sampling_params, req.eos_token_ids, req.bad_words_token_ids)
         self.priority = req.priority
         self.lora_request = req.lora_request  # the adapter it runs under (None: the base model)
         self.arrival_time = req.arrival_time
@@ -79,6 +77,9 @@ class Request:
         self.images = req.images
         self.image_spans = tuple((f.offset, f.offset + f.length, f.digest) for f in req.images)
         self.image_features: dict[int, torch.Tensor] = {}
+        # An M-RoPE model's (prompt positions [3, P], delta), built by the model runner at the
+        # request's first step (engine/execution/mrope.py); it outlives preemption.
+        self.mrope: tuple[torch.Tensor, int] | None = None
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
         self.num_preemptions = 0

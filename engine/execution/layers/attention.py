@@ -62,6 +62,8 @@ class AttentionMetadata:
     prefills: list[PrefillChunk] = field(default_factory=list)
     prefill_plan: PrefillPlan | None = None  # the same chunks, planned once a step (kernels.attention.plan_prefill)
     positions: torch.Tensor | None = None  # [T] int64 (the Triton path rotates by position)
+    # M-RoPE (Qwen2-VL) where the step feeds a request with images: [3, T] int64 (execution/mrope.py).
+    mrope_positions: torch.Tensor | None = None
     # Whether this pass runs the Triton kernels (`use_triton`), decided once per forward pass:
     # the environment lookup behind it costs microseconds, and a layer would pay it four times.
     triton: bool | None = None

@@ -185,7 +185,8 @@ class CausalLM(nn.Module):
         # Not modules: computed on the CPU (also when the model is built on the meta device),
         # never loaded; moved by `to_device`.
         rotary_dim = cfg.rotary_dim
-        self.rotaries = [RotaryEmbedding(cfg.rope, cfg.head_dim, cfg.max_model_len, rotary_dim)]
+        mrope = () if cfg.multimodal is None else cfg.multimodal.mrope_section  # Qwen2-VL's M-RoPE
+        self.rotaries = [RotaryEmbedding(cfg.rope, cfg.head_dim, cfg.max_model_len, rotary_dim, mrope)]
         if cfg.local_rope is not None:
             self.rotaries.append(RotaryEmbedding(cfg.local_rope, cfg.head_dim, cfg.max_model_len, rotary_dim))
         # Gemma rounds its embedding scale to the activations' dtype first.
@@ -239,7 +240,9 @@ class CausalLM(nn.Module):
         if self.triton is None:
             self.triton = use_triton(x)
         meta.triton = self.triton
-        ropes = [r.step(positions, x.dtype, meta.triton) for r in self.rotaries]
+        # M-RoPE's 3-D positions where the step has images (model_runner.py), else the plain ones.
+        rope_positions = positions if meta.mrope_positions is None else meta.mrope_positions
+        ropes = [r.step(rope_positions, x.dtype, meta.triton) for r in self.rotaries]
         plan, stack, lora = meta.decode_plan, self.decode_stack, self.lora_batch
         native = stack is not None and plan is not None and plan.native is not None and meta.num_decodes == x.shape[0]
         lora_args = None
