@@ -28,6 +28,10 @@ as vLLM draws them), `--burstiness` (gamma arrivals), `--num-warmups`, sampling 
 vLLM's client counts tokens (`--tokenizer`, `--tokenizer-mode`, `--trust-remote-code`,
 `--disable-tqdm`, `--skip-tokenizer-init`) are accepted: here the server's usage counts them.
 Other datasets are refused naming the flag.
+
+`--server-pid PID` (a server on this machine) adds where the server spent CPU during the run, per
+output token: its own process and its children. For `triollm serve` that is the time outside the
+engine (HTTP, SSE encoding, detokenization, the output actor) against the engine core's.
 """
 
 from __future__ import annotations
@@ -176,6 +180,13 @@ def add_serve_bench_parser(kinds: Any) -> None:
     )
     p.add_argument("--event-loop", choices=EVENT_LOOPS, default=None, help="the client's event loop (default: asyncio)")
     p.add_argument("--result-file", default=None, help="write every result (per-request lists too) as JSON here")
+    p.add_argument(
+        "--server-pid",
+        type=int,
+        default=None,
+        help="a server process on this machine: report its CPU time and its children's per output token "
+        "(for triollm serve: the API process and the engine core)",
+    )
     _add_vllm_flags(p)
     p.set_defaults(func=run_serve_bench)
 
@@ -432,6 +443,7 @@ class ServeBenchOptions:
     request_id_prefix: str | None = None
     ready_check_timeout: float = 0.0
     percentiles: tuple[float, ...] = (99.0,)
+    server_pid: int | None = None  # --server-pid: the CPU time of that process and its children
 
     @property
     def root(self) -> str:
@@ -495,6 +507,44 @@ async def _default_model(
     return str(data[0]["id"])
 
 
+def server_cpu(pid: int) -> tuple[float, dict[int, float]]:
+    """CPU seconds (user + system) of process `pid` and of each of its descendants now; a
+    ValueError naming --server-pid when there is no such process."""
+    import psutil
+
+    try:
+        proc = psutil.Process(pid)
+        own = sum(proc.cpu_times()[:2])
+        kids = proc.children(recursive=True)
+    except psutil.Error as exc:
+        raise ValueError(f"--server-pid: no process {pid} to read ({exc})") from None
+    times: dict[int, float] = {}
+    for kid in kids:
+        try:
+            times[kid.pid] = sum(kid.cpu_times()[:2])
+        except psutil.Error:  # it exited meanwhile
+            continue
+    return own, times
+
+
+def server_cpu_report(
+    pid: int, before: tuple[float, dict[int, float]], after: tuple[float, dict[int, float]], tokens: int
+) -> dict[str, Any]:
+    """Where the server spent CPU during the run, per output token: its own process (for triollm
+    serve: HTTP, SSE encoding, detokenization, the output actor) and its children (the engine
+    core). A child that exited during the run is not counted; one started during it counts whole."""
+    api = after[0] - before[0]
+    engine = sum(t - before[1].get(k, 0.0) for k, t in after[1].items())
+    per = 1e3 / tokens if tokens else 0.0
+    return {
+        "server_pid": pid,
+        "server_cpu_s": api,
+        "server_children_cpu_s": engine,
+        "server_cpu_ms_per_token": api * per,
+        "server_children_cpu_ms_per_token": engine * per,
+    }
+
+
 async def run_benchmark(opts: ServeBenchOptions, client: httpx.AsyncClient | None = None) -> dict[str, Any]:
     """Run the workload against `opts.base_url`; return `summarize`'s dict plus the settings.
     `client` is for tests (e.g. an httpx.MockTransport); by default one is made here."""
@@ -548,6 +598,7 @@ async def _run(
             async with limiter:
                 results[i] = await _post_stream(client, url, body, own, req.prompt_len)
 
+    before = server_cpu(opts.server_pid) if opts.server_pid is not None else None
     start = time.perf_counter()
     async with anyio.create_task_group() as tg:
         for i in range(len(work)):
@@ -560,6 +611,8 @@ async def _run(
     done = [r for r in results if r is not None]
     out = summarize(done, duration, opts.percentiles, start)
     out["expected_output_tokens"] = sum(r.output_len for r in work)
+    if before is not None and opts.server_pid is not None:
+        out.update(server_cpu_report(opts.server_pid, before, server_cpu(opts.server_pid), out["total_output_tokens"]))
     out.update(
         base_url=root, endpoint=url, model=model, prompt_kind=kind, num_prompts=len(work),
         request_rate=opts.request_rate if math.isfinite(opts.request_rate) else "inf",
@@ -706,6 +759,12 @@ def print_report(
         row(f"Median {name} (ms):", res[f"median_{key}_ms"], ".2f")
         for q in percentiles:
             row(f"P{_pct_word(q)} {name} (ms):", res[f"p{_pct_word(q)}_{key}_ms"], ".2f")
+    if "server_cpu_s" in res:
+        print(f"{'Server CPU':-^50}")
+        row("Server process CPU (s):", res["server_cpu_s"], ".2f")
+        row("Its children's CPU (s):", res["server_children_cpu_s"], ".2f")
+        row("Server process CPU per token (ms):", res["server_cpu_ms_per_token"], ".3f")
+        row("Children's CPU per token (ms):", res["server_children_cpu_ms_per_token"], ".3f")
     print("=" * 50)
     errors = [e for e in res["errors"] if e]
     if errors:
@@ -782,7 +841,7 @@ def options_from_args(ns: argparse.Namespace) -> tuple[ServeBenchOptions, str]:
         headers=_key_values(ns.header, "--header"), prefix_len=ns.random_prefix_len,
         burstiness=ns.burstiness, num_warmups=ns.num_warmups, ignore_eos=ns.ignore_eos, sampling=sampling,
         extra_body=ns.extra_body or {}, request_id_prefix=ns.request_id_prefix,
-        ready_check_timeout=ns.ready_check_timeout_sec, percentiles=percentiles,
+        ready_check_timeout=ns.ready_check_timeout_sec, percentiles=percentiles, server_pid=ns.server_pid,
     )
     return opts, loop
 

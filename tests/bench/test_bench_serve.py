@@ -420,3 +420,27 @@ def test_vllm_flags_that_cannot_be_honoured_name_the_flag(
     ns = _parser().parse_args(["serve", "--base-url", "http://127.0.0.1:9", *flags])
     assert ns.func(ns) == 2
     assert message in capsys.readouterr().err
+
+
+def test_server_pid_reports_the_cpu_of_the_server_and_its_children(fake_server: tuple[str, FakeServer]) -> None:
+    """--server-pid: the fake server runs in this process, and a child of it spins through the
+    run: both show CPU time per output token; a missing process is an error naming the flag."""
+    import subprocess
+    import sys
+
+    url, _ = fake_server
+    child = subprocess.Popen([sys.executable, "-c", "import time\nt = time.time()\nwhile time.time() - t < 60: pass"])
+    try:
+        time.sleep(0.3)
+        opts = ServeBenchOptions(
+            base_url=url, num_prompts=4, input_len=(4, 4), output_len=(30, 30), server_pid=os.getpid()
+        )
+        res = anyio.run(run_benchmark, opts)
+    finally:
+        child.kill()
+        child.wait()
+    assert res["server_pid"] == os.getpid() and res["total_output_tokens"] == 120
+    assert res["server_cpu_s"] > 0 and res["server_children_cpu_s"] > 0.05
+    assert res["server_children_cpu_ms_per_token"] == pytest.approx(res["server_children_cpu_s"] * 1e3 / 120)
+    with pytest.raises(ValueError, match="--server-pid"):
+        anyio.run(run_benchmark, ServeBenchOptions(base_url=url, num_prompts=1, server_pid=2**22 + 12345))
