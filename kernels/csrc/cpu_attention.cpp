@@ -229,6 +229,26 @@ inline float normaliser(float m, float l, const float* sink) {
   return rel / (l * rel + std::exp(*sink - mx));
 }
 
+// One block's `bs` scores of one query head, in place: positions past `cnt` and before `skip`
+// masked, then exponentiated relative to the new running max (m, l updated); returns the factor
+// the head's accumulated P.V takes for the new max.
+inline float softmax_block(float* s, int64_t bs, int64_t cnt, int64_t skip, float& m, float& l) {
+  for (int64_t t = cnt; t < bs; ++t) s[t] = kNegBig;  // past the sequence's end
+  for (int64_t t = 0; t < skip; ++t) s[t] = kNegBig;  // before the window
+  float mx = m;
+  for (int64_t t = 0; t < bs; ++t) mx = std::max(mx, s[t]);
+  float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t t = 0; t < bs; ++t) {
+    s[t] = std::exp(s[t] - mx);
+    sum += s[t];
+  }
+  const float corr = std::exp(m - mx);
+  l = l * corr + sum;
+  m = mx;
+  return corr;
+}
+
 // A pair's output value i: into the output row (rounded to T), or, for one part of a split row
 // (`part`, see decode), into that part's fp32 buffer.
 template <typename T>
@@ -306,19 +326,7 @@ void decode_pair(const T* qrow, const K* kp, const K* vp, const int32_t* table, 
         for (int64_t t = 0; t < BS; ++t) sg[t] *= ks[t];
       }
       if constexpr (kCap) soft_cap(sg, BS, cap);
-      for (int64_t t = cnt; t < BS; ++t) sg[t] = kNegBig;  // past the sequence's end
-      for (int64_t t = 0; t < start - blk * BS; ++t) sg[t] = kNegBig;  // before the window
-      float mx = m[g];
-      for (int64_t t = 0; t < BS; ++t) mx = std::max(mx, sg[t]);
-      float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-      for (int64_t t = 0; t < BS; ++t) {
-        sg[t] = std::exp(sg[t] - mx);
-        sum += sg[t];
-      }
-      const float corr = std::exp(m[g] - mx);
-      l[g] = l[g] * corr + sum;
-      m[g] = mx;
+      const float corr = softmax_block(sg, BS, cnt, start - blk * BS, m[g], l[g]);
       float* ag = acc + g * D;
       if constexpr (kD != 0) {
         float a[kD];  // this block's P.V for head g, in registers
@@ -349,27 +357,6 @@ void decode_pair(const T* qrow, const K* kp, const K* vp, const int32_t* table, 
     if (part != nullptr) lse[g] = m[g] + std::log(l[g]);
     for (int64_t d = 0; d < D; ++d) emit(orow, part, g * D + d, acc[g * D + d] * inv);
   }
-}
-
-// One block's 16 scores of one query head, in place: positions past `cnt` and before `skip`
-// masked, then exponentiated relative to the new running max (m, l updated); returns the factor
-// the head's accumulated P.V takes for the new max.
-inline float softmax_block16(float* s, int64_t cnt, int64_t skip, float& m, float& l) {
-  constexpr int kBS = 16;
-  for (int64_t t = cnt; t < kBS; ++t) s[t] = kNegBig;  // past the sequence's end
-  for (int64_t t = 0; t < skip; ++t) s[t] = kNegBig;  // before the window
-  float mx = m;
-  for (int t = 0; t < kBS; ++t) mx = std::max(mx, s[t]);
-  float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-  for (int t = 0; t < kBS; ++t) {
-    s[t] = std::exp(s[t] - mx);
-    sum += s[t];
-  }
-  const float corr = std::exp(m - mx);
-  l = l * corr + sum;
-  m = mx;
-  return corr;
 }
 
 // The common shapes with the GQA group size also fixed (kG query heads per kv head): the
@@ -431,7 +418,7 @@ void decode_pair_group(const T* qrow, const K* kp, const K* vp, const int32_t* t
     }
     float corr[kG];
     for (int g = 0; g < kG; ++g) {
-      corr[g] = softmax_block16(s[g], cnt, start - blk * kBS, m[g], l[g]);
+      corr[g] = softmax_block(s[g], kBS, cnt, start - blk * kBS, m[g], l[g]);
 #pragma omp simd
       for (int d = 0; d < kD; ++d) acc[g][d] *= corr[g];
     }
@@ -529,7 +516,7 @@ void decode_pair_group_bf16(const T* qrow, const c10::BFloat16* kp, const c10::B
     for (int g = 0; g < kG; ++g) _mm512_store_ps(s[g], _mm512_mul_ps(sv[g], _mm512_set1_ps(fscale)));
     alignas(64) uint32_t pp[kG][kBS / 2];
     for (int g = 0; g < kG; ++g) {
-      const __m512 cv = _mm512_set1_ps(softmax_block16(s[g], cnt, start - blk * kBS, m[g], l[g]));
+      const __m512 cv = _mm512_set1_ps(softmax_block(s[g], kBS, cnt, start - blk * kBS, m[g], l[g]));
       for (int c = 0; c < kC; ++c) lo[g][c] = _mm512_mul_ps(lo[g][c], cv), hi[g][c] = _mm512_mul_ps(hi[g][c], cv);
       _mm256_store_si256(reinterpret_cast<__m256i*>(pp[g]), (__m256i)_mm512_cvtneps_pbh(_mm512_load_ps(s[g])));
     }
