@@ -31,13 +31,32 @@ def _redraw(model: torch.nn.Module, seed: int, *, embed: float = 0.5, decoder_no
                 p.copy_(noise * (embed if "embed_tokens" in name or "lm_head" in name else 0.2))
 
 
-def write_image_tokenizer(path: Path) -> tuple[int, int, int]:
-    """The tiny tokenizer with `<image>` added as a special token: (eos id, image id, vocab size)."""
+def write_image_tokenizer(path: Path, tokens: tuple[str, ...] = (IMAGE_TOKEN,)) -> tuple[int, list[int], int]:
+    """The tiny tokenizer with `tokens` added as special tokens: (eos id, their ids, vocab size)."""
     eos_id = write_tokenizer(path)
     tok = build_tokenizer()
-    tok.add_special_tokens([IMAGE_TOKEN])
+    tok.add_special_tokens(list(tokens))
     tok.save(str(path / "tokenizer.json"))
-    return eos_id, tok.token_to_id(IMAGE_TOKEN), tok.get_vocab_size()
+    return eos_id, [tok.token_to_id(t) for t in tokens], tok.get_vocab_size()
+
+
+def tiny_text_config(vocab: int, eos_id: int, **overrides: object) -> dict[str, object]:
+    """The tiny decoder every vision test model shares (2 layers, hidden 64, 4 heads over 2 kv
+    heads), as config keyword arguments; `overrides` adds or replaces fields."""
+    return {
+        "vocab_size": vocab,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 512,
+        "rms_norm_eps": 1e-5,
+        "bos_token_id": None,
+        "eos_token_id": eos_id,
+        "pad_token_id": None,
+        **overrides,
+    }
 
 
 def make_llava(path: Path, *, seed: int = 0) -> Path:
@@ -45,20 +64,8 @@ def make_llava(path: Path, *, seed: int = 0) -> Path:
     features per image, MLP projector, Llama decoder) and its CLIP image processor."""
     import transformers
 
-    eos_id, image_id, vocab = write_image_tokenizer(path)
-    text = transformers.LlamaConfig(
-        vocab_size=vocab,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        rms_norm_eps=1e-5,
-        bos_token_id=None,
-        eos_token_id=eos_id,
-        pad_token_id=None,
-    )
+    eos_id, (image_id,), vocab = write_image_tokenizer(path)
+    text = transformers.LlamaConfig(**tiny_text_config(vocab, eos_id))
     vision = transformers.CLIPVisionConfig(
         hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, image_size=28, patch_size=7
     )
@@ -82,29 +89,12 @@ def make_gemma3_vlm(path: Path, *, seed: int = 0, **text: object) -> Path:
     `text` overrides the text config's arguments."""
     import transformers
 
-    eos_id = write_tokenizer(path)
-    tok = build_tokenizer()
-    tok.add_special_tokens(list(GEMMA3_IMAGE_TOKENS))
-    tok.save(str(path / "tokenizer.json"))
-    boi, eoi, image = (tok.token_to_id(t) for t in GEMMA3_IMAGE_TOKENS)
-    text_config = {
-        "vocab_size": tok.get_vocab_size(),
-        "hidden_size": 64,
-        "intermediate_size": 128,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "head_dim": 16,
-        "max_position_embeddings": 512,
-        "rms_norm_eps": 1e-5,
-        "query_pre_attn_scalar": 20,
-        "sliding_window": 9,
+    eos_id, (boi, eoi, image), vocab = write_image_tokenizer(path, GEMMA3_IMAGE_TOKENS)
+    gemma = {
+        "head_dim": 16, "query_pre_attn_scalar": 20, "sliding_window": 9,
         "layer_types": ["sliding_attention", "full_attention"],
-        "bos_token_id": None,
-        "eos_token_id": eos_id,
-        "pad_token_id": None,
-        **text,
-    }
+    }  # fmt: skip
+    text_config = tiny_text_config(vocab, eos_id, **{**gemma, **text})
     vision_config = {
         "hidden_size": 32,
         "intermediate_size": 64,

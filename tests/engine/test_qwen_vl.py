@@ -19,7 +19,7 @@ from typing import Any
 import httpx
 import pytest
 import torch
-from vision_models import _redraw, chatml, data_url, random_image
+from vision_models import _redraw, chatml, data_url, random_image, tiny_text_config, write_image_tokenizer
 
 from triollm.engine.execution.mrope import mrope_positions, mrope_rows
 from triollm.engine.request import ImageFeature
@@ -38,27 +38,10 @@ NEW_TOKENS = 16
 
 def make_qwen_vl(path: Path, family: str, seed: int) -> Path:
     import transformers
-    from tinymodel import build_tokenizer, write_tokenizer
 
-    eos = write_tokenizer(path)
-    tok = build_tokenizer()
-    tok.add_special_tokens(list(VISION_TOKENS))
-    tok.save(str(path / "tokenizer.json"))
-    start, end, pad = (tok.token_to_id(t) for t in VISION_TOKENS)
-    text = {
-        "vocab_size": tok.get_vocab_size(),
-        "hidden_size": 64,
-        "intermediate_size": 128,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "max_position_embeddings": 512,
-        "rms_norm_eps": 1e-5,
-        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]},
-        "bos_token_id": None,
-        "eos_token_id": eos,
-        "pad_token_id": None,
-    }
+    eos, (start, end, pad), vocab = write_image_tokenizer(path, VISION_TOKENS)
+    mrope = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]}
+    text = tiny_text_config(vocab, eos, rope_parameters=mrope)
     ids = {"image_token_id": pad, "vision_start_token_id": start, "vision_end_token_id": end}
     cls: Any
     if family == "qwen2_vl":
