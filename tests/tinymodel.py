@@ -153,6 +153,25 @@ def write_tokenizer(path: Path, model_max_length: int = 512) -> int:
     return tok.token_to_id("<|endoftext|>")
 
 
+def tiny_text_config(vocab: int, eos_id: int, **overrides: object) -> dict[str, object]:
+    """The tiny decoder the test models share (2 layers, hidden 64, 4 heads over 2 kv heads), as
+    config keyword arguments; `overrides` adds or replaces fields."""
+    return {
+        "vocab_size": vocab,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 512,
+        "rms_norm_eps": 1e-5,
+        "bos_token_id": None,
+        "eos_token_id": eos_id,
+        "pad_token_id": None,
+        **overrides,
+    }
+
+
 def make_transformers_model(path: Path, architecture: str, *, seed: int = 0, **config: object) -> Path:
     """A tiny random model written by the installed transformers' `save_pretrained` (its own
     config.json generation: 5.x writes `rope_parameters` and `dtype`), plus the tiny tokenizer.
@@ -165,22 +184,9 @@ def make_transformers_model(path: Path, architecture: str, *, seed: int = 0, **c
     eos_id = write_tokenizer(path)
     name = {"Gemma3ForCausalLM": "Gemma3TextConfig"}.get(architecture, architecture.replace("ForCausalLM", "Config"))
     config_class = getattr(transformers, name)
-    args: dict[str, object] = {
-        "vocab_size": build_tokenizer().get_vocab_size(),
-        "hidden_size": 64,
-        "intermediate_size": 128,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "max_position_embeddings": 512,
-        "rms_norm_eps": 1e-5,
-        "bos_token_id": None,
-        "eos_token_id": eos_id,
-        "pad_token_id": None,
-        "tie_word_embeddings": False,
-        "dtype": "float32",
-        **config,
-    }
+    args = tiny_text_config(
+        build_tokenizer().get_vocab_size(), eos_id, **{"tie_word_embeddings": False, "dtype": "float32", **config}
+    )
     cfg = config_class(**args)
     cfg.architectures = [architecture]
     model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from tinymodel import build_tokenizer, write_tokenizer
+from tinymodel import build_tokenizer, tiny_text_config, write_tokenizer
 
 IMAGE_TOKEN = "<image>"
 
@@ -38,25 +38,6 @@ def write_image_tokenizer(path: Path, tokens: tuple[str, ...] = (IMAGE_TOKEN,)) 
     tok.add_special_tokens(list(tokens))
     tok.save(str(path / "tokenizer.json"))
     return eos_id, [tok.token_to_id(t) for t in tokens], tok.get_vocab_size()
-
-
-def tiny_text_config(vocab: int, eos_id: int, **overrides: object) -> dict[str, object]:
-    """The tiny decoder every vision test model shares (2 layers, hidden 64, 4 heads over 2 kv
-    heads), as config keyword arguments; `overrides` adds or replaces fields."""
-    return {
-        "vocab_size": vocab,
-        "hidden_size": 64,
-        "intermediate_size": 128,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "max_position_embeddings": 512,
-        "rms_norm_eps": 1e-5,
-        "bos_token_id": None,
-        "eos_token_id": eos_id,
-        "pad_token_id": None,
-        **overrides,
-    }
 
 
 def make_llava(path: Path, *, seed: int = 0) -> Path:
