@@ -267,9 +267,15 @@ def test_requests_beyond_the_concurrency_cap_get_503_and_health_answers(server: 
     with watch(server.url, headers=AUTH) as w:
         held = [_slow_body_request(server, "/tokenize") for _ in range(LIMIT)]
         try:
-            time.sleep(0.3)  # the server has them all
-            t0 = time.monotonic()
-            r = client.post("/tokenize", json={"prompt": "hi"})
+            # Once the server has started all of them (on a loaded machine that took over 0.3 s),
+            # a new request is refused; the held ones wait BODY_TIMEOUT_S for their bodies.
+            deadline = time.monotonic() + BODY_TIMEOUT_S * 0.75
+            while True:
+                t0 = time.monotonic()
+                r = client.post("/tokenize", json={"prompt": "hi"})
+                if r.status_code != 200 or time.monotonic() > deadline:
+                    break
+                time.sleep(0.05)
             assert_refused(r, 503, None, "--limit-concurrency")
             assert r.headers["retry-after"] == "1" and time.monotonic() - t0 < 1.0
             assert client.get("/health").status_code == 200
