@@ -286,7 +286,7 @@ class Executor:
         mc = self.config.model
         if mc.recurrent is None:
             return []
-        return (mc.num_layers - len(mc.kv_layers)) * mc.recurrent.state_shapes(mc.hidden_size)
+        return len(mc.state_layers) * mc.recurrent.state_shapes(mc.hidden_size)
 
     def _draft_runner(self) -> DraftModel | None:
         """The draft model's runner over a KV cache of its own (the same block ids)."""

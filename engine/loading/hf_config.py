@@ -57,6 +57,7 @@ from triollm.engine.loading.hf_families import MoESpec, family_fields
 from triollm.engine.loading.hf_recurrent import (
     RECURRENT_ARCHITECTURES,
     RECURRENT_LAYER_TYPES,
+    STATE_LAYER_TYPES,
     RecurrentSpec,
     parse_recurrent,
 )
@@ -214,6 +215,13 @@ class HfConfig:
         if self.recurrent is None:
             return tuple(range(self.num_layers))
         return tuple(i for i, t in enumerate(self.layer_types) if t not in RECURRENT_LAYER_TYPES)
+
+    @property
+    def state_layers(self) -> tuple[int, ...]:
+        """The layers with a recurrent state, in order (a hybrid's recurrent ones; Falcon-H1: all)."""
+        if self.recurrent is None:
+            return ()
+        return tuple(i for i, t in enumerate(self.layer_types) if t in STATE_LAYER_TYPES)
 
     def layer_window(self, layer: int) -> int | None:
         """The sliding window of `layer`, None for full attention."""

@@ -12,6 +12,10 @@ width is `block_ff_dim` (or `intermediate_size`) adjusted by `block_auto_adjust_
 attention layers are `layer_types` or else `full_attn_idxs` (default: every layer), RoPE's base
 defaults to 1,000,000, the embedding is tied unless `tie_embedding` / `tie_word_embeddings`
 says otherwise.
+
+Falcon-H1 (`FalconH1ForCausalLM`) runs attention and a Mamba-2 mixer side by side in every layer
+(layer type "hybrid": a KV cache layer and a state both), each with its muP multipliers
+(`FalconH1Multipliers`; `_parse_falcon_h1`).
 """
 
 from __future__ import annotations
@@ -28,13 +32,24 @@ from triollm.engine.loading.config_checks import read_int as _int
 from triollm.engine.loading.hf_families import MoESpec
 from triollm.engine.loading.rope_config import parse_rope
 
-__all__ = ["RECURRENT_ARCHITECTURES", "RECURRENT_LAYER_TYPES", "RecurrentSpec", "parse_recurrent"]
+__all__ = [
+    "RECURRENT_ARCHITECTURES",
+    "RECURRENT_LAYER_TYPES",
+    "STATE_LAYER_TYPES",
+    "FalconH1Multipliers",
+    "RecurrentSpec",
+    "parse_recurrent",
+]
 
 RECURRENT_LAYER_TYPES = ("conv", "mamba")  # layers with a state of their own and no KV cache
+# Layers that keep a state: the recurrent ones, and Falcon-H1's "hybrid" layers (attention and a
+# Mamba-2 mixer in one layer: a KV cache layer too).
+STATE_LAYER_TYPES = (*RECURRENT_LAYER_TYPES, "hybrid")
 RECURRENT_ARCHITECTURES = {  # architecture -> model_type
     "Lfm2ForCausalLM": "lfm2",
     "BambaForCausalLM": "bamba",
     "GraniteMoeHybridForCausalLM": "granitemoehybrid",
+    "FalconH1ForCausalLM": "falcon_h1",
 }
 # A Mamba-2 hybrid's layer types as config.json spells them (Granite 4.0-H: "mamba", "attention").
 _MAMBA_TYPES = {
@@ -44,6 +59,21 @@ _MAMBA_TYPES = {
     "full_attention": "full_attention",
 }
 _LFM2_LAYER_TYPES = ("full_attention", "conv")
+
+
+@dataclass(frozen=True)
+class FalconH1Multipliers:
+    """Falcon-H1's muP multipliers outside the mixer (transformers' `FalconH1DecoderLayer`): the
+    attention's input and output, its keys (before RoPE), the mixer's output, the MLP's gate
+    (before the activation) and output, and the logits."""
+
+    attention_in: float = 1.0
+    attention_out: float = 1.0
+    key: float = 1.0
+    ssm_out: float = 1.0
+    mlp_gate: float = 1.0
+    mlp_down: float = 1.0
+    lm_head: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -60,8 +90,17 @@ class RecurrentSpec:
     mamba_groups: int = 1
     mamba_state: int = 0
     mamba_chunk: int = 256  # the scan's chunk in prefill (a reduction order, not a result)
-    mamba_proj_bias: bool = False
+    mamba_proj_bias: bool = False  # in_proj's bias
+    mamba_out_bias: bool = False  # out_proj's (Bamba: mamba_proj_bias; Falcon-H1: projectors_bias)
     time_step_limit: tuple[float, float] = (0.0, math.inf)
+    # The output's gated RMSNorm over each group's channels: "after_gate" (Bamba: norm(y * silu(z))),
+    # "before_gate" (norm(y) * silu(z)) or "none" (y * silu(z), no norm and no weight).
+    mamba_norm: str = "after_gate"
+    # Falcon-H1's muP: the mixer's input times `ssm_in_multiplier`, and in_proj's output times
+    # `ssm_multipliers` (one each for z, x, B, C and dt).
+    ssm_in_multiplier: float = 1.0
+    ssm_multipliers: tuple[float, float, float, float, float] = (1.0, 1.0, 1.0, 1.0, 1.0)
+    falcon: FalconH1Multipliers | None = None  # Falcon-H1's multipliers outside the mixer
 
     @property
     def mamba_inner(self) -> int:
@@ -85,6 +124,8 @@ def parse_recurrent(arch: str, hf: Mapping[str, Any]) -> dict[str, Any]:
     the config.json of a hybrid architecture (module note); a `ValueError` naming the field."""
     if arch in ("BambaForCausalLM", "GraniteMoeHybridForCausalLM"):
         return _parse_mamba_hybrid(arch, hf)
+    if arch == "FalconH1ForCausalLM":
+        return _parse_falcon_h1(arch, hf)
     return _parse_lfm2(arch, hf)
 
 
@@ -200,23 +241,8 @@ def _parse_mamba_hybrid(arch: str, hf: Mapping[str, Any]) -> dict[str, Any]:
     if "full_attention" not in layer_types:
         field = "layer_types" if granite else "attn_layer_indices"
         raise ValueError(f"{field}: {arch} without attention layers is not supported (at least one)")
-    heads = _int(hf, "mamba_n_heads", 128)
-    expand = _int(hf, "mamba_expand", 2)
-    if (expand * hidden) % heads:
-        raise ValueError(f"mamba_n_heads: {heads} does not divide mamba_expand x hidden_size = {expand * hidden}")
-    head = hf.get("mamba_d_head", "auto")
-    head = expand * hidden // heads if head in ("auto", None) else head
-    if not isinstance(head, int) or head * heads != expand * hidden:
-        raise ValueError(f"mamba_d_head: {head!r} x mamba_n_heads {heads} must equal mamba_expand x hidden_size")
-    groups = _int(hf, "mamba_n_groups", 1)
-    if heads % groups:
-        raise ValueError(f"mamba_n_groups: {groups} does not divide mamba_n_heads {heads}")
-    limit = hf.get("time_step_limit") or (0.0, math.inf)
-    low, high = (
-        (_float_or_inf(v) for v in limit) if isinstance(limit, list | tuple) and len(limit) == 2 else (None, None)
-    )
-    if low is None or high is None or not low <= high:
-        raise ValueError(f"time_step_limit: expected [low, high] with low <= high, got {limit!r:.80}")
+    heads, head, groups = _mamba_heads(hf, _int(hf, "mamba_expand", 2) * hidden, "mamba_expand x hidden_size")
+    low, high = _time_step_limit(hf)
     max_pos = _int(hf, "max_position_embeddings", 2048 if granite else 262144)
     rope = parse_rope(hf, max_pos, allow_partial=not granite)
     extra: dict[str, Any] = {}
@@ -270,10 +296,143 @@ def _parse_mamba_hybrid(arch: str, hf: Mapping[str, Any]) -> dict[str, Any]:
             mamba_state=_int(hf, "mamba_d_state", 256),
             mamba_chunk=_int(hf, "mamba_chunk_size", 256),
             mamba_proj_bias=_bool(hf, "mamba_proj_bias", False),
+            mamba_out_bias=_bool(hf, "mamba_proj_bias", False),
             time_step_limit=(low, high),
         ),
         **extra,
     )
+
+
+def _parse_falcon_h1(arch: str, hf: Mapping[str, Any]) -> dict[str, Any]:
+    """Falcon-H1 as transformers' `FalconH1Config` reads it: every layer attention (Llama's, with
+    `head_dim`, keys times `key_multiplier`) and a Mamba-2 mixer of `mamba_d_ssm` channels (or
+    `mamba_expand` x hidden_size where it is null) on the same normed input, their outputs times
+    `attention_out_multiplier` / `ssm_out_multiplier` summed into the residual; the mixer's
+    output norm only with `mamba_rms_norm` (before or after the gate: `mamba_norm_before_gate`),
+    its in_proj bias `mamba_proj_bias`, its out_proj bias `projectors_bias`; a gated MLP with
+    `mlp_multipliers`; embeddings and logits times their multipliers."""
+    if hf.get("quantization_config"):
+        raise ValueError(f"quantization_config: quantized checkpoints of {arch} are not supported")
+    if hf.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"hidden_act: {hf.get('hidden_act')!r} is not supported for {arch}; supported: silu")
+    hidden = _int(hf, "hidden_size", 4096)
+    num_heads = _int(hf, "num_attention_heads", 32)
+    num_layers = _int(hf, "num_hidden_layers", 32)
+    check_head_counts(hf, hidden, num_heads)
+    num_kv_heads = _int(hf, "num_key_value_heads", 8, null=num_heads)
+    if num_heads % num_kv_heads:
+        raise ValueError(f"num_key_value_heads: {num_kv_heads} does not divide num_attention_heads {num_heads}")
+    head_dim = _int(hf, "head_dim", hidden // num_heads, null=hidden // num_heads)
+    if head_dim % 2:
+        raise ValueError(f"head_dim: RoPE needs an even head dimension, got {head_dim}")
+    if hf.get("mamba_d_ssm", 1024) is None:
+        inner, what = _int(hf, "mamba_expand", 2) * hidden, "mamba_expand x hidden_size"
+    else:
+        inner, what = _int(hf, "mamba_d_ssm", 1024), "mamba_d_ssm"
+    heads, head, groups = _mamba_heads(hf, inner, what)
+    low, high = _time_step_limit(hf)
+    ssm = _multipliers(hf, "ssm_multipliers", 5)
+    mlp = _multipliers(hf, "mlp_multipliers", 2)
+    max_pos = _int(hf, "max_position_embeddings", 8192)
+    if _bool(hf, "mamba_rms_norm", False):
+        norm = "before_gate" if _bool(hf, "mamba_norm_before_gate", True) else "after_gate"
+    else:
+        norm = "none"
+    return dict(
+        hidden_size=hidden,
+        intermediate_size=_int(hf, "intermediate_size", 14336),
+        num_layers=num_layers,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        vocab_size=_int(hf, "vocab_size", 128000),
+        rms_norm_eps=_eps(hf, 1e-5),
+        rope=parse_rope(hf, max_pos),
+        max_position_embeddings=max_pos,
+        tie_word_embeddings=_bool(hf, "tie_word_embeddings", False),
+        qkv_bias=_bool(hf, "attention_bias", False),
+        o_proj_bias=_bool(hf, "attention_bias", False),
+        mlp_bias=_bool(hf, "mlp_bias", False),
+        sliding_window=None,
+        encoder=None,
+        layer_types=("hybrid",) * num_layers,
+        embedding_multiplier=_finite(hf, "embedding_multiplier"),
+        recurrent=RecurrentSpec(
+            "mamba2",
+            conv_kernel=_int(hf, "mamba_d_conv", 4, minimum=2),
+            conv_bias=_bool(hf, "mamba_conv_bias", True),
+            mamba_heads=heads,
+            mamba_head_dim=head,
+            mamba_groups=groups,
+            mamba_state=_int(hf, "mamba_d_state", 256),
+            mamba_chunk=_int(hf, "mamba_chunk_size", 256),
+            mamba_proj_bias=_bool(hf, "mamba_proj_bias", False),
+            mamba_out_bias=_bool(hf, "projectors_bias", False),
+            time_step_limit=(low, high),
+            mamba_norm=norm,
+            ssm_in_multiplier=_finite(hf, "ssm_in_multiplier"),
+            ssm_multipliers=(ssm[0], ssm[1], ssm[2], ssm[3], ssm[4]),
+            falcon=FalconH1Multipliers(
+                attention_in=_finite(hf, "attention_in_multiplier"),
+                attention_out=_finite(hf, "attention_out_multiplier"),
+                key=_finite(hf, "key_multiplier"),
+                ssm_out=_finite(hf, "ssm_out_multiplier"),
+                mlp_gate=mlp[0],
+                mlp_down=mlp[1],
+                lm_head=_finite(hf, "lm_head_multiplier"),
+            ),
+        ),
+    )
+
+
+def _mamba_heads(hf: Mapping[str, Any], inner: int, what: str) -> tuple[int, int, int]:
+    """A Mamba-2 mixer's (heads, head_dim, groups): `mamba_n_heads` heads of `mamba_d_head`
+    channels ("auto": `inner` / heads) making `inner` channels, B and C per `mamba_n_groups`."""
+    heads = _int(hf, "mamba_n_heads", 128)
+    if inner % heads:
+        raise ValueError(f"mamba_n_heads: {heads} does not divide {what} = {inner}")
+    head = hf.get("mamba_d_head", "auto")
+    head = inner // heads if head in ("auto", None) else head
+    if isinstance(head, bool) or not isinstance(head, int) or head * heads != inner:
+        raise ValueError(f"mamba_d_head: {head!r} x mamba_n_heads {heads} must equal {what} = {inner}")
+    groups = _int(hf, "mamba_n_groups", 1)
+    if heads % groups:
+        raise ValueError(f"mamba_n_groups: {groups} does not divide mamba_n_heads {heads}")
+    return heads, head, groups
+
+
+def _time_step_limit(hf: Mapping[str, Any]) -> tuple[float, float]:
+    limit = hf.get("time_step_limit") or (0.0, math.inf)
+    low, high = (
+        (_float_or_inf(v) for v in limit) if isinstance(limit, list | tuple) and len(limit) == 2 else (None, None)
+    )
+    if low is None or high is None or not low <= high:
+        raise ValueError(f"time_step_limit: expected [low, high] with low <= high, got {limit!r:.80}")
+    return low, high
+
+
+def _finite(hf: Mapping[str, Any], key: str) -> float:
+    """A multiplier: any finite number, 1.0 when absent or null."""
+    value = hf.get(key)
+    if value is None:
+        return 1.0
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise ValueError(f"{key}: expected a finite number, got {value!r}")
+    return float(value)
+
+
+def _multipliers(hf: Mapping[str, Any], key: str, count: int) -> list[float]:
+    """A list of `count` finite multipliers (all 1.0 when absent or null)."""
+    value = hf.get(key)
+    if value is None:
+        return [1.0] * count
+    if (
+        not isinstance(value, list | tuple)
+        or len(value) != count
+        or not all(not isinstance(v, bool) and isinstance(v, int | float) and math.isfinite(v) for v in value)
+    ):
+        raise ValueError(f"{key}: expected a list of {count} finite numbers, got {value!r:.80}")
+    return [float(v) for v in value]
 
 
 def _number(hf: Mapping[str, Any], key: str, default: float = 1.0) -> float:

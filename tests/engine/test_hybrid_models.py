@@ -20,7 +20,12 @@ from tinymodel import build_tokenizer, write_tokenizer
 
 from triollm.engine.config import EngineArgs
 from triollm.engine.core import EngineCore
-from triollm.engine.execution.models.hybrid import BambaForCausalLM, GraniteMoeHybridForCausalLM, Lfm2ForCausalLM
+from triollm.engine.execution.models.hybrid import (
+    BambaForCausalLM,
+    FalconH1ForCausalLM,
+    GraniteMoeHybridForCausalLM,
+    Lfm2ForCausalLM,
+)
 from triollm.engine.loading.model_config import ModelConfig
 from triollm.engine.request import EngineCoreRequest
 from triollm.engine.sampling_params import SamplingParams
@@ -92,6 +97,33 @@ def make_granite_hybrid(path: Path, seed: int = 0, **fields: object) -> Path:
     return path
 
 
+def make_falcon_h1(path: Path, seed: int = 0, **fields: object) -> Path:
+    """A tiny Falcon-H1: attention and a Mamba-2 mixer in every layer, an explicit head_dim and
+    mamba_d_ssm (neither hidden_size's split), scan chunks of 8, every muP multiplier away from 1."""
+    import transformers
+
+    eos = write_tokenizer(path)
+    settings: dict[str, object] = {
+        "hidden_size": 64, "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "head_dim": 8, "intermediate_size": 96, "mamba_d_ssm": 96, "mamba_n_heads": 6, "mamba_d_state": 16,
+        "mamba_n_groups": 2, "mamba_chunk_size": 8, "mamba_d_conv": 4, "mamba_rms_norm": True,
+        "mamba_norm_before_gate": True, "embedding_multiplier": 2.0, "lm_head_multiplier": 0.5,
+        "attention_in_multiplier": 0.8, "attention_out_multiplier": 0.9, "key_multiplier": 0.5,
+        "ssm_in_multiplier": 1.25, "ssm_out_multiplier": 0.7, "ssm_multipliers": [0.35, 0.25, 0.4, 0.5, 0.3],
+        "mlp_multipliers": [0.9, 0.6], **fields,
+    }  # fmt: skip
+    settings = {k: v for k, v in settings.items() if not (k == "head_dim" and v is None)}  # None: hidden's split
+    cfg = transformers.FalconH1Config(
+        vocab_size=build_tokenizer().get_vocab_size(), max_position_embeddings=512, bos_token_id=None,
+        eos_token_id=eos, pad_token_id=None, dtype="float32", **settings,
+    )  # fmt: skip
+    cfg.architectures = ["FalconH1ForCausalLM"]
+    model = transformers.FalconH1ForCausalLM(cfg).to(torch.float32)
+    _redraw(model, seed)
+    model.save_pretrained(path)
+    return path
+
+
 def _redraw(model: torch.nn.Module, seed: int) -> None:
     """Weights at scales where greedy picks are not near-ties."""
     g = torch.Generator().manual_seed(seed)
@@ -122,6 +154,17 @@ CASES = {
         make_granite_hybrid, GraniteMoeHybridForCausalLM,
         {"position_embedding_type": "rope", "num_local_experts": 0, "layer_types": ["attention", "mamba", "mamba"]},
     ),
+    "falcon-h1": (make_falcon_h1, FalconH1ForCausalLM, {}),
+    "falcon-h1-no-norm-biases-tied": (
+        make_falcon_h1, FalconH1ForCausalLM,
+        {"mamba_rms_norm": False, "projectors_bias": True, "mamba_proj_bias": True, "attention_bias": True,
+         "mamba_conv_bias": False, "tie_word_embeddings": True, "mamba_n_groups": 1},
+    ),
+    "falcon-h1-norm-after-gate-expand": (
+        make_falcon_h1, FalconH1ForCausalLM,
+        {"mamba_norm_before_gate": False, "mamba_d_ssm": None, "mamba_expand": 2, "mamba_n_heads": 8, "head_dim": None,
+         "mlp_bias": True},
+    ),
 }  # fmt: skip
 
 
@@ -131,7 +174,9 @@ def test_hybrids_give_transformers_tokens_through_chunks_and_preemption(tmp_path
     path = make(tmp_path / case, seed=7, **fields)
     cfg = ModelConfig.from_pretrained(path, max_model_len=96)
     assert cfg.model_impl == "triollm" and cfg.recurrent is not None
-    assert len(cfg.kv_layers) == cfg.layer_types.count("full_attention")
+    attending = ("full_attention", "hybrid")  # Falcon-H1's layers attend and keep a state
+    assert len(cfg.kv_layers) == sum(t in attending for t in cfg.layer_types)
+    assert len(cfg.state_layers) == sum(t != "full_attention" for t in cfg.layer_types)
     ids = prompts()
     ours, core = engine_greedy(path, ids)
     assert isinstance(core.executor.model, cls)
@@ -142,7 +187,9 @@ def test_hybrids_give_transformers_tokens_through_chunks_and_preemption(tmp_path
     core.check_integrity()
 
 
-@pytest.mark.parametrize(("make", "tokens"), [(make_lfm2, 8), (make_bamba, 10)], ids=["lfm2", "bamba"])
+@pytest.mark.parametrize(
+    ("make", "tokens"), [(make_lfm2, 8), (make_bamba, 10), (make_falcon_h1, 10)], ids=["lfm2", "bamba", "falcon-h1"]
+)
 def test_requests_sharing_two_slots_each_match_alone(tmp_path: Path, make, tokens: int) -> None:
     """States across a decode batch, prefills beside decodes and slot reuse (two slots for three
     requests: the third takes the slot a finished one left): every request's tokens are
@@ -204,10 +251,11 @@ def test_the_kv_cache_holds_only_the_attention_layers(tmp_path: Path) -> None:
         core.close()
 
 
-def test_lfm2_through_llm(tmp_path: Path) -> None:
+@pytest.mark.parametrize("make", [make_lfm2, make_falcon_h1], ids=["lfm2", "falcon-h1"])
+def test_hybrids_through_llm(tmp_path: Path, make) -> None:
     from triollm import LLM
 
-    path = make_lfm2(tmp_path / "lfm2", seed=5)
+    path = make(tmp_path / "hybrid", seed=5)
     ids = prompts()
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
     with LLM(str(path), max_model_len=96, multiprocess=False) as llm:
@@ -250,6 +298,34 @@ def test_lfm2_configs_are_checked_at_load(tmp_path: Path, field: str, value: obj
     raw[field] = value
     if field == "full_attn_idxs":
         raw.pop("layer_types")
+    (path / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(ValueError, match=match):
+        ModelConfig.from_pretrained(path, max_model_len=96)
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "match"),
+    [
+        ("mamba_d_head", 12, r"mamba_d_head: 12 x mamba_n_heads 6 must equal mamba_d_ssm = 96"),
+        ("mamba_n_heads", 5, r"mamba_n_heads: 5 does not divide mamba_d_ssm = 96"),
+        ("mamba_n_groups", 4, r"mamba_n_groups: 4 does not divide mamba_n_heads 6"),
+        ("ssm_multipliers", [1.0, 1.0], r"ssm_multipliers: expected a list of 5 finite numbers"),
+        ("mlp_multipliers", [1.0, "x"], r"mlp_multipliers: expected a list of 2 finite numbers"),
+        ("key_multiplier", "0.5", r"key_multiplier: expected a finite number"),
+        ("lm_head_multiplier", float("inf"), r"lm_head_multiplier: expected a finite number"),
+        ("hidden_act", "gelu", r"hidden_act: 'gelu' is not supported for FalconH1ForCausalLM"),
+        ("mamba_rms_norm", "yes", r"mamba_rms_norm: expected true or false"),
+        ("time_step_limit", [1.0, 0.5], r"time_step_limit: expected \[low, high\]"),
+        ("head_dim", 7, r"head_dim: RoPE needs an even head dimension"),
+        ("quantization_config", {"quant_method": "gptq"}, r"quantization_config: quantized checkpoints of Falcon"),
+    ],
+)
+def test_falcon_h1_configs_are_checked_at_load(tmp_path: Path, field: str, value: object, match: str) -> None:
+    import json
+
+    path = make_falcon_h1(tmp_path / "falcon-h1")
+    raw = json.loads((path / "config.json").read_text())
+    raw[field] = value
     (path / "config.json").write_text(json.dumps(raw))
     with pytest.raises(ValueError, match=match):
         ModelConfig.from_pretrained(path, max_model_len=96)

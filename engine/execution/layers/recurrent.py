@@ -130,32 +130,37 @@ class ShortConv(nn.Module):
 
 
 class GatedRMSNorm(nn.Module):
-    """Mamba-2's output norm (transformers' `MambaRMSNormGated`, norm after the gate): x * silu(z),
-    RMS-normalised over each group of `group` channels, in fp32, times the weight."""
+    """A gated RMSNorm over each group of `group` channels, in fp32, times the weight: with the gate
+    first (transformers' `MambaRMSNormGated`: norm(x * silu(z))), or with `norm_before_gate`
+    after it (Falcon-H1's `mamba_norm_before_gate`, Qwen3-Next's `Qwen3NextRMSNormGated`:
+    norm(x) * silu(z))."""
 
-    def __init__(self, width: int, group: int, eps: float) -> None:
+    def __init__(self, width: int, group: int, eps: float, *, norm_before_gate: bool = False) -> None:
         super().__init__()
-        self.group, self.eps = group, eps
+        self.group, self.eps, self.norm_before_gate = group, eps, norm_before_gate
         self.weight = nn.Parameter(torch.empty(width), requires_grad=False)
 
     def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
-        h = x.float() * F.silu(z.float())
+        h = x.float() if self.norm_before_gate else x.float() * F.silu(z.float())
         g = h.view(*h.shape[:-1], -1, self.group)
         g = g * torch.rsqrt(g.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * g.view(h.shape).to(dtype)
+        out = self.weight * g.view(h.shape).to(dtype)
+        return (out.float() * F.silu(z.float())).to(dtype) if self.norm_before_gate else out
 
     def load(self, leaf: str, piece: int, source: Any) -> None:
         _load_exact(self, leaf, source)
 
 
 class Mamba2Mixer(nn.Module):
-    """A Mamba-2 mixer (transformers' `BambaMixer`): in_proj to z | x,B,C | dt; the causal
-    convolution over x,B,C then SiLU; the selective scan with a state `[heads, head_dim, state]`
-    per request (`A = -exp(A_log)`, `dt = softplus(dt + dt_bias)` clamped to `time_step_limit`,
-    the skip `D`); the gated RMSNorm with z; out_proj. Prefill scans in chunks of `mamba_chunk`
-    (the state-space dual form: within a chunk a masked matrix product, across chunks the state
-    carried); decode updates the state of every row at once."""
+    """A Mamba-2 mixer (transformers' `BambaMixer`, `FalconH1Mixer`): in_proj to z | x,B,C | dt;
+    the causal convolution over x,B,C then SiLU; the selective scan with a state
+    `[heads, head_dim, state]` per request (`A = -exp(A_log)`, `dt = softplus(dt + dt_bias)`
+    clamped to `time_step_limit`, the skip `D`); the output gated by z (with the gated RMSNorm of
+    `spec.mamba_norm`, or none); out_proj. Falcon-H1's muP: the input times `ssm_in_multiplier`
+    and in_proj's output times `ssm_multipliers` (z, x, B, C, dt). Prefill scans in chunks of
+    `mamba_chunk` (the state-space dual form: within a chunk a masked matrix product, across
+    chunks the state carried); decode updates the state of every row at once."""
 
     def __init__(self, hidden: int, spec: RecurrentSpec, eps: float, state_index: int) -> None:
         super().__init__()
@@ -166,8 +171,18 @@ class Mamba2Mixer(nn.Module):
         self.dt_bias = nn.Parameter(torch.empty(heads), requires_grad=False)
         self.A_log = nn.Parameter(torch.empty(heads), requires_grad=False)
         self.D = nn.Parameter(torch.empty(heads), requires_grad=False)
-        self.norm = GatedRMSNorm(inner, inner // spec.mamba_groups, eps)
-        self.out_proj = row(inner, hidden, spec.mamba_proj_bias, None, 0)
+        self.norm = (
+            None
+            if spec.mamba_norm == "none"
+            else GatedRMSNorm(inner, inner // spec.mamba_groups, eps, norm_before_gate=spec.mamba_norm == "before_gate")
+        )
+        self.out_proj = row(inner, hidden, spec.mamba_out_bias, None, 0)
+        gn = spec.mamba_groups * spec.mamba_state
+        widths = (inner, inner, gn, gn, heads)  # z, x, B, C, dt
+        self.mup: list[float] | None = None
+        if any(m != 1.0 for m in spec.ssm_multipliers):
+            self.mup = [m for m, w in zip(spec.ssm_multipliers, widths, strict=True) for _ in range(w)]
+        self._mup: torch.Tensor | None = None  # `mup` on the activations' device, made at the first call
 
     def load(self, leaf: str, piece: int, source: Any) -> None:
         _load_exact(self, leaf, source)
@@ -176,7 +191,14 @@ class Mamba2Mixer(nn.Module):
         spec = self.spec
         inner, heads, p, n = spec.mamba_inner, spec.mamba_heads, spec.mamba_head_dim, spec.mamba_state
         gn = spec.mamba_groups * n
-        z, xbc, dt = self.in_proj.forward(h).split([inner, spec.conv_channels, heads], dim=-1)
+        if spec.ssm_in_multiplier != 1.0:
+            h = h * spec.ssm_in_multiplier
+        proj = self.in_proj.forward(h)
+        if self.mup is not None:
+            if self._mup is None or self._mup.device != proj.device:
+                self._mup = torch.tensor(self.mup, dtype=torch.float32, device=proj.device)
+            proj = (proj.float() * self._mup).to(proj.dtype)
+        z, xbc, dt = proj.split([inner, spec.conv_channels, heads], dim=-1)
         xbc = F.silu(causal_conv(xbc, rows.pool.layers[self.state_index], self.conv1d, rows))
         x, b, c = xbc.split([inner, gn, gn], dim=-1)
         t = x.shape[0]
@@ -203,8 +225,10 @@ class Mamba2Mixer(nn.Module):
             out, state = _ssd_scan(xh[rows_], step[rows_], a, bh[rows_], ch[rows_], ssm[slot].float(), spec.mamba_chunk)
             y[rows_] = out
             ssm[slot] = state.to(ssm.dtype)
-        y = y + self.D.float()[None, :, None] * xh
-        return self.out_proj.forward(self.norm.forward(y.reshape(t, inner).to(h.dtype), z))
+        y = (y + self.D.float()[None, :, None] * xh).reshape(t, inner)
+        if self.norm is None:  # Falcon-H1 without mamba_rms_norm: the gate alone
+            return self.out_proj.forward((y * F.silu(z.float())).to(h.dtype))
+        return self.out_proj.forward(self.norm.forward(y.to(h.dtype), z))
 
 
 def _ssd_scan(

@@ -14,7 +14,12 @@ from triollm.engine.execution.models.base import CausalLM
 from triollm.engine.execution.models.gemma import Gemma2ForCausalLM
 from triollm.engine.execution.models.gpt_neox import GPTNeoXForCausalLM
 from triollm.engine.execution.models.gpt_oss import GptOssForCausalLM
-from triollm.engine.execution.models.hybrid import BambaForCausalLM, GraniteMoeHybridForCausalLM, Lfm2ForCausalLM
+from triollm.engine.execution.models.hybrid import (
+    BambaForCausalLM,
+    FalconH1ForCausalLM,
+    GraniteMoeHybridForCausalLM,
+    Lfm2ForCausalLM,
+)
 from triollm.engine.execution.models.llama import LlamaForCausalLM, Phi3ForCausalLM
 from triollm.engine.execution.models.moe import MoEForCausalLM
 from triollm.engine.execution.models.olmo2 import Olmo2ForCausalLM
@@ -53,6 +58,7 @@ MODELS: dict[str, type[CausalLM]] = {
     "Lfm2ForCausalLM": Lfm2ForCausalLM,
     "BambaForCausalLM": BambaForCausalLM,
     "GraniteMoeHybridForCausalLM": GraniteMoeHybridForCausalLM,
+    "FalconH1ForCausalLM": FalconH1ForCausalLM,
 }
 
 

@@ -16,6 +16,13 @@ request's rows and state are (`AttentionMetadata.state_rows`, layers/recurrent.p
   scale, the logits' divisor), and as MLP routed experts (`block_sparse_moe`: `router.layer`,
   `input_linear` gate|up and `output_linear` per expert) plus a shared MLP (`shared_mlp`:
   `input_linear` gate|up stored fused, `output_linear`).
+- Falcon-H1 (`FalconH1ForCausalLM`): every layer both, side by side (`FalconH1DecoderLayer`): the
+  same normed input goes to attention (times `attention_in_multiplier`; keys times
+  `key_multiplier`) and to a Mamba-2 mixer (its own muP multipliers, layers/recurrent.py), and
+  their outputs, each times its multiplier, are added to the residual; every layer has a KV cache
+  layer and a state. The MLP `feed_forward` scales its gate and output (`mlp_multipliers`), the
+  logits are times `lm_head_multiplier`; norms `input_layernorm` / `pre_ff_layernorm`, the final
+  norm `final_layernorm`.
 """
 
 from __future__ import annotations
@@ -35,7 +42,13 @@ from triollm.engine.execution.models.moe import SparseMoeBlock
 from triollm.engine.loading.model_config import ModelConfig
 from triollm.kernels import KVCache
 
-__all__ = ["BambaForCausalLM", "GraniteMoeHybridForCausalLM", "HybridForCausalLM", "Lfm2ForCausalLM"]
+__all__ = [
+    "BambaForCausalLM",
+    "FalconH1ForCausalLM",
+    "GraniteMoeHybridForCausalLM",
+    "HybridForCausalLM",
+    "Lfm2ForCausalLM",
+]
 
 _SHARED_EXPERTS = ("GraniteMoeHybridForCausalLM",)
 
@@ -98,13 +111,19 @@ class HybridForCausalLM(CausalLM):
     def make_layer(self, cfg: ModelConfig, index: int, shard: TPShard | None) -> nn.Module:
         if shard is not None:
             raise ValueError(f"tensor_parallel_size: {cfg.architecture} is not supported with tensor parallelism")
+        kv_index, state_index = self.layer_slots(cfg, index)
+        return HybridDecoderLayer(cfg, index, kv_index, 0 if state_index is None else state_index)
+
+    @staticmethod
+    def layer_slots(cfg: ModelConfig, index: int) -> tuple[int | None, int | None]:
+        """Layer `index`'s KV cache layer and its first tensor in the state pool (None: it has none)."""
         assert cfg.recurrent is not None
-        kv_layers = cfg.kv_layers
-        if index in kv_layers:
-            return HybridDecoderLayer(cfg, index, kv_layers.index(index), 0)
+        kv_layers, state_layers = cfg.kv_layers, cfg.state_layers
         per_layer = len(cfg.recurrent.state_shapes(cfg.hidden_size))
-        before = sum(i not in kv_layers for i in range(index))  # recurrent layers before this one
-        return HybridDecoderLayer(cfg, index, None, before * per_layer)
+        return (
+            kv_layers.index(index) if index in kv_layers else None,
+            state_layers.index(index) * per_layer if index in state_layers else None,
+        )
 
     def remap(self, name: str) -> str | None:
         for theirs, ours in self.renames:
@@ -154,3 +173,93 @@ class GraniteMoeHybridForCausalLM(HybridForCausalLM):
         if module.endswith("mlp.shared.gate_up_proj"):  # gate | up in one checkpoint tensor
             return [self.cfg.intermediate_size] * 2
         return None
+
+
+class ScaledKeyAttention(SelfAttention):
+    """Falcon-H1's attention: Llama's, with the keys times `key_multiplier` before RoPE."""
+
+    def __init__(self, cfg: ModelConfig, layer: int, key_multiplier: float) -> None:
+        super().__init__(cfg, layer, None)
+        self.key_multiplier = key_multiplier
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        ropes: list[RopeStep],
+        meta: AttentionMetadata,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+    ) -> torch.Tensor:
+        qkv = self.qkv_proj.forward(x)
+        if self.key_multiplier != 1.0:
+            h, kvh, hd = self.num_heads, self.num_kv_heads, self.head_dim
+            qkv[:, h * hd : (h + kvh) * hd].mul_(self.key_multiplier)
+        out = self.attn.forward(qkv, ropes[self.rope_index], meta, k_cache, v_cache)
+        return self.o_proj.forward(out)
+
+
+class MultipliedMLP(GatedMLP):
+    """Falcon-H1's MLP: down(silu(gate(x) * gate_multiplier) * up(x)) * down_multiplier."""
+
+    def __init__(self, cfg: ModelConfig, gate_multiplier: float, down_multiplier: float) -> None:
+        super().__init__(cfg, None)
+        self.gate_multiplier, self.down_multiplier = gate_multiplier, down_multiplier
+        self.intermediate = cfg.intermediate_size
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate_up = self.gate_up_proj.forward(x)
+        if self.gate_multiplier != 1.0:
+            gate_up[:, : self.intermediate].mul_(self.gate_multiplier)
+        out = self.down_proj.forward(self.act(gate_up))
+        return out if self.down_multiplier == 1.0 else out * self.down_multiplier
+
+
+class FalconH1DecoderLayer(nn.Module):
+    """Attention and a Mamba-2 mixer side by side on the same normed input (module note)."""
+
+    def __init__(self, cfg: ModelConfig, index: int, kv_index: int, state_index: int) -> None:
+        super().__init__()
+        spec = cfg.recurrent
+        assert spec is not None and spec.falcon is not None
+        self.kv_index, self.mult = kv_index, spec.falcon
+        self.self_attn = ScaledKeyAttention(cfg, index, spec.falcon.key)
+        self.mamba = Mamba2Mixer(cfg.hidden_size, spec, cfg.rms_norm_eps, state_index)
+        self.mlp = MultipliedMLP(cfg, spec.falcon.mlp_gate, spec.falcon.mlp_down)
+        exact = cfg.quantization is None
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, exact=exact)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, exact=exact)
+
+    def forward(self, x: torch.Tensor, ropes: list[RopeStep], meta: AttentionMetadata, kv: KVCache) -> torch.Tensor:
+        mult = self.mult
+        h = self.input_layernorm.forward(x, meta.triton)
+        assert meta.state_rows is not None
+        mixed = self.mamba.forward(h, meta.state_rows)
+        if mult.ssm_out != 1.0:
+            mixed = mixed * mult.ssm_out
+        attn_in = h if mult.attention_in == 1.0 else h * mult.attention_in
+        attended = self.self_attn.forward(attn_in, ropes, meta, kv.k[self.kv_index], kv.v[self.kv_index])
+        if mult.attention_out != 1.0:
+            attended = attended * mult.attention_out
+        normed, x = self.post_attention_layernorm.add_forward(mixed + attended, x, meta.triton)
+        return x + self.mlp.forward(normed)
+
+
+class FalconH1ForCausalLM(HybridForCausalLM):
+    renames = (
+        ("model.final_layernorm.", "model.norm."),
+        (".pre_ff_layernorm.", ".post_attention_layernorm."),
+        (".feed_forward.", ".mlp."),
+    )
+
+    def make_layer(self, cfg: ModelConfig, index: int, shard: TPShard | None) -> nn.Module:
+        if shard is not None:
+            raise ValueError(f"tensor_parallel_size: {cfg.architecture} is not supported with tensor parallelism")
+        kv_index, state_index = self.layer_slots(cfg, index)
+        assert kv_index is not None and state_index is not None  # every layer has both
+        return FalconH1DecoderLayer(cfg, index, kv_index, state_index)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = super().compute_logits(hidden)
+        spec = self.cfg.recurrent
+        assert spec is not None and spec.falcon is not None
+        return logits if spec.falcon.lm_head == 1.0 else logits * spec.falcon.lm_head
