@@ -2,7 +2,7 @@
 client), quality (quantized weights against the dense model), soak (a mixed hostile load with leak
 checks), moe (the routed-experts block by expert count), lora (adapters against the base model),
 step (where a batch-N decode step's time goes, against its floors), embed (LLM.embed beside
-sentence-transformers).
+sentence-transformers), vision (time to first token with an image, cold and repeated).
 
 The rule: a benchmark uses what a user can: `triollm`'s exports (`LLM`, `AsyncLLM`, `EngineArgs`,
 `SamplingParams`), the HTTP server (serve and soak are clients of `triollm serve`), the vLLM
@@ -27,13 +27,14 @@ from triollm.bench.serve import add_serve_bench_parser
 from triollm.bench.soak import add_soak_parser
 from triollm.bench.step import add_step_parser
 from triollm.bench.throughput import add_throughput_parsers
+from triollm.bench.vision import add_vision_parser
 
 __all__ = ["add_bench_parser"]
 
 
 def add_bench_parser(sub: Any) -> None:
     bench = sub.add_parser(
-        "bench", help="benchmarks (throughput, latency, pipeline, serve, quality, soak, moe, lora, step, embed)"
+        "bench", help="benchmarks (throughput, latency, pipeline, serve, quality, soak, moe, lora, step, embed, vision)"
     )
     kinds = bench.add_subparsers(dest="bench", required=True)
     add_throughput_parsers(kinds)
@@ -46,3 +47,4 @@ def add_bench_parser(sub: Any) -> None:
     add_lora_parser(kinds)
     add_step_parser(kinds)
     add_embed_parser(kinds)
+    add_vision_parser(kinds)
