@@ -707,7 +707,11 @@ async def _run_soak(opts: SoakOptions, rng: random.Random, tally: Tally, work: P
         server = await anyio.to_thread.run_sync(_Server, opts, serve_args, env)
     root = server.url
     ipc_before = set(glob.glob(os.path.join(tempfile.gettempdir(), f"triollm-{server.proc.pid}-*")))
-    limits = httpx.Limits(max_connections=opts.streams + 16)
+    # The client drops an idle pooled connection before the server's keep-alive timer (5 s by
+    # default) closes it: with equal timers a request sent on a connection the server is closing
+    # at that moment ends in a ReadError that is the race's, not the server's (httpx retries no
+    # request; the one /health ReadError of a 30-minute run, docs/reliability.md, fits it).
+    limits = httpx.Limits(max_connections=opts.streams + 16, keepalive_expiry=2.0)
     headers = {"authorization": f"Bearer {key_a}"}
     async with httpx.AsyncClient(timeout=httpx.Timeout(opts.hang_after), limits=limits, headers=headers) as client:
         model = (await client.get(root + "/v1/models")).json()["data"][0]["id"]
