@@ -15,7 +15,9 @@ says otherwise.
 
 Falcon-H1 (`FalconH1ForCausalLM`) runs attention and a Mamba-2 mixer side by side in every layer
 (layer type "hybrid": a KV cache layer and a state both), each with its muP multipliers
-(`FalconH1Multipliers`; `_parse_falcon_h1`).
+(`FalconH1Multipliers`; `_parse_falcon_h1`). Qwen3-Next (`Qwen3NextForCausalLM`) interleaves
+gated attention with gated DeltaNet layers ("linear_attention": a convolution state and a
+key x value matrix per value head; `_parse_qwen3_next`).
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from triollm.engine.loading.config_checks import read_bool as _bool
 from triollm.engine.loading.config_checks import read_eps as _eps
 from triollm.engine.loading.config_checks import read_int as _int
 from triollm.engine.loading.hf_families import MoESpec
-from triollm.engine.loading.rope_config import parse_rope
+from triollm.engine.loading.rope_config import parse_rope, partial_rotary_factor
 
 __all__ = [
     "RECURRENT_ARCHITECTURES",
@@ -41,7 +43,7 @@ __all__ = [
     "parse_recurrent",
 ]
 
-RECURRENT_LAYER_TYPES = ("conv", "mamba")  # layers with a state of their own and no KV cache
+RECURRENT_LAYER_TYPES = ("conv", "mamba", "linear_attention")  # layers with a state and no KV cache
 # Layers that keep a state: the recurrent ones, and Falcon-H1's "hybrid" layers (attention and a
 # Mamba-2 mixer in one layer: a KV cache layer too).
 STATE_LAYER_TYPES = (*RECURRENT_LAYER_TYPES, "hybrid")
@@ -50,6 +52,7 @@ RECURRENT_ARCHITECTURES = {  # architecture -> model_type
     "BambaForCausalLM": "bamba",
     "GraniteMoeHybridForCausalLM": "granitemoehybrid",
     "FalconH1ForCausalLM": "falcon_h1",
+    "Qwen3NextForCausalLM": "qwen3_next",
 }
 # A Mamba-2 hybrid's layer types as config.json spells them (Granite 4.0-H: "mamba", "attention").
 _MAMBA_TYPES = {
@@ -79,7 +82,8 @@ class FalconH1Multipliers:
 @dataclass(frozen=True)
 class RecurrentSpec:
     """The per-request state of a hybrid model's recurrent layers: LFM2's short convolutions
-    (`kind` "short_conv") or Mamba-2 mixers ("mamba2": Bamba)."""
+    (`kind` "short_conv"), Mamba-2 mixers ("mamba2": Bamba, Granite 4.0-H, Falcon-H1) or gated
+    DeltaNets ("gated_deltanet": Qwen3-Next)."""
 
     kind: str
     conv_kernel: int  # a convolution reads this many positions (its state: the last kernel - 1 inputs)
@@ -101,6 +105,12 @@ class RecurrentSpec:
     ssm_in_multiplier: float = 1.0
     ssm_multipliers: tuple[float, float, float, float, float] = (1.0, 1.0, 1.0, 1.0, 1.0)
     falcon: FalconH1Multipliers | None = None  # Falcon-H1's multipliers outside the mixer
+    # Gated DeltaNet only: q and k per key head, v per value head (a group of them per key head).
+    delta_key_heads: int = 0
+    delta_value_heads: int = 0
+    delta_key_dim: int = 0
+    delta_value_dim: int = 0
+    delta_chunk: int = 64  # the chunked delta rule's chunk in prefill (transformers' too; an order only)
 
     @property
     def mamba_inner(self) -> int:
@@ -108,15 +118,22 @@ class RecurrentSpec:
 
     @property
     def conv_channels(self) -> int:
-        """Channels the convolution runs over: Mamba-2's x|B|C (LFM2's: the hidden size)."""
+        """Channels the convolution runs over: Mamba-2's x|B|C, a DeltaNet's q|k|v (LFM2's: the
+        hidden size)."""
+        if self.kind == "gated_deltanet":
+            return 2 * self.delta_key_heads * self.delta_key_dim + self.delta_value_heads * self.delta_value_dim
         return self.mamba_inner + 2 * self.mamba_groups * self.mamba_state
 
     def state_shapes(self, hidden: int) -> list[tuple[int, ...]]:
         """One recurrent layer's states for one request: the convolution's last kernel - 1
-        inputs, and a Mamba-2 mixer's SSM state `[heads, head_dim, state]`."""
+        inputs, and a Mamba-2 mixer's SSM state `[heads, head_dim, state]` or a DeltaNet's
+        `[value heads, key dim, value dim]`."""
         if self.kind == "short_conv":
             return [(hidden, self.conv_kernel - 1)]
-        return [(self.conv_channels, self.conv_kernel - 1), (self.mamba_heads, self.mamba_head_dim, self.mamba_state)]
+        conv = (self.conv_channels, self.conv_kernel - 1)
+        if self.kind == "gated_deltanet":
+            return [conv, (self.delta_value_heads, self.delta_key_dim, self.delta_value_dim)]
+        return [conv, (self.mamba_heads, self.mamba_head_dim, self.mamba_state)]
 
 
 def parse_recurrent(arch: str, hf: Mapping[str, Any]) -> dict[str, Any]:
@@ -126,6 +143,8 @@ def parse_recurrent(arch: str, hf: Mapping[str, Any]) -> dict[str, Any]:
         return _parse_mamba_hybrid(arch, hf)
     if arch == "FalconH1ForCausalLM":
         return _parse_falcon_h1(arch, hf)
+    if arch == "Qwen3NextForCausalLM":
+        return _parse_qwen3_next(arch, hf)
     return _parse_lfm2(arch, hf)
 
 
@@ -381,6 +400,112 @@ def _parse_falcon_h1(arch: str, hf: Mapping[str, Any]) -> dict[str, Any]:
                 mlp_down=mlp[1],
                 lm_head=_finite(hf, "lm_head_multiplier"),
             ),
+        ),
+    )
+
+
+_QWEN3_NEXT_LAYER_TYPES = ("linear_attention", "full_attention")
+
+
+def _parse_qwen3_next(arch: str, hf: Mapping[str, Any]) -> dict[str, Any]:
+    """Qwen3-Next as transformers' `Qwen3NextConfig` reads it: `layer_types` (or every
+    `full_attention_interval`-th layer full attention, the others linear) of gated attention
+    (q_proj gives each head's query and a sigmoid output gate; q/k RMSNorm per head; partial
+    rotary, `partial_rotary_factor` 0.25 when absent) and gated DeltaNet (`linear_*`); every
+    RMSNorm scales by (1 + w) but the DeltaNet's gated one; routed experts (softmax top-k,
+    `norm_topk_prob`) plus a shared expert scaled by sigmoid(`shared_expert_gate`) on the layers
+    off `mlp_only_layers` and on `decoder_sparse_step`, a dense MLP elsewhere or with no experts.
+    The multi-token-prediction head (`mtp_*`, `mtp.*` tensors) is not run."""
+    if hf.get("quantization_config"):
+        raise ValueError(f"quantization_config: quantized checkpoints of {arch} are not supported")
+    if hf.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"hidden_act: {hf.get('hidden_act')!r} is not supported for {arch}; supported: silu")
+    hidden = _int(hf, "hidden_size", 2048)
+    num_heads = _int(hf, "num_attention_heads", 16)
+    num_layers = _int(hf, "num_hidden_layers", 48)
+    num_kv_heads = _int(hf, "num_key_value_heads", 2, null=num_heads)
+    if num_heads % num_kv_heads:
+        raise ValueError(f"num_key_value_heads: {num_kv_heads} does not divide num_attention_heads {num_heads}")
+    head_dim = _int(hf, "head_dim", 256)
+    layer_types = hf.get("layer_types")
+    if layer_types is None:
+        interval = _int(hf, "full_attention_interval", 4)
+        layer_types = ["linear_attention" if (i + 1) % interval else "full_attention" for i in range(num_layers)]
+    if (
+        not isinstance(layer_types, list)
+        or len(layer_types) != num_layers
+        or any(t not in _QWEN3_NEXT_LAYER_TYPES for t in layer_types)
+    ):
+        raise ValueError(
+            f"layer_types: expected {num_layers} of {', '.join(_QWEN3_NEXT_LAYER_TYPES)}, got {layer_types!r:.80}"
+        )
+    if "full_attention" not in layer_types:
+        raise ValueError(f"layer_types: {arch} needs at least one full_attention layer")
+    max_pos = _int(hf, "max_position_embeddings", 32768)
+    rope_params = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    if "partial_rotary_factor" not in hf and not (
+        isinstance(rope_params, Mapping) and "partial_rotary_factor" in rope_params
+    ):
+        hf = {**hf, "partial_rotary_factor": 0.25}  # transformers' default for Qwen3-Next
+    rotary = int(head_dim * partial_rotary_factor(hf))
+    if rotary <= 0 or rotary % 2:
+        raise ValueError(f"partial_rotary_factor: {partial_rotary_factor(hf)} gives {rotary} rotary dimensions")
+    key_heads = _int(hf, "linear_num_key_heads", 16)
+    value_heads = _int(hf, "linear_num_value_heads", 32)
+    if value_heads % key_heads:
+        raise ValueError(
+            f"linear_num_value_heads: {value_heads} is not a multiple of linear_num_key_heads {key_heads}"
+        )
+    experts = _int(hf, "num_experts", 512, minimum=0)
+    moe = None
+    if experts:
+        top_k = _int(hf, "num_experts_per_tok", 10)
+        if top_k > experts:
+            raise ValueError(f"num_experts_per_tok: {top_k} is more than num_experts {experts}")
+        step = _int(hf, "decoder_sparse_step", 1)
+        dense = hf.get("mlp_only_layers") or []
+        if not isinstance(dense, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in dense):
+            raise ValueError(f"mlp_only_layers: expected a list of layer indices, got {dense!r:.80}")
+        moe = MoESpec(
+            num_experts=experts,
+            top_k=top_k,
+            intermediate_size=_int(hf, "moe_intermediate_size", 512),
+            renormalize=_bool(hf, "norm_topk_prob", True),
+            sparse_layers=tuple(i not in dense and (i + 1) % step == 0 for i in range(num_layers)),
+            shared_intermediate_size=_int(hf, "shared_expert_intermediate_size", 512),
+            shared_gate=True,
+        )
+    attention_bias = _bool(hf, "attention_bias", False)
+    return dict(
+        hidden_size=hidden,
+        intermediate_size=_int(hf, "intermediate_size", 5632),
+        num_layers=num_layers,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        vocab_size=_int(hf, "vocab_size", 151936),
+        rms_norm_eps=_eps(hf, 1e-6),
+        rope=parse_rope(hf, max_pos, allow_partial=True),
+        max_position_embeddings=max_pos,
+        tie_word_embeddings=_bool(hf, "tie_word_embeddings", False),
+        qkv_bias=attention_bias,
+        o_proj_bias=attention_bias,
+        mlp_bias=False,
+        sliding_window=None,
+        encoder=None,
+        layer_types=tuple(layer_types),
+        rotary_dim=None if rotary == head_dim else rotary,
+        qk_norm="head",
+        norm_offset=True,
+        moe=moe,
+        recurrent=RecurrentSpec(
+            "gated_deltanet",
+            conv_kernel=_int(hf, "linear_conv_kernel_dim", 4, minimum=2),
+            conv_bias=False,
+            delta_key_heads=key_heads,
+            delta_value_heads=value_heads,
+            delta_key_dim=_int(hf, "linear_key_head_dim", 128),
+            delta_value_dim=_int(hf, "linear_value_head_dim", 128),
         ),
     )
 

@@ -169,7 +169,7 @@ REFUSED = [
     (_config("GraniteForCausalLM", logits_scaling=0), "logits_scaling"),
     # No native class and nothing the Transformers backend can page (model_impl "auto").
     (
-        _config("Qwen3NextForCausalLM", layer_types=["linear_attention", "full_attention"]),
+        _config("MiniMaxForCausalLM", layer_types=["linear_attention", "full_attention"]),
         "layer_types: 'linear_attention' layers cannot be paged",
     ),
 ]

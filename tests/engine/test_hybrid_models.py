@@ -25,6 +25,7 @@ from triollm.engine.execution.models.hybrid import (
     FalconH1ForCausalLM,
     GraniteMoeHybridForCausalLM,
     Lfm2ForCausalLM,
+    Qwen3NextForCausalLM,
 )
 from triollm.engine.loading.model_config import ModelConfig
 from triollm.engine.request import EngineCoreRequest
@@ -124,6 +125,47 @@ def make_falcon_h1(path: Path, seed: int = 0, **fields: object) -> Path:
     return path
 
 
+def make_qwen3_next(path: Path, seed: int = 0, interval: int | None = None, **fields: object) -> Path:
+    """A tiny Qwen3-Next: gated DeltaNet layers (2 key heads, each serving 2 value heads of another
+    width) around gated attention with partial rotary, routed experts plus the gated shared expert
+    and one dense layer, and a multi-token-prediction tensor (skipped). `interval`: config.json
+    without `layer_types` and `partial_rotary_factor`, as the released ones (their defaults)."""
+    import json
+
+    import transformers
+    from safetensors.torch import load_file, save_file
+
+    eos = write_tokenizer(path)
+    settings: dict[str, object] = {
+        "hidden_size": 64, "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "head_dim": 16, "intermediate_size": 96,
+        "layer_types": ["linear_attention", "full_attention", "linear_attention", "linear_attention"],
+        "linear_key_head_dim": 8, "linear_value_head_dim": 12, "linear_num_key_heads": 2,
+        "linear_num_value_heads": 4, "linear_conv_kernel_dim": 4, "num_experts": 4, "num_experts_per_tok": 2,
+        "moe_intermediate_size": 32, "shared_expert_intermediate_size": 48, "mlp_only_layers": [2], **fields,
+    }  # fmt: skip
+    if interval is not None:  # the layers transformers derives from it
+        settings["layer_types"] = ["linear_attention" if (i + 1) % interval else "full_attention" for i in range(4)]
+    cfg = transformers.Qwen3NextConfig(
+        vocab_size=build_tokenizer().get_vocab_size(), max_position_embeddings=512, bos_token_id=None,
+        eos_token_id=eos, pad_token_id=None, dtype="float32", **settings,
+    )  # fmt: skip
+    cfg.architectures = ["Qwen3NextForCausalLM"]
+    model = transformers.Qwen3NextForCausalLM(cfg).to(torch.float32)
+    _redraw(model, seed)
+    model.save_pretrained(path)
+    tensors = load_file(path / "model.safetensors")
+    tensors["mtp.fc.weight"] = torch.zeros(64, 128)  # what a released checkpoint's MTP head adds
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    if interval is not None:
+        raw = json.loads((path / "config.json").read_text())
+        del raw["layer_types"]
+        raw["rope_parameters"].pop("partial_rotary_factor")
+        raw["full_attention_interval"] = interval
+        (path / "config.json").write_text(json.dumps(raw))
+    return path
+
+
 def _redraw(model: torch.nn.Module, seed: int) -> None:
     """Weights at scales where greedy picks are not near-ties."""
     g = torch.Generator().manual_seed(seed)
@@ -160,6 +202,17 @@ CASES = {
         {"mamba_rms_norm": False, "projectors_bias": True, "mamba_proj_bias": True, "attention_bias": True,
          "mamba_conv_bias": False, "tie_word_embeddings": True, "mamba_n_groups": 1},
     ),
+    "qwen3-next": (make_qwen3_next, Qwen3NextForCausalLM, {}),
+    "qwen3-next-dense-one-group-biases-tied": (
+        make_qwen3_next, Qwen3NextForCausalLM,
+        {"num_experts": 0, "linear_num_key_heads": 4, "partial_rotary_factor": 0.5, "attention_bias": True,
+         "tie_word_embeddings": True, "layer_types": ["full_attention", "linear_attention", "full_attention",
+                                                      "linear_attention"]},
+    ),
+    "qwen3-next-interval-sparse-step": (
+        make_qwen3_next, Qwen3NextForCausalLM,
+        {"interval": 2, "decoder_sparse_step": 2, "norm_topk_prob": False, "mlp_only_layers": []},
+    ),
     "falcon-h1-norm-after-gate-expand": (
         make_falcon_h1, FalconH1ForCausalLM,
         {"mamba_norm_before_gate": False, "mamba_d_ssm": None, "mamba_expand": 2, "mamba_n_heads": 8, "head_dim": None,
@@ -188,7 +241,9 @@ def test_hybrids_give_transformers_tokens_through_chunks_and_preemption(tmp_path
 
 
 @pytest.mark.parametrize(
-    ("make", "tokens"), [(make_lfm2, 8), (make_bamba, 10), (make_falcon_h1, 10)], ids=["lfm2", "bamba", "falcon-h1"]
+    ("make", "tokens"),
+    [(make_lfm2, 8), (make_bamba, 10), (make_falcon_h1, 10), (make_qwen3_next, 10)],
+    ids=["lfm2", "bamba", "falcon-h1", "qwen3-next"],
 )
 def test_requests_sharing_two_slots_each_match_alone(tmp_path: Path, make, tokens: int) -> None:
     """States across a decode batch, prefills beside decodes and slot reuse (two slots for three
@@ -251,7 +306,7 @@ def test_the_kv_cache_holds_only_the_attention_layers(tmp_path: Path) -> None:
         core.close()
 
 
-@pytest.mark.parametrize("make", [make_lfm2, make_falcon_h1], ids=["lfm2", "falcon-h1"])
+@pytest.mark.parametrize("make", [make_lfm2, make_falcon_h1, make_qwen3_next], ids=["lfm2", "falcon-h1", "qwen3-next"])
 def test_hybrids_through_llm(tmp_path: Path, make) -> None:
     from triollm import LLM
 
@@ -329,6 +384,62 @@ def test_falcon_h1_configs_are_checked_at_load(tmp_path: Path, field: str, value
     (path / "config.json").write_text(json.dumps(raw))
     with pytest.raises(ValueError, match=match):
         ModelConfig.from_pretrained(path, max_model_len=96)
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "match"),
+    [
+        ("linear_num_value_heads", 3, r"linear_num_value_heads: 3 is not a multiple of linear_num_key_heads 2"),
+        ("layer_types", ["linear_attention"] * 4, r"layer_types: Qwen3NextForCausalLM needs at least one full_att"),
+        ("layer_types", ["linear_attention", "mamba", "full_attention", "full_attention"], r"layer_types: expected 4"),
+        ("num_experts_per_tok", 5, r"num_experts_per_tok: 5 is more than num_experts 4"),
+        ("mlp_only_layers", "all", r"mlp_only_layers: expected a list of layer indices"),
+        ("rope_parameters", {"rope_theta": 1e4, "partial_rotary_factor": 0.01}, r"partial_rotary_factor: 0.01 gives 0"),
+        ("head_dim", None, r"head_dim: expected an integer >= 1"),
+        ("linear_conv_kernel_dim", 1, r"linear_conv_kernel_dim: expected an integer >= 2"),
+        ("hidden_act", "gelu", r"hidden_act: 'gelu' is not supported for Qwen3NextForCausalLM"),
+        ("quantization_config", {"quant_method": "fp8"}, r"quantization_config: quantized checkpoints of Qwen3Next"),
+    ],
+)
+def test_qwen3_next_configs_are_checked_at_load(tmp_path: Path, field: str, value: object, match: str) -> None:
+    import json
+
+    path = make_qwen3_next(tmp_path / "qwen3-next")
+    raw = json.loads((path / "config.json").read_text())
+    raw[field] = value
+    (path / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(ValueError, match=match):
+        ModelConfig.from_pretrained(path, max_model_len=96)
+
+
+@pytest.mark.parametrize("chunk", [7, 64])
+def test_the_chunked_delta_rule_is_transformers_recurrence(chunk: int) -> None:
+    """Prefill's chunked delta rule from a state, chunks cut mid-sequence, against transformers'
+    per-token `torch_recurrent_gated_delta_rule`; and decode's batched step against the same."""
+    from transformers.models.qwen3_next.modeling_qwen3_next import torch_recurrent_gated_delta_rule
+
+    from triollm.engine.execution.layers.gated_deltanet import chunk_delta_rule, recurrent_delta_rule
+
+    g = torch.Generator().manual_seed(chunk)
+    t, heads, dk, dv = 150, 3, 8, 12
+    q, k = (torch.nn.functional.normalize(torch.randn(t, heads, dk, generator=g), dim=-1) for _ in range(2))
+    v = torch.randn(t, heads, dv, generator=g)
+    decay = -torch.rand(t, heads, generator=g) * 0.5
+    beta = torch.rand(t, heads, generator=g)
+    state = torch.randn(heads, dk, dv, generator=g)
+    ref, ref_state = torch_recurrent_gated_delta_rule(
+        q[None], k[None], v[None], decay[None], beta[None], initial_state=state[None], output_final_state=True
+    )
+    out, final = chunk_delta_rule(q * dk**-0.5, k, v, decay, beta, state, chunk)
+    torch.testing.assert_close(out, ref[0], atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(final, ref_state[0], atol=2e-5, rtol=1e-4)
+    s, step = recurrent_delta_rule(q[:1] * dk**-0.5, k[:1], v[:1], decay[:1], beta[:1], state[None])
+    first, first_state = torch_recurrent_gated_delta_rule(
+        q[None, :1], k[None, :1], v[None, :1], decay[None, :1], beta[None, :1], initial_state=state[None],
+        output_final_state=True,
+    )  # fmt: skip
+    torch.testing.assert_close(step, first[0], atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(s, first_state, atol=2e-5, rtol=1e-4)
 
 
 def test_state_slots_follow_the_blocks() -> None:

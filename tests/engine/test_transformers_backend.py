@@ -302,7 +302,7 @@ def _config_dir(tmp_path: Path, config_class: str, arch: str, **fields: Any) -> 
 
 SMALL = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "vocab_size": 384}
 REFUSED = [
-    ("Qwen3NextConfig", "Qwen3NextForCausalLM", {**SMALL, "layer_types": ["linear_attention", "full_attention"]},
+    ("MiniMaxConfig", "MiniMaxForCausalLM", {**SMALL, "layer_types": ["linear_attention", "full_attention"]},
      r"layer_types: 'linear_attention' layers cannot be paged"),
     ("BartConfig", "BartForCausalLM", {"vocab_size": 384}, r"is_encoder_decoder: BartForCausalLM is an encoder-"),
     ("Llama4TextConfig", "Llama4ForCausalLM", {**SMALL, "num_key_value_heads": 4, "attention_chunk_size": None,

@@ -36,7 +36,7 @@ from torch import nn
 from triollm.engine.execution.layers.linear import column, row
 from triollm.engine.loading.hf_recurrent import RecurrentSpec
 
-__all__ = ["Mamba2Mixer", "ShortConv", "StatePool", "StateRows", "causal_conv"]
+__all__ = ["Mamba2Mixer", "ShortConv", "StatePool", "StateRows", "causal_conv", "load_exact"]
 
 
 class StatePool:
@@ -149,7 +149,7 @@ class GatedRMSNorm(nn.Module):
         return (out.float() * F.silu(z.float())).to(dtype) if self.norm_before_gate else out
 
     def load(self, leaf: str, piece: int, source: Any) -> None:
-        _load_exact(self, leaf, source)
+        load_exact(self, leaf, source)
 
 
 class Mamba2Mixer(nn.Module):
@@ -185,7 +185,7 @@ class Mamba2Mixer(nn.Module):
         self._mup: torch.Tensor | None = None  # `mup` on the activations' device, made at the first call
 
     def load(self, leaf: str, piece: int, source: Any) -> None:
-        _load_exact(self, leaf, source)
+        load_exact(self, leaf, source)
 
     def forward(self, h: torch.Tensor, rows: StateRows) -> torch.Tensor:
         spec = self.spec
@@ -264,7 +264,7 @@ def _ssd_scan(
     return y, state
 
 
-def _load_exact(module: nn.Module, leaf: str, source: Any) -> None:
+def load_exact(module: nn.Module, leaf: str, source: Any) -> None:
     param = getattr(module, leaf)
     tensor = source[:]
     if tuple(tensor.shape) != tuple(param.shape):

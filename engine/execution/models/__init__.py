@@ -19,6 +19,7 @@ from triollm.engine.execution.models.hybrid import (
     FalconH1ForCausalLM,
     GraniteMoeHybridForCausalLM,
     Lfm2ForCausalLM,
+    Qwen3NextForCausalLM,
 )
 from triollm.engine.execution.models.llama import LlamaForCausalLM, Phi3ForCausalLM
 from triollm.engine.execution.models.moe import MoEForCausalLM
@@ -59,6 +60,7 @@ MODELS: dict[str, type[CausalLM]] = {
     "BambaForCausalLM": BambaForCausalLM,
     "GraniteMoeHybridForCausalLM": GraniteMoeHybridForCausalLM,
     "FalconH1ForCausalLM": FalconH1ForCausalLM,
+    "Qwen3NextForCausalLM": Qwen3NextForCausalLM,
 }
 
 

@@ -23,6 +23,12 @@ request's rows and state are (`AttentionMetadata.state_rows`, layers/recurrent.p
   layer and a state. The MLP `feed_forward` scales its gate and output (`mlp_multipliers`), the
   logits are times `lm_head_multiplier`; norms `input_layernorm` / `pre_ff_layernorm`, the final
   norm `final_layernorm`.
+- Qwen3-Next (`Qwen3NextForCausalLM`): gated attention (`GatedAttention`: q_proj gives each head's
+  query and an output gate, sigmoid(gate) scales the attention's output; q/k RMSNorm per head;
+  partial rotary) and gated DeltaNet layers (`linear_attn`, layers/gated_deltanet.py); every
+  RMSNorm but the DeltaNet's scales by (1 + w); as MLP Qwen2-MoE's routed experts plus a shared
+  expert under a sigmoid gate (models/moe.py), or a dense one off the sparse layers. The
+  checkpoint's multi-token-prediction tensors (`mtp.*`) are skipped.
 """
 
 from __future__ import annotations
@@ -34,10 +40,11 @@ from torch import nn
 
 from triollm.engine.distributed.sharding import TPShard
 from triollm.engine.execution.layers.attention import AttentionMetadata
+from triollm.engine.execution.layers.gated_deltanet import GatedDeltaNet, ReorderedLinear
 from triollm.engine.execution.layers.norm import RMSNorm
 from triollm.engine.execution.layers.recurrent import Mamba2Mixer, ShortConv
 from triollm.engine.execution.layers.rotary import RopeStep
-from triollm.engine.execution.models.base import CausalLM, GatedMLP, SelfAttention
+from triollm.engine.execution.models.base import STACKED, CausalLM, GatedMLP, SelfAttention
 from triollm.engine.execution.models.moe import SparseMoeBlock
 from triollm.engine.loading.model_config import ModelConfig
 from triollm.kernels import KVCache
@@ -48,9 +55,11 @@ __all__ = [
     "GraniteMoeHybridForCausalLM",
     "HybridForCausalLM",
     "Lfm2ForCausalLM",
+    "Qwen3NextForCausalLM",
 ]
 
 _SHARED_EXPERTS = ("GraniteMoeHybridForCausalLM",)
+_GATED_ATTENTION = ("Qwen3NextForCausalLM",)
 
 
 class SharedExpertMLP(nn.Module):
@@ -73,19 +82,27 @@ class HybridDecoderLayer(nn.Module):
         self.self_attn: SelfAttention | None = None
         self.conv: ShortConv | None = None
         self.mamba: Mamba2Mixer | None = None
+        self.linear_attn: GatedDeltaNet | None = None
         spec = cfg.recurrent
         assert spec is not None
         if kv_index is not None:
-            self.self_attn = SelfAttention(cfg, index, None)
+            gated = cfg.architecture in _GATED_ATTENTION
+            self.self_attn = GatedAttention(cfg, index) if gated else SelfAttention(cfg, index, None)
         elif spec.kind == "short_conv":
             self.conv = ShortConv(cfg.hidden_size, spec.conv_kernel, spec.conv_bias, state_index)
+        elif spec.kind == "gated_deltanet":
+            self.linear_attn = GatedDeltaNet(cfg.hidden_size, spec, cfg.rms_norm_eps, state_index)
         else:
             self.mamba = Mamba2Mixer(cfg.hidden_size, spec, cfg.rms_norm_eps, state_index)
-        self.mlp: nn.Module = SharedExpertMLP(cfg) if cfg.architecture in _SHARED_EXPERTS else GatedMLP(cfg, None)
+        self.mlp: nn.Module = GatedMLP(cfg, None)
+        if cfg.architecture in _SHARED_EXPERTS:
+            self.mlp = SharedExpertMLP(cfg)
+        elif cfg.moe is not None and cfg.moe.sparse_layers[index]:  # Qwen3-Next
+            self.mlp = SparseMoeBlock(cfg)
         self.residual_multiplier = cfg.residual_multiplier
-        exact = cfg.quantization is None
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, exact=exact)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, exact=exact)
+        exact, offset = cfg.quantization is None, cfg.norm_offset
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, exact=exact, offset=offset)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, exact=exact, offset=offset)
 
     def forward(self, x: torch.Tensor, ropes: list[RopeStep], meta: AttentionMetadata, kv: KVCache) -> torch.Tensor:
         h = self.input_layernorm.forward(x, meta.triton)
@@ -94,7 +111,7 @@ class HybridDecoderLayer(nn.Module):
             h = self.self_attn.forward(h, ropes, meta, kv.k[self.kv_index], kv.v[self.kv_index])
         else:
             assert meta.state_rows is not None
-            mixer = self.conv if self.conv is not None else self.mamba
+            mixer = self.conv or self.mamba or self.linear_attn
             assert mixer is not None
             h = mixer.forward(h, meta.state_rows)
         m = self.residual_multiplier
@@ -263,3 +280,49 @@ class FalconH1ForCausalLM(HybridForCausalLM):
         spec = self.cfg.recurrent
         assert spec is not None and spec.falcon is not None
         return logits if spec.falcon.lm_head == 1.0 else logits * spec.falcon.lm_head
+
+
+class GatedAttention(SelfAttention):
+    """Qwen3-Next's attention: q_proj gives each head's query and, beside it, a gate; the
+    attention's output times sigmoid(gate) goes to o_proj. The gate rows load after v's
+    (`ReorderedLinear`), so q|k|v stay one block the attention reads as any other."""
+
+    def __init__(self, cfg: ModelConfig, layer: int) -> None:
+        super().__init__(cfg, layer, None)
+        h, kvh, hd = self.num_heads, self.num_kv_heads, self.head_dim
+        self.qkv_width = (h + 2 * kvh) * hd
+        q_rows = [
+            (head * hd if j < hd else self.qkv_width + head * hd - hd) + j for head in range(h) for j in range(2 * hd)
+        ]
+        k_rows = list(range(h * hd, (h + kvh) * hd))
+        v_rows = list(range((h + kvh) * hd, self.qkv_width))
+        self.qkv_proj = ReorderedLinear(cfg.hidden_size, [q_rows, k_rows, v_rows], cfg.qkv_bias)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        ropes: list[RopeStep],
+        meta: AttentionMetadata,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+    ) -> torch.Tensor:
+        out = self.qkv_proj.forward(x)
+        qkv, gate = out[:, : self.qkv_width].contiguous(), out[:, self.qkv_width :]
+        if self.q_norm is not None:
+            self._norm_qk(qkv, meta)
+        attended = self.attn.forward(qkv, ropes[self.rope_index], meta, k_cache, v_cache)
+        return self.o_proj.forward(attended * torch.sigmoid(gate))
+
+
+class Qwen3NextForCausalLM(HybridForCausalLM):
+    # The DeltaNet's two input projections load as the two pieces of one (layers/gated_deltanet.py).
+    stacked: ClassVar[dict[str, tuple[str, int]]] = {
+        **STACKED,
+        "in_proj_qkvz": ("in_proj", 0),
+        "in_proj_ba": ("in_proj", 1),
+    }
+
+    def remap(self, name: str) -> str | None:
+        if name.startswith("mtp."):
+            return None  # the multi-token-prediction head: not run
+        return super().remap(name)
