@@ -33,6 +33,11 @@ def resolve_lora(args: LoRAArgs, model: ModelConfig) -> LoRAConfig | None:
     """None with LoRA off; else the checked slots, the A/B dtype resolved against `model`."""
     if not args.enable_lora:
         return None
+    if model.mla is not None and model.model_impl == "triollm":
+        raise ValueError(
+            f"enable_lora: LoRA adapters are not supported for {model.architecture} (multi-head latent attention "
+            "has no q/k/v projections of LoRA's shapes); allowed: false"
+        )
     if model.runner_type == "pooling":
         raise ValueError(
             "enable_lora: LoRA adapters apply to generating models; this one is a pooling model"

@@ -53,6 +53,7 @@ from triollm.engine.loading.config_checks import check_head_counts
 from triollm.engine.loading.config_checks import read_bool as _bool
 from triollm.engine.loading.config_checks import read_eps as _eps
 from triollm.engine.loading.config_checks import read_int as _int
+from triollm.engine.loading.hf_deepseek import DEEPSEEK_ARCHITECTURES, MLASpec, parse_deepseek
 from triollm.engine.loading.hf_families import MoESpec, family_fields
 from triollm.engine.loading.hf_recurrent import (
     RECURRENT_ARCHITECTURES,
@@ -145,7 +146,9 @@ DECODER_CLASSIFIERS = {
     "Qwen2ForSequenceClassification": "Qwen2ForCausalLM",
     "Qwen3ForSequenceClassification": "Qwen3ForCausalLM",
 }
-SUPPORTED_ARCHITECTURES = (*_ARCHITECTURES, *RECURRENT_ARCHITECTURES, *ENCODER_ARCHITECTURES, *DECODER_CLASSIFIERS)
+SUPPORTED_ARCHITECTURES = (
+    *_ARCHITECTURES, *RECURRENT_ARCHITECTURES, *DEEPSEEK_ARCHITECTURES, *ENCODER_ARCHITECTURES, *DECODER_CLASSIFIERS
+)
 # transformers' activation names, by the function they compute.
 _ACTIVATIONS = {
     "silu": "silu",
@@ -203,6 +206,8 @@ class HfConfig:
     # Layers with a per-request state instead of a KV cache (hf_recurrent.py: LFM2's short
     # convolutions); None: every layer attends.
     recurrent: RecurrentSpec | None = None
+    # Multi-head latent attention (hf_deepseek.py: DeepSeek V2/V3); None: q/k/v heads as above.
+    mla: MLASpec | None = None
     # config.json's `quantization_config` (quant_checkpoints.py); None: a float checkpoint.
     checkpoint_quant: CheckpointQuant | None = None
     # Whose modeling code runs: "triollm" (engine/execution/models/) or "transformers" (the
@@ -287,6 +292,8 @@ def parse_hf_config(hf: Mapping[str, Any], model_impl: str = "auto") -> HfConfig
         return _parse_bert(arch, hf)
     if arch in RECURRENT_ARCHITECTURES:
         return HfConfig(architecture=arch, checkpoint_dtype=checkpoint_dtype(hf), **parse_recurrent(arch, hf))
+    if arch in DEEPSEEK_ARCHITECTURES:
+        return HfConfig(architecture=arch, checkpoint_dtype=checkpoint_dtype(hf), **parse_deepseek(arch, hf))
     family = causal_architecture(arch)
     d = _ARCHITECTURES[family]
     raw_quant = hf.get("quantization_config")
@@ -517,7 +524,7 @@ def _architecture(hf: Mapping[str, Any], *, native_only: bool) -> str:
     else:  # no architectures: transformers goes by model_type
         model_type = hf.get("model_type") or "llama"
         by_type = {d.model_type: a for a, d in _ARCHITECTURES.items()} | {
-            t: a for a, t in RECURRENT_ARCHITECTURES.items()
+            t: a for a, t in (RECURRENT_ARCHITECTURES | DEEPSEEK_ARCHITECTURES).items()
         } | {
             "bert": "BertModel",
             "xlm-roberta": "XLMRobertaModel",

@@ -86,6 +86,7 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
 }  # fmt: skip
 # Of those, the ones with a native class too (auto runs them natively; the parity test asks for the backend).
 NATIVE = {
+    "DeepseekV3ForCausalLM",
     "GptOssForCausalLM", "GPTNeoXForCausalLM", "PhiForCausalLM",
     "Qwen2MoeForCausalLM", "OlmoeForCausalLM", "GraniteMoeForCausalLM", "GraniteMoeSharedForCausalLM",
     "Glm4MoeForCausalLM",

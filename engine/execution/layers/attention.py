@@ -124,6 +124,19 @@ class PagedAttention(nn.Module):
         write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
         return self._attend(q, k, v, meta, k_cache, v_cache)
 
+    def attend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        meta: AttentionMetadata,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+    ) -> torch.Tensor:
+        """`[T, H * hd]`: q `[T, H, hd]` over the cache, where a family that projects, rotates and
+        writes its own K and V (models/deepseek.py) has written the step's k, v `[T, KVH, hd]`."""
+        return self._attend(q, k, v, meta, k_cache, v_cache)
+
     def _calculate_kv_scales(self, qkv: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
         """Set the layer's fp8 K and V scales from this first prompt (vLLM's
         `calculate_kv_scales`), before anything is written with them. K is not rotated yet here:

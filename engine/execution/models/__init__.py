@@ -11,6 +11,7 @@ import torch
 from triollm.engine.distributed.sharding import TPShard
 from triollm.engine.execution.layers.linear import Linear
 from triollm.engine.execution.models.base import CausalLM
+from triollm.engine.execution.models.deepseek import DeepseekForCausalLM
 from triollm.engine.execution.models.gemma import Gemma2ForCausalLM
 from triollm.engine.execution.models.gpt_neox import GPTNeoXForCausalLM
 from triollm.engine.execution.models.gpt_oss import GptOssForCausalLM
@@ -53,6 +54,8 @@ MODELS: dict[str, type[CausalLM]] = {
     "GraniteMoeForCausalLM": MoEForCausalLM,
     "GraniteMoeSharedForCausalLM": MoEForCausalLM,
     "GptOssForCausalLM": GptOssForCausalLM,
+    "DeepseekV2ForCausalLM": DeepseekForCausalLM,
+    "DeepseekV3ForCausalLM": DeepseekForCausalLM,
     "GPTNeoXForCausalLM": GPTNeoXForCausalLM,
     "PhiForCausalLM": PhiForCausalLM,
     "StableLmForCausalLM": StableLmForCausalLM,
