@@ -168,8 +168,10 @@ def chunk_delta_rule(
         kb = kc * bc
         # The delta rule's corrections inside the chunk: I + strictly_lower(beta K K^T decay).
         system = (kb @ kc.transpose(-1, -2)) * decay
-        values = torch.linalg.solve_triangular(system, v[:, c0:c1] * bc, upper=False, unitriangular=True)
-        keys = torch.linalg.solve_triangular(system, kb * cum.exp()[..., None], upper=False, unitriangular=True)
+        rhs = torch.cat([v[:, c0:c1] * bc, kb * cum.exp()[..., None]], dim=-1)  # one solve for both
+        values, keys = torch.linalg.solve_triangular(system, rhs, upper=False, unitriangular=True).split(
+            [v.shape[-1], k.shape[-1]], dim=-1
+        )
         fresh = values - keys @ state  # what the chunk's tokens add, given the state before it
         attn = (qc @ kc.transpose(-1, -2)) * decay
         out[:, c0:c1] = (qc * cum.exp()[..., None]) @ state + attn @ fresh
