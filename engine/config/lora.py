@@ -42,6 +42,11 @@ def resolve_lora(args: LoRAArgs, model: ModelConfig) -> LoRAConfig | None:
         raise ValueError(
             "enable_lora: LoRA adapters apply to generating models; this one is a pooling model"
         )
+    if model.llama4 is not None and model.model_impl == "triollm":
+        raise ValueError(
+            "enable_lora: LoRA adapters are not supported for Llama4ForCausalLM (its q and k rows are reordered at "
+            "load, an adapter's are not); allowed: false"
+        )
     positive("max_loras", args.max_loras)
     one_of("max_lora_rank", args.max_lora_rank, LORA_RANKS)
     one_of("lora_dtype", args.lora_dtype, LORA_DTYPES)

@@ -54,7 +54,7 @@ from triollm.engine.loading.config_checks import read_bool as _bool
 from triollm.engine.loading.config_checks import read_eps as _eps
 from triollm.engine.loading.config_checks import read_int as _int
 from triollm.engine.loading.hf_deepseek import DEEPSEEK_ARCHITECTURES, MLASpec, parse_deepseek
-from triollm.engine.loading.hf_families import MoESpec, family_fields
+from triollm.engine.loading.hf_families import Llama4Spec, MoESpec, family_fields
 from triollm.engine.loading.hf_recurrent import (
     RECURRENT_ARCHITECTURES,
     RECURRENT_LAYER_TYPES,
@@ -116,6 +116,8 @@ _ARCHITECTURES = {
     "Gemma2ForCausalLM": _Defaults("gemma2", 8192, 4, None, False, 4096, 256, True, 1e-6, "gelu_pytorch_tanh"),
     "Gemma3ForCausalLM": _Defaults("gemma3_text", 131072, 4, None, False, 4096, 256, True, 1e-6, "gelu_pytorch_tanh"),
     "Phi3ForCausalLM": _Defaults("phi3", 4096, None, False, False, None, rms_norm_eps=1e-5),
+    "PhimoeForCausalLM": _Defaults("phimoe", 4096 * 32, 8, None, False, None, rms_norm_eps=1e-5),
+    "Llama4ForCausalLM": _Defaults("llama4_text", 4096 * 32, 8, None, False, None, 128, rms_norm_eps=1e-5),
     "Olmo2ForCausalLM": _Defaults("olmo2", 2048, None, None, False, None, rms_norm_eps=1e-5),
     "GraniteForCausalLM": _Defaults("granite", 2048, None, None, True, None),
     "GptOssForCausalLM": _Defaults("gpt_oss", 131072, 8, None, False, 128, 64, rms_norm_eps=1e-5, attention_bias=True),
@@ -203,6 +205,8 @@ class HfConfig:
     logits_divisor: float = 1.0  # Granite: logits_scaling
     fused_checkpoint: bool = False  # Phi-3: qkv_proj and gate_up_proj stored fused
     moe: MoESpec | None = None
+    lm_head_bias: bool = False  # Phi-MoE's `lm_head_bias`
+    llama4: Llama4Spec | None = None  # Llama 4's chunked / NoPE layers and their norms (hf_families.py)
     # Layers with a per-request state instead of a KV cache (hf_recurrent.py: LFM2's short
     # convolutions); None: every layer attends.
     recurrent: RecurrentSpec | None = None
@@ -562,7 +566,7 @@ def _causal_lm_for(model_type: str) -> str:
 
 # Where each family's windows apply: every layer, or the layers `layer_types` marks (with that
 # family's default pattern when config.json has no layer_types).
-_EVERY_LAYER = ("MistralForCausalLM", "MixtralForCausalLM", "Phi3ForCausalLM")
+_EVERY_LAYER = ("MistralForCausalLM", "MixtralForCausalLM", "Phi3ForCausalLM", "PhimoeForCausalLM")
 _QWEN = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM")
 # gpt-oss has no `sliding_window_pattern`; its default layer_types alternate as Gemma 2's.
 _GEMMA_PATTERN = {"Gemma2ForCausalLM": 2, "Gemma3ForCausalLM": 6, "GptOssForCausalLM": 2}

@@ -18,6 +18,13 @@ What differs from Llama, by family:
 - Granite: embedding, residual, attention and logit multipliers.
 - gpt-oss: routed experts with biases and a clamped SwiGLU (`swiglu_alpha`, `swiglu_limit`), a
   router with a bias, attention sinks (models/gpt_oss.py); windows on alternate layers.
+- Phi-MoE: LayerNorms and attention with biases, a window on every layer, sparsemixer top-2
+  routing (`router_jitter_noise` sets its threshold), `lm_head_bias`, LongRoPE with its own
+  short/long mscale and always the short factors (models/phimoe.py).
+- Llama 4 (text): chunked local attention and RoPE on the layers `no_rope_layers` marks, NoPE
+  layers with attention temperature tuning, weightless q/k L2 norms on the RoPE layers, MoE
+  layers (`moe_layers` / `interleave_moe_layer_step`) with sigmoid-scaled expert inputs and a
+  shared expert, dense layers of `intermediate_size_mlp` (`Llama4Spec`, models/llama4.py).
 - GPT-NeoX, Phi (1, 1.5, 2), StableLM: LayerNorm (`layer_norm_eps`), partial rotary by default
   (NeoX 4.x: `rotary_pct`, `rotary_emb_base`), parallel residuals (`use_parallel_residual`; Phi
   always), their biases (NeoX `attention_bias`, Phi everywhere, StableLM `use_qkv_bias`), q/k
@@ -28,12 +35,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
-from triollm.engine.loading.rope_config import parse_rope, partial_rotary_factor
+from triollm.engine.loading.rope_config import RopeConfig, parse_rope, partial_rotary_factor
 
-__all__ = ["MoESpec", "family_fields"]
+__all__ = ["Llama4Spec", "MoESpec", "family_fields"]
 
 
 @dataclass(frozen=True)
@@ -53,11 +60,26 @@ class MoESpec:
     # DeepSeek-V3-style routing (GLM-4.5): sigmoid scores, a per-expert correction bias added for
     # the choice only, the top `topk_groups` of `groups` expert groups (each scored by its best
     # two), then top-k within them; the chosen scores (renormalised when `renormalize`) times
-    # `routed_scaling`. "softmax": the plain top-k of a softmax.
+    # `routed_scaling`. "softmax": the plain top-k of a softmax. "sparsemixer" (Phi-MoE) and
+    # "sigmoid_input" (Llama 4: the top-k logits' sigmoids scale the experts' inputs) are run by
+    # their families' own blocks (models/phimoe.py, models/llama4.py).
     scoring: str = "softmax"
     groups: int = 1
     topk_groups: int = 1
     routed_scaling: float = 1.0
+    # Phi-MoE's sparsemixer ("sparsemixer" scoring): its mask threshold, `router_jitter_noise`.
+    jitter_eps: float = 0.0
+
+
+@dataclass(frozen=True)
+class Llama4Spec:
+    """What Llama 4's text layers do beyond Llama's (models/llama4.py), per layer where it varies."""
+
+    rope_layers: tuple[bool, ...]  # `no_rope_layers`: 1 rotates q and k, 0 is a NoPE layer
+    chunks: tuple[int | None, ...]  # `attention_chunk_size` on 'chunked_attention' layers, else None
+    qk_norm: bool  # `use_qk_norm`: weightless RMS (L2) norm of q and k on the RoPE layers
+    temperature: tuple[int, float] | None  # (floor_scale, attn_scale) on NoPE layers; None: off
+    dense_intermediate_size: int  # `intermediate_size_mlp`: the MLP of the layers without experts
 
 
 def family_fields(
@@ -81,6 +103,10 @@ def family_fields(
                 sparse_layers=(True,) * num_layers,
                 swiglu=(_positive(hf, "swiglu_alpha", 1.702), _positive(hf, "swiglu_limit", 7.0)),
             )
+        case "PhimoeForCausalLM":
+            out |= _phimoe(hf, num_layers, max_pos)
+        case "Llama4ForCausalLM":
+            out |= _llama4(hf, num_layers, max_pos)
         case "GemmaForCausalLM":
             out |= _gemma(hidden)
         case "Gemma2ForCausalLM":
@@ -273,6 +299,140 @@ def _glm4_moe(hf: Mapping[str, Any], num_layers: int) -> MoESpec:
         topk_groups=topk_groups,
         routed_scaling=_positive(hf, "routed_scaling_factor", 1.0),
     )
+
+
+def _phimoe(hf: Mapping[str, Any], num_layers: int, max_pos: int) -> dict[str, Any]:
+    """Phi-MoE as `PhimoeConfig` / modeling_phimoe read it (module note). Its LongRoPE: transformers
+    always computes the short factors' frequencies (`rope_init_fn(config)` without a length) and
+    scales cos and sin by `short_mscale`, or by `long_mscale` once the forward call's longest
+    position passes `original_max_position_embeddings`; here the short factors always, and the
+    mscale chosen once per engine from max_model_len (rope_config.py's rule for Phi-3)."""
+    if (hf.get("hidden_act") or "silu") not in ("silu", "swish"):
+        raise ValueError(
+            f"hidden_act: {hf.get('hidden_act')!r} is not supported for PhimoeForCausalLM's experts; supported: silu"
+        )
+    if _int(hf, "num_experts_per_tok", 2) != 2:
+        raise ValueError(
+            f"num_experts_per_tok: PhimoeForCausalLM's sparsemixer routes every token to exactly 2 experts, got "
+            f"{hf.get('num_experts_per_tok')!r}"
+        )
+    jitter = hf.get("router_jitter_noise", 0.01)
+    if isinstance(jitter, bool) or not isinstance(jitter, int | float) or not (math.isfinite(jitter) and jitter >= 0):
+        raise ValueError(f"router_jitter_noise: expected a number >= 0, got {jitter!r}")
+    head_bias = _flag(hf, "lm_head_bias", False)
+    if head_bias and _flag(hf, "tie_word_embeddings", False):
+        raise ValueError("lm_head_bias: a biased lm_head tied to the embeddings is not supported")
+    experts = _int(hf, "num_local_experts", 16)
+    if experts < 2:
+        raise ValueError(f"num_local_experts: the sparsemixer picks 2 experts, got {experts}")
+    return {
+        "rope": _phimoe_rope(hf, max_pos),
+        "lm_head_bias": head_bias,
+        "moe": MoESpec(
+            num_experts=experts,
+            top_k=2,
+            intermediate_size=_int(hf, "intermediate_size", 6400),
+            renormalize=False,
+            sparse_layers=(True,) * num_layers,
+            scoring="sparsemixer",
+            jitter_eps=float(jitter),
+        ),
+    }
+
+
+def _phimoe_rope(hf: Mapping[str, Any], max_pos: int) -> RopeConfig:
+    rope = parse_rope(_default_theta(hf, 1_000_000.0), max_pos)
+    if rope.rope_type != "longrope":
+        return rope
+    params = hf.get("rope_scaling") or hf.get("rope_parameters") or {}
+    mscales = []
+    for key in ("short_mscale", "long_mscale"):
+        value = params.get(key)
+        if isinstance(value, bool) or not isinstance(value, int | float) or not (math.isfinite(value) and value > 0):
+            raise ValueError(
+                f"rope_parameters.{key}: required for Phi-MoE's longrope, a positive number; got {value!r}"
+            )
+        mscales.append(float(value))
+    return replace(rope, long_factor=rope.short_factor, attention_factor=mscales[0], long_attention_factor=mscales[1])
+
+
+def _default_theta(hf: Mapping[str, Any], theta: float) -> Mapping[str, Any]:
+    """The config class's `default_theta` where config.json gives none (the dict's still wins)."""
+    return hf if "rope_theta" in hf else {**hf, "rope_theta": theta}
+
+
+_LLAMA4_LAYER_TYPES = ("full_attention", "chunked_attention")
+
+
+def _llama4(hf: Mapping[str, Any], num_layers: int, max_pos: int) -> dict[str, Any]:
+    """Llama 4's text decoder as `Llama4TextConfig.__post_init__` fills it in (module note)."""
+    if hf.get("quantization_config"):
+        raise ValueError(
+            "quantization_config: quantized Llama4ForCausalLM checkpoints are not supported (its q and k rows are "
+            "reordered at load); use unquantized weights"
+        )
+    if (hf.get("hidden_act") or "silu") not in ("silu", "swish"):
+        raise ValueError(
+            f"hidden_act: {hf.get('hidden_act')!r} is not supported for Llama4ForCausalLM; supported: silu"
+        )
+    rope_layers = hf.get("no_rope_layers") or [
+        int((i + 1) % _int(hf, "no_rope_layer_interval", 4) != 0) for i in range(num_layers)
+    ]
+    if not isinstance(rope_layers, list) or len(rope_layers) < num_layers or any(v not in (0, 1) for v in rope_layers):
+        raise ValueError(f"no_rope_layers: expected at least {num_layers} entries of 0 or 1, got {rope_layers!r:.80}")
+    chunk = hf.get("attention_chunk_size", 8192)
+    if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1):
+        raise ValueError(f"attention_chunk_size: expected an integer >= 1 or null, got {chunk!r}")
+    types = hf.get("layer_types") or [
+        "chunked_attention" if rope and chunk is not None else "full_attention" for rope in rope_layers[:num_layers]
+    ]
+    if not isinstance(types, list) or len(types) != num_layers or any(t not in _LLAMA4_LAYER_TYPES for t in types):
+        raise ValueError(
+            f"layer_types: expected {num_layers} of {', '.join(_LLAMA4_LAYER_TYPES)}, got {types!r:.80}"
+        )
+    if chunk is None and "chunked_attention" in types:
+        raise ValueError("attention_chunk_size: None for 'chunked_attention' layers; allowed: an integer >= 1")
+    step = _int(hf, "interleave_moe_layer_step", 1)
+    moe_layers = hf.get("moe_layers")
+    if moe_layers is None:
+        moe_layers = list(range(step - 1, num_layers, step))
+    if not isinstance(moe_layers, list) or any(
+        isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < num_layers for i in moe_layers
+    ):
+        raise ValueError(f"moe_layers: expected a list of layer indices in [0, {num_layers}), got {moe_layers!r:.80}")
+    experts = _int(hf, "num_local_experts", 16)
+    top_k = _int(hf, "num_experts_per_tok", 1)
+    if top_k > experts:
+        raise ValueError(f"num_experts_per_tok: {top_k} exceeds num_local_experts {experts}")
+    temperature = None
+    if _flag(hf, "attn_temperature_tuning", True):
+        temperature = (_int(hf, "floor_scale", 8192), _finite(hf, "attn_scale", 0.1))
+    return {
+        "rope": parse_rope(_default_theta(hf, 500_000.0), max_pos),
+        "moe": MoESpec(
+            num_experts=experts,
+            top_k=top_k,
+            intermediate_size=_int(hf, "intermediate_size", 8192),
+            renormalize=False,
+            sparse_layers=tuple(i in moe_layers for i in range(num_layers)),
+            shared_intermediate_size=_int(hf, "intermediate_size", 8192),
+            scoring="sigmoid_input",
+        ),
+        "llama4": Llama4Spec(
+            rope_layers=tuple(bool(v) for v in rope_layers[:num_layers]),
+            chunks=tuple(chunk if t == "chunked_attention" else None for t in types),
+            qk_norm=_flag(hf, "use_qk_norm", True),
+            temperature=temperature,
+            dense_intermediate_size=_int(hf, "intermediate_size_mlp", 16384),
+        ),
+    }
+
+
+def _finite(hf: Mapping[str, Any], key: str, default: float) -> float:
+    value = hf.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise ValueError(f"{key}: expected a number, got {value!r}")
+    return float(value)
 
 
 def _granite_moe(hf: Mapping[str, Any], num_layers: int, *, shared: bool) -> MoESpec:

@@ -79,6 +79,9 @@ class RopeConfig:
     beta_slow: float = 1.0  # yarn
     truncate: bool = True  # yarn
     attention_factor: float = 1.0  # yarn, longrope: cos and sin are multiplied by it
+    # longrope: the attention factor when max_model_len exceeds the original length (Phi-MoE's
+    # `long_mscale`); None: `attention_factor` at every length.
+    long_attention_factor: float | None = None
     short_factor: tuple[float, ...] = ()  # longrope: per-frequency divisors, max_model_len <= the original length
     long_factor: tuple[float, ...] = ()  # longrope: the same, max_model_len beyond it
 
@@ -88,7 +91,11 @@ class RopeConfig:
         factors' (module note)."""
         if self.rope_type != "longrope":
             return rotary_tables(self.inv_freq(dim), max_model_len, self.attention_factor)
-        return rotary_tables(self.longrope_inv_freq(dim, max_model_len), max_model_len, self.attention_factor)
+        factor = self.attention_factor
+        assert self.original_max_position_embeddings is not None
+        if self.long_attention_factor is not None and max_model_len > self.original_max_position_embeddings:
+            factor = self.long_attention_factor
+        return rotary_tables(self.longrope_inv_freq(dim, max_model_len), max_model_len, factor)
 
     def longrope_inv_freq(self, dim: int, max_model_len: int) -> torch.Tensor:
         """LongRoPE's inverse frequencies for an engine of `max_model_len` (module note)."""

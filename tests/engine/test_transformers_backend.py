@@ -89,7 +89,7 @@ NATIVE = {
     "DeepseekV3ForCausalLM",
     "GptOssForCausalLM", "GPTNeoXForCausalLM", "PhiForCausalLM",
     "Qwen2MoeForCausalLM", "OlmoeForCausalLM", "GraniteMoeForCausalLM", "GraniteMoeSharedForCausalLM",
-    "Glm4MoeForCausalLM",
+    "Glm4MoeForCausalLM", "PhimoeForCausalLM", "Llama4ForCausalLM",
 }  # fmt: skip
 
 

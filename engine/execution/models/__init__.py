@@ -23,9 +23,11 @@ from triollm.engine.execution.models.hybrid import (
     Qwen3NextForCausalLM,
 )
 from triollm.engine.execution.models.llama import LlamaForCausalLM, Phi3ForCausalLM
+from triollm.engine.execution.models.llama4 import Llama4ForCausalLM
 from triollm.engine.execution.models.moe import MoEForCausalLM
 from triollm.engine.execution.models.olmo2 import Olmo2ForCausalLM
 from triollm.engine.execution.models.phi import PhiForCausalLM
+from triollm.engine.execution.models.phimoe import PhimoeForCausalLM
 from triollm.engine.execution.models.stablelm import StableLmForCausalLM
 from triollm.engine.loading.model_config import ModelConfig
 from triollm.engine.loading.weights import load_weights, materialize, quantize_model
@@ -56,6 +58,8 @@ MODELS: dict[str, type[CausalLM]] = {
     "GptOssForCausalLM": GptOssForCausalLM,
     "DeepseekV2ForCausalLM": DeepseekForCausalLM,
     "DeepseekV3ForCausalLM": DeepseekForCausalLM,
+    "PhimoeForCausalLM": PhimoeForCausalLM,
+    "Llama4ForCausalLM": Llama4ForCausalLM,
     "GPTNeoXForCausalLM": GPTNeoXForCausalLM,
     "PhiForCausalLM": PhiForCausalLM,
     "StableLmForCausalLM": StableLmForCausalLM,
