@@ -14,6 +14,7 @@ checkpoint carries after the decoder's.
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -193,3 +194,53 @@ def test_lora_is_refused(tmp_path: Path) -> None:
     path = make_deepseek(tmp_path / "v2", "v2-lite")
     with pytest.raises(ValueError, match=r"enable_lora: LoRA adapters are not supported for DeepseekV2ForCausalLM"):
         EngineArgs(model=str(path), max_model_len=96, enable_lora=True).create_engine_config()
+
+
+# The released configs' fields (DeepSeek-V2-Lite's and DeepSeek-V3's config.json, V3 without its
+# FP8 quantization_config), the remote-code spellings included.
+V2_LITE = {
+    "architectures": ["DeepseekV2ForCausalLM"], "hidden_size": 2048, "intermediate_size": 10944,
+    "moe_intermediate_size": 1408, "num_hidden_layers": 27, "num_attention_heads": 16, "num_key_value_heads": 16,
+    "n_shared_experts": 2, "n_routed_experts": 64, "num_experts_per_tok": 6, "first_k_dense_replace": 1,
+    "moe_layer_freq": 1, "n_group": 1, "topk_group": 1, "topk_method": "greedy", "scoring_func": "softmax",
+    "norm_topk_prob": False, "routed_scaling_factor": 1.0, "q_lora_rank": None, "kv_lora_rank": 512,
+    "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128, "max_position_embeddings": 163840,
+    "rope_theta": 10000, "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 0.707,
+                                          "mscale_all_dim": 0.707, "original_max_position_embeddings": 4096,
+                                          "type": "yarn"},
+    "vocab_size": 102400, "rms_norm_eps": 1e-6, "aux_loss_alpha": 0.001, "seq_aux": True, "ep_size": 1,
+}  # fmt: skip
+V3 = {
+    **V2_LITE, "architectures": ["DeepseekV3ForCausalLM"], "hidden_size": 7168, "intermediate_size": 18432,
+    "moe_intermediate_size": 2048, "num_hidden_layers": 61, "num_attention_heads": 128, "num_key_value_heads": 128,
+    "n_shared_experts": 1, "n_routed_experts": 256, "num_experts_per_tok": 8, "first_k_dense_replace": 3,
+    "n_group": 8, "topk_group": 4, "topk_method": "noaux_tc", "scoring_func": "sigmoid", "norm_topk_prob": True,
+    "routed_scaling_factor": 2.5, "q_lora_rank": 1536, "num_nextn_predict_layers": 1, "vocab_size": 129280,
+    "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 1.0, "mscale_all_dim": 1.0,
+                     "original_max_position_embeddings": 4096, "type": "yarn"},
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("raw", [V2_LITE, V3], ids=["DeepSeek-V2-Lite", "DeepSeek-V3"])
+def test_the_released_configs_parse(tmp_path: Path, raw: dict[str, Any]) -> None:
+    """576 values per token and layer (not heads x 320), the released routing and scale."""
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    cfg = ModelConfig.from_pretrained(tmp_path, max_model_len=4096)
+    assert cfg.mla is not None and cfg.moe is not None
+    assert (cfg.num_kv_heads, cfg.head_dim, cfg.rotary_dim) == (1, 576, 64)
+    mscale = 0.1 * raw["rope_scaling"]["mscale_all_dim"] * math.log(40) + 1
+    assert cfg.mla.softmax_scale == pytest.approx(192**-0.5 * mscale**2)
+    assert cfg.rope.rope_type == "yarn" and cfg.rope.attention_factor == pytest.approx(1.0)
+    v3 = raw is V3
+    assert (cfg.moe.scoring, cfg.moe.groups, cfg.moe.topk_groups) == (("sigmoid", 8, 4) if v3 else ("softmax", 1, 1))
+    assert cfg.moe.sparse_layers.index(True) == (3 if v3 else 1)
+    assert cfg.mla.q_lora_rank == (1536 if v3 else None)
+
+
+def test_the_triton_kernels_are_refused_at_load(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the Triton kernels would run (here forced on the CPU), the 40-wide latent head is
+    refused when the model loads, naming the way out, not at the first step."""
+    path = make_deepseek(tmp_path / "v2", "v2-lite")
+    monkeypatch.setenv("TRIOLLM_KERNELS", "triton")
+    with pytest.raises(ValueError, match=r"device: DeepseekV2ForCausalLM's latent attention .* TRIOLLM_KERNELS=torch"):
+        engine_greedy(path, prompts())
