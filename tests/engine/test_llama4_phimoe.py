@@ -153,3 +153,38 @@ def test_phimoe_longrope_takes_the_long_mscale_past_the_original_length() -> Non
     short_cos, _ = spec.rope.tables(16, 96)
     long_cos, _ = spec.rope.tables(16, 256)
     assert torch.allclose(long_cos[:96] / 1.5, short_cos / 1.2)
+
+
+def test_native_llama4_on_the_triton_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The CUDA code path under the interpreter: the fused Triton rotary and cache write (the NoPE
+    layer's identity tables too), then the Triton attention with chunks."""
+    from triollm.engine.execution.models.llama4 import Llama4ForCausalLM
+
+    monkeypatch.setenv("TRIOLLM_KERNELS", "triton")
+    path = make_model(tmp_path / "llama4", "Llama4TextConfig", "Llama4ForCausalLM", LLAMA4, seed=4)
+    ids = prompts()
+    ours, core = engine_greedy(path, ids, dtype="float32")
+    assert isinstance(core.executor.model, Llama4ForCausalLM) and core.executor.model.triton
+    assert_parity(ours, hf_greedy(path, ids))
+
+
+def test_phimoe_loads_transformers_5s_stacked_experts_too(tmp_path: Path) -> None:
+    """The released names (`block_sparse_moe.experts.N.w1`, `gate`) and transformers 5's own
+    (`mlp.experts.gate_up_proj`, `mlp.router`) give the same model."""
+    import transformers
+
+    from triollm.engine.execution.models import load_model
+
+    original = make_model(tmp_path / "original", "PhimoeConfig", "PhimoeForCausalLM", PHIMOE, seed=7)
+    stacked = tmp_path / "stacked"
+    hf = transformers.AutoModelForCausalLM.from_pretrained(original, dtype=torch.float32)
+    hf.save_pretrained(stacked, save_original_format=False)
+    from safetensors import safe_open
+
+    with safe_open(str(stacked / "model.safetensors"), framework="pt") as f:
+        assert {"model.layers.0.mlp.experts.gate_up_proj", "model.layers.0.mlp.router.weight"} <= set(f.keys())
+    a, b = (load_model(ModelConfig.from_pretrained(p, max_model_len=64)) for p in (original, stacked))
+    x = torch.randn(3, 64)
+    for la, lb in zip(a.layers, b.layers, strict=True):
+        assert torch.equal(la.mlp.experts.w13, lb.mlp.experts.w13) and torch.equal(la.mlp.experts.w2, lb.mlp.experts.w2)
+        assert torch.equal(la.mlp.gate.forward(x), lb.mlp.gate.forward(x))
