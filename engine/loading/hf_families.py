@@ -78,7 +78,7 @@ class Llama4Spec:
     rope_layers: tuple[bool, ...]  # `no_rope_layers`: 1 rotates q and k, 0 is a NoPE layer
     chunks: tuple[int | None, ...]  # `attention_chunk_size` on 'chunked_attention' layers, else None
     qk_norm: bool  # `use_qk_norm`: weightless RMS (L2) norm of q and k on the RoPE layers
-    temperature: tuple[int, float] | None  # (floor_scale, attn_scale) on NoPE layers; None: off
+    temperature: tuple[float, float] | None  # (floor_scale, attn_scale) on NoPE layers; None: off
     dense_intermediate_size: int  # `intermediate_size_mlp`: the MLP of the layers without experts
 
 
@@ -404,9 +404,12 @@ def _llama4(hf: Mapping[str, Any], num_layers: int, max_pos: int) -> dict[str, A
     top_k = _int(hf, "num_experts_per_tok", 1)
     if top_k > experts:
         raise ValueError(f"num_experts_per_tok: {top_k} exceeds num_local_experts {experts}")
+    tuning = hf.get("attn_temperature_tuning", True)
+    if not isinstance(tuning, int | None):  # bool, or the int 4.x wrote (read as truthy)
+        raise ValueError(f"attn_temperature_tuning: expected true or false, got {tuning!r}")
     temperature = None
-    if _flag(hf, "attn_temperature_tuning", True):
-        temperature = (_int(hf, "floor_scale", 8192), _finite(hf, "attn_scale", 0.1))
+    if tuning:  # null is off, as transformers reads it
+        temperature = (_positive(hf, "floor_scale", 8192.0), _finite(hf, "attn_scale", 0.1))
     return {
         "rope": parse_rope(_default_theta(hf, 500_000.0), max_pos),
         "moe": MoESpec(

@@ -125,7 +125,8 @@ REFUSED = [
      r"layer_types: expected 2 of full_attention, chunked_attention"),
     ("Llama4ForCausalLM", {"attention_chunk_size": None, "layer_types": ["chunked_attention", "full_attention"]},
      r"attention_chunk_size: None for 'chunked_attention' layers"),
-    ("Llama4ForCausalLM", {"floor_scale": 0}, r"floor_scale: expected an integer >= 1"),
+    ("Llama4ForCausalLM", {"floor_scale": 0}, r"floor_scale: expected a positive number"),
+    ("Llama4ForCausalLM", {"attn_temperature_tuning": "yes"}, r"attn_temperature_tuning: expected true or false"),
     ("Llama4ForCausalLM", {"num_experts_per_tok": 5}, r"num_experts_per_tok: 5 exceeds num_local_experts 4"),
     ("Llama4ForCausalLM", {"quantization_config": {"quant_method": "fp8"}}, r"quantization_config: quantized Llama4"),
     ("PhimoeForCausalLM", {"num_experts_per_tok": 1}, r"num_experts_per_tok: PhimoeForCausalLM's sparsemixer routes"),
@@ -188,3 +189,18 @@ def test_phimoe_loads_transformers_5s_stacked_experts_too(tmp_path: Path) -> Non
     for la, lb in zip(a.layers, b.layers, strict=True):
         assert torch.equal(la.mlp.experts.w13, lb.mlp.experts.w13) and torch.equal(la.mlp.experts.w2, lb.mlp.experts.w2)
         assert torch.equal(la.mlp.gate.forward(x), lb.mlp.gate.forward(x))
+
+
+def test_llama4_reads_4x_spellings_of_temperature_tuning() -> None:
+    """transformers 4.x wrote `attn_temperature_tuning` as an int it read as truthy, and a float
+    `floor_scale` divides as well; null or false turn the tuning off."""
+    from triollm.engine.loading.hf_config import parse_hf_config
+
+    def temperature(**fields: Any) -> Any:
+        spec = parse_hf_config({"architectures": ["Llama4ForCausalLM"], **_TEXT, **fields}).llama4
+        assert spec is not None
+        return spec.temperature
+
+    assert temperature(attn_temperature_tuning=4, floor_scale=2.0, attn_scale=0.2) == (2.0, 0.2)
+    assert temperature() == (8192.0, 0.1)
+    assert temperature(attn_temperature_tuning=None) is None and temperature(attn_temperature_tuning=False) is None
