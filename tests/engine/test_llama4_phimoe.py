@@ -204,3 +204,17 @@ def test_llama4_reads_4x_spellings_of_temperature_tuning() -> None:
     assert temperature(attn_temperature_tuning=4, floor_scale=2.0, attn_scale=0.2) == (2.0, 0.2)
     assert temperature() == (8192.0, 0.1)
     assert temperature(attn_temperature_tuning=None) is None and temperature(attn_temperature_tuning=False) is None
+
+
+@pytest.mark.parametrize("arch", ["Llama4ForCausalLM", "PhimoeForCausalLM"])
+def test_tensor_parallelism_is_refused(tmp_path: Path, arch: str) -> None:
+    from triollm.engine.distributed.sharding import TPShard
+    from triollm.engine.execution.models import MODELS
+
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": [arch], **_TEXT}))
+    cfg = ModelConfig.from_pretrained(tmp_path, max_model_len=64)
+    with (
+        pytest.raises(ValueError, match=r"tensor_parallel_size: .* \(routed experts\) is not supported"),
+        torch.device("meta"),
+    ):
+        MODELS[arch](cfg, TPShard(0, 2))
