@@ -30,11 +30,17 @@ chunks of up to `max_num_batched_tokens` beside 16 decodes put those decodes' p9
 latency at several times its median (issue 25). So while requests decode, the prompt tokens of a
 step are limited to those that keep it within `TARGET_STEP_RATIO` of a decode-only step, by the step
 cost measured so far (`step_cost.py`: `seconds = a + b * tokens`, fitted to the forward passes the
-engine core times and reports through `record_step`): (ratio - 1) * cost(decodes) / b tokens, never
-fewer than `MIN_PREFILL_CHUNK` (prompts always progress) nor more than the budget left. Before a first
-fit the line is the latest prompt step's pace through the origin (`StepCost.line`): an engine's
-first prompt step (the whole budget) is followed by steps whose decodes would otherwise wait
-behind another whole budget. With nothing decoding, before any prompt step, or where a
+engine core times and reports through `record_step`): the time the ratio leaves beside the
+decodes' own step, divided by what a prompt token costs at the context the latest chunk reached
+(`StepCost.prompt_token_seconds`: the line's slope does not follow the context, and at 8k a prompt
+token costs a 0.5B model six times what it did at the start), never more than the budget left
+and never fewer than a floor: `MIN_PREFILL_CHUNK` tokens, or as many as cost `MIN_PREFILL_STEP_S`
+where those are fewer, and at least one (prompts always progress). The decode-only step is the
+line's figure or, lower, the latest one measured (`StepCost.decode_seconds`: through a long
+prompt's chunks the line's intercept drifts up). Before a first fit the line is drawn through
+the latest decode-only and prompt steps (`StepCost.line`): an engine's first prompt step (the
+whole budget) is followed by steps whose decodes would otherwise wait behind another whole
+budget. With nothing decoding, before any prompt step, or where a
 decode-only step takes under `_MIN_STEP_S` (no one sees that stall, and the timing is mostly
 noise), no ratio applies (the time bound below still does).
 `long_prefill_token_threshold` (vLLM's per-request cap) applies on top.
@@ -56,9 +62,11 @@ that price). Two changes:
   `TARGET_STEP_RATIO` at no wait to `MAX_STEP_RATIO` once it has waited `FAIR_WAIT_STEPS` such
   steps there, linearly. Under a steady load the wait settles where the prompt tokens per step
   match what arrives (more waiting, more budget), so time to first token stays bounded as
-  concurrency grows. Only the queue counts: a running request's long prefill is its own work
-  being done, not a wait imposed on it, so a lone 8k-token prompt beside a stream (issue 40)
-  keeps the 1.5x and the stream its cadence. The wait is measured in steps, not seconds, so the
+  concurrency grows. A running request's prefill counts too, by its time since it was queued:
+  at 1.5x a lone 8k-token prompt beside one stream took three times its time alone on a 2-core
+  Zen 4 (simulated with the measured costs, tests/engine/test_scheduler.py), at 2x under twice,
+  while the stream's steps stay as even (every one a mixed step of one size; issue 40's bound is
+  its p99 inter-token latency within 2x the median). The wait is measured in steps, not seconds, so the
   loop behaves alike on a CPU (~0.1 s a step) and a GPU (~10 ms); the clock is the scheduler's
   own (`clock`, monotonic; a test passes a fake), not the request's `arrival_time`, which a
   client may set and another process stamps. A preempted request waits again from its
@@ -134,6 +142,7 @@ __all__ = [
     "MAX_PREFILL_STEP_S",
     "MAX_STEP_RATIO",
     "MIN_PREFILL_CHUNK",
+    "MIN_PREFILL_STEP_S",
     "TARGET_STEP_RATIO",
     "ScheduledRequest",
     "Scheduler",
@@ -144,7 +153,11 @@ __all__ = [
 TARGET_STEP_RATIO = 1.5  # a step beside decodes: at most this many decode-only steps' time
 MAX_STEP_RATIO = 2.0  # ... rising to this many while a request waits in the queue
 FAIR_WAIT_STEPS = 16  # decode-only steps of waiting that raise the ratio to MAX_STEP_RATIO
-MIN_PREFILL_CHUNK = 32  # prompt tokens a step may always take, whatever the cost model says
+MIN_PREFILL_CHUNK = 32  # prompt tokens a step may always take, whatever the cost model says...
+# ... but beside decodes no more of them than cost this much (predicted), and at least one: 32
+# prompt tokens at 8k of context cost a 0.5B model on 2 cores 0.3 s, eight decode-only steps
+# (docs/reliability.md), which a stream beside them sees as its inter-token latency.
+MIN_PREFILL_STEP_S = 0.02
 # The longest a step carrying prompt tokens should take (seconds, predicted). A step is the unit in
 # which the core applies inputs (a new request, an abort, a pause, a utility call) and in which it
 # is heard (one message per step; the watchdog's `engine_output_timeout_s` defaults to 60 s), so
@@ -184,10 +197,16 @@ class SchedulerOutput:
         return sum(s.num_new_tokens for s in self.scheduled)
 
     @property
+    def num_prompt_tokens(self) -> int:
+        """The tokens of prompt chunks (and of preempted requests' recomputes): every request's
+        own tokens but a decode's one (a decode: one token of its own, drafts aside, sampled)."""
+        return sum(
+            n for s in self.scheduled if (n := s.num_new_tokens - s.num_draft) > 1 or (n == 1 and not s.samples)
+        )
+
+    @property
     def carries_prompt(self) -> bool:
-        """Whether some request takes more than a decode's one token of its own (a prompt chunk,
-        or a preempted request's recompute), drafts aside."""
-        return any(s.num_new_tokens - s.num_draft > 1 for s in self.scheduled)
+        return self.num_prompt_tokens > 0
 
 
 @dataclass(frozen=True)
@@ -258,7 +277,9 @@ class Scheduler:
         budget = self._schedule_running(decodes, self.config.max_num_batched_tokens, scheduled, preempted)
         num_decodes = sum(s.request.status == RequestStatus.RUNNING for s in scheduled)
         load = max(num_decodes, min(self.config.max_num_seqs, len(self.running) + len(self.waiting)))
-        prefill_budget = self._prefill_budget(num_decodes, budget, self._queue_wait(), load)
+        now = self.clock()
+        wait = max([self._queue_wait(), *(now - r.waiting_since for r in prefills)])
+        prefill_budget = self._prefill_budget(num_decodes, budget, wait, load)
         budget = self._schedule_running(prefills, prefill_budget, scheduled, preempted)
         # Drop entries of requests preempted after they were scheduled this step.
         scheduled = [s for s in scheduled if s.request.status == RequestStatus.RUNNING]
@@ -285,7 +306,8 @@ class Scheduler:
     def record_step(self, output: SchedulerOutput, seconds: float) -> None:
         """The forward pass of `output` took `seconds` (the engine core times every step): the
         measurements the prefill budget is derived from."""
-        self.step_cost.observe(output.num_tokens, seconds, prefill=output.carries_prompt)
+        prompt = output.num_prompt_tokens
+        self.step_cost.observe(output.num_tokens, seconds, prefill=prompt > 0, prompt_tokens=prompt)
 
     def _queue_wait(self) -> float:
         """Seconds the head of the waiting queue has waited there (since its preemption, for
@@ -303,19 +325,23 @@ class Scheduler:
         if config.prefill_budget != "auto" or not config.enable_chunked_prefill:
             return budget
         limits: list[int] = []
+        floor = MIN_PREFILL_CHUNK
         by_time = self.step_cost.tokens_within(MAX_PREFILL_STEP_S)
         if by_time is not None:
             limits.append(by_time - num_decodes)
         fit = self.step_cost.line()
-        if num_decodes and fit is not None and (decode_step := fit.seconds(load)) >= _MIN_STEP_S:
+        cost = self.step_cost
+        if num_decodes and fit is not None and (decode_step := cost.decode_seconds(load, fit)) >= _MIN_STEP_S:
             ratio = TARGET_STEP_RATIO + (MAX_STEP_RATIO - TARGET_STEP_RATIO) * min(
                 1.0, wait / (FAIR_WAIT_STEPS * decode_step)
             )
-            step = ratio * decode_step  # = a + b * (decodes + prompt tokens)
-            limits.append(int((step - fit.seconds(num_decodes)) / fit.seconds_per_token))
+            step = ratio * decode_step  # = the decodes' step + the prompt tokens' cost
+            per_token = cost.prompt_token_seconds(fit)
+            limits.append(int((step - cost.decode_seconds(num_decodes, fit)) / per_token))
+            floor = max(1, min(MIN_PREFILL_CHUNK, int(MIN_PREFILL_STEP_S / per_token)))
         if not limits:
             return budget
-        return min(budget, max(MIN_PREFILL_CHUNK, min(limits)))
+        return min(budget, max(floor, min(limits)))
 
     def _schedule_running(
         self, reqs: list[Request], budget: int, scheduled: list[ScheduledRequest], preempted: list[Request]

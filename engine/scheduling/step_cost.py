@@ -34,6 +34,14 @@ chunks shrink as the context grows (m grows). Rejected for
 it: a second regressor for the attention work (sum of chunk * context) in the line, which needs
 steps that vary in both to be told apart, and chunks of one size do not.
 
+Beside decodes the same lag sized the chunks wrong both ways (issue 40, measured on a 0.5B
+model on 2 Zen 4 cores): by the slope a prompt token at 8k of context cost 2.6 ms against 9.3 ms
+measured, and in a shared Xeon's run the intercept read 1.0-1.5 s against 0.5-0.6 s measured
+decode-only steps. So the prompt budget beside decodes reads what a prompt token costs off the
+latest chunk (`prompt_token_seconds`: that step less its other rows, per prompt token) and the
+decode-only step off the latest one measured where that is lower than the line
+(`decode_seconds`).
+
 Rejected: a table of measured times per token count (sparse, and stale for sizes not seen
 lately); separate slopes for prompt and decode tokens (one slope, set by the steps that carry a
 prompt, is the cost that matters here); a calibration run at start-up (the cost moves with the
@@ -71,18 +79,26 @@ class StepCost:
         self.min_spread = min_spread
         self.fit: StepCostFit | None = None
         self.num_steps = 0
-        # The latest step that carried a prompt chunk: (tokens, seconds), for `tokens_within`.
+        # The latest step that carried a prompt chunk: (tokens, seconds), for `tokens_within`,
+        # and how many of its tokens were prompt tokens, for `prompt_token_seconds`.
         self.latest_prefill: tuple[int, float] | None = None
+        self.latest_prompt_tokens = 0
+        # The latest step that carried none: (tokens, seconds), for `decode_seconds`.
+        self.latest_decode: tuple[int, float] | None = None
         # Weighted means of x (tokens), y (seconds), x*x and x*y.
         self._x = self._y = self._xx = self._xy = 0.0
 
-    def observe(self, tokens: int, seconds: float, *, prefill: bool = False) -> None:
+    def observe(self, tokens: int, seconds: float, *, prefill: bool = False, prompt_tokens: int | None = None) -> None:
         """One step of `tokens` tokens took `seconds` (`prefill`: some of them were a prompt
-        chunk's); steps of no tokens or no time are ignored."""
+        chunk's, `prompt_tokens` of them, all where not given); steps of no tokens or no time are
+        ignored."""
         if tokens <= 0 or not seconds > 0:
             return
         if prefill:
             self.latest_prefill = (tokens, seconds)
+            self.latest_prompt_tokens = tokens if prompt_tokens is None else max(1, min(tokens, prompt_tokens))
+        else:
+            self.latest_decode = (tokens, seconds)
         x, y = float(tokens), float(seconds)
         w = 1.0 if self.num_steps == 0 else self.alpha
         self.num_steps += 1
@@ -98,15 +114,53 @@ class StepCost:
             self.fit = StepCostFit(max(0.0, self._y - b * self._x), b)
 
     def line(self) -> StepCostFit | None:
-        """The fitted line; before there is one, a line through the origin at the pace of the
-        latest step that carried a prompt chunk (no fixed cost per step: beside decodes, the
-        smaller prompt budget); None before either."""
+        """The fitted line; before there is one, the line through the latest decode-only step
+        and the latest step that carried a prompt chunk where both were seen (the prompt step
+        the larger and the longer), else a line through the origin at the prompt step's pace (no
+        fixed cost per step: beside decodes, the smaller prompt budget); None before a prompt
+        step. Steps that all carry a few tokens (a stream beside prompt chunks of a few tokens
+        each) never spread enough for a fit, and through the origin a decode-only step would
+        read as a few tokens' cost."""
         if self.fit is not None:
             return self.fit
         if self.latest_prefill is None:
             return None
         tokens, took = self.latest_prefill
+        if self.latest_decode is not None:
+            rows, decode = self.latest_decode
+            if tokens > rows and took > decode:
+                slope = (took - decode) / (tokens - rows)
+                return StepCostFit(max(0.0, decode - slope * rows), slope)
         return StepCostFit(0.0, took / tokens)
+
+    def decode_seconds(self, rows: int, fit: StepCostFit) -> float:
+        """A decode-only step of `rows` rows: the line's figure, or less where the latest
+        decode-only step measured, moved along the line's slope to `rows`, says so. While a long
+        prompt is cut into chunks beside decodes, the line takes up the chunks' growing cost per
+        token partly in its intercept (a decode-only step read 0.59 s against 0.50 s in the
+        simulated run of tests/engine/test_scheduler.py, 1.0-1.5 s against 0.5-0.6 s measured on
+        a shared Xeon, docs/reliability.md), and a ratio of that figure let the steps beside a
+        stream grow with the prompt. A measured step that is stale errs the safe way: the machine
+        or the rows' contexts grew since, the budget is smaller than it could be."""
+        line = fit.seconds(rows)
+        if self.latest_decode is None:
+            return line
+        tokens, took = self.latest_decode
+        return max(0.0, min(line, took + fit.seconds_per_token * (rows - tokens)))
+
+    def prompt_token_seconds(self, fit: StepCostFit) -> float:
+        """What one more prompt token adds to a step, at the context the latest prompt chunk
+        reached: that step's time less what its other tokens cost (and the fixed cost of a step:
+        `decode_seconds`), per prompt token; never less than the line's slope, which is all there is
+        before a prompt step. The line does not follow the context (the module docstring): at 8k
+        tokens of context a prompt token cost a 0.5B model six times what it did at the start
+        (docs/reliability.md), and a chunk sized by the slope made the steps beside a stream grow
+        as the prompt went on."""
+        if self.latest_prefill is None:
+            return fit.seconds_per_token
+        tokens, took = self.latest_prefill
+        prompt = self.latest_prompt_tokens
+        return max(fit.seconds_per_token, (took - self.decode_seconds(tokens - prompt, fit)) / prompt)
 
     def tokens_within(self, seconds: float) -> int | None:
         """The tokens a step carrying a prompt chunk may take to be predicted to last `seconds`:
