@@ -94,7 +94,7 @@ def test_native_llama4_gives_transformers_and_the_backends_tokens(tmp_path: Path
 @pytest.mark.parametrize("window", [40, None], ids=["window", "no-window"])
 def test_native_phimoe_gives_transformers_and_the_backends_tokens(tmp_path: Path, window: int | None) -> None:
     """With a window, against transformers only: transformers' PhimoeAttention leaves its window to
-    the mask, which the backend does not build, so the backend attends past it."""
+    the mask, which the backend does not build, so the backend refuses such a checkpoint at load."""
     from triollm.engine.execution.models.phimoe import PhimoeForCausalLM
 
     fields = {**PHIMOE, "sliding_window": window}
@@ -102,6 +102,9 @@ def test_native_phimoe_gives_transformers_and_the_backends_tokens(tmp_path: Path
     cfg = ModelConfig.from_pretrained(path, max_model_len=96)
     assert cfg.lm_head_bias and cfg.sliding_window == window and cfg.rope.attention_factor == 1.2
     _native_and_backend(path, PhimoeForCausalLM, backend=window is None)
+    if window is not None:  # the backend refuses it at load rather than attend past the window
+        with pytest.raises(ValueError, match=r"layer 0 has a sliding window \(sliding_window\) that its attention"):
+            engine_greedy(path, prompts(), model_impl="transformers")
 
 
 def test_sparsemixer_weights_mask_the_first_expert_for_the_second() -> None:

@@ -97,6 +97,7 @@ def _paged_attention(
     kvh, dv = key.shape[1], value.shape[-1]
     if isinstance(step, _Probe):
         step.seen[index] = (h, kvh, key.shape[-1], dv)
+        step.windows[index] = sliding_window
         if s_aux is not None:
             step.sinks.add(index)
         return query.new_zeros(1, t, h, dv), None
@@ -155,6 +156,7 @@ class _Probe:
 
     seen: dict[int, tuple[int, int, int, int]]
     sinks: set[int]
+    windows: dict[int, int | None]  # the sliding window each layer handed over
 
 
 def _register() -> None:
@@ -275,11 +277,24 @@ def load_transformers_model(cfg: ModelConfig, device: str | torch.device = "cpu"
     return model
 
 
+def _windowed_layers(hf_config: Any, num_layers: int) -> list[int]:
+    """The layers the config gives a sliding window: those `layer_types` marks
+    "sliding_attention", else every layer where `sliding_window` is set (and
+    `use_sliding_window`, where the config has it, is not false)."""
+    config = getattr(hf_config, "text_config", None) or hf_config
+    types = getattr(config, "layer_types", None)
+    if types:
+        return [i for i, t in enumerate(types[:num_layers]) if t == "sliding_attention"]
+    if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True) is not False:
+        return list(range(num_layers))
+    return []
+
+
 def _check_shapes(cfg: ModelConfig, model: TransformersForCausalLM) -> None:
     """One token through the model with the probe as its attention (`_Probe`): every layer's
     heads must fit the KV cache sized from the config, or the load fails here, not a step."""
     global _STEP
-    probe = _Probe({}, set())
+    probe = _Probe({}, set(), {})
     _STEP = probe
     try:
         with torch.inference_mode():
@@ -297,6 +312,13 @@ def _check_shapes(cfg: ModelConfig, model: TransformersForCausalLM) -> None:
     for layer in range(cfg.num_layers):
         if layer not in probe.seen:
             raise ValueError(f"model_impl: {cfg.architecture}'s layer {layer} did not call the paged attention")
+    for layer in _windowed_layers(model.hf.config, cfg.num_layers):
+        if probe.windows.get(layer) is None:
+            raise ValueError(
+                f"model_impl: {cfg.architecture}'s layer {layer} has a sliding window (sliding_window) that its "
+                f"attention does not hand to the attention function (it relies on a mask, which the paged cache "
+                f"does not use): through the Transformers backend it would attend past the window"
+            )
         h, kvh, dk, dv = probe.seen[layer]
         if kvh != cfg.num_kv_heads or max(dk, dv) != cfg.head_dim or h % kvh:
             raise ValueError(
