@@ -17,7 +17,8 @@ computations (whose rows rank 0 lists in `logit_rows`), and rank 0 samples.
 Images (a vision-language model, engine/execution/vision.py): a prefill chunk that touches an
 image's placeholder positions feeds the image's features there instead of token embeddings.
 All of an image's features are computed at the first chunk that touches it (one tower call for
-every image the step needs, equal pixels once) and kept on the request until the chunk that
+every image the step needs, equal pixels once; rows of images encoded lately are taken from the
+runner's `EncoderCache` instead, by content digest) and kept on the request until the chunk that
 feeds its last position, so chunked prefill may cut through an image anywhere, except where
 the image's positions attend to each other both ways (Gemma 3: the scheduler keeps such an image
 in one chunk, and its span goes on the prefill plan for the attention mask).
@@ -70,7 +71,7 @@ from triollm.kernels.attention import DecodeWorkspace, plan_decode, plan_prefill
 
 if TYPE_CHECKING:
     from triollm.engine.distributed.group import TensorParallelGroup
-    from triollm.engine.execution.vision import VisionEncoder
+    from triollm.engine.execution.vision import EncoderCache, VisionEncoder
     from triollm.lora.manager import LoRAManager
 
 __all__ = ["ModelRunner", "RunnerOutput"]
@@ -91,6 +92,11 @@ class ModelRunner:
         self.model = model
         self.states = states  # a hybrid model's recurrent-layer states, by the requests' slots
         self.vision = vision  # a vision-language model's tower and projector
+        self.encoder_cache: EncoderCache | None = None  # its recent images' rows
+        if vision is not None:
+            from triollm.engine.execution.vision import EncoderCache
+
+            self.encoder_cache = EncoderCache()
         self.lora = lora  # the adapters' slots (rank 0: filled by the core before each step)
         self.group = group  # rank 0 of a tensor-parallel model: the other ranks follow each step
         self.graphs = graphs  # all-decode steps replayed from captured graphs (CUDA)
@@ -250,10 +256,17 @@ class ModelRunner:
             for j, (first, end, digest) in enumerate(req.image_spans):
                 if first < c + n and end > c and j not in req.image_features:
                     need.setdefault(digest, []).append((req, j))
+        cache = self.encoder_cache
+        assert cache is not None
+        for digest in list(need):
+            if (cached := cache.get(digest)) is not None:
+                for req, j in need.pop(digest):
+                    req.image_features[j] = cached
         if need:
-            owners = list(need.values())
-            features = self.vision.encode([req.images[j] for (req, j), *_ in owners])
-            for users, rows in zip(owners, features):
+            owners = list(need.items())
+            features = self.vision.encode([req.images[j] for _, ((req, j), *_) in owners])
+            for (digest, users), rows in zip(owners, features):
+                cache.put(digest, rows)
                 for req, j in users:
                     req.image_features[j] = rows
         rows_at: list[torch.Tensor] = []

@@ -40,7 +40,42 @@ from triollm.engine.loading.model_config import ModelConfig
 from triollm.engine.loading.transformers_config import import_transformers
 from triollm.engine.request import ImageFeature
 
-__all__ = ["GridVisionEncoder", "VisionEncoder", "load_vision_encoder"]
+__all__ = ["ENCODER_CACHE_BYTES", "EncoderCache", "GridVisionEncoder", "VisionEncoder", "load_vision_encoder"]
+
+# The feature rows kept for images encoded lately (EncoderCache): a few hundred images of a 2-4B
+# model's 256-1,280 rows, far less than the KV blocks of the same prompts.
+ENCODER_CACHE_BYTES = 256 << 20
+
+
+class EncoderCache:
+    """Feature rows of recently encoded images by their content digest (pixels and grid: the
+    prefix cache's key for an image's positions), least recently used first out, bounded in
+    bytes. A prefix-cache hit that covers an image only in part (the prompt's cached blocks end
+    inside it) still feeds the rest of its positions: without these rows the tower ran again for
+    the whole image (measured: a 448 x 448 image again in a 264-token prompt cost 0.77x of the
+    cold request, tower included). As in vLLM's encoder cache; the rows never leave the engine,
+    and an image's rows depend only on its pixels and the model."""
+
+    def __init__(self, max_bytes: int = ENCODER_CACHE_BYTES) -> None:
+        self.max_bytes = max_bytes
+        self.bytes = 0
+        self._rows: dict[bytes, torch.Tensor] = {}  # insertion order = recency
+
+    def get(self, digest: bytes) -> torch.Tensor | None:
+        rows = self._rows.pop(digest, None)
+        if rows is not None:
+            self._rows[digest] = rows
+        return rows
+
+    def put(self, digest: bytes, rows: torch.Tensor) -> None:
+        size = rows.numel() * rows.element_size()
+        if size > self.max_bytes or digest in self._rows:
+            return
+        while self.bytes + size > self.max_bytes:
+            old = self._rows.pop(next(iter(self._rows)))
+            self.bytes -= old.numel() * old.element_size()
+        self._rows[digest] = rows
+        self.bytes += size
 
 
 class VisionEncoder(nn.Module):

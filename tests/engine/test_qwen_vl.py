@@ -271,6 +271,48 @@ def test_repeated_image_is_a_prefix_cache_hit(qwen_vl: Path) -> None:
     assert vision.num_runs == 2 and other.num_cached_tokens == 0
 
 
+def test_an_image_the_prefix_cache_covers_in_part_is_not_encoded_again(qwen_vl: Path) -> None:
+    """A prompt that ends just past its image: the cached blocks stop inside the image, whose
+    last positions are fed again from the encoder cache's rows (keyed by the same digest), not by
+    running the tower again; the tokens are the first request's."""
+    from triollm.engine.config import EngineArgs
+    from triollm.engine.sync_engine import SyncEngine
+
+    engine = SyncEngine.from_engine_args(
+        EngineArgs(model=str(qwen_vl), max_model_len=256, enable_prefix_caching=True, block_size=8)
+    )
+    vision = engine.core.executor.runner.vision
+    assert vision is not None
+
+    def run(image: Any) -> Any:
+        engine.add_request({"prompt": IMAGE + " x", "multi_modal_data": {"image": image}}, _params())
+        done = []
+        while engine.has_unfinished_requests():
+            done += [out for out in engine.step() if out.finished]
+        return done[0]
+
+    first = run(random_image(7, (30, 30)))
+    again = run(random_image(7, (30, 30)))
+    image_end = 1 + 16  # <|vision_start|>, then the image's 16 positions
+    assert 0 < again.num_cached_tokens < image_end  # the hit ends inside the image
+    assert vision.num_runs == 1
+    assert again.outputs[0].token_ids == first.outputs[0].token_ids
+
+
+def test_the_encoder_cache_is_bounded_in_bytes() -> None:
+    from triollm.engine.execution.vision import EncoderCache
+
+    cache = EncoderCache(max_bytes=3 * 64 * 4)  # three images of 4 x 16 fp32 rows
+    rows = {d: torch.full((4, 16), float(i)) for i, d in enumerate([b"a", b"b", b"c", b"d"])}
+    for d in (b"a", b"b", b"c"):
+        cache.put(d, rows[d])
+    assert cache.get(b"a") is rows[b"a"]  # now the most recent
+    cache.put(b"d", rows[b"d"])  # evicts b, the least recently used
+    assert cache.get(b"b") is None and cache.get(b"c") is rows[b"c"] and cache.bytes == 3 * 64 * 4
+    cache.put(b"e", torch.zeros(64, 16))  # larger than the whole cache: not kept
+    assert cache.get(b"e") is None and cache.bytes == 3 * 64 * 4
+
+
 # ------------------------------------------------------------------------------ M-RoPE positions
 
 
