@@ -232,6 +232,32 @@ def test_step_cost_fits_a_line_and_keeps_it_through_alike_steps() -> None:
         StepCost(alpha=0)
 
 
+def test_a_steps_prompt_tokens_are_what_is_not_a_decode() -> None:
+    """What the cost model is told of a step (`SchedulerOutput.num_prompt_tokens`): every request's
+    own tokens but a decode's one; a prompt chunk of one token that samples nothing is a prompt's,
+    and a decode's drafts are not."""
+    prompt = make_request("p", [7] * 10)
+    decode = make_request("d", [1, 2])
+    decode.num_computed_tokens = 2
+    decode.append_output_token(5)  # one token to feed, then it samples
+    out = SchedulerOutput(
+        [
+            ScheduledRequest(prompt, 1, 3),  # a one-token chunk mid-prompt: samples nothing
+            ScheduledRequest(decode, 3, 2, num_draft=2),  # a decode with two drafts
+        ],
+        [],
+    )
+    assert out.num_prompt_tokens == 1 and out.carries_prompt and out.num_tokens == 4
+    last = SchedulerOutput([ScheduledRequest(prompt, 1, 9)], [])  # the prompt's last token: it samples
+    assert last.num_prompt_tokens == 0 and not last.carries_prompt
+    cost = StepCost()
+    cost.observe(4, 0.5, prefill=True, prompt_tokens=1)
+    cost.observe(1, 0.3)
+    assert cost.latest_prefill == (4, 0.5) and cost.latest_prompt_tokens == 1 and cost.latest_decode == (1, 0.3)
+    line = cost.line()  # no fit yet: through the two latest steps
+    assert line is not None and line.seconds(1) == pytest.approx(0.3) and line.seconds(4) == pytest.approx(0.5)
+
+
 def _timed(sched: Scheduler, a: float, b: float, tokens: tuple[int, ...] = (200, 16, 48, 16)) -> None:
     """Teach the scheduler's cost model `seconds = a + b * tokens` (a fake clock: no model runs)."""
     for n in tokens * 3:
