@@ -305,20 +305,36 @@ def _parse_mamba_hybrid(arch: str, hf: Mapping[str, Any]) -> dict[str, Any]:
         encoder=None,
         layer_types=layer_types,
         rotary_dim=None if rotary == head_dim else rotary,
-        recurrent=RecurrentSpec(
-            "mamba2",
-            conv_kernel=_int(hf, "mamba_d_conv", 4, minimum=2),
-            conv_bias=_bool(hf, "mamba_conv_bias", True),
-            mamba_heads=heads,
-            mamba_head_dim=head,
-            mamba_groups=groups,
-            mamba_state=_int(hf, "mamba_d_state", 256),
-            mamba_chunk=_int(hf, "mamba_chunk_size", 256),
-            mamba_proj_bias=_bool(hf, "mamba_proj_bias", False),
-            mamba_out_bias=_bool(hf, "mamba_proj_bias", False),
-            time_step_limit=(low, high),
-        ),
+        recurrent=_mamba2(hf, heads, head, groups, (low, high), out_bias="mamba_proj_bias"),
         **extra,
+    )
+
+
+def _mamba2(
+    hf: Mapping[str, Any],
+    heads: int,
+    head: int,
+    groups: int,
+    time_step_limit: tuple[float, float],
+    *,
+    out_bias: str,
+    **more: Any,
+) -> RecurrentSpec:
+    """A Mamba-2 mixer's spec as Bamba's and Falcon-H1's configs name its fields (`out_bias`: the
+    field that gives out_proj a bias: Bamba's `mamba_proj_bias`, Falcon-H1's `projectors_bias`)."""
+    return RecurrentSpec(
+        "mamba2",
+        conv_kernel=_int(hf, "mamba_d_conv", 4, minimum=2),
+        conv_bias=_bool(hf, "mamba_conv_bias", True),
+        mamba_heads=heads,
+        mamba_head_dim=head,
+        mamba_groups=groups,
+        mamba_state=_int(hf, "mamba_d_state", 256),
+        mamba_chunk=_int(hf, "mamba_chunk_size", 256),
+        mamba_proj_bias=_bool(hf, "mamba_proj_bias", False),
+        mamba_out_bias=_bool(hf, out_bias, False),
+        time_step_limit=time_step_limit,
+        **more,
     )
 
 
@@ -376,18 +392,13 @@ def _parse_falcon_h1(arch: str, hf: Mapping[str, Any]) -> dict[str, Any]:
         encoder=None,
         layer_types=("hybrid",) * num_layers,
         embedding_multiplier=_finite(hf, "embedding_multiplier"),
-        recurrent=RecurrentSpec(
-            "mamba2",
-            conv_kernel=_int(hf, "mamba_d_conv", 4, minimum=2),
-            conv_bias=_bool(hf, "mamba_conv_bias", True),
-            mamba_heads=heads,
-            mamba_head_dim=head,
-            mamba_groups=groups,
-            mamba_state=_int(hf, "mamba_d_state", 256),
-            mamba_chunk=_int(hf, "mamba_chunk_size", 256),
-            mamba_proj_bias=_bool(hf, "mamba_proj_bias", False),
-            mamba_out_bias=_bool(hf, "projectors_bias", False),
-            time_step_limit=(low, high),
+        recurrent=_mamba2(
+            hf,
+            heads,
+            head,
+            groups,
+            (low, high),
+            out_bias="projectors_bias",
             mamba_norm=norm,
             ssm_in_multiplier=_finite(hf, "ssm_in_multiplier"),
             ssm_multipliers=(ssm[0], ssm[1], ssm[2], ssm[3], ssm[4]),
