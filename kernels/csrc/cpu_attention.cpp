@@ -463,10 +463,43 @@ void decode_pair_group(const T* qrow, const K* kp, const K* vp, const int32_t* t
 // The order of every sum is fixed by the block and the pair, so a row's result does not depend
 // on its batch, as with the fp32 path (kernels/batch_invariant.py). Chosen at run time
 // (`bf16_dot_enabled`): the CPU has AVX-512 BF16 and $TRIOLLM_CPU_ISA forces no other path.
+//
+// A quantized cache (fp8 e4m3fn / e5m2, int8) takes the same loops where the CPU also has
+// AVX-512 VBMI (`quant_dot_enabled`: Zen 4/5, Ice Lake and later; not Cooper Lake): each block
+// is first turned into the bf16 block the loops read, in L1. Every code of these formats is a
+// bf16 value exactly (at most 4 significant bits, or an integer below 128), so this is a table
+// lookup, not arithmetic: the code's magnitude (7 bits; int8's absolute value, the writers
+// saturate to +-127) indexes two 128-entry byte tables, the bf16's high and low bytes
+// (`vpermi2b`, 64 codes an instruction), the sign is or-ed into the high byte, and an unpack
+// joins the bytes into words. Half the bytes of a bf16 cache are read and a value costs about
+// what its bf16 load did, where the fp32 path above widened every value by arithmetic and
+// spent an FMA on it. fp8 codes are looked up as their value times kRaw (the fp32 path's
+// scaling, which `decode` folds back); int8's per-token scales multiply the scores after the
+// dot product and the probabilities before they are rounded, as in the fp32 path.
 #pragma GCC push_options
-#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,fma,f16c")
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx512vbmi,fma,f16c")
 inline __m512 dpbf16(__m512 acc, __m512i a, __m512i b) {
   return _mm512_dpbf16_ps(acc, (__m512bh)a, (__m512bh)b);
+}
+
+// exp of 16 floats: 2^n * e^r, r = x - n ln 2 in [-ln 2 / 2, ln 2 / 2] (ln 2 in two parts), e^r
+// by a degree-6 polynomial (Cephes' expf, within 2 ulp), 2^n by `vscalefps`. The argument is
+// clamped first: e^-88 is below every probability that survives bf16 rounding (masked positions
+// are zeroed by the caller, not by underflow).
+inline __m512 exp16(__m512 x) {
+  x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.3762626647949f)), _mm512_set1_ps(-88.f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
+  return _mm512_scalef_ps(p, n);
 }
 
 // n fp32 values (a multiple of 2) rounded to bf16, as n / 2 pairs (lower index in the low half).
@@ -478,13 +511,72 @@ inline void bf16_pairs(const float* src, int n, uint32_t* dst) {
   }
 }
 
-template <typename T, int kD, int kG>
-void decode_pair_group_bf16(const T* qrow, const c10::BFloat16* kp, const c10::BFloat16* vp, const int32_t* table,
+// The bf16 bits of a quantized cache's codes, by magnitude (0..127): high bytes and low bytes,
+// 64 entries a register (vpermi2b's two tables).
+template <typename K>
+struct Bf16Table {
+  __m512i hi0, hi1, lo0, lo1;
+  Bf16Table() {
+    alignas(64) uint8_t hi[128], lo[128];
+    for (int c = 0; c < 128; ++c) {
+      float f;
+      if constexpr (std::is_same_v<K, int8_t>) {
+        f = static_cast<float>(c);
+      } else {
+        f = load_f(K(static_cast<uint8_t>(c), K::from_bits()));  // times kRaw: exact in bf16
+      }
+      uint32_t bits;
+      std::memcpy(&bits, &f, sizeof bits);
+      hi[c] = static_cast<uint8_t>(bits >> 24), lo[c] = static_cast<uint8_t>(bits >> 16);
+    }
+    hi0 = _mm512_load_si512(hi), hi1 = _mm512_load_si512(hi + 64);
+    lo0 = _mm512_load_si512(lo), lo1 = _mm512_load_si512(lo + 64);
+  }
+};
+
+// 64 codes x (already in the order wanted) as 64 bf16 words: the first result's lane L holds
+// the words of bytes 16L..16L+7, the second's of bytes 16L+8..16L+15 (the byte unpack joining
+// low and high bytes works within 128-bit lanes).
+template <typename K>
+inline void bf16_words(__m512i x, const Bf16Table<K>& tab, __m512i& a, __m512i& b) {
+  const __m512i mag = std::is_same_v<K, int8_t> ? _mm512_abs_epi8(x) : x;  // vpermi2b reads bits 0-6
+  const __m512i lo = _mm512_permutex2var_epi8(tab.lo0, mag, tab.lo1);
+  const __m512i hi = _mm512_ternarylogic_epi32(_mm512_permutex2var_epi8(tab.hi0, mag, tab.hi1), x,
+                                               _mm512_set1_epi8(static_cast<char>(0x80)), 0xF8);  // | sign
+  a = _mm512_unpacklo_epi8(lo, hi), b = _mm512_unpackhi_epi8(lo, hi);
+}
+
+// Byte orders (`vpermb` / `vpermt2b` indices) that make bf16_words give the dot products' pairs
+// directly. K: 64 codes are rows d..d+3 of a transposed block (16 tokens each); the results are
+// (k[d][t], k[d+1][t]) and (k[d+2][t], k[d+3][t]) for t = 0..15, as `vpermw` makes them from a
+// bf16 block. V: rows t and t+1 (index bit 6: the second row), 32 head dims a call (h: which
+// half of a 64-code register), in the order the bf16 path's `vpunpck{l,h}wd` gives.
+struct PairOrders {
+  alignas(64) uint8_t k[64], v[2][64];
+  PairOrders() {
+    for (int L = 0; L < 4; ++L)
+      for (int j = 0; j < 8; ++j) {
+        const int t = (8 * L + j) / 2, r = j % 2;
+        k[16 * L + j] = static_cast<uint8_t>(r * 16 + t);
+        k[16 * L + 8 + j] = static_cast<uint8_t>((2 + r) * 16 + t);
+        for (int h = 0; h < 2; ++h) {
+          v[h][16 * L + j] = static_cast<uint8_t>(r * 64 + 32 * h + 8 * L + j / 2);
+          v[h][16 * L + 8 + j] = static_cast<uint8_t>(r * 64 + 32 * h + 8 * L + 4 + j / 2);
+        }
+      }
+  }
+};
+
+template <typename T, typename K, int kD, int kG>
+void decode_pair_group_bf16(const T* qrow, const K* kp, const K* vp, const int32_t* table,
                             int64_t n, int64_t start, int64_t, int64_t NB, int64_t h, int64_t, int64_t,
                             float fscale, float, const float* sink, const Scales& sc, float*, float*, float*,
                             float*, float*, float*, float*, T* orow, float* part, float* lse) {
   constexpr int kBS = 16, kC = kD / 32;  // kC: 32-wide chunks of head_dim per V row
-  static_assert(kD % 32 == 0, "head_dim a multiple of 32");
+  static_assert(kD % 64 == 0, "head_dim a multiple of 64");
+  constexpr bool kCodes = !std::is_same_v<K, c10::BFloat16>;
+  static const Bf16Table<K> tab;
+  static const PairOrders orders;
   alignas(64) float qf[kG][kD];
   for (int g = 0; g < kG; ++g)
     for (int d = 0; d < kD; ++d) qf[g][d] = load_f(qrow[g * kD + d]);
@@ -494,49 +586,96 @@ void decode_pair_group_bf16(const T* qrow, const c10::BFloat16* kp, const c10::B
   alignas(64) int16_t idx[32];
   for (int t = 0; t < 16; ++t) idx[2 * t] = static_cast<int16_t>(t), idx[2 * t + 1] = static_cast<int16_t>(16 + t);
   const __m512i perm = _mm512_load_si512(reinterpret_cast<const void*>(idx));
+  const __m512i kord = _mm512_load_si512(orders.k), vord0 = _mm512_load_si512(orders.v[0]),
+                vord1 = _mm512_load_si512(orders.v[1]);
   __m512 lo[kG][kC], hi[kG][kC];  // head_dim permuted: see the epilogue
   for (int g = 0; g < kG; ++g)
     for (int c = 0; c < kC; ++c) lo[g][c] = _mm512_setzero_ps(), hi[g][c] = _mm512_setzero_ps();
-  float m[kG], l[kG] = {};
-  for (int g = 0; g < kG; ++g) m[g] = kNegBig;
-  const uint16_t* kbase = reinterpret_cast<const uint16_t*>(kp);
-  const uint16_t* vbase = reinterpret_cast<const uint16_t*>(vp);
+  float m[kG], l[kG];
+  __m512 lv[kG];  // the running sum, per lane
+  for (int g = 0; g < kG; ++g) m[g] = kNegBig, lv[g] = _mm512_setzero_ps();
   for (int64_t blk = start / kBS; blk * kBS < n; ++blk) {
     const int64_t id = table[blk];
     const int64_t cnt = std::min<int64_t>(kBS, n - blk * kBS);
-    const uint16_t* kt = kbase + (h * NB + id) * kD * kBS;  // [kD][kBS]
-    const uint16_t* vb = vbase + (h * NB + id) * kBS * kD;  // [kBS][kD]
-    __m512 sv[kG];
-    for (int g = 0; g < kG; ++g) sv[g] = _mm512_setzero_ps();
-    for (int p = 0; p < kD / 2; ++p) {
-      const __m512i kk = _mm512_permutexvar_epi16(perm, _mm512_loadu_si512(reinterpret_cast<const void*>(kt + p * 2 * kBS)));
-      for (int g = 0; g < kG; ++g) sv[g] = dpbf16(sv[g], kk, _mm512_set1_epi32(static_cast<int>(qp[g][p])));
+    const K* kt = kp + (h * NB + id) * kD * kBS;  // [kD][kBS]
+    const K* vb = vp + (h * NB + id) * kBS * kD;  // [kBS][kD]
+    // Scores: rows d..d+3 at a time, two accumulators a head (even and odd pairs of rows) so
+    // that consecutive `vdpbf16ps` do not wait on each other.
+    __m512 sv[kG], sw[kG];
+    for (int g = 0; g < kG; ++g) sv[g] = _mm512_setzero_ps(), sw[g] = _mm512_setzero_ps();
+    for (int r = 0; r < kD / 4; ++r) {
+      __m512i k0, k1;
+      if constexpr (kCodes) {
+        const __m512i x = _mm512_loadu_si512(reinterpret_cast<const void*>(kt + r * 64));
+        bf16_words<K>(_mm512_permutexvar_epi8(kord, x), tab, k0, k1);
+      } else {
+        const uint16_t* kw = reinterpret_cast<const uint16_t*>(kt) + r * 64;
+        k0 = _mm512_permutexvar_epi16(perm, _mm512_loadu_si512(reinterpret_cast<const void*>(kw)));
+        k1 = _mm512_permutexvar_epi16(perm, _mm512_loadu_si512(reinterpret_cast<const void*>(kw + 32)));
+      }
+      for (int g = 0; g < kG; ++g) {
+        sv[g] = dpbf16(sv[g], k0, _mm512_set1_epi32(static_cast<int>(qp[g][2 * r])));
+        sw[g] = dpbf16(sw[g], k1, _mm512_set1_epi32(static_cast<int>(qp[g][2 * r + 1])));
+      }
     }
-    alignas(64) float s[kG][kBS];
-    for (int g = 0; g < kG; ++g) _mm512_store_ps(s[g], _mm512_mul_ps(sv[g], _mm512_set1_ps(fscale)));
+    __m512 ksc = _mm512_set1_ps(fscale), vsc = _mm512_set1_ps(1.f);
+    if constexpr (kPerToken<K>) {  // int8: the tokens' own scales
+      alignas(64) float ks[kBS], vs[kBS];
+      widen16(sc.k + (h * NB + id) * kBS, ks);
+      widen16(sc.v + (h * NB + id) * kBS, vs);
+      ksc = _mm512_mul_ps(ksc, _mm512_load_ps(ks)), vsc = _mm512_load_ps(vs);
+    }
+    // The softmax in registers: the block's live positions (before `cnt`, from the window's
+    // start) as a mask, one horizontal max a head, and the running sum kept per lane (summed
+    // once, after the blocks).
+    const int64_t skip = std::max<int64_t>(0, start - blk * kBS);
+    const __mmask16 live = static_cast<__mmask16>(((1u << cnt) - 1u) & ~((1u << skip) - 1u));
     alignas(64) uint32_t pp[kG][kBS / 2];
     for (int g = 0; g < kG; ++g) {
-      const __m512 cv = _mm512_set1_ps(softmax_block(s[g], kBS, cnt, start - blk * kBS, m[g], l[g]));
+      const __m512 sc16 = _mm512_mask_blend_ps(live, _mm512_set1_ps(kNegBig),
+                                               _mm512_mul_ps(_mm512_add_ps(sv[g], sw[g]), ksc));
+      const float mx = std::max(m[g], _mm512_reduce_max_ps(sc16));
+      const __m512 mxv = _mm512_set1_ps(mx);
+      const __m512 cv = exp16(_mm512_sub_ps(_mm512_set1_ps(m[g]), mxv));
+      __m512 p = _mm512_maskz_mov_ps(live, exp16(_mm512_sub_ps(sc16, mxv)));
+      lv[g] = _mm512_fmadd_ps(lv[g], cv, p);
+      m[g] = mx;
       for (int c = 0; c < kC; ++c) lo[g][c] = _mm512_mul_ps(lo[g][c], cv), hi[g][c] = _mm512_mul_ps(hi[g][c], cv);
-      _mm256_store_si256(reinterpret_cast<__m256i*>(pp[g]), (__m256i)_mm512_cvtneps_pbh(_mm512_load_ps(s[g])));
+      if constexpr (kPerToken<K>) p = _mm512_mul_ps(p, vsc);
+      _mm256_store_si256(reinterpret_cast<__m256i*>(pp[g]), (__m256i)_mm512_cvtneps_pbh(p));
     }
     for (int64_t t = 0; t < cnt; t += 2) {
-      const uint16_t* v0 = vb + t * kD;
-      for (int c = 0; c < kC; ++c) {
-        const __m512i a = _mm512_loadu_si512(reinterpret_cast<const void*>(v0 + c * 32));
-        const __m512i b = t + 1 < cnt ? _mm512_loadu_si512(reinterpret_cast<const void*>(v0 + kD + c * 32))
-                                      : _mm512_setzero_si512();  // past the end: never read
-        const __m512i vl = _mm512_unpacklo_epi16(a, b), vh = _mm512_unpackhi_epi16(a, b);
-        for (int g = 0; g < kG; ++g) {
-          const __m512i pb = _mm512_set1_epi32(static_cast<int>(pp[g][t / 2]));
-          lo[g][c] = dpbf16(lo[g][c], vl, pb);
-          hi[g][c] = dpbf16(hi[g][c], vh, pb);
+      const bool second = t + 1 < cnt;  // past the end: zeros, never the cache's stale values
+      __m512i vl[kC], vh[kC];  // rows t and t + 1 paired, head dims in the unpack's order
+      if constexpr (kCodes) {
+        for (int z = 0; z < kD / 64; ++z) {
+          const __m512i a = _mm512_loadu_si512(reinterpret_cast<const void*>(vb + t * kD + z * 64));
+          const __m512i b = second ? _mm512_loadu_si512(reinterpret_cast<const void*>(vb + (t + 1) * kD + z * 64))
+                                   : _mm512_setzero_si512();  // code 0 is +0 in every format
+          bf16_words<K>(_mm512_permutex2var_epi8(a, vord0, b), tab, vl[2 * z], vh[2 * z]);
+          bf16_words<K>(_mm512_permutex2var_epi8(a, vord1, b), tab, vl[2 * z + 1], vh[2 * z + 1]);
+        }
+      } else {
+        const uint16_t* v0 = reinterpret_cast<const uint16_t*>(vb) + t * kD;
+        for (int c = 0; c < kC; ++c) {
+          const __m512i a = _mm512_loadu_si512(reinterpret_cast<const void*>(v0 + c * 32));
+          const __m512i b = second ? _mm512_loadu_si512(reinterpret_cast<const void*>(v0 + kD + c * 32))
+                                   : _mm512_setzero_si512();
+          vl[c] = _mm512_unpacklo_epi16(a, b), vh[c] = _mm512_unpackhi_epi16(a, b);
+        }
+      }
+      for (int g = 0; g < kG; ++g) {
+        const __m512i pb = _mm512_set1_epi32(static_cast<int>(pp[g][t / 2]));
+        for (int c = 0; c < kC; ++c) {
+          lo[g][c] = dpbf16(lo[g][c], vl[c], pb);
+          hi[g][c] = dpbf16(hi[g][c], vh[c], pb);
         }
       }
     }
   }
   // Undo the unpack's order: in chunk c, 128-bit lane L of `lo` holds head_dim 32c + 8L + 0..3
   // and of `hi` 32c + 8L + 4..7.
+  for (int g = 0; g < kG; ++g) l[g] = _mm512_reduce_add_ps(lv[g]);
   for (int g = 0; g < kG; ++g) {
     const float inv = sc.v_layer * normaliser(m[g], l[g], sink ? sink + g : nullptr);
     if (part != nullptr) lse[g] = m[g] + std::log(l[g]);
@@ -569,21 +708,27 @@ bool bf16_dot_enabled() {
   return enabled;
 }
 
+// The same, for a quantized cache: also AVX-512 VBMI (the byte tables, `vpermi2b`).
+bool quant_dot_enabled() {
+  static const bool enabled = bf16_dot_enabled() && __builtin_cpu_supports("avx512vbmi");
+  return enabled;
+}
+
 template <typename T, typename K>
 using PairFn = decltype(&decode_pair<T, K, 0, 0>);
 
 template <typename T, typename K, int kD>
 PairFn<T, K> group_instance(int64_t G) {
-  if constexpr (std::is_same_v<K, c10::BFloat16>) {
-    if (bf16_dot_enabled()) {
+  if constexpr (std::is_same_v<K, c10::BFloat16> || kQuantized<K>) {
+    if (kQuantized<K> ? quant_dot_enabled() : bf16_dot_enabled()) {
       switch (G) {
-        case 1: return &decode_pair_group_bf16<T, kD, 1>;
-        case 2: return &decode_pair_group_bf16<T, kD, 2>;
-        case 3: return &decode_pair_group_bf16<T, kD, 3>;
-        case 4: return &decode_pair_group_bf16<T, kD, 4>;
-        case 6: return &decode_pair_group_bf16<T, kD, 6>;
-        case 7: return &decode_pair_group_bf16<T, kD, 7>;
-        case 8: return &decode_pair_group_bf16<T, kD, 8>;
+        case 1: return &decode_pair_group_bf16<T, K, kD, 1>;
+        case 2: return &decode_pair_group_bf16<T, K, kD, 2>;
+        case 3: return &decode_pair_group_bf16<T, K, kD, 3>;
+        case 4: return &decode_pair_group_bf16<T, K, kD, 4>;
+        case 6: return &decode_pair_group_bf16<T, K, kD, 6>;
+        case 7: return &decode_pair_group_bf16<T, K, kD, 7>;
+        case 8: return &decode_pair_group_bf16<T, K, kD, 8>;
         default: break;  // the fp32 path's generic instance
       }
     }
@@ -1024,7 +1169,9 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
 using namespace triollm_cpu;
 
 TORCH_LIBRARY(triollm_cpu, m) {
-  m.def("decode_attention_dot() -> str", [] { return std::string(bf16_dot_enabled() ? "bf16" : "fp32"); });
+  m.def("decode_attention_dot(bool quantized=False) -> str", [](bool quantized) {
+    return std::string((quantized ? quant_dot_enabled() : bf16_dot_enabled()) ? "bf16" : "fp32");
+  });
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("silu_and_mul(Tensor x) -> Tensor");
   m.def("paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
