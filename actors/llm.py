@@ -19,6 +19,7 @@ import contextlib
 import dataclasses
 import functools
 import itertools
+import os
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -63,14 +64,14 @@ _ABORT_WAIT_S = 5.0
 LoRAArg = LoRARequest | Sequence[LoRARequest | None] | None
 
 
-def engine_args_from_kwargs(model: str | None = None, **kwargs: Any) -> EngineArgs:
+def engine_args_from_kwargs(model: str | os.PathLike[str] | None = None, **kwargs: Any) -> EngineArgs:
     """vLLM's `LLM(...)` keywords -> `EngineArgs`: the same names as `EngineArgs` and the CLI
     flags, normalised and validated in one place (`EngineArgs`). An unknown keyword is a
     `TypeError` naming it, as the CLI rejects an unknown flag."""
     unknown = sorted(set(kwargs) - set(EngineArgs.field_names()))
     if unknown:
         raise TypeError(f"LLM() got unexpected keyword arguments: {', '.join(unknown)}")
-    return EngineArgs(model=model, **kwargs)
+    return EngineArgs(model=os.fspath(model) if model is not None else None, **kwargs)
 
 
 class LLM:
@@ -78,7 +79,7 @@ class LLM:
 
     def __init__(
         self,
-        model: str | None = None,
+        model: str | os.PathLike[str] | None = None,
         *,
         backend: str = "trio",
         engine_core_factory: EngineCoreFactory | str | None = None,

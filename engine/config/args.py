@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -260,6 +261,10 @@ class EngineArgs:
 
     def __post_init__(self) -> None:
         # Normalised once, here: every way of building EngineArgs sees the same values.
+        for name in ("model", "tokenizer", "download_dir"):  # a pathlib.Path works as its string
+            value = getattr(self, name, None)
+            if isinstance(value, os.PathLike):
+                setattr(self, name, os.fspath(value))
         self.compilation_config = CompilationConfig.coerce(self.compilation_config)
         if self.max_model_len == -1:  # vLLM's "auto" (`--max-model-len auto`): the model's own
             self.max_model_len = None

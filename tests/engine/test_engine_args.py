@@ -79,6 +79,16 @@ def test_llm_kwargs_and_cli_flags_build_the_same_engine_args(tiny_model_dir: Pat
     assert from_cli.dtype == "float16" and from_cli.served_model_name == ["a", "b"]
 
 
+def test_a_pathlib_path_is_taken_as_its_string(tiny_model_dir: Path) -> None:
+    """`LLM(model=Path(...))` (scripts build paths with pathlib) loads as the string would: the
+    loader once called `.strip()` on it."""
+    args = engine_args_from_kwargs(tiny_model_dir, tokenizer=tiny_model_dir, download_dir=tiny_model_dir)
+    assert args == engine_args_from_kwargs(
+        str(tiny_model_dir), tokenizer=str(tiny_model_dir), download_dir=str(tiny_model_dir)
+    )
+    assert isinstance(args.model, str) and isinstance(args.tokenizer, str)
+
+
 def test_every_field_is_a_flag_and_every_flag_a_field() -> None:
     parser = build_parser()
     for name in EngineArgs.field_names():
