@@ -25,7 +25,7 @@ _RAY_FILES = {"test_ray_server.py", "test_ray_backend.py", "test_rank_watchdog.p
 # Files with liveness bounds measured on the wall clock (health answers within 0.5 s under 200
 # streams, hostile requests refused within 2 s): `make test` runs them after the parallel part,
 # alone on the machine, since a second worker's load is not what they measure.
-_SERIAL_FILES = {"test_server.py", "test_hostile_api.py"}
+_SERIAL_FILES = {"test_server.py", "test_hostile_api.py", "test_hostile_images.py"}
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -180,3 +180,26 @@ def data_url(image: Any, fmt: str = "PNG") -> str:
 def chatml(user: str) -> str:
     """The tiny tokenizer's ChatML template, rendered for one user message."""
     return f"<|im_start|>user\n{user}<|im_end|>\n<|im_start|>assistant\n"
+
+
+def huge_png_url() -> str:
+    """A PNG whose header says 10,000 x 10,000 pixels (a few hundred bytes on the wire), as a data URL."""
+    import base64
+    import io
+    import struct
+    import zlib
+
+    buf = io.BytesIO()
+    random_image(1, (8, 8)).save(buf, format="PNG")
+    data = bytearray(buf.getvalue())
+    ihdr = struct.pack(">II", 10_000, 10_000) + bytes(data[24:29])
+    data[16:33] = ihdr + struct.pack(">I", zlib.crc32(b"IHDR" + ihdr))
+    return "data:image/png;base64," + base64.b64encode(bytes(data)).decode()
+
+
+def truncated_jpeg_url() -> str:
+    """The first half of a JPEG, as a data URL."""
+    import base64
+
+    payload = base64.b64decode(data_url(random_image(2, (64, 64)), "JPEG").split(",", 1)[1])
+    return "data:image/jpeg;base64," + base64.b64encode(payload[: len(payload) // 2]).decode()

@@ -9,9 +9,7 @@ A tiny Gemma 3 gives transformers' tokens for one and two images too."""
 from __future__ import annotations
 
 import io
-import struct
 import time
-import zlib
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -21,7 +19,17 @@ import anyio
 import anyio.abc
 import httpx
 import pytest
-from vision_models import chatml, data_url, gemma3_reference, llava_reference, make_gemma3_vlm, make_llava, random_image
+from vision_models import (
+    chatml,
+    data_url,
+    gemma3_reference,
+    huge_png_url,
+    llava_reference,
+    make_gemma3_vlm,
+    make_llava,
+    random_image,
+    truncated_jpeg_url,
+)
 
 from triollm.actors.async_llm import AsyncLLM
 from triollm.api import chat_images
@@ -97,26 +105,6 @@ async def test_image_parts_give_transformers_tokens(http: httpx.AsyncClient, lla
         assert response.usage.prompt_tokens > 16 * len(images)  # the placeholders expanded
 
 
-def _huge_png() -> str:
-    """A PNG whose header says 10,000 x 10,000 pixels (a few hundred bytes on the wire)."""
-    buf = io.BytesIO()
-    random_image(1, (8, 8)).save(buf, format="PNG")
-    data = bytearray(buf.getvalue())
-    ihdr = struct.pack(">II", 10_000, 10_000) + bytes(data[24:29])
-    data[16:33] = ihdr + struct.pack(">I", zlib.crc32(b"IHDR" + ihdr))
-    import base64
-
-    return "data:image/png;base64," + base64.b64encode(bytes(data)).decode()
-
-
-def _truncated_jpeg() -> str:
-    url = data_url(random_image(2, (64, 64)), "JPEG")
-    import base64
-
-    payload = base64.b64decode(url.split(",", 1)[1])
-    return "data:image/jpeg;base64," + base64.b64encode(payload[: len(payload) // 2]).decode()
-
-
 HOSTILE = [
     (_parts("x", "HUGE"), "messages[0].content[1].image_url", "exceed the limit of"),
     (_parts("TRUNC", "x"), "messages[0].content[0].image_url", "could not be decoded"),
@@ -128,7 +116,7 @@ HOSTILE = [
 
 @pytest.mark.parametrize(("content", "param", "text"), HOSTILE)
 async def test_hostile_images_are_quick_400s(http: httpx.AsyncClient, content: Any, param: str, text: str) -> None:
-    urls = {"HUGE": _huge_png(), "TRUNC": _truncated_jpeg(), "TINY": data_url(random_image(3, (4, 4)))}
+    urls = {"HUGE": huge_png_url(), "TRUNC": truncated_jpeg_url(), "TINY": data_url(random_image(3, (4, 4)))}
     for part in content:
         if part["type"] == "image_url":
             part["image_url"]["url"] = urls.get(part["image_url"]["url"], part["image_url"]["url"])
