@@ -594,11 +594,13 @@ void decode_pair_group_bf16(const T* qrow, const K* kp, const K* vp, const int32
   float m[kG], l[kG];
   __m512 lv[kG];  // the running sum, per lane
   for (int g = 0; g < kG; ++g) m[g] = kNegBig, lv[g] = _mm512_setzero_ps();
-  // One block's scores (scaled, positions outside `live` at kNegBig): rows d..d+3 at a time, two
-  // accumulators a head (even and odd pairs of rows) so that consecutive `vdpbf16ps` do not wait
-  // on each other.
-  auto scores = [&](int64_t id, __mmask16 live, __m512* out, __m512& vsc) {
+  for (int64_t blk = start / kBS; blk * kBS < n; ++blk) {
+    const int64_t id = table[blk];
+    const int64_t cnt = std::min<int64_t>(kBS, n - blk * kBS);
     const K* kt = kp + (h * NB + id) * kD * kBS;  // [kD][kBS]
+    const K* vb = vp + (h * NB + id) * kBS * kD;  // [kBS][kD]
+    // Scores: rows d..d+3 at a time, two accumulators a head (even and odd pairs of rows) so
+    // that consecutive `vdpbf16ps` do not wait on each other.
     __m512 sv[kG], sw[kG];
     for (int g = 0; g < kG; ++g) sv[g] = _mm512_setzero_ps(), sw[g] = _mm512_setzero_ps();
     for (int r = 0; r < kD / 4; ++r) {
@@ -616,20 +618,32 @@ void decode_pair_group_bf16(const T* qrow, const K* kp, const K* vp, const int32
         sw[g] = dpbf16(sw[g], k1, _mm512_set1_epi32(static_cast<int>(qp[g][2 * r + 1])));
       }
     }
-    __m512 ksc = _mm512_set1_ps(fscale);
-    vsc = _mm512_set1_ps(1.f);
+    __m512 ksc = _mm512_set1_ps(fscale), vsc = _mm512_set1_ps(1.f);
     if constexpr (kPerToken<K>) {  // int8: the tokens' own scales
       alignas(64) float ks[kBS], vs[kBS];
       widen16(sc.k + (h * NB + id) * kBS, ks);
       widen16(sc.v + (h * NB + id) * kBS, vs);
       ksc = _mm512_mul_ps(ksc, _mm512_load_ps(ks)), vsc = _mm512_load_ps(vs);
     }
-    for (int g = 0; g < kG; ++g)
-      out[g] = _mm512_mask_blend_ps(live, _mm512_set1_ps(kNegBig), _mm512_mul_ps(_mm512_add_ps(sv[g], sw[g]), ksc));
-  };
-  // P.V of one block's `cnt` tokens, two at a time, with their probabilities pp (bf16 pairs).
-  auto values = [&](int64_t id, int64_t cnt, const uint32_t (*pp)[kBS / 2]) {
-    const K* vb = vp + (h * NB + id) * kBS * kD;  // [kBS][kD]
+    // The softmax in registers: the block's live positions (before `cnt`, from the window's
+    // start) as a mask, one horizontal max a head, and the running sum kept per lane (summed
+    // once, after the blocks).
+    const int64_t skip = std::max<int64_t>(0, start - blk * kBS);
+    const __mmask16 live = static_cast<__mmask16>(((1u << cnt) - 1u) & ~((1u << skip) - 1u));
+    alignas(64) uint32_t pp[kG][kBS / 2];
+    for (int g = 0; g < kG; ++g) {
+      const __m512 sc16 = _mm512_mask_blend_ps(live, _mm512_set1_ps(kNegBig),
+                                               _mm512_mul_ps(_mm512_add_ps(sv[g], sw[g]), ksc));
+      const float mx = std::max(m[g], _mm512_reduce_max_ps(sc16));
+      const __m512 mxv = _mm512_set1_ps(mx);
+      const __m512 cv = exp16(_mm512_sub_ps(_mm512_set1_ps(m[g]), mxv));
+      __m512 p = _mm512_maskz_mov_ps(live, exp16(_mm512_sub_ps(sc16, mxv)));
+      lv[g] = _mm512_fmadd_ps(lv[g], cv, p);
+      m[g] = mx;
+      for (int c = 0; c < kC; ++c) lo[g][c] = _mm512_mul_ps(lo[g][c], cv), hi[g][c] = _mm512_mul_ps(hi[g][c], cv);
+      if constexpr (kPerToken<K>) p = _mm512_mul_ps(p, vsc);
+      _mm256_store_si256(reinterpret_cast<__m256i*>(pp[g]), (__m256i)_mm512_cvtneps_pbh(p));
+    }
     for (int64_t t = 0; t < cnt; t += 2) {
       const bool second = t + 1 < cnt;  // past the end: zeros, never the cache's stale values
       __m512i vl[kC], vh[kC];  // rows t and t + 1 paired, head dims in the unpack's order
@@ -658,44 +672,6 @@ void decode_pair_group_bf16(const T* qrow, const K* kp, const K* vp, const int32
         }
       }
     }
-  };
-  // Blocks two at a time (a tile of 32 positions; the tiles start at the row's or the part's
-  // first block, so a row's tiles do not depend on its batch): both blocks' scores, then one
-  // softmax step in registers (the tile's live positions as masks, one horizontal max a head,
-  // the running sum kept per lane and summed after the blocks), then both blocks' P.V. One
-  // rescaling of the accumulators per tile, and the two blocks' dot products overlap.
-  const int64_t first = start / kBS, last = (n - 1) / kBS;
-  for (int64_t blk = first; blk <= last; blk += 2) {
-    const bool two = blk + 1 <= last;
-    const int64_t idA = table[blk], idB = two ? table[blk + 1] : idA;
-    const int64_t cntA = std::min<int64_t>(kBS, n - blk * kBS), cntB = two ? std::min<int64_t>(kBS, n - (blk + 1) * kBS) : 0;
-    const int64_t skip = std::max<int64_t>(0, start - blk * kBS);  // the window's start: in the first block
-    const __mmask16 liveA = static_cast<__mmask16>(((1u << cntA) - 1u) & ~((1u << skip) - 1u));
-    const __mmask16 liveB = static_cast<__mmask16>((1u << cntB) - 1u);
-    __m512 sA[kG], sB[kG], vscA, vscB;
-    scores(idA, liveA, sA, vscA);
-    if (two) {
-      scores(idB, liveB, sB, vscB);
-    } else {
-      for (int g = 0; g < kG; ++g) sB[g] = _mm512_set1_ps(kNegBig);
-      vscB = vscA;
-    }
-    alignas(64) uint32_t ppA[kG][kBS / 2], ppB[kG][kBS / 2];
-    for (int g = 0; g < kG; ++g) {
-      const float mx = std::max(m[g], _mm512_reduce_max_ps(_mm512_max_ps(sA[g], sB[g])));
-      const __m512 mxv = _mm512_set1_ps(mx);
-      const __m512 cv = exp16(_mm512_sub_ps(_mm512_set1_ps(m[g]), mxv));
-      __m512 pA = _mm512_maskz_mov_ps(liveA, exp16(_mm512_sub_ps(sA[g], mxv)));
-      __m512 pB = _mm512_maskz_mov_ps(liveB, exp16(_mm512_sub_ps(sB[g], mxv)));
-      lv[g] = _mm512_add_ps(_mm512_fmadd_ps(lv[g], cv, pA), pB);
-      m[g] = mx;
-      for (int c = 0; c < kC; ++c) lo[g][c] = _mm512_mul_ps(lo[g][c], cv), hi[g][c] = _mm512_mul_ps(hi[g][c], cv);
-      if constexpr (kPerToken<K>) pA = _mm512_mul_ps(pA, vscA), pB = _mm512_mul_ps(pB, vscB);
-      _mm256_store_si256(reinterpret_cast<__m256i*>(ppA[g]), (__m256i)_mm512_cvtneps_pbh(pA));
-      _mm256_store_si256(reinterpret_cast<__m256i*>(ppB[g]), (__m256i)_mm512_cvtneps_pbh(pB));
-    }
-    values(idA, cntA, ppA);
-    if (two) values(idB, cntB, ppB);
   }
   // Undo the unpack's order: in chunk c, 128-bit lane L of `lo` holds head_dim 32c + 8L + 0..3
   // and of `hi` 32c + 8L + 4..7.
