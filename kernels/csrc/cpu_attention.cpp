@@ -465,8 +465,8 @@ void decode_pair_group(const T* qrow, const K* kp, const K* vp, const int32_t* t
 // (`bf16_dot_enabled`): the CPU has AVX-512 BF16 and $TRIOLLM_CPU_ISA forces no other path.
 //
 // A quantized cache (fp8 e4m3fn / e5m2, int8) takes the same loops where the CPU also has
-// AVX-512 VBMI (`quant_dot_enabled`: Zen 4/5, Ice Lake and later; not Cooper Lake): each block
-// is first turned into the bf16 block the loops read, in L1. Every code of these formats is a
+// AVX-512 VBMI (`quant_dot_enabled`: Zen 4/5, Ice Lake and later; not Cooper Lake): its codes
+// become the bf16 pairs the dot products take, in registers (`bf16_words`). Every code of these formats is a
 // bf16 value exactly (at most 4 significant bits, or an integer below 128), so this is a table
 // lookup, not arithmetic: the code's magnitude (7 bits; int8's absolute value, the writers
 // saturate to +-127) indexes two 128-entry byte tables, the bf16's high and low bytes
