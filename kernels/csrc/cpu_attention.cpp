@@ -634,13 +634,20 @@ void decode_pair_group_bf16(const T* qrow, const K* kp, const K* vp, const int32
     for (int g = 0; g < kG; ++g) {
       const __m512 sc16 = _mm512_mask_blend_ps(live, _mm512_set1_ps(kNegBig),
                                                _mm512_mul_ps(_mm512_add_ps(sv[g], sw[g]), ksc));
-      const float mx = std::max(m[g], _mm512_reduce_max_ps(sc16));
-      const __m512 mxv = _mm512_set1_ps(mx);
-      const __m512 cv = exp16(_mm512_sub_ps(_mm512_set1_ps(m[g]), mxv));
-      __m512 p = _mm512_maskz_mov_ps(live, exp16(_mm512_sub_ps(sc16, mxv)));
-      lv[g] = _mm512_fmadd_ps(lv[g], cv, p);
-      m[g] = mx;
-      for (int c = 0; c < kC; ++c) lo[g][c] = _mm512_mul_ps(lo[g][c], cv), hi[g][c] = _mm512_mul_ps(hi[g][c], cv);
+      const __m512 mv = _mm512_set1_ps(m[g]);
+      __m512 p;
+      if (_mm512_cmp_ps_mask(sc16, mv, _CMP_GT_OQ) == 0) {  // no new maximum: the factor would be
+        p = _mm512_maskz_mov_ps(live, exp16(_mm512_sub_ps(sc16, mv)));  // exp16(0) = 1 exactly
+        lv[g] = _mm512_add_ps(lv[g], p);
+      } else {  // a new maximum: rescale what came before
+        const float mx = _mm512_reduce_max_ps(sc16);
+        const __m512 mxv = _mm512_set1_ps(mx);
+        const __m512 cv = exp16(_mm512_sub_ps(mv, mxv));
+        p = _mm512_maskz_mov_ps(live, exp16(_mm512_sub_ps(sc16, mxv)));
+        lv[g] = _mm512_fmadd_ps(lv[g], cv, p);
+        for (int c = 0; c < kC; ++c) lo[g][c] = _mm512_mul_ps(lo[g][c], cv), hi[g][c] = _mm512_mul_ps(hi[g][c], cv);
+        m[g] = mx;
+      }
       if constexpr (kPerToken<K>) p = _mm512_mul_ps(p, vsc);
       _mm256_store_si256(reinterpret_cast<__m256i*>(pp[g]), (__m256i)_mm512_cvtneps_pbh(p));
     }
