@@ -44,7 +44,10 @@ __all__ = [
 
 log = logging.getLogger("triollm")
 
-_SOURCES = [Path(__file__).parent / "csrc" / name for name in ("cpu_attention.cpp", "quant_linear.cpp", "decoder.cpp")]
+_SOURCES = [
+    Path(__file__).parent / "csrc" / name
+    for name in ("cpu_attention.cpp", "quant_linear.cpp", "decoder.cpp", "sampling.cpp")
+]
 # -ffast-math lets the compiler vectorise exp (glibc's vector math); the kernel keeps its values
 # finite for it (kernels/csrc/cpu_attention.cpp). -fopenmp: ATen's parallel_for is a header
 # template over OpenMP pragmas, so without it the kernels ran on one thread whatever
@@ -242,6 +245,13 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """SwiGLU of the fused gate/up projection: `silu(x[:, :I]) * x[:, I:]` for x `[T, 2I]`,
     in fp32 whatever x's dtype. Call only when `available()`."""
     return torch.ops.triollm_cpu.silu_and_mul(x)
+
+
+def sample_inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Per row of `probs` [B, V] (float32, up to scale) the first token whose running sum passes
+    u * the row's total (`u` [B] float64 in [0, 1)), summed in double; never a token of
+    probability 0 (kernels/csrc/sampling.cpp). Call only when `available()`."""
+    return torch.ops.triollm_cpu.sample_inverse_cdf(probs, u)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

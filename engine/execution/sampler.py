@@ -4,9 +4,14 @@ Order (vLLM v1): logprobs come from the *raw* logits (log_softmax before any pro
 the logit processors: allowed_token_ids mask, bad words, min_tokens (bans EOS and
 stop_token_ids — EOS even with ignore_eos, as vLLM does), logit_bias, penalties (repetition over
 prompt+output, then frequency/presence over output). Greedy rows take the argmax; random rows
-go through temperature, top-k, top-p, min-p and the exponential race argmax(p / q),
-q ~ Exponential(1). Seeded rows draw q from their own generator (size V, so their result does
-not depend on the rest of the batch); unseeded rows share one draw from the global RNG.
+go through temperature, top-k, top-p, min-p and then inverse transform sampling: the first
+token whose running sum of probabilities passes u * total, for one uniform u a row (float64),
+summed in double (on CPU the native kernel, kernels/csrc/sampling.cpp; elsewhere a float64
+cumsum). It draws the same distribution as vLLM's exponential race argmax(p / q), q ~ Exp(1),
+with one random number a row instead of V: at a 49k-token vocabulary the race's draw from torch's
+generator was most of a sampled step's time. Seeded rows draw u from their own generator (so
+their result does not depend on the rest of the batch); unseeded rows share one draw from the
+global RNG. A token of probability 0 is never chosen.
 
 Rows with a grammar (structured outputs) are masked to the tokens it allows first, before the
 logprobs, as vLLM does (engine/structured_outputs.py).
@@ -30,11 +35,11 @@ from triollm.engine.execution.sampling_plan import SamplingPlan
 from triollm.engine.request import Logprobs
 from triollm.engine.sampling_params import SamplingParams
 from triollm.engine.structured_outputs import apply_bitmask, fill_bitmask
+from triollm.kernels import cpu_native
 
 __all__ = ["Sampler", "SamplerOutput", "SamplingRow", "gather_logprobs", "process_logits"]
 
 _NEG_INF = float("-inf")
-_TINY = torch.finfo(torch.float32).tiny
 
 
 @dataclass
@@ -162,10 +167,10 @@ def verify(logits: torch.Tensor, rows: list[SamplingRow], drafts: list[int]) -> 
             picked = p.gather(1, sub_drafts[has].unsqueeze(1)).squeeze(1)
             # p(d) = 1 up to rounding leaves no residual: accept (u < p(d) failing is rounding).
             ok[has] = (_uniform(probs, [sub[i] for i in drafted]) < picked) | (residual[has].sum(-1) <= 0)
-        # A row without a draft races over p exactly as `_random_sample` does (same draws, same
+        # A row without a draft samples p exactly as `_random_sample` does (same draw, same
         # bits), so a seeded row's draws depend on its own drafts only, not its neighbours'.
         race = torch.where(ok.unsqueeze(1), probs, residual)
-        sampled = (race / _exponential_noise(race, sub)).argmax(-1)
+        sampled = _inverse_cdf(race, _uniform(race, sub, torch.float64))
         token_ids[random_rows] = torch.where(ok, sub_drafts, sampled)
         accepted_t[random_rows] = ok
     return token_ids, accepted_t.tolist()
@@ -302,7 +307,7 @@ def _penalize(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
 
 def _random_sample(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     probs = _probs(logits, rows)
-    return (probs / _exponential_noise(probs, rows)).argmax(-1)
+    return _inverse_cdf(probs, _uniform(probs, rows, torch.float64))
 
 
 def _probs(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
@@ -351,31 +356,29 @@ def _min_p(probs: torch.Tensor, min_ps: list[float]) -> torch.Tensor:
     return probs.masked_fill(probs < threshold, 0.0)
 
 
-def _uniform(probs: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+def _uniform(probs: torch.Tensor, rows: list[SamplingRow], dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """U(0, 1) per row: the unseeded rows from the global RNG, each seeded row from its own
-    generator (drawn before that row's noise)."""
+    generator (a CPU one: the same draw on every device)."""
     u = (
-        torch.rand(len(rows), device=probs.device)
+        torch.rand(len(rows), device=probs.device, dtype=dtype)
         if any(r.generator is None for r in rows)
-        else torch.empty(len(rows), device=probs.device)
+        else torch.empty(len(rows), device=probs.device, dtype=dtype)
     )
     for i, r in enumerate(rows):
         if r.generator is not None:
-            u[i] = torch.rand(1, generator=r.generator).item()
+            u[i] = torch.rand(1, generator=r.generator, dtype=dtype).item()
     return u
 
 
-def _exponential_noise(probs: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-    """q ~ Exponential(1) (as -log U) per element: one global draw for the unseeded rows, one
-    per seeded row from its own generator. Clamped away from 0 so p / q never is 0 / 0."""
-    q = torch.empty_like(probs)
-    unseeded = [i for i, r in enumerate(rows) if r.generator is None]
-    if len(unseeded) == len(rows):
-        q.uniform_()
-    else:
-        if unseeded:
-            q[unseeded] = torch.rand(len(unseeded), probs.shape[1], device=probs.device)
-        for i, r in enumerate(rows):
-            if r.generator is not None:  # a CPU generator: the same draw on every device
-                q[i] = torch.rand(probs.shape[1], generator=r.generator).to(probs.device)
-    return q.log_().neg_().clamp_min_(_TINY)
+def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Per row of `probs` (up to scale) the first token whose running sum passes u * total, in
+    double: never a token of probability 0 (its running sum equals its predecessor's)."""
+    if probs.device.type == "cpu" and cpu_native.available():
+        return cpu_native.sample_inverse_cdf(probs.float(), u)
+    cdf = probs.double().cumsum(-1)
+    target = (u * cdf[:, -1]).unsqueeze(1)
+    token_ids = torch.searchsorted(cdf, target, right=True).squeeze(1).clamp_max(probs.shape[1] - 1)
+    # u < 1 keeps the target below the total up to rounding; a rounding that lands on a token of
+    # probability 0 takes the likeliest token instead.
+    chosen = probs.gather(1, token_ids.unsqueeze(1)).squeeze(1)
+    return torch.where(chosen > 0, token_ids, probs.argmax(-1))
