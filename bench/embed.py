@@ -1,4 +1,4 @@
-"""`triollm bench embed`: offline embedding throughput beside sentence-transformers.
+"""`triollm bench embed`: offline embedding (or reranking) throughput beside sentence-transformers.
 
 The workload: `--num-texts` texts of English words whose token counts (the model's tokenizer,
 special tokens included) are uniform in [`--min-tokens`, `--max-tokens`], seed 0. `LLM.embed`
@@ -9,6 +9,11 @@ timed `--repeats` times, the two sides' runs interleaved so that both see the sa
 shared machine; the best run of each counts. The two results' agreement (the smallest cosine
 between a text's two embeddings) is printed beside the texts/s, so a fast wrong answer does not
 pass.
+
+A cross-encoder (a one-label `*ForSequenceClassification` checkpoint: a reranker) is timed as a
+reranker instead: `LLM.score(query, texts)` (one query against every text, as `/rerank` is
+called) beside sentence-transformers' `CrossEncoder.predict` on the same pairs, and the agreement
+is the largest absolute difference between the two scores of a pair.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from triollm import LLM, EngineArgs
 
 __all__ = ["add_embed_parser", "text_workload"]
 
+_QUERY = "where do people buy fresh bread near the old market square"
 _WORDS = (
     "the quick brown fox jumps over a lazy dog while river stones shine under bright summer light and "
     "people walk along quiet streets to buy fresh bread from small shops near the old market square where "
@@ -33,7 +39,9 @@ _WORDS = (
 
 
 def add_embed_parser(kinds: Any) -> None:
-    p = kinds.add_parser("embed", help="offline embedding throughput (LLM.embed) beside sentence-transformers")
+    p = kinds.add_parser(
+        "embed", help="offline embedding (LLM.embed) or reranking (LLM.score) throughput beside sentence-transformers"
+    )
     p.add_argument("--num-texts", type=int, default=1000, help="(default: %(default)s)")
     p.add_argument("--min-tokens", type=int, default=32, help="(default: %(default)s)")
     p.add_argument("--max-tokens", type=int, default=256, help="(default: %(default)s)")
@@ -74,26 +82,50 @@ def run_embed(ns: argparse.Namespace) -> int:
     st: Any = None
     ours_s: list[float] = []
     theirs_s: list[float] = []
-    cosine = None
+    agreement = None
     with LLM.from_engine_args(args) as llm:
         tokenizer = llm.get_tokenizer()
         texts = text_workload(tokenizer, ns.num_texts, ns.min_tokens, ns.max_tokens)
         tokens = sum(len(tokenizer.encode(t)) for t in texts)
-        llm.embed(texts[:16], use_tqdm=False)  # warm-up
-        if not ns.no_compare:
-            from sentence_transformers import SentenceTransformer
+        pooler = llm.llm_engine.model_config.pooler
+        rerank = pooler is not None and pooler.num_labels == 1
+        path = str(llm.llm_engine.model_config.path)
 
-            st = SentenceTransformer(str(llm.llm_engine.model_config.path), device="cpu")
-            st.encode(texts[:16], batch_size=ns.st_batch_size)  # warm-up
+        def ours() -> torch.Tensor:
+            if rerank:
+                return torch.tensor([o.outputs.score for o in llm.score(_QUERY, texts, use_tqdm=False)])
+            return torch.tensor([o.outputs.embedding for o in llm.embed(texts, use_tqdm=False)])
+
+        def theirs() -> torch.Tensor:
+            if rerank:
+                pairs = [(_QUERY, t) for t in texts]
+                return torch.tensor(st.predict(pairs, batch_size=ns.st_batch_size, show_progress_bar=False))
+            return torch.tensor(st.encode(texts, batch_size=ns.st_batch_size, normalize_embeddings=True))
+
+        if rerank:
+            llm.score(_QUERY, texts[:16], use_tqdm=False)  # warm-up
+        else:
+            llm.embed(texts[:16], use_tqdm=False)
+        if not ns.no_compare:
+            from sentence_transformers import CrossEncoder, SentenceTransformer
+
+            st = CrossEncoder(path, device="cpu") if rerank else SentenceTransformer(path, device="cpu")
+            if rerank:
+                st.predict([(_QUERY, t) for t in texts[:16]], batch_size=ns.st_batch_size, show_progress_bar=False)
+            else:
+                st.encode(texts[:16], batch_size=ns.st_batch_size)  # warm-up
         for _ in range(ns.repeats):  # interleaved: on a shared machine both sides see the same load
             start = time.perf_counter()
-            ours = torch.tensor([o.outputs.embedding for o in llm.embed(texts, use_tqdm=False)])
+            mine = ours()
             ours_s.append(time.perf_counter() - start)
             if st is not None:
                 start = time.perf_counter()
-                theirs = torch.tensor(st.encode(texts, batch_size=ns.st_batch_size, normalize_embeddings=True))
+                other = theirs()
                 theirs_s.append(time.perf_counter() - start)
-                cosine = torch.nn.functional.cosine_similarity(ours, theirs, dim=-1).min().item()
+                if rerank:
+                    agreement = (mine - other).abs().max().item()
+                else:
+                    agreement = torch.nn.functional.cosine_similarity(mine, other, dim=-1).min().item()
     best = min(ours_s)
     result: dict[str, Any] = {
         "texts": len(texts),
@@ -101,9 +133,11 @@ def run_embed(ns: argparse.Namespace) -> int:
         "threads": torch.get_num_threads(),
         "triollm_s": ours_s,
         "triollm_texts_per_s": len(texts) / best,
+        "task": "rerank" if rerank else "embed",
     }
     print(
-        f"triollm LLM.embed: {len(texts)} texts ({tokens} tokens), best of {len(ours_s)}: {best:.2f} s, "
+        f"triollm {'LLM.score' if rerank else 'LLM.embed'}: "
+        f"{len(texts)} texts ({tokens} tokens), best of {len(ours_s)}: {best:.2f} s, "
         f"{len(texts) / best:.1f} texts/s (runs: {', '.join(f'{t:.1f}' for t in ours_s)} s)"
     )
     if theirs_s:
@@ -112,13 +146,17 @@ def run_embed(ns: argparse.Namespace) -> int:
             "st_s": theirs_s,
             "st_texts_per_s": len(texts) / their_best,
             "speedup": their_best / best,
-            "min_cosine": cosine,
+            ("max_abs_diff" if rerank else "min_cosine"): agreement,
         }
         print(
-            f"sentence-transformers encode(batch_size={ns.st_batch_size}), best of {len(theirs_s)}: "
-            f"{their_best:.2f} s, {len(texts) / their_best:.1f} texts/s (runs: "
-            f"{', '.join(f'{t:.1f}' for t in theirs_s)} s); triollm {their_best / best:.2f}x; smallest cosine "
-            f"between the two {cosine:.6f}"
+            f"sentence-transformers {'CrossEncoder.predict' if rerank else 'encode'}(batch_size={ns.st_batch_size}), "
+            f"best of {len(theirs_s)}: {their_best:.2f} s, {len(texts) / their_best:.1f} texts/s (runs: "
+            f"{', '.join(f'{t:.1f}' for t in theirs_s)} s); triollm {their_best / best:.2f}x; "
+            + (
+                f"largest score difference {agreement:.2e}"
+                if rerank
+                else f"smallest cosine between the two {agreement:.6f}"
+            )
         )
     if ns.output_json:
         with open(ns.output_json, "w") as f:

@@ -37,3 +37,21 @@ def test_bench_embed_beside_sentence_transformers(minilm_dir: Path, tmp_path: Pa
     assert len(res["triollm_s"]) == len(res["st_s"]) == 2
     assert res["triollm_texts_per_s"] == pytest.approx(12 / min(res["triollm_s"])) and res["st_texts_per_s"] > 0
     assert res["min_cosine"] > 0.9999
+
+
+def test_bench_embed_times_a_reranker_beside_cross_encoder(minilm_dir: Path, tmp_path: Path) -> None:
+    """A one-label cross-encoder is timed as a reranker: `LLM.score(query, texts)` beside
+    sentence-transformers' `CrossEncoder.predict` on the same pairs, and the two agree."""
+    pytest.importorskip("sentence_transformers")
+    from tinymodel import make_tiny_encoder
+
+    model = make_tiny_encoder(tmp_path / "ce", "BertForSequenceClassification", tokenizer_dir=minilm_dir)
+    out = tmp_path / "rerank.json"
+    rc = main([
+        "bench", "embed", "--model", str(model), "--num-texts", "12", "--min-tokens", "8",
+        "--max-tokens", "40", "--no-multiprocess", "--repeats", "2", "--output-json", str(out),
+    ])  # fmt: skip
+    assert rc == 0
+    res = json.loads(out.read_text())
+    assert res["task"] == "rerank" and res["texts"] == 12 and len(res["st_s"]) == 2
+    assert res["max_abs_diff"] < 1e-4
