@@ -24,15 +24,20 @@ def test_workload_lengths(minilm_dir: Path) -> None:
     assert texts == text_workload(tokenizer, 20, 8, 40)  # seeded
 
 
-def test_bench_embed_beside_sentence_transformers(minilm_dir: Path, tmp_path: Path) -> None:
-    pytest.importorskip("sentence_transformers")
-    out = tmp_path / "embed.json"
+def _bench_embed(model: Path, out: Path) -> dict:
+    """`triollm bench embed` on 12 texts of 8-40 tokens, two runs a side; its JSON."""
     rc = main([
-        "bench", "embed", "--model", str(minilm_dir), "--num-texts", "12", "--min-tokens", "8",
+        "bench", "embed", "--model", str(model), "--num-texts", "12", "--min-tokens", "8",
         "--max-tokens", "40", "--no-multiprocess", "--repeats", "2", "--output-json", str(out),
     ])  # fmt: skip
     assert rc == 0
-    res = json.loads(out.read_text())
+    return json.loads(out.read_text())
+
+
+def test_bench_embed_beside_sentence_transformers(minilm_dir: Path, tmp_path: Path) -> None:
+    pytest.importorskip("sentence_transformers")
+    res = _bench_embed(minilm_dir, tmp_path / "embed.json")
+    assert res["task"] == "embed"
     assert res["texts"] == 12 and 12 * 8 <= res["tokens"] <= 12 * 40
     assert len(res["triollm_s"]) == len(res["st_s"]) == 2
     assert res["triollm_texts_per_s"] == pytest.approx(12 / min(res["triollm_s"])) and res["st_texts_per_s"] > 0
@@ -46,12 +51,6 @@ def test_bench_embed_times_a_reranker_beside_cross_encoder(minilm_dir: Path, tmp
     from tinymodel import make_tiny_encoder
 
     model = make_tiny_encoder(tmp_path / "ce", "BertForSequenceClassification", tokenizer_dir=minilm_dir)
-    out = tmp_path / "rerank.json"
-    rc = main([
-        "bench", "embed", "--model", str(model), "--num-texts", "12", "--min-tokens", "8",
-        "--max-tokens", "40", "--no-multiprocess", "--repeats", "2", "--output-json", str(out),
-    ])  # fmt: skip
-    assert rc == 0
-    res = json.loads(out.read_text())
+    res = _bench_embed(model, tmp_path / "rerank.json")
     assert res["task"] == "rerank" and res["texts"] == 12 and len(res["st_s"]) == 2
     assert res["max_abs_diff"] < 1e-4
