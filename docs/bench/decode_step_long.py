@@ -22,8 +22,7 @@ from triollm.engine.sync_engine import SyncEngine
 def main() -> None:
     kv = sys.argv[1]
     steps = int(sys.argv[2]) if len(sys.argv) > 2 else 200
-    extra = {"model": os.environ["MODEL"]} if os.environ.get("MODEL") else {}
-    args = EngineArgs(kv_cache_dtype=kv, max_model_len=8448, enable_prefix_caching=False, seed=0, **extra)
+    args = EngineArgs(kv_cache_dtype=kv, max_model_len=8448, enable_prefix_caching=False, seed=0)
     engine = SyncEngine.from_engine_args(args)
     rng = random.Random(0)
     ids = [rng.randrange(100, 40000) for _ in range(8000)]
