@@ -91,36 +91,30 @@ def run_embed(ns: argparse.Namespace) -> int:
         rerank = pooler is not None and pooler.num_labels == 1
         path = str(llm.llm_engine.model_config.path)
 
-        def ours() -> torch.Tensor:
+        def ours(batch: list[str]) -> torch.Tensor:
             if rerank:
-                return torch.tensor([o.outputs.score for o in llm.score(_QUERY, texts, use_tqdm=False)])
-            return torch.tensor([o.outputs.embedding for o in llm.embed(texts, use_tqdm=False)])
+                return torch.tensor([o.outputs.score for o in llm.score(_QUERY, batch, use_tqdm=False)])
+            return torch.tensor([o.outputs.embedding for o in llm.embed(batch, use_tqdm=False)])
 
-        def theirs() -> torch.Tensor:
+        def theirs(batch: list[str]) -> torch.Tensor:
             if rerank:
-                pairs = [(_QUERY, t) for t in texts]
+                pairs = [(_QUERY, t) for t in batch]
                 return torch.tensor(st.predict(pairs, batch_size=ns.st_batch_size, show_progress_bar=False))
-            return torch.tensor(st.encode(texts, batch_size=ns.st_batch_size, normalize_embeddings=True))
+            return torch.tensor(st.encode(batch, batch_size=ns.st_batch_size, normalize_embeddings=True))
 
-        if rerank:
-            llm.score(_QUERY, texts[:16], use_tqdm=False)  # warm-up
-        else:
-            llm.embed(texts[:16], use_tqdm=False)
+        ours(texts[:16])  # warm-up
         if not ns.no_compare:
             from sentence_transformers import CrossEncoder, SentenceTransformer
 
             st = CrossEncoder(path, device="cpu") if rerank else SentenceTransformer(path, device="cpu")
-            if rerank:
-                st.predict([(_QUERY, t) for t in texts[:16]], batch_size=ns.st_batch_size, show_progress_bar=False)
-            else:
-                st.encode(texts[:16], batch_size=ns.st_batch_size)  # warm-up
+            theirs(texts[:16])  # warm-up
         for _ in range(ns.repeats):  # interleaved: on a shared machine both sides see the same load
             start = time.perf_counter()
-            mine = ours()
+            mine = ours(texts)
             ours_s.append(time.perf_counter() - start)
             if st is not None:
                 start = time.perf_counter()
-                other = theirs()
+                other = theirs(texts)
                 theirs_s.append(time.perf_counter() - start)
                 if rerank:
                     agreement = (mine - other).abs().max().item()
