@@ -15,13 +15,17 @@ stood in the source"). Transposed K blocks let the native kernel compute a block
 vertical FMAs across its tokens, with no horizontal sums. A slot is `block_id * block_size +
 offset`.
 
-Prefill uses `scaled_dot_product_attention` over what the cache holds: K/V gathered from the
-cache (`gather_kv`: a quantized cache's codes times their scales), with `is_causal` when there is
-no earlier context and an explicit offset-causal mask when there is (chunked prefill, prefix-cache
-hits). Only where the cache holds the activations' own dtype does a prefill without context take
-its fresh K/V directly (they are the cached values). So a prompt gives the same numbers prefilled
-whole, in chunks or after a prefix hit, and decode later reads exactly what prefill attended
-over.
+Prefill, on a CPU with AVX-512 BF16 over a bf16, fp8 or int8 cache (causal, no window, sink,
+chunk or soft-cap), is one native call for the step's chunks (`cpu_native.paged_prefill_attention`,
+the plan's `native` tables): each prompt row gets exactly the bits the decode kernel would give it
+as a decode row, reading each block once per tile of rows (docs/architecture.md, "Prefill attention
+with the decode kernel's arithmetic"). Elsewhere it uses `scaled_dot_product_attention` over what
+the cache holds: K/V gathered from the cache (`gather_kv`: a quantized cache's codes times their
+scales), with `is_causal` when there is no earlier context and an explicit offset-causal mask when
+there is (chunked prefill, prefix-cache hits). Only where the cache holds the activations' own
+dtype does a prefill without context take its fresh K/V directly (they are the cached values). So
+a prompt attends over the same values prefilled whole, in chunks or after a prefix hit, and
+decode later reads exactly what prefill attended over.
 
 The cache's dtype may differ from the activations' (`kv_cache_dtype`): bf16 under fp32, or
 quantized (fp8 e4m3 / e5m2 with per-layer scales, int8 with a scale per token and kv head:
@@ -644,13 +648,17 @@ class PrefillPlan:
     new tokens are consecutive rows of the prefill part of the batch. The torch path runs each
     chunk (`chunks`: first row, rows, earlier tokens, block ids as int64); the Triton path runs
     them all in one launch from `triton` (int32 query starts `[N + 1]`, context lengths `[N]`,
-    block tables `[N, M]`) and `max_tokens`. `bidirectional`: per chunk, its spans (module
-    note); set only where some chunk has one, and then every chunk runs the torch path."""
+    block tables `[N, M]`) and `max_tokens`. On CPU with the native kernels, `native` holds the
+    same three for `cpu_native.paged_prefill_attention` (block tables `[N, M]`, query starts
+    `[N + 1]`, context lengths `[N]`), which every layer the kernel covers takes instead of the
+    torch path. `bidirectional`: per chunk, its spans (module note); set only where some chunk
+    has one, and then every chunk runs the torch path."""
 
     chunks: list[tuple[int, int, int, torch.Tensor]]
     max_tokens: int
     triton: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
     bidirectional: list[list[tuple[int, int]]] | None = None
+    native: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
 
 def plan_prefill(
@@ -679,7 +687,17 @@ def plan_prefill(
     for i, (length, context, blocks) in enumerate(chunks):
         rows.append((int(starts[i]), length, context, ids[used : used + len(blocks)]))
         used += len(blocks)
-    return PrefillPlan(rows, max(lengths, default=0))
+    native = None
+    if n and torch.device(device).type == "cpu" and cpu_native.available():
+        width = max(len(blocks) for _, _, blocks in chunks)
+        host_tables = np.zeros((n, max(width, 1)), dtype=np.int32)
+        fill_tables(host_tables, [b for _, _, b in chunks], 0)
+        native = (
+            torch.from_numpy(host_tables),
+            torch.from_numpy(starts.astype(np.int32)),
+            torch.tensor([c for _, c, _ in chunks], dtype=torch.int32),
+        )
+    return PrefillPlan(rows, max(lengths, default=0), native=native)
 
 
 def prefill_attention_chunks(
@@ -710,6 +728,16 @@ def prefill_attention_chunks(
             q, k_cache, v_cache, tables, starts, contexts, max(plan.max_tokens, 1), scale,
             window=window, softcap=softcap, sinks=sinks, chunk=chunk, out=out,
         )  # fmt: skip
+    if (
+        plan.native is not None and plan.bidirectional is None and window is None and softcap is None
+        and sinks is None and chunk is None and cpu_native.prefill_attention_supported(q, k_cache)
+    ):  # fmt: skip
+        tables, starts, contexts = plan.native
+        result = cpu_native.paged_prefill_attention(q, k_cache, v_cache, tables, starts, contexts, scale)
+        if out is None:
+            return result
+        out.copy_(result)
+        return out
     if out is None:
         out = q.new_empty(q.shape)
     for i, (start, length, context, block_ids) in enumerate(plan.chunks):

@@ -9,11 +9,14 @@ Why they do otherwise. A token's hidden state passes through three kinds of op:
 - dense GEMMs (oneDNN, MKL), which pick their kernels, blockings and thread splits by the
   number of rows M: a row's bits change with M (K = 2,048: at almost every M);
 - attention. Decode reads K/V from the paged cache with the native kernel, an online softmax
-  block by block (kernels/csrc/cpu_attention.cpp); a prefill chunk runs SDPA, whose blocking
-  follows the query and key lengths, over the new K/V in the activations' dtype when nothing
-  came before, else over K/V read back from the cache (bf16 under a quantized model's fp32).
-  So the same token attends differently as part of a 64-token prompt, a 16-token chunk, a
-  prompt after a prefix-cache hit, or a preempted request's recomputed prompt.
+  block by block (kernels/csrc/cpu_attention.cpp). Where the native prefill kernel runs (a CPU
+  with AVX-512 BF16, a bf16 / fp8 / int8 cache, causal attention), a prompt row's arithmetic is
+  the decode kernel's, so attention is per-row there too, and a quantized model (whose linears
+  are per-row) is batch-invariant without the switch. Elsewhere a prefill chunk runs SDPA, whose
+  blocking follows the query and key lengths, over the new K/V in the activations' dtype when
+  nothing came before, else over K/V read back from the cache (bf16 under a quantized model's
+  fp32). So the same token attends differently as part of a 64-token prompt, a 16-token chunk,
+  a prompt after a prefix-cache hit, or a preempted request's recomputed prompt.
 
 What the switch does (engine/execution/model_runner.py applies it):
 - Every token of a step is a decode row (`plan_rows`): its own row of the native decode plan,

@@ -37,6 +37,8 @@ __all__ = [
     "quant_isa",
     "supported_isas",
     "paged_decode_attention",
+    "paged_prefill_attention",
+    "prefill_attention_supported",
     "rms_norm",
     "rotary_write_kv",
     "silu_and_mul",
@@ -219,6 +221,47 @@ def paged_decode_attention(
     return torch.ops.triollm_cpu.paged_decode_attention(
         q, k_cache, v_cache, block_tables, context_lens, scale, window or 0, softcap or 0.0,
         cache_scale(k_cache), cache_scale(v_cache), sinks32, chunk or 0,
+    )  # fmt: skip
+
+
+# Query heads per kv head that the native prefill kernel has instances for (as decode's groups).
+_PREFILL_GROUPS = (1, 2, 3, 4, 6, 7, 8)
+
+
+def prefill_attention_supported(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
+    """Whether `paged_prefill_attention` takes this layer's causal prefill (no window, sink,
+    chunk or soft-cap: the caller checks those): a bf16, fp8 or int8 cache under float32 queries
+    (or bf16 over bf16), block size 16, head_dim 64 or 128, a group size decode has an instance
+    for, and the CPU's bf16 dot products (`decode_attention_dot`). Call only when `available()`."""
+    kt = k_cache.dtype
+    quantized = kt in (torch.float8_e4m3fn, torch.float8_e5m2, torch.int8)
+    dtypes = (q.dtype == torch.float32 and (kt == torch.bfloat16 or quantized)) or (
+        q.dtype == torch.bfloat16 and kt == torch.bfloat16
+    )
+    _, _, hd, bs = k_cache.shape
+    heads, kv_heads = q.shape[1], k_cache.shape[0]
+    return (
+        dtypes and q.device.type == "cpu" and bs == 16 and hd in (64, 128) and heads % kv_heads == 0
+        and heads // kv_heads in _PREFILL_GROUPS and decode_attention_dot(quantized) == "bf16"
+    )  # fmt: skip
+
+
+def paged_prefill_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_starts: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Causal attention of a step's prefill chunks, each row's arithmetic exactly the native decode
+    kernel's (kernels/csrc/cpu_attention.cpp, `prefill_tile_bf16`): q `[P, H, hd]`, chunk c's rows
+    `[query_starts[c], query_starts[c + 1])` after `context_lens[c]` earlier tokens, block_tables
+    `[N, M]`; all int32. Where `prefill_attention_supported` only."""
+    return torch.ops.triollm_cpu.paged_prefill_attention(
+        q, k_cache, v_cache, block_tables, query_starts, context_lens, scale, cache_scale(k_cache),
+        cache_scale(v_cache),
     )  # fmt: skip
 
 

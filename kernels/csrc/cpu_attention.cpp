@@ -43,6 +43,7 @@
 #include "cpu_kernels.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -257,6 +258,33 @@ inline void emit(T* orow, float* part, int64_t i, float v) {
     part[i] = v;
   } else {
     orow[i] = store_f<T>(v);
+  }
+}
+
+// The merge of a split row's parts (flash decoding's split, see decode) for one kv head's G query
+// heads, parts in order: out = sum_p w_p part_p, w_p = exp(lse_p - mx) / (sum_p exp(lse_p - mx)
+// [+ exp(sink - mx)]), mx the largest of them (a sink joins the denominator once, here).
+// part [parts][G][D], lse [parts][G]; sinks and orow: the first query head's. Not inlined and not
+// vectorised: the decode and prefill kernels run the same machine code, and no loop is peeled by
+// its buffers' alignment (a vector expf and the scalar one differ in the last bit).
+template <typename T>
+__attribute__((noinline, optimize("no-tree-vectorize"))) void merge_parts(
+    const float* part, const float* lse, int64_t parts, int64_t G, int64_t D, const float* sinks, T* orow,
+    std::vector<float>& w) {
+  w.resize(parts);
+  for (int64_t g = 0; g < G; ++g) {
+    const float* sink = sinks ? sinks + g : nullptr;
+    float mx = sink ? *sink : kNegBig;
+    for (int64_t p = 0; p < parts; ++p) mx = std::max(mx, lse[p * G + g]);
+    float den = sink ? std::exp(*sink - mx) : 0.f;
+    for (int64_t p = 0; p < parts; ++p) den += w[p] = std::exp(lse[p * G + g] - mx);
+    for (int64_t p = 0; p < parts; ++p) w[p] /= den;
+    T* o = orow + g * D;
+    for (int64_t d = 0; d < D; ++d) {
+      float v = 0.f;
+      for (int64_t p = 0; p < parts; ++p) v += w[p] * part[(p * G + g) * D + d];
+      o[d] = store_f<T>(v);
+    }
   }
 }
 
@@ -567,6 +595,134 @@ struct PairOrders {
   }
 };
 
+// The pieces of one block's work that the decode kernel (one query row) and the prefill kernel
+// (a tile of rows sharing each K/V block) both run, so that a row's arithmetic is the same code
+// in both: its bits do not depend on which kernel computed it, nor on the tile around it.
+//
+// K's words for rows d = 4r..4r+3 of a transposed block: (k[d][t], k[d+1][t]) and
+// (k[d+2][t], k[d+3][t]) for t = 0..15.
+template <typename K>
+inline void k_words(const K* kt, int r, __m512i perm, __m512i kord, const Bf16Table<K>& tab, __m512i& k0,
+                    __m512i& k1) {
+  if constexpr (!std::is_same_v<K, c10::BFloat16>) {
+    const __m512i x = _mm512_loadu_si512(reinterpret_cast<const void*>(kt + r * 64));
+    bf16_words<K>(_mm512_permutexvar_epi8(kord, x), tab, k0, k1);
+  } else {
+    const uint16_t* kw = reinterpret_cast<const uint16_t*>(kt) + r * 64;
+    k0 = _mm512_permutexvar_epi16(perm, _mm512_loadu_si512(reinterpret_cast<const void*>(kw)));
+    k1 = _mm512_permutexvar_epi16(perm, _mm512_loadu_si512(reinterpret_cast<const void*>(kw + 32)));
+  }
+}
+
+// V's rows t and t + 1 of a block [16][kD] paired (zeros for t + 1 where !second: never the
+// cache's stale values), head dims in the unpack's order: kD / 32 chunks of lo and hi words.
+template <typename K, int kD>
+inline void v_words(const K* vb, int64_t t, bool second, __m512i vord0, __m512i vord1, const Bf16Table<K>& tab,
+                    __m512i* vl, __m512i* vh) {
+  if constexpr (!std::is_same_v<K, c10::BFloat16>) {
+    for (int z = 0; z < kD / 64; ++z) {
+      const __m512i a = _mm512_loadu_si512(reinterpret_cast<const void*>(vb + t * kD + z * 64));
+      const __m512i b = second ? _mm512_loadu_si512(reinterpret_cast<const void*>(vb + (t + 1) * kD + z * 64))
+                               : _mm512_setzero_si512();  // code 0 is +0 in every format
+      bf16_words<K>(_mm512_permutex2var_epi8(a, vord0, b), tab, vl[2 * z], vh[2 * z]);
+      bf16_words<K>(_mm512_permutex2var_epi8(a, vord1, b), tab, vl[2 * z + 1], vh[2 * z + 1]);
+    }
+  } else {
+    const uint16_t* v0 = reinterpret_cast<const uint16_t*>(vb) + t * kD;
+    for (int c = 0; c < kD / 32; ++c) {
+      const __m512i a = _mm512_loadu_si512(reinterpret_cast<const void*>(v0 + c * 32));
+      const __m512i b = second ? _mm512_loadu_si512(reinterpret_cast<const void*>(v0 + kD + c * 32))
+                               : _mm512_setzero_si512();
+      vl[c] = _mm512_unpacklo_epi16(a, b), vh[c] = _mm512_unpackhi_epi16(a, b);
+    }
+  }
+}
+
+// One head's softmax over a block, in registers: its scores (the two dot-product accumulators,
+// times K's scale) at the live positions, the running max m and per-lane sum lv updated, the
+// head's accumulated P.V rescaled when the max moves (else the factor would be exp16(0) = 1
+// exactly: skipped), and the block's probabilities (times V's per-token scales for int8) as
+// bf16 pairs for the P.V dot products.
+template <typename K, int kC>
+inline void block_softmax(__m512 sv, __m512 sw, __m512 ksc, __m512 vsc, __mmask16 live, float& m, __m512& lv,
+                          __m512* lo, __m512* hi, uint32_t* pp) {
+  const __m512 sc16 = _mm512_mask_blend_ps(live, _mm512_set1_ps(kNegBig), _mm512_mul_ps(_mm512_add_ps(sv, sw), ksc));
+  const __m512 mv = _mm512_set1_ps(m);
+  __m512 p;
+  if (_mm512_cmp_ps_mask(sc16, mv, _CMP_GT_OQ) == 0) {  // no new maximum
+    p = _mm512_maskz_mov_ps(live, exp16(_mm512_sub_ps(sc16, mv)));
+    lv = _mm512_add_ps(lv, p);
+  } else {  // a new maximum: rescale what came before
+    const float mx = _mm512_reduce_max_ps(sc16);
+    const __m512 mxv = _mm512_set1_ps(mx);
+    const __m512 cv = exp16(_mm512_sub_ps(mv, mxv));
+    p = _mm512_maskz_mov_ps(live, exp16(_mm512_sub_ps(sc16, mxv)));
+    lv = _mm512_fmadd_ps(lv, cv, p);
+    for (int c = 0; c < kC; ++c) lo[c] = _mm512_mul_ps(lo[c], cv), hi[c] = _mm512_mul_ps(hi[c], cv);
+    m = mx;
+  }
+  if constexpr (kPerToken<K>) p = _mm512_mul_ps(p, vsc);
+  _mm256_store_si256(reinterpret_cast<__m256i*>(pp), (__m256i)_mm512_cvtneps_pbh(p));
+}
+
+// A block's K and V scales as the softmax takes them: K's folded scale, times int8's per-token
+// scales (V's are applied to the probabilities).
+template <typename K>
+inline void block_scales(const Scales& sc, int64_t h, int64_t NB, int64_t id, float fscale, __m512& ksc, __m512& vsc) {
+  constexpr int kBS = 16;
+  ksc = _mm512_set1_ps(fscale), vsc = _mm512_set1_ps(1.f);
+  if constexpr (kPerToken<K>) {  // int8: the tokens' own scales
+    alignas(64) float ks[kBS], vs[kBS];
+    widen16(sc.k + (h * NB + id) * kBS, ks);
+    widen16(sc.v + (h * NB + id) * kBS, vs);
+    ksc = _mm512_mul_ps(ksc, _mm512_load_ps(ks)), vsc = _mm512_load_ps(vs);
+  }
+}
+
+// A head's result after its last block: normalised (with a sink, when the row is whole) into
+// the output row, or, for one part of a split row, into the part's buffer with its log-sum-exp.
+// In chunk c, 128-bit lane L of `lo` holds head_dim 32c + 8L + 0..3 and of `hi` 32c + 8L + 4..7
+// (the unpack's order, undone here).
+template <typename T, int kD>
+inline void finish_head(const __m512* lo, const __m512* hi, float m, __m512 lv, const float* sink, float v_layer,
+                        T* orow, float* part, float* lse) {
+  const float l = _mm512_reduce_add_ps(lv);
+  const float inv = v_layer * normaliser(m, l, sink);
+  if (part != nullptr) *lse = m + std::log(l);
+  for (int c = 0; c < kD / 32; ++c) {
+    alignas(64) float a[16], b[16];
+    _mm512_store_ps(a, _mm512_mul_ps(lo[c], _mm512_set1_ps(inv)));
+    _mm512_store_ps(b, _mm512_mul_ps(hi[c], _mm512_set1_ps(inv)));
+    for (int L = 0; L < 4; ++L)
+      for (int i = 0; i < 4; ++i) {
+        emit(orow, part, 32 * c + 8 * L + i, a[4 * L + i]);
+        emit(orow, part, 32 * c + 8 * L + 4 + i, b[4 * L + i]);
+      }
+  }
+}
+
+// The index vectors both kernels use: vpermw's (lane pair t takes word t, row d, and word 16 + t,
+// row d + 1) and the byte orders of PairOrders.
+struct WordOrders {
+  __m512i perm, kord, vord0, vord1;
+  WordOrders() {
+    static const PairOrders orders;
+    alignas(64) int16_t idx[32];
+    for (int t = 0; t < 16; ++t) idx[2 * t] = static_cast<int16_t>(t), idx[2 * t + 1] = static_cast<int16_t>(16 + t);
+    perm = _mm512_load_si512(reinterpret_cast<const void*>(idx));
+    kord = _mm512_load_si512(orders.k), vord0 = _mm512_load_si512(orders.v[0]), vord1 = _mm512_load_si512(orders.v[1]);
+  }
+};
+
+// A query row's kG heads as bf16 pairs (the dot products' operand).
+template <typename T, int kD, int kG>
+inline void query_pairs(const T* qrow, uint32_t (*qp)[kD / 2]) {
+  alignas(64) float qf[kG][kD];
+  for (int g = 0; g < kG; ++g)
+    for (int d = 0; d < kD; ++d) qf[g][d] = load_f(qrow[g * kD + d]);
+  for (int g = 0; g < kG; ++g) bf16_pairs(qf[g], kD, qp[g]);
+}
+
 template <typename T, typename K, int kD, int kG>
 void decode_pair_group_bf16(const T* qrow, const K* kp, const K* vp, const int32_t* table,
                             int64_t n, int64_t start, int64_t, int64_t NB, int64_t h, int64_t, int64_t,
@@ -574,24 +730,14 @@ void decode_pair_group_bf16(const T* qrow, const K* kp, const K* vp, const int32
                             float*, float*, float*, float*, T* orow, float* part, float* lse) {
   constexpr int kBS = 16, kC = kD / 32;  // kC: 32-wide chunks of head_dim per V row
   static_assert(kD % 64 == 0, "head_dim a multiple of 64");
-  constexpr bool kCodes = !std::is_same_v<K, c10::BFloat16>;
   static const Bf16Table<K> tab;
-  static const PairOrders orders;
-  alignas(64) float qf[kG][kD];
-  for (int g = 0; g < kG; ++g)
-    for (int d = 0; d < kD; ++d) qf[g][d] = load_f(qrow[g * kD + d]);
+  const WordOrders wo;
   alignas(64) uint32_t qp[kG][kD / 2];
-  for (int g = 0; g < kG; ++g) bf16_pairs(qf[g], kD, qp[g]);
-  // vpermw's index: lane pair t takes word t (row d) and word 16 + t (row d + 1).
-  alignas(64) int16_t idx[32];
-  for (int t = 0; t < 16; ++t) idx[2 * t] = static_cast<int16_t>(t), idx[2 * t + 1] = static_cast<int16_t>(16 + t);
-  const __m512i perm = _mm512_load_si512(reinterpret_cast<const void*>(idx));
-  const __m512i kord = _mm512_load_si512(orders.k), vord0 = _mm512_load_si512(orders.v[0]),
-                vord1 = _mm512_load_si512(orders.v[1]);
-  __m512 lo[kG][kC], hi[kG][kC];  // head_dim permuted: see the epilogue
+  query_pairs<T, kD, kG>(qrow, qp);
+  __m512 lo[kG][kC], hi[kG][kC];  // head_dim permuted: see finish_head
   for (int g = 0; g < kG; ++g)
     for (int c = 0; c < kC; ++c) lo[g][c] = _mm512_setzero_ps(), hi[g][c] = _mm512_setzero_ps();
-  float m[kG], l[kG];
+  float m[kG];
   __m512 lv[kG];  // the running sum, per lane
   for (int g = 0; g < kG; ++g) m[g] = kNegBig, lv[g] = _mm512_setzero_ps();
   for (int64_t blk = start / kBS; blk * kBS < n; ++blk) {
@@ -605,72 +751,22 @@ void decode_pair_group_bf16(const T* qrow, const K* kp, const K* vp, const int32
     for (int g = 0; g < kG; ++g) sv[g] = _mm512_setzero_ps(), sw[g] = _mm512_setzero_ps();
     for (int r = 0; r < kD / 4; ++r) {
       __m512i k0, k1;
-      if constexpr (kCodes) {
-        const __m512i x = _mm512_loadu_si512(reinterpret_cast<const void*>(kt + r * 64));
-        bf16_words<K>(_mm512_permutexvar_epi8(kord, x), tab, k0, k1);
-      } else {
-        const uint16_t* kw = reinterpret_cast<const uint16_t*>(kt) + r * 64;
-        k0 = _mm512_permutexvar_epi16(perm, _mm512_loadu_si512(reinterpret_cast<const void*>(kw)));
-        k1 = _mm512_permutexvar_epi16(perm, _mm512_loadu_si512(reinterpret_cast<const void*>(kw + 32)));
-      }
+      k_words<K>(kt, r, wo.perm, wo.kord, tab, k0, k1);
       for (int g = 0; g < kG; ++g) {
         sv[g] = dpbf16(sv[g], k0, _mm512_set1_epi32(static_cast<int>(qp[g][2 * r])));
         sw[g] = dpbf16(sw[g], k1, _mm512_set1_epi32(static_cast<int>(qp[g][2 * r + 1])));
       }
     }
-    __m512 ksc = _mm512_set1_ps(fscale), vsc = _mm512_set1_ps(1.f);
-    if constexpr (kPerToken<K>) {  // int8: the tokens' own scales
-      alignas(64) float ks[kBS], vs[kBS];
-      widen16(sc.k + (h * NB + id) * kBS, ks);
-      widen16(sc.v + (h * NB + id) * kBS, vs);
-      ksc = _mm512_mul_ps(ksc, _mm512_load_ps(ks)), vsc = _mm512_load_ps(vs);
-    }
-    // The softmax in registers: the block's live positions (before `cnt`, from the window's
-    // start) as a mask, one horizontal max a head, and the running sum kept per lane (summed
-    // once, after the blocks).
+    __m512 ksc, vsc;
+    block_scales<K>(sc, h, NB, id, fscale, ksc, vsc);
+    // The block's live positions (before `cnt`, from the window's start) as a mask.
     const int64_t skip = std::max<int64_t>(0, start - blk * kBS);
     const __mmask16 live = static_cast<__mmask16>(((1u << cnt) - 1u) & ~((1u << skip) - 1u));
     alignas(64) uint32_t pp[kG][kBS / 2];
-    for (int g = 0; g < kG; ++g) {
-      const __m512 sc16 = _mm512_mask_blend_ps(live, _mm512_set1_ps(kNegBig),
-                                               _mm512_mul_ps(_mm512_add_ps(sv[g], sw[g]), ksc));
-      const __m512 mv = _mm512_set1_ps(m[g]);
-      __m512 p;
-      if (_mm512_cmp_ps_mask(sc16, mv, _CMP_GT_OQ) == 0) {  // no new maximum: the factor would be
-        p = _mm512_maskz_mov_ps(live, exp16(_mm512_sub_ps(sc16, mv)));  // exp16(0) = 1 exactly
-        lv[g] = _mm512_add_ps(lv[g], p);
-      } else {  // a new maximum: rescale what came before
-        const float mx = _mm512_reduce_max_ps(sc16);
-        const __m512 mxv = _mm512_set1_ps(mx);
-        const __m512 cv = exp16(_mm512_sub_ps(mv, mxv));
-        p = _mm512_maskz_mov_ps(live, exp16(_mm512_sub_ps(sc16, mxv)));
-        lv[g] = _mm512_fmadd_ps(lv[g], cv, p);
-        for (int c = 0; c < kC; ++c) lo[g][c] = _mm512_mul_ps(lo[g][c], cv), hi[g][c] = _mm512_mul_ps(hi[g][c], cv);
-        m[g] = mx;
-      }
-      if constexpr (kPerToken<K>) p = _mm512_mul_ps(p, vsc);
-      _mm256_store_si256(reinterpret_cast<__m256i*>(pp[g]), (__m256i)_mm512_cvtneps_pbh(p));
-    }
+    for (int g = 0; g < kG; ++g) block_softmax<K, kC>(sv[g], sw[g], ksc, vsc, live, m[g], lv[g], lo[g], hi[g], pp[g]);
     for (int64_t t = 0; t < cnt; t += 2) {
-      const bool second = t + 1 < cnt;  // past the end: zeros, never the cache's stale values
-      __m512i vl[kC], vh[kC];  // rows t and t + 1 paired, head dims in the unpack's order
-      if constexpr (kCodes) {
-        for (int z = 0; z < kD / 64; ++z) {
-          const __m512i a = _mm512_loadu_si512(reinterpret_cast<const void*>(vb + t * kD + z * 64));
-          const __m512i b = second ? _mm512_loadu_si512(reinterpret_cast<const void*>(vb + (t + 1) * kD + z * 64))
-                                   : _mm512_setzero_si512();  // code 0 is +0 in every format
-          bf16_words<K>(_mm512_permutex2var_epi8(a, vord0, b), tab, vl[2 * z], vh[2 * z]);
-          bf16_words<K>(_mm512_permutex2var_epi8(a, vord1, b), tab, vl[2 * z + 1], vh[2 * z + 1]);
-        }
-      } else {
-        const uint16_t* v0 = reinterpret_cast<const uint16_t*>(vb) + t * kD;
-        for (int c = 0; c < kC; ++c) {
-          const __m512i a = _mm512_loadu_si512(reinterpret_cast<const void*>(v0 + c * 32));
-          const __m512i b = second ? _mm512_loadu_si512(reinterpret_cast<const void*>(v0 + kD + c * 32))
-                                   : _mm512_setzero_si512();
-          vl[c] = _mm512_unpacklo_epi16(a, b), vh[c] = _mm512_unpackhi_epi16(a, b);
-        }
-      }
+      __m512i vl[kC], vh[kC];  // rows t and t + 1 paired
+      v_words<K, kD>(vb, t, t + 1 < cnt, wo.vord0, wo.vord1, tab, vl, vh);
       for (int g = 0; g < kG; ++g) {
         const __m512i pb = _mm512_set1_epi32(static_cast<int>(pp[g][t / 2]));
         for (int c = 0; c < kC; ++c) {
@@ -680,22 +776,107 @@ void decode_pair_group_bf16(const T* qrow, const K* kp, const K* vp, const int32
       }
     }
   }
-  // Undo the unpack's order: in chunk c, 128-bit lane L of `lo` holds head_dim 32c + 8L + 0..3
-  // and of `hi` 32c + 8L + 4..7.
-  for (int g = 0; g < kG; ++g) l[g] = _mm512_reduce_add_ps(lv[g]);
-  for (int g = 0; g < kG; ++g) {
-    const float inv = sc.v_layer * normaliser(m[g], l[g], sink ? sink + g : nullptr);
-    if (part != nullptr) lse[g] = m[g] + std::log(l[g]);
-    for (int c = 0; c < kC; ++c) {
-      alignas(64) float a[16], b[16];
-      _mm512_store_ps(a, _mm512_mul_ps(lo[g][c], _mm512_set1_ps(inv)));
-      _mm512_store_ps(b, _mm512_mul_ps(hi[g][c], _mm512_set1_ps(inv)));
-      for (int L = 0; L < 4; ++L)
-        for (int i = 0; i < 4; ++i) {
-          emit(orow, part, g * kD + 32 * c + 8 * L + i, a[4 * L + i]);
-          emit(orow, part, g * kD + 32 * c + 8 * L + 4 + i, b[4 * L + i]);
+  for (int g = 0; g < kG; ++g)
+    finish_head<T, kD>(lo[g], hi[g], m[g], lv[g], sink ? sink + g : nullptr, sc.v_layer, orow + g * kD,
+                       part ? part + g * kD : nullptr, lse ? lse + g : nullptr);
+}
+
+// Prefill: a tile of up to kTileRows consecutive query rows of one sequence and one kv head,
+// row i attending to the first n0 + i positions (causal; no window, chunk, sink or soft-cap).
+// Each K/V block is turned into dot-product words once for the whole tile, then every row that
+// reaches it takes exactly the decode kernel's steps over it (block_softmax and the same
+// dot-product chains, in the same order), and a row longer than kPartBlocks blocks is cut into
+// the same parts, finished and merged as decode does. So a prompt token's attention has the bits
+// it would have as a decode row, whatever its chunk, tile or batch (kernels/batch_invariant.py),
+// while each block is read once per tile instead of once per row. Rows past a shorter row's end
+// in a block hold real (written) values, which its probabilities of exactly 0 multiply into +-0:
+// the accumulators, never -0, do not change.
+constexpr int kTileRows = 16;
+
+template <int kD, int kG>
+struct alignas(64) TileRow {
+  __m512 lo[kG][kD / 32], hi[kG][kD / 32], lv[kG];
+  float m[kG];
+  alignas(64) uint32_t qp[kG][kD / 2];
+};
+
+template <typename T, typename K, int kD, int kG>
+void prefill_tile_bf16(const T* q, int64_t q_stride, const K* kp, const K* vp, const int32_t* table, int64_t n0,
+                       int64_t R, int64_t NB, int64_t h, float fscale, const Scales& sc, T* out, int64_t out_stride) {
+  constexpr int kBS = 16, kC = kD / 32;
+  static const Bf16Table<K> tab;
+  thread_local std::vector<TileRow<kD, kG>> rows;  // each row's running state, in L1
+  thread_local std::vector<float> parts, lses;     // a split row's finished parts
+  const WordOrders wo;
+  const int64_t last = n0 + R - 1;                      // the tile's longest row
+  const int64_t nblk = (last - 1) / kBS + 1;
+  const int64_t max_parts = (nblk - 1) / kPartBlocks + 1;  // the longest row's parts
+  rows.resize(R);
+  if (max_parts > 1) parts.resize(R * max_parts * kG * kD), lses.resize(R * max_parts * kG);
+  for (int64_t i = 0; i < R; ++i) query_pairs<T, kD, kG>(q + i * q_stride, rows[i].qp);
+  alignas(64) __m512i kw[kD / 4][2], vw[kBS / 2][2][kC];
+  for (int64_t blk = 0; blk < nblk; ++blk) {
+    const int64_t p = blk / kPartBlocks;
+    if (blk % kPartBlocks == 0)
+      for (int64_t i = 0; i < R; ++i) {  // a new part: fresh running state
+        TileRow<kD, kG>& s = rows[i];
+        for (int g = 0; g < kG; ++g) {
+          for (int c = 0; c < kC; ++c) s.lo[g][c] = _mm512_setzero_ps(), s.hi[g][c] = _mm512_setzero_ps();
+          s.m[g] = kNegBig, s.lv[g] = _mm512_setzero_ps();
         }
+      }
+    const int64_t id = table[blk];
+    const K* kt = kp + (h * NB + id) * kD * kBS;
+    const K* vb = vp + (h * NB + id) * kBS * kD;
+    const int64_t cnt_max = std::min<int64_t>(kBS, last - blk * kBS);
+    for (int r = 0; r < kD / 4; ++r) k_words<K>(kt, r, wo.perm, wo.kord, tab, kw[r][0], kw[r][1]);
+    for (int64_t t = 0; t < cnt_max; t += 2) v_words<K, kD>(vb, t, t + 1 < cnt_max, wo.vord0, wo.vord1, tab, vw[t / 2][0], vw[t / 2][1]);
+    __m512 ksc, vsc;
+    block_scales<K>(sc, h, NB, id, fscale, ksc, vsc);
+    // Rows that reach this block: those from the first whose length passes its start.
+    const int64_t first = std::max<int64_t>(0, blk * kBS + 1 - n0);
+    for (int64_t i = first; i < R; ++i) {
+      TileRow<kD, kG>& s = rows[i];
+      const int64_t n = n0 + i, cnt = std::min<int64_t>(kBS, n - blk * kBS);
+      __m512 lo[kG][kC], hi[kG][kC], sv[kG], sw[kG];
+      for (int g = 0; g < kG; ++g) {
+        for (int c = 0; c < kC; ++c) lo[g][c] = s.lo[g][c], hi[g][c] = s.hi[g][c];
+        sv[g] = _mm512_setzero_ps(), sw[g] = _mm512_setzero_ps();
+      }
+      for (int r = 0; r < kD / 4; ++r)
+        for (int g = 0; g < kG; ++g) {
+          sv[g] = dpbf16(sv[g], kw[r][0], _mm512_set1_epi32(static_cast<int>(s.qp[g][2 * r])));
+          sw[g] = dpbf16(sw[g], kw[r][1], _mm512_set1_epi32(static_cast<int>(s.qp[g][2 * r + 1])));
+        }
+      const __mmask16 live = static_cast<__mmask16>((1u << cnt) - 1u);
+      alignas(64) uint32_t pp[kG][kBS / 2];
+      for (int g = 0; g < kG; ++g) block_softmax<K, kC>(sv[g], sw[g], ksc, vsc, live, s.m[g], s.lv[g], lo[g], hi[g], pp[g]);
+      for (int64_t t = 0; t < cnt; t += 2)
+        for (int g = 0; g < kG; ++g) {
+          const __m512i pb = _mm512_set1_epi32(static_cast<int>(pp[g][t / 2]));
+          for (int c = 0; c < kC; ++c) {
+            lo[g][c] = dpbf16(lo[g][c], vw[t / 2][0][c], pb);
+            hi[g][c] = dpbf16(hi[g][c], vw[t / 2][1][c], pb);
+          }
+        }
+      const int64_t row_parts = ((n - 1) / kBS) / kPartBlocks + 1;
+      const bool ends = blk == (n - 1) / kBS || blk % kPartBlocks == kPartBlocks - 1;  // its part's last block
+      for (int g = 0; g < kG; ++g) {
+        if (ends) {
+          const int64_t at = (i * max_parts + p) * kG + g;
+          finish_head<T, kD>(lo[g], hi[g], s.m[g], s.lv[g], nullptr, sc.v_layer, out + i * out_stride + g * kD,
+                             row_parts > 1 ? parts.data() + at * kD : nullptr, row_parts > 1 ? lses.data() + at : nullptr);
+        }
+        for (int c = 0; c < kC; ++c) s.lo[g][c] = lo[g][c], s.hi[g][c] = hi[g][c];
+      }
     }
+  }
+  thread_local std::vector<float> w;
+  for (int64_t i = 0; i < R; ++i) {
+    const int64_t row_parts = ((n0 + i - 1) / kBS) / kPartBlocks + 1;
+    if (row_parts > 1)
+      merge_parts<T>(parts.data() + i * max_parts * kG * kD, lses.data() + i * max_parts * kG, row_parts, kG, kD,
+                     nullptr, out + i * out_stride, w);
   }
 }
 #pragma GCC pop_options
@@ -845,31 +1026,100 @@ void decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
     }
   });
   if (slots == 0) return;
-  // The merge, parts in order: out = sum_p w_p part_p, w_p = exp(lse_p - mx) / (sum_p exp(lse_p -
-  // mx) [+ exp(sink - mx)]), mx the largest of them (a sink joins the denominator once, here).
+  // The merge, parts in order (merge_parts).
   at::parallel_for(0, B * KVH, slots * G * D < (1 << 16) ? B * KVH : 1, [&](int64_t begin, int64_t end) {
     std::vector<float> w(kMaxParts);
     for (int64_t i = begin; i < end; ++i) {
       const int64_t b = i / KVH, h = i % KVH;
       if (row_slot[b] < 0) continue;
-      const int64_t parts = row_parts[b], base = row_slot[b] + h * parts;
-      w.resize(parts);
-      for (int64_t g = 0; g < G; ++g) {
-        const float* sink = sinks ? sinks + h * G + g : nullptr;
-        float mx = sink ? *sink : kNegBig;
-        for (int64_t p = 0; p < parts; ++p) mx = std::max(mx, lse[(base + p) * G + g]);
-        float den = sink ? std::exp(*sink - mx) : 0.f;
-        for (int64_t p = 0; p < parts; ++p) den += w[p] = std::exp(lse[(base + p) * G + g] - mx);
-        for (int64_t p = 0; p < parts; ++p) w[p] /= den;
-        T* orow = op + (b * H + h * G + g) * D;
-        for (int64_t d = 0; d < D; ++d) {
-          float v = 0.f;
-          for (int64_t p = 0; p < parts; ++p) v += w[p] * part[((base + p) * G + g) * D + d];
-          orow[d] = store_f<T>(v);
-        }
-      }
+      const int64_t base = row_slot[b] + h * row_parts[b];
+      merge_parts<T>(part.data() + base * G * D, lse.data() + base * G, row_parts[b], G, D,
+                     sinks ? sinks + h * G : nullptr, op + (b * H + h * G) * D, w);
     }
   });
+}
+
+template <typename T, typename K>
+using TileFn = decltype(&prefill_tile_bf16<T, K, 64, 1>);
+
+template <typename T, typename K, int kD>
+TileFn<T, K> tile_instance(int64_t G) {
+  switch (G) {
+    case 1: return &prefill_tile_bf16<T, K, kD, 1>;
+    case 2: return &prefill_tile_bf16<T, K, kD, 2>;
+    case 3: return &prefill_tile_bf16<T, K, kD, 3>;
+    case 4: return &prefill_tile_bf16<T, K, kD, 4>;
+    case 6: return &prefill_tile_bf16<T, K, kD, 6>;
+    case 7: return &prefill_tile_bf16<T, K, kD, 7>;
+    case 8: return &prefill_tile_bf16<T, K, kD, 8>;
+    default: return nullptr;
+  }
+}
+
+// The step's prefill chunks (paged_prefill_attention): tasks of one chunk's tile of rows and one
+// kv head, the costliest first, taken by the threads as they come free (causal tiles differ in
+// length; each task writes only its own rows, so the split does not change a bit).
+template <typename T, typename K>
+void prefill(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& tables,
+             const at::Tensor& starts, const at::Tensor& contexts, double scale,
+             const std::optional<at::Tensor>& k_scale, const std::optional<at::Tensor>& v_scale, at::Tensor& out) {
+  const int64_t H = q.size(1), D = q.size(2), KVH = v_cache.size(0), NB = v_cache.size(1);
+  const int64_t G = H / KVH, M = tables.size(1), N = contexts.numel();
+  const T* qp = q.data_ptr<T>();
+  const K* kp = k_cache.data_ptr<K>();
+  const K* vp = v_cache.data_ptr<K>();
+  const int32_t* tp = tables.data_ptr<int32_t>();
+  const int32_t* sp = starts.data_ptr<int32_t>();
+  const int32_t* cp = contexts.data_ptr<int32_t>();
+  T* op = out.data_ptr<T>();
+  float fscale = static_cast<float>(scale);
+  Scales sc;
+  if constexpr (kPerToken<K>) {
+    TORCH_CHECK(k_scale && v_scale && k_scale->scalar_type() == at::kHalf && v_scale->scalar_type() == at::kHalf &&
+                    k_scale->is_contiguous() && v_scale->is_contiguous() &&
+                    k_scale->numel() == KVH * NB * 16 && v_scale->numel() == KVH * NB * 16,
+                "an int8 cache: k_scale and v_scale fp16 [kv_heads, num_blocks, block_size], contiguous");
+    sc.k = reinterpret_cast<const c10::Half*>(k_scale->data_ptr());
+    sc.v = reinterpret_cast<const c10::Half*>(v_scale->data_ptr());
+  } else if (k_scale || v_scale) {
+    TORCH_CHECK(k_scale && v_scale && k_scale->scalar_type() == at::kFloat &&
+                    v_scale->scalar_type() == at::kFloat && k_scale->numel() == 1 && v_scale->numel() == 1,
+                "an fp8 cache: k_scale and v_scale are float32 [1]");
+    fscale *= k_scale->data_ptr<float>()[0] / kRaw<K>;
+    sc.v_layer = v_scale->data_ptr<float>()[0] / kRaw<K>;
+  }
+  const TileFn<T, K> fn = D == 64 ? tile_instance<T, K, 64>(G) : tile_instance<T, K, 128>(G);
+  TORCH_CHECK(fn != nullptr, "paged_prefill_attention: no kernel for ", G, " query heads per kv head");
+  struct Task {
+    int64_t c, h, r0, R, cost;
+  };
+  std::vector<Task> tasks;
+  for (int64_t c = 0; c < N; ++c) {
+    const int64_t rows = sp[c + 1] - sp[c];
+    TORCH_CHECK(rows >= 0 && cp[c] >= 0 && (cp[c] + rows + 15) / 16 <= M,
+                "paged_prefill_attention: chunk ", c, "'s rows and context must fit its block-table row");
+    for (int64_t r0 = 0; r0 < rows; r0 += kTileRows) {
+      const int64_t R = std::min<int64_t>(kTileRows, rows - r0);
+      for (int64_t h = 0; h < KVH; ++h) tasks.push_back({c, h, r0, R, R * (cp[c] + r0 + R)});
+    }
+  }
+  std::stable_sort(tasks.begin(), tasks.end(), [](const Task& a, const Task& b) { return a.cost > b.cost; });
+  const int64_t T_ = static_cast<int64_t>(tasks.size());
+  std::atomic<int64_t> next{0};
+  auto work = [&](int64_t, int64_t) {
+    for (int64_t i = next++; i < T_; i = next++) {
+      const Task& t = tasks[i];
+      const int64_t row = sp[t.c] + t.r0;
+      fn(qp + (row * H + t.h * G) * D, H * D, kp, vp, tp + t.c * M, cp[t.c] + t.r0 + 1, t.R, NB, t.h, fscale, sc,
+         op + (row * H + t.h * G) * D, H * D);
+    }
+  };
+  const int64_t workers = std::min<int64_t>(at::get_num_threads(), T_);
+  if (workers <= 1) {
+    work(0, 1);
+  } else {
+    at::parallel_for(0, workers, 1, work);
+  }
 }
 
 bool is_quantized(at::ScalarType t) {
@@ -936,6 +1186,64 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, qc.scalar_type(), "paged_decode", [&] {
     decode<scalar_t, scalar_t>(qc, kc, vc, tc, lc, scale, window, softcap, k_scale, v_scale, sp, chunk, out);
   });
+  return out;
+}
+
+// Causal attention of a step's prefill chunks over the paged cache, each row's arithmetic the
+// decode kernel's (prefill_tile_bf16). q [P, H, hd]: the chunks' rows in order, chunk c's rows
+// [query_starts[c], query_starts[c + 1]) at positions context_lens[c] onwards (K/V of every
+// row already written); block_tables [N, M] int32 cover each chunk's context and rows. Where
+// `prefill_attention_supported` says so only: a bf16, fp8 or int8 cache under float32 queries
+// (or bf16 over bf16), block size 16, head_dim 64 or 128, 1-4, 6, 7 or 8 query heads per kv
+// head, and the CPU's bf16 dot products (no window, sink, chunk or soft-cap: the caller's).
+at::Tensor paged_prefill_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                   const at::Tensor& block_tables, const at::Tensor& query_starts,
+                                   const at::Tensor& context_lens, double scale,
+                                   const std::optional<at::Tensor>& k_scale,
+                                   const std::optional<at::Tensor>& v_scale) {
+  TORCH_CHECK(q.device().is_cpu() && k_cache.device().is_cpu(), "CPU tensors only");
+  TORCH_CHECK(q.dim() == 3 && v_cache.dim() == 4 && k_cache.dim() == 4 &&
+                  k_cache.size(0) == v_cache.size(0) && k_cache.size(1) == v_cache.size(1) &&
+                  k_cache.size(2) == v_cache.size(3) && k_cache.size(3) == v_cache.size(2) &&
+                  q.size(2) == v_cache.size(3) && q.size(1) % v_cache.size(0) == 0,
+              "q [P, H, hd], k cache [kv_heads, blocks, hd, block_size], v cache [kv_heads, blocks, "
+              "block_size, hd], query heads a multiple of kv heads");
+  const at::ScalarType kt = k_cache.scalar_type();
+  const bool quantized = is_quantized(kt);
+  TORCH_CHECK(v_cache.scalar_type() == kt &&
+                  ((q.scalar_type() == at::kFloat && (kt == at::kBFloat16 || quantized)) ||
+                   (q.scalar_type() == at::kBFloat16 && kt == at::kBFloat16)),
+              "paged_prefill_attention: float32 queries over a bfloat16, fp8 or int8 cache, or bfloat16 over bfloat16");
+  TORCH_CHECK(v_cache.size(2) == 16 && (q.size(2) == 64 || q.size(2) == 128),
+              "paged_prefill_attention: block_size 16 and head_dim 64 or 128");
+  TORCH_CHECK(quantized ? quant_dot_enabled() : bf16_dot_enabled(),
+              "paged_prefill_attention: this CPU has no bf16 dot products (decode_attention_dot)");
+  TORCH_CHECK(block_tables.scalar_type() == at::kInt && query_starts.scalar_type() == at::kInt &&
+                  context_lens.scalar_type() == at::kInt && block_tables.dim() == 2 &&
+                  block_tables.size(0) == context_lens.numel() && query_starts.numel() == context_lens.numel() + 1,
+              "block_tables [N, M], query_starts [N + 1] and context_lens [N], int32");
+  auto qc = q.contiguous();
+  auto kc = k_cache.contiguous();
+  auto vc = v_cache.contiguous();
+  auto tc = block_tables.contiguous();
+  auto sc = query_starts.contiguous();
+  auto lc = context_lens.contiguous();
+  TORCH_CHECK(sc.data_ptr<int32_t>()[0] == 0 && sc.data_ptr<int32_t>()[lc.numel()] == q.size(0),
+              "query_starts run from 0 to q's rows");
+  auto out = at::empty_like(qc);
+  if (q.size(0) == 0) return out;
+  switch (kt) {
+    case at::kBFloat16:
+      if (qc.scalar_type() == at::kBFloat16) {
+        prefill<c10::BFloat16, c10::BFloat16>(qc, kc, vc, tc, sc, lc, scale, k_scale, v_scale, out);
+      } else {
+        prefill<float, c10::BFloat16>(qc, kc, vc, tc, sc, lc, scale, k_scale, v_scale, out);
+      }
+      break;
+    case at::kFloat8_e4m3fn: prefill<float, c10::Float8_e4m3fn>(qc, kc, vc, tc, sc, lc, scale, k_scale, v_scale, out); break;
+    case at::kFloat8_e5m2: prefill<float, c10::Float8_e5m2>(qc, kc, vc, tc, sc, lc, scale, k_scale, v_scale, out); break;
+    default: prefill<float, int8_t>(qc, kc, vc, tc, sc, lc, scale, k_scale, v_scale, out); break;
+  }
   return out;
 }
 
@@ -1184,6 +1492,9 @@ TORCH_LIBRARY(triollm_cpu, m) {
   m.def("paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
         "Tensor context_lens, float scale, int window=0, float softcap=0., Tensor? k_scale=None, "
         "Tensor? v_scale=None, Tensor? sinks=None, int chunk=0) -> Tensor");
+  m.def("paged_prefill_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
+        "Tensor query_starts, Tensor context_lens, float scale, Tensor? k_scale=None, "
+        "Tensor? v_scale=None) -> Tensor");
   m.def("rotary_write_kv(Tensor qkv, Tensor cos, Tensor sin, Tensor(a!) k_cache, "
         "Tensor(b!) v_cache, Tensor slots, int num_heads, int num_kv_heads, Tensor(c!)? k_scale=None, "
         "Tensor(d!)? v_scale=None) -> Tensor");
@@ -1191,6 +1502,7 @@ TORCH_LIBRARY(triollm_cpu, m) {
 
 TORCH_LIBRARY_IMPL(triollm_cpu, CPU, m) {
   m.impl("paged_decode_attention", &paged_decode_attention);
+  m.impl("paged_prefill_attention", &paged_prefill_attention);
   m.impl("rotary_write_kv", &rotary_write_kv);
   m.impl("silu_and_mul", &silu_and_mul);
   m.impl("rms_norm", &rms_norm);

@@ -6,8 +6,11 @@ prefilled in 16-token chunks, and when it is preempted mid-decode and recomputed
 On the bundled model (Q4_1 weights, fp32 activations over a bf16 KV cache) and on a tiny random
 dense model with a bf16 KV cache (its GEMMs are oneDNN's; the bf16 cache makes a fresh prefill's
 fp32 K/V differ from what the cache gives back). Without the switch each case here differs
-(the lead's measurements in issue 40; kernels/batch_invariant.py says why). Two threads, so the
-kernels' thread splits are exercised too.
+(the lead's measurements in issue 40; kernels/batch_invariant.py says why) for the dense model,
+whose GEMMs pick their blocking by row count. The bundled model holds them without the switch
+too, wherever the native prefill attention runs (a CPU with AVX-512 BF16: each prompt row's
+attention is the decode kernel's arithmetic, and its quantized linears are per-row already).
+Two threads, so the kernels' thread splits are exercised too.
 """
 
 from __future__ import annotations
@@ -71,16 +74,43 @@ def model(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
     return str(path), {"kv_cache_dtype": "bfloat16"}, 380
 
 
+def _native_prefill() -> bool:
+    """Whether prompt rows take the native prefill kernel here (a bf16-cache layer's check)."""
+    import torch
+
+    from triollm.kernels import cpu_native
+
+    q, k_cache = torch.empty(1, 9, 64), torch.empty(3, 1, 64, 16, dtype=torch.bfloat16)
+    return cpu_native.available() and cpu_native.prefill_attention_supported(q, k_cache)
+
+
+@pytest.fixture(scope="module", params=["switch", "default"])
+def switch(request: pytest.FixtureRequest, model: tuple[str, dict[str, Any], int]) -> str:
+    """`VLLM_BATCH_INVARIANT`'s value: "1", or unset where the model holds the cases without it
+    (the quantized bundled model over the native prefill kernel)."""
+    if request.param == "switch":
+        return "1"
+    if "quantization" not in model[1]:
+        pytest.skip("a dense model's GEMMs change a row's bits with the row count: the switch is needed")
+    if not _native_prefill():
+        pytest.skip("no native prefill attention on this CPU (AVX-512 BF16): SDPA's blocking follows the chunk")
+    return ""
+
+
 @pytest.fixture(scope="module")
-def results(model: tuple[str, dict[str, Any], int]) -> Iterator[dict[str, Any]]:
-    """Every case's result for the request under test, under the switch; two engines (the
-    chunked one also runs the preemption case, so its recomputed prompt is chunked too)."""
+def results(model: tuple[str, dict[str, Any], int], switch: str) -> Iterator[dict[str, Any]]:
+    """Every case's result for the request under test, under the switch (or without it); two
+    engines (the chunked one also runs the preemption case, so its recomputed prompt is chunked
+    too)."""
     path, kwargs, vocab = model
     target, others = _prompts(vocab)
     common = dict(max_model_len=256, num_threads=2, multiprocess=False, seed=0, **kwargs)
     out: dict[str, Any] = {}
     with pytest.MonkeyPatch.context() as mp:
-        mp.setenv(BATCH_INVARIANT_ENV, "1")
+        if switch:
+            mp.setenv(BATCH_INVARIANT_ENV, switch)
+        else:
+            mp.delenv(BATCH_INVARIANT_ENV, raising=False)
         # A 256-token step budget: in the batch, the request's prompt shares steps with others'.
         with LLM(path, enable_prefix_caching=True, max_num_batched_tokens=256, **common) as llm:
             out["alone"] = _result(_generate(llm, [target])[0])

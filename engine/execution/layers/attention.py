@@ -108,6 +108,12 @@ class PagedAttention(nn.Module):
             # An all-decode step on the native CPU kernels: rotary + cache write in one call.
             q = cpu_native.rotary_write_kv(qkv, rope.cos, rope.sin, k_cache, v_cache, meta.slot_mapping, h, kvh)
             return decode_attention(q, k_cache, v_cache, plan, self.scale, **self.extra).view(t, h * hd)
+        if full and self._native_prefill(qkv, meta, k_cache):
+            # Prompt rows (and decode rows beside them) on the native CPU kernels: the same
+            # rotary + cache write as a decode step, and the prefill kernel with the decode
+            # kernel's arithmetic, so a token's bits do not depend on the step it runs in.
+            q = cpu_native.rotary_write_kv(qkv, rope.cos, rope.sin, k_cache, v_cache, meta.slot_mapping, h, kvh)
+            return self._attend(q, q, q, meta, k_cache, v_cache)  # k, v unread: both kernels read the cache
         v = qkv[:, (h + kvh) * hd :].view(t, kvh, hd)
         if rope.whole_tables:
             # Rotary on Q and K and the cache write in one Triton kernel.
@@ -136,6 +142,18 @@ class PagedAttention(nn.Module):
         """`[T, H * hd]`: q `[T, H, hd]` over the cache, where a family that projects, rotates and
         writes its own K and V (models/deepseek.py) has written the step's k, v `[T, KVH, hd]`."""
         return self._attend(q, k, v, meta, k_cache, v_cache)
+
+    def _native_prefill(self, qkv: torch.Tensor, meta: AttentionMetadata, k_cache: torch.Tensor) -> bool:
+        """Whether this step's prompt chunks run the native prefill kernel (plain causal
+        attention, the plan's native tables, a cache and CPU it takes: kernels/attention.py) and
+        its decode rows, if any, the native decode kernel."""
+        prefill, decode = meta.prefill_plan, meta.decode_plan
+        if self.extra or prefill is None or prefill.native is None or prefill.bidirectional is not None:
+            return False
+        if meta.num_decodes and (decode is None or decode.native is None):
+            return False
+        q = qkv.new_empty(0, self.num_heads, self.head_dim)  # the check reads shapes and dtypes only
+        return cpu_native.prefill_attention_supported(q, k_cache)
 
     def _calculate_kv_scales(self, qkv: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
         """Set the layer's fp8 K and V scales from this first prompt (vLLM's
