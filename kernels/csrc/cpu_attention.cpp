@@ -1011,12 +1011,16 @@ void decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
   }
   std::vector<float> part(slots * G * D), lse(slots * G);
   const int64_t T_ = static_cast<int64_t>(tasks.size());
-  // Small batches run on the calling thread: a pool wake-up costs more than the work.
-  const int64_t grain = total_tokens * KVH * D < (1 << 16) ? T_ : 1;
-  at::parallel_for(0, T_, grain, [&](int64_t begin, int64_t end) {
+  // Small batches run on the calling thread: a pool wake-up costs more than the work. Otherwise
+  // the threads take tasks as they come free, in order (the caller sorts rows longest first), not
+  // in fixed halves, which left one thread with the long rows; each task writes only its own
+  // output or part, so the split changes no bit.
+  const bool serial = total_tokens * KVH * D < (1 << 16);
+  std::atomic<int64_t> next{0};
+  auto work = [&](int64_t, int64_t) {
     std::vector<float> qf(G * D), acc(G * D), kbuf(D * BS), vbuf(BS * D), s(G * BS);
     std::vector<float> m(G), l(G);
-    for (int64_t i = begin; i < end; ++i) {
+    for (int64_t i = next++; i < T_; i = next++) {
       const Task& t = tasks[i];
       const bool whole = t.slot < 0;
       pair(qp + (t.b * H + t.h * G) * D, kp, vp, tables + t.b * M, t.hi, t.lo, G, NB, t.h, BS, D, fscale, cap,
@@ -1024,7 +1028,13 @@ void decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
            m.data(), l.data(), op + (t.b * H + t.h * G) * D, whole ? nullptr : part.data() + t.slot * G * D,
            whole ? nullptr : lse.data() + t.slot * G);
     }
-  });
+  };
+  const int64_t workers = serial ? 1 : std::min<int64_t>(at::get_num_threads(), T_);
+  if (workers <= 1) {
+    work(0, 1);
+  } else {
+    at::parallel_for(0, workers, 1, work);
+  }
   if (slots == 0) return;
   // The merge, parts in order (merge_parts).
   at::parallel_for(0, B * KVH, slots * G * D < (1 << 16) ? B * KVH : 1, [&](int64_t begin, int64_t end) {
@@ -1284,35 +1294,39 @@ void rotary_write(const T* qkv, const C* cos, const C* sin, K* kc, K* vc, const 
                   int64_t BS, float k_inv = 1.f, float v_inv = 1.f, c10::Half* k_rows = nullptr,
                   c10::Half* v_rows = nullptr) {
   const int64_t half = D / 2, row = (H + 2 * KVH) * D;
-  for (int64_t t = 0; t < n_tokens; ++t) {
-    const T* x = qkv + t * row;
-    const C* ct = cos + t * D;
-    const C* st = sin + t * D;
-    const int64_t block = slots[t] / BS, off = slots[t] % BS;
-    for (int64_t hh = 0; hh < H + KVH; ++hh) {
-      const T* xh = x + hh * D;
-      float rot[512];
-      for (int64_t d = 0; d < D; ++d) {
-        const int64_t r = d < half ? d + half : d - half;
-        rot[d] = load_f(xh[d]) * load_f(ct[d]) + load_f(xh[r]) * load_f(st[d]);
+  // A prompt chunk's tokens in parallel (each writes its own slot; the split changes no bit), a
+  // decode step's few on the calling thread.
+  at::parallel_for(0, n_tokens, n_tokens * row < (1 << 14) ? n_tokens : 8, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const T* x = qkv + t * row;
+      const C* ct = cos + t * D;
+      const C* st = sin + t * D;
+      const int64_t block = slots[t] / BS, off = slots[t] % BS;
+      for (int64_t hh = 0; hh < H + KVH; ++hh) {
+        const T* xh = x + hh * D;
+        float rot[512];
+        for (int64_t d = 0; d < D; ++d) {
+          const int64_t r = d < half ? d + half : d - half;
+          rot[d] = load_f(xh[d]) * load_f(ct[d]) + load_f(xh[r]) * load_f(st[d]);
+        }
+        if (hh < H) {
+          T* qh = q_out + (t * H + hh) * D;
+          for (int64_t d = 0; d < D; ++d) qh[d] = store_f<T>(rot[d]);
+        } else {
+          K* kb = kc + ((hh - H) * NB + block) * D * BS;  // [D][BS]
+          const int64_t row = ((hh - H) * NB + block) * BS + off;
+          store_row<K>(rot, D, kb + off, BS, k_inv, k_rows ? k_rows + row : nullptr);
+        }
       }
-      if (hh < H) {
-        T* qh = q_out + (t * H + hh) * D;
-        for (int64_t d = 0; d < D; ++d) qh[d] = store_f<T>(rot[d]);
-      } else {
-        K* kb = kc + ((hh - H) * NB + block) * D * BS;  // [D][BS]
-        const int64_t row = ((hh - H) * NB + block) * BS + off;
-        store_row<K>(rot, D, kb + off, BS, k_inv, k_rows ? k_rows + row : nullptr);
+      for (int64_t hh = 0; hh < KVH; ++hh) {
+        const T* vh = x + (H + KVH + hh) * D;
+        const int64_t row = (hh * NB + block) * BS + off;
+        float vf[512];
+        for (int64_t d = 0; d < D; ++d) vf[d] = load_f(vh[d]);
+        store_row<K>(vf, D, vc + row * D, 1, v_inv, v_rows ? v_rows + row : nullptr);
       }
     }
-    for (int64_t hh = 0; hh < KVH; ++hh) {
-      const T* vh = x + (H + KVH + hh) * D;
-      const int64_t row = (hh * NB + block) * BS + off;
-      float vf[512];
-      for (int64_t d = 0; d < D; ++d) vf[d] = load_f(vh[d]);
-      store_row<K>(vf, D, vc + row * D, 1, v_inv, v_rows ? v_rows + row : nullptr);
-    }
-  }
+  });
 }
 
 at::Tensor rotary_write_kv(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
