@@ -902,35 +902,35 @@ bool quant_dot_enabled() {
   return enabled;
 }
 
+// The query heads per kv head that have instances of the grouped kernels (a register block per
+// head): f(std::integral_constant<int, G>{}) for those, `other` for the rest.
+template <typename R, typename F>
+R by_group(int64_t G, F f, R other) {
+  switch (G) {
+    case 1: return f(std::integral_constant<int, 1>{});
+    case 2: return f(std::integral_constant<int, 2>{});
+    case 3: return f(std::integral_constant<int, 3>{});
+    case 4: return f(std::integral_constant<int, 4>{});
+    case 6: return f(std::integral_constant<int, 6>{});
+    case 7: return f(std::integral_constant<int, 7>{});
+    case 8: return f(std::integral_constant<int, 8>{});
+    default: return other;
+  }
+}
+
 template <typename T, typename K>
 using PairFn = decltype(&decode_pair<T, K, 0, 0>);
 
 template <typename T, typename K, int kD>
 PairFn<T, K> group_instance(int64_t G) {
+  const PairFn<T, K> generic = by_group<PairFn<T, K>>(
+      G, [](auto g) { return &decode_pair_group<T, K, kD, decltype(g)::value>; }, &decode_pair<T, K, 16, kD>);
   if constexpr (std::is_same_v<K, c10::BFloat16> || kQuantized<K>) {
-    if (kQuantized<K> ? quant_dot_enabled() : bf16_dot_enabled()) {
-      switch (G) {
-        case 1: return &decode_pair_group_bf16<T, K, kD, 1>;
-        case 2: return &decode_pair_group_bf16<T, K, kD, 2>;
-        case 3: return &decode_pair_group_bf16<T, K, kD, 3>;
-        case 4: return &decode_pair_group_bf16<T, K, kD, 4>;
-        case 6: return &decode_pair_group_bf16<T, K, kD, 6>;
-        case 7: return &decode_pair_group_bf16<T, K, kD, 7>;
-        case 8: return &decode_pair_group_bf16<T, K, kD, 8>;
-        default: break;  // the fp32 path's generic instance
-      }
-    }
+    if (kQuantized<K> ? quant_dot_enabled() : bf16_dot_enabled())
+      return by_group<PairFn<T, K>>(
+          G, [](auto g) { return &decode_pair_group_bf16<T, K, kD, decltype(g)::value>; }, generic);
   }
-  switch (G) {
-    case 1: return &decode_pair_group<T, K, kD, 1>;
-    case 2: return &decode_pair_group<T, K, kD, 2>;
-    case 3: return &decode_pair_group<T, K, kD, 3>;
-    case 4: return &decode_pair_group<T, K, kD, 4>;
-    case 6: return &decode_pair_group<T, K, kD, 6>;
-    case 7: return &decode_pair_group<T, K, kD, 7>;
-    case 8: return &decode_pair_group<T, K, kD, 8>;
-    default: return &decode_pair<T, K, 16, kD>;
-  }
+  return generic;
 }
 
 template <typename T, typename K>
@@ -1054,16 +1054,8 @@ using TileFn = decltype(&prefill_tile_bf16<T, K, 64, 1>);
 
 template <typename T, typename K, int kD>
 TileFn<T, K> tile_instance(int64_t G) {
-  switch (G) {
-    case 1: return &prefill_tile_bf16<T, K, kD, 1>;
-    case 2: return &prefill_tile_bf16<T, K, kD, 2>;
-    case 3: return &prefill_tile_bf16<T, K, kD, 3>;
-    case 4: return &prefill_tile_bf16<T, K, kD, 4>;
-    case 6: return &prefill_tile_bf16<T, K, kD, 6>;
-    case 7: return &prefill_tile_bf16<T, K, kD, 7>;
-    case 8: return &prefill_tile_bf16<T, K, kD, 8>;
-    default: return nullptr;
-  }
+  return by_group<TileFn<T, K>>(
+      G, [](auto g) { return &prefill_tile_bf16<T, K, kD, decltype(g)::value>; }, nullptr);
 }
 
 // The step's prefill chunks (paged_prefill_attention): tasks of one chunk's tile of rows and one
