@@ -40,8 +40,10 @@ graphs hold the base model only).
 
 Batch invariance (`VLLM_BATCH_INVARIANT=1`, read once here when the runner is built;
 kernels/batch_invariant.py): every token of a step becomes a decode row of one native decode
-plan (`plan_rows`), so the whole step takes the model's all-decode path; dense linear layers and
-a dense lm_head run over fixed row tiles. What cannot be made invariant is refused here, at
+plan (`plan_rows`), so the whole step takes the model's all-decode path, unless every attention
+layer takes the native prefill kernel, whose prompt rows have the decode kernel's bits already
+(then prompts stay prompts, and no row re-reads its blocks); dense linear layers and a dense
+lm_head run over fixed row tiles. What cannot be made invariant is refused here, at
 engine start, naming the variable.
 """
 
@@ -54,7 +56,7 @@ import torch
 from triollm.engine import envs
 from triollm.engine.distributed.protocol import StepInputs
 from triollm.engine.execution.cuda_graphs import DecodeGraphs
-from triollm.engine.execution.layers.attention import AttentionMetadata, PrefillChunk
+from triollm.engine.execution.layers.attention import AttentionMetadata, PagedAttention, PrefillChunk
 from triollm.engine.execution.layers.linear import Linear
 from triollm.engine.execution.layers.moe import FusedMoE
 from triollm.engine.execution.layers.quantized import QuantEmbedding, QuantLinear
@@ -113,6 +115,7 @@ class ModelRunner:
         # An M-RoPE model's spatial merge (its images' grids over merge**2 are their positions); 0: none.
         self.mrope_merge = mm.spatial_merge if mm is not None and mm.mrope_section else 0
         self._tile_logits = False  # a dense lm_head: compute_logits over fixed row tiles
+        self._prompt_rows_native = False  # batch invariance without decode rows (module note)
         if self.batch_invariant:
             self._make_batch_invariant()
 
@@ -136,6 +139,27 @@ class ModelRunner:
         head = self.model.lm_head
         self._tile_logits = not isinstance(head, QuantLinear) and not (
             head is None and isinstance(self.model.embed_tokens, QuantEmbedding)
+        )
+        self._prompt_rows_native = self._native_prompt_rows()
+
+    def _native_prompt_rows(self) -> bool:
+        """Whether every attention layer runs a prompt through the native prefill kernel (plain
+        causal attention over a cache it takes: kernels/attention.py), so that prompt rows need
+        not become decode rows for batch invariance. Not for models with images or recurrent
+        state, nor any attention the kernel does not take (windows, sinks, soft-caps, chunks)."""
+        cfg = getattr(self.model, "cfg", None)
+        if self.vision is not None or self.states is not None or not isinstance(cfg, ModelConfig):
+            return False
+        layers = [m for m in self.model.modules() if isinstance(m, PagedAttention)]
+        # One plain PagedAttention per cache layer (a family with its own attention, e.g. a latent
+        # cache, keeps the decode rows).
+        if len(layers) != len(self.kv.k) or any(type(m) is not PagedAttention or m.extra for m in layers):
+            return False
+        return all(
+            cpu_native.prefill_attention_supported(
+                torch.empty(0, m.num_heads, m.head_dim, dtype=cfg.dtype), self.kv.k[i]
+            )
+            for i, m in enumerate(layers)
         )
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -389,7 +413,7 @@ class ModelRunner:
     def _tensors(self, inputs: StepInputs) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         dev = self.device
         meta = AttentionMetadata(slot_mapping=torch.empty(0), num_decodes=len(inputs.decode_lens))
-        if self.batch_invariant and inputs.prefills:
+        if self.batch_invariant and inputs.prefills and not self._prompt_rows_native:
             # Every token a decode row: the step takes the all-decode path (module note).
             meta.num_decodes = len(inputs.token_ids)
             meta.decode_plan = batch_invariant.plan_rows(

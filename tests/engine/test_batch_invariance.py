@@ -62,15 +62,21 @@ def _preemptions(llm: LLM) -> float:
     return next(m.value for m in llm.get_metrics() if m.name == "vllm:num_preemptions")  # type: ignore[attr-defined]
 
 
-@pytest.fixture(scope="module", params=["bundled", "tiny-dense"])
+@pytest.fixture(scope="module", params=["bundled", "tiny-dense", "tiny-dense-hd64"])
 def model(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[str, dict[str, Any], int]:
-    """(model path, engine arguments, token ids below this bound)."""
+    """(model path, engine arguments, token ids below this bound). Under the switch, the bundled
+    model and the head_dim-64 dense one keep their prompts as prompts where the native prefill
+    kernel runs (model_runner.py); the head_dim-32 one (no kernel instance) turns them into decode
+    rows."""
     if request.param == "bundled":
         # `LLM()`'s default: the GGUF's Q4_1 blocks (the imported folder alone loads dense).
         return str(request.getfixturevalue("bundled_model_dir")), {"quantization": "gguf"}, 20_000
     from tinymodel import make_tiny_model
 
-    path = make_tiny_model(tmp_path_factory.mktemp("tiny-dense"), hidden_size=128, num_heads=4, num_kv_heads=2)
+    heads = (4, 2) if request.param == "tiny-dense" else (2, 1)
+    path = make_tiny_model(
+        tmp_path_factory.mktemp(request.param), hidden_size=128, num_heads=heads[0], num_kv_heads=heads[1]
+    )
     return str(path), {"kv_cache_dtype": "bfloat16"}, 380
 
 
