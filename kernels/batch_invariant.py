@@ -26,17 +26,21 @@ What the switch does (engine/execution/model_runner.py applies it):
   before any row attends (the path speculative drafts already take), and each row attends over
   the cache's representation, block by block in block order: the reduction order is fixed by
   block boundaries, not by chunk boundaries, and a prompt token computes exactly what it would
-  as a decode token. By construction, not by tolerance: it is the same code.
+  as a decode token. By construction, not by tolerance: it is the same code. Where every
+  attention layer takes the native prefill kernel instead (its prompt rows run the decode
+  kernel's per-block code, kernels/csrc/cpu_attention.cpp), prompts stay prompts: the same bits,
+  without each row re-reading its blocks (`ModelRunner._native_prompt_rows`).
 - Dense linear layers run over fixed tiles of `TILE_ROWS` rows (`tiled_rows`), the last one
   padded with zero rows: every GEMM call has the same shape, and the tests check that a row's
   bits do not depend on its tile's other rows or its place in the tile
   (tests/kernels/test_batch_invariant_kernels.py). A dense lm_head too (the runner tiles
   `compute_logits`); a quantized one is invariant as it is.
 
-What it costs (docs/benchmarks.md, "Batch invariance"): prefill attention through the decode
-kernel re-reads each row's K/V blocks where SDPA tiles them (quadratic in the prompt: the cost
-grows with its length), and a dense model's GEMMs run in tiles (batch-1 decode pays for a whole
-tile). Hence a switch, off by default.
+What it costs (docs/benchmarks.md, "Batch invariance"): where prompt rows become decode rows,
+prefill attention through the decode kernel re-reads each row's K/V blocks (quadratic in the
+prompt: the cost grows with its length); where the native prefill kernel runs, nothing. A dense
+model's GEMMs run in tiles (batch-1 decode pays for a whole tile). Hence a switch, off by
+default; a quantized model on a CPU with the native prefill kernel is invariant without it.
 
 Torch's elementwise ops are per-row too, with one caveat the tests probe: a transcendental op
 (GELU's tanh) over a contiguous 2-D tensor splits the flat range between threads, and each part
