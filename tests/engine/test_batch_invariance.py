@@ -173,3 +173,20 @@ def test_refused_where_it_cannot_hold(tiny_model_dir: Path, monkeypatch: pytest.
     monkeypatch.setenv(BATCH_INVARIANT_ENV, "yes")
     with pytest.raises(Exception, match=f"{BATCH_INVARIANT_ENV}: 'yes' is not 0 or 1"):
         LLM(str(tiny_model_dir), max_model_len=64, num_threads=1, multiprocess=False)
+
+
+def test_the_switch_keeps_prompts_as_prompts_where_the_prefill_kernel_runs(
+    model: tuple[str, dict[str, Any], int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Under the switch, prompt rows become decode rows only where some layer would not take the
+    native prefill kernel: here the head_dim-32 model (no kernel instance), or a CPU without it."""
+    from triollm.engine.config import EngineArgs
+    from triollm.engine.sync_engine import SyncEngine
+
+    path, kwargs, _ = model
+    monkeypatch.setenv(BATCH_INVARIANT_ENV, "1")
+    engine = SyncEngine.from_engine_args(EngineArgs(model=path, max_model_len=128, num_threads=1, **kwargs))
+    runner = engine.core.runner
+    assert runner is not None
+    takes_kernel = "quantization" in kwargs or "tiny-dense-hd64" in path  # head_dim 64, not 32
+    assert runner._prompt_rows_native == (_native_prefill() and takes_kernel)
