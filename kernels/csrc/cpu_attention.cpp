@@ -933,6 +933,30 @@ PairFn<T, K> group_instance(int64_t G) {
   return generic;
 }
 
+// A quantized cache's scales as the kernels take them (checked): int8's per-token fp16 scales,
+// or fp8's layer scales, K's folded into `fscale` (the query's) and V's into the normalisation.
+template <typename K>
+Scales layer_scales(const std::optional<at::Tensor>& k_scale, const std::optional<at::Tensor>& v_scale, int64_t KVH,
+                    int64_t NB, int64_t BS, float& fscale) {
+  Scales sc;
+  if constexpr (kPerToken<K>) {
+    TORCH_CHECK(k_scale && v_scale && k_scale->scalar_type() == at::kHalf && v_scale->scalar_type() == at::kHalf &&
+                    k_scale->is_contiguous() && v_scale->is_contiguous() &&
+                    k_scale->numel() == KVH * NB * BS && v_scale->numel() == KVH * NB * BS,
+                "an int8 cache: k_scale and v_scale fp16 [kv_heads, num_blocks, block_size], contiguous");
+    TORCH_CHECK(BS <= 64, "an int8 cache: block_size at most 64");
+    sc.k = reinterpret_cast<const c10::Half*>(k_scale->data_ptr());
+    sc.v = reinterpret_cast<const c10::Half*>(v_scale->data_ptr());
+  } else if (k_scale || v_scale) {  // fp8: the layer's scales, folded out of the loops
+    TORCH_CHECK(k_scale && v_scale && k_scale->scalar_type() == at::kFloat &&
+                    v_scale->scalar_type() == at::kFloat && k_scale->numel() == 1 && v_scale->numel() == 1,
+                "an fp8 cache: k_scale and v_scale are float32 [1]");
+    fscale *= k_scale->data_ptr<float>()[0] / kRaw<K>;
+    sc.v_layer = v_scale->data_ptr<float>()[0] / kRaw<K>;
+  }
+  return sc;
+}
+
 template <typename T, typename K>
 void decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
             const at::Tensor& block_tables, const at::Tensor& context_lens, double scale,
@@ -950,22 +974,7 @@ void decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
   T* op = out.data_ptr<T>();
   float fscale = static_cast<float>(scale);
   const float cap = static_cast<float>(softcap);
-  Scales sc;
-  if constexpr (kPerToken<K>) {
-    TORCH_CHECK(k_scale && v_scale && k_scale->scalar_type() == at::kHalf && v_scale->scalar_type() == at::kHalf &&
-                    k_scale->is_contiguous() && v_scale->is_contiguous() &&
-                    k_scale->numel() == KVH * NB * BS && v_scale->numel() == KVH * NB * BS,
-                "an int8 cache: k_scale and v_scale fp16 [kv_heads, num_blocks, block_size], contiguous");
-    TORCH_CHECK(BS <= 64, "an int8 cache: block_size at most 64");
-    sc.k = reinterpret_cast<const c10::Half*>(k_scale->data_ptr());
-    sc.v = reinterpret_cast<const c10::Half*>(v_scale->data_ptr());
-  } else if (k_scale || v_scale) {  // fp8: the layer's scales, folded out of the loops
-    TORCH_CHECK(k_scale && v_scale && k_scale->scalar_type() == at::kFloat &&
-                    v_scale->scalar_type() == at::kFloat && k_scale->numel() == 1 && v_scale->numel() == 1,
-                "an fp8 cache: k_scale and v_scale are float32 [1]");
-    fscale *= k_scale->data_ptr<float>()[0] / kRaw<K>;
-    sc.v_layer = v_scale->data_ptr<float>()[0] / kRaw<K>;
-  }
+  const Scales sc = layer_scales<K>(k_scale, v_scale, KVH, NB, BS, fscale);
   auto pair = &decode_pair<T, K, 0, 0>;
   if (cap > 0.f) {
     pair = &decode_pair<T, K, 0, 0, true>;
@@ -1075,21 +1084,7 @@ void prefill(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v
   const int32_t* cp = contexts.data_ptr<int32_t>();
   T* op = out.data_ptr<T>();
   float fscale = static_cast<float>(scale);
-  Scales sc;
-  if constexpr (kPerToken<K>) {
-    TORCH_CHECK(k_scale && v_scale && k_scale->scalar_type() == at::kHalf && v_scale->scalar_type() == at::kHalf &&
-                    k_scale->is_contiguous() && v_scale->is_contiguous() &&
-                    k_scale->numel() == KVH * NB * 16 && v_scale->numel() == KVH * NB * 16,
-                "an int8 cache: k_scale and v_scale fp16 [kv_heads, num_blocks, block_size], contiguous");
-    sc.k = reinterpret_cast<const c10::Half*>(k_scale->data_ptr());
-    sc.v = reinterpret_cast<const c10::Half*>(v_scale->data_ptr());
-  } else if (k_scale || v_scale) {
-    TORCH_CHECK(k_scale && v_scale && k_scale->scalar_type() == at::kFloat &&
-                    v_scale->scalar_type() == at::kFloat && k_scale->numel() == 1 && v_scale->numel() == 1,
-                "an fp8 cache: k_scale and v_scale are float32 [1]");
-    fscale *= k_scale->data_ptr<float>()[0] / kRaw<K>;
-    sc.v_layer = v_scale->data_ptr<float>()[0] / kRaw<K>;
-  }
+  const Scales sc = layer_scales<K>(k_scale, v_scale, KVH, NB, 16, fscale);
   const TileFn<T, K> fn = D == 64 ? tile_instance<T, K, 64>(G) : tile_instance<T, K, 128>(G);
   TORCH_CHECK(fn != nullptr, "paged_prefill_attention: no kernel for ", G, " query heads per kv head");
   struct Task {
