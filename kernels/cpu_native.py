@@ -112,12 +112,14 @@ def quant_isa() -> str:
     return forced
 
 
+@functools.cache
 def decode_attention_dot(quantized: bool = False) -> str:
     """The dot product the native decode kernel uses over a bf16 KV cache (or, `quantized`, an
     fp8 or int8 one) in this process: "bf16" (`vdpbf16ps`, where the CPU has AVX-512 BF16, and
     VBMI for a quantized cache, and $TRIOLLM_CPU_ISA forces no path: queries and probabilities
     meet the cache rounded to bf16) or "fp32" (K and V widened). The C++ side decides
-    (kernels/csrc/cpu_attention.cpp); call only when `available()`."""
+    (kernels/csrc/cpu_attention.cpp, once per process: so it is cached here too); call only when
+    `available()`."""
     return str(torch.ops.triollm_cpu.decode_attention_dot(quantized))
 
 

@@ -94,6 +94,7 @@ class PagedAttention(nn.Module):
         limits = (("window", window), ("softcap", softcap), ("sinks", sinks), ("chunk", chunk))
         self.extra: dict[str, Any] = {k: v for k, v in limits if v is not None}
         self.calculate_kv_scales = False  # set by `calculate_kv_scales_on_first_prompt`
+        self._prefill_kernel: dict[tuple[torch.dtype, torch.dtype, torch.Size], bool] = {}  # _native_prefill's
 
     def forward(
         self, qkv: torch.Tensor, rope: RopeStep, meta: AttentionMetadata, k_cache: torch.Tensor, v_cache: torch.Tensor
@@ -113,7 +114,15 @@ class PagedAttention(nn.Module):
             # rotary + cache write as a decode step, and the prefill kernel with the decode
             # kernel's arithmetic, so a token's bits do not depend on the step it runs in.
             q = cpu_native.rotary_write_kv(qkv, rope.cos, rope.sin, k_cache, v_cache, meta.slot_mapping, h, kvh)
-            return self._attend(q, q, q, meta, k_cache, v_cache)  # k, v unread: both kernels read the cache
+            d = meta.num_decodes
+            assert meta.prefill_plan is not None and meta.prefill_plan.native is not None
+            tables, starts, contexts = meta.prefill_plan.native
+            prompts = cpu_native.paged_prefill_attention(q[d:], k_cache, v_cache, tables, starts, contexts, self.scale)
+            if not d:
+                return prompts.view(t, h * hd)
+            assert meta.decode_plan is not None
+            decodes = decode_attention(q[:d], k_cache, v_cache, meta.decode_plan, self.scale)
+            return torch.cat((decodes, prompts)).view(t, h * hd)
         v = qkv[:, (h + kvh) * hd :].view(t, kvh, hd)
         if rope.whole_tables:
             # Rotary on Q and K and the cache write in one Triton kernel.
@@ -152,8 +161,11 @@ class PagedAttention(nn.Module):
             return False
         if meta.num_decodes and (decode is None or decode.native is None):
             return False
-        q = qkv.new_empty(0, self.num_heads, self.head_dim)  # the check reads shapes and dtypes only
-        return cpu_native.prefill_attention_supported(q, k_cache)
+        key = (qkv.dtype, k_cache.dtype, k_cache.shape)  # fixed for a layer: checked once, not per step
+        if key not in self._prefill_kernel:
+            q = qkv.new_empty(0, self.num_heads, self.head_dim)  # the check reads shapes and dtypes only
+            self._prefill_kernel[key] = cpu_native.prefill_attention_supported(q, k_cache)
+        return self._prefill_kernel[key]
 
     def _calculate_kv_scales(self, qkv: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
         """Set the layer's fp8 K and V scales from this first prompt (vLLM's
