@@ -310,7 +310,7 @@ def test_prefill_budget_grows_with_the_wait() -> None:
     """Fair admission: beside 16 decodes a newcomer's prompt gets 1.5x the load's decode-only step
     (17 rows, 0.117 s): 59 tokens. The ratio grows with the longer of two waits: the queue's
     head's (no sequence slot free) and a running prompt's own time since it was queued. Half of
-    FAIR_WAIT_STEPS such steps give 1.75x (88 tokens), FAIR_WAIT_STEPS and more 2x (118), never
+    FAIR_WAIT_STEPS such steps give 1.65x (77 tokens), FAIR_WAIT_STEPS and more 1.8x (94), never
     more; with neither (the queue empty or its head a newcomer, the prompt young), 1.5x again."""
     load_step = 0.1 + 0.001 * 17
 
@@ -328,11 +328,11 @@ def test_prefill_budget_grows_with_the_wait() -> None:
     sched.add_request(make_request("p", [7] * 4000, t=99))
     assert _chunks(sched)["p"] == budget(TARGET_STEP_RATIO) == 59
     clock.now += FAIR_WAIT_STEPS / 2 * load_step  # its own prefill's time
-    assert _chunks(sched)["p"] == budget(1.75) == 88
+    assert _chunks(sched)["p"] == budget((TARGET_STEP_RATIO + MAX_STEP_RATIO) / 2) == 77
     clock.now += FAIR_WAIT_STEPS * load_step
-    assert _chunks(sched)["p"] == budget(MAX_STEP_RATIO) == 118
+    assert _chunks(sched)["p"] == budget(MAX_STEP_RATIO) == 94
     clock.now += 3600
-    assert _chunks(sched)["p"] == 118
+    assert _chunks(sched)["p"] == 94
 
     clock = FakeClock()
     sched = decoding_16(clock)
@@ -343,7 +343,7 @@ def test_prefill_budget_grows_with_the_wait() -> None:
     assert _chunks(sched)["p"] == 59
     clock.now += FAIR_WAIT_STEPS / 2 * load_step
     p.waiting_since = clock.now  # keep p young: the queue's wait alone
-    assert _chunks(sched)["p"] == 88
+    assert _chunks(sched)["p"] == 77
     q = sched.waiting.peek()
     sched.finish(q, RequestStatus.FINISHED_ABORTED)  # the queue empties: back to 1.5x
     assert _chunks(sched)["p"] == 59
@@ -351,18 +351,99 @@ def test_prefill_budget_grows_with_the_wait() -> None:
     assert _chunks(sched)["p"] == 59
 
 
+def _timed_step(sched: Scheduler, seconds: float) -> dict[str, int]:
+    """One step, recorded as taking `seconds` (what the engine core reports); the tokens each
+    request took."""
+    out = sched.schedule()
+    sched.record_step(out, seconds)
+    for item in out.scheduled:
+        sched.advance(item)
+        if item.samples:
+            item.request.append_output_token(5)
+    return {s.request.request_id: s.num_new_tokens for s in out.scheduled}
+
+
+def test_a_burst_takes_the_whole_budget_and_streams_that_came_before_keep_their_ratio() -> None:
+    """Issue 41's c16 start-up: one request arrives alone, 15 arrive during its prompt step. The
+    one decoding came with them (queued one step before), and more wait than decode: no ratio of
+    a decode-only step never run, the prompts take the whole budget (the time bound aside), and
+    their first tokens come in one step where the ratio gave ~30 tokens a step. A stream that
+    decoded before prompts arrive is no burst, however many they are: its steps keep their
+    ratio; nor is a step where as many decode as wait."""
+    sched = Scheduler(SchedulerConfig(16, 2048, True), BlockManager(num_blocks=1024, block_size=16), 1024)
+    sched.add_request(make_request("first", [7] * 200, max_tokens=50))
+    assert _timed_step(sched, 0.15) == {"first": 200}
+    for i in range(15):
+        sched.add_request(make_request(f"b{i}", [8 + i] * 200, max_tokens=50, t=1 + i))
+    chunks = _timed_step(sched, 1.3)
+    assert chunks["first"] == 1 and sum(chunks.values()) == 2048  # a burst: the whole budget
+    # 11 decode, 5 wait: no burst; no decode-only step of that size measured yet: one now.
+    assert _timed_step(sched, 0.02) == {"first": 1, **{f"b{i}": 1 for i in range(10)}}
+    chunks = _timed_step(sched, 0.04)  # then the ratio, of the step just measured
+    assert 0 < chunks["b10"] < 100
+
+    stream = Scheduler(SchedulerConfig(16, 2048, True), BlockManager(num_blocks=1024, block_size=16), 16384)
+    stream.add_request(make_request("s", [7] * 30, max_tokens=10**6))
+    _timed_step(stream, 0.05)
+    for _ in range(20):
+        _timed_step(stream, 0.04)
+    for i in range(5):
+        stream.add_request(make_request(f"long{i}", [9 + i] * 8000, max_tokens=4, t=1 + i))
+    for _ in range(5):
+        chunks = _timed_step(stream, 0.06)
+        assert chunks["s"] == 1 and sum(chunks.values()) < 100  # the ratio, not the budget
+
+
+def test_a_decode_only_step_is_measured_once_before_a_ratio_is_taken() -> None:
+    """Where no decode-only step of at least half the decodes' rows was measured (after a
+    burst, or a first decode), the next step beside decodes carries no prompt tokens, once: the
+    ratio is then taken of that step, not of the line through prompt steps (which priced a
+    decode row as a prompt token: in the served c16 start-up, a 16-row step at 16-24 ms against
+    26-40 ms measured). Without a cost model (no step recorded) nothing is held back."""
+    sched = Scheduler(SchedulerConfig(16, 2048, True), BlockManager(num_blocks=1024, block_size=16), 1024)
+    for i in range(4):
+        sched.add_request(make_request(f"d{i}", [7 + i] * 100, max_tokens=50))
+    assert sum(_timed_step(sched, 0.3).values()) == 400  # nothing decodes: the whole budget
+    sched.add_request(make_request("p", [20] * 500, max_tokens=5, t=9))
+    assert _timed_step(sched, 0.05) == {f"d{i}": 1 for i in range(4)}  # measured first
+    assert _timed_step(sched, 0.09)["p"] > 0  # then the prompt beside the decodes
+    assert sched.step_cost.latest_decode == (4, 0.05)
+
+    # Speculating, the step held decode-only keeps the decodes' drafts (their seeded draws
+    # follow them, sampler.verify), where a step whose prompts took the budget has none left.
+    spec = Scheduler(SchedulerConfig(16, 2048, True), BlockManager(num_blocks=1024, block_size=16), 1024)
+    for i in range(4):
+        spec.add_request(make_request(f"d{i}", [7 + i] * 100, max_tokens=50))
+    _timed_step(spec, 0.3)
+    spec.add_request(make_request("p", [20] * 500, max_tokens=5, t=9))
+    for r in spec.running:
+        r.spec_wanted = 2
+    out = spec.schedule()
+    assert {s.request.request_id: (s.num_new_tokens, s.num_draft) for s in out.scheduled} == {
+        f"d{i}": (3, 2) for i in range(4)
+    }
+
+    untimed = Scheduler(SchedulerConfig(16, 2048, True), BlockManager(num_blocks=1024, block_size=16), 1024)
+    untimed.add_request(make_request("a", [1] * 10, max_tokens=50))
+    run_step(untimed, lambda r: 5)
+    untimed.add_request(make_request("b", [2] * 100, t=1))
+    assert _chunks(untimed) == {"a": 1, "b": 100}
+
+
 def _closed_loop(
     clock: FakeClock, clients: int, prompt: int, output: int, rounds: int
-) -> tuple[list[float], list[float]]:
+) -> tuple[list[float], list[float], list[float]]:
     """`clients` clients, each sending a `prompt`-token request for `output` tokens and the next
     one as soon as it ends (`vllm bench serve --max-concurrency`), on a fake machine whose step
     costs 75 ms + 0.85 ms a token (the bundled model on 2 Zen 4 cores). Returns every request's
-    time to first token and every inter-token gap."""
+    time to first token, every inter-token gap, and the gaps after the start-up (once every
+    first request has its first token)."""
     sched = Scheduler(SchedulerConfig(clients, 2048, True), BlockManager(4096, 16), 1024, clock)
     sent: dict[str, float] = {}
     last: dict[str, float] = {}
     ttft: list[float] = []
     itl: list[float] = []
+    steady: list[float] = []
     count = 0
 
     def send() -> None:
@@ -387,13 +468,15 @@ def _closed_loop(
             req.append_output_token(5)
             if rid in last:
                 itl.append(clock.now - last[rid])
+                if len(ttft) >= clients:
+                    steady.append(itl[-1])
             else:
                 ttft.append(clock.now - sent[rid])
             last[rid] = clock.now
             if sched.check_stop(req, 5) is not None:
                 sched.finish(req, RequestStatus.FINISHED_LENGTH)
                 send()
-    return ttft, itl
+    return ttft, itl, steady
 
 
 def _percentile(xs: list[float], q: float) -> float:
@@ -402,21 +485,29 @@ def _percentile(xs: list[float], q: float) -> float:
 
 
 def test_fair_admission_bounds_time_to_first_token_under_load(monkeypatch: pytest.MonkeyPatch) -> None:
-    """64 clients sending 200-token prompts for 128 tokens each (the served sitting of issue 41):
-    with the queue's wait counted, the first tokens after the start-up take at most 4.4 s; at a
-    fixed 1.5x (`MAX_STEP_RATIO` = `TARGET_STEP_RATIO`) 6 s. Either way no step beside decodes
-    outgrows its ratio of the full load's decode-only step (64 rows), so p99 inter-token
-    latency stays within 2x the median."""
-    ttft, itl = _closed_loop(FakeClock(), clients=64, prompt=200, output=128, rounds=4)
+    """64 clients sending 200-token prompts for 128 tokens each (the served sitting of issue 41),
+    all at once. The start-up is a burst (`Scheduler._burst`): the prompts take the whole budget
+    while more of them wait than decode, so the last first token of the start-up comes at 15.6 s
+    against 19.2 s with the ratio applied from the first decode. After the start-up no step beside
+    decodes outgrows its ratio of the full load's decode-only step (64 rows), p99 inter-token
+    latency stays within 2x the median, and, with the queue's wait counted, the first tokens take
+    at most 7.6 s (the requests of the start-up finish together, so the next ones arrive
+    together: they are no burst, the decodes beside them came before); at a fixed 1.5x
+    (`MAX_STEP_RATIO` = `TARGET_STEP_RATIO`) 8.7 s."""
+    ttft, itl, steady = _closed_loop(FakeClock(), clients=64, prompt=200, output=128, rounds=4)
     load_step = 0.075 + 0.00085 * 64
-    assert max(itl) <= MAX_STEP_RATIO * load_step * 1.001
+    assert max(steady) <= MAX_STEP_RATIO * load_step * 1.001
     assert _percentile(itl, 0.99) <= 2 * _percentile(itl, 0.5) * 1.001
-    steady = _percentile(ttft[64:], 0.99)  # after the start-up burst
-    assert steady < 4.5
+    after = _percentile(ttft[64:], 0.99)  # after the start-up
+    assert after < 8.0
+    with monkeypatch.context() as m:
+        m.setattr(Scheduler, "_burst", lambda self, decoding, prefills: False)
+        ttft_ratio, _, _ = _closed_loop(FakeClock(), clients=64, prompt=200, output=128, rounds=4)
+    assert max(ttft[:64]) < 0.85 * max(ttft_ratio[:64])
     monkeypatch.setattr(scheduler_module, "MAX_STEP_RATIO", TARGET_STEP_RATIO)
-    ttft_fixed, itl_fixed = _closed_loop(FakeClock(), clients=64, prompt=200, output=128, rounds=4)
-    assert _percentile(ttft_fixed[64:], 0.99) > 1.3 * steady
-    assert max(itl_fixed) <= TARGET_STEP_RATIO * load_step * 1.001
+    ttft_fixed, _, steady_fixed = _closed_loop(FakeClock(), clients=64, prompt=200, output=128, rounds=4)
+    assert _percentile(ttft_fixed[64:], 0.99) > 1.1 * after
+    assert max(steady_fixed) <= TARGET_STEP_RATIO * load_step * 1.001
 
 
 # Machines for the stream-and-8k-prompt run: a step's fixed cost (the weights read), a prompt
@@ -462,7 +553,8 @@ def test_a_stream_keeps_its_cadence_beside_an_8k_prompt(machine: str) -> None:
                 if (n := item.num_new_tokens)
             )
             clock.now += took
-            longest = max(longest, took)
+            if step >= 20:  # beside the stream (before: the stream's own prompt, then decodes)
+                longest = max(longest, took)
             sched.record_step(out, took)
             for item in out.scheduled:
                 sched.advance(item)
@@ -478,8 +570,8 @@ def test_a_stream_keeps_its_cadence_beside_an_8k_prompt(machine: str) -> None:
         raise AssertionError("the 8k prompt was not served in 5,000 steps")
 
     itl, longest, took = run("auto")
-    # No step beside the stream outgrows 2x the load's decode-only step (2 rows), but for the
-    # cost model's lag (the prompt-token cost it reads is one chunk old).
+    # No step beside the stream outgrows MAX_STEP_RATIO of the load's decode-only step (2 rows),
+    # but for the cost model's lag (the prompt-token cost it reads is one chunk old).
     assert longest < MAX_STEP_RATIO * (fixed + 2 * per_token) * 1.05
     assert _percentile(itl, 0.99) <= 2 * _percentile(itl, 0.5)
     # Served, at about 1.5x of its work alone (~60 s slow, ~45 s zen4): the stream's steps share the time.
