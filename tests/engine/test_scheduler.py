@@ -274,8 +274,12 @@ def _decoding(sched: Scheduler, n: int) -> list[Request]:
     return reqs
 
 
-def _chunks(sched: Scheduler) -> dict[str, int]:
+def _chunks(sched: Scheduler, seconds: float | None = None) -> dict[str, int]:
+    """One step (recorded as taking `seconds`, what the engine core reports, where given); the
+    tokens each request took."""
     out = sched.schedule()
+    if seconds is not None:
+        sched.record_step(out, seconds)
     for item in out.scheduled:
         sched.advance(item)
         if item.samples:
@@ -351,18 +355,6 @@ def test_prefill_budget_grows_with_the_wait() -> None:
     assert _chunks(sched)["p"] == 59
 
 
-def _timed_step(sched: Scheduler, seconds: float) -> dict[str, int]:
-    """One step, recorded as taking `seconds` (what the engine core reports); the tokens each
-    request took."""
-    out = sched.schedule()
-    sched.record_step(out, seconds)
-    for item in out.scheduled:
-        sched.advance(item)
-        if item.samples:
-            item.request.append_output_token(5)
-    return {s.request.request_id: s.num_new_tokens for s in out.scheduled}
-
-
 def test_a_burst_takes_the_whole_budget_and_streams_that_came_before_keep_their_ratio() -> None:
     """Issue 41's c16 start-up: one request arrives alone, 15 arrive during its prompt step. The
     one decoding came with them (queued one step before), and more wait than decode: no ratio of
@@ -372,25 +364,25 @@ def test_a_burst_takes_the_whole_budget_and_streams_that_came_before_keep_their_
     ratio; nor is a step where as many decode as wait."""
     sched = Scheduler(SchedulerConfig(16, 2048, True), BlockManager(num_blocks=1024, block_size=16), 1024)
     sched.add_request(make_request("first", [7] * 200, max_tokens=50))
-    assert _timed_step(sched, 0.15) == {"first": 200}
+    assert _chunks(sched, 0.15) == {"first": 200}
     for i in range(15):
         sched.add_request(make_request(f"b{i}", [8 + i] * 200, max_tokens=50, t=1 + i))
-    chunks = _timed_step(sched, 1.3)
+    chunks = _chunks(sched, 1.3)
     assert chunks["first"] == 1 and sum(chunks.values()) == 2048  # a burst: the whole budget
     # 11 decode, 5 wait: no burst; no decode-only step of that size measured yet: one now.
-    assert _timed_step(sched, 0.02) == {"first": 1, **{f"b{i}": 1 for i in range(10)}}
-    chunks = _timed_step(sched, 0.04)  # then the ratio, of the step just measured
+    assert _chunks(sched, 0.02) == {"first": 1, **{f"b{i}": 1 for i in range(10)}}
+    chunks = _chunks(sched, 0.04)  # then the ratio, of the step just measured
     assert 0 < chunks["b10"] < 100
 
     stream = Scheduler(SchedulerConfig(16, 2048, True), BlockManager(num_blocks=1024, block_size=16), 16384)
     stream.add_request(make_request("s", [7] * 30, max_tokens=10**6))
-    _timed_step(stream, 0.05)
+    _chunks(stream, 0.05)
     for _ in range(20):
-        _timed_step(stream, 0.04)
+        _chunks(stream, 0.04)
     for i in range(5):
         stream.add_request(make_request(f"long{i}", [9 + i] * 8000, max_tokens=4, t=1 + i))
     for _ in range(5):
-        chunks = _timed_step(stream, 0.06)
+        chunks = _chunks(stream, 0.06)
         assert chunks["s"] == 1 and sum(chunks.values()) < 100  # the ratio, not the budget
 
 
@@ -403,10 +395,10 @@ def test_a_decode_only_step_is_measured_once_before_a_ratio_is_taken() -> None:
     sched = Scheduler(SchedulerConfig(16, 2048, True), BlockManager(num_blocks=1024, block_size=16), 1024)
     for i in range(4):
         sched.add_request(make_request(f"d{i}", [7 + i] * 100, max_tokens=50))
-    assert sum(_timed_step(sched, 0.3).values()) == 400  # nothing decodes: the whole budget
+    assert sum(_chunks(sched, 0.3).values()) == 400  # nothing decodes: the whole budget
     sched.add_request(make_request("p", [20] * 500, max_tokens=5, t=9))
-    assert _timed_step(sched, 0.05) == {f"d{i}": 1 for i in range(4)}  # measured first
-    assert _timed_step(sched, 0.09)["p"] > 0  # then the prompt beside the decodes
+    assert _chunks(sched, 0.05) == {f"d{i}": 1 for i in range(4)}  # measured first
+    assert _chunks(sched, 0.09)["p"] > 0  # then the prompt beside the decodes
     assert sched.step_cost.latest_decode == (4, 0.05)
 
     # Speculating, the step held decode-only keeps the decodes' drafts (their seeded draws
@@ -414,7 +406,7 @@ def test_a_decode_only_step_is_measured_once_before_a_ratio_is_taken() -> None:
     spec = Scheduler(SchedulerConfig(16, 2048, True), BlockManager(num_blocks=1024, block_size=16), 1024)
     for i in range(4):
         spec.add_request(make_request(f"d{i}", [7 + i] * 100, max_tokens=50))
-    _timed_step(spec, 0.3)
+    _chunks(spec, 0.3)
     spec.add_request(make_request("p", [20] * 500, max_tokens=5, t=9))
     for r in spec.running:
         r.spec_wanted = 2
