@@ -153,14 +153,9 @@ class ModelRunner:
         layers = [m for m in self.model.modules() if isinstance(m, PagedAttention)]
         # One plain PagedAttention per cache layer (a family with its own attention, e.g. a latent
         # cache, keeps the decode rows).
-        if len(layers) != len(self.kv.k) or any(type(m) is not PagedAttention or m.extra for m in layers):
+        if len(layers) != len(self.kv.k) or any(type(m) is not PagedAttention for m in layers):
             return False
-        return all(
-            cpu_native.prefill_attention_supported(
-                torch.empty(0, m.num_heads, m.head_dim, dtype=cfg.dtype), self.kv.k[i]
-            )
-            for i, m in enumerate(layers)
-        )
+        return all(m.prefill_kernel_takes(cfg.dtype, self.kv.k[i]) for i, m in enumerate(layers))
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """`compute_logits`, over fixed row tiles under batch invariance with a dense head."""

@@ -161,9 +161,17 @@ class PagedAttention(nn.Module):
             return False
         if meta.num_decodes and (decode is None or decode.native is None):
             return False
-        key = (qkv.dtype, k_cache.dtype, k_cache.shape)  # fixed for a layer: checked once, not per step
+        return self.prefill_kernel_takes(qkv.dtype, k_cache)
+
+    def prefill_kernel_takes(self, dtype: torch.dtype, k_cache: torch.Tensor) -> bool:
+        """Whether the native prefill kernel takes this layer's prompts in `dtype` over `k_cache`:
+        plain causal attention (no window, sink, soft-cap or chunk) and a cache, head size and CPU
+        it has instances for. Fixed for a layer: checked once per dtype and cache, not per step."""
+        if self.extra:
+            return False
+        key = (dtype, k_cache.dtype, k_cache.shape)
         if key not in self._prefill_kernel:
-            q = qkv.new_empty(0, self.num_heads, self.head_dim)  # the check reads shapes and dtypes only
+            q = torch.empty(0, self.num_heads, self.head_dim, dtype=dtype, device=k_cache.device)  # shapes, dtypes only
             self._prefill_kernel[key] = cpu_native.prefill_attention_supported(q, k_cache)
         return self._prefill_kernel[key]
 
