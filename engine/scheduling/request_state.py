@@ -49,7 +49,6 @@ class Request:
         self.lora_request = req.lora_request  # the adapter it runs under (None: the base model)
         self.arrival_time = req.arrival_time
         self.waiting_since = 0.0  # when it was queued or preempted, by the scheduler's clock
-        self.queued_step = 0  # ... and the scheduler's step count then (`Scheduler._burst`)
         # RequestOutput.metrics' core stamps, by the scheduler's clock (monotonic): first queued,
         # first scheduled; sent with the request's first output (`times_sent`), then not again.
         self.queued_ts = 0.0

@@ -85,18 +85,20 @@ choose per machine and model).
 
 Two more rules (issue 41, measured on the served start-up of 16 clients):
 - A burst takes the whole budget (`_burst`): where more requests wait for their first token
-  (queued or prefilling) than decode, and every decoding request was queued with them (no more
-  than one step before the oldest of them: requests are queued between steps, so those that
-  arrived during a step are queued after it), no ratio applies, only the time bound. The ratio
-  protects a cadence; here the decoders have none yet, they only went first, and the ratio would
-  be taken of a decode-only step of the load that has never run (so it comes off the line
-  through prompt steps, which priced a 16-row decode-only step at 16-24 ms against the 26-40 ms
-  it took). Served, the start-up's last first token came at 2.4 s against 3.5-3.8 s (vLLM's: 2.1
-  s). A stream that was decoding before the prompts arrived keeps its ratio however many arrive;
-  requests that finish together and are replaced together (the start-up's cohort, a round later)
-  are no burst either, the decodes beside them came before: admitted in one step each time, the
-  cohorts stayed together and the median inter-token latency became a decode-only step's
-  (p99 / median 2.3-3.2x in the sitting that tried a rule by counts alone).
+  (queued or prefilling) than decode, and every decoding request has only its first token, no
+  ratio applies, only the time bound. The ratio protects a cadence; here the decoders have none
+  yet, they only went first, and the ratio would be taken of a decode-only step of the load that
+  has never run (so it comes off the line through prompt steps, which priced a 16-row
+  decode-only step at 16-24 ms against the 26-40 ms it took). A decoder's cadence is broken by
+  one such step at most (its decode rides in it and gives it a second token), so the burst costs
+  each stream one gap, not a share of its gaps that grows with the prompts: with the rule that
+  came first (decoders queued with the waiting ones, however many tokens they had) 8 clients
+  sending 2,000-token prompts saw each stream's second token wait for all the other prompts,
+  every round: served, p99 inter-token latency 1.85 s against 54 ms with no burst rule (12.4x
+  the median simulated, tests/engine/test_scheduler.py). The simulated 64-client start-up's last first token comes
+  at 18.1 s against 19.2 s without the rule (15.6 s with the first rule; bursts of up to 4
+  tokens a decoder match that and broke the long-prompt bound at 8). A stream that was decoding
+  before the prompts arrived keeps its ratio however many arrive.
 - A ratio is taken of a measured step: beside decodes, where no decode-only step of at least
   half as many rows has been measured (after a burst, or at a first decode), the step carries no
   prompt tokens, once (`_measuring`; the decodes' drafts still come: a seeded row's draws follow
@@ -258,7 +260,6 @@ class Scheduler:
         self.running: list[Request] = []
         self.num_preemptions = 0
         self.step_cost = StepCost()
-        self.num_steps = 0  # steps scheduled (`Request.queued_step`)
         self._measuring = False  # this step was scheduled decode-only to be measured (`_prefill_budget`)
 
     # ---------------------------------------------------------------- queue management
@@ -269,7 +270,7 @@ class Scheduler:
 
     def add_request(self, request: Request) -> None:
         request.status = RequestStatus.WAITING
-        request.waiting_since, request.queued_step = self.clock(), self.num_steps
+        request.waiting_since = self.clock()
         if not request.queued_ts:
             request.queued_ts = request.waiting_since
         self.waiting.push(request)
@@ -296,7 +297,6 @@ class Scheduler:
     # ---------------------------------------------------------------- the step
 
     def schedule(self) -> SchedulerOutput:
-        self.num_steps += 1
         scheduled: list[ScheduledRequest] = []
         preempted: list[Request] = []
         # Decodes first: a decode never waits for a prompt chunk. (Copies: preemption removes
@@ -343,14 +343,10 @@ class Scheduler:
 
     def _burst(self, decoding: list[Request], prefills: list[Request]) -> bool:
         """Whether this step is inside a burst (module note): more requests wait for their first
-        token than decode, and every decoding request was queued with them: no more than one
-        step before the oldest of them (requests are queued between steps)."""
-        starting = len(self.waiting) + len(prefills)
-        if not decoding or starting <= len(decoding):
+        token than decode, and every decoding request has its first token only (no cadence yet)."""
+        if not decoding or len(self.waiting) + len(prefills) <= len(decoding):
             return False
-        queued = [r.queued_step for r in prefills] + ([self.waiting.peek().queued_step] if self.waiting else [])
-        since = min(queued) - 1
-        return all(r.queued_step >= since for r in decoding)
+        return all(len(r.output_token_ids) <= 1 for r in decoding)
 
     def _queue_wait(self) -> float:
         """Seconds the head of the waiting queue has waited there (since its preemption, for
@@ -484,7 +480,7 @@ class Scheduler:
         req.preemptions_unsent += 1
         self.num_preemptions += 1
         req.status = RequestStatus.PREEMPTED
-        req.waiting_since, req.queued_step = self.clock(), self.num_steps
+        req.waiting_since = self.clock()
         # Front of its priority class: it arrived before anything still waiting there.
         self.waiting.push(req)
 

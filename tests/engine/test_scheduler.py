@@ -423,14 +423,15 @@ def test_a_decode_only_step_is_measured_once_before_a_ratio_is_taken() -> None:
 
 
 def _closed_loop(
-    clock: FakeClock, clients: int, prompt: int, output: int, rounds: int
+    clock: FakeClock, clients: int, prompt: int, output: int, rounds: int, max_model_len: int = 1024
 ) -> tuple[list[float], list[float], list[float]]:
     """`clients` clients, each sending a `prompt`-token request for `output` tokens and the next
     one as soon as it ends (`vllm bench serve --max-concurrency`), on a fake machine whose step
     costs 75 ms + 0.85 ms a token (the bundled model on 2 Zen 4 cores). Returns every request's
     time to first token, every inter-token gap, and the gaps after the start-up (once every
     first request has its first token)."""
-    sched = Scheduler(SchedulerConfig(clients, 2048, True), BlockManager(4096, 16), 1024, clock)
+    blocks = BlockManager(clients * max_model_len // 16 + 64, 16)
+    sched = Scheduler(SchedulerConfig(clients, 2048, True), blocks, max_model_len, clock)
     sent: dict[str, float] = {}
     last: dict[str, float] = {}
     ttft: list[float] = []
@@ -479,13 +480,12 @@ def _percentile(xs: list[float], q: float) -> float:
 def test_fair_admission_bounds_time_to_first_token_under_load(monkeypatch: pytest.MonkeyPatch) -> None:
     """64 clients sending 200-token prompts for 128 tokens each (the served sitting of issue 41),
     all at once. The start-up is a burst (`Scheduler._burst`): the prompts take the whole budget
-    while more of them wait than decode, so the last first token of the start-up comes at 15.6 s
-    against 19.2 s with the ratio applied from the first decode. After the start-up no step beside
-    decodes outgrows its ratio of the full load's decode-only step (64 rows), p99 inter-token
-    latency stays within 2x the median, and, with the queue's wait counted, the first tokens take
-    at most 7.6 s (the requests of the start-up finish together, so the next ones arrive
-    together: they are no burst, the decodes beside them came before); at a fixed 1.5x
-    (`MAX_STEP_RATIO` = `TARGET_STEP_RATIO`) 8.7 s."""
+    while more of them wait than decode and the decoders have their first token only, so the last
+    first token of the start-up comes at 18.1 s against 19.2 s with the ratio applied from the
+    first decode. After the start-up no step beside decodes outgrows its ratio of the full load's
+    decode-only step (64 rows), p99 inter-token latency stays within 2x the median, and, with the
+    queue's wait counted, the first tokens take at most 6.7 s; at a fixed 1.5x
+    (`MAX_STEP_RATIO` = `TARGET_STEP_RATIO`) 8.1 s."""
     ttft, itl, steady = _closed_loop(FakeClock(), clients=64, prompt=200, output=128, rounds=4)
     load_step = 0.075 + 0.00085 * 64
     assert max(steady) <= MAX_STEP_RATIO * load_step * 1.001
@@ -495,11 +495,24 @@ def test_fair_admission_bounds_time_to_first_token_under_load(monkeypatch: pytes
     with monkeypatch.context() as m:
         m.setattr(Scheduler, "_burst", lambda self, decoding, prefills: False)
         ttft_ratio, _, _ = _closed_loop(FakeClock(), clients=64, prompt=200, output=128, rounds=4)
-    assert max(ttft[:64]) < 0.85 * max(ttft_ratio[:64])
+    assert max(ttft[:64]) < 0.97 * max(ttft_ratio[:64])
     monkeypatch.setattr(scheduler_module, "MAX_STEP_RATIO", TARGET_STEP_RATIO)
     ttft_fixed, _, steady_fixed = _closed_loop(FakeClock(), clients=64, prompt=200, output=128, rounds=4)
     assert _percentile(ttft_fixed[64:], 0.99) > 1.1 * after
     assert max(steady_fixed) <= TARGET_STEP_RATIO * load_step * 1.001
+
+
+@pytest.mark.parametrize("clients", [8, 16])
+def test_a_burst_of_long_prompts_breaks_each_stream_once_at_most(clients: int) -> None:
+    """Clients sending 2,000-token prompts for 64 tokens each, all at once and again as each
+    ends: the prompts' steps are long (a whole budget each), so a stream that waited through
+    more than one of them would lose its cadence for the start of every round. The burst rule
+    gives each decoder one such gap at most: p99 inter-token latency stays within 2x the
+    median (12.4x at 8 clients with the rule that counted decoders queued with the prompts,
+    however many tokens they had)."""
+    ttft, itl, _ = _closed_loop(FakeClock(), clients=clients, prompt=2000, output=64, rounds=3, max_model_len=4096)
+    assert len(ttft) >= clients * 2
+    assert _percentile(itl, 0.99) <= 2 * _percentile(itl, 0.5) * 1.001
 
 
 # Machines for the stream-and-8k-prompt run: a step's fixed cost (the weights read), a prompt
