@@ -4,7 +4,7 @@ builder (g++ and ninja) and cached under torch's extensions directory.
 They are built for the machine they run on (`-march=native`): the cache entry's name carries a
 tag of the CPU model and its instruction-set flags, so a home directory shared by different
 machines never loads a build for another CPU. The quantized linear has hand-written paths for
-AVX-512 VNNI and AVX2 in every build; `quant_isa` says which one runs here (the C++ side picks
+AMX (int8 tiles), AVX-512 VNNI and AVX2 in every build; `quant_isa` says which one runs here (the C++ side picks
 the same by cpuid), and $TRIOLLM_CPU_ISA forces one. Where no compiler is found, or the build fails, the
 torch path (the reference the kernels are tested against) runs instead, after one warning that
 names the cause. `TRIOLLM_CPU_KERNELS=0` turns them off.
@@ -81,6 +81,7 @@ def has_native_bf16() -> bool:
 # CPU flags each needs. Every build holds all of them (each function compiled for its own
 # instruction set); which one runs is chosen here, at run time, by what the CPU has.
 QUANT_ISAS: dict[str, frozenset[str]] = {
+    "amx": frozenset({"avx512f", "avx512bw", "avx512vl", "avx512_vnni", "amx_tile", "amx_int8"}),
     "avx512_vnni": frozenset({"avx512f", "avx512bw", "avx512vl", "avx512_vnni"}),
     "avx2": frozenset({"avx2", "fma", "f16c"}),
     "scalar": frozenset(),

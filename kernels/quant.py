@@ -10,9 +10,9 @@ IQ4_XS (`bits=IQ4`: 4-bit indices whose codes are `IQ4_CODES[index]`, 8-bit), an
 
 `PackedWeight` is the same bits in the kernel's layout (rows in groups of 16, codes interleaved
 for 512-bit registers), made once at load. `packed_linear` runs the native kernel
-(kernels/csrc/quant_linear.cpp: int8 activations per block, integer dot products with AVX-512
-VNNI or AVX2, whichever the CPU has, as llama.cpp does, IQ4's indices looked up with a byte
-shuffle; plain loops elsewhere) where the native
+(kernels/csrc/quant_linear.cpp: int8 activations per block, integer dot products with AMX
+tiles (from 32 rows), AVX-512 VNNI or AVX2, whichever the CPU has, as llama.cpp does, IQ4's
+indices looked up with a byte shuffle; plain loops elsewhere) where the native
 kernels are built, else a dense product of the dequantized weight (no compiler: slow, still
 right). `reference_linear` is the kernel's arithmetic in torch, for tests.
 """

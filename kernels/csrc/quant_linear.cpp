@@ -40,6 +40,8 @@
 #include <cstring>
 #include <string>
 #include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 namespace triollm_cpu {
 
@@ -60,13 +62,31 @@ constexpr int64_t block_bytes(int bits) { return bits == 8 ? 512 : 256; }
 inline float half_to_float(uint16_t h) { return c10::detail::fp16_ieee_to_fp32_value(h); }
 
 // x [M, K] float -> qx int8 [M, K], dx float [M, K/32], sx float [M, K/32] (= dx * sum qx).
-void quantize_activations(const float* x, int64_t M, int64_t K, int8_t* qx, float* dx, float* sx) {
+// `offset`: the codes are written as unsigned bytes qx + 128 instead (the AMX path's operand);
+// `sq`, where given: each block's integer sum of codes.
+// Rounding is to nearest even (nearbyint; the vector code's conversion under the default MXCSR),
+// so both loops give the same codes.
+void quantize_activations(const float* x, int64_t M, int64_t K, int8_t* qx, float* dx, float* sx,
+                          bool offset = false, int32_t* sq = nullptr) {
   const int64_t nb = K / kBlock;
+  const uint8_t flip = offset ? 0x80 : 0;
   // Parallel from a prompt chunk's size up (a 200-row chunk of a 576-wide layer is 3,600 blocks,
   // ~0.1 ms alone); each block is its own, so the split does not change a bit.
   at::parallel_for(0, M * nb, M * nb < 512 ? M * nb : 128, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const float* src = x + i * kBlock;  // row-major [M, K]: block i of the flat array
+#ifdef __AVX512F__
+      const __m512 x0 = _mm512_loadu_ps(src), x1 = _mm512_loadu_ps(src + 16);
+      const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(x0), _mm512_abs_ps(x1)));
+      const float d = amax / 127.f;
+      const float inv = d > 0.f ? 1.f / d : 0.f;
+      const __m512 vinv = _mm512_set1_ps(inv);
+      const __m512i v0 = _mm512_cvtps_epi32(_mm512_mul_ps(x0, vinv)), v1 = _mm512_cvtps_epi32(_mm512_mul_ps(x1, vinv));
+      const int32_t sum = _mm512_reduce_add_epi32(_mm512_add_epi32(v0, v1));
+      const __m128i flip16 = _mm_set1_epi8(static_cast<char>(flip));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(qx + i * kBlock), _mm_xor_si128(_mm512_cvtsepi32_epi8(v0), flip16));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(qx + i * kBlock + 16), _mm_xor_si128(_mm512_cvtsepi32_epi8(v1), flip16));
+#else
       float amax = 0.f;
       for (int64_t j = 0; j < kBlock; ++j) amax = std::max(amax, std::fabs(src[j]));
       const float d = amax / 127.f;
@@ -74,11 +94,13 @@ void quantize_activations(const float* x, int64_t M, int64_t K, int8_t* qx, floa
       int32_t sum = 0;
       for (int64_t j = 0; j < kBlock; ++j) {
         const int32_t v = static_cast<int32_t>(std::nearbyint(src[j] * inv));
-        qx[i * kBlock + j] = static_cast<int8_t>(v);
+        qx[i * kBlock + j] = static_cast<int8_t>(static_cast<uint8_t>(v) ^ flip);
         sum += v;
       }
+#endif
       dx[i] = d;
       sx[i] = d * static_cast<float>(sum);
+      if (sq != nullptr) sq[i] = sum;
     }
   });
 }
@@ -331,6 +353,213 @@ void packed_group_avx2(const uint8_t* qg, const uint16_t* dg, const uint16_t* mg
 #pragma GCC pop_options
 
 
+// ------------------------------------------------------------------------------------------
+// AMX (Sapphire Rapids and later, `amx-tile` + `amx-int8`): the same integer block sums, 16
+// activation rows x 16 output rows at a time, by one tile multiply per block. `tdpbusd` takes
+// unsigned bytes on its left and signed ones on its right, so the roles swap against the VNNI
+// path: the activation codes, offset by 128 to unsigned (qa = qx + 128, row-major, a tile's 16
+// rows K bytes apart; `quantize_activations` writes them so), times the weight codes. One block's
+// codes in the packed layout, nibbles split (the 8 vectors load_block makes), are exactly the
+// right-hand tile: 8 rows of [output row 0 codes 4s..4s+3, row 1 ..., row 15 ...]. The offsets
+// (128 on the left, and for 8-bit codes 128 on the right: `amx_unpack_group`) come off as exact
+// integer terms, so a tile's row j is the VNNI path's integer dot vector of activation row j, bit
+// for bit, and the float arithmetic after it is that path's, operation for operation: the outputs
+// are the VNNI path's bits (tests/kernels/test_quant.py), and a row's bits do not depend on how
+// many rows are beside it. A block is 32 codes, half a tile's depth, and its sums are scaled
+// before the next block's are added, so each block's tile goes through memory to the vector
+// units; the multiplies of the next two blocks are issued before two blocks' sums are finished.
+// Used from `amx_min_rows` activation rows on (prompts, large decode batches).
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512vnni,fma,f16c,amx-tile,amx-int8")
+
+constexpr int64_t kAmxRows = 16;  // activation rows per tile
+// Fewer activation rows than this take the VNNI code: below it the tiles' fixed costs (codes
+// unpacked per call, a part-filled last tile, sums through memory) outweigh the faster multiply
+// (measured per format on a 2-core Xeon: docs/benchmarks.md, "AMX").
+constexpr int64_t amx_min_rows(int bits) { return bits == 8 ? 64 : 32; }
+
+struct alignas(64) TileConfig {
+  uint8_t palette_id;
+  uint8_t start_row;
+  uint8_t reserved[14];
+  uint16_t colsb[16];
+  uint8_t rows[16];
+};
+
+// Tiles: 0-3 = the int32 sums of a block [16 activation rows x 16 output rows], two pairs used in
+// turn; 4, 5 = activation codes [16 rows x 32 bytes]; 6, 7 = a block's weight codes [8 rows x 64
+// bytes].
+inline void amx_configure() {
+  TileConfig cfg{};
+  cfg.palette_id = 1;
+  for (int t = 0; t < 4; ++t) cfg.rows[t] = kAmxRows, cfg.colsb[t] = 64;
+  for (int t = 4; t < 6; ++t) cfg.rows[t] = kAmxRows, cfg.colsb[t] = kBlock;
+  for (int t = 6; t < 8; ++t) cfg.rows[t] = kBlock / 4, cfg.colsb[t] = 64;
+  _tile_loadconfig(&cfg);
+}
+
+// Group g's codes as the tiles take them, block after block (nb x 512 bytes at wt), and per
+// block and output row the integer term that comes off (nb x 16 at corr). 4-bit codes go as they
+// are (signed bytes 0..15) and 128 x their sum comes off. 8-bit codes (and IQ4's looked up) do not
+// fit a signed byte: they go as c - 128, and the sum (qx + 128)(c - 128) is sum qx c - 128 sum qx
+// + 128 sum c - 32 x 128 x 128, so 128 sum c - 524288 comes off here and 128 sum qx is added back
+// per activation row (`packed_group_amx`).
+template <int Bits>
+inline void amx_unpack_group(const uint8_t* qg, int64_t nb, uint8_t* wt, int32_t* corr) {
+  constexpr int64_t kBytes = block_bytes(Bits);
+  const __m512i low = _mm512_set1_epi8(0x0F), ones = _mm512_set1_epi8(1), flip = _mm512_set1_epi8(static_cast<char>(0x80));
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* wb = qg + b * kBytes;
+    __m512i w[8];
+    if constexpr (Bits == 8) {
+      for (int t = 0; t < 8; ++t) w[t] = _mm512_loadu_si512(reinterpret_cast<const void*>(wb + t * 64));
+    } else {
+      for (int t = 0; t < 4; ++t) {
+        const __m512i v = _mm512_loadu_si512(reinterpret_cast<const void*>(wb + t * 64));
+        w[t] = _mm512_and_si512(v, low);
+        w[t + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+      }
+      if constexpr (Bits == kIq4) {
+        const __m512i table = _mm512_broadcast_i32x4(_mm_load_si128(reinterpret_cast<const __m128i*>(kIq4Codes)));
+        for (int t = 0; t < 8; ++t) w[t] = _mm512_shuffle_epi8(table, w[t]);
+      }
+    }
+    __m512i sum = _mm512_setzero_si512();
+    for (int t = 0; t < 8; ++t) {
+      sum = _mm512_dpbusd_epi32(sum, w[t], ones);
+      _mm512_store_si512(reinterpret_cast<void*>(wt + b * 512 + t * 64), Bits == 4 ? w[t] : _mm512_xor_si512(w[t], flip));
+    }
+    const __m512i c = Bits == 4 ? sum : _mm512_sub_epi32(sum, _mm512_set1_epi32(4096));
+    _mm512_store_si512(reinterpret_cast<void*>(corr + b * 16), _mm512_slli_epi32(c, 7));
+  }
+}
+
+// kFull: all 16 rows (a constant trip count: the accumulators stay in registers).
+// sq: the activation codes' integer sums per row and block (8-bit codes only, see above).
+template <int Bits, bool kFull>
+inline void packed_group_amx(const uint8_t* wt, const int32_t* corr, const uint16_t* dg, const uint16_t* mg,
+                             int64_t nb, const uint8_t* qa, const float* dx, const float* sx, const int32_t* sq,
+                             int64_t K, int64_t tail, float* out, int64_t ldo, __mmask16 store_mask) {
+  const int64_t rows = kFull ? kAmxRows : tail;
+  alignas(64) int32_t sums[2][2 * kAmxRows * 16];
+  __m512 acc[kAmxRows];
+  for (int64_t r = 0; r < kAmxRows; ++r) acc[r] = _mm512_setzero_ps();
+  // Block b's sums (at `at`) into the rows' accumulators, blocks in order (every path's order).
+  auto finish = [&](int64_t b, const int32_t* at) {
+    const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(dg + b * 16)));
+    const __m512i c = _mm512_load_si512(reinterpret_cast<const void*>(corr + b * 16));
+    for (int64_t r = 0; r < rows; ++r) {
+      __m512i idot = _mm512_sub_epi32(_mm512_load_si512(reinterpret_cast<const void*>(at + r * 16)), c);
+      if constexpr (Bits != 4) idot = _mm512_add_epi32(idot, _mm512_set1_epi32(128 * sq[r * nb + b]));
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(idot), _mm512_mul_ps(dw, _mm512_set1_ps(dx[r * nb + b])), acc[r]);
+    }
+  };
+  // One or two blocks from b into tiles 0, 1 (`set` 0) or 2, 3 (`set` 1): issued, not waited for.
+  auto multiply = [&](int64_t b, int64_t count, int64_t set) {
+    _tile_loadd(4, qa + b * kBlock, K);
+    _tile_loadd(6, wt + b * 512, 64);
+    if (count > 1) {
+      _tile_loadd(5, qa + (b + 1) * kBlock, K);
+      _tile_loadd(7, wt + (b + 1) * 512, 64);
+    }
+    if (set == 0) {
+      _tile_zero(0);
+      _tile_dpbusd(0, 4, 6);
+      if (count > 1) {
+        _tile_zero(1);
+        _tile_dpbusd(1, 5, 7);
+      }
+    } else {
+      _tile_zero(2);
+      _tile_dpbusd(2, 4, 6);
+      if (count > 1) {
+        _tile_zero(3);
+        _tile_dpbusd(3, 5, 7);
+      }
+    }
+  };
+  auto store = [&](int32_t* at, int64_t count, int64_t set) {
+    if (set == 0) {
+      _tile_stored(0, at, 64);
+      if (count > 1) _tile_stored(1, at + 256, 64);
+    } else {
+      _tile_stored(2, at, 64);
+      if (count > 1) _tile_stored(3, at + 256, 64);
+    }
+  };
+  // Software-pipelined over pairs of blocks, alternating between two pairs of result tiles and
+  // two buffers: pair i is stored, pair i + 1's multiplies issued, then pair i - 1 (stored one
+  // pair earlier) finished, so the tile unit and the vector units work at once and no load
+  // waits on the store just made.
+  const int64_t pairs = (nb + 1) / 2;
+  auto count = [&](int64_t i) { return std::min<int64_t>(2, nb - 2 * i); };
+  multiply(0, count(0), 0);
+  for (int64_t i = 0; i < pairs; ++i) {
+    store(sums[i & 1], count(i), i & 1);
+    if (i + 1 < pairs) multiply(2 * (i + 1), count(i + 1), (i + 1) & 1);
+    if (i > 0)
+      for (int64_t j = 0; j < count(i - 1); ++j) finish(2 * (i - 1) + j, sums[(i - 1) & 1] + j * 256);
+  }
+  for (int64_t j = 0; j < count(pairs - 1); ++j) finish(2 * (pairs - 1) + j, sums[(pairs - 1) & 1] + j * 256);
+  // The offset term apart, as every path sums it (packed_group).
+  __m512 acc_m[kAmxRows];
+  for (int64_t r = 0; r < rows; ++r) acc_m[r] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const __m512 mw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(mg + b * 16)));
+    for (int64_t r = 0; r < rows; ++r) acc_m[r] = _mm512_fmadd_ps(mw, _mm512_set1_ps(sx[r * nb + b]), acc_m[r]);
+  }
+  for (int64_t r = 0; r < rows; ++r) _mm512_mask_storeu_ps(out + r * ldo, store_mask, _mm512_add_ps(acc[r], acc_m[r]));
+}
+
+// Groups [g0, g1) for all M rows, in tiles of groups whose unpacked codes stay in L2 (~256 KB):
+// a tile's codes unpacked once, then 16 activation rows at a time (K bytes each: in L1) against
+// every group of the tile.
+template <int Bits>
+void amx_groups(const uint8_t* q, const uint16_t* d, const uint16_t* m, int64_t g0, int64_t g1, int64_t nb,
+                const uint8_t* qa, const float* dx, const float* sx, const int32_t* sq, int64_t K, int64_t M, int64_t N,
+                float* o) {
+  amx_configure();
+  const int64_t tile = std::max<int64_t>(1, (256 << 10) / (nb * 512));
+  const int64_t span = std::min(tile, g1 - g0);
+  std::unique_ptr<uint8_t[], void (*)(void*)> wt(static_cast<uint8_t*>(std::aligned_alloc(64, span * nb * 512)), std::free);
+  std::unique_ptr<int32_t[], void (*)(void*)> corr(
+      static_cast<int32_t*>(std::aligned_alloc(64, span * nb * 16 * sizeof(int32_t))), std::free);
+  for (int64_t t0 = g0; t0 < g1; t0 += tile) {
+    const int64_t t1 = std::min(g1, t0 + tile);
+    for (int64_t g = t0; g < t1; ++g)
+      amx_unpack_group<Bits>(q + g * nb * block_bytes(Bits), nb, wt.get() + (g - t0) * nb * 512, corr.get() + (g - t0) * nb * 16);
+    for (int64_t r0 = 0; r0 < M; r0 += kAmxRows) {
+      const int64_t rows = std::min(kAmxRows, M - r0);
+      for (int64_t g = t0; g < t1; ++g) {
+        const int64_t valid = std::min<int64_t>(16, N - g * 16);
+        const __mmask16 mask = static_cast<__mmask16>((1u << valid) - 1u);
+        const uint8_t* wg = wt.get() + (g - t0) * nb * 512;
+        const int32_t* cg = corr.get() + (g - t0) * nb * 16;
+        const uint16_t* dg = d + g * nb * 16;
+        const uint16_t* mg = m + g * nb * 16;
+        float* og = o + r0 * N + g * 16;
+        const int64_t at = r0 * nb;
+        if (rows == kAmxRows) {
+          packed_group_amx<Bits, true>(wg, cg, dg, mg, nb, qa + r0 * K, dx + at, sx + at, sq + at, K, rows, og, N, mask);
+        } else {
+          packed_group_amx<Bits, false>(wg, cg, dg, mg, nb, qa + r0 * K, dx + at, sx + at, sq + at, K, rows, og, N, mask);
+        }
+      }
+    }
+  }
+  _tile_release();
+}
+#pragma GCC pop_options
+
+// AMX needs the kernel's leave to use the tile registers (once per process: arch_prctl).
+bool amx_permitted() {
+  static const bool ok = [] {
+    constexpr long kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+    return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
+  }();
+  return ok;
+}
+
 // The plain loops' view of the packed layout: the code of row `lane`, input `k` of group g.
 inline int32_t packed_code(const uint8_t* qg, int bits, int64_t lane, int64_t k) {
   const int64_t b = k / kBlock, c = k % kBlock, s = c / 4, j = c % 4;
@@ -362,10 +591,12 @@ void packed_group_scalar(const uint8_t* qg, const uint16_t* dg, const uint16_t* 
 }
 
 // The quantized kernel's paths, best first.
-enum class QuantIsa { kAvx512Vnni, kAvx2, kScalar };
+enum class QuantIsa { kAmx, kAvx512Vnni, kAvx2, kScalar };
 
 const char* isa_name(QuantIsa isa) {
   switch (isa) {
+    case QuantIsa::kAmx:
+      return "amx";
     case QuantIsa::kAvx512Vnni:
       return "avx512_vnni";
     case QuantIsa::kAvx2:
@@ -378,6 +609,9 @@ const char* isa_name(QuantIsa isa) {
 bool cpu_runs(QuantIsa isa) {
   __builtin_cpu_init();
   switch (isa) {
+    case QuantIsa::kAmx:
+      return cpu_runs(QuantIsa::kAvx512Vnni) && __builtin_cpu_supports("amx-tile") &&
+             __builtin_cpu_supports("amx-int8") && amx_permitted();
     case QuantIsa::kAvx512Vnni:
       return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
              __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
@@ -390,7 +624,7 @@ bool cpu_runs(QuantIsa isa) {
 
 std::string runnable_isas() {
   std::string names;
-  for (QuantIsa isa : {QuantIsa::kAvx512Vnni, QuantIsa::kAvx2, QuantIsa::kScalar})
+  for (QuantIsa isa : {QuantIsa::kAmx, QuantIsa::kAvx512Vnni, QuantIsa::kAvx2, QuantIsa::kScalar})
     if (cpu_runs(isa)) names += (names.empty() ? "" : ", ") + std::string(isa_name(isa));
   return names;
 }
@@ -399,14 +633,14 @@ std::string runnable_isas() {
 // A named path the CPU cannot run is an error, never an illegal instruction.
 QuantIsa resolve_isa(const std::string& name) {
   auto parse = [](const std::string& n) {
-    for (QuantIsa isa : {QuantIsa::kAvx512Vnni, QuantIsa::kAvx2, QuantIsa::kScalar}) {
+    for (QuantIsa isa : {QuantIsa::kAmx, QuantIsa::kAvx512Vnni, QuantIsa::kAvx2, QuantIsa::kScalar}) {
       if (n == isa_name(isa)) {
         TORCH_CHECK(cpu_runs(isa), "quantized kernel path '", n, "' needs CPU features this CPU lacks; allowed here: ",
                     runnable_isas());
         return isa;
       }
     }
-    TORCH_CHECK(false, "quantized kernel path '", n, "' is unknown; allowed: auto, avx512_vnni, avx2, scalar");
+    TORCH_CHECK(false, "quantized kernel path '", n, "' is unknown; allowed: auto, amx, avx512_vnni, avx2, scalar");
     return QuantIsa::kScalar;
   };
   if (name != "auto") return parse(name);
@@ -417,7 +651,7 @@ QuantIsa resolve_isa(const std::string& name) {
       for (char& c : lower) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
       return parse(lower);
     }
-    for (QuantIsa isa : {QuantIsa::kAvx512Vnni, QuantIsa::kAvx2})
+    for (QuantIsa isa : {QuantIsa::kAmx, QuantIsa::kAvx512Vnni, QuantIsa::kAvx2})
       if (cpu_runs(isa)) return isa;
     return QuantIsa::kScalar;
   }();
@@ -464,12 +698,18 @@ at::Tensor quant_linear_packed(const at::Tensor& x, const at::Tensor& qp, const 
   if (M == 0 || N == 0) return out;
   // Written whole by quantize_activations before any read: not zeroed first (a prompt chunk's
   // memset showed in the profile).
-  const std::unique_ptr<int8_t[]> qx_buf(new int8_t[M * K]);
+  // Padded to whole tiles of 16 rows (the AMX path reads 16 at a time; rows past M: zero codes,
+  // and their sums are never stored).
+  const int64_t padded = (M + kAmxRows - 1) / kAmxRows * kAmxRows;
+  const std::unique_ptr<int8_t[]> qx_buf(new int8_t[padded * K]);
+  std::memset(qx_buf.get() + M * K, 0, (padded - M) * K);
   const std::unique_ptr<float[]> dx_buf(new float[M * nb]), sx_buf(new float[M * nb]);
   int8_t* const qx = qx_buf.get();
   float* const dx = dx_buf.get();
   float* const sx = sx_buf.get();
-  quantize_activations(xc.data_ptr<float>(), M, K, qx, dx, sx);
+  const bool amx = isa == QuantIsa::kAmx && M >= amx_min_rows(fmt);
+  const std::unique_ptr<int32_t[]> sq(amx ? new int32_t[M * nb] : nullptr);
+  quantize_activations(xc.data_ptr<float>(), M, K, qx, dx, sx, amx, sq.get());
   const auto* q = qc.data_ptr<uint8_t>();
   const auto* d = reinterpret_cast<const uint16_t*>(dc.data_ptr<at::Half>());
   const auto* m = reinterpret_cast<const uint16_t*>(mc.data_ptr<at::Half>());
@@ -477,6 +717,15 @@ at::Tensor quant_linear_packed(const at::Tensor& x, const at::Tensor& qp, const 
   const int64_t group_bytes = nb * block_bytes(fmt);
   // Tasks of at least ~32K weight bytes x activation rows: smaller ones cost more to start.
   const int64_t grain = std::max<int64_t>(1, (32 << 10) / (group_bytes * M));
+  if (amx) {
+    const auto* qa = reinterpret_cast<const uint8_t*>(qx);
+    at::parallel_for(0, G, grain, [&](int64_t g0, int64_t g1) {
+      if (fmt == 4) amx_groups<4>(q, d, m, g0, g1, nb, qa, dx, sx, sq.get(), K, M, N, o);
+      else if (fmt == 8) amx_groups<8>(q, d, m, g0, g1, nb, qa, dx, sx, sq.get(), K, M, N, o);
+      else amx_groups<kIq4>(q, d, m, g0, g1, nb, qa, dx, sx, sq.get(), K, M, N, o);
+    });
+    return out;
+  }
   at::parallel_for(0, G, grain, [&](int64_t g0, int64_t g1) {
     for (int64_t g = g0; g < g1; ++g) {
       const int64_t valid = std::min<int64_t>(16, N - g * 16);

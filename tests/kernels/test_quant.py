@@ -27,7 +27,11 @@ from triollm.kernels.quant import (
 needs_native = pytest.mark.skipif(not cpu_native.available(), reason="native CPU kernels unavailable")
 
 
+# The last three reach the AMX path where the CPU has it (from 32 rows, 64 for 8-bit codes): a
+# part-filled last tile of rows, a partial group of 16 outputs, an odd block count (19: a pair of
+# blocks in flight with one left over).
 _SHAPES = [(1, 1, 32), (1, 1536, 576), (3, 7, 96), (9, 33, 608), (17, 5, 64), (64, 40, 160)]
+_SHAPES += [(33, 17, 96), (70, 33, 608)]
 
 
 def _case(bits: int, m: int, n: int, k: int) -> tuple[QuantWeight, torch.Tensor]:
@@ -90,6 +94,8 @@ def test_the_kernel_dispatches_by_the_cpu_flags(monkeypatch: pytest.MonkeyPatch)
     CPU cannot run is a clear error, not an illegal instruction."""
     vnni = {"avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx2", "fma", "f16c"}
     table = {
+        frozenset(vnni | {"amx_tile", "amx_int8", "amx_bf16"}): "amx",  # Sapphire Rapids and later
+        frozenset(vnni | {"amx_tile", "amx_bf16"}): "avx512_vnni",  # no int8 tiles
         frozenset(vnni): "avx512_vnni",
         frozenset({"avx512f", "avx512bw", "avx512vl", "avx2", "fma", "f16c"}): "avx2",  # Skylake-X: no VNNI
         frozenset({"avx2", "fma", "f16c", "bmi2"}): "avx2",  # Zen 1-3, Haswell
@@ -105,7 +111,7 @@ def test_the_kernel_dispatches_by_the_cpu_flags(monkeypatch: pytest.MonkeyPatch)
     for isa in lacking:
         with pytest.raises(RuntimeError, match=f"'{isa}' needs CPU features this CPU lacks; allowed here: "):
             packed_linear(x, PackedWeight.pack(w), isa=isa)
-    with pytest.raises(RuntimeError, match="allowed: auto, avx512_vnni, avx2, scalar"):
+    with pytest.raises(RuntimeError, match="allowed: auto, amx, avx512_vnni, avx2, scalar"):
         packed_linear(x, PackedWeight.pack(w), isa="neon")
     cpu_native.quant_isa.cache_clear()
     try:
