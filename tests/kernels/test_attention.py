@@ -423,3 +423,41 @@ def test_native_decode_of_long_rows_in_parts(
     finally:
         torch.set_num_threads(threads)
     assert torch.equal(one, native)
+
+
+def _thp_mode() -> str:
+    try:
+        text = Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()
+    except OSError:
+        return "never"
+    return text.split("[", 1)[1].split("]", 1)[0]
+
+
+@pytest.mark.skipif(_thp_mode() == "never", reason="transparent huge pages are off on this machine")
+def test_a_cpu_cache_is_zeroed_and_asks_for_huge_pages() -> None:
+    """A CPU cache layer's memory is advised for transparent huge pages before it is zeroed
+    (decode attention reads 2 KB blocks scattered over it: with 4 KB pages most are TLB misses),
+    so its mapping is eligible for them even where the kernel gives them only on request."""
+    cache = allocate_kv_cache(2, 1024, 16, 4, 64, torch.bfloat16, "cpu")  # 8 MB a tensor
+    huge = 2 << 20
+    for t in cache.k + cache.v:
+        assert not t.any()
+        addr = -(-t.data_ptr() // huge) * huge  # the first whole huge page inside it
+        eligible = None
+        for (lo, hi), flag in _smaps_regions():
+            if lo <= addr < hi:
+                eligible = flag
+        assert eligible == 1, (hex(addr), eligible)
+
+
+def _smaps_regions() -> list[tuple[tuple[int, int], int | None]]:
+    """(start, end) and THPeligible of each mapping of this process."""
+    regions: list[tuple[tuple[int, int], int | None]] = []
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()[0] if line else ""
+        if "-" in head and not head.endswith(":"):
+            lo, hi = (int(x, 16) for x in head.split("-"))
+            regions.append(((lo, hi), None))
+        elif head == "THPeligible:" and regions:
+            regions[-1] = (regions[-1][0], int(line.split()[1]))
+    return regions
