@@ -374,9 +374,12 @@ void packed_group_avx2(const uint8_t* qg, const uint16_t* dg, const uint16_t* mg
 
 constexpr int64_t kAmxRows = 16;  // activation rows per tile
 // Fewer activation rows than this take the VNNI code: below it the tiles' fixed costs (codes
-// unpacked per call, a part-filled last tile, sums through memory) outweigh the faster multiply
-// (measured per format on a 2-core Xeon: docs/benchmarks.md, "AMX").
-constexpr int64_t amx_min_rows(int bits) { return bits == 8 ? 64 : 32; }
+// unpacked per call, a part-filled last tile, sums through memory) outweigh the faster multiply.
+// 4-bit codes gain from 32 rows (0.62-0.90x the VNNI path's time); 8-bit and IQ4 codes, which
+// cost more to unpack, only from 512 rows, or from 64 in a vocabulary head (>= 16,384 outputs:
+// 0.84x at 64 rows, where the narrow layers ran 1.0-1.1x). Measured on a 2-core Xeon
+// (docs/bench/quant_paths.py, docs/benchmarks.md "AMX Xeon").
+constexpr int64_t amx_min_rows(int bits, int64_t n) { return bits == 4 ? 32 : (n >= 16384 ? 64 : 512); }
 
 struct alignas(64) TileConfig {
   uint8_t palette_id;
@@ -707,7 +710,7 @@ at::Tensor quant_linear_packed(const at::Tensor& x, const at::Tensor& qp, const 
   int8_t* const qx = qx_buf.get();
   float* const dx = dx_buf.get();
   float* const sx = sx_buf.get();
-  const bool amx = isa == QuantIsa::kAmx && M >= amx_min_rows(fmt);
+  const bool amx = isa == QuantIsa::kAmx && M >= amx_min_rows(fmt, N);
   const std::unique_ptr<int32_t[]> sq(amx ? new int32_t[M * nb] : nullptr);
   quantize_activations(xc.data_ptr<float>(), M, K, qx, dx, sx, amx, sq.get());
   const auto* q = qc.data_ptr<uint8_t>();

@@ -27,11 +27,11 @@ from triollm.kernels.quant import (
 needs_native = pytest.mark.skipif(not cpu_native.available(), reason="native CPU kernels unavailable")
 
 
-# The last three reach the AMX path where the CPU has it (from 32 rows, 64 for 8-bit codes): a
-# part-filled last tile of rows, a partial group of 16 outputs, an odd block count (19: a pair of
-# blocks in flight with one left over).
+# The last ones reach the AMX path where the CPU has it (4-bit codes from 32 rows; 8-bit from 512,
+# or 64 in a head of 16,384+ outputs): a part-filled last tile of rows, a partial group of 16
+# outputs, an odd block count (19: a pair of blocks in flight with one left over).
 _SHAPES = [(1, 1, 32), (1, 1536, 576), (3, 7, 96), (9, 33, 608), (17, 5, 64), (64, 40, 160)]
-_SHAPES += [(33, 17, 96), (70, 33, 608)]
+_SHAPES += [(33, 17, 96), (70, 33, 608), (520, 33, 160), (65, 16400, 64)]
 
 
 def _case(bits: int, m: int, n: int, k: int) -> tuple[QuantWeight, torch.Tensor]:
