@@ -176,8 +176,9 @@ def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | st
     the kernel's THP mode is "madvise", the default on many distributions, nothing else gets
     them): decode attention reads each sequence's blocks wherever the block manager put them, 2
     KB of K or V at a time, and with 4 KB pages nearly every block is a TLB miss (a scattered
-    64-row decode step's attention took 0.79 ms a layer against 0.64 ms with huge pages on the
-    AMX Xeon, docs/benchmarks.md). Where madvise is missing or refuses, plain pages."""
+    64-row decode step's attention took 0.75-0.77 ms a layer against 0.63-0.70 ms with huge
+    pages on the AMX Xeon: docs/bench/decode_attention_pages.py, docs/benchmarks.md). Where
+    madvise is missing or refuses, plain pages."""
     if torch.device(device).type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
     t = torch.empty(shape, dtype=dtype)
