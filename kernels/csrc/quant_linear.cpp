@@ -133,12 +133,10 @@ inline void prefetch_block(const uint8_t* wb, int64_t bytes, const uint16_t* dg,
 // Block b of a group: its 8 code vectors (4-bit codes split into low and high nibbles; IQ4's
 // nibbles then looked up: 8-bit codes) and its 16 rows' scales and offsets (prefetching ahead:
 // `prefetch_block`).
+// A block's codes as 8 vectors of [output row 0 codes 4s..4s+3, row 1 ..., row 15 ...] (4-bit
+// codes split into low and high nibbles, IQ4's then looked up: 8-bit codes).
 template <int Bits>
-inline void load_block(const uint8_t* qg, const uint16_t* dg, const uint16_t* mg, int64_t b, __m512i w[8], __m512& dw,
-                       __m512& mw) {
-  constexpr int64_t kBytes = block_bytes(Bits);
-  const uint8_t* wb = qg + b * kBytes;
-  prefetch_block(wb, kBytes, dg, mg, b);
+inline void load_codes(const uint8_t* wb, __m512i w[8]) {
   if constexpr (Bits != 8) {
     const __m512i low = _mm512_set1_epi8(0x0F);
     for (int t = 0; t < 4; ++t) {
@@ -153,6 +151,15 @@ inline void load_block(const uint8_t* qg, const uint16_t* dg, const uint16_t* mg
   } else {
     for (int s = 0; s < 8; ++s) w[s] = _mm512_loadu_si512(reinterpret_cast<const void*>(wb + s * 64));
   }
+}
+
+template <int Bits>
+inline void load_block(const uint8_t* qg, const uint16_t* dg, const uint16_t* mg, int64_t b, __m512i w[8], __m512& dw,
+                       __m512& mw) {
+  constexpr int64_t kBytes = block_bytes(Bits);
+  const uint8_t* wb = qg + b * kBytes;
+  prefetch_block(wb, kBytes, dg, mg, b);
+  load_codes<Bits>(wb, w);
   dw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(dg + b * 16)));
   mw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(mg + b * 16)));
 }
@@ -410,23 +417,10 @@ inline void amx_configure() {
 template <int Bits>
 inline void amx_unpack_group(const uint8_t* qg, int64_t nb, uint8_t* wt, int32_t* corr) {
   constexpr int64_t kBytes = block_bytes(Bits);
-  const __m512i low = _mm512_set1_epi8(0x0F), ones = _mm512_set1_epi8(1), flip = _mm512_set1_epi8(static_cast<char>(0x80));
+  const __m512i ones = _mm512_set1_epi8(1), flip = _mm512_set1_epi8(static_cast<char>(0x80));
   for (int64_t b = 0; b < nb; ++b) {
-    const uint8_t* wb = qg + b * kBytes;
     __m512i w[8];
-    if constexpr (Bits == 8) {
-      for (int t = 0; t < 8; ++t) w[t] = _mm512_loadu_si512(reinterpret_cast<const void*>(wb + t * 64));
-    } else {
-      for (int t = 0; t < 4; ++t) {
-        const __m512i v = _mm512_loadu_si512(reinterpret_cast<const void*>(wb + t * 64));
-        w[t] = _mm512_and_si512(v, low);
-        w[t + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
-      }
-      if constexpr (Bits == kIq4) {
-        const __m512i table = _mm512_broadcast_i32x4(_mm_load_si128(reinterpret_cast<const __m128i*>(kIq4Codes)));
-        for (int t = 0; t < 8; ++t) w[t] = _mm512_shuffle_epi8(table, w[t]);
-      }
-    }
+    load_codes<Bits>(qg + b * kBytes, w);
     __m512i sum = _mm512_setzero_si512();
     for (int t = 0; t < 8; ++t) {
       sum = _mm512_dpbusd_epi32(sum, w[t], ones);
