@@ -84,10 +84,8 @@ a span's query needs is in its chunk or already in the cache. Decode rows never 
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
-import functools
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from itertools import chain
 
@@ -158,18 +156,6 @@ _MADV_HUGEPAGE = 14  # linux/mman.h
 _HUGE_PAGE = 2 << 20
 
 
-@functools.cache
-def _madvise() -> Callable[[int, int, int], int] | None:
-    name = ctypes.util.find_library("c")
-    try:
-        fn = ctypes.CDLL(name, use_errno=True).madvise if name else None
-    except (OSError, AttributeError):
-        return None
-    if fn is not None:
-        fn.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
-    return fn
-
-
 def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
     """A zeroed cache tensor. On the CPU its memory is asked for in transparent huge pages
     before the zeroing touches it (`madvise(MADV_HUGEPAGE)` on the 2 MB-aligned inside; where
@@ -182,7 +168,7 @@ def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | st
     if torch.device(device).type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
     t = torch.empty(shape, dtype=dtype)
-    madvise = _madvise()
+    madvise = cpu_native.libc_function("madvise", (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int))
     start = -(-t.data_ptr() // _HUGE_PAGE) * _HUGE_PAGE
     end = (t.data_ptr() + t.numel() * t.element_size()) // _HUGE_PAGE * _HUGE_PAGE
     if madvise is not None and end > start:

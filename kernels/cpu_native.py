@@ -12,11 +12,13 @@ names the cause. `TRIOLLM_CPU_KERNELS=0` turns them off.
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import fcntl
 import functools
 import hashlib
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -31,6 +33,7 @@ __all__ = [
     "QUANT_ISAS",
     "available",
     "has_native_bf16",
+    "libc_function",
     "best_isa",
     "decode_attention_dot",
     "has_fast_quant",
@@ -71,6 +74,20 @@ def _cpu_flags() -> set[str]:
 
 
 @functools.cache
+@functools.cache
+def libc_function(name: str, argtypes: tuple[type, ...] | None = None) -> Callable[..., int] | None:
+    """The C library's function `name` (glibc's `malloc_trim`, `madvise`), or None where there is
+    no such library or function (musl, macOS): callers then go without."""
+    path = ctypes.util.find_library("c")
+    try:
+        fn = getattr(ctypes.CDLL(path, use_errno=True), name) if path else None
+    except (OSError, AttributeError):
+        return None
+    if fn is not None and argtypes is not None:
+        fn.argtypes = argtypes
+    return fn
+
+
 def has_native_bf16() -> bool:
     """Whether the CPU computes bf16 natively (AVX-512 BF16 or AMX): there bf16 matmuls through
     oneDNN run faster than fp32; elsewhere they are emulated, slower than fp32."""

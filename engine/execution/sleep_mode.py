@@ -24,8 +24,6 @@ the runner from the config is the path start-up already takes.
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import gc
 import json
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -38,6 +36,7 @@ import torch
 from triollm.engine.loading.hf_config import HfConfig, parse_hf_config
 from triollm.engine.loading.model_config import ModelConfig
 from triollm.engine.loading.multimodal_config import split_multimodal
+from triollm.kernels import cpu_native
 
 __all__ = ["SLEEP_LEVELS", "WAKE_TAGS", "check_level", "check_tags", "release_memory", "run_rpc", "same_architecture"]
 
@@ -98,11 +97,7 @@ def release_memory(device: str | torch.device) -> None:
 
 
 def _malloc_trim() -> None:
-    name = ctypes.util.find_library("c")
-    if name is None:
-        return
-    libc = ctypes.CDLL(name)
-    trim = getattr(libc, "malloc_trim", None)  # glibc only (not musl, not macOS)
+    trim = cpu_native.libc_function("malloc_trim")  # glibc only (not musl, not macOS)
     if trim is not None:
         trim(0)
 

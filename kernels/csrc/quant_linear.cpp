@@ -693,19 +693,19 @@ at::Tensor quant_linear_packed(const at::Tensor& x, const at::Tensor& qp, const 
   const at::Tensor xc = x.contiguous(), qc = qp.contiguous(), dc = dp.contiguous(), mc = mp.contiguous();
   at::Tensor out = at::empty({M, N}, x.options());
   if (M == 0 || N == 0) return out;
+  const bool amx = isa == QuantIsa::kAmx && M >= amx_min_rows(fmt, N);
   // Written whole by quantize_activations before any read: not zeroed first (a prompt chunk's
-  // memset showed in the profile).
-  // Padded to whole tiles of 16 rows (the AMX path reads 16 at a time; rows past M: zero codes,
-  // and their sums are never stored).
-  const int64_t padded = (M + kAmxRows - 1) / kAmxRows * kAmxRows;
-  const std::unique_ptr<int8_t[]> qx_buf(new int8_t[padded * K]);
-  std::memset(qx_buf.get() + M * K, 0, (padded - M) * K);
+  // memset showed in the profile). The AMX path reads whole tiles of 16 rows: its buffer is
+  // padded to them, and only the padding is set (those rows' sums are never stored).
+  const int64_t rows = amx ? (M + kAmxRows - 1) / kAmxRows * kAmxRows : M;
+  const std::unique_ptr<int8_t[]> qx_buf(new int8_t[rows * K]);
+  std::memset(qx_buf.get() + M * K, 0, (rows - M) * K);
   const std::unique_ptr<float[]> dx_buf(new float[M * nb]), sx_buf(new float[M * nb]);
   int8_t* const qx = qx_buf.get();
   float* const dx = dx_buf.get();
   float* const sx = sx_buf.get();
-  const bool amx = isa == QuantIsa::kAmx && M >= amx_min_rows(fmt, N);
-  const std::unique_ptr<int32_t[]> sq(amx ? new int32_t[M * nb] : nullptr);
+  // The codes' integer sums: only the AMX path's 8-bit and IQ4 codes need them.
+  const std::unique_ptr<int32_t[]> sq(amx && fmt != 4 ? new int32_t[M * nb] : nullptr);
   quantize_activations(xc.data_ptr<float>(), M, K, qx, dx, sx, amx, sq.get());
   const auto* q = qc.data_ptr<uint8_t>();
   const auto* d = reinterpret_cast<const uint16_t*>(dc.data_ptr<at::Half>());
