@@ -45,6 +45,13 @@ layer takes the native prefill kernel, whose prompt rows have the decode kernel'
 (then prompts stay prompts, and no row re-reads its blocks); dense linear layers and a dense
 lm_head run over fixed row tiles. What cannot be made invariant is refused here, at
 engine start, naming the variable.
+
+Prompt rows on AMX (kernels/quant.py `RowSplit`): where the CPU has AMX bf16 tiles, a quantized
+model's prompt tokens take the tile kernel in steps that carry at least `TILE_MIN_ROWS` of them;
+generated tokens keep the int8 one. The runner lists each step's prompt-token rows
+(`StepInputs.prompt_spans`: by position against the request's prompt length, so a recomputed
+request's generated tokens are not among them) and sets the split around the forward pass. Not
+under batch invariance, which keeps every row on one kernel.
 """
 
 from __future__ import annotations
@@ -70,6 +77,7 @@ from triollm.engine.scheduling.request_state import Request
 from triollm.engine.scheduling.scheduler import ScheduledRequest
 from triollm.kernels import KVCache, batch_invariant, cpu_native
 from triollm.kernels.attention import DecodeWorkspace, plan_decode, plan_prefill
+from triollm.kernels.quant import TILE_MIN_ROWS, RowSplit, prompt_rows, prompt_tiles_available
 
 if TYPE_CHECKING:
     from triollm.engine.distributed.group import TensorParallelGroup
@@ -118,6 +126,14 @@ class ModelRunner:
         self._prompt_rows_native = False  # batch invariance without decode rows (module note)
         if self.batch_invariant:
             self._make_batch_invariant()
+        # Prompt rows on AMX bf16 tiles (module note): a quantized model on such a CPU.
+        self.prompt_tiles = (
+            self.device.type == "cpu"
+            and not self.batch_invariant
+            and isinstance(model, torch.nn.Module)
+            and any(isinstance(m, QuantLinear) for m in model.modules())
+            and prompt_tiles_available()
+        )
 
     def _make_batch_invariant(self) -> None:
         """Refuse what cannot be batch-invariant, else tile the dense linear layers (module note)."""
@@ -212,10 +228,11 @@ class ModelRunner:
             if self.vision is not None and (prefills or image_decodes):
                 images = self._image_rows(order)
                 _bidirectional_spans(meta, prefills)
-            if images is None:  # text only: the model's plain call (any CausalLM, fakes included)
-                hidden = self.model(input_ids, positions, meta, self.kv)
-            else:
-                hidden = self.model(input_ids, positions, meta, self.kv, images)
+            with prompt_rows(RowSplit.of(len(inputs.token_ids), inputs.prompt_spans, TILE_MIN_ROWS)):
+                if images is None:  # text only: the model's plain call (any CausalLM, fakes included)
+                    hidden = self.model(input_ids, positions, meta, self.kv)
+                else:
+                    hidden = self.model(input_ids, positions, meta, self.kv, images)
 
         out = RunnerOutput({}, {}, {})
         if samplers:
@@ -333,7 +350,8 @@ class ModelRunner:
         if self.lora is not None:
             self.lora.set_batch(inputs.lora_segments)
         input_ids, positions, meta = self._tensors(inputs)
-        hidden = self.model(input_ids, positions, meta, self.kv)
+        with prompt_rows(RowSplit.of(len(inputs.token_ids), inputs.prompt_spans, TILE_MIN_ROWS)):
+            hidden = self.model(input_ids, positions, meta, self.kv)
         for rows in inputs.logit_rows:
             self._logits(hidden.index_select(0, torch.tensor(rows, device=self.device)))
 
@@ -395,13 +413,18 @@ class ModelRunner:
     def _gather(self, decodes: list[ScheduledRequest], prefills: list[ScheduledRequest]) -> StepInputs:
         bs = self.block_size
         inputs = StepInputs()
+        spans = inputs.prompt_spans if self.prompt_tiles else None
         for s in decodes:
             req, c = s.request, s.num_computed_tokens
+            if spans is not None and _prompt_tokens_fed(s):  # a one-token prompt chunk
+                spans.append((len(inputs.token_ids), 1))
             _add_decode_row(inputs, req.all_token_ids[c], c, req.block_ids, bs)
             for j, token in enumerate(s.draft_token_ids[: s.num_draft], 1):  # then its drafts
                 _add_decode_row(inputs, token, c + j, req.block_ids, bs)
         for s in prefills:
             req, c, n = s.request, s.num_computed_tokens, s.num_new_tokens
+            if spans is not None and _prompt_tokens_fed(s):
+                spans.append((len(inputs.token_ids), _prompt_tokens_fed(s)))
             _add_prefill(inputs, req.all_token_ids[c : c + n], c, req.block_ids, bs)
         return inputs
 
@@ -478,6 +501,13 @@ def _logit_rows(order: list[ScheduledRequest], ends: list[int], samplers: list[i
                 start = ends[i] - s.num_new_tokens + 1
                 rows.append(list(range(start, start + n)))
     return rows
+
+
+def _prompt_tokens_fed(s: ScheduledRequest) -> int:
+    """How many of the tokens `s` feeds this step are prompt tokens (the first ones): by position
+    against the prompt's length, so a recomputed request's generated tokens are not."""
+    own = s.num_new_tokens - s.num_draft
+    return max(0, min(own, s.request.num_prompt_tokens - s.num_computed_tokens))
 
 
 def _add_decode_row(inputs: StepInputs, token: int, p: int, blocks: list[int], bs: int) -> None:

@@ -557,6 +557,207 @@ bool amx_permitted() {
   return ok;
 }
 
+// ------------------------------------------------------------------------------------------
+// AMX bf16 tiles for prompt rows (`quant_linear_bf16`; the model decides which rows take it:
+// kernels/quant.py `RowSplit`). The codes of one group of 16 outputs are dequantized once per
+// call, block by block, into the right-hand tiles of `tdpbf16ps`, w = d * code + m (one fused
+// multiply-add in fp32, rounded to bf16 to nearest even); the activations are rounded to bf16 the
+// same way; the tiles accumulate in fp32 over the whole input, block after block, with no per-
+// block scaling between them: the int8 path's cost (each block's sums scaled through memory) is
+// what this path does not pay. So its numbers are not the int8 path's: a prompt token's are
+// this path's wherever it runs, and a row's bits depend only on that row (each tile row is its
+// own row's dot products, accumulated over the blocks in order; the padding rows are zeros whose
+// sums are never stored), whatever the rows beside it, the row count or the thread count.
+// One block of a group (32 codes x 16 outputs) is exactly one right-hand tile: 16 rows of code
+// pairs (2k, 2k+1) x 16 outputs x 2 bf16.
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512vnni,avx512bf16,fma,f16c,amx-tile,amx-bf16")
+
+// Tiles 0-3: sums [16 rows x 16 outputs] fp32 (row tile i, group j: 2i + j); 4, 5: two row
+// tiles' activations [16 x 32 bf16]; 6, 7: two groups' block [16 code pairs x 16 outputs x 2].
+inline void bf16_configure() {
+  TileConfig cfg{};
+  cfg.palette_id = 1;
+  for (int t = 0; t < 8; ++t) cfg.rows[t] = 16, cfg.colsb[t] = 64;
+  _tile_loadconfig(&cfg);
+}
+
+// Group g's blocks as right-hand tiles, nb x 512 bf16 at wt. A code vector t (load_codes) holds
+// per output lane the codes 4t..4t+3; its 16-byte chunk c is lanes 4c..4c+3, widened to 16
+// floats [lane 4c codes 0-3, lane 4c+1 ...], scaled and offset by its lanes' d and m (each
+// repeated 4 times); tile row 2t takes each lane's codes 4t, 4t+1 (`even`), row 2t+1 its 4t+2,
+// 4t+3 (`odd`), lanes 0-7 from chunks 0, 1 and lanes 8-15 from chunks 2, 3.
+template <int Bits>
+inline void bf16_unpack_group(const uint8_t* qg, const uint16_t* dg, const uint16_t* mg, int64_t nb, uint16_t* wt) {
+  alignas(64) static constexpr int32_t kEven[16] = {0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29};
+  const __m512i even = _mm512_load_si512(reinterpret_cast<const void*>(kEven));
+  const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(2));
+  constexpr int64_t kBytes = block_bytes(Bits);
+  for (int64_t b = 0; b < nb; ++b) {
+    __m512i w[8];
+    load_codes<Bits>(qg + b * kBytes, w);
+    const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(dg + b * 16)));
+    const __m512 mw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(mg + b * 16)));
+    __m512 dc[4], mc[4];
+    for (int c = 0; c < 4; ++c) {
+      // lane 4c + i/4 for element i: the index vector (i >> 2) + 4c
+      const __m512i idx = _mm512_add_epi32(_mm512_srli_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0), 2),
+                                           _mm512_set1_epi32(4 * c));
+      dc[c] = _mm512_permutexvar_ps(idx, dw);
+      mc[c] = _mm512_permutexvar_ps(idx, mw);
+    }
+    uint16_t* tile = wt + b * 512;
+    for (int t = 0; t < 8; ++t) {
+      __m512 f[4];
+      for (int c = 0; c < 4; ++c) {
+        const __m512i codes = _mm512_cvtepu8_epi32(_mm512_extracti32x4_epi32(w[t], c));
+        f[c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(codes), dc[c], mc[c]);
+      }
+      const __m512bh lo = _mm512_cvtne2ps_pbh(_mm512_permutex2var_ps(f[2], even, f[3]), _mm512_permutex2var_ps(f[0], even, f[1]));
+      const __m512bh hi = _mm512_cvtne2ps_pbh(_mm512_permutex2var_ps(f[2], odd, f[3]), _mm512_permutex2var_ps(f[0], odd, f[1]));
+      _mm512_store_si512(reinterpret_cast<void*>(tile + (2 * t) * 32), reinterpret_cast<const __m512i&>(lo));
+      _mm512_store_si512(reinterpret_cast<void*>(tile + (2 * t + 1) * 32), reinterpret_cast<const __m512i&>(hi));
+    }
+  }
+}
+
+// A 64-byte-aligned buffer of at least `bytes`, the calling thread's, kept across calls (grown,
+// never shrunk): a prompt chunk's activations are megabytes, and a fresh allocation of that size
+// is a fresh mapping whose pages the kernel faults in and zeroes on every call (10% of a prefill's
+// profile). Valid until the thread's next call.
+inline void* thread_scratch(size_t bytes) {
+  thread_local std::unique_ptr<uint8_t[], void (*)(void*)> buf(nullptr, std::free);
+  thread_local size_t size = 0;
+  if (bytes > size) {
+    size = (bytes + 4095) / 4096 * 4096;
+    buf.reset(static_cast<uint8_t*>(std::aligned_alloc(64, size)));
+  }
+  return buf.get();
+}
+
+// x [M, K] fp32 -> bf16 rows (round to nearest even), K apart; rows [M, padded) zeroed.
+void bf16_rows(const float* x, int64_t M, int64_t padded, int64_t K, uint16_t* xa) {
+  at::parallel_for(0, padded, M * K < (1 << 16) ? padded : 16, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      uint16_t* dst = xa + r * K;
+      if (r >= M) {
+        std::memset(dst, 0, K * sizeof(uint16_t));
+        continue;
+      }
+      const float* src = x + r * K;
+      for (int64_t k = 0; k < K; k += 32) {
+        const __m512bh v = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(src + k + 16), _mm512_loadu_ps(src + k));
+        _mm512_storeu_si512(reinterpret_cast<void*>(dst + k), reinterpret_cast<const __m512i&>(v));
+      }
+    }
+  });
+}
+
+// Groups [g0, g1) for all rows, in tiles of groups whose dequantized blocks stay in L2 (~512 KB):
+// a tile's blocks dequantized once, then 32 rows at a time (their bf16 activations: in L1) against
+// every pair of groups of the tile, the blocks in order into four sum tiles; each row's outputs
+// of a tile are written together.
+template <int Bits>
+void bf16_groups(const uint8_t* q, const uint16_t* d, const uint16_t* m, int64_t g0, int64_t g1, int64_t nb,
+                 const uint16_t* xa, int64_t K, int64_t M, int64_t padded, int64_t N, float* o) {
+  bf16_configure();
+  const int64_t tile = std::max<int64_t>(2, (512 << 10) / (nb * 1024) / 2 * 2);  // groups, even
+  const int64_t span = std::min(tile, g1 - g0);
+  std::unique_ptr<uint16_t[], void (*)(void*)> wt(
+      static_cast<uint16_t*>(std::aligned_alloc(64, span * nb * 512 * sizeof(uint16_t))), std::free);
+  alignas(64) float sums[4][256];
+  const int64_t group_bytes = nb * block_bytes(Bits);
+  for (int64_t t0 = g0; t0 < g1; t0 += tile) {
+    const int64_t t1 = std::min(g1, t0 + tile);
+    for (int64_t g = t0; g < t1; ++g)
+      bf16_unpack_group<Bits>(q + g * group_bytes, d + g * nb * 16, m + g * nb * 16, nb, wt.get() + (g - t0) * nb * 512);
+    for (int64_t r0 = 0; r0 < padded; r0 += 32) {
+      const bool two_rows = r0 + 16 < padded;
+      const uint16_t* a0 = xa + r0 * K;
+      const uint16_t* a1 = a0 + 16 * K;
+      for (int64_t g = t0; g < t1; g += 2) {
+        const int64_t groups = std::min<int64_t>(2, t1 - g);
+        const uint16_t* w0 = wt.get() + (g - t0) * nb * 512;
+        const uint16_t* w1 = w0 + nb * 512;
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+        for (int64_t b = 0; b < nb; ++b) {
+          _tile_loadd(4, a0 + b * kBlock, K * 2);
+          _tile_loadd(6, w0 + b * 512, 64);
+          _tile_dpbf16ps(0, 4, 6);
+          if (groups > 1) {
+            _tile_loadd(7, w1 + b * 512, 64);
+            _tile_dpbf16ps(1, 4, 7);
+          }
+          if (two_rows) {
+            _tile_loadd(5, a1 + b * kBlock, K * 2);
+            _tile_dpbf16ps(2, 5, 6);
+            if (groups > 1) _tile_dpbf16ps(3, 5, 7);
+          }
+        }
+        _tile_stored(0, sums[0], 64);
+        _tile_stored(1, sums[1], 64);
+        _tile_stored(2, sums[2], 64);
+        _tile_stored(3, sums[3], 64);
+        for (int64_t i = 0; i < (two_rows ? 2 : 1); ++i) {
+          for (int64_t j = 0; j < groups; ++j) {
+            const int64_t valid = std::min<int64_t>(16, N - (g + j) * 16);
+            const __mmask16 mask = static_cast<__mmask16>((1u << valid) - 1u);
+            const float* sv = sums[2 * i + j];
+            for (int64_t r = 0; r < 16 && r0 + 16 * i + r < M; ++r)
+              _mm512_mask_storeu_ps(o + (r0 + 16 * i + r) * N + (g + j) * 16, mask, _mm512_load_ps(sv + r * 16));
+          }
+        }
+      }
+    }
+  }
+  _tile_release();
+}
+#pragma GCC pop_options
+
+bool bf16_tiles_run() {
+  __builtin_cpu_init();
+  static const bool ok = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bf16") &&
+                         __builtin_cpu_supports("amx-tile") && __builtin_cpu_supports("amx-bf16") && amx_permitted();
+  return ok;
+}
+
+// `x @ W.T` over the packed weight by bf16 tiles (above); only where `bf16_tiles_run()`.
+at::Tensor quant_linear_bf16(const at::Tensor& x, const at::Tensor& qp, const at::Tensor& dp, const at::Tensor& mp,
+                             int64_t bits, int64_t N) {
+  TORCH_CHECK(bits == 4 || bits == 8 || bits == kIq4, "quant_linear_bf16: bits must be 4, 8 or ", kIq4, ", got ", bits);
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "quant_linear_bf16: x must be [M, K] float32");
+  TORCH_CHECK(bf16_tiles_run(), "quant_linear_bf16: needs AMX bf16 tiles (amx-tile, amx-bf16, avx512-bf16)");
+  const int64_t M = x.size(0), K = x.size(1), nb = K / kBlock, G = qp.size(0);
+  const int fmt = static_cast<int>(bits);
+  TORCH_CHECK(K % kBlock == 0 && qp.dim() == 3 && qp.size(1) == nb && qp.size(2) == block_bytes(fmt) &&
+                  qp.scalar_type() == at::kByte && dp.sizes() == at::IntArrayRef({G, nb, 16}) &&
+                  mp.sizes() == dp.sizes() && dp.scalar_type() == at::kHalf && mp.scalar_type() == at::kHalf &&
+                  N <= G * 16 && N > (G - 1) * 16,
+              "quant_linear_bf16: the packed weight does not match x [", M, ", ", K, "] and N=", N);
+  at::Tensor out = at::empty({M, N}, x.options());
+  if (M == 0 || N == 0) return out;
+  const at::Tensor xc = x.contiguous(), qc = qp.contiguous(), dc = dp.contiguous(), mc = mp.contiguous();
+  const int64_t padded = (M + 15) / 16 * 16;
+  uint16_t* const xa = static_cast<uint16_t*>(thread_scratch(padded * K * sizeof(uint16_t)));
+  bf16_rows(xc.data_ptr<float>(), M, padded, K, xa);
+  const auto* q = qc.data_ptr<uint8_t>();
+  const auto* d = reinterpret_cast<const uint16_t*>(dc.data_ptr<at::Half>());
+  const auto* m = reinterpret_cast<const uint16_t*>(mc.data_ptr<at::Half>());
+  float* o = out.data_ptr<float>();
+  // Tasks of whole group pairs (a pair's codes are dequantized together).
+  at::parallel_for(0, (G + 1) / 2, 1, [&](int64_t p0, int64_t p1) {
+    const int64_t g0 = 2 * p0, g1 = std::min(G, 2 * p1);
+    if (fmt == 4) bf16_groups<4>(q, d, m, g0, g1, nb, xa, K, M, padded, N, o);
+    else if (fmt == 8) bf16_groups<8>(q, d, m, g0, g1, nb, xa, K, M, padded, N, o);
+    else bf16_groups<kIq4>(q, d, m, g0, g1, nb, xa, K, M, padded, N, o);
+  });
+  return out;
+}
+
 // The plain loops' view of the packed layout: the code of row `lane`, input `k` of group g.
 inline int32_t packed_code(const uint8_t* qg, int bits, int64_t lane, int64_t k) {
   const int64_t b = k / kBlock, c = k % kBlock, s = c / 4, j = c % 4;
@@ -767,9 +968,12 @@ TORCH_LIBRARY_FRAGMENT(triollm_cpu, m) {
   m.def("quant_linear_packed(Tensor x, Tensor qp, Tensor dp, Tensor mp, int bits, int n, str isa=\"auto\") -> Tensor");
   m.def("quant_isa() -> str", &quant_isa_op);
   m.def("quantize_activations(Tensor x) -> (Tensor, Tensor, Tensor)");
+  m.def("quant_linear_bf16(Tensor x, Tensor qp, Tensor dp, Tensor mp, int bits, int n) -> Tensor");
+  m.def("bf16_tiles() -> bool", &bf16_tiles_run);
 }
 
 TORCH_LIBRARY_IMPL(triollm_cpu, CPU, m) {
   m.impl("quant_linear_packed", &quant_linear_packed);
   m.impl("quantize_activations", &quantize_activations_op);
+  m.impl("quant_linear_bf16", &quant_linear_bf16);
 }

@@ -29,7 +29,7 @@ from torch import nn
 from triollm.engine.execution.layers.linear import load_rows
 from triollm.kernels import cpu_native
 from triollm.kernels.kv_quant import cache_scale
-from triollm.kernels.quant import PackedWeight, QuantWeight, packed_linear
+from triollm.kernels.quant import PackedWeight, QuantWeight, current_split, packed_linear
 
 if TYPE_CHECKING:
     from triollm.lora.layers import LoRABatch, LoRALayer
@@ -88,7 +88,7 @@ class QuantLinear(_Packed):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         xq = x if self.perm is None else x.index_select(-1, self.perm)
-        out = packed_linear(xq, self.weight, self.bias)
+        out = packed_linear(xq, self.weight, self.bias, split=current_split())  # prompt rows: kernels/quant.py
         if self.lora is not None and self.lora.batch.groups:  # the adapter reads x in its own order
             out = self.lora.apply(x, out)
         return out

@@ -1,0 +1,191 @@
+"""Prompt rows on AMX bf16 tiles (kernels/quant.py `RowSplit`, `tile_linear`;
+kernels/csrc/quant_linear.cpp `quant_linear_bf16`): the tile kernel against a torch reference
+over the same bf16 roundings, a row's bits alone and in any batch, each row of a split step by
+its own kernel, the step's threshold, and which rows of a step the runner counts as prompt
+tokens. The kernel tests
+run where the CPU has AMX bf16 tiles (the machines change: an AMX Xeon runs them)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from triollm.engine.execution.layers.quantized import QuantLinear
+from triollm.engine.execution.model_runner import _prompt_tokens_fed
+from triollm.engine.request import EngineCoreRequest
+from triollm.engine.sampling_params import SamplingParams
+from triollm.engine.scheduling.request_state import Request
+from triollm.engine.scheduling.scheduler import ScheduledRequest
+from triollm.kernels import cpu_native
+from triollm.kernels.envs import ISA_ENV
+from triollm.kernels.quant import (
+    IQ4,
+    TILE_MIN_ROWS,
+    PackedWeight,
+    QuantWeight,
+    RowSplit,
+    packed_linear,
+    prompt_rows,
+    prompt_tiles_available,
+    tile_linear,
+)
+
+needs_tiles = pytest.mark.skipif(
+    not (cpu_native.available() and torch.ops.triollm_cpu.bf16_tiles()), reason="no AMX bf16 tiles on this CPU"
+)
+
+# Part-filled row tiles (1, 5, 17, 33), partial groups of 16 outputs (17, 33, 70), an odd group
+# count (a group pair with one left over), odd block counts (3, 19), rows past one tile pair (70).
+_SHAPES = [(1, 16, 32), (5, 17, 96), (17, 33, 608), (33, 70, 64), (70, 48, 160)]
+
+
+def _weight(bits: int, n: int, k: int, seed: int) -> PackedWeight:
+    gen = torch.Generator().manual_seed(seed)
+    w = QuantWeight.quantize(torch.randn(n, k, generator=gen), 8 if bits == 8 else 4)
+    if bits == IQ4:  # the same nibbles read as IQ4 indices
+        w = QuantWeight(w.q, w.d, w.m, IQ4)
+    return PackedWeight.pack(w)
+
+
+@needs_tiles
+@pytest.mark.parametrize("bits", [4, 8, IQ4])
+@pytest.mark.parametrize(("m", "n", "k"), _SHAPES)
+def test_the_tiles_are_the_bf16_product(bits: int, m: int, n: int, k: int) -> None:
+    """Weights d * code + m and activations each rounded to bf16 once, products summed in fp32:
+    only the summation order differs from the reference."""
+    w = _weight(bits, n, k, m + n + k)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(k)) * 3
+    got = tile_linear(x, w)
+    ref = x.bfloat16().double() @ w.dequantize().bfloat16().double().T
+    torch.testing.assert_close(got.double(), ref, rtol=1e-5, atol=1e-5 * math.sqrt(k) * float(ref.abs().max()))
+
+
+@needs_tiles
+@pytest.mark.parametrize("bits", [4, 8, IQ4])
+def test_a_row_has_the_same_bits_at_every_batch_size(bits: int) -> None:
+    """Alone, in every place of a part-filled or full tile pair, and past the first pair: the
+    same bits (prompt tokens keep their numbers whatever else is in the step)."""
+    w = _weight(bits, 40, 608, 1)
+    x = torch.randn(70, 608, generator=torch.Generator().manual_seed(2))
+    whole = tile_linear(x, w)
+    for i in range(70):
+        assert torch.equal(tile_linear(x[i : i + 1], w)[0], whole[i]), i
+    for m in (2, 16, 17, 31, 32, 33, 48):
+        assert torch.equal(tile_linear(x[70 - m :], w), whole[70 - m :]), m
+
+
+@needs_tiles
+def test_a_split_step_runs_each_row_by_its_own_kernel() -> None:
+    """Prompt rows (one run, or several) take the tiles, the rest the int8 kernel, each row's
+    bits what that kernel gives it alone; a layer reads the split set around the forward pass,
+    and inputs of another row count (a head over the sampled rows) ignore it."""
+    w = _weight(4, 33, 96, 3)
+    layer = QuantLinear(QuantWeight.quantize(torch.randn(33, 96), 4), None)
+    layer.qp, layer.dp, layer.mp = w.qp, w.dp, w.mp
+    x = torch.randn(12, 96, generator=torch.Generator().manual_seed(4))
+    tiles, int8 = tile_linear(x, w), packed_linear(x, w)
+    assert not torch.equal(tiles, int8)  # the two kernels differ: the test can tell them apart
+    for spans in ([(3, 9)], [(0, 2), (5, 4)], [(0, 12)]):
+        split = RowSplit.of(12, spans)
+        assert split is not None
+        rows = {r for a, n in spans for r in range(a, a + n)}
+        want = torch.stack([tiles[r] if r in rows else int8[r] for r in range(12)])
+        assert torch.equal(packed_linear(x, w, split=split), want)
+        with prompt_rows(split):
+            assert torch.equal(layer(x), want)
+            assert torch.equal(layer(x[:5]), int8[:5])  # 5 rows: not the step's
+        assert torch.equal(layer(x), int8)  # outside the forward pass: no split
+    assert RowSplit.of(12, [(4, 0)]) is None
+
+
+def test_a_step_needs_enough_prompt_rows_for_the_tiles() -> None:
+    """Below `TILE_MIN_ROWS` prompt rows a step keeps the int8 kernel for all (module note)."""
+    assert RowSplit.of(300, [(0, TILE_MIN_ROWS - 1)], TILE_MIN_ROWS) is None
+    assert RowSplit.of(300, [(0, 100), (150, TILE_MIN_ROWS - 101)], TILE_MIN_ROWS) is None
+    split = RowSplit.of(300, [(0, 100), (150, TILE_MIN_ROWS - 100)], TILE_MIN_ROWS)
+    assert split is not None and split.tiles.numel() == TILE_MIN_ROWS and split.rest.numel() == 300 - TILE_MIN_ROWS
+
+
+def test_a_forced_kernel_path_keeps_prompt_rows_on_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(ISA_ENV, "scalar")
+    assert not prompt_tiles_available()
+
+
+def _scheduled(prompt: int, tokens: int, computed: int, new: int, drafts: int = 0) -> ScheduledRequest:
+    req = Request(EngineCoreRequest("r", list(range(prompt)), SamplingParams(max_tokens=16), eos_token_ids=[0]), 16)
+    for t in range(tokens - prompt):
+        req.append_output_token(t)
+    return ScheduledRequest(req, new + drafts, computed, drafts, list(range(drafts)))
+
+
+@pytest.mark.parametrize(
+    ("prompt", "tokens", "computed", "new", "drafts", "fed"),
+    [
+        (10, 10, 0, 4, 0, 4),  # a first chunk
+        (10, 10, 8, 2, 0, 2),  # the last chunk
+        (10, 10, 9, 1, 0, 1),  # a one-token last chunk (fed as a decode row)
+        (10, 14, 0, 14, 0, 10),  # recomputed after preemption: its 4 outputs are not prompt tokens
+        (10, 14, 8, 6, 0, 2),  # the same, in chunks
+        (10, 13, 12, 1, 0, 0),  # a decode row
+        (10, 13, 12, 1, 3, 0),  # a decode row with drafts
+    ],
+)
+def test_the_runner_counts_prompt_tokens_by_position(
+    prompt: int, tokens: int, computed: int, new: int, drafts: int, fed: int
+) -> None:
+    assert _prompt_tokens_fed(_scheduled(prompt, tokens, computed, new, drafts)) == fed
+
+
+@pytest.mark.parametrize("switch", ["", "1"])
+def test_the_runner_takes_the_tiles_where_the_cpu_has_them(
+    bundled_model_dir: object, switch: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The bundled (quantized) model's runner splits prompt rows where the CPU has the tiles,
+    never under `VLLM_BATCH_INVARIANT=1`."""
+    from triollm.engine.config import EngineArgs
+    from triollm.engine.envs import BATCH_INVARIANT_ENV
+    from triollm.engine.sync_engine import SyncEngine
+
+    if switch:
+        monkeypatch.setenv(BATCH_INVARIANT_ENV, switch)
+    else:
+        monkeypatch.delenv(BATCH_INVARIANT_ENV, raising=False)
+    args = EngineArgs(model=str(bundled_model_dir), quantization="gguf", max_model_len=256, num_threads=2)
+    engine = SyncEngine.from_engine_args(args)
+    runner = engine.core.runner
+    assert runner is not None
+    assert runner.prompt_tiles == (prompt_tiles_available() and not switch)
+
+
+@needs_tiles
+def test_a_long_prompt_through_the_tiles_keeps_the_models_numbers(
+    bundled_model_dir: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The bundled model, one 300-token prompt (one step of prompt rows past `TILE_MIN_ROWS`):
+    its prompt logprobs through the tiles are not the int8 kernel's bits (the tiles ran), and
+    they are as close to the same weights dequantized to fp32 (dense) as the int8 kernel's."""
+    import random
+
+    from triollm import LLM, SamplingParams
+    from triollm.engine.envs import BATCH_INVARIANT_ENV
+
+    rng = random.Random(0)
+    prompt = {"prompt_token_ids": [rng.randrange(100, 20000) for _ in range(300)]}
+    params = SamplingParams(max_tokens=8, temperature=0, prompt_logprobs=0)
+    got = {}
+    for name, switch, quant in (("tiles", "", "gguf"), ("int8", "1", "gguf"), ("dense", "", None)):
+        if switch:
+            monkeypatch.setenv(BATCH_INVARIANT_ENV, switch)
+        else:
+            monkeypatch.delenv(BATCH_INVARIANT_ENV, raising=False)
+        kwargs = {"quantization": quant} if quant else {}
+        with LLM(str(bundled_model_dir), max_model_len=512, num_threads=2, multiprocess=False, **kwargs) as llm:
+            out = llm.generate([prompt], params, use_tqdm=False)[0]
+        assert out.prompt_logprobs is not None and len(out.outputs[0].token_ids) == 8
+        chosen = [next(iter(lp.values())).logprob for lp in out.prompt_logprobs[1:]]
+        got[name] = torch.tensor(chosen, dtype=torch.float64)
+    assert not torch.equal(got["tiles"], got["int8"])
+    tiles_err, int8_err = ((got[k] - got["dense"]).abs().mean() for k in ("tiles", "int8"))
+    assert tiles_err <= 1.2 * int8_err, (float(tiles_err), float(int8_err))
