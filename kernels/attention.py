@@ -775,6 +775,37 @@ def prefill_attention_chunks(
     return out
 
 
+def prefill_attention_bf16(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: PrefillPlan, scale: float
+) -> torch.Tensor:
+    """Plain causal attention of every chunk of `plan` in bf16 through torch's fused CPU attention
+    (oneDNN's, on AMX tiles where the CPU has them): q `[P, H, hd]` (the prefill rows, their K/V
+    already written) is rounded to bf16, each chunk attends over its sequence's K/V gathered from
+    the cache as bf16, aligned to the last key (`causal_lower_right`), and the result comes back in
+    q's dtype. Several times the native prefill kernel's speed at 2k-8k tokens of context
+    (docs/benchmarks.md "AMX Xeon"), without its per-row bits: the model runner takes it only in
+    the steps whose prompt rows take the AMX tiles (kernels/quant.py `RowSplit`)."""
+    from torch.nn.attention.bias import causal_lower_right
+
+    out = q.new_empty(q.shape)
+    qb = q.to(torch.bfloat16)
+    for start, length, context, block_ids in plan.chunks:
+        total = context + length
+        kc, vc = gather_kv(k_cache, v_cache, block_ids.long(), 0, total, torch.bfloat16)
+        qh = qb[start : start + length].transpose(0, 1).unsqueeze(0)  # [1, H, n, hd]
+        kh, vh = kc.unsqueeze(0), vc.unsqueeze(0)
+        if kh.shape[1] != qh.shape[1] and not _HAS_GQA:
+            rep = qh.shape[1] // kh.shape[1]
+            kh, vh = kh.repeat_interleave(rep, dim=1), vh.repeat_interleave(rep, dim=1)
+        gqa = {"enable_gqa": True} if kh.shape[1] != qh.shape[1] else {}
+        if context:
+            o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=causal_lower_right(length, total), scale=scale, **gqa)
+        else:
+            o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale, **gqa)
+        out[start : start + length] = o.squeeze(0).transpose(0, 1)
+    return out
+
+
 # Windowed or soft-capped prefill runs over chunks of query rows holding at most this many scores
 # (heads x rows x keys): 16 MB of fp32 scores, however long the prompt.
 _PREFILL_CHUNK_SCORES = 1 << 22

@@ -48,10 +48,11 @@ engine start, naming the variable.
 
 Prompt rows on AMX (kernels/quant.py `RowSplit`): where the CPU has AMX bf16 tiles, a quantized
 model's prompt tokens take the tile kernel in steps that carry at least `TILE_MIN_ROWS` of them;
-generated tokens keep the int8 one. The runner lists each step's prompt-token rows
-(`StepInputs.prompt_spans`: by position against the request's prompt length, so a recomputed
-request's generated tokens are not among them) and sets the split around the forward pass. Not
-under batch invariance, which keeps every row on one kernel.
+generated tokens keep the int8 one, and the step's prompt chunks attend in bf16 through torch's
+fused attention (`AttentionMetadata.bf16_prefill`). The runner lists each step's prompt-token
+rows (`StepInputs.prompt_spans`: by position against the request's prompt length, so a
+recomputed request's generated tokens are not among them) and sets the split around the forward
+pass. Not under batch invariance, which keeps every row on one kernel.
 """
 
 from __future__ import annotations
@@ -228,7 +229,9 @@ class ModelRunner:
             if self.vision is not None and (prefills or image_decodes):
                 images = self._image_rows(order)
                 _bidirectional_spans(meta, prefills)
-            with prompt_rows(RowSplit.of(len(inputs.token_ids), inputs.prompt_spans, TILE_MIN_ROWS)):
+            split = RowSplit.of(len(inputs.token_ids), inputs.prompt_spans, TILE_MIN_ROWS)
+            meta.bf16_prefill = split is not None
+            with prompt_rows(split):
                 if images is None:  # text only: the model's plain call (any CausalLM, fakes included)
                     hidden = self.model(input_ids, positions, meta, self.kv)
                 else:
@@ -350,7 +353,9 @@ class ModelRunner:
         if self.lora is not None:
             self.lora.set_batch(inputs.lora_segments)
         input_ids, positions, meta = self._tensors(inputs)
-        with prompt_rows(RowSplit.of(len(inputs.token_ids), inputs.prompt_spans, TILE_MIN_ROWS)):
+        split = RowSplit.of(len(inputs.token_ids), inputs.prompt_spans, TILE_MIN_ROWS)
+        meta.bf16_prefill = split is not None
+        with prompt_rows(split):
             hidden = self.model(input_ids, positions, meta, self.kv)
         for rows in inputs.logit_rows:
             self._logits(hidden.index_select(0, torch.tensor(rows, device=self.device)))

@@ -164,8 +164,9 @@ def test_a_long_prompt_through_the_tiles_keeps_the_models_numbers(
     bundled_model_dir: object, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The bundled model, one 300-token prompt (one step of prompt rows past `TILE_MIN_ROWS`):
-    its prompt logprobs through the tiles are not the int8 kernel's bits (the tiles ran), and
-    they are as close to the same weights dequantized to fp32 (dense) as the int8 kernel's."""
+    its prompt logprobs through the tiles (and the step's bf16 attention) are not the int8
+    path's bits (the tiles ran), and they are as close to the same weights dequantized to fp32
+    (dense) as the int8 path's."""
     import random
 
     from triollm import LLM, SamplingParams
@@ -189,3 +190,41 @@ def test_a_long_prompt_through_the_tiles_keeps_the_models_numbers(
     assert not torch.equal(got["tiles"], got["int8"])
     tiles_err, int8_err = ((got[k] - got["dense"]).abs().mean() for k in ("tiles", "int8"))
     assert tiles_err <= 1.2 * int8_err, (float(tiles_err), float(int8_err))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.int8], ids=str)
+def test_bf16_prefill_attention_is_dense_attention_over_the_cache(dtype: torch.dtype) -> None:
+    """`prefill_attention_bf16` (a large prompt step's attention on AMX): chunks with and without
+    earlier context, a GQA group of 3, over what the cache holds; against fp64 dense attention
+    the difference is the bf16 rounding of the queries and probabilities."""
+    from triollm.kernels import allocate_kv_cache, write_kv
+    from triollm.kernels.attention import gather_kv, plan_prefill, prefill_attention_bf16
+
+    g = torch.Generator().manual_seed(7)
+    kvh, group, hd = 2, 3, 64
+    chunks = [(0, 37), (40, 90), (16, 1)]  # (earlier tokens, new rows)
+    cache = allocate_kv_cache(1, 32, 16, kvh, hd, dtype, "cpu")
+    kc, vc = cache.k[0], cache.v[0]
+    order = torch.randperm(32, generator=g).tolist()
+    planned, qs, tables, used = [], [], [], 0
+    for c, n in chunks:
+        blocks = order[used : used + (c + n + 15) // 16]
+        used += len(blocks)
+        slots = torch.tensor([blocks[i // 16] * 16 + i % 16 for i in range(c + n)])
+        write_kv(kc, vc, torch.randn(c + n, kvh, hd, generator=g), torch.randn(c + n, kvh, hd, generator=g), slots)
+        planned.append((n, c, blocks))
+        tables.append(blocks)
+        qs.append(torch.randn(n, kvh * group, hd, generator=g))
+    q = torch.cat(qs)
+    out = prefill_attention_bf16(q, kc, vc, plan_prefill(planned, "cpu"), 0.125)
+    assert out.dtype == torch.float32 and out.shape == q.shape
+    row = 0
+    for (c, n), blocks, qc in zip(chunks, tables, qs):
+        k, v = gather_kv(kc, vc, torch.tensor(blocks), 0, c + n, torch.float64)
+        k, v = k.repeat_interleave(group, 0), v.repeat_interleave(group, 0)
+        s = torch.einsum("nhd,hld->hnl", qc.double(), k) * 0.125
+        allowed = torch.arange(c + n)[None, :] <= torch.arange(c, c + n)[:, None]
+        ref = torch.einsum("hnl,hld->nhd", s.masked_fill(~allowed, float("-inf")).softmax(-1), v)
+        err = (out[row : row + n].double() - ref).abs().max().item()
+        assert err < 0.03, (c, n, err)
+        row += n
