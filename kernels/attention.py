@@ -88,6 +88,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from itertools import chain
+from typing import Any
 
 import numpy as np
 import torch
@@ -797,9 +798,10 @@ def prefill_attention_bf16(
         if kh.shape[1] != qh.shape[1] and not _HAS_GQA:
             rep = qh.shape[1] // kh.shape[1]
             kh, vh = kh.repeat_interleave(rep, dim=1), vh.repeat_interleave(rep, dim=1)
-        gqa = {"enable_gqa": True} if kh.shape[1] != qh.shape[1] else {}
+        gqa: dict[str, Any] = {"enable_gqa": True} if kh.shape[1] != qh.shape[1] else {}
         if context:
-            o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=causal_lower_right(length, total), scale=scale, **gqa)
+            mask = causal_lower_right(length, total)
+            o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale, **gqa)
         else:
             o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale, **gqa)
         out[start : start + length] = o.squeeze(0).transpose(0, 1)

@@ -14,7 +14,8 @@ Why they do otherwise. A token's hidden state passes through three kinds of op:
   the decode kernel's, so attention is per-row there too, and a quantized model (whose linears
   are per-row) is batch-invariant without the switch, unless the CPU has AMX bf16 tiles, where
   a step with enough prompt rows runs them through the tiles (kernels/quant.py `RowSplit`: a
-  token's kernel then depends on its step; the switch keeps every row on int8). Elsewhere a prefill chunk runs SDPA, whose
+  token's kernel then depends on its step, and such a step attends in bf16 through torch's
+  fused attention; the switch keeps both off). Elsewhere a prefill chunk runs SDPA, whose
   blocking follows the query and key lengths, over the new K/V in the activations' dtype when
   nothing came before, else over K/V read back from the cache (bf16 under a quantized model's
   fp32). So the same token attends differently as part of a 64-token prompt, a 16-token chunk,
