@@ -685,6 +685,8 @@ class PrefillPlan:
     triton: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
     bidirectional: list[list[tuple[int, int]]] | None = None
     native: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    # `prefill_attention_bf16`'s causal masks by (rows, earlier tokens), made by the first layer.
+    masks: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
 
 
 def plan_prefill(
@@ -782,12 +784,12 @@ def prefill_attention_bf16(
     """Plain causal attention of every chunk of `plan` in bf16 through torch's fused CPU attention
     (oneDNN's, on AMX tiles where the CPU has them): q `[P, H, hd]` (the prefill rows, their K/V
     already written) is rounded to bf16, each chunk attends over its sequence's K/V gathered from
-    the cache as bf16, aligned to the last key (`causal_lower_right`), and the result comes back in
+    the cache as bf16, causally aligned to its last key, and the result comes back in
     q's dtype. Several times the native prefill kernel's speed at 2k-8k tokens of context
     (docs/benchmarks.md "AMX Xeon"), without its per-row bits: the model runner takes it only in
-    the steps whose prompt rows take the AMX tiles (kernels/quant.py `RowSplit`)."""
-    from torch.nn.attention.bias import causal_lower_right
-
+    the steps whose prompt rows take the AMX tiles (kernels/quant.py `RowSplit`). A chunk after
+    earlier context takes an explicit mask, made once per step (`PrefillPlan.masks`): torch's
+    `causal_lower_right` measured the same, and importing it took a second."""
     out = q.new_empty(q.shape)
     qb = q.to(torch.bfloat16)
     for start, length, context, block_ids in plan.chunks:
@@ -800,7 +802,10 @@ def prefill_attention_bf16(
             kh, vh = kh.repeat_interleave(rep, dim=1), vh.repeat_interleave(rep, dim=1)
         gqa: dict[str, Any] = {"enable_gqa": True} if kh.shape[1] != qh.shape[1] else {}
         if context:
-            mask = causal_lower_right(length, total)
+            mask = plan.masks.get((length, context))
+            if mask is None:
+                rows = torch.arange(length, device=q.device)[:, None] + context
+                mask = plan.masks[(length, context)] = torch.arange(total, device=q.device)[None, :] <= rows
             o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale, **gqa)
         else:
             o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale, **gqa)
