@@ -725,19 +725,27 @@ bool bf16_tiles_run() {
   return ok;
 }
 
-// `x @ W.T` over the packed weight by bf16 tiles (above); only where `bf16_tiles_run()`.
-at::Tensor quant_linear_bf16(const at::Tensor& x, const at::Tensor& qp, const at::Tensor& dp, const at::Tensor& mp,
-                             int64_t bits, int64_t N) {
-  TORCH_CHECK(bits == 4 || bits == 8 || bits == kIq4, "quant_linear_bf16: bits must be 4, 8 or ", kIq4, ", got ", bits);
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "quant_linear_bf16: x must be [M, K] float32");
-  TORCH_CHECK(bf16_tiles_run(), "quant_linear_bf16: needs AMX bf16 tiles (amx-tile, amx-bf16, avx512-bf16)");
+// Both quantized linears' arguments: x [M, K] fp32 and a packed weight of N outputs over K inputs
+// in `bits` codes (4, 8 or kIq4: IQ4 indices), or an error naming `op` and what does not match.
+void check_packed(const char* op, const at::Tensor& x, const at::Tensor& qp, const at::Tensor& dp, const at::Tensor& mp,
+                  int64_t bits, int64_t N) {
+  TORCH_CHECK(bits == 4 || bits == 8 || bits == kIq4, op, ": bits must be 4, 8 or ", kIq4, " (IQ4 indices), got ", bits);
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, op, ": x must be [M, K] float32");
   const int64_t M = x.size(0), K = x.size(1), nb = K / kBlock, G = qp.size(0);
-  const int fmt = static_cast<int>(bits);
-  TORCH_CHECK(K % kBlock == 0 && qp.dim() == 3 && qp.size(1) == nb && qp.size(2) == block_bytes(fmt) &&
+  TORCH_CHECK(K % kBlock == 0 && qp.dim() == 3 && qp.size(1) == nb && qp.size(2) == block_bytes(static_cast<int>(bits)) &&
                   qp.scalar_type() == at::kByte && dp.sizes() == at::IntArrayRef({G, nb, 16}) &&
                   mp.sizes() == dp.sizes() && dp.scalar_type() == at::kHalf && mp.scalar_type() == at::kHalf &&
                   N <= G * 16 && N > (G - 1) * 16,
-              "quant_linear_bf16: the packed weight does not match x [", M, ", ", K, "] and N=", N);
+              op, ": the packed weight does not match x [", M, ", ", K, "] and N=", N);
+}
+
+// `x @ W.T` over the packed weight by bf16 tiles (above); only where `bf16_tiles_run()`.
+at::Tensor quant_linear_bf16(const at::Tensor& x, const at::Tensor& qp, const at::Tensor& dp, const at::Tensor& mp,
+                             int64_t bits, int64_t N) {
+  check_packed("quant_linear_bf16", x, qp, dp, mp, bits, N);
+  TORCH_CHECK(bf16_tiles_run(), "quant_linear_bf16: needs AMX bf16 tiles (amx-tile, amx-bf16, avx512-bf16)");
+  const int64_t M = x.size(0), K = x.size(1), nb = K / kBlock, G = qp.size(0);
+  const int fmt = static_cast<int>(bits);
   at::Tensor out = at::empty({M, N}, x.options());
   if (M == 0 || N == 0) return out;
   const at::Tensor xc = x.contiguous(), qc = qp.contiguous(), dc = dp.contiguous(), mc = mp.contiguous();
@@ -880,16 +888,9 @@ void vector_group(QuantIsa isa, const uint8_t* qg, const uint16_t* dg, const uin
 // `isa`: "auto" (module note), or a path by name (tests compare them). `bits`: 4, 8 or kIq4.
 at::Tensor quant_linear_packed(const at::Tensor& x, const at::Tensor& qp, const at::Tensor& dp,
                                const at::Tensor& mp, int64_t bits, int64_t N, const std::string& isa_name_arg) {
-  TORCH_CHECK(bits == 4 || bits == 8 || bits == kIq4, "quant_linear_packed: bits must be 4, 8 or ", kIq4,
-              " (IQ4 indices), got ", bits);
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "quant_linear_packed: x must be [M, K] float32");
+  check_packed("quant_linear_packed", x, qp, dp, mp, bits, N);
   const int64_t M = x.size(0), K = x.size(1), nb = K / kBlock, G = qp.size(0);
   const int fmt = static_cast<int>(bits);
-  TORCH_CHECK(K % kBlock == 0 && qp.dim() == 3 && qp.size(1) == nb && qp.size(2) == block_bytes(fmt) &&
-                  qp.scalar_type() == at::kByte && dp.sizes() == at::IntArrayRef({G, nb, 16}) &&
-                  mp.sizes() == dp.sizes() && dp.scalar_type() == at::kHalf && mp.scalar_type() == at::kHalf &&
-                  N <= G * 16 && N > (G - 1) * 16,
-              "quant_linear_packed: the packed weight does not match x [", M, ", ", K, "] and N=", N);
   const QuantIsa isa = resolve_isa(isa_name_arg);
   const at::Tensor xc = x.contiguous(), qc = qp.contiguous(), dc = dp.contiguous(), mc = mp.contiguous();
   at::Tensor out = at::empty({M, N}, x.options());
