@@ -46,13 +46,14 @@ layer takes the native prefill kernel, whose prompt rows have the decode kernel'
 lm_head run over fixed row tiles. What cannot be made invariant is refused here, at
 engine start, naming the variable.
 
-Prompt rows on AMX (kernels/quant.py `RowSplit`): where the CPU has AMX bf16 tiles, a quantized
-model's prompt tokens take the tile kernel in steps that carry at least `TILE_MIN_ROWS` of them;
-generated tokens keep the int8 one, and the step's prompt chunks attend in bf16 through torch's
-fused attention (`AttentionMetadata.bf16_prefill`). The runner lists each step's prompt-token
-rows (`StepInputs.prompt_spans`: by position against the request's prompt length, so a
-recomputed request's generated tokens are not among them) and sets the split around the forward
-pass. Not under batch invariance, which keeps every row on one kernel.
+Large prompt steps on AMX (kernels/quant.py `RowSplit`): where the CPU has AMX bf16 tiles, a step
+that carries at least `TILE_MIN_ROWS` prompt tokens attends over its prompt chunks in bf16 through
+torch's fused attention (`AttentionMetadata.bf16_prefill`), for a dense model as for a quantized
+one, and a quantized model's prompt tokens take the tile kernel (generated tokens keep the int8
+one). The runner lists each step's prompt-token rows (`StepInputs.prompt_spans`: by position
+against the request's prompt length, so a recomputed request's generated tokens are not among
+them) and sets the split around the forward pass. Not under batch invariance, which keeps every
+row on one kernel.
 """
 
 from __future__ import annotations
@@ -127,14 +128,15 @@ class ModelRunner:
         self._prompt_rows_native = False  # batch invariance without decode rows (module note)
         if self.batch_invariant:
             self._make_batch_invariant()
-        # Prompt rows on AMX bf16 tiles (module note): a quantized model on such a CPU.
-        self.prompt_tiles = (
+        # Large prompt steps on AMX (module note): their attention in bf16, and a quantized
+        # model's prompt rows on the bf16 tiles.
+        self.large_prompt_steps = (
             self.device.type == "cpu"
             and not self.batch_invariant
             and isinstance(model, torch.nn.Module)
-            and any(isinstance(m, QuantLinear) for m in model.modules())
             and prompt_tiles_available()
         )
+        self.prompt_tiles = self.large_prompt_steps and any(isinstance(m, QuantLinear) for m in model.modules())
 
     def _make_batch_invariant(self) -> None:
         """Refuse what cannot be batch-invariant, else tile the dense linear layers (module note)."""
@@ -418,7 +420,7 @@ class ModelRunner:
     def _gather(self, decodes: list[ScheduledRequest], prefills: list[ScheduledRequest]) -> StepInputs:
         bs = self.block_size
         inputs = StepInputs()
-        spans = inputs.prompt_spans if self.prompt_tiles else None
+        spans = inputs.prompt_spans if self.large_prompt_steps else None
         for s in decodes:
             req, c = s.request, s.num_computed_tokens
             if spans is not None and _prompt_tokens_fed(s):  # a one-token prompt chunk

@@ -156,7 +156,28 @@ def test_the_runner_takes_the_tiles_where_the_cpu_has_them(
     engine = SyncEngine.from_engine_args(args)
     runner = engine.core.runner
     assert runner is not None
-    assert runner.prompt_tiles == (prompt_tiles_available() and not switch)
+    assert runner.prompt_tiles == runner.large_prompt_steps == (prompt_tiles_available() and not switch)
+
+
+def test_a_dense_models_large_prompt_steps_attend_in_bf16(tiny_model_dir: object) -> None:
+    """A dense model has no tiles to take, but its large prompt steps attend in bf16 where the CPU
+    has AMX (the runner's `large_prompt_steps`); its prompt still gives the same greedy tokens as
+    in steps too small for it (one 200-token prompt alone, then in 16-token chunks)."""
+    from triollm import LLM, SamplingParams
+    from triollm.engine.config import EngineArgs
+    from triollm.engine.sync_engine import SyncEngine
+
+    engine = SyncEngine.from_engine_args(EngineArgs(model=str(tiny_model_dir), max_model_len=256, num_threads=2))
+    runner = engine.core.runner
+    assert runner is not None and not runner.prompt_tiles
+    assert runner.large_prompt_steps == prompt_tiles_available()
+    prompt = {"prompt_token_ids": [(7 * i) % 300 + 3 for i in range(200)]}
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    outs = []
+    for chunk in ({}, {"long_prefill_token_threshold": 16}):
+        with LLM(str(tiny_model_dir), max_model_len=256, num_threads=2, multiprocess=False, **chunk) as llm:
+            outs.append(llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids)
+    assert outs[0] == outs[1] and len(outs[0]) == 8
 
 
 @needs_tiles
