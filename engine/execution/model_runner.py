@@ -176,16 +176,6 @@ class ModelRunner:
             return False
         return all(m.prefill_kernel_takes(cfg.dtype, self.kv.k[i]) for i, m in enumerate(layers))
 
-    def _large_prompt_step(self, inputs: StepInputs, meta: AttentionMetadata) -> RowSplit | None:
-        """Whether this step is a large prompt step (module note): sets `meta.bf16_prefill`, and
-        returns the quantized linears' split of its rows (None: none, or a dense model)."""
-        if self.prompt_tiles:
-            split = RowSplit.of(len(inputs.token_ids), inputs.prompt_spans, TILE_MIN_ROWS)
-            meta.bf16_prefill = split is not None
-            return split
-        meta.bf16_prefill = sum(n for _, n in inputs.prompt_spans) >= TILE_MIN_ROWS
-        return None
-
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """`compute_logits`, over fixed row tiles under batch invariance with a dense head."""
         if self._tile_logits:
@@ -241,7 +231,9 @@ class ModelRunner:
             if self.vision is not None and (prefills or image_decodes):
                 images = self._image_rows(order)
                 _bidirectional_spans(meta, prefills)
-            with prompt_rows(self._large_prompt_step(inputs, meta)):
+            split = RowSplit.of(len(inputs.token_ids), inputs.prompt_spans, TILE_MIN_ROWS)
+            meta.bf16_prefill = split is not None
+            with prompt_rows(split):
                 if images is None:  # text only: the model's plain call (any CausalLM, fakes included)
                     hidden = self.model(input_ids, positions, meta, self.kv)
                 else:
@@ -363,7 +355,9 @@ class ModelRunner:
         if self.lora is not None:
             self.lora.set_batch(inputs.lora_segments)
         input_ids, positions, meta = self._tensors(inputs)
-        with prompt_rows(self._large_prompt_step(inputs, meta)):
+        split = RowSplit.of(len(inputs.token_ids), inputs.prompt_spans, TILE_MIN_ROWS)
+        meta.bf16_prefill = split is not None
+        with prompt_rows(split):
             hidden = self.model(input_ids, positions, meta, self.kv)
         for rows in inputs.logit_rows:
             self._logits(hidden.index_select(0, torch.tensor(rows, device=self.device)))
@@ -436,9 +430,8 @@ class ModelRunner:
                 _add_decode_row(inputs, token, c + j, req.block_ids, bs)
         for s in prefills:
             req, c, n = s.request, s.num_computed_tokens, s.num_new_tokens
-            fed = _prompt_tokens_fed(s) if spans is not None else 0
-            if spans is not None and fed:
-                spans.append((len(inputs.token_ids), fed))
+            if spans is not None and _prompt_tokens_fed(s):
+                spans.append((len(inputs.token_ids), _prompt_tokens_fed(s)))
             _add_prefill(inputs, req.all_token_ids[c : c + n], c, req.block_ids, bs)
         return inputs
 

@@ -70,8 +70,8 @@ class AttentionMetadata:
     triton: bool | None = None
     # A hybrid model's recurrent layers: each request's rows and state slot (layers/recurrent.py).
     state_rows: StateRows | None = None
-    # A large prompt step on AMX (set by the model runner, module note there): its prompt chunks
-    # attend in bf16 through torch's fused attention (`prefill_attention_bf16`).
+    # A large prompt step on AMX tiles (kernels/quant.py `RowSplit`, set by the model runner): its
+    # prompt chunks attend in bf16 through torch's fused attention (`prefill_attention_bf16`).
     bf16_prefill: bool = False
 
 
@@ -113,22 +113,27 @@ class PagedAttention(nn.Module):
             # An all-decode step on the native CPU kernels: rotary + cache write in one call.
             q = cpu_native.rotary_write_kv(qkv, rope.cos, rope.sin, k_cache, v_cache, meta.slot_mapping, h, kvh)
             return decode_attention(q, k_cache, v_cache, plan, self.scale, **self.extra).view(t, h * hd)
+        if full and meta.bf16_prefill and self._native_prefill(qkv, meta, k_cache):
+            # A large prompt step on AMX tiles: the same rotary + cache write, then the chunks in
+            # bf16 through torch's fused attention (kernels/attention.py `prefill_attention_bf16`).
+            q = cpu_native.rotary_write_kv(qkv, rope.cos, rope.sin, k_cache, v_cache, meta.slot_mapping, h, kvh)
+            d = meta.num_decodes
+            assert meta.prefill_plan is not None
+            prompts = prefill_attention_bf16(q[d:], k_cache, v_cache, meta.prefill_plan, self.scale)
+            if not d:
+                return prompts.view(t, h * hd)
+            assert meta.decode_plan is not None
+            decodes = decode_attention(q[:d], k_cache, v_cache, meta.decode_plan, self.scale)
+            return torch.cat((decodes, prompts)).view(t, h * hd)
         if full and self._native_prefill(qkv, meta, k_cache):
             # Prompt rows (and decode rows beside them) on the native CPU kernels: the same
             # rotary + cache write as a decode step, and the prefill kernel with the decode
-            # kernel's arithmetic, so a token's bits do not depend on the step it runs in; or, in
-            # a large prompt step on AMX (`bf16_prefill`), the chunks in bf16 through torch's fused
-            # attention (kernels/attention.py `prefill_attention_bf16`).
+            # kernel's arithmetic, so a token's bits do not depend on the step it runs in.
             q = cpu_native.rotary_write_kv(qkv, rope.cos, rope.sin, k_cache, v_cache, meta.slot_mapping, h, kvh)
             d = meta.num_decodes
             assert meta.prefill_plan is not None and meta.prefill_plan.native is not None
-            if meta.bf16_prefill:
-                prompts = prefill_attention_bf16(q[d:], k_cache, v_cache, meta.prefill_plan, self.scale)
-            else:
-                tables, starts, contexts = meta.prefill_plan.native
-                prompts = cpu_native.paged_prefill_attention(
-                    q[d:], k_cache, v_cache, tables, starts, contexts, self.scale
-                )
+            tables, starts, contexts = meta.prefill_plan.native
+            prompts = cpu_native.paged_prefill_attention(q[d:], k_cache, v_cache, tables, starts, contexts, self.scale)
             if not d:
                 return prompts.view(t, h * hd)
             assert meta.decode_plan is not None
