@@ -192,17 +192,24 @@ def _linears(model: nn.Module) -> list[tuple[_Kind, Callable[[torch.Tensor], Any
 
 
 def _alone(module: nn.Module) -> Callable[[torch.Tensor], Any]:
-    """What a step runs for this projection: the native stack calls the quantized kernel itself,
-    without `QuantLinear.forward`'s Python (much of a small batch's call); elsewhere the layer's
-    forward."""
-    # Not public: the kernel the native decoder stack calls, to time it as the stack does.
+    """What a step runs for this projection: the native stack calls the quantized kernel itself
+    (the int8 one, or the bf16 tiles where the layer takes them for as many rows), without
+    `QuantLinear.forward`'s Python (much of a small batch's call); elsewhere the layer's forward."""
+    # Not public: the kernels the native decoder stack calls, to time them as the stack does.
     from triollm.engine.execution.layers.quantized import QuantLinear
     from triollm.kernels import cpu_native
+    from triollm.kernels.quant import TILE_MIN_ROWS
 
     m = module
     if isinstance(m, QuantLinear) and m.bias is None and m.perm is None and cpu_native.available():
-        op = torch.ops.triollm_cpu.quant_linear_packed
-        return lambda x: op(x.float(), m.qp, m.dp, m.mp, m.bits, m.n, "auto")
+        ops = torch.ops.triollm_cpu
+
+        def run(x: torch.Tensor) -> Any:
+            if m.tiles and x.shape[0] >= TILE_MIN_ROWS:
+                return ops.quant_linear_bf16(x.float(), m.qp, m.dp, m.mp, m.bits, m.n)
+            return ops.quant_linear_packed(x.float(), m.qp, m.dp, m.mp, m.bits, m.n, "auto")
+
+        return run
     return module.forward
 
 

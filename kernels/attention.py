@@ -786,8 +786,9 @@ def prefill_attention_bf16(
     already written) is rounded to bf16, each chunk attends over its sequence's K/V gathered from
     the cache as bf16, causally aligned to its last key, and the result comes back in
     q's dtype. Several times the native prefill kernel's speed at 2k-8k tokens of context
-    (docs/benchmarks.md "AMX Xeon"), without its per-row bits: the model runner takes it only in
-    the steps whose prompt rows take the AMX tiles (kernels/quant.py `RowSplit`). A chunk after
+    (docs/benchmarks.md "AMX Xeon"), without its per-row bits: the model runner takes it only for
+    large prompt steps on a CPU with AMX bf16 tiles (engine/execution/model_runner.py
+    `LARGE_PROMPT_ROWS`). A chunk after
     earlier context takes an explicit mask, made once per step (`PrefillPlan.masks`): torch's
     `causal_lower_right` measured the same, and importing it took a second."""
     out = q.new_empty(q.shape)

@@ -13,9 +13,9 @@ Why they do otherwise. A token's hidden state passes through three kinds of op:
   with AVX-512 BF16, a bf16 / fp8 / int8 cache, causal attention), a prompt row's arithmetic is
   the decode kernel's, so attention is per-row there too, and a quantized model (whose linears
   are per-row) is batch-invariant without the switch, unless the CPU has AMX bf16 tiles, where
-  a step with enough prompt rows runs them through the tiles (kernels/quant.py `RowSplit`: a
-  token's kernel then depends on its step, and such a step attends in bf16 through torch's
-  fused attention; the switch keeps both off). Elsewhere a prefill chunk runs SDPA, whose
+  a step of `TILE_MIN_ROWS` rows or more runs its linears on the tiles (kernels/quant.py: a
+  token's kernel then depends on the size of its step), and a large prompt step attends in bf16
+  through torch's fused attention; the switch keeps both off. Elsewhere a prefill chunk runs SDPA, whose
   blocking follows the query and key lengths, over the new K/V in the activations' dtype when
   nothing came before, else over K/V read back from the cache (bf16 under a quantized model's
   fp32). So the same token attends differently as part of a 64-token prompt, a 16-token chunk,

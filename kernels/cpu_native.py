@@ -317,6 +317,13 @@ def sample_inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return torch.ops.triollm_cpu.sample_inverse_cdf(probs, u)
 
 
+def greedy_argmax(logits: torch.Tensor) -> torch.Tensor:
+    """`logits.argmax(-1)` for `logits` [B, V] float32, long [B]: torch's answer (the first
+    largest, a NaN the largest), vectorised (kernels/csrc/sampling.cpp). Call only when
+    `available()`."""
+    return torch.ops.triollm_cpu.greedy_argmax(logits)
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm over the last dimension, one pass, fp32 math. Call only when `available()`."""
     return torch.ops.triollm_cpu.rms_norm(x, weight, eps)

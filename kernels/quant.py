@@ -16,24 +16,21 @@ indices looked up with a byte shuffle; plain loops elsewhere) where the native
 kernels are built, else a dense product of the dequantized weight (no compiler: slow, still
 right). `reference_linear` is the kernel's arithmetic in torch, for tests.
 
-Prompt rows on AMX (`RowSplit`): where the CPU has AMX bf16 tiles, a step that carries at least
-`TILE_MIN_ROWS` prompt tokens runs them through another kernel (`tile_linear`: each block
-dequantized once into bf16 tiles, the activations rounded to bf16, fp32 sums over the whole
-input), about twice the int8 path's speed from 256 rows on; generated tokens and smaller prompt
-chunks keep the int8 path (below the threshold the tiles' pass over every weight, beside the int8
-pass for the step's decode rows, cost more than they saved: docs/benchmarks.md "AMX Xeon"). Each
-kernel gives a row the same bits at every batch size, but which one a prompt token takes depends
-on the step it lands in, so on such a CPU a request's numbers are no longer independent of its
-neighbours by default: `VLLM_BATCH_INVARIANT=1` (kernels/batch_invariant.py) keeps every row on
-the int8 path, as does a forced $TRIOLLM_CPU_ISA. The model runner sets the split around the
-model's forward pass (`prompt_rows`).
+Large inputs on AMX (`tile_linear`): where the CPU has AMX bf16 tiles, an input of at least
+`TILE_MIN_ROWS` rows (a step's tokens: decodes, prompt chunks, or both) takes another kernel: each
+block dequantized once per call into bf16 tiles, the activations rounded to bf16, fp32 sums over
+the whole input, no per-block scaling. From 32 rows on it takes 0.6-0.9x the int8 AMX path's
+time, from 256 rows about half (docs/benchmarks.md "AMX Xeon"); below ~24 rows its pass over
+every weight costs more than it saves. Each kernel gives a row the same bits at every row count
+on its side of the threshold, but a request's numbers now depend on the size of the steps it
+runs in, so on such a CPU they are not independent of its neighbours by default: the model runner
+allows the tiles (`tiles=True`, its layers' `tiles`) only without `VLLM_BATCH_INVARIANT=1`
+(kernels/batch_invariant.py) and without a forced $TRIOLLM_CPU_ISA.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
-from contextvars import ContextVar
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -50,11 +47,8 @@ __all__ = [
     "PackedWeight",
     "QuantWeight",
     "TILE_MIN_ROWS",
-    "RowSplit",
-    "current_split",
     "packed_linear",
-    "prompt_rows",
-    "prompt_tiles_available",
+    "tiles_available",
     "quantize_activations",
     "reference_linear",
     "tile_linear",
@@ -66,11 +60,11 @@ GGML_Q4_0, GGML_Q4_1, GGML_Q5_0, GGML_Q5_1, GGML_Q8_0 = 2, 3, 6, 7, 8
 _BLOCK_BYTES = {GGML_Q4_0: 18, GGML_Q4_1: 20, GGML_Q5_0: 22, GGML_Q5_1: 24, GGML_Q8_0: 34}
 QUANT_GGML_TYPES = frozenset(_BLOCK_BYTES) | KQUANT_TYPES  # K-quants: kernels/kquants.py
 _IQ4_CODES = torch.from_numpy(IQ4_CODES).to(torch.int32)
-# Prompt rows a step needs for them to take the bf16 tiles (module note). Measured on a 2-core AMX
-# Xeon over SmolLM2-135M's four linears (docs/bench/prompt_tiles_split.py): with 16 decode
-# rows beside them, 64 prompt rows ran 0.92x the int8-only step, 128 rows 0.74x, 512 rows 0.59x;
-# with 64 decode rows, 64 prompt rows 1.06x and 128 rows 0.86x.
-TILE_MIN_ROWS = 128
+# Rows from which an input takes the bf16 tiles where they are allowed (module note). Measured on a
+# 2-core AMX Xeon, tile time / int8 AMX time over SmolLM2-135M's four linears and its head
+# (docs/bench/quant_paths.py): 16 rows 0.91-1.28x, 24 rows 0.88-0.97x, 32 rows 0.68-0.94x,
+# 64 rows 0.59-0.73x.
+TILE_MIN_ROWS = 32
 
 
 @dataclass
@@ -257,16 +251,16 @@ def packed_linear(
     bias: torch.Tensor | None = None,
     *,
     isa: str = "auto",
-    split: RowSplit | None = None,
+    tiles: bool = False,
 ) -> torch.Tensor:
     """`x @ W.T (+ bias)` for x `[..., K]` over a PackedWeight, in x's dtype (fp32 inside).
     `isa`: the kernel's path, "auto" (the best this CPU runs, or $TRIOLLM_CPU_ISA) or one of
-    cpu_native.QUANT_ISAS by name (tests compare them). `split`: a step's rows by kernel
-    (`RowSplit`), used where x has its row count."""
+    cpu_native.QUANT_ISAS by name (tests compare them). `tiles`: the caller allows the AMX bf16
+    tiles, taken from `TILE_MIN_ROWS` rows on (module note; the caller checks `tiles_available`)."""
     lead, k = x.shape[:-1], x.shape[-1]
     flat = x.reshape(-1, k).float()
-    if split is not None and split.rows == flat.shape[0] and x.device.type == "cpu":
-        out = split.linear(flat, w)
+    if tiles and flat.shape[0] >= TILE_MIN_ROWS and x.device.type == "cpu":
+        out = tile_linear(flat, w)
     else:
         out = _int8_linear(flat, w, isa)
     if bias is not None:
@@ -282,70 +276,14 @@ def _int8_linear(flat: torch.Tensor, w: PackedWeight, isa: str) -> torch.Tensor:
 
 def tile_linear(x: torch.Tensor, w: PackedWeight) -> torch.Tensor:
     """`x @ W.T` for x `[M, K]` fp32 by the AMX bf16 tile kernel (module note); only where
-    `prompt_tiles_available()`."""
+    `tiles_available()`."""
     return torch.ops.triollm_cpu.quant_linear_bf16(x, w.qp, w.dp, w.mp, w.bits, w.n)
 
 
-def prompt_tiles_available() -> bool:
-    """Whether prompt rows take the bf16 tiles in this process: the native kernels are built, the
-    CPU has AMX bf16 tiles (and the kernel's leave to use them), and no path is forced."""
+def tiles_available() -> bool:
+    """Whether large inputs may take the bf16 tiles in this process: the native kernels are built,
+    the CPU has AMX bf16 tiles (and the kernel's leave to use them), and no path is forced."""
     return cpu_native.available() and not forced_cpu_isa() and bool(torch.ops.triollm_cpu.bf16_tiles())
-
-
-@dataclass(frozen=True)
-class RowSplit:
-    """A step's `rows` token rows by kernel: `tiles` (prompt tokens: `tile_linear`) and `rest`
-    (generated tokens: the int8 path), long indices; either may be empty. `spans` is `tiles` as
-    (first row, count) runs: one run, the usual case, is read as a view."""
-
-    rows: int
-    tiles: torch.Tensor
-    rest: torch.Tensor
-    spans: tuple[tuple[int, int], ...]
-
-    @classmethod
-    def of(cls, rows: int, spans: Sequence[tuple[int, int]], min_rows: int = 1) -> RowSplit | None:
-        """The split for prompt-token runs `spans` of a `rows`-row step; None where they hold
-        fewer than `min_rows` rows (the model runner passes `TILE_MIN_ROWS`)."""
-        runs = tuple((a, n) for a, n in spans if n > 0)
-        if not runs or sum(n for _, n in runs) < min_rows:
-            return None
-        mask = torch.zeros(rows, dtype=torch.bool)
-        for a, n in runs:
-            mask[a : a + n] = True
-        return cls(rows, mask.nonzero().view(-1), (~mask).nonzero().view(-1), runs)
-
-    def linear(self, x: torch.Tensor, w: PackedWeight) -> torch.Tensor:
-        """`x @ W.T` for x `[rows, K]` fp32: each row by its own kernel."""
-        if not self.rest.numel():
-            return tile_linear(x, w)
-        out = torch.empty(x.shape[0], w.n, dtype=torch.float32, device=x.device)
-        if len(self.spans) == 1:
-            a, n = self.spans[0]
-            out[a : a + n] = tile_linear(x[a : a + n], w)
-        else:
-            out.index_copy_(0, self.tiles, tile_linear(x.index_select(0, self.tiles), w))
-        out.index_copy_(0, self.rest, _int8_linear(x.index_select(0, self.rest), w, "auto"))
-        return out
-
-
-_SPLIT: ContextVar[RowSplit | None] = ContextVar("triollm_row_split", default=None)
-
-
-@contextmanager
-def prompt_rows(split: RowSplit | None) -> Iterator[None]:
-    """The quantized linears of the block (the model's forward pass) take `split`'s kernels for
-    inputs of `split.rows` rows (module note)."""
-    token = _SPLIT.set(split)
-    try:
-        yield
-    finally:
-        _SPLIT.reset(token)
-
-
-def current_split() -> RowSplit | None:
-    """The split set by `prompt_rows` for this forward pass, if any."""
-    return _SPLIT.get()
 
 
 def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

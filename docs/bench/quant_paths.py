@@ -18,7 +18,7 @@ import time
 import torch
 
 from triollm.kernels import cpu_native
-from triollm.kernels.quant import IQ4, PackedWeight, QuantWeight, packed_linear, prompt_tiles_available, tile_linear
+from triollm.kernels.quant import IQ4, PackedWeight, QuantWeight, packed_linear, tile_linear, tiles_available
 
 # SmolLM2-135M's linears (qkv, o, gate_up, down) and its tied 49,152-row head.
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536), (49152, 576)]
@@ -43,7 +43,7 @@ def main() -> None:
     rows = [int(a) for a in sys.argv[1:]] or [16, 32, 64, 256, 2048]
     isas = [i for i in cpu_native.supported_isas() if i != "scalar"] or ["scalar"]
     base = "avx512_vnni" if "avx512_vnni" in isas else isas[0]
-    timed = isas + (["tiles"] if prompt_tiles_available() else [])
+    timed = isas + (["tiles"] if tiles_available() else [])
     print(f"paths: {', '.join(timed)}; ratio: time / {base}'s; best of 3 rounds x 20 calls, ms")
     torch.manual_seed(0)
     for bits in (4, 8, IQ4):

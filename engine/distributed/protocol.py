@@ -59,9 +59,6 @@ class StepInputs:
     # slots rank 0 filled since the last step, opaque to this module (lora/manager.py `take_loads`).
     lora_segments: list[tuple[int, int, int]] = field(default_factory=list)
     lora_loads: bytes = b""
-    # Prompt-token rows as (first row, count) runs, where prompt rows take their own kernel
-    # (kernels/quant.py `RowSplit`); empty otherwise.
-    prompt_spans: list[tuple[int, int]] = field(default_factory=list)
 
 
 @dataclass(frozen=True)

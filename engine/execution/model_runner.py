@@ -46,14 +46,12 @@ layer takes the native prefill kernel, whose prompt rows have the decode kernel'
 lm_head run over fixed row tiles. What cannot be made invariant is refused here, at
 engine start, naming the variable.
 
-Large prompt steps on AMX (kernels/quant.py `RowSplit`): where the CPU has AMX bf16 tiles, a step
-that carries at least `TILE_MIN_ROWS` prompt tokens attends over its prompt chunks in bf16 through
-torch's fused attention (`AttentionMetadata.bf16_prefill`), for a dense model as for a quantized
-one, and a quantized model's prompt tokens take the tile kernel (generated tokens keep the int8
-one). The runner lists each step's prompt-token rows (`StepInputs.prompt_spans`: by position
-against the request's prompt length, so a recomputed request's generated tokens are not among
-them) and sets the split around the forward pass. Not under batch invariance, which keeps every
-row on one kernel.
+Large steps on AMX: where the CPU has AMX bf16 tiles (kernels/quant.py `tiles_available`), a
+quantized model's linears take the bf16 tile kernel for inputs of `TILE_MIN_ROWS` rows or more
+(decodes and prompt chunks alike: the runner sets the layers' `tiles`, the native decode stack
+follows them), and a step whose prompt chunks hold `LARGE_PROMPT_ROWS` tokens or more attends over
+them in bf16 through torch's fused attention (`AttentionMetadata.bf16_prefill`), for a dense model
+as for a quantized one. Neither under batch invariance, which keeps every row on one kernel.
 """
 
 from __future__ import annotations
@@ -79,7 +77,11 @@ from triollm.engine.scheduling.request_state import Request
 from triollm.engine.scheduling.scheduler import ScheduledRequest
 from triollm.kernels import KVCache, batch_invariant, cpu_native
 from triollm.kernels.attention import DecodeWorkspace, plan_decode, plan_prefill
-from triollm.kernels.quant import TILE_MIN_ROWS, RowSplit, prompt_rows, prompt_tiles_available
+from triollm.kernels.quant import tiles_available
+
+# Prompt-chunk tokens from which a step's chunks attend in bf16 on AMX (module note), the size it
+# was measured to pay at (docs/benchmarks.md "AMX Xeon"); smaller steps keep the native kernel.
+LARGE_PROMPT_ROWS = 128
 
 if TYPE_CHECKING:
     from triollm.engine.distributed.group import TensorParallelGroup
@@ -128,15 +130,19 @@ class ModelRunner:
         self._prompt_rows_native = False  # batch invariance without decode rows (module note)
         if self.batch_invariant:
             self._make_batch_invariant()
-        # Large prompt steps on AMX (module note): their attention in bf16, and a quantized
-        # model's prompt rows on the bf16 tiles.
+        # Large steps on AMX (module note): a quantized model's large inputs on the bf16 tiles,
+        # and the prompt chunks of a large prompt step attended in bf16.
         self.large_prompt_steps = (
             self.device.type == "cpu"
             and not self.batch_invariant
             and isinstance(model, torch.nn.Module)
-            and prompt_tiles_available()
+            and tiles_available()
         )
-        self.prompt_tiles = self.large_prompt_steps and any(isinstance(m, QuantLinear) for m in model.modules())
+        self.tiles = False
+        if self.large_prompt_steps:
+            for m in model.modules():
+                if isinstance(m, (QuantLinear, QuantEmbedding)):
+                    m.tiles = self.tiles = True
 
     def _make_batch_invariant(self) -> None:
         """Refuse what cannot be batch-invariant, else tile the dense linear layers (module note)."""
@@ -231,13 +237,11 @@ class ModelRunner:
             if self.vision is not None and (prefills or image_decodes):
                 images = self._image_rows(order)
                 _bidirectional_spans(meta, prefills)
-            split = RowSplit.of(len(inputs.token_ids), inputs.prompt_spans, TILE_MIN_ROWS)
-            meta.bf16_prefill = split is not None
-            with prompt_rows(split):
-                if images is None:  # text only: the model's plain call (any CausalLM, fakes included)
-                    hidden = self.model(input_ids, positions, meta, self.kv)
-                else:
-                    hidden = self.model(input_ids, positions, meta, self.kv, images)
+            meta.bf16_prefill = self._large_prompt_step(inputs)
+            if images is None:  # text only: the model's plain call (any CausalLM, fakes included)
+                hidden = self.model(input_ids, positions, meta, self.kv)
+            else:
+                hidden = self.model(input_ids, positions, meta, self.kv, images)
 
         out = RunnerOutput({}, {}, {})
         if samplers:
@@ -355,10 +359,8 @@ class ModelRunner:
         if self.lora is not None:
             self.lora.set_batch(inputs.lora_segments)
         input_ids, positions, meta = self._tensors(inputs)
-        split = RowSplit.of(len(inputs.token_ids), inputs.prompt_spans, TILE_MIN_ROWS)
-        meta.bf16_prefill = split is not None
-        with prompt_rows(split):
-            hidden = self.model(input_ids, positions, meta, self.kv)
+        meta.bf16_prefill = self._large_prompt_step(inputs)
+        hidden = self.model(input_ids, positions, meta, self.kv)
         for rows in inputs.logit_rows:
             self._logits(hidden.index_select(0, torch.tensor(rows, device=self.device)))
 
@@ -420,20 +422,20 @@ class ModelRunner:
     def _gather(self, decodes: list[ScheduledRequest], prefills: list[ScheduledRequest]) -> StepInputs:
         bs = self.block_size
         inputs = StepInputs()
-        spans = inputs.prompt_spans if self.large_prompt_steps else None
         for s in decodes:
             req, c = s.request, s.num_computed_tokens
-            if spans is not None and _prompt_tokens_fed(s):  # a one-token prompt chunk
-                spans.append((len(inputs.token_ids), 1))
             _add_decode_row(inputs, req.all_token_ids[c], c, req.block_ids, bs)
             for j, token in enumerate(s.draft_token_ids[: s.num_draft], 1):  # then its drafts
                 _add_decode_row(inputs, token, c + j, req.block_ids, bs)
         for s in prefills:
             req, c, n = s.request, s.num_computed_tokens, s.num_new_tokens
-            if spans is not None and _prompt_tokens_fed(s):
-                spans.append((len(inputs.token_ids), _prompt_tokens_fed(s)))
             _add_prefill(inputs, req.all_token_ids[c : c + n], c, req.block_ids, bs)
         return inputs
+
+    def _large_prompt_step(self, inputs: StepInputs) -> bool:
+        """Whether this step's prompt chunks attend in bf16 (module note): they hold at least
+        `LARGE_PROMPT_ROWS` tokens, where the CPU allows it."""
+        return self.large_prompt_steps and len(inputs.token_ids) - len(inputs.decode_lens) >= LARGE_PROMPT_ROWS
 
     def _tensors(self, inputs: StepInputs) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         dev = self.device
@@ -508,13 +510,6 @@ def _logit_rows(order: list[ScheduledRequest], ends: list[int], samplers: list[i
                 start = ends[i] - s.num_new_tokens + 1
                 rows.append(list(range(start, start + n)))
     return rows
-
-
-def _prompt_tokens_fed(s: ScheduledRequest) -> int:
-    """How many of the tokens `s` feeds this step are prompt tokens (the first ones): by position
-    against the prompt's length, so a recomputed request's generated tokens are not."""
-    own = s.num_new_tokens - s.num_draft
-    return max(0, min(own, s.request.num_prompt_tokens - s.num_computed_tokens))
 
 
 def _add_decode_row(inputs: StepInputs, token: int, p: int, blocks: list[int], bs: int) -> None:

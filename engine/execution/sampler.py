@@ -125,10 +125,10 @@ class Sampler:
     def _sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         greedy = [r.params.is_greedy for r in rows]
         if all(greedy):
-            return logits.argmax(-1)
+            return argmax(logits)
         if not any(greedy):
             return _random_sample(logits, rows)
-        token_ids = logits.argmax(-1)
+        token_ids = argmax(logits)
         idx = [i for i, g in enumerate(greedy) if not g]
         token_ids[idx] = _random_sample(logits[idx], [rows[i] for i in idx])
         return token_ids
@@ -149,7 +149,7 @@ def verify(logits: torch.Tensor, rows: list[SamplingRow], drafts: list[int]) -> 
 
     Returns the token per row (for an accepted row: its draft) and per row whether its draft was
     accepted (False for rows without one)."""
-    token_ids = logits.argmax(-1)
+    token_ids = argmax(logits)
     draft_t = torch.tensor(drafts, device=logits.device)
     accepted_t = (token_ids == draft_t) & (draft_t >= 0)
     random_rows = [i for i, r in enumerate(rows) if not r.params.is_greedy]
@@ -368,6 +368,14 @@ def _uniform(probs: torch.Tensor, rows: list[SamplingRow], dtype: torch.dtype = 
         if r.generator is not None:
             u[i] = torch.rand(1, generator=r.generator, dtype=dtype).item()
     return u
+
+
+def argmax(logits: torch.Tensor) -> torch.Tensor:
+    """`logits.argmax(-1)` for fp32 `[B, V]`, by the native kernel on CPU (kernels/csrc/sampling.cpp
+    `greedy_argmax`: torch's answer, NaN and ties included, without its scalar loop)."""
+    if logits.device.type == "cpu" and cpu_native.available():
+        return cpu_native.greedy_argmax(logits.float())
+    return logits.argmax(-1)
 
 
 def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:

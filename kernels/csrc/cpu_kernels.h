@@ -28,5 +28,7 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
                                   int64_t chunk = 0);  // sinks: float32 [H]; chunk 0: none
 at::Tensor quant_linear_packed(const at::Tensor& x, const at::Tensor& qp, const at::Tensor& dp,
                                const at::Tensor& mp, int64_t bits, int64_t N, const std::string& isa);
+at::Tensor quant_linear_bf16(const at::Tensor& x, const at::Tensor& qp, const at::Tensor& dp, const at::Tensor& mp,
+                             int64_t bits, int64_t N);
 
 }  // namespace triollm_cpu

@@ -158,14 +158,16 @@ void lora_apply(at::Tensor out, const at::Tensor& x, const at::Tensor& a, const 
 // group g's rows are lora_rows[g] (a long index) or, where that is empty,
 // [lora_ranges[2g], + lora_ranges[2g+1]). Returns the residual stream after the last layer
 // (before the final norm). k_scales/v_scales: each layer's cache scales where the cache is
-// quantized (kernels/kv_quant.py), else empty.
+// quantized (kernels/kv_quant.py), else empty. `tiles`: the projections take the AMX bf16 tile
+// kernel (quant_linear_bf16) instead of the int8 one, as the layers' do for as many rows
+// (kernels/quant.py `TILE_MIN_ROWS`: the caller decides).
 at::Tensor quant_decoder_stack(const at::Tensor& x, at::TensorList weights, at::IntArrayRef shapes,
                                at::TensorList k_caches, at::TensorList v_caches, const at::Tensor& cos,
                                const at::Tensor& sin, const at::Tensor& slots, const at::Tensor& block_tables,
                                const at::Tensor& context_lens, int64_t num_heads, int64_t num_kv_heads,
                                double eps, double scale, at::TensorList lora_weights, at::IntArrayRef lora_ints,
                                at::IntArrayRef lora_bounds, at::IntArrayRef lora_ranges, at::TensorList lora_rows,
-                               at::TensorList k_scales, at::TensorList v_scales) {
+                               at::TensorList k_scales, at::TensorList v_scales, bool tiles) {
   const int64_t L = static_cast<int64_t>(k_caches.size());
   const int64_t G = static_cast<int64_t>(lora_rows.size());
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "quant_decoder_stack: x must be [B, hidden] float32");
@@ -185,7 +187,8 @@ at::Tensor quant_decoder_stack(const at::Tensor& x, at::TensorList weights, at::
     const at::Tensor* w = weights.data() + 14 * i;
     const int64_t* s = shapes.data() + 8 * i;
     auto linear = [&](const at::Tensor& in, int64_t p) {  // projection p: 0 qkv, 1 o, 2 gate_up, 3 down
-      at::Tensor out = quant_linear_packed(in, w[2 + 3 * p], w[3 + 3 * p], w[4 + 3 * p], s[2 * p], s[2 * p + 1], "auto");
+      at::Tensor out = tiles ? quant_linear_bf16(in, w[2 + 3 * p], w[3 + 3 * p], w[4 + 3 * p], s[2 * p], s[2 * p + 1])
+                             : quant_linear_packed(in, w[2 + 3 * p], w[3 + 3 * p], w[4 + 3 * p], s[2 * p], s[2 * p + 1], "auto");
       for (int64_t g = 0; g < G; ++g) {
         const int64_t at_ = ((g * L + i) * 4 + p) * 2;
         if (lora_weights[at_].numel() == 0) continue;
@@ -216,7 +219,7 @@ TORCH_LIBRARY_FRAGMENT(triollm_cpu, m) {
         "Tensor(b!)[] v_caches, Tensor cos, Tensor sin, Tensor slots, Tensor block_tables, "
         "Tensor context_lens, int num_heads, int num_kv_heads, float eps, float scale, "
         "Tensor[] lora_weights, int[] lora_ints, int[] lora_bounds, int[] lora_ranges, Tensor[] lora_rows, "
-        "Tensor(c!)[] k_scales, Tensor(d!)[] v_scales) -> Tensor");
+        "Tensor(c!)[] k_scales, Tensor(d!)[] v_scales, bool tiles=False) -> Tensor");
   m.def("lora_apply(Tensor(a!) out, Tensor x, Tensor a, Tensor bt, int[] bounds, int rank, int mask, Tensor rows, "
         "int start, int n) -> ()");
 }

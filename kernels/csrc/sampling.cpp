@@ -9,11 +9,20 @@
 // (256 tokens, double) find the block the target falls in, and a sequential scan inside it finds
 // the token; where rounding leaves the target past the scan's end, the row's last token with a
 // positive probability is taken (u < 1 makes that a rounding case only).
+//
+// Greedy rows' argmax (`greedy_argmax`), torch.argmax's answer for fp32 [B, V]: the first index of
+// the row's largest value, a NaN counting as the largest (the first NaN), -0.0 equal to +0.0.
+// Compared as integer keys (the float's bits made monotonic), so -ffast-math cannot drop the NaN
+// and infinity cases, and the compiler vectorises both passes: the largest key, then the first
+// index holding it. torch's CPU argmax (a scalar loop with the index carried) took 2.9 ms of a
+// 64-row step at SmolLM2's 49k-token vocabulary.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <algorithm>
+#include <climits>
 #include <cstdint>
 #include <vector>
 
@@ -50,7 +59,46 @@ int64_t sample_row(const float* p, int64_t V, double u, std::vector<double>& sum
   return last < 0 ? 0 : last;  // no positive probability at all (NaN rows): token 0
 }
 
+// A key per float whose signed order is the floats' order (NaN above everything, -0.0 as 0.0).
+// Branch-free, so both passes vectorise.
+inline int32_t order_key(uint32_t bits) {
+  const int32_t mag = static_cast<int32_t>(bits & 0x7fffffffu);
+  const int32_t neg = -static_cast<int32_t>(bits >> 31);  // all ones for a negative sign
+  const int32_t key = (mag ^ neg) - neg;                   // -mag where negative: -0.0 and +0.0 both 0
+  return mag > 0x7f800000 ? INT32_MAX : key;               // NaN above everything
+}
+
+int64_t argmax_row(const uint32_t* x, int64_t V) {
+  int32_t best = INT32_MIN;
+#pragma omp simd reduction(max : best)
+  for (int64_t i = 0; i < V; ++i) best = std::max(best, order_key(x[i]));
+  // The first index holding it, 16 at a time (the row is in cache from the first pass).
+  int64_t i = 0;
+  for (; i + 16 <= V; i += 16) {
+    bool hit = false;
+    for (int64_t j = 0; j < 16; ++j) hit |= order_key(x[i + j]) == best;
+    if (hit) break;
+  }
+  for (; i < V; ++i)
+    if (order_key(x[i]) == best) return i;
+  return 0;
+}
+
 }  // namespace
+
+at::Tensor greedy_argmax(const at::Tensor& logits) {
+  TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == at::kFloat && logits.size(1) > 0,
+              "greedy_argmax: logits must be [B, V] float32 with V > 0, got ", logits.sizes(), " ", logits.scalar_type());
+  const at::Tensor lc = logits.contiguous();
+  const int64_t B = lc.size(0), V = lc.size(1);
+  at::Tensor out = at::empty({B}, logits.options().dtype(at::kLong));
+  const auto* x = reinterpret_cast<const uint32_t*>(lc.data_ptr<float>());
+  int64_t* op = out.data_ptr<int64_t>();
+  at::parallel_for(0, B, V >= (1 << 14) ? 1 : B, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) op[b] = argmax_row(x + b * V, V);
+  });
+  return out;
+}
 
 at::Tensor sample_inverse_cdf(const at::Tensor& probs, const at::Tensor& u) {
   TORCH_CHECK(probs.dim() == 2 && probs.scalar_type() == at::kFloat,
@@ -74,8 +122,10 @@ at::Tensor sample_inverse_cdf(const at::Tensor& probs, const at::Tensor& u) {
 
 TORCH_LIBRARY_FRAGMENT(triollm_cpu, m) {
   m.def("sample_inverse_cdf(Tensor probs, Tensor u) -> Tensor");
+  m.def("greedy_argmax(Tensor logits) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(triollm_cpu, CPU, m) {
   m.impl("sample_inverse_cdf", &triollm_cpu::sample_inverse_cdf);
+  m.impl("greedy_argmax", &triollm_cpu::greedy_argmax);
 }

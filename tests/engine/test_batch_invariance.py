@@ -10,8 +10,8 @@ fp32 K/V differ from what the cache gives back). Without the switch each case he
 whose GEMMs pick their blocking by row count. The bundled model holds them without the switch
 too, wherever the native prefill attention runs (a CPU with AVX-512 BF16: each prompt row's
 attention is the decode kernel's arithmetic, and its quantized linears are per-row already),
-except on a CPU with AMX bf16 tiles, where a step's prompt rows take the tiles from
-`TILE_MIN_ROWS` rows on (kernels/quant.py): there the switch is needed, and it keeps them off.
+except on a CPU with AMX bf16 tiles, where a step's rows take the tiles from `TILE_MIN_ROWS`
+rows on (kernels/quant.py): there the switch is needed, and it keeps them off.
 Two threads, so the kernels' thread splits are exercised too.
 """
 
@@ -27,7 +27,7 @@ import pytest
 from triollm import LLM, SamplingParams
 from triollm.engine.envs import BATCH_INVARIANT_ENV
 from triollm.engine.outputs import RequestOutput
-from triollm.kernels.quant import prompt_tiles_available
+from triollm.kernels.quant import tiles_available
 
 PROMPT_LEN = 80  # the request under test: five full blocks
 PREFIX = 64  # what the prefix-cache case shares with a request before it (four blocks)
@@ -103,8 +103,8 @@ def switch(request: pytest.FixtureRequest, model: tuple[str, dict[str, Any], int
         pytest.skip("a dense model's GEMMs change a row's bits with the row count: the switch is needed")
     if not _native_prefill():
         pytest.skip("no native prefill attention on this CPU (AVX-512 BF16): SDPA's blocking follows the chunk")
-    if prompt_tiles_available():
-        pytest.skip("AMX bf16 tiles here: a step's prompt rows take them from TILE_MIN_ROWS on (kernels/quant.py)")
+    if tiles_available():
+        pytest.skip("AMX bf16 tiles here: a step's rows take them from TILE_MIN_ROWS on (kernels/quant.py)")
     return ""
 
 

@@ -8,6 +8,8 @@ from typing import Any
 import msgspec
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from triollm.engine.execution.sampler import (
     Sampler,
@@ -16,6 +18,7 @@ from triollm.engine.execution.sampler import (
     process_logits,
 )
 from triollm.engine.sampling_params import SamplingParams
+from triollm.kernels import cpu_native
 
 V = 50
 sampler = Sampler()
@@ -377,3 +380,35 @@ def test_every_processor_keeps_to_the_logits_device() -> None:
     assert processed.device.type == "meta" and processed.shape == logits.shape
     tokens = _random_sample(processed, rows)
     assert tokens.device.type == "meta" and tokens.shape == (len(rows),)
+
+
+@pytest.mark.skipif(not cpu_native.available(), reason="the native CPU kernels are not built here")
+@given(
+    st.lists(
+        st.lists(
+            st.sampled_from([0.0, -0.0, 1.0, -1.0, 2.5, float("inf"), float("-inf"), float("nan"), -float("nan")])
+            | st.floats(width=32, allow_nan=True),
+            min_size=1,
+            max_size=70,
+        ),
+        min_size=1,
+        max_size=4,
+    ).filter(lambda rows: len({len(r) for r in rows}) == 1)
+)
+@settings(max_examples=300, deadline=None)
+def test_native_argmax_is_torchs(rows: list[list[float]]) -> None:
+    """The greedy rows' native argmax (kernels/csrc/sampling.cpp `greedy_argmax`) gives torch's
+    answer on any fp32 rows: ties (the first), -0.0 against 0.0, infinities, NaNs of either sign
+    (the first NaN)."""
+    logits = torch.tensor(rows, dtype=torch.float32)
+    assert torch.equal(cpu_native.greedy_argmax(logits), logits.argmax(-1)), rows
+
+
+@pytest.mark.skipif(not cpu_native.available(), reason="the native CPU kernels are not built here")
+def test_native_argmax_on_a_vocabulary_sized_batch() -> None:
+    """64 rows of a 49,152-token vocabulary (the kernel's per-row threads): torch's answer, with a
+    planted tie and a planted NaN."""
+    logits = torch.randn(64, 49152, generator=torch.Generator().manual_seed(3))
+    logits[5, 100] = logits[5, 40000] = 99.0
+    logits[9, 30000] = float("nan")
+    assert torch.equal(cpu_native.greedy_argmax(logits), logits.argmax(-1))

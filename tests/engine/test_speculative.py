@@ -15,12 +15,14 @@ from scipy.stats import chi2
 
 from triollm.engine.config import EngineArgs
 from triollm.engine.core import EngineCore
+from triollm.engine.envs import BATCH_INVARIANT_ENV
 from triollm.engine.execution.model_runner import ModelRunner
 from triollm.engine.execution.sampler import SamplingRow, verify
 from triollm.engine.sampling_params import SamplingParams
 from triollm.engine.speculative import NgramIndex
 from triollm.engine.sync_engine import SyncEngine
 from triollm.kernels import allocate_kv_cache
+from triollm.kernels.quant import tiles_available
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
 
@@ -312,7 +314,9 @@ def test_greedy_ngram_identical_on_the_bundled_model(bundled_model_dir: Path, ba
     assert stats.spec.num_accepted_tokens > 0 and stats.spec.accepted_per_pos[0] > 0
 
 
-def test_greedy_identical_under_chunked_prefill_and_aborts(bundled_model_dir: Path) -> None:
+def test_greedy_identical_under_chunked_prefill_and_aborts(
+    bundled_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Prompts cut into small chunks beside decodes with drafts, and an abort mid-run (of a
     request still waiting for a place among max_num_seqs).
 
@@ -321,7 +325,11 @@ def test_greedy_identical_under_chunked_prefill_and_aborts(bundled_model_dir: Pa
     the same calls, and the bits are the same. Prefix caching is off and the budget is `off` for
     the same reason: a prefix hit, or a budget measured on the clock, would cut a prompt
     differently in the two runs, and SDPA over a chunk with cached context differs from one over
-    the whole prompt in the last bits (in plain decoding too)."""
+    the whole prompt in the last bits (in plain decoding too). Where the CPU has AMX bf16 tiles,
+    a step's linears change kernel with its row count (kernels/quant.py `TILE_MIN_ROWS`), and
+    drafts change the row counts: there identity is batch invariance's (docs/speculative.md)."""
+    if tiles_available():
+        monkeypatch.setenv(BATCH_INVARIANT_ENV, "1")
     kw = dict(
         quantization="gguf", max_num_batched_tokens=64, long_prefill_token_threshold=48, max_num_seqs=4,
         scheduler_prefill_budget="off", enable_prefix_caching=False,

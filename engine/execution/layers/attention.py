@@ -70,8 +70,8 @@ class AttentionMetadata:
     triton: bool | None = None
     # A hybrid model's recurrent layers: each request's rows and state slot (layers/recurrent.py).
     state_rows: StateRows | None = None
-    # A large prompt step on AMX tiles (kernels/quant.py `RowSplit`, set by the model runner): its
-    # prompt chunks attend in bf16 through torch's fused attention (`prefill_attention_bf16`).
+    # A large prompt step on AMX (set by the model runner, `LARGE_PROMPT_ROWS`): its prompt
+    # chunks attend in bf16 through torch's fused attention (`prefill_attention_bf16`).
     bf16_prefill: bool = False
 
 

@@ -29,7 +29,7 @@ from torch import nn
 from triollm.engine.execution.layers.linear import load_rows
 from triollm.kernels import cpu_native
 from triollm.kernels.kv_quant import cache_scale
-from triollm.kernels.quant import PackedWeight, QuantWeight, current_split, packed_linear
+from triollm.kernels.quant import TILE_MIN_ROWS, PackedWeight, QuantWeight, packed_linear
 
 if TYPE_CHECKING:
     from triollm.lora.layers import LoRABatch, LoRALayer
@@ -42,11 +42,14 @@ __all__ = ["DecodeStack", "GGUFQuantized", "QuantEmbedding", "QuantLinear", "Sta
 
 
 class _Packed(nn.Module):
-    """Holds a PackedWeight as buffers (they move with the model, and count in its memory)."""
+    """Holds a PackedWeight as buffers (they move with the model, and count in its memory).
+    `tiles`: large inputs may take the AMX bf16 tiles (kernels/quant.py; set by the model
+    runner, which knows whether batch invariance rules them out)."""
 
     qp: torch.Tensor
     dp: torch.Tensor
     mp: torch.Tensor
+    tiles = False
 
     def __init__(self, weight: QuantWeight) -> None:
         super().__init__()
@@ -88,7 +91,7 @@ class QuantLinear(_Packed):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         xq = x if self.perm is None else x.index_select(-1, self.perm)
-        out = packed_linear(xq, self.weight, self.bias, split=current_split())  # prompt rows: kernels/quant.py
+        out = packed_linear(xq, self.weight, self.bias, tiles=self.tiles)
         if self.lora is not None and self.lora.batch.groups:  # the adapter reads x in its own order
             out = self.lora.apply(x, out)
         return out
@@ -171,14 +174,17 @@ class DecodeStack:
     ) -> torch.Tensor:
         """The residual stream after the last layer, before the final norm. x `[B, hidden]`;
         cos and signed sin `[B, 1, head_dim]`; `plan`: the native decode plan's tables and lengths;
-        `lora`: `lora_args` of the step's adapter rows, if any."""
+        `lora`: `lora_args` of the step's adapter rows, if any. The projections take the bf16
+        tiles where the layers would (their `tiles`, from `TILE_MIN_ROWS` rows), so the stack
+        keeps the layer-by-layer path's bits."""
         weights, ints, bounds, ranges, rows = ([], [], [], [], []) if lora is None else lora
         k_scales = [s for s in map(cache_scale, k) if s is not None]  # a quantized cache's
         v_scales = [s for s in map(cache_scale, v) if s is not None]
+        tiles = x.shape[0] >= TILE_MIN_ROWS and any(p.tiles for p in self.projections[:1])
         return torch.ops.triollm_cpu.quant_decoder_stack(  # type: ignore[no-any-return]
             x, self.weights, self.shapes, k, v, cos, sin, slots, plan[0], plan[1],
             self.num_heads, self.num_kv_heads, self.eps, self.scale, weights, ints, bounds, ranges, rows,
-            k_scales, v_scales,
+            k_scales, v_scales, tiles,
         )  # fmt: skip
 
     def lora_args(self, batch: LoRABatch) -> LoRAArgs | None:

@@ -42,7 +42,7 @@ from triollm.engine.execution.layers.rotary import RopeStep, RotaryEmbedding
 from triollm.engine.loading.model_config import ModelConfig
 from triollm.engine.loading.multimodal_config import decoder_tensor_name
 from triollm.kernels import KVCache
-from triollm.kernels.quant import current_split, packed_linear
+from triollm.kernels.quant import packed_linear
 from triollm.kernels.triton import use_triton
 
 if TYPE_CHECKING:
@@ -245,7 +245,6 @@ class CausalLM(nn.Module):
         ropes = [r.step(rope_positions, x.dtype, meta.triton) for r in self.rotaries]
         plan, stack, lora = meta.decode_plan, self.decode_stack, self.lora_batch
         native = stack is not None and plan is not None and plan.native is not None and meta.num_decodes == x.shape[0]
-        native = native and current_split() is None  # a prompt row takes the layers' tile kernel
         lora_args = None
         if native and lora is not None and lora.active:
             assert stack is not None
@@ -271,7 +270,7 @@ class CausalLM(nn.Module):
         if self.lm_head is not None:
             logits = self.lm_head(hidden).float()
         elif isinstance(self.embed_tokens, QuantEmbedding):  # a quantized tied head
-            logits = packed_linear(hidden, self.embed_tokens.weight).float()
+            logits = packed_linear(hidden, self.embed_tokens.weight, tiles=self.embed_tokens.tiles).float()
         elif self.packed_tied_head is not None:
             logits = onednn_linear(hidden, self.packed_tied_head, None).float()
         else:

@@ -1,23 +1,19 @@
-"""Prompt rows on AMX bf16 tiles (kernels/quant.py `RowSplit`, `tile_linear`;
+"""Large inputs on AMX bf16 tiles (kernels/quant.py `tile_linear`, `TILE_MIN_ROWS`;
 kernels/csrc/quant_linear.cpp `quant_linear_bf16`): the tile kernel against a torch reference
-over the same bf16 roundings, a row's bits alone and in any batch, each row of a split step by
-its own kernel, the step's threshold, and which rows of a step the runner counts as prompt
-tokens. The kernel tests
-run where the CPU has AMX bf16 tiles (the machines change: an AMX Xeon runs them)."""
+over the same bf16 roundings, a row's bits alone and in any batch, which inputs take it, the
+native decode stack's bits with it, and the engine's numbers through it. The kernel tests run
+where the CPU has AMX bf16 tiles (the machines change: an AMX Xeon runs them)."""
 
 from __future__ import annotations
 
 import math
+import random
+from pathlib import Path
 
 import pytest
 import torch
 
 from triollm.engine.execution.layers.quantized import QuantLinear
-from triollm.engine.execution.model_runner import _prompt_tokens_fed
-from triollm.engine.request import EngineCoreRequest
-from triollm.engine.sampling_params import SamplingParams
-from triollm.engine.scheduling.request_state import Request
-from triollm.engine.scheduling.scheduler import ScheduledRequest
 from triollm.kernels import cpu_native
 from triollm.kernels.envs import ISA_ENV
 from triollm.kernels.quant import (
@@ -25,11 +21,9 @@ from triollm.kernels.quant import (
     TILE_MIN_ROWS,
     PackedWeight,
     QuantWeight,
-    RowSplit,
     packed_linear,
-    prompt_rows,
-    prompt_tiles_available,
     tile_linear,
+    tiles_available,
 )
 
 needs_tiles = pytest.mark.skipif(
@@ -77,73 +71,37 @@ def test_a_row_has_the_same_bits_at_every_batch_size(bits: int) -> None:
 
 
 @needs_tiles
-def test_a_split_step_runs_each_row_by_its_own_kernel() -> None:
-    """Prompt rows (one run, or several) take the tiles, the rest the int8 kernel, each row's
-    bits what that kernel gives it alone; a layer reads the split set around the forward pass,
-    and inputs of another row count (a head over the sampled rows) ignore it."""
+def test_large_inputs_take_the_tiles_where_allowed() -> None:
+    """`tiles=True` (a layer's `tiles`, set by the model runner): inputs of `TILE_MIN_ROWS` rows
+    or more take the tile kernel, smaller ones the int8 kernel, each row with that kernel's bits
+    alone; without leave, every input the int8 kernel."""
     w = _weight(4, 33, 96, 3)
     layer = QuantLinear(QuantWeight.quantize(torch.randn(33, 96), 4), None)
     layer.qp, layer.dp, layer.mp = w.qp, w.dp, w.mp
-    x = torch.randn(12, 96, generator=torch.Generator().manual_seed(4))
+    x = torch.randn(TILE_MIN_ROWS + 5, 96, generator=torch.Generator().manual_seed(4))
     tiles, int8 = tile_linear(x, w), packed_linear(x, w)
     assert not torch.equal(tiles, int8)  # the two kernels differ: the test can tell them apart
-    for spans in ([(3, 9)], [(0, 2), (5, 4)], [(0, 12)]):
-        split = RowSplit.of(12, spans)
-        assert split is not None
-        rows = {r for a, n in spans for r in range(a, a + n)}
-        want = torch.stack([tiles[r] if r in rows else int8[r] for r in range(12)])
-        assert torch.equal(packed_linear(x, w, split=split), want)
-        with prompt_rows(split):
-            assert torch.equal(layer(x), want)
-            assert torch.equal(layer(x[:5]), int8[:5])  # 5 rows: not the step's
-        assert torch.equal(layer(x), int8)  # outside the forward pass: no split
-    assert RowSplit.of(12, [(4, 0)]) is None
+    for m in (1, TILE_MIN_ROWS - 1, TILE_MIN_ROWS, TILE_MIN_ROWS + 5):
+        want = tiles[:m] if m >= TILE_MIN_ROWS else int8[:m]
+        assert torch.equal(packed_linear(x[:m], w, tiles=True), want), m
+        assert torch.equal(packed_linear(x[:m], w), int8[:m]), m
+        assert torch.equal(layer(x[:m]), int8[:m]), m
+        layer.tiles = True
+        assert torch.equal(layer(x[:m]), want), m
+        layer.tiles = False
 
 
-def test_a_step_needs_enough_prompt_rows_for_the_tiles() -> None:
-    """Below `TILE_MIN_ROWS` prompt rows a step keeps the int8 kernel for all (module note)."""
-    assert RowSplit.of(300, [(0, TILE_MIN_ROWS - 1)], TILE_MIN_ROWS) is None
-    assert RowSplit.of(300, [(0, 100), (150, TILE_MIN_ROWS - 101)], TILE_MIN_ROWS) is None
-    split = RowSplit.of(300, [(0, 100), (150, TILE_MIN_ROWS - 100)], TILE_MIN_ROWS)
-    assert split is not None and split.tiles.numel() == TILE_MIN_ROWS and split.rest.numel() == 300 - TILE_MIN_ROWS
-
-
-def test_a_forced_kernel_path_keeps_prompt_rows_on_it(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_forced_kernel_path_keeps_every_row_on_it(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(ISA_ENV, "scalar")
-    assert not prompt_tiles_available()
-
-
-def _scheduled(prompt: int, tokens: int, computed: int, new: int, drafts: int = 0) -> ScheduledRequest:
-    req = Request(EngineCoreRequest("r", list(range(prompt)), SamplingParams(max_tokens=16), eos_token_ids=[0]), 16)
-    for t in range(tokens - prompt):
-        req.append_output_token(t)
-    return ScheduledRequest(req, new + drafts, computed, drafts, list(range(drafts)))
-
-
-@pytest.mark.parametrize(
-    ("prompt", "tokens", "computed", "new", "drafts", "fed"),
-    [
-        (10, 10, 0, 4, 0, 4),  # a first chunk
-        (10, 10, 8, 2, 0, 2),  # the last chunk
-        (10, 10, 9, 1, 0, 1),  # a one-token last chunk (fed as a decode row)
-        (10, 14, 0, 14, 0, 10),  # recomputed after preemption: its 4 outputs are not prompt tokens
-        (10, 14, 8, 6, 0, 2),  # the same, in chunks
-        (10, 13, 12, 1, 0, 0),  # a decode row
-        (10, 13, 12, 1, 3, 0),  # a decode row with drafts
-    ],
-)
-def test_the_runner_counts_prompt_tokens_by_position(
-    prompt: int, tokens: int, computed: int, new: int, drafts: int, fed: int
-) -> None:
-    assert _prompt_tokens_fed(_scheduled(prompt, tokens, computed, new, drafts)) == fed
+    assert not tiles_available()
 
 
 @pytest.mark.parametrize("switch", ["", "1"])
 def test_the_runner_takes_the_tiles_where_the_cpu_has_them(
     bundled_model_dir: object, switch: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The bundled (quantized) model's runner splits prompt rows where the CPU has the tiles,
-    never under `VLLM_BATCH_INVARIANT=1`."""
+    """The bundled (quantized) model's runner lets its quantized layers (and tied head) take the
+    tiles where the CPU has them, never under `VLLM_BATCH_INVARIANT=1`."""
     from triollm.engine.config import EngineArgs
     from triollm.engine.envs import BATCH_INVARIANT_ENV
     from triollm.engine.sync_engine import SyncEngine
@@ -156,7 +114,11 @@ def test_the_runner_takes_the_tiles_where_the_cpu_has_them(
     engine = SyncEngine.from_engine_args(args)
     runner = engine.core.runner
     assert runner is not None
-    assert runner.prompt_tiles == runner.large_prompt_steps == (prompt_tiles_available() and not switch)
+    want = tiles_available() and not switch
+    assert runner.tiles == runner.large_prompt_steps == want
+    model = engine.core.model
+    assert model is not None and model.embed_tokens.tiles == want
+    assert all(m.tiles == want for m in model.modules() if isinstance(m, QuantLinear))
 
 
 def test_a_dense_models_large_prompt_steps_attend_in_bf16(tiny_model_dir: object) -> None:
@@ -169,8 +131,8 @@ def test_a_dense_models_large_prompt_steps_attend_in_bf16(tiny_model_dir: object
 
     engine = SyncEngine.from_engine_args(EngineArgs(model=str(tiny_model_dir), max_model_len=256, num_threads=2))
     runner = engine.core.runner
-    assert runner is not None and not runner.prompt_tiles
-    assert runner.large_prompt_steps == prompt_tiles_available()
+    assert runner is not None and not runner.tiles
+    assert runner.large_prompt_steps == tiles_available()
     prompt = {"prompt_token_ids": [(7 * i) % 300 + 3 for i in range(200)]}
     params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
     outs = []
@@ -184,12 +146,10 @@ def test_a_dense_models_large_prompt_steps_attend_in_bf16(tiny_model_dir: object
 def test_a_long_prompt_through_the_tiles_keeps_the_models_numbers(
     bundled_model_dir: object, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The bundled model, one 300-token prompt (one step of prompt rows past `TILE_MIN_ROWS`):
+    """The bundled model, one 300-token prompt (one step of rows past `TILE_MIN_ROWS`):
     its prompt logprobs through the tiles (and the step's bf16 attention) are not the int8
     path's bits (the tiles ran), and they are as close to the same weights dequantized to fp32
     (dense) as the int8 path's."""
-    import random
-
     from triollm import LLM, SamplingParams
     from triollm.engine.envs import BATCH_INVARIANT_ENV
 
@@ -211,6 +171,62 @@ def test_a_long_prompt_through_the_tiles_keeps_the_models_numbers(
     assert not torch.equal(got["tiles"], got["int8"])
     tiles_err, int8_err = ((got[k] - got["dense"]).abs().mean() for k in ("tiles", "int8"))
     assert tiles_err <= 1.2 * int8_err, (float(tiles_err), float(int8_err))
+
+
+@needs_tiles
+def test_the_native_decoder_stack_takes_the_tiles_with_the_layers_bits(tiny_model_dir: Path) -> None:
+    """Steps of `TILE_MIN_ROWS` decodes or more run the native decoder stack on the tiles
+    (kernels/csrc/decoder.cpp `tiles`): the tokens and logprobs of the layer-by-layer path, to
+    the bit, and not the int8 kernel's (the tiles ran)."""
+    from triollm.engine.config import EngineArgs
+    from triollm.engine.sampling_params import SamplingParams
+    from triollm.engine.sync_engine import SyncEngine
+
+    args = EngineArgs(
+        model=str(tiny_model_dir), max_model_len=128, num_threads=2, quantization="int4", enable_prefix_caching=False
+    )
+    engine = SyncEngine.from_engine_args(args)
+    model = engine.core.model
+    assert model is not None and model.decode_stack is not None
+    prompts = [{"prompt_token_ids": [3 + (5 * i + j) % 200 for j in range(6)]} for i in range(TILE_MIN_ROWS + 4)]
+    params = SamplingParams(max_tokens=6, ignore_eos=True, temperature=0.0, logprobs=2)
+    stack, sizes = model.decode_stack, []
+
+    def counted(x: torch.Tensor, *a: object) -> torch.Tensor:
+        sizes.append(x.shape[0])
+        return stack(x, *a)  # type: ignore[arg-type]
+
+    model.decode_stack = counted  # type: ignore[assignment]
+    fused = engine.generate(prompts, params)
+    assert sizes and min(sizes) >= TILE_MIN_ROWS
+    model.decode_stack = None
+    layered = engine.generate(prompts, params)
+    for m in model.modules():
+        if isinstance(m, QuantLinear):
+            m.tiles = False
+    int8 = engine.generate(prompts, params)
+    for a, b in zip(fused, layered, strict=True):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert a.outputs[0].logprobs == b.outputs[0].logprobs
+    assert any(a.outputs[0].logprobs != c.outputs[0].logprobs for a, c in zip(fused, int8, strict=True))
+
+
+@needs_tiles
+def test_a_requests_numbers_through_the_tiles_do_not_depend_on_the_batch(bundled_model_dir: Path) -> None:
+    """The bundled model: a request decoding beside `TILE_MIN_ROWS` others or beside twice as
+    many, every step on the tiles, gets the same tokens and logprobs to the bit (the tiles give
+    a row its bits whatever its neighbours; a request's numbers change only across the threshold)."""
+    from triollm import LLM, SamplingParams
+
+    rng = random.Random(1)
+    prompts = [{"prompt_token_ids": [rng.randrange(100, 20000) for _ in range(12)]} for _ in range(2 * TILE_MIN_ROWS)]
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=1)
+    with LLM(str(bundled_model_dir), max_model_len=128, num_threads=2, multiprocess=False) as llm:
+        small = llm.generate(prompts[:TILE_MIN_ROWS], params, use_tqdm=False)
+        large = llm.generate(prompts, params, use_tqdm=False)
+    for a, b in zip(small, large[:TILE_MIN_ROWS], strict=True):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert a.outputs[0].logprobs == b.outputs[0].logprobs
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.int8], ids=str)
