@@ -387,6 +387,20 @@ void decode_pair(const T* qrow, const K* kp, const K* vp, const int32_t* table, 
   }
 }
 
+// The next block's K and V lines, requested while this one computes: a sequence's blocks lie
+// wherever the cache had room when it grew, so the hardware prefetcher, which follows
+// addresses, stops at each block's end.
+template <typename K, int kD>
+inline void prefetch_block(const K* kp, const K* vp, int64_t h, int64_t NB, int64_t id) {
+  constexpr int64_t kBytes = kD * 16 * static_cast<int64_t>(sizeof(K));
+  const char* kb = reinterpret_cast<const char*>(kp + (h * NB + id) * kD * 16);
+  const char* vb = reinterpret_cast<const char*>(vp + (h * NB + id) * kD * 16);
+  for (int64_t at = 0; at < kBytes; at += 64) {
+    __builtin_prefetch(kb + at, 0, 3);
+    __builtin_prefetch(vb + at, 0, 3);
+  }
+}
+
 // The common shapes with the GQA group size also fixed (kG query heads per kv head): the
 // group's scores (kG x 16) and outputs (kG x kD) stay in registers, and each K and V row is
 // widened once, in registers, for the whole group (no fp32 copy of the block; a quantized
@@ -409,6 +423,7 @@ void decode_pair_group(const T* qrow, const K* kp, const K* vp, const int32_t* t
     const int64_t cnt = std::min<int64_t>(kBS, n - blk * kBS);
     const K* kt = kp + (h * NB + id) * kD * kBS;  // [kD][kBS]
     const K* vb = vp + (h * NB + id) * kBS * kD;  // [kBS][kD]
+    if ((blk + 1) * kBS < n) prefetch_block<K, kD>(kp, vp, h, NB, table[blk + 1]);
     float s[kG][kBS] = {};
     // Quantized blocks are widened whole (fp8 32 values at a time) into fp32 copies in L1: the
     // conversions run back to back, apart from the FMAs that read them.
@@ -745,6 +760,7 @@ void decode_pair_group_bf16(const T* qrow, const K* kp, const K* vp, const int32
     const int64_t cnt = std::min<int64_t>(kBS, n - blk * kBS);
     const K* kt = kp + (h * NB + id) * kD * kBS;  // [kD][kBS]
     const K* vb = vp + (h * NB + id) * kBS * kD;  // [kBS][kD]
+    if ((blk + 1) * kBS < n) prefetch_block<K, kD>(kp, vp, h, NB, table[blk + 1]);
     // Scores: rows d..d+3 at a time, two accumulators a head (even and odd pairs of rows) so
     // that consecutive `vdpbf16ps` do not wait on each other.
     __m512 sv[kG], sw[kG];
