@@ -165,10 +165,12 @@ def hf_greedy(path: Path, ids_list: list[list[int]], **load: Any) -> list[tuple[
 
 def engine_greedy(path: Path, ids_list: list[list[int]], **overrides: Any) -> tuple[list[Any], EngineCore]:
     """Chunked prefill (16-token steps), the third prompt after the first two have run a few steps
-    (prefix-cache hit), and 12 KV blocks of 16 tokens for 3 sequences of up to 53 (preemption)."""
+    (prefix-cache hit), and 12 KV blocks of 16 tokens for 3 sequences of up to 53 (preemption).
+    The prefill budget is off: measured on the clock, it cut the prompts by the machine's pace,
+    and on a loaded machine the run could end without the preemption it is here to force."""
     args = EngineArgs(
         model=str(path), seed=0, max_model_len=96, max_num_batched_tokens=16, enable_prefix_caching=True,
-        num_gpu_blocks_override=7, block_size=16, **overrides,
+        num_gpu_blocks_override=7, block_size=16, scheduler_prefill_budget="off", **overrides,
     )  # fmt: skip
     core = EngineCore(args.create_engine_config())
     params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True, logprobs=0)
