@@ -113,27 +113,22 @@ class PagedAttention(nn.Module):
             # An all-decode step on the native CPU kernels: rotary + cache write in one call.
             q = cpu_native.rotary_write_kv(qkv, rope.cos, rope.sin, k_cache, v_cache, meta.slot_mapping, h, kvh)
             return decode_attention(q, k_cache, v_cache, plan, self.scale, **self.extra).view(t, h * hd)
-        if full and meta.bf16_prefill and self._native_prefill(qkv, meta, k_cache):
-            # A large prompt step on AMX tiles: the same rotary + cache write, then the chunks in
-            # bf16 through torch's fused attention (kernels/attention.py `prefill_attention_bf16`).
-            q = cpu_native.rotary_write_kv(qkv, rope.cos, rope.sin, k_cache, v_cache, meta.slot_mapping, h, kvh)
-            d = meta.num_decodes
-            assert meta.prefill_plan is not None
-            prompts = prefill_attention_bf16(q[d:], k_cache, v_cache, meta.prefill_plan, self.scale)
-            if not d:
-                return prompts.view(t, h * hd)
-            assert meta.decode_plan is not None
-            decodes = decode_attention(q[:d], k_cache, v_cache, meta.decode_plan, self.scale)
-            return torch.cat((decodes, prompts)).view(t, h * hd)
         if full and self._native_prefill(qkv, meta, k_cache):
             # Prompt rows (and decode rows beside them) on the native CPU kernels: the same
-            # rotary + cache write as a decode step, and the prefill kernel with the decode
-            # kernel's arithmetic, so a token's bits do not depend on the step it runs in.
+            # rotary + cache write as a decode step, then the chunks by the native prefill kernel,
+            # whose arithmetic is the decode kernel's (a token's bits do not depend on its step),
+            # or, in a large prompt step on AMX, in bf16 through torch's fused attention
+            # (kernels/attention.py `prefill_attention_bf16`).
             q = cpu_native.rotary_write_kv(qkv, rope.cos, rope.sin, k_cache, v_cache, meta.slot_mapping, h, kvh)
             d = meta.num_decodes
             assert meta.prefill_plan is not None and meta.prefill_plan.native is not None
-            tables, starts, contexts = meta.prefill_plan.native
-            prompts = cpu_native.paged_prefill_attention(q[d:], k_cache, v_cache, tables, starts, contexts, self.scale)
+            if meta.bf16_prefill:
+                prompts = prefill_attention_bf16(q[d:], k_cache, v_cache, meta.prefill_plan, self.scale)
+            else:
+                tables, starts, contexts = meta.prefill_plan.native
+                prompts = cpu_native.paged_prefill_attention(
+                    q[d:], k_cache, v_cache, tables, starts, contexts, self.scale
+                )
             if not d:
                 return prompts.view(t, h * hd)
             assert meta.decode_plan is not None
