@@ -3,7 +3,7 @@
 `EngineCoreRequest` is a fully processed request (token ids, not text); `EngineCoreOutput` is what
 one step produced for one request. Both are msgspec Structs so the actor layer can put them on
 the wire unchanged. The core's own mutable per-request state (`Request`: the token lists, KV
-blocks, the torch generator, the grammar matcher) is no wire type: it lives with the scheduler
+blocks, the grammar matcher) is no wire type: it lives with the scheduler
 (engine/scheduling/request_state.py), above this module.
 """
 

@@ -549,7 +549,6 @@ def _sampling_row(s: ScheduledRequest, drafts: list[int] | None = None) -> Sampl
         params=req.sampling_params,
         prompt_token_ids=req.prompt_token_ids,
         output_token_ids=req.output_token_ids + drafts if drafts else req.output_token_ids,
-        generator=req.generator,
         eos_token_ids=req.eos_token_ids,
         bad_words_token_ids=req.bad_words_token_ids,
         plan=req.sampling_plan,

@@ -9,9 +9,11 @@ token whose running sum of probabilities passes u * total, for one uniform u a r
 summed in double (on CPU the native kernel, kernels/csrc/sampling.cpp; elsewhere a float64
 cumsum). It draws the same distribution as vLLM's exponential race argmax(p / q), q ~ Exp(1),
 with one random number a row instead of V: at a 49k-token vocabulary the race's draw from torch's
-generator was most of a sampled step's time. Seeded rows draw u from their own generator (so
-their result does not depend on the rest of the batch); unseeded rows share one draw from the
-global RNG. A token of probability 0 is never chosen.
+generator was most of a sampled step's time. A seeded row's u is a hash of its seed and the index
+of the output token it samples (`seeded_uniform`), not the next draw of a stream: its tokens do
+not depend on the rest of the batch, on preemption, or on how many drafts speculation checked
+(drafts rejected at one step consume nothing a later token would have drawn). Unseeded rows
+share one draw from the global RNG. A token of probability 0 is never chosen.
 
 Rows with a grammar (structured outputs) are masked to the tokens it allows first, before the
 logprobs, as vLLM does (engine/structured_outputs.py).
@@ -37,7 +39,7 @@ from triollm.engine.sampling_params import SamplingParams
 from triollm.engine.structured_outputs import apply_bitmask, fill_bitmask
 from triollm.kernels import cpu_native
 
-__all__ = ["Sampler", "SamplerOutput", "SamplingRow", "gather_logprobs", "process_logits"]
+__all__ = ["Sampler", "SamplerOutput", "SamplingRow", "gather_logprobs", "process_logits", "seeded_uniform"]
 
 _NEG_INF = float("-inf")
 
@@ -49,7 +51,6 @@ class SamplingRow:
     params: SamplingParams
     prompt_token_ids: list[int]
     output_token_ids: list[int]
-    generator: torch.Generator | None  # set only when params.seed is not None
     eos_token_ids: list[int]
     bad_words_token_ids: list[list[int]]
     # The request's prepared plan (`Request.sampling_plan`); prepared here when not given.
@@ -139,40 +140,22 @@ def verify(logits: torch.Tensor, rows: list[SamplingRow], drafts: list[int]) -> 
 
     Row i with a draft d (`drafts[i] >= 0`) is the target's distribution p at the position d was
     proposed for. Greedy rows accept d when it is p's argmax, and otherwise emit the argmax.
-    Random rows follow Leviathan et al.'s rule for a deterministic proposal (the n-gram lookup and
-    the draft model propose their argmax, so q is one-hot at d): accept d with probability p(d);
-    on rejection emit a sample of p with d removed, renormalised (the residual max(0, p - q)).
-    Either way the emitted token is distributed exactly as p: P(d) = p(d), and P(x != d) =
-    (1 - p(d)) p(x) / (1 - p(d)) = p(x). Rows without a draft (the bonus row after a request's
-    last draft, and requests without drafts) sample as usual. The uniform and the noise come
-    from a seeded row's own generator, in row order, so seeded runs repeat.
+    Random rows sample x from p exactly as a row without a draft does (same uniform, same
+    token) and accept d when x = d. The proposal is deterministic (the n-gram lookup and the
+    draft model propose their argmax: q is one-hot at d), so this is Leviathan et al.'s rule
+    coupled to the plain sample: d is accepted with probability p(d) = min(1, p(d) / q(d)), and on
+    rejection x is distributed as p with d removed, renormalised (the residual max(0, p - q)).
+    The emitted token is the one the row would have sampled without speculation, so a seeded
+    request's tokens are the same with drafts, without, and whatever was accepted.
 
     Returns the token per row (for an accepted row: its draft) and per row whether its draft was
     accepted (False for rows without one)."""
     token_ids = argmax(logits)
-    draft_t = torch.tensor(drafts, device=logits.device)
-    accepted_t = (token_ids == draft_t) & (draft_t >= 0)
     random_rows = [i for i, r in enumerate(rows) if not r.params.is_greedy]
     if random_rows:
-        sub = [rows[i] for i in random_rows]
-        probs = _probs(logits[random_rows], sub)
-        sub_drafts = draft_t[random_rows]
-        has = (sub_drafts >= 0).nonzero().squeeze(1)
-        residual = probs.clone()
-        residual[has, sub_drafts[has]] = 0.0
-        ok = torch.zeros(len(sub), dtype=torch.bool, device=logits.device)
-        if len(has):
-            drafted = has.tolist()
-            p = probs[has] / probs[has].sum(-1, keepdim=True)  # the check reads p(d) itself
-            picked = p.gather(1, sub_drafts[has].unsqueeze(1)).squeeze(1)
-            # p(d) = 1 up to rounding leaves no residual: accept (u < p(d) failing is rounding).
-            ok[has] = (_uniform(probs, [sub[i] for i in drafted]) < picked) | (residual[has].sum(-1) <= 0)
-        # A row without a draft samples p exactly as `_random_sample` does (same draw, same
-        # bits), so a seeded row's draws depend on its own drafts only, not its neighbours'.
-        race = torch.where(ok.unsqueeze(1), probs, residual)
-        sampled = _inverse_cdf(race, _uniform(race, sub, torch.float64))
-        token_ids[random_rows] = torch.where(ok, sub_drafts, sampled)
-        accepted_t[random_rows] = ok
+        token_ids[random_rows] = _random_sample(logits[random_rows], [rows[i] for i in random_rows])
+    draft_t = torch.tensor(drafts, device=logits.device)
+    accepted_t = (token_ids == draft_t) & (draft_t >= 0)
     return token_ids, accepted_t.tolist()
 
 
@@ -307,7 +290,7 @@ def _penalize(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
 
 def _random_sample(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     probs = _probs(logits, rows)
-    return _inverse_cdf(probs, _uniform(probs, rows, torch.float64))
+    return _inverse_cdf(probs, _uniform(probs, rows))
 
 
 def _probs(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
@@ -356,18 +339,35 @@ def _min_p(probs: torch.Tensor, min_ps: list[float]) -> torch.Tensor:
     return probs.masked_fill(probs < threshold, 0.0)
 
 
-def _uniform(probs: torch.Tensor, rows: list[SamplingRow], dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """U(0, 1) per row: the unseeded rows from the global RNG, each seeded row from its own
-    generator (a CPU one: the same draw on every device)."""
-    u = (
-        torch.rand(len(rows), device=probs.device, dtype=dtype)
-        if any(r.generator is None for r in rows)
-        else torch.empty(len(rows), device=probs.device, dtype=dtype)
-    )
-    for i, r in enumerate(rows):
-        if r.generator is not None:
-            u[i] = torch.rand(1, generator=r.generator, dtype=dtype).item()
-    return u
+def _uniform(probs: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """U(0, 1) per row, float64: the unseeded rows from the global RNG, each seeded row from its
+    seed and the index of the output token it samples (`seeded_uniform`)."""
+    n = len(rows)
+    seeded = [(i, seed, len(r.output_token_ids)) for i, r in enumerate(rows) if (seed := r.params.seed) is not None]
+    u = torch.empty(n, dtype=torch.float64) if len(seeded) == n else torch.rand(n, dtype=torch.float64)
+    for i, seed, index in seeded:
+        u[i] = seeded_uniform(seed, index)
+    return u.to(probs.device)
+
+
+_MASK64 = (1 << 64) - 1
+
+
+def _mix64(x: int) -> int:
+    """SplitMix64's finaliser: a bijection of 64-bit integers whose every output bit depends on
+    every input bit."""
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def seeded_uniform(seed: int, index: int) -> float:
+    """The uniform a request with `seed` samples its `index`-th output token with: 53 random bits
+    in [0, 1), a pure function of the two (counter-based, as Philox is), so a token's draw does
+    not depend on how many were drawn before it. Requests fanned out by `n` carry seed + i."""
+    x = _mix64((seed & _MASK64) ^ 0x9E3779B97F4A7C15)
+    x = _mix64((x + (index + 1) * 0xD1B54A32D192ED03) & _MASK64)
+    return (x >> 11) * 2.0**-53
 
 
 def argmax(logits: torch.Tensor) -> torch.Tensor:

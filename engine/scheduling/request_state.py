@@ -3,7 +3,7 @@
 Built by the core from an `EngineCoreRequest` (the wire message, engine/request.py) when it is
 added, and owned by the core and its scheduler until the request finishes: the token lists, the
 KV blocks and their hashes, the scheduling status, and what sampling needs per request (the
-`SamplingPlan`, a seeded torch generator, the grammar matcher). None of it crosses a process
+`SamplingPlan`, the grammar matcher). None of it crosses a process
 boundary, so it is a plain class, not a msgspec Struct, and sits above the wire vocabulary.
 """
 
@@ -83,9 +83,6 @@ class Request:
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
         self.num_preemptions = 0
-        self.generator: torch.Generator | None = None
-        if req.sampling_params.seed is not None:
-            self.generator = torch.Generator().manual_seed(req.sampling_params.seed)
         # The request's grammar matcher (engine/structured_outputs.py), built by the core before
         # the request's first step when `structured_outputs` is set.
         self.grammar: Any = None

@@ -10,12 +10,14 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from scipy.stats import chi2
 
 from triollm.engine.execution.sampler import (
     Sampler,
     SamplingRow,
     gather_logprobs,
     process_logits,
+    seeded_uniform,
 )
 from triollm.engine.sampling_params import SamplingParams
 from triollm.kernels import cpu_native
@@ -36,9 +38,7 @@ def make_row(
     bad: Sequence[Sequence[int]] = (),
     **params: Any,
 ) -> SamplingRow:
-    sp = SamplingParams(**params)
-    gen = None if sp.seed is None else torch.Generator().manual_seed(sp.seed)
-    return SamplingRow(sp, list(prompt), list(output), gen, list(eos), [list(b) for b in bad])
+    return SamplingRow(SamplingParams(**params), list(prompt), list(output), list(eos), [list(b) for b in bad])
 
 
 def rand_logits(n: int, seed: int = 0) -> torch.Tensor:
@@ -126,6 +126,7 @@ def run_seeded(seed: int, others: list[SamplingRow], steps: int = 10) -> list[in
         logits = rand_logits(1 + len(others), seed=100 + step)
         logits[0] = rand_logits(1, seed=step)[0]  # the seeded row's logits do not change
         tokens.append(sampler(logits, [target, *others]).token_ids[0])
+        target.output_token_ids.append(tokens[-1])
     return tokens
 
 
@@ -135,6 +136,37 @@ def test_seeded_rows_reproduce_regardless_of_batch() -> None:
     other = run_seeded(7, [make_row(min_p=0.2, seed=99), make_row(presence_penalty=1.0)])
     assert alone == crowded == other
     assert run_seeded(8, []) != alone
+
+
+def test_seeded_uniform_is_uniform_and_independent_of_seed_and_index() -> None:
+    """The counter-based draw: for 200 seeds (n's fan-out seed + i) x 100 output indices, each
+    decile holds a tenth of the draws (chi-square), neighbouring seeds and neighbouring indices
+    are uncorrelated, and no two draws coincide."""
+    draws = torch.tensor([[seeded_uniform(s, k) for k in range(100)] for s in range(200)], dtype=torch.float64)
+    assert float(draws.min()) >= 0.0 and float(draws.max()) < 1.0
+    counts = torch.bincount((draws * 10).long().flatten(), minlength=10).double()
+    stat = float(((counts - 2000.0) ** 2 / 2000.0).sum())
+    assert stat < chi2.ppf(0.999, 9), counts.tolist()
+    for a, b in ((draws[:-1], draws[1:]), (draws[:, :-1], draws[:, 1:])):
+        r = torch.corrcoef(torch.stack([a.flatten(), b.flatten()]))[0, 1]
+        assert abs(float(r)) < 0.03
+    assert len(set(draws.flatten().tolist())) == draws.numel()
+    assert seeded_uniform(-1, 0) == seeded_uniform((1 << 64) - 1, 0)  # a negative seed is its 64-bit pattern
+
+
+def test_a_seeded_rows_draw_follows_its_output_index() -> None:
+    """A seeded row's k-th output token is drawn with the k-th uniform whatever was sampled for it
+    before (rows are stateless: speculation's rejected rows and a preempted request's recomputed
+    steps consume nothing), and different indices draw differently."""
+    logits = rand_logits(1, seed=4)
+
+    def at(k: int) -> int:
+        return sampler(logits.clone(), [make_row(output=[1] * k, seed=5, temperature=1.0)]).token_ids[0]
+
+    tokens = [at(k) for k in range(30)]
+    assert tokens == [at(k) for k in reversed(range(30))][::-1]
+    want = [int(torch.nonzero(logits[0].softmax(-1).double().cumsum(0) > seeded_uniform(5, k))[0]) for k in range(30)]
+    assert tokens == want and len(set(tokens)) > 3
 
 
 def test_seeded_row_position_in_batch_does_not_matter() -> None:

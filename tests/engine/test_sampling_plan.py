@@ -114,8 +114,8 @@ def test_duplicates_do_not_change_the_logits() -> None:
     plain = SamplingParams(stop_token_ids=[6], allowed_token_ids=[3, 4, 5, 6], **kw)
     doubled = SamplingParams(stop_token_ids=[6, 6], allowed_token_ids=[3, 4, 3, 5, 6, 5], **kw)
     rows = [
-        SamplingRow(plain, [1], [], None, [5], [[3]]),
-        SamplingRow(doubled, [1], [], None, [5, 5], [[3], [3]]),
+        SamplingRow(plain, [1], [], [5], [[3]]),
+        SamplingRow(doubled, [1], [], [5, 5], [[3], [3]]),
     ]
     out = process_logits(logits.clone(), rows)
     expected = torch.full((V,), float("-inf"))
