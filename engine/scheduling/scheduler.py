@@ -101,8 +101,8 @@ Two more rules (issue 41, measured on the served start-up of 16 clients):
   before the prompts arrived keeps its ratio however many arrive.
 - A ratio is taken of a measured step: beside decodes, where no decode-only step of at least
   half as many rows has been measured (after a burst, or at a first decode), the step carries no
-  prompt tokens, once (`_measuring`; the decodes' drafts still come: a seeded row's draws follow
-  its drafts), and the ratio then starts from that step. Steps too fast for a ratio
+  prompt tokens, once (`_measuring`; the decodes' drafts still come: only prompts are held
+  back), and the ratio then starts from that step. Steps too fast for a ratio
   (`_MIN_STEP_S`) are not held back. After a burst
   the line, pulled by its 2,048-token step, priced the 16-row decode-only step at 47 ms where it
   took 25: the steps beside the last five prompts ran at 2.8x a decode-only one.
@@ -310,7 +310,7 @@ class Scheduler:
         wait = max([self._queue_wait(), *(now - r.waiting_since for r in prefills)])
         decoding = [s.request for s in scheduled if s.request.status == RequestStatus.RUNNING]
         prefill_budget = self._prefill_budget(num_decodes, budget, wait, load, self._burst(decoding, prefills))
-        # A step held decode-only to be measured keeps its drafts (a seeded row's draws follow them).
+        # A step held decode-only to be measured keeps its drafts: only prompts are held back.
         draft_room = budget if self._measuring else 0
         budget = self._schedule_running(prefills, prefill_budget, scheduled, preempted)
         # Drop entries of requests preempted after they were scheduled this step.

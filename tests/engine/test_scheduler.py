@@ -401,8 +401,8 @@ def test_a_decode_only_step_is_measured_once_before_a_ratio_is_taken() -> None:
     assert _chunks(sched, 0.09)["p"] > 0  # then the prompt beside the decodes
     assert sched.step_cost.latest_decode == (4, 0.05)
 
-    # Speculating, the step held decode-only keeps the decodes' drafts (their seeded draws
-    # follow them, sampler.verify), where a step whose prompts took the budget has none left.
+    # Speculating, the step held decode-only keeps the decodes' drafts (only prompts are held
+    # back), where a step whose prompts took the budget has none left.
     spec = Scheduler(SchedulerConfig(16, 2048, True), BlockManager(num_blocks=1024, block_size=16), 1024)
     for i in range(4):
         spec.add_request(make_request(f"d{i}", [7 + i] * 100, max_tokens=50))
