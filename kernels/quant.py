@@ -280,6 +280,17 @@ def tile_linear(x: torch.Tensor, w: PackedWeight) -> torch.Tensor:
     return torch.ops.triollm_cpu.quant_linear_bf16(x, w.qp, w.dp, w.mp, w.bits, w.n)
 
 
+def packed_swiglu(x: torch.Tensor, w: PackedWeight) -> torch.Tensor | None:
+    """silu(x @ Wg.T) * (x @ Wu.T) for a fused gate/up PackedWeight (gate outputs first, then
+    up), in one pass of the AMX bf16 tile kernel (`quant_swiglu_bf16`: the gate and up sums never
+    leave it, where `packed_linear` then `silu_and_mul` write and read back [M, 2I] fp32), where
+    the tiles take x (`TILE_MIN_ROWS` rows on; the caller allows them) and the intermediate size
+    is a multiple of 16; None elsewhere. Each output is the unfused tile path's, bit for bit."""
+    if x.dim() != 2 or x.shape[0] < TILE_MIN_ROWS or x.device.type != "cpu" or w.n % 32:
+        return None
+    return torch.ops.triollm_cpu.quant_swiglu_bf16(x.float(), w.qp, w.dp, w.mp, w.bits, w.n).to(x.dtype)
+
+
 def tiles_available() -> bool:
     """Whether large inputs may take the bf16 tiles in this process: the native kernels are built,
     the CPU has AMX bf16 tiles (and the kernel's leave to use them), and no path is forced."""

@@ -1419,7 +1419,9 @@ at::Tensor rotary_write_kv(const at::Tensor& qkv, const at::Tensor& cos, const a
 }
 
 // SwiGLU on the fused gate/up projection: x [T, 2I] -> silu(x[:, :I]) * x[:, I:], [T, I],
-// computed in fp32 (one pass; torch's bf16 silu and mul were two passes with conversions).
+// computed in fp32 (one pass; torch's bf16 silu and mul were two passes with conversions). exp's
+// argument is capped at 88 (e^88 < FLT_MAX): under -ffast-math the division is a reciprocal
+// refined by a Newton step, which turns 1 / inf into NaN for a gate below -88 (silu -> -0 there).
 template <typename T>
 void silu_and_mul_impl(const T* x, T* out, int64_t rows, int64_t inter) {
   constexpr int64_t kChunk = 256;  // widened into fp32 buffers, so every loop vectorises
@@ -1437,7 +1439,7 @@ void silu_and_mul_impl(const T* x, T* out, int64_t rows, int64_t inter) {
           uf[i] = load_f(u[i0 + i]);
         }
 #pragma omp simd
-        for (int64_t i = 0; i < n; ++i) gf[i] = gf[i] / (1.f + std::exp(-gf[i])) * uf[i];
+        for (int64_t i = 0; i < n; ++i) gf[i] = gf[i] / (1.f + std::exp(std::min(-gf[i], 88.f))) * uf[i];
 #pragma omp simd
         for (int64_t i = 0; i < n; ++i) o[i0 + i] = store_f<T>(gf[i]);
       }

@@ -30,5 +30,7 @@ at::Tensor quant_linear_packed(const at::Tensor& x, const at::Tensor& qp, const 
                                const at::Tensor& mp, int64_t bits, int64_t N, const std::string& isa);
 at::Tensor quant_linear_bf16(const at::Tensor& x, const at::Tensor& qp, const at::Tensor& dp, const at::Tensor& mp,
                              int64_t bits, int64_t N);
+at::Tensor quant_swiglu_bf16(const at::Tensor& x, const at::Tensor& qp, const at::Tensor& dp, const at::Tensor& mp,
+                             int64_t bits, int64_t N);
 
 }  // namespace triollm_cpu

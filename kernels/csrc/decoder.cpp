@@ -207,7 +207,15 @@ at::Tensor quant_decoder_stack(const at::Tensor& x, at::TensorList weights, at::
     const at::Tensor attn = paged_decode_attention(q, k_caches[i], v_caches[i], block_tables, context_lens, scale, 0, 0.0,
                                                    ks, vs);
     h = h + linear(attn.view({B, num_heads * D}), 1);
-    h = h + linear(silu_and_mul(linear(rms_norm(h, w[1], eps), 2)), 3);
+    const at::Tensor normed = rms_norm(h, w[1], eps);
+    bool gate_up_lora = false;
+    for (int64_t g = 0; g < G; ++g) gate_up_lora = gate_up_lora || lora_weights[((g * L + i) * 4 + 2) * 2].numel() > 0;
+    // On the tiles a fused gate/up projection leaves as silu(gate) * up (quant_swiglu_bf16), as
+    // the layers' does (kernels/quant.py `packed_swiglu`), unless an adapter reads its output.
+    const at::Tensor act = tiles && !gate_up_lora && s[5] % 32 == 0
+                               ? quant_swiglu_bf16(normed, w[8], w[9], w[10], s[4], s[5])
+                               : silu_and_mul(linear(normed, 2));
+    h = h + linear(act, 3);
   }
   return h;
 }

@@ -558,8 +558,8 @@ bool amx_permitted() {
 }
 
 // ------------------------------------------------------------------------------------------
-// AMX bf16 tiles for prompt rows (`quant_linear_bf16`; the model decides which rows take it:
-// kernels/quant.py `RowSplit`). The codes of one group of 16 outputs are dequantized once per
+// AMX bf16 tiles for large inputs (`quant_linear_bf16`; the caller decides which take it:
+// kernels/quant.py `TILE_MIN_ROWS`). The codes of one group of 16 outputs are dequantized once per
 // call, block by block, into the right-hand tiles of `tdpbf16ps`, w = d * code + m (one fused
 // multiply-add in fp32, rounded to bf16 to nearest even); the activations are rounded to bf16 the
 // same way; the tiles accumulate in fp32 over the whole input, block after block, with no per-
@@ -656,28 +656,42 @@ void bf16_rows(const float* x, int64_t M, int64_t padded, int64_t K, uint16_t* x
 // Groups [g0, g1) for all rows, in tiles of groups whose dequantized blocks stay in L2 (~512 KB):
 // a tile's blocks dequantized once, then 32 rows at a time (their bf16 activations: in L1) against
 // every pair of groups of the tile, the blocks in order into four sum tiles; each row's outputs
-// of a tile are written together.
-template <int Bits>
+// of a tile are written together. `Swiglu` (a fused gate/up projection, gate groups [0, half) and
+// up groups [half, 2 half)): [g0, g1) are gate groups, each paired with its up group g + half,
+// and the pair's sums leave as silu(gate) * up, computed as `silu_and_mul` does (exp's argument
+// capped at 88 as there), into o [M, N / 2].
+template <int Bits, bool Swiglu>
 void bf16_groups(const uint8_t* q, const uint16_t* d, const uint16_t* m, int64_t g0, int64_t g1, int64_t nb,
-                 const uint16_t* xa, int64_t K, int64_t M, int64_t padded, int64_t N, float* o) {
+                 const uint16_t* xa, int64_t K, int64_t M, int64_t padded, int64_t N, float* o, int64_t half = 0) {
   bf16_configure();
-  const int64_t tile = std::max<int64_t>(2, (512 << 10) / (nb * 1024) / 2 * 2);  // groups, even
-  const int64_t span = std::min(tile, g1 - g0);
+  // Dequantized groups per tile (even); with Swiglu each step of g takes two groups.
+  const int64_t tile = std::max<int64_t>(2, (512 << 10) / (nb * 1024) / 2 * 2) / (Swiglu ? 2 : 1);
+  const int64_t span = std::min(tile, g1 - g0) * (Swiglu ? 2 : 1);
   std::unique_ptr<uint16_t[], void (*)(void*)> wt(
       static_cast<uint16_t*>(std::aligned_alloc(64, span * nb * 512 * sizeof(uint16_t))), std::free);
   alignas(64) float sums[4][256];
   const int64_t group_bytes = nb * block_bytes(Bits);
+  const int64_t step = Swiglu ? 1 : 2, ldo = Swiglu ? half * 16 : N;
   for (int64_t t0 = g0; t0 < g1; t0 += tile) {
     const int64_t t1 = std::min(g1, t0 + tile);
-    for (int64_t g = t0; g < t1; ++g)
-      bf16_unpack_group<Bits>(q + g * group_bytes, d + g * nb * 16, m + g * nb * 16, nb, wt.get() + (g - t0) * nb * 512);
+    for (int64_t g = t0; g < t1; ++g) {
+      if (Swiglu) {
+        for (int64_t h = 0; h < 2; ++h) {
+          const int64_t src = g + h * half;
+          bf16_unpack_group<Bits>(q + src * group_bytes, d + src * nb * 16, m + src * nb * 16, nb,
+                                  wt.get() + (2 * (g - t0) + h) * nb * 512);
+        }
+      } else {
+        bf16_unpack_group<Bits>(q + g * group_bytes, d + g * nb * 16, m + g * nb * 16, nb, wt.get() + (g - t0) * nb * 512);
+      }
+    }
     for (int64_t r0 = 0; r0 < padded; r0 += 32) {
       const bool two_rows = r0 + 16 < padded;
       const uint16_t* a0 = xa + r0 * K;
       const uint16_t* a1 = a0 + 16 * K;
-      for (int64_t g = t0; g < t1; g += 2) {
-        const int64_t groups = std::min<int64_t>(2, t1 - g);
-        const uint16_t* w0 = wt.get() + (g - t0) * nb * 512;
+      for (int64_t g = t0; g < t1; g += step) {
+        const int64_t groups = Swiglu ? 2 : std::min<int64_t>(2, t1 - g);
+        const uint16_t* w0 = wt.get() + (Swiglu ? 2 : 1) * (g - t0) * nb * 512;
         const uint16_t* w1 = w0 + nb * 512;
         _tile_zero(0);
         _tile_zero(1);
@@ -702,12 +716,22 @@ void bf16_groups(const uint8_t* q, const uint16_t* d, const uint16_t* m, int64_t
         _tile_stored(2, sums[2], 64);
         _tile_stored(3, sums[3], 64);
         for (int64_t i = 0; i < (two_rows ? 2 : 1); ++i) {
+          if (Swiglu) {
+            for (int64_t r = 0; r < 16 && r0 + 16 * i + r < M; ++r) {
+              const float* gs = sums[2 * i] + r * 16;
+              const float* us = sums[2 * i + 1] + r * 16;
+              float* dst = o + (r0 + 16 * i + r) * ldo + g * 16;
+#pragma omp simd
+              for (int64_t c = 0; c < 16; ++c) dst[c] = gs[c] / (1.f + std::exp(std::min(-gs[c], 88.f))) * us[c];
+            }
+            continue;
+          }
           for (int64_t j = 0; j < groups; ++j) {
             const int64_t valid = std::min<int64_t>(16, N - (g + j) * 16);
             const __mmask16 mask = static_cast<__mmask16>((1u << valid) - 1u);
             const float* sv = sums[2 * i + j];
             for (int64_t r = 0; r < 16 && r0 + 16 * i + r < M; ++r)
-              _mm512_mask_storeu_ps(o + (r0 + 16 * i + r) * N + (g + j) * 16, mask, _mm512_load_ps(sv + r * 16));
+              _mm512_mask_storeu_ps(o + (r0 + 16 * i + r) * ldo + (g + j) * 16, mask, _mm512_load_ps(sv + r * 16));
           }
         }
       }
@@ -739,14 +763,17 @@ void check_packed(const char* op, const at::Tensor& x, const at::Tensor& qp, con
               op, ": the packed weight does not match x [", M, ", ", K, "] and N=", N);
 }
 
-// `x @ W.T` over the packed weight by bf16 tiles (above); only where `bf16_tiles_run()`.
-at::Tensor quant_linear_bf16(const at::Tensor& x, const at::Tensor& qp, const at::Tensor& dp, const at::Tensor& mp,
-                             int64_t bits, int64_t N) {
-  check_packed("quant_linear_bf16", x, qp, dp, mp, bits, N);
-  TORCH_CHECK(bf16_tiles_run(), "quant_linear_bf16: needs AMX bf16 tiles (amx-tile, amx-bf16, avx512-bf16)");
-  const int64_t M = x.size(0), K = x.size(1), nb = K / kBlock, G = qp.size(0);
+// `x @ W.T` over the packed weight by bf16 tiles (above); only where `bf16_tiles_run()`. `swiglu`:
+// W is a fused gate/up projection of N = 2 I outputs (I a multiple of 16), and the result is
+// silu(x @ Wg.T) * (x @ Wu.T), [M, I], with the sums never leaving the kernel.
+at::Tensor bf16_linear(const char* op, const at::Tensor& x, const at::Tensor& qp, const at::Tensor& dp,
+                       const at::Tensor& mp, int64_t bits, int64_t N, bool swiglu) {
+  check_packed(op, x, qp, dp, mp, bits, N);
+  TORCH_CHECK(bf16_tiles_run(), op, ": needs AMX bf16 tiles (amx-tile, amx-bf16, avx512-bf16)");
+  TORCH_CHECK(!swiglu || N % 32 == 0, op, ": a gate/up projection of N=", N, " outputs: N must be a multiple of 32");
+  const int64_t M = x.size(0), K = x.size(1), nb = K / kBlock, G = qp.size(0), half = G / 2;
   const int fmt = static_cast<int>(bits);
-  at::Tensor out = at::empty({M, N}, x.options());
+  at::Tensor out = at::empty({M, swiglu ? N / 2 : N}, x.options());
   if (M == 0 || N == 0) return out;
   const at::Tensor xc = x.contiguous(), qc = qp.contiguous(), dc = dp.contiguous(), mc = mp.contiguous();
   const int64_t padded = (M + 15) / 16 * 16;
@@ -756,14 +783,32 @@ at::Tensor quant_linear_bf16(const at::Tensor& x, const at::Tensor& qp, const at
   const auto* d = reinterpret_cast<const uint16_t*>(dc.data_ptr<at::Half>());
   const auto* m = reinterpret_cast<const uint16_t*>(mc.data_ptr<at::Half>());
   float* o = out.data_ptr<float>();
+  if (swiglu) {  // tasks of gate groups, each with its up group
+    at::parallel_for(0, half, 1, [&](int64_t g0, int64_t g1) {
+      if (fmt == 4) bf16_groups<4, true>(q, d, m, g0, g1, nb, xa, K, M, padded, N, o, half);
+      else if (fmt == 8) bf16_groups<8, true>(q, d, m, g0, g1, nb, xa, K, M, padded, N, o, half);
+      else bf16_groups<kIq4, true>(q, d, m, g0, g1, nb, xa, K, M, padded, N, o, half);
+    });
+    return out;
+  }
   // Tasks of whole group pairs (a pair's codes are dequantized together).
   at::parallel_for(0, (G + 1) / 2, 1, [&](int64_t p0, int64_t p1) {
     const int64_t g0 = 2 * p0, g1 = std::min(G, 2 * p1);
-    if (fmt == 4) bf16_groups<4>(q, d, m, g0, g1, nb, xa, K, M, padded, N, o);
-    else if (fmt == 8) bf16_groups<8>(q, d, m, g0, g1, nb, xa, K, M, padded, N, o);
-    else bf16_groups<kIq4>(q, d, m, g0, g1, nb, xa, K, M, padded, N, o);
+    if (fmt == 4) bf16_groups<4, false>(q, d, m, g0, g1, nb, xa, K, M, padded, N, o);
+    else if (fmt == 8) bf16_groups<8, false>(q, d, m, g0, g1, nb, xa, K, M, padded, N, o);
+    else bf16_groups<kIq4, false>(q, d, m, g0, g1, nb, xa, K, M, padded, N, o);
   });
   return out;
+}
+
+at::Tensor quant_linear_bf16(const at::Tensor& x, const at::Tensor& qp, const at::Tensor& dp, const at::Tensor& mp,
+                             int64_t bits, int64_t N) {
+  return bf16_linear("quant_linear_bf16", x, qp, dp, mp, bits, N, false);
+}
+
+at::Tensor quant_swiglu_bf16(const at::Tensor& x, const at::Tensor& qp, const at::Tensor& dp, const at::Tensor& mp,
+                             int64_t bits, int64_t N) {
+  return bf16_linear("quant_swiglu_bf16", x, qp, dp, mp, bits, N, true);
 }
 
 // The plain loops' view of the packed layout: the code of row `lane`, input `k` of group g.
@@ -970,6 +1015,7 @@ TORCH_LIBRARY_FRAGMENT(triollm_cpu, m) {
   m.def("quant_isa() -> str", &quant_isa_op);
   m.def("quantize_activations(Tensor x) -> (Tensor, Tensor, Tensor)");
   m.def("quant_linear_bf16(Tensor x, Tensor qp, Tensor dp, Tensor mp, int bits, int n) -> Tensor");
+  m.def("quant_swiglu_bf16(Tensor x, Tensor qp, Tensor dp, Tensor mp, int bits, int n) -> Tensor");
   m.def("bf16_tiles() -> bool", &bf16_tiles_run);
 }
 
@@ -977,4 +1023,5 @@ TORCH_LIBRARY_IMPL(triollm_cpu, CPU, m) {
   m.impl("quant_linear_packed", &quant_linear_packed);
   m.impl("quantize_activations", &quantize_activations_op);
   m.impl("quant_linear_bf16", &quant_linear_bf16);
+  m.impl("quant_swiglu_bf16", &quant_swiglu_bf16);
 }

@@ -167,6 +167,17 @@ def test_native_silu_and_mul_matches_torch(rows: int, dtype: torch.dtype) -> Non
     torch.testing.assert_close(cpu_native.silu_and_mul(x).float(), ref, **tol)
 
 
+@pytest.mark.skipif(not cpu_native.available(), reason="no native kernels")
+def test_native_silu_and_mul_is_finite_for_large_gates() -> None:
+    """Gates far below -88 (exp(-g) overflows: -ffast-math's refined reciprocal made 1 / inf a
+    NaN) give silu -> -0, and far above +88 silu(g) = g, as torch."""
+    gate = torch.tensor([[-1000.0, -200.0, -89.0, -88.0, -20.0, 0.0, 20.0, 89.0, 1000.0] * 32])
+    x = torch.cat([gate, torch.full_like(gate, 3.0)], dim=1)
+    got = cpu_native.silu_and_mul(x)
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got, torch.nn.functional.silu(gate) * 3.0, rtol=1e-6, atol=1e-6)
+
+
 BF16_DOT = pytest.mark.skipif(
     not cpu_native.available() or cpu_native.decode_attention_dot() != "bf16",
     reason="the bf16 dot-product decode path needs AVX-512 BF16",

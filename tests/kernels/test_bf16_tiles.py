@@ -22,6 +22,7 @@ from triollm.kernels.quant import (
     PackedWeight,
     QuantWeight,
     packed_linear,
+    packed_swiglu,
     tile_linear,
     tiles_available,
 )
@@ -35,9 +36,9 @@ needs_tiles = pytest.mark.skipif(
 _SHAPES = [(1, 16, 32), (5, 17, 96), (17, 33, 608), (33, 70, 64), (70, 48, 160)]
 
 
-def _weight(bits: int, n: int, k: int, seed: int) -> PackedWeight:
+def _weight(bits: int, n: int, k: int, seed: int, scale: float = 1.0) -> PackedWeight:
     gen = torch.Generator().manual_seed(seed)
-    w = QuantWeight.quantize(torch.randn(n, k, generator=gen), 8 if bits == 8 else 4)
+    w = QuantWeight.quantize(torch.randn(n, k, generator=gen) * scale, 8 if bits == 8 else 4)
     if bits == IQ4:  # the same nibbles read as IQ4 indices
         w = QuantWeight(w.q, w.d, w.m, IQ4)
     return PackedWeight.pack(w)
@@ -89,6 +90,46 @@ def test_large_inputs_take_the_tiles_where_allowed() -> None:
         layer.tiles = True
         assert torch.equal(layer(x[:m]), want), m
         layer.tiles = False
+
+
+@needs_tiles
+@pytest.mark.parametrize("bits", [4, 8, IQ4])
+@pytest.mark.parametrize(("m", "n", "k"), [(32, 32, 32), (33, 64, 96), (70, 96, 608), (100, 160, 64)])
+def test_the_fused_swiglu_is_the_tile_projection_then_silu_and_mul(bits: int, m: int, n: int, k: int) -> None:
+    """`quant_swiglu_bf16` pairs each gate group with its up group in the tiles and leaves
+    silu(gate) * up: the unfused tile projection then `silu_and_mul`, bit for bit, with a row's
+    bits the same at every row count (an odd gate-group count, 5 at n = 160, included). Weights
+    and inputs of a model's magnitudes: where exp overflows (gate sums past ~88), -ffast-math's
+    exp differs between the two loops."""
+    w = _weight(bits, n, k, n + k, scale=0.05)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
+    got = packed_swiglu(x, w)
+    assert got is not None and got.shape == (m, n // 2)
+    assert torch.equal(got, cpu_native.silu_and_mul(tile_linear(x, w)))
+    for rows in (TILE_MIN_ROWS, m - 1):
+        if rows >= TILE_MIN_ROWS:
+            part = packed_swiglu(x[m - rows :], w)
+            assert part is not None and torch.equal(part, got[m - rows :]), rows
+    assert packed_swiglu(x[: TILE_MIN_ROWS - 1], w) is None  # the int8 kernel's rows: unfused
+    assert packed_swiglu(x, _weight(bits, n + 16, k, 1)) is None  # an intermediate size not of 16s
+
+
+@needs_tiles
+def test_a_quantized_gated_mlp_fuses_its_activation_on_the_tiles_only() -> None:
+    """`QuantLinear.swiglu`: on the tiles, the fused kernel; without leave, with a bias, or with
+    an input order, None (the caller applies the activation to the projection's output)."""
+    layer = QuantLinear(QuantWeight.quantize(torch.randn(64, 96), 4), None)
+    x = torch.randn(TILE_MIN_ROWS + 3, 96, generator=torch.Generator().manual_seed(5))
+    assert layer.swiglu(x) is None
+    layer.tiles = True
+    fused = layer.swiglu(x)
+    assert fused is not None and torch.equal(fused, cpu_native.silu_and_mul(layer(x)))
+    biased = QuantLinear(QuantWeight.quantize(torch.randn(64, 96), 4), torch.zeros(64))
+    biased.tiles = True
+    assert biased.swiglu(x) is None
+    ordered = QuantLinear(QuantWeight.quantize(torch.randn(64, 96), 4), None, torch.arange(96).flip(0))
+    ordered.tiles = True
+    assert ordered.swiglu(x) is None
 
 
 def test_a_forced_kernel_path_keeps_every_row_on_it(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -29,7 +29,7 @@ from torch import nn
 from triollm.engine.execution.layers.linear import load_rows
 from triollm.kernels import cpu_native
 from triollm.kernels.kv_quant import cache_scale
-from triollm.kernels.quant import TILE_MIN_ROWS, PackedWeight, QuantWeight, packed_linear
+from triollm.kernels.quant import TILE_MIN_ROWS, PackedWeight, QuantWeight, packed_linear, packed_swiglu
 
 if TYPE_CHECKING:
     from triollm.lora.layers import LoRABatch, LoRALayer
@@ -88,6 +88,16 @@ class QuantLinear(_Packed):
 
     def load(self, leaf: str, piece: int, source: Any) -> None:
         load_rows(self, leaf, piece, source)
+
+    def swiglu(self, x: torch.Tensor) -> torch.Tensor | None:
+        """silu(gate) * up of this fused gate/up projection in one kernel, where the bf16 tiles
+        take x and nothing reads the projection's own output (no bias, input order or adapter):
+        kernels/quant.py `packed_swiglu`; None elsewhere."""
+        if not self.tiles or self.bias is not None or self.perm is not None:
+            return None
+        if self.lora is not None and self.lora.batch.groups:
+            return None
+        return packed_swiglu(x, self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         xq = x if self.perm is None else x.index_select(-1, self.perm)

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from triollm.engine.distributed.sharding import TPShard
-from triollm.engine.execution.layers.activation import ACTIVATIONS
+from triollm.engine.execution.layers.activation import ACTIVATIONS, silu_and_mul
 from triollm.engine.execution.layers.attention import AttentionMetadata, PagedAttention
 from triollm.engine.execution.layers.linear import (
     Linear,
@@ -139,6 +139,10 @@ class GatedMLP(nn.Module):
         self.act = ACTIVATIONS[cfg.hidden_act]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.act is silu_and_mul and isinstance(self.gate_up_proj, QuantLinear):
+            fused = self.gate_up_proj.swiglu(x)  # on the AMX tiles: one kernel, or None
+            if fused is not None:
+                return self.down_proj.forward(fused)
         return self.down_proj.forward(self.act(self.gate_up_proj.forward(x)))
 
 
