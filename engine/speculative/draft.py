@@ -22,6 +22,7 @@ from __future__ import annotations
 import torch
 
 from triollm.engine.execution.model_runner import ModelRunner
+from triollm.engine.execution.sampler import argmax
 from triollm.engine.scheduling.scheduler import ScheduledRequest
 
 __all__ = ["DraftModel"]
@@ -46,7 +47,7 @@ class DraftModel:
         live = list(range(len(items)))
         while live:
             hidden = self.runner.last_hidden([feeds[i] for i in live])
-            tokens = model.compute_logits(hidden).argmax(-1).tolist()
+            tokens = argmax(model.compute_logits(hidden).float()).tolist()
             still: list[int] = []
             for i, token in zip(live, tokens):
                 s = items[i]
