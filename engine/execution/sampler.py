@@ -344,6 +344,8 @@ def _uniform(probs: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     seed and the index of the output token it samples (`seeded_uniform`)."""
     n = len(rows)
     seeded = [(i, seed, len(r.output_token_ids)) for i, r in enumerate(rows) if (seed := r.params.seed) is not None]
+    if not seeded:
+        return torch.rand(n, dtype=torch.float64, device=probs.device)
     u = torch.empty(n, dtype=torch.float64) if len(seeded) == n else torch.rand(n, dtype=torch.float64)
     for i, seed, index in seeded:
         u[i] = seeded_uniform(seed, index)

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from triollm.engine.execution.layers import quantized as quantized_module
 from triollm.engine.execution.layers.quantized import QuantLinear
 from triollm.kernels import cpu_native
 from triollm.kernels.envs import ISA_ENV
@@ -241,7 +242,16 @@ def test_the_native_decoder_stack_takes_the_tiles_with_the_layers_bits(tiny_mode
     fused = engine.generate(prompts, params)
     assert sizes and min(sizes) >= TILE_MIN_ROWS
     model.decode_stack = None
-    layered = engine.generate(prompts, params)
+    swiglu_rows: list[int] = []
+
+    def counted_swiglu(x: torch.Tensor, w: PackedWeight) -> torch.Tensor | None:
+        swiglu_rows.append(x.shape[0])
+        return packed_swiglu(x, w)
+
+    with pytest.MonkeyPatch.context() as patch:  # the layers' MLPs take the fused kernel too
+        patch.setattr(quantized_module, "packed_swiglu", counted_swiglu)
+        layered = engine.generate(prompts, params)
+    assert swiglu_rows and min(swiglu_rows) >= TILE_MIN_ROWS
     for m in model.modules():
         if isinstance(m, QuantLinear):
             m.tiles = False
