@@ -660,6 +660,8 @@ void bf16_rows(const float* x, int64_t M, int64_t padded, int64_t K, uint16_t* x
 // up groups [half, 2 half)): [g0, g1) are gate groups, each paired with its up group g + half,
 // and the pair's sums leave as silu(gate) * up, computed as `silu_and_mul` does (exp's argument
 // capped at 88 as there), into o [M, N / 2].
+constexpr int64_t kChunkBlocks = 8;  // `bf16_groups`' input chunk: 256 inputs
+
 template <int Bits, bool Swiglu>
 void bf16_groups(const uint8_t* q, const uint16_t* d, const uint16_t* m, int64_t g0, int64_t g1, int64_t nb,
                  const uint16_t* xa, int64_t K, int64_t M, int64_t padded, int64_t N, float* o, int64_t half = 0) {
@@ -669,9 +671,17 @@ void bf16_groups(const uint8_t* q, const uint16_t* d, const uint16_t* m, int64_t
   const int64_t span = std::min(tile, g1 - g0) * (Swiglu ? 2 : 1);
   std::unique_ptr<uint16_t[], void (*)(void*)> wt(
       static_cast<uint16_t*>(std::aligned_alloc(64, span * nb * 512 * sizeof(uint16_t))), std::free);
-  alignas(64) float sums[4][256];
-  const int64_t group_bytes = nb * block_bytes(Bits);
+  // The inputs in chunks of `chunk` blocks, so a 32-row panel's chunk (24 KB) stays in L1 while the
+  // groups' blocks stream past it (tile loads with the non-temporal hint); between chunks each
+  // group pair's sums wait in `acc`, 4 tiles a pair, and are loaded back: the same fp32 sums in
+  // the same order, so the same bits as one pass over the whole input.
   const int64_t step = Swiglu ? 1 : 2, ldo = Swiglu ? half * 16 : N;
+  const int64_t chunk = nb > kChunkBlocks + kChunkBlocks / 3 ? kChunkBlocks : nb;
+  alignas(64) float own[4][256];
+  std::unique_ptr<float[][256], void (*)(void*)> acc(
+      chunk < nb ? static_cast<float(*)[256]>(std::aligned_alloc(64, (tile / step + 1) * 4 * 256 * sizeof(float))) : nullptr,
+      std::free);
+  const int64_t group_bytes = nb * block_bytes(Bits);
   for (int64_t t0 = g0; t0 < g1; t0 += tile) {
     const int64_t t1 = std::min(g1, t0 + tile);
     for (int64_t g = t0; g < t1; ++g) {
@@ -689,20 +699,30 @@ void bf16_groups(const uint8_t* q, const uint16_t* d, const uint16_t* m, int64_t
       const bool two_rows = r0 + 16 < padded;
       const uint16_t* a0 = xa + r0 * K;
       const uint16_t* a1 = a0 + 16 * K;
+      for (int64_t c0 = 0; c0 < nb; c0 += chunk) {
+      const int64_t c1 = std::min(nb, c0 + chunk);
       for (int64_t g = t0; g < t1; g += step) {
         const int64_t groups = Swiglu ? 2 : std::min<int64_t>(2, t1 - g);
         const uint16_t* w0 = wt.get() + (Swiglu ? 2 : 1) * (g - t0) * nb * 512;
         const uint16_t* w1 = w0 + nb * 512;
-        _tile_zero(0);
-        _tile_zero(1);
-        _tile_zero(2);
-        _tile_zero(3);
-        for (int64_t b = 0; b < nb; ++b) {
+        float(*sums)[256] = chunk < nb ? acc.get() + (g - t0) / step * 4 : own;
+        if (c0 == 0) {
+          _tile_zero(0);
+          _tile_zero(1);
+          _tile_zero(2);
+          _tile_zero(3);
+        } else {
+          _tile_loadd(0, sums[0], 64);
+          _tile_loadd(1, sums[1], 64);
+          _tile_loadd(2, sums[2], 64);
+          _tile_loadd(3, sums[3], 64);
+        }
+        for (int64_t b = c0; b < c1; ++b) {
           _tile_loadd(4, a0 + b * kBlock, K * 2);
-          _tile_loadd(6, w0 + b * 512, 64);
+          _tile_stream_loadd(6, w0 + b * 512, 64);
           _tile_dpbf16ps(0, 4, 6);
           if (groups > 1) {
-            _tile_loadd(7, w1 + b * 512, 64);
+            _tile_stream_loadd(7, w1 + b * 512, 64);
             _tile_dpbf16ps(1, 4, 7);
           }
           if (two_rows) {
@@ -715,6 +735,7 @@ void bf16_groups(const uint8_t* q, const uint16_t* d, const uint16_t* m, int64_t
         _tile_stored(1, sums[1], 64);
         _tile_stored(2, sums[2], 64);
         _tile_stored(3, sums[3], 64);
+        if (c1 < nb) continue;  // the next chunk adds to these sums
         for (int64_t i = 0; i < (two_rows ? 2 : 1); ++i) {
           if (Swiglu) {
             for (int64_t r = 0; r < 16 && r0 + 16 * i + r < M; ++r) {
@@ -734,6 +755,7 @@ void bf16_groups(const uint8_t* q, const uint16_t* d, const uint16_t* m, int64_t
               _mm512_mask_storeu_ps(o + (r0 + 16 * i + r) * ldo + (g + j) * 16, mask, _mm512_load_ps(sv + r * 16));
           }
         }
+      }
       }
     }
   }
