@@ -89,8 +89,8 @@ Two more rules (issue 41, measured on the served start-ups of 16 and 64 clients)
   its first token only: nobody has a cadence yet, they only went first. Then no ratio applies
   (only the time bound) and the decodes are held: each step's budget goes to the prompts, until
   no request waits for a first token, or no prompt can progress (no seat, adapter slot or
-  blocks: the decodes then run, so a wave never stalls), or `MAX_WAVE_HOLD_S` has passed (the
-  longest step the engine lets a prompt take: a stream's one gap is no longer than that). So
+  blocks: the decodes then run, so a wave never stalls), or `MAX_WAVE_HOLD_S` has passed (two
+  of the longest steps the engine lets a prompt take: a stream's one gap is no longer). So
   each stream of a wave breaks once, from its first token to the wave's end, and its gaps after
   that are decode steps; the last first token comes as soon as the prompts' work allows. Served
   on a 2-core AMX Xeon beside `vllm bench serve`, the slowest first token of 16 clients fell from
@@ -201,7 +201,7 @@ MIN_PREFILL_STEP_S = 0.02
 # part of a prompt's time unless a decode-only step takes a large part of a second. On a GPU a
 # step of `max_num_batched_tokens` takes far less, and the bound never binds.
 MAX_PREFILL_STEP_S = 4.0
-MAX_WAVE_HOLD_S = MAX_PREFILL_STEP_S  # the longest a wave lasts (module note)
+MAX_WAVE_HOLD_S = 2 * MAX_PREFILL_STEP_S  # the longest a wave lasts (module note)
 _MIN_STEP_S = 1e-3  # decode-only steps faster than this: no prefill limit
 
 

@@ -513,12 +513,12 @@ def test_fair_admission_bounds_time_to_first_token_under_load(monkeypatch: pytes
     """64 clients sending 200-token prompts for 128 tokens each (the served sitting of issue 41),
     all at once. The start-up is a wave (`Scheduler._wave`): the prompts take the whole budget
     while some wait for a first token and the decoders have their first token only, held for
-    their second, so the last first token of the start-up comes at 15.5 s against 19.2 s with
+    their second, so the last first token of the start-up comes at 12.1 s against 19.2 s with
     the ratio applied from the first decode (18.1 s with the rule it replaced, which let the
     decoders ride in the first full step and then applied the ratio). After the start-up no step
     beside decodes outgrows its ratio of the full load's decode-only step (64 rows), p99
     inter-token latency stays within 2x the median, and, with the queue's wait counted, the first
-    tokens take at most 7.9 s; at a fixed 1.5x (`MAX_STEP_RATIO` = `TARGET_STEP_RATIO`) 9.1 s."""
+    tokens take at most 7.7 s; at a fixed 1.5x (`MAX_STEP_RATIO` = `TARGET_STEP_RATIO`) 8.5 s."""
     ttft, itl, steady = _closed_loop(FakeClock(), clients=64, prompt=200, output=128, rounds=4)
     load_step = 0.075 + 0.00085 * 64
     assert max(steady) <= MAX_STEP_RATIO * load_step * 1.001
@@ -528,7 +528,7 @@ def test_fair_admission_bounds_time_to_first_token_under_load(monkeypatch: pytes
     with monkeypatch.context() as m:
         m.setattr(Scheduler, "_wave", lambda self, decodes, prefills, now: False)
         ttft_ratio, _, _ = _closed_loop(FakeClock(), clients=64, prompt=200, output=128, rounds=4)
-    assert max(ttft[:64]) < 0.85 * max(ttft_ratio[:64])
+    assert max(ttft[:64]) < 0.7 * max(ttft_ratio[:64])
     monkeypatch.setattr(scheduler_module, "MAX_STEP_RATIO", TARGET_STEP_RATIO)
     ttft_fixed, _, steady_fixed = _closed_loop(FakeClock(), clients=64, prompt=200, output=128, rounds=4)
     assert _percentile(ttft_fixed[64:], 0.99) > 1.1 * after
