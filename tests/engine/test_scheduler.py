@@ -12,7 +12,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from triollm.engine.config import SchedulerConfig
 from triollm.engine.request import EngineCoreRequest, FinishReason, Logprobs, RunnerOutput
-from triollm.engine.sampling_params import SamplingParams
+from triollm.engine.sampling_params import RequestOutputKind, SamplingParams
 from triollm.engine.scheduling import scheduler as scheduler_module
 from triollm.engine.scheduling.block_manager import BlockManager, hash_full_blocks
 from triollm.engine.scheduling.request_state import Request, RequestStatus
@@ -413,6 +413,35 @@ def test_a_wave_ends_at_its_time_bound_or_where_no_prompt_can_progress() -> None
         full.add_request(make_request(f"r{i}", [7 + i] * 100, max_tokens=50, t=i))
     assert _chunks(full, 0.2) == {f"r{i}": 100 for i in range(4)}  # 4 seats: two wait
     assert _chunks(full, 0.05) == {f"r{i}": 1 for i in range(4)}  # no seat for them: decode
+
+
+def test_requests_nobody_streams_have_no_cadence_to_keep() -> None:
+    """`LLM.generate`'s requests (FINAL_ONLY: one output at the end) have no inter-token latency
+    anyone sees: beside their decodes the prompts take the whole budget (no ratio), and a wave
+    does not hold them (their decodes ride in its steps). A streamed request beside them has
+    its ratio again."""
+
+    def final_only(rid: str, prompt: list[int], t: float) -> Request:
+        params = SamplingParams(max_tokens=50, output_kind=RequestOutputKind.FINAL_ONLY)
+        return Request(EngineCoreRequest(rid, prompt, params, eos_token_ids=[EOS], arrival_time=t), 50)
+
+    sched = Scheduler(SchedulerConfig(32, 2048, True), BlockManager(num_blocks=1024, block_size=16), 1024)
+    for i in range(4):
+        sched.add_request(final_only(f"d{i}", [7 + i] * 100, i))
+    assert sum(_chunks(sched, 0.3).values()) == 400
+    for i in range(8):
+        sched.add_request(final_only(f"p{i}", [20 + i] * 300, 10 + i))
+    chunks = _chunks(sched, 0.8)  # their first tokens only: a wave, but nothing to hold
+    assert all(chunks[f"d{i}"] == 1 for i in range(4)) and sum(chunks.values()) == 2048
+    _timed(sched, 0.1, 0.001)
+    sched.add_request(final_only("late", [9] * 600, 30))
+    chunks = _chunks(sched)  # decodes with many tokens: still no ratio
+    assert all(chunks[f"d{i}"] == 1 for i in range(4)) and chunks["late"] > 500
+    sched.add_request(make_request("stream", [5] * 10, max_tokens=50, t=40))
+    _chunks(sched), _chunks(sched), _chunks(sched)
+    sched.add_request(final_only("after", [9] * 600, 50))
+    chunks = _chunks(sched)
+    assert chunks["stream"] == 1 and chunks.get("after", 0) < 200  # a stream: the ratio
 
 
 def test_a_decode_only_step_is_measured_once_before_a_ratio_is_taken() -> None:
