@@ -122,6 +122,7 @@ def test_a_slow_pace_still_takes_the_minimum_chunk_and_decodes_keep_their_ratio(
     decoding = request("d", 3, max_tokens=50)
     sched.add_request(decoding)
     apply(sched, sched.schedule())  # "d" prefilled (untimed); it decodes from now on
+    apply(sched, sched.schedule())  # a second token: a stream, which no wave holds
     sched.add_request(request("p", 600, t=1))
     tokens, _, _ = step(sched)
     # 1.5x the decode-only step of the load ("d" and "p": 0.102 s), less the decode's (0.101 s).
