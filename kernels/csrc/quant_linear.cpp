@@ -660,7 +660,8 @@ void bf16_rows(const float* x, int64_t M, int64_t padded, int64_t K, uint16_t* x
 // up groups [half, 2 half)): [g0, g1) are gate groups, each paired with its up group g + half,
 // and the pair's sums leave as silu(gate) * up, computed as `silu_and_mul` does (exp's argument
 // capped at 88 as there), into o [M, N / 2].
-constexpr int64_t kChunkBlocks = 8;  // `bf16_groups`' input chunk: 256 inputs
+constexpr int64_t kPanelBlocks = 24;  // `bf16_groups`: a 32-row panel of 24 blocks is L1's 48 KB
+constexpr int64_t kChunkBlocks = 8;   // ... and a longer input goes 8 blocks (256 inputs) at a time
 
 template <int Bits, bool Swiglu>
 void bf16_groups(const uint8_t* q, const uint16_t* d, const uint16_t* m, int64_t g0, int64_t g1, int64_t nb,
@@ -671,12 +672,14 @@ void bf16_groups(const uint8_t* q, const uint16_t* d, const uint16_t* m, int64_t
   const int64_t span = std::min(tile, g1 - g0) * (Swiglu ? 2 : 1);
   std::unique_ptr<uint16_t[], void (*)(void*)> wt(
       static_cast<uint16_t*>(std::aligned_alloc(64, span * nb * 512 * sizeof(uint16_t))), std::free);
-  // The inputs in chunks of `chunk` blocks, so a 32-row panel's chunk (24 KB) stays in L1 while the
-  // groups' blocks stream past it (tile loads with the non-temporal hint); between chunks each
-  // group pair's sums wait in `acc`, 4 tiles a pair, and are loaded back: the same fp32 sums in
-  // the same order, so the same bits as one pass over the whole input.
+  // A 32-row panel of inputs stays in L1 while the groups' blocks stream past it (tile loads with
+  // the non-temporal hint) where it fits there (`kPanelBlocks`); a longer input goes in chunks of
+  // `kChunkBlocks`, each group pair's sums waiting in `acc` between chunks (4 tiles a pair) and
+  // loaded back: the same fp32 sums in the same order, so the same bits as one pass. Chunking an
+  // input that fits costs more than it saves (the sums' round trips): 18 blocks, whole, 0.81-0.86x
+  // the time of 8-block chunks (docs/bench/tile_linear.py).
   const int64_t step = Swiglu ? 1 : 2, ldo = Swiglu ? half * 16 : N;
-  const int64_t chunk = nb > kChunkBlocks + kChunkBlocks / 3 ? kChunkBlocks : nb;
+  const int64_t chunk = nb > kPanelBlocks ? kChunkBlocks : nb;
   alignas(64) float own[4][256];
   std::unique_ptr<float[][256], void (*)(void*)> acc(
       chunk < nb ? static_cast<float(*)[256]>(std::aligned_alloc(64, (tile / step + 1) * 4 * 256 * sizeof(float))) : nullptr,

@@ -34,7 +34,7 @@ needs_tiles = pytest.mark.skipif(
 
 # Part-filled row tiles (1, 5, 17, 33), partial groups of 16 outputs (17, 33, 70), an odd group
 # count (a group pair with one left over), odd block counts (3, 19), rows past one tile pair (70),
-# inputs taken in chunks (19 and 48 blocks: the sums kept between chunks, several group pairs).
+# an input taken in chunks (48 blocks: the sums kept between chunks, several group pairs).
 _SHAPES = [(1, 16, 32), (5, 17, 96), (17, 33, 608), (33, 70, 64), (70, 48, 160), (40, 112, 1536)]
 
 
