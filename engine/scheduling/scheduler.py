@@ -372,9 +372,7 @@ class Scheduler:
         (queued or prefilling) and every decoding stream (`decodes`: those whose tokens a client
         sees as they come) has its first token only, for `MAX_WAVE_HOLD_S` at most from the
         wave's first step."""
-        config = self.config
-        off = config.prefill_budget != "auto" or not config.enable_chunked_prefill
-        if off or not decodes or any(len(r.output_token_ids) > 1 for r in decodes):
+        if not self._budget_auto or not decodes or any(len(r.output_token_ids) > 1 for r in decodes):
             self._wave_since = None
             return False
         firsts = any(not r.output_token_ids for r in prefills) or any(not r.output_token_ids for r in self.waiting)
@@ -383,6 +381,12 @@ class Scheduler:
         if self._wave_since is not None and (not firsts or now - self._wave_since >= MAX_WAVE_HOLD_S):
             self._wave_since = None
         return self._wave_since is not None
+
+    @property
+    def _budget_auto(self) -> bool:
+        """Whether the prefill budget's limits and waves apply (`prefill_budget="auto"` with
+        chunked prefill; without either a prompt takes what the step's budget allows)."""
+        return self.config.prefill_budget == "auto" and self.config.enable_chunked_prefill
 
     def _queue_wait(self) -> float:
         """Seconds the head of the waiting queue has waited there (since its preemption, for
@@ -397,8 +401,7 @@ class Scheduler:
         `MAX_STEP_RATIO` as the queue's head's `wait` grows to `FAIR_WAIT_STEPS` such steps; at
         least `MIN_PREFILL_CHUNK`. In a `wave` no ratio applies; beside decodes whose size no
         decode-only step measured (at least half as many rows), none this once (module note)."""
-        config = self.config
-        if config.prefill_budget != "auto" or not config.enable_chunked_prefill:
+        if not self._budget_auto:
             return budget
         limits: list[int] = []
         floor = MIN_PREFILL_CHUNK

@@ -565,10 +565,10 @@ def test_fair_admission_bounds_time_to_first_token_under_load(monkeypatch: pytes
 
 
 @pytest.mark.parametrize("clients", [8, 16])
-def test_a_burst_of_long_prompts_breaks_each_stream_once_at_most(clients: int) -> None:
+def test_a_wave_of_long_prompts_breaks_each_stream_once_at_most(clients: int) -> None:
     """Clients sending 2,000-token prompts for 64 tokens each, all at once and again as each
     ends: the prompts' steps are long (a whole budget each), so a stream that waited through
-    more than one of them would lose its cadence for the start of every round. The burst rule
+    more than one of them would lose its cadence for the start of every round. The wave rule
     gives each decoder one such gap at most: p99 inter-token latency stays within 2x the
     median (12.4x at 8 clients with the rule that counted decoders queued with the prompts,
     however many tokens they had)."""
