@@ -687,6 +687,67 @@ class PrefillPlan:
     native: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
     # `prefill_attention_bf16`'s causal masks by (rows, earlier tokens), made by the first layer.
     masks: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
+    # `prefill_attention_bf16`'s batches of whole prompts and the chunks left, made by the first layer.
+    prompt_batches: tuple[list[PromptBatch], list[int]] | None = None
+
+
+@dataclass
+class PromptBatch:
+    """Whole prompts (no earlier context) that `prefill_attention_bf16` attends in one batched
+    call, each padded to the longest one's `width` rows: `blocks`, each prompt's blocks in turn
+    (a shorter one's padded with its last block) as int64; `q_rows`, the query rows of the
+    padded batch (a padding row repeats its prompt's first); `src`/`dst`, the padded batch's
+    real rows and where they go."""
+
+    width: int
+    blocks: torch.Tensor
+    q_rows: torch.Tensor
+    src: torch.Tensor
+    dst: torch.Tensor
+
+
+# `prefill_attention_bf16` pads whole prompts into one batch while the padding stays within this
+# share of the rows attended (rows x keys), and at most this many prompts a batch.
+PROMPT_BATCH_WASTE, PROMPT_BATCH_MAX = 0.25, 32
+
+
+def _prompt_batches(plan: PrefillPlan, block_size: int) -> tuple[list[PromptBatch], list[int]]:
+    """The plan's whole prompts in batches of similar lengths (longest first, a batch closed where
+    one more would pad more than `PROMPT_BATCH_WASTE` of its causal work), and the indices of the
+    chunks left to attend one by one (earlier context, or a prompt with no partner)."""
+    whole = sorted(
+        (i for i, (_, length, context, _) in enumerate(plan.chunks) if context == 0 and length > 0),
+        key=lambda i: -plan.chunks[i][1],
+    )
+    groups: list[list[int]] = []
+    for i in whole:
+        length = plan.chunks[i][1]
+        group = groups[-1] if groups else None
+        if group is not None and len(group) < PROMPT_BATCH_MAX:
+            width = plan.chunks[group[0]][1]
+            work = sum(plan.chunks[j][1] ** 2 for j in group) + length**2
+            if (len(group) + 1) * width**2 <= (1 + PROMPT_BATCH_WASTE) * work:
+                group.append(i)
+                continue
+        groups.append([i])
+    batches, alone = [], sorted(i for i in range(len(plan.chunks)) if plan.chunks[i][2] != 0 or plan.chunks[i][1] == 0)
+    for group in groups:
+        if len(group) == 1:
+            alone.append(group[0])
+            continue
+        width = plan.chunks[group[0]][1]
+        nb = -(-width // block_size)
+        blocks, q_rows, src, dst = [], [], [], []
+        for p, i in enumerate(group):
+            start, length, _, ids = plan.chunks[i]
+            ids = ids.long()
+            blocks.append(torch.cat([ids, ids[-1:].expand(nb - len(ids))]) if len(ids) < nb else ids[:nb])
+            q_rows.append(torch.cat([torch.arange(start, start + length), torch.full((width - length,), start)]))
+            src.append(torch.arange(p * width, p * width + length))
+            dst.append(torch.arange(start, start + length))
+        batches.append(PromptBatch(width, torch.cat(blocks), torch.cat(q_rows), torch.cat(src), torch.cat(dst)))
+    alone.sort()
+    return batches, alone
 
 
 def plan_prefill(
@@ -788,12 +849,22 @@ def prefill_attention_bf16(
     q's dtype. Several times the native prefill kernel's speed at 2k-8k tokens of context
     (docs/benchmarks.md "AMX Xeon"), without its per-row bits: the model runner takes it only for
     large prompt steps on a CPU with AMX bf16 tiles (engine/execution/model_runner.py
-    `LARGE_PROMPT_ROWS`). A chunk after
-    earlier context takes an explicit mask, made once per step (`PrefillPlan.masks`): torch's
-    `causal_lower_right` measured the same, and importing it took a second."""
+    `LARGE_PROMPT_ROWS`). Over a bf16 cache, whole prompts of similar lengths attend in padded
+    batches, one call each (`PromptBatch`, planned once per step): a call per prompt cost each
+    its own gathers, copies and the fused kernel's set-up. A chunk after earlier context takes an
+    explicit mask, made once per step (`PrefillPlan.masks`): torch's `causal_lower_right`
+    measured the same, and importing it took a second."""
     out = q.new_empty(q.shape)
     qb = q.to(torch.bfloat16)
-    for start, length, context, block_ids in plan.chunks:
+    chunks = plan.chunks
+    if k_cache.dtype == torch.bfloat16 and v_cache.dtype == torch.bfloat16 and q.device.type == "cpu":
+        if plan.prompt_batches is None:
+            plan.prompt_batches = _prompt_batches(plan, v_cache.shape[2])
+        batches, alone = plan.prompt_batches
+        for batch in batches:
+            _attend_prompt_batch(qb, k_cache, v_cache, batch, scale, out)
+        chunks = [plan.chunks[i] for i in alone]
+    for start, length, context, block_ids in chunks:
         total = context + length
         kc, vc = gather_kv(k_cache, v_cache, block_ids.long(), 0, total, torch.bfloat16)
         qh = qb[start : start + length].transpose(0, 1).unsqueeze(0)  # [1, H, n, hd]
@@ -812,6 +883,26 @@ def prefill_attention_bf16(
             o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale, **gqa)
         out[start : start + length] = o.squeeze(0).transpose(0, 1)
     return out
+
+
+def _attend_prompt_batch(
+    qb: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: PromptBatch, scale: float, out: torch.Tensor
+) -> None:
+    """One fused causal attention call for a batch of whole prompts padded to `batch.width` rows
+    (a bf16 cache): a prompt's rows see only its own earlier rows, so the padding past a shorter
+    prompt's end (its last block repeated, its first query repeated) is never attended by a real
+    row, and the padding rows' results are dropped."""
+    kvh, _, bs, hd = v_cache.shape
+    n, w = len(batch.blocks) // -(-batch.width // bs), batch.width
+    k = gather_k(k_cache, batch.blocks).view(kvh, n, -1, hd)[:, :, :w].transpose(0, 1)  # [P, kvh, w, hd]
+    v = v_cache.index_select(1, batch.blocks).view(kvh, n, -1, hd)[:, :, :w].transpose(0, 1)
+    qh = qb.index_select(0, batch.q_rows).view(n, w, -1, hd).transpose(1, 2)  # [P, H, w, hd]
+    if k.shape[1] != qh.shape[1] and not _HAS_GQA:
+        rep = qh.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    gqa: dict[str, Any] = {"enable_gqa": True} if k.shape[1] != qh.shape[1] else {}
+    o = F.scaled_dot_product_attention(qh, k, v, is_causal=True, scale=scale, **gqa)
+    out[batch.dst] = o.transpose(1, 2).reshape(n * w, -1, hd).index_select(0, batch.src).to(out.dtype)
 
 
 # Windowed or soft-capped prefill runs over chunks of query rows holding at most this many scores

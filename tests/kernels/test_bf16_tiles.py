@@ -281,20 +281,31 @@ def test_a_requests_numbers_through_the_tiles_do_not_depend_on_the_batch(bundled
         assert a.outputs[0].logprobs == b.outputs[0].logprobs
 
 
+# (earlier tokens, new rows) per chunk: one whole prompt; then whole prompts of several lengths,
+# which a bf16 cache attends in padded batches (`PromptBatch`), beside chunks with context.
+PREFILL_CHUNKS = {
+    "mixed": [(0, 37), (40, 90), (16, 1)],
+    "prompt-batches": [(0, 37), (0, 33), (40, 20), (0, 40), (0, 5), (0, 3), (0, 64), (0, 1), (0, 60)],
+}
+
+
+@pytest.mark.parametrize("chunks", PREFILL_CHUNKS.values(), ids=PREFILL_CHUNKS.keys())
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.int8], ids=str)
-def test_bf16_prefill_attention_is_dense_attention_over_the_cache(dtype: torch.dtype) -> None:
+def test_bf16_prefill_attention_is_dense_attention_over_the_cache(
+    dtype: torch.dtype, chunks: list[tuple[int, int]]
+) -> None:
     """`prefill_attention_bf16` (a large prompt step's attention on AMX): chunks with and without
     earlier context, a GQA group of 3, over what the cache holds; against fp64 dense attention
-    the difference is the bf16 rounding of the queries and probabilities."""
+    the difference is the bf16 rounding of the queries and probabilities. Whole prompts of
+    similar lengths go in padded batches: the padding changes no real row."""
     from triollm.kernels import allocate_kv_cache, write_kv
-    from triollm.kernels.attention import gather_kv, plan_prefill, prefill_attention_bf16
+    from triollm.kernels.attention import _prompt_batches, gather_kv, plan_prefill, prefill_attention_bf16
 
     g = torch.Generator().manual_seed(7)
     kvh, group, hd = 2, 3, 64
-    chunks = [(0, 37), (40, 90), (16, 1)]  # (earlier tokens, new rows)
-    cache = allocate_kv_cache(1, 32, 16, kvh, hd, dtype, "cpu")
+    cache = allocate_kv_cache(1, 48, 16, kvh, hd, dtype, "cpu")
     kc, vc = cache.k[0], cache.v[0]
-    order = torch.randperm(32, generator=g).tolist()
+    order = torch.randperm(48, generator=g).tolist()
     planned, qs, tables, used = [], [], [], 0
     for c, n in chunks:
         blocks = order[used : used + (c + n + 15) // 16]
@@ -305,8 +316,15 @@ def test_bf16_prefill_attention_is_dense_attention_over_the_cache(dtype: torch.d
         tables.append(blocks)
         qs.append(torch.randn(n, kvh * group, hd, generator=g))
     q = torch.cat(qs)
-    out = prefill_attention_bf16(q, kc, vc, plan_prefill(planned, "cpu"), 0.125)
+    plan = plan_prefill(planned, "cpu")
+    out = prefill_attention_bf16(q, kc, vc, plan, 0.125)
     assert out.dtype == torch.float32 and out.shape == q.shape
+    batched = [len(b.src) for b in _prompt_batches(plan, 16)[0]]
+    if dtype == torch.bfloat16 and len(chunks) > 3:  # 64+60 and 40+37+33 rows batched; 5, 3, 1 alone
+        assert plan.prompt_batches is not None and sorted(batched) == [110, 124]
+        assert plan.prompt_batches[1] == [2, 4, 5, 7]  # the chunk with context, and the short ones
+    else:
+        assert plan.prompt_batches is None or dtype != torch.bfloat16 or not plan.prompt_batches[0]
     row = 0
     for (c, n), blocks, qc in zip(chunks, tables, qs):
         k, v = gather_kv(kc, vc, torch.tensor(blocks), 0, c + n, torch.float64)
