@@ -696,19 +696,20 @@ class PromptBatch:
     """Whole prompts (no earlier context) that `prefill_attention_bf16` attends in one batched
     call, each padded to the longest one's `width` rows: `blocks`, each prompt's blocks in turn
     (a shorter one's padded with its last block) as int64; `q_rows`, the query rows of the
-    padded batch (a padding row repeats its prompt's first); `src`/`dst`, the padded batch's
-    real rows and where they go."""
+    padded batch (a padding row repeats its prompt's first); `spans`, each prompt's first row
+    and rows in the step's batch."""
 
     width: int
     blocks: torch.Tensor
     q_rows: torch.Tensor
-    src: torch.Tensor
-    dst: torch.Tensor
+    spans: list[tuple[int, int]]
 
 
-# `prefill_attention_bf16` pads whole prompts into one batch while the padding stays within this
-# share of the rows attended (rows x keys), and at most this many prompts a batch.
-PROMPT_BATCH_WASTE, PROMPT_BATCH_MAX = 0.25, 32
+# `prefill_attention_bf16` pads whole prompts of up to PROMPT_BATCH_WIDTH tokens into one batch
+# while the padding stays within PROMPT_BATCH_WASTE of the causal work (rows x keys), at most
+# PROMPT_BATCH_MAX prompts a batch. Longer prompts gain nothing from batching: a call's set-up is
+# small beside their work (docs/benchmarks-history.md, "Prompts attended in batches").
+PROMPT_BATCH_WASTE, PROMPT_BATCH_MAX, PROMPT_BATCH_WIDTH = 0.25, 32, 512
 
 
 def _prompt_batches(plan: PrefillPlan, block_size: int) -> tuple[list[PromptBatch], list[int]]:
@@ -716,7 +717,7 @@ def _prompt_batches(plan: PrefillPlan, block_size: int) -> tuple[list[PromptBatc
     one more would pad more than `PROMPT_BATCH_WASTE` of its causal work), and the indices of the
     chunks left to attend one by one (earlier context, or a prompt with no partner)."""
     whole = sorted(
-        (i for i, (_, length, context, _) in enumerate(plan.chunks) if context == 0 and length > 0),
+        (i for i, (_, n, context, _) in enumerate(plan.chunks) if context == 0 and 0 < n <= PROMPT_BATCH_WIDTH),
         key=lambda i: -plan.chunks[i][1],
     )
     groups: list[list[int]] = []
@@ -730,22 +731,22 @@ def _prompt_batches(plan: PrefillPlan, block_size: int) -> tuple[list[PromptBatc
                 group.append(i)
                 continue
         groups.append([i])
-    batches, alone = [], sorted(i for i in range(len(plan.chunks)) if plan.chunks[i][2] != 0 or plan.chunks[i][1] == 0)
+    candidates = set(whole)
+    batches, alone = [], [i for i in range(len(plan.chunks)) if i not in candidates]
     for group in groups:
         if len(group) == 1:
             alone.append(group[0])
             continue
         width = plan.chunks[group[0]][1]
         nb = -(-width // block_size)
-        blocks, q_rows, src, dst = [], [], [], []
-        for p, i in enumerate(group):
+        blocks, q_rows, spans = [], [], []
+        for i in group:
             start, length, _, ids = plan.chunks[i]
             ids = ids.long()
             blocks.append(torch.cat([ids, ids[-1:].expand(nb - len(ids))]) if len(ids) < nb else ids[:nb])
             q_rows.append(torch.cat([torch.arange(start, start + length), torch.full((width - length,), start)]))
-            src.append(torch.arange(p * width, p * width + length))
-            dst.append(torch.arange(start, start + length))
-        batches.append(PromptBatch(width, torch.cat(blocks), torch.cat(q_rows), torch.cat(src), torch.cat(dst)))
+            spans.append((start, length))
+        batches.append(PromptBatch(width, torch.cat(blocks), torch.cat(q_rows), spans))
     alone.sort()
     return batches, alone
 
@@ -901,8 +902,9 @@ def _attend_prompt_batch(
         rep = qh.shape[1] // k.shape[1]
         k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
     gqa: dict[str, Any] = {"enable_gqa": True} if k.shape[1] != qh.shape[1] else {}
-    o = F.scaled_dot_product_attention(qh, k, v, is_causal=True, scale=scale, **gqa)
-    out[batch.dst] = o.transpose(1, 2).reshape(n * w, -1, hd).index_select(0, batch.src).to(out.dtype)
+    rows = F.scaled_dot_product_attention(qh, k, v, is_causal=True, scale=scale, **gqa).transpose(1, 2)
+    for p, (start, length) in enumerate(batch.spans):  # one pass each, widened to out's dtype
+        out[start : start + length].copy_(rows[p, :length])
 
 
 # Windowed or soft-capped prefill runs over chunks of query rows holding at most this many scores

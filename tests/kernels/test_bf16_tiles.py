@@ -281,6 +281,31 @@ def test_a_requests_numbers_through_the_tiles_do_not_depend_on_the_batch(bundled
         assert a.outputs[0].logprobs == b.outputs[0].logprobs
 
 
+def test_prompt_batches_group_whole_short_prompts_of_similar_lengths() -> None:
+    """Whole prompts (no earlier context) of up to PROMPT_BATCH_WIDTH tokens, longest first, share
+    a batch while its padding stays within PROMPT_BATCH_WASTE of the causal work; a chunk with
+    context, a longer prompt or one with no partner is attended alone. Each prompt's blocks are
+    padded to the batch's width with its last block, its query rows with its first row."""
+    from triollm.kernels.attention import PROMPT_BATCH_WIDTH, PrefillPlan, _prompt_batches
+
+    lengths = [(0, 200), (0, 190), (30, 100), (0, PROMPT_BATCH_WIDTH + 1), (0, 180), (0, 20), (0, 100), (0, 95)]
+    chunks, start = [], 0
+    for context, n in lengths:
+        first_block = 100 * len(chunks)
+        chunks.append((start, n, context, torch.arange(first_block, first_block + (context + n + 15) // 16)))
+        start += n
+    batches, alone = _prompt_batches(PrefillPlan(chunks, max(n for _, n in lengths)), 16)
+    assert alone == [2, 3, 5]  # context; too long; 20 rows beside 95-100 would pad too much
+    assert [(b.width, [s for s, _ in b.spans]) for b in batches] == [
+        (200, [chunks[0][0], chunks[1][0], chunks[4][0]]),
+        (100, [chunks[6][0], chunks[7][0]]),
+    ]
+    first = batches[1]
+    assert first.blocks.tolist() == chunks[6][3].tolist() + chunks[7][3].tolist() + [705]  # 7 blocks each
+    shorter = first.q_rows[100:].tolist()
+    assert shorter == list(range(chunks[7][0], chunks[7][0] + 95)) + [chunks[7][0]] * 5
+
+
 # (earlier tokens, new rows) per chunk: one whole prompt; then whole prompts of several lengths,
 # which a bf16 cache attends in padded batches (`PromptBatch`), beside chunks with context.
 PREFILL_CHUNKS = {
@@ -319,7 +344,7 @@ def test_bf16_prefill_attention_is_dense_attention_over_the_cache(
     plan = plan_prefill(planned, "cpu")
     out = prefill_attention_bf16(q, kc, vc, plan, 0.125)
     assert out.dtype == torch.float32 and out.shape == q.shape
-    batched = [len(b.src) for b in _prompt_batches(plan, 16)[0]]
+    batched = [sum(n for _, n in b.spans) for b in _prompt_batches(plan, 16)[0]]
     if dtype == torch.bfloat16 and len(chunks) > 3:  # 64+60 and 40+37+33 rows batched; 5, 3, 1 alone
         assert plan.prompt_batches is not None and sorted(batched) == [110, 124]
         assert plan.prompt_batches[1] == [2, 4, 5, 7]  # the chunk with context, and the short ones
