@@ -42,6 +42,7 @@ from triollm.engine.execution.sleep_mode import check_tags, run_rpc
 from triollm.engine.pooling_outputs import pack_pooled
 from triollm.engine.pooling_params import PoolingParams
 from triollm.engine.request import EngineCoreOutput, EngineCoreRequest, FinishReason
+from triollm.kernels import cpu_native
 
 __all__ = ["PoolingEngineCore"]
 
@@ -60,6 +61,8 @@ class PoolingEngineCore:
         self.config = config
         if config.num_threads is not None:
             torch.set_num_threads(config.num_threads)
+        if torch.device(config.device).type == "cpu":
+            cpu_native.keep_freed_memory()  # a batch's activations not faulted in anew each time
         if config.seed is not None:
             torch.manual_seed(config.seed)
         self.num_blocks = 0  # no KV cache

@@ -18,6 +18,7 @@ import fcntl
 import functools
 import hashlib
 import logging
+import os
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -34,6 +35,7 @@ __all__ = [
     "available",
     "has_native_bf16",
     "libc_function",
+    "keep_freed_memory",
     "best_isa",
     "decode_attention_dot",
     "has_fast_quant",
@@ -74,7 +76,6 @@ def _cpu_flags() -> set[str]:
 
 
 @functools.cache
-@functools.cache
 def libc_function(name: str, argtypes: tuple[type, ...] | None = None) -> Callable[..., int] | None:
     """The C library's function `name` (glibc's `malloc_trim`, `madvise`), or None where there is
     no such library or function (musl, macOS): callers then go without."""
@@ -86,6 +87,33 @@ def libc_function(name: str, argtypes: tuple[type, ...] | None = None) -> Callab
     if fn is not None and argtypes is not None:
         fn.argtypes = argtypes
     return fn
+
+
+# glibc's malloc, left to its own thresholds, gives a step's freed activations (megabytes each)
+# back to the kernel and takes them again on the next step, each page faulted in and zeroed anew:
+# 130-320 thousand minor faults in one 64-prompt prefill on the AMX Xeon, 7-10% of its time
+# (docs/benchmarks-history.md, "A heap that keeps a step's memory"). With the mmap threshold at
+# glibc's ceiling and the trim threshold above a step's working set, the heap keeps what a step
+# freed for the next one. `M_TRIM_THRESHOLD`, `M_MMAP_THRESHOLD`: mallopt's parameter numbers.
+MALLOC_MMAP_THRESHOLD, MALLOC_TRIM_THRESHOLD = 32 << 20, 256 << 20
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
+
+
+@functools.cache
+def keep_freed_memory() -> bool:
+    """Set glibc's malloc to keep freed memory in the heap (above) for this process, once; the
+    engine's executor calls it on CPU. Not where the user tuned glibc's malloc
+    (`glibc.malloc.*` in GLIBC_TUNABLES: theirs stands), nor without glibc. Returns whether it
+    took effect. Memory stays bounded: the heap holds at most a step's peak plus the trim
+    threshold, and sleep mode's `malloc_trim` still returns it all."""
+    if "glibc.malloc." in os.environ.get("GLIBC_TUNABLES", ""):
+        return False
+    mallopt = libc_function("mallopt", (ctypes.c_int, ctypes.c_int))
+    if mallopt is None:
+        return False
+    return bool(mallopt(_M_MMAP_THRESHOLD, MALLOC_MMAP_THRESHOLD)) and bool(
+        mallopt(_M_TRIM_THRESHOLD, MALLOC_TRIM_THRESHOLD)
+    )
 
 
 def has_native_bf16() -> bool:

@@ -41,7 +41,7 @@ from triollm.engine.execution.model_runner import ModelRunner
 from triollm.engine.execution.models import CausalLM, load_model
 from triollm.engine.execution.sleep_mode import check_level, check_tags, release_memory, run_rpc
 from triollm.engine.loading.model_config import ModelConfig
-from triollm.kernels import KVCache, allocate_kv_cache
+from triollm.kernels import KVCache, allocate_kv_cache, cpu_native
 
 
 class RankWorker:
@@ -119,6 +119,8 @@ def serve() -> None:
         return  # rank 0 left before the setup
     setup: WorkerSetup = unpickled(payload)
     torch.set_num_threads(setup.num_threads)
+    if torch.device(setup.device).type == "cpu":
+        cpu_native.keep_freed_memory()  # as rank 0's executor does
     envs.gloo_over_loopback()
     timeout = timedelta(seconds=setup.timeout_s)
     store = dist.TCPStore("127.0.0.1", setup.port, setup.size, is_master=False, timeout=timeout)

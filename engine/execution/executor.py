@@ -55,7 +55,7 @@ from triollm.engine.execution.models import CausalLM, load_model
 from triollm.engine.execution.sleep_mode import check_level, check_tags, run_rpc, same_architecture
 from triollm.engine.scheduling.scheduler import ScheduledRequest
 from triollm.engine.speculative.draft import DraftModel
-from triollm.kernels import KVCache, allocate_kv_cache
+from triollm.kernels import KVCache, allocate_kv_cache, cpu_native
 from triollm.lora.manager import LoRAManager
 
 if TYPE_CHECKING:
@@ -110,6 +110,8 @@ class Executor:
         config, mc = self.config, self.config.model
         if config.num_threads is not None:
             torch.set_num_threads(config.num_threads)
+        if torch.device(config.device).type == "cpu":
+            cpu_native.keep_freed_memory()  # a step's activations not faulted in anew each step
         if config.seed is not None:
             torch.manual_seed(config.seed)
         if runner is None:
