@@ -88,7 +88,6 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from itertools import chain
-from typing import Any
 
 import numpy as np
 import torch
@@ -869,19 +868,13 @@ def prefill_attention_bf16(
         total = context + length
         kc, vc = gather_kv(k_cache, v_cache, block_ids.long(), 0, total, torch.bfloat16)
         qh = qb[start : start + length].transpose(0, 1).unsqueeze(0)  # [1, H, n, hd]
-        kh, vh = kc.unsqueeze(0), vc.unsqueeze(0)
-        if kh.shape[1] != qh.shape[1] and not _HAS_GQA:
-            rep = qh.shape[1] // kh.shape[1]
-            kh, vh = kh.repeat_interleave(rep, dim=1), vh.repeat_interleave(rep, dim=1)
-        gqa: dict[str, Any] = {"enable_gqa": True} if kh.shape[1] != qh.shape[1] else {}
+        mask = None  # no earlier context: plain causal
         if context:
             mask = plan.masks.get((length, context))
             if mask is None:
                 rows = torch.arange(length, device=q.device)[:, None] + context
                 mask = plan.masks[(length, context)] = torch.arange(total, device=q.device)[None, :] <= rows
-            o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale, **gqa)
-        else:
-            o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale, **gqa)
+        o = _sdpa(qh, kc.unsqueeze(0), vc.unsqueeze(0), mask, scale)
         out[start : start + length] = o.squeeze(0).transpose(0, 1)
     return out
 
@@ -893,16 +886,12 @@ def _attend_prompt_batch(
     (a bf16 cache): a prompt's rows see only its own earlier rows, so the padding past a shorter
     prompt's end (its last block repeated, its first query repeated) is never attended by a real
     row, and the padding rows' results are dropped."""
-    kvh, _, bs, hd = v_cache.shape
-    n, w = len(batch.blocks) // -(-batch.width // bs), batch.width
+    kvh, _, _, hd = v_cache.shape
+    n, w = len(batch.spans), batch.width
     k = gather_k(k_cache, batch.blocks).view(kvh, n, -1, hd)[:, :, :w].transpose(0, 1)  # [P, kvh, w, hd]
     v = v_cache.index_select(1, batch.blocks).view(kvh, n, -1, hd)[:, :, :w].transpose(0, 1)
     qh = qb.index_select(0, batch.q_rows).view(n, w, -1, hd).transpose(1, 2)  # [P, H, w, hd]
-    if k.shape[1] != qh.shape[1] and not _HAS_GQA:
-        rep = qh.shape[1] // k.shape[1]
-        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-    gqa: dict[str, Any] = {"enable_gqa": True} if k.shape[1] != qh.shape[1] else {}
-    rows = F.scaled_dot_product_attention(qh, k, v, is_causal=True, scale=scale, **gqa).transpose(1, 2)
+    rows = _sdpa(qh, k, v, None, scale).transpose(1, 2)
     for p, (start, length) in enumerate(batch.spans):  # one pass each, widened to out's dtype
         out[start : start + length].copy_(rows[p, :length])
 
