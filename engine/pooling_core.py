@@ -61,8 +61,7 @@ class PoolingEngineCore:
         self.config = config
         if config.num_threads is not None:
             torch.set_num_threads(config.num_threads)
-        if torch.device(config.device).type == "cpu":
-            cpu_native.keep_freed_memory()  # a batch's activations not faulted in anew each time
+        cpu_native.keep_freed_memory(config.device)  # a batch's activations not faulted in anew
         if config.seed is not None:
             torch.manual_seed(config.seed)
         self.num_blocks = 0  # no KV cache

@@ -99,13 +99,18 @@ MALLOC_MMAP_THRESHOLD, MALLOC_TRIM_THRESHOLD = 32 << 20, 256 << 20
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
 
 
+def keep_freed_memory(device: torch.device | str) -> bool:
+    """Where the model runs on `device` "cpu", set glibc's malloc to keep freed memory in the
+    heap (above) for this process, once (the executor, the pooling core and tensor-parallel
+    ranks call it as they start). Not where the user tuned glibc's malloc (`glibc.malloc.*` in
+    GLIBC_TUNABLES: theirs stands), nor without glibc. Returns whether it took effect. Memory
+    stays bounded: the heap holds at most a step's peak plus the trim threshold, and sleep
+    mode's `malloc_trim` still returns it all."""
+    return torch.device(device).type == "cpu" and _keep_freed_memory()
+
+
 @functools.cache
-def keep_freed_memory() -> bool:
-    """Set glibc's malloc to keep freed memory in the heap (above) for this process, once; the
-    engine's executor calls it on CPU. Not where the user tuned glibc's malloc
-    (`glibc.malloc.*` in GLIBC_TUNABLES: theirs stands), nor without glibc. Returns whether it
-    took effect. Memory stays bounded: the heap holds at most a step's peak plus the trim
-    threshold, and sleep mode's `malloc_trim` still returns it all."""
+def _keep_freed_memory() -> bool:
     if "glibc.malloc." in os.environ.get("GLIBC_TUNABLES", ""):
         return False
     mallopt = libc_function("mallopt", (ctypes.c_int, ctypes.c_int))

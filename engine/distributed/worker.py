@@ -119,8 +119,7 @@ def serve() -> None:
         return  # rank 0 left before the setup
     setup: WorkerSetup = unpickled(payload)
     torch.set_num_threads(setup.num_threads)
-    if torch.device(setup.device).type == "cpu":
-        cpu_native.keep_freed_memory()  # as rank 0's executor does
+    cpu_native.keep_freed_memory(setup.device)  # as rank 0's executor does
     envs.gloo_over_loopback()
     timeout = timedelta(seconds=setup.timeout_s)
     store = dist.TCPStore("127.0.0.1", setup.port, setup.size, is_master=False, timeout=timeout)

@@ -110,8 +110,7 @@ class Executor:
         config, mc = self.config, self.config.model
         if config.num_threads is not None:
             torch.set_num_threads(config.num_threads)
-        if torch.device(config.device).type == "cpu":
-            cpu_native.keep_freed_memory()  # a step's activations not faulted in anew each step
+        cpu_native.keep_freed_memory(config.device)  # a step's activations not faulted in anew
         if config.seed is not None:
             torch.manual_seed(config.seed)
         if runner is None:

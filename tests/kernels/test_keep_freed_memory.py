@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from triollm.kernels import cpu_native
 
@@ -33,7 +34,7 @@ wave()
 faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 wave()
 wave()
-print(cpu_native.keep_freed_memory(), resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults)
+print(cpu_native.keep_freed_memory("cpu"), resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults)
 """
 
 
@@ -53,3 +54,10 @@ def test_a_step_s_freed_tensors_are_not_faulted_in_again() -> None:
     mine, default_faults = _faults({"GLIBC_TUNABLES": "glibc.malloc.check=0"})
     assert not mine
     assert faults <= max(2000, default_faults // 4), (faults, default_faults)
+
+
+def test_only_a_cpu_engine_changes_the_allocator() -> None:
+    """A GPU (or meta) engine's host process keeps glibc's own thresholds: answered before any
+    mallopt call, so this process's allocator is left as it was."""
+    assert not cpu_native.keep_freed_memory("cuda")
+    assert not cpu_native.keep_freed_memory(torch.device("meta"))
