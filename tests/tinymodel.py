@@ -204,6 +204,36 @@ def make_transformers_model(path: Path, architecture: str, *, seed: int = 0, **c
     return path
 
 
+def memorize(path: Path, text: str, *, steps: int = 120, seed: int = 0) -> list[int]:
+    """Retrain the checkpoint at `path` (make_transformers_model's) from a standard initialisation
+    until it has learnt `text` by heart, and save it in place; returns the text's token ids.
+
+    A random model's greedy choices sit within quantization noise of each other (its logits are
+    a random draw: their top two are often a few hundredths apart), so two engines reading the
+    same 4-bit blocks with different activation rounding part ways within a few tokens. Recalling
+    a memorized text takes every layer (the text repeats words, so attention must find the place)
+    and its greedy choices lead by several nats, which quantization noise does not overturn."""
+    import transformers
+
+    ids = transformers.AutoTokenizer.from_pretrained(path)(text)["input_ids"]
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() >= 2:  # embeddings small, projections at 1/sqrt(fan-in); norms, biases kept
+                p.normal_(0.0, 0.02 if "embed" in name or "lm_head" in name else p.shape[-1] ** -0.5)
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
+    batch = torch.tensor([ids])
+    for _ in range(steps):
+        loss = model(batch, labels=batch).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    model.save_pretrained(path)
+    return ids
+
+
 def make_tiny_bert(
     path: Path,
     tokenizer_dir: Path,
