@@ -7,8 +7,10 @@ byte-level BPE trained in milliseconds on a small corpus, so it round-trips any 
 
 from __future__ import annotations
 
+import io
 import json
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors.torch import save_file
@@ -232,6 +234,70 @@ def memorize(path: Path, text: str, *, steps: int = 120, seed: int = 0) -> list[
         opt.step()
     model.save_pretrained(path)
     return ids
+
+
+# A SentencePiece vocabulary (Llama 2 / Mistral v0.1 / Gemma style) for the GGUF tests.
+SP_USER_SYMBOLS = ["<|im_start|>", "<|im_end|>"]
+SP_SPECIAL = {"unk_token": "<unk>", "bos_token": "<s>", "eos_token": "</s>"}
+EXTRA_TEXT = [
+    "Le renard brun rapide saute par-dessus le chien paresseux.",
+    "def main():\n    for i in range(10):\n        print(i)  # count\n",
+    "東京は日本の首都です。北京是中国的首都。서울은 한국의 수도입니다.",
+]
+
+def train_sentencepiece(path: Path) -> int:
+    """A SentencePiece BPE model with byte fallback; returns its vocabulary size."""
+    import sentencepiece
+
+    lines = "\n".join(CORPUS * 3 + EXTRA_TEXT).split("\n")
+    model = io.BytesIO()
+    sentencepiece.SentencePieceTrainer.train(
+        sentence_iterator=iter(lines),
+        model_writer=model,
+        vocab_size=420,
+        model_type="bpe",
+        byte_fallback=True,
+        character_coverage=1.0,
+        split_digits=True,
+        allow_whitespace_only_pieces=True,
+        remove_extra_whitespaces=False,
+        normalization_rule_name="identity",
+        unk_id=0,
+        bos_id=1,
+        eos_id=2,
+        pad_id=-1,
+        user_defined_symbols=SP_USER_SYMBOLS,
+        minloglevel=2,
+    )
+    path.write_bytes(model.getvalue())
+    return 420
+
+
+def use_sentencepiece(src: Path, spm: Path, tokenizer_class: str) -> None:
+    """Replace the checkpoint's byte-level BPE files by the SentencePiece model, saved as
+    transformers saves it (tokenizer.json, and tokenizer_config.json with the added tokens)."""
+    import transformers
+
+    (src / "tokenizer.json").unlink()
+    (src / "tokenizer.model").write_bytes(spm.read_bytes())
+    config: dict[str, Any] = {**SP_SPECIAL, "add_bos_token": True}
+    if tokenizer_class == "LlamaTokenizer":
+        config["legacy"] = True
+    else:
+        config["pad_token"] = "<unk>"
+    (src / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": tokenizer_class, **config}))
+    tok = getattr(transformers, tokenizer_class).from_pretrained(src, **config)
+    tok.chat_template = CHATML
+    tok.save_pretrained(src)
+    # What transformers 4.x wrote (and the hub's Llama 2 / Gemma files hold), which 5.x leaves out:
+    # the added tokens (llama.cpp's converter types them from this list) and `legacy`.
+    saved = json.loads((src / "tokenizer_config.json").read_text())
+    added = {
+        str(i): {"content": t, "special": t not in SP_USER_SYMBOLS, "normalized": False, "lstrip": False,
+                 "rstrip": False, "single_word": False}
+        for i, t in enumerate(["<unk>", "<s>", "</s>", *SP_USER_SYMBOLS])
+    }
+    (src / "tokenizer_config.json").write_text(json.dumps({**saved, **config, "added_tokens_decoder": added}))
 
 
 def make_tiny_bert(

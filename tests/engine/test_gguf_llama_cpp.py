@@ -29,11 +29,13 @@ from typing import Any
 
 import pytest
 from llama_cpp_convert import convert, llama_cpp_run
-from tinymodel import CORPUS, make_transformers_model, memorize
+from tinymodel import CORPUS, make_transformers_model, memorize, train_sentencepiece, use_sentencepiece
 
 from triollm import LLM, SamplingParams
 
 WIDE = {"hidden_size": 256, "intermediate_size": 512, "num_attention_heads": 4, "num_key_value_heads": 2}
+# llama.cpp scales Gemma's queries by 1/sqrt(head_dim); windows shorter than the prompts.
+GEMMA = {"head_dim": 64, "query_pre_attn_scalar": 64, "tie_word_embeddings": True, "sliding_window": 32}
 MOE = {"moe_intermediate_size": 256, "num_experts": 4, "num_experts_per_tok": 2}
 FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     "llama": ("LlamaForCausalLM", {"attention_bias": True}),
@@ -47,7 +49,12 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
                                         "attention_multiplier": 0.1, "logits_scaling": 2.5}),
     "phi3": ("Phi3ForCausalLM", {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
                                                      "partial_rotary_factor": 0.5}}),
+    # SentencePiece vocabularies (llama.cpp converts Gemma only with one); tied embeddings, so the
+    # quantized token_embd is also the output.
+    "gemma2": ("Gemma2ForCausalLM", {**GEMMA, "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0}),
+    "gemma3": ("Gemma3ForCausalLM", GEMMA),
 }
+SENTENCEPIECE = ("gemma2", "gemma3")
 # The tokenizer class the converter reads each source with (as test_gguf_families.py): Qwen's own,
 # GPT-2's for Phi-3, else the tokenizer.json as written.
 TOKENIZER_CLASS = {"qwen2": None, "qwen3": None, "qwen3moe": None, "phi3": "GPT2Tokenizer"}
@@ -72,12 +79,18 @@ def made(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """The checkpoints, their F32 and Q8_0 files, the quantized files and llama.cpp's runs."""
     root = tmp_path_factory.mktemp("gguf-llama-cpp")
     sources, ids = {}, {}
+    spm = root / "tokenizer.model"
+    spm_vocab = train_sentencepiece(spm)
     for i, (family, (arch, overrides)) in enumerate(FAMILIES.items()):
+        if family in SENTENCEPIECE:
+            overrides = {"vocab_size": spm_vocab, "bos_token_id": 1, "eos_token_id": 2, **overrides}
         # Not named after the family: llama.cpp sets token attributes by the file's general.name (the
         # folder's), and for a name with "phi3" in it looks up Phi-3's own "</s>", absent here.
         sources[family] = make_transformers_model(root / f"tiny-{i}", arch, seed=80 + i, **{**WIDE, **overrides})
         tok_class = TOKENIZER_CLASS.get(family, "PreTrainedTokenizerFast")
-        if tok_class is not None:
+        if family in SENTENCEPIECE:
+            use_sentencepiece(sources[family], spm, "GemmaTokenizer")
+        elif tok_class is not None:
             tok_config = sources[family] / "tokenizer_config.json"
             tok_config.write_text(json.dumps({**json.loads(tok_config.read_text()), "tokenizer_class": tok_class}))
         ids[family] = memorize(sources[family], DOCUMENT, seed=i)

@@ -13,7 +13,6 @@ SentencePiece Llama run from their GGUFs with transformers' greedy tokens.
 
 from __future__ import annotations
 
-import io
 import json
 import random
 from pathlib import Path
@@ -22,19 +21,12 @@ from typing import Any
 import pytest
 import torch
 from llama_cpp_convert import convert
-from tinymodel import CHATML, CORPUS, make_transformers_model
+from tinymodel import CORPUS, EXTRA_TEXT, make_transformers_model, train_sentencepiece, use_sentencepiece
 from tokenizers import Tokenizer
 
 from triollm import LLM, SamplingParams
 from triollm.engine.loading.gguf_import import import_gguf
 
-USER_SYMBOLS = ["<|im_start|>", "<|im_end|>"]
-SPECIAL = {"unk_token": "<unk>", "bos_token": "<s>", "eos_token": "</s>"}
-EXTRA_TEXT = [
-    "Le renard brun rapide saute par-dessus le chien paresseux.",
-    "def main():\n    for i in range(10):\n        print(i)  # count\n",
-    "東京は日本の首都です。北京是中国的首都。서울은 한국의 수도입니다.",
-]
 GEMMA = {"head_dim": 16, "query_pre_attn_scalar": 16, "tie_word_embeddings": True}  # llama.cpp: 1/sqrt(head_dim)
 CASES: dict[str, tuple[str, str, dict[str, Any]]] = {
     "llama": ("LlamaForCausalLM", "LlamaTokenizer", {}),
@@ -62,72 +54,17 @@ PROMPTS = ["The capital of France is", "<|im_start|>user\nWhat is 2+2?<|im_end|>
 NEW_TOKENS = 16
 
 
-def _train_sentencepiece(path: Path) -> int:
-    """A SentencePiece BPE model with byte fallback; returns its vocabulary size."""
-    import sentencepiece
-
-    lines = "\n".join(CORPUS * 3 + EXTRA_TEXT).split("\n")
-    model = io.BytesIO()
-    sentencepiece.SentencePieceTrainer.train(
-        sentence_iterator=iter(lines),
-        model_writer=model,
-        vocab_size=420,
-        model_type="bpe",
-        byte_fallback=True,
-        character_coverage=1.0,
-        split_digits=True,
-        allow_whitespace_only_pieces=True,
-        remove_extra_whitespaces=False,
-        normalization_rule_name="identity",
-        unk_id=0,
-        bos_id=1,
-        eos_id=2,
-        pad_id=-1,
-        user_defined_symbols=USER_SYMBOLS,
-        minloglevel=2,
-    )
-    path.write_bytes(model.getvalue())
-    return 420
-
-
-def _with_sentencepiece(src: Path, spm: Path, tokenizer_class: str) -> None:
-    """Replace the checkpoint's byte-level BPE files by the SentencePiece model, saved as
-    transformers saves it (tokenizer.json, and tokenizer_config.json with the added tokens)."""
-    import transformers
-
-    (src / "tokenizer.json").unlink()
-    (src / "tokenizer.model").write_bytes(spm.read_bytes())
-    config: dict[str, Any] = {**SPECIAL, "add_bos_token": True}
-    if tokenizer_class == "LlamaTokenizer":
-        config["legacy"] = True
-    else:
-        config["pad_token"] = "<unk>"
-    (src / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": tokenizer_class, **config}))
-    tok = getattr(transformers, tokenizer_class).from_pretrained(src, **config)
-    tok.chat_template = CHATML
-    tok.save_pretrained(src)
-    # What transformers 4.x wrote (and the hub's Llama 2 / Gemma files hold), which 5.x leaves out:
-    # the added tokens (llama.cpp's converter types them from this list) and `legacy`.
-    saved = json.loads((src / "tokenizer_config.json").read_text())
-    added = {
-        str(i): {"content": t, "special": t not in USER_SYMBOLS, "normalized": False, "lstrip": False,
-                 "rstrip": False, "single_word": False}
-        for i, t in enumerate(["<unk>", "<s>", "</s>", *USER_SYMBOLS])
-    }
-    (src / "tokenizer_config.json").write_text(json.dumps({**saved, **config, "added_tokens_decoder": added}))
-
-
 @pytest.fixture(scope="module")
 def converted(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, Path]]:
     pytest.importorskip("sentencepiece", reason="pip install -e '.[dev]' (sentencepiece)")
     root = tmp_path_factory.mktemp("gguf-spm")
     spm = root / "tokenizer.model"
-    vocab = _train_sentencepiece(spm)
+    vocab = train_sentencepiece(spm)
     out: dict[str, tuple[Path, Path]] = {}
     for i, (case, (arch, tok_class, overrides)) in enumerate(CASES.items()):
         config = {"vocab_size": vocab, "bos_token_id": 1, "eos_token_id": 2, **overrides}
         src = make_transformers_model(root / case, arch, seed=80 + i, **config)
-        _with_sentencepiece(src, spm, tok_class)
+        use_sentencepiece(src, spm, tok_class)
         out[case] = (src, root / f"{case}.gguf")
     convert([(src, gguf_file, "f32") for src, gguf_file in out.values()])
     return out
