@@ -204,6 +204,11 @@ class GGUFMeta:
         return value
 
 
+def has_table(meta: GGUFMeta) -> bool:
+    """Whether the file's architecture has a table here (else gguf_import hands it to transformers)."""
+    return str(meta.require("general.architecture")) in ARCHS
+
+
 def arch_spec(meta: GGUFMeta) -> tuple[str, ArchSpec]:
     """(the GGUF architecture name, its table); a ValueError naming the supported ones."""
     arch = str(meta.require("general.architecture"))

@@ -1,4 +1,5 @@
-"""Import a GGUF file (any family in gguf_arch.ARCHS) into a Hugging Face-format model directory.
+"""Import a GGUF file into a Hugging Face-format model directory: the families in gguf_arch.ARCHS here,
+any other architecture transformers' GGUF reader maps through it (`_import_with_transformers`).
 
 A GGUF carries everything the engine needs, but under llama.cpp's names and layouts. This module
 rewrites it once, into the files the rest of the engine already reads:
@@ -42,12 +43,14 @@ from gguf.quants import dequantize
 from safetensors.torch import save_file
 
 from triollm.engine.loading.gguf_arch import (
+    ARCHS,
     CONFIG_TENSORS,
     GLOBAL_TENSORS,
     LAYER_TENSORS,
     ArchSpec,
     GGUFMeta,
     f32,
+    has_table,
     hf_config,
     llama3_rope_factors,
     llama3_rope_scaling,
@@ -84,6 +87,9 @@ _SAMPLING_KEYS = {
 def import_gguf(gguf_path: Path, out_dir: Path) -> None:
     """Write config, float32 safetensors weights and tokenizer files for `gguf_path` into `out_dir`."""
     meta, tensors = _open(gguf_path)
+    if not has_table(meta):
+        _import_with_transformers(gguf_path, meta, out_dir)
+        return
     shapes = {name: _shape(t) for name, t in tensors.items()}
     config, spec = hf_config(meta, shapes, lambda name: _dequantize(tensors[name]))
     tokenizer = build_tokenizer(meta)  # fail on an unsupported vocabulary before the slow part
@@ -99,6 +105,79 @@ def import_gguf(gguf_path: Path, out_dir: Path) -> None:
     if quantized:
         save_file(quantized, str(out_dir / QUANTIZED_FILE), metadata={"format": "pt", **bits})
         (out_dir / QUANTIZED_FILE).chmod(0o644)
+
+
+def _import_with_transformers(gguf_path: Path, meta: GGUFMeta, out_dir: Path) -> None:
+    """An architecture without a table here: transformers' own GGUF reader (it maps bloom,
+    falcon, gpt2, stablelm, starcoder2, nemotron, qwen2moe, lfm2, mamba and more, with their
+    tokenizers) builds the model, every tensor dequantized, and saves it as a Hugging Face
+    checkpoint, which then runs as any other: natively where triollm has the class, else through
+    the Transformers modeling backend. Dense only (no blocks kept; one log line says so). Refused,
+    naming both lists, where transformers does not read the architecture either."""
+    from triollm.engine.loading.transformers_config import import_transformers
+
+    arch = str(meta.require("general.architecture"))
+    try:
+        transformers = import_transformers()
+        from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
+    except ImportError as exc:
+        raise ValueError(
+            f"gguf: general.architecture {arch!r} of {gguf_path} is not supported: triollm maps "
+            f"{', '.join(ARCHS)} itself; others go through transformers' GGUF reader (pip install transformers)"
+        ) from exc
+    folder, name = str(gguf_path.parent), gguf_path.name
+    try:
+        model = transformers.AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+        tokenizer = transformers.AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    except Exception as exc:  # its readers raise what they meet: name the file and both lists
+        raise ValueError(
+            f"gguf: general.architecture {arch!r} of {gguf_path} is not supported: triollm maps "
+            f"{', '.join(ARCHS)} itself and transformers' GGUF reader "
+            f"{', '.join(sorted(GGUF_SUPPORTED_ARCHITECTURES))} ({type(exc).__name__}: {str(exc)[:300]})"
+        ) from exc
+    logger.info(
+        "gguf: %s (%s) imported through transformers' GGUF reader, dequantized: its blocks are not kept",
+        gguf_path.name,
+        arch,
+    )
+    out_dir.mkdir(parents=True, exist_ok=True)
+    # transformers will not save_pretrained a model it loaded from GGUF (its "gguf" quantizer is
+    # not serialisable): the config without it, and the weights as they are (the output
+    # projection left out only where it is the embedding itself, which the config then says).
+    config = model.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    config.architectures = [type(model).__name__]
+    # The special tokens the file names (transformers' config class defaults may not even be in
+    # the vocabulary), and a context length where the family's config has none (BLOOM's ALiBi).
+    gen = _generation_config(meta)
+    for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        setattr(config.get_text_config(), key, gen.get(key))
+    if getattr(config.get_text_config(), "max_position_embeddings", None) is None:
+        context = meta.get(f"{arch}.context_length")
+        if context is not None:
+            config.get_text_config().max_position_embeddings = int(context)
+    weights = {name: t.detach().contiguous() for name, t in model.state_dict().items()}
+    head, embed = model.get_output_embeddings(), model.get_input_embeddings()
+    tied = head is not None and head.weight.data_ptr() == embed.weight.data_ptr()
+    config.get_text_config().tie_word_embeddings = tied
+    if tied:
+        shared = {n for n, t in weights.items() if t.data_ptr() == head.weight.data_ptr()}
+        weights = {n: t for n, t in weights.items() if n not in shared or n.endswith(_embedding_name(model))}
+    config.save_pretrained(out_dir)
+    save_file(weights, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    (out_dir / "model.safetensors").chmod(0o644)
+    tokenizer.save_pretrained(out_dir)
+    _write_json(out_dir / "generation_config.json", gen)
+
+
+def _embedding_name(model: Any) -> str:
+    """The state-dict name suffix of the model's input embedding weight."""
+    embed = model.get_input_embeddings()
+    for name, module in model.named_modules():
+        if module is embed:
+            return f"{name}.weight"
+    raise ValueError("gguf: the model built by transformers has no input embedding")
 
 
 def _open(gguf_path: Path) -> tuple[GGUFMeta, dict[str, ReaderTensor]]:

@@ -58,6 +58,12 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
         },
     ),
 }
+# Architectures without a table in gguf_arch.py: imported through transformers' GGUF reader (dense),
+# then run by the Transformers backend or a native class.
+THROUGH_TRANSFORMERS: dict[str, tuple[str, dict[str, Any]]] = {
+    "starcoder2": ("Starcoder2ForCausalLM", {}),
+    "stablelm": ("StableLmForCausalLM", {}),
+}
 # The tokenizer class transformers reads the source with (and the converter sees): Qwen's own
 # (its digit split: the GGUF says "qwen2"), GPT-2's for Phi-3 (the converter's choice of a BPE
 # vocabulary, as for Phi-4), else the tokenizer.json as written.
@@ -78,7 +84,7 @@ def converted(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path,
     """case -> (source HF directory, the GGUF llama.cpp's converter made of it)."""
     root = tmp_path_factory.mktemp("gguf-families")
     out: dict[str, tuple[Path, Path]] = {}
-    for i, (case, (arch, overrides)) in enumerate(CASES.items()):
+    for i, (case, (arch, overrides)) in enumerate({**CASES, **THROUGH_TRANSFORMERS}.items()):
         src = make_transformers_model(root / case, arch, seed=60 + i, **overrides)
         tok_config = src / "tokenizer_config.json"
         tok_class = TOKENIZER_CLASS.get(case, "PreTrainedTokenizerFast")
@@ -95,7 +101,7 @@ def converted(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path,
 
 def _llm_greedy(gguf_file: Path, **kwargs: Any) -> list[tuple[list[int], list[int]]]:
     """(prompt ids, greedy ids) per prompt, `LLM(gguf_file)`."""
-    llm = LLM(model=str(gguf_file), max_model_len=128, **kwargs)
+    llm = LLM(model=str(gguf_file), **{"max_model_len": 128, **kwargs})
     try:
         outs = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True))
     finally:
@@ -165,3 +171,22 @@ def test_gguf_family_q8_0_kept_quantized(
         for name, tensor in expected.items():
             assert kept[name].bits == 8
             torch.testing.assert_close(kept[name].dequantize(), tensor, rtol=0, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("case", list(THROUGH_TRANSFORMERS))
+def test_gguf_without_a_table_runs_through_transformers_reader(
+    converted: dict[str, tuple[Path, Path]], case: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A GGUF whose architecture has no table here (StarCoder 2, StableLM as llama.cpp's
+    converter writes them) is imported by transformers' own GGUF reader and runs with
+    transformers' greedy tokens on the source; dense, so the default keeps no blocks."""
+    from triollm.engine.config import EngineArgs
+    from triollm.engine.loading.model_config import QUANTIZED_FILE
+
+    src, gguf_file = converted[case]
+    monkeypatch.setenv("TRIOLLM_CACHE_DIR", str(tmp_path))
+    assert _llm_greedy(gguf_file) == _transformers_greedy(src)
+    (imported,) = tmp_path.iterdir()
+    assert json.loads((imported / "config.json").read_text())["architectures"] == [THROUGH_TRANSFORMERS[case][0]]
+    assert not (imported / QUANTIZED_FILE).exists()
+    assert EngineArgs(model=str(gguf_file)).create_engine_config().model.quantization is None
