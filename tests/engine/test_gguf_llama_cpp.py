@@ -33,6 +33,11 @@ from tinymodel import CORPUS, make_transformers_model, memorize, train_sentencep
 
 from triollm import LLM, SamplingParams
 
+# The first test also waits for the module's setup: on a fresh machine that builds llama.cpp (two
+# minutes on two idle cores, twice that beside the other test worker), trains and converts ten
+# models and runs llama.cpp on 33 files.
+pytestmark = pytest.mark.timeout(1200)
+
 WIDE = {"hidden_size": 256, "intermediate_size": 512, "num_attention_heads": 4, "num_key_value_heads": 2}
 # llama.cpp scales Gemma's queries by 1/sqrt(head_dim); windows shorter than the prompts.
 GEMMA = {"head_dim": 64, "query_pre_attn_scalar": 64, "tie_word_embeddings": True, "sliding_window": 32}
