@@ -3,8 +3,8 @@
 Each family's tiny checkpoint (transformers' `save_pretrained`, 256 wide so every K-quant and IQ4
 type applies) is trained to recite a short document (tinymodel.memorize), converted to F32 and
 Q8_0 by llama.cpp's `convert_hf_to_gguf.py`, and the F32 file quantized by llama.cpp's own
-`llama_model_quantize` into its recipes: the K-quant mixes (`_S`/`_M`: some tensors a type up,
-the output Q6_K), the legacy 4/5-bit types and the IQ4 types with llama.cpp's searched scales.
+`llama_model_quantize` into its recipes: the K-quant mixes (`_M`: some tensors a type up, the
+output Q6_K), the legacy 4/5-bit types and the IQ4 types with llama.cpp's searched scales.
 Then `LLM("x.gguf")` with the defaults a user has (the blocks kept as shipped where the CPU has a
 vector path) must give, from prefixes of the document, llama.cpp's greedy tokens on the same file
 (llama-cpp-python's bindings to the sdist's llama.cpp, tests/llama_cpp_convert.py) for at least
@@ -63,14 +63,17 @@ SENTENCEPIECE = ("gemma2", "gemma3")
 # The tokenizer class the converter reads each source with (as test_gguf_families.py): Qwen's own,
 # GPT-2's for Phi-3, else the tokenizer.json as written.
 TOKENIZER_CLASS = {"qwen2": None, "qwen3": None, "qwen3moe": None, "phi3": "GPT2Tokenizer"}
-# llama.cpp's llama_ftype values (include/llama.h): every type the kernels keep, on the llama
-# model; the two the issue names (Q4_K_M, IQ4_XS: what llama.cpp users pick) on every family.
+# llama.cpp's llama_ftype values (include/llama.h). On the llama model, every block type the kernels
+# keep, each in at least one recipe (the _M mixes hold Q6_K, Q5_K and Q4_K tensors besides their
+# own type); on every other family Q4_K_M, and IQ4_XS on one of each kind (MoE, SentencePiece,
+# fused q|k|v), the two types the issue names, which llama.cpp users pick.
 FTYPES = {
-    "Q4_0": 2, "Q4_1": 3, "Q5_0": 8, "Q5_1": 9, "Q2_K": 10, "Q3_K_S": 11, "Q3_K_M": 12, "Q4_K_S": 14,
-    "Q4_K_M": 15, "Q5_K_M": 17, "Q6_K": 18, "IQ4_NL": 25, "IQ4_XS": 30,
+    "Q4_0": 2, "Q4_1": 3, "Q5_0": 8, "Q5_1": 9, "Q2_K": 10, "Q3_K_M": 12, "Q4_K_M": 15, "Q5_K_M": 17, "IQ4_NL": 25,
+    "IQ4_XS": 30,
 }
-NAMED = ("Q4_K_M", "IQ4_XS")
-CASES = [("llama", q) for q in FTYPES] + [(f, q) for f in FAMILIES if f != "llama" for q in NAMED]
+IQ4_XS_TOO = ("qwen3moe", "gemma3", "phi3")
+CASES = ([("llama", q) for q in FTYPES] + [(f, "Q4_K_M") for f in FAMILIES if f != "llama"]
+         + [(f, "IQ4_XS") for f in IQ4_XS_TOO])
 DOCUMENT = "\n".join(CORPUS)
 PREFIXES = (5, 21, 44, 67, 96, 121)  # prompt lengths, in tokens of the document
 NEW_TOKENS = 16
