@@ -63,6 +63,8 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
 THROUGH_TRANSFORMERS: dict[str, tuple[str, dict[str, Any]]] = {
     "starcoder2": ("Starcoder2ForCausalLM", {}),
     "stablelm": ("StableLmForCausalLM", {}),
+    # tied: the converter writes no output.weight, and the import must say tied, keeping one copy
+    "starcoder2-tied": ("Starcoder2ForCausalLM", {"tie_word_embeddings": True}),
 }
 # The tokenizer class transformers reads the source with (and the converter sees): Qwen's own
 # (its digit split: the GGUF says "qwen2"), GPT-2's for Phi-3 (the converter's choice of a BPE
@@ -187,6 +189,13 @@ def test_gguf_without_a_table_runs_through_transformers_reader(
     monkeypatch.setenv("TRIOLLM_CACHE_DIR", str(tmp_path))
     assert _llm_greedy(gguf_file) == _transformers_greedy(src)
     (imported,) = tmp_path.iterdir()
-    assert json.loads((imported / "config.json").read_text())["architectures"] == [THROUGH_TRANSFORMERS[case][0]]
+    config = json.loads((imported / "config.json").read_text())
+    assert config["architectures"] == [THROUGH_TRANSFORMERS[case][0]]
+    tied = THROUGH_TRANSFORMERS[case][1].get("tie_word_embeddings", False)
+    assert config["tie_word_embeddings"] == tied
+    from safetensors import safe_open
+
+    with safe_open(str(imported / "model.safetensors"), "pt") as f:
+        assert ("lm_head.weight" in f.keys()) == (not tied)
     assert not (imported / QUANTIZED_FILE).exists()
     assert EngineArgs(model=str(gguf_file)).create_engine_config().model.quantization is None
