@@ -40,7 +40,7 @@ aot: setup
 # Two workers (pytest-xdist, one test file per worker at a time), then the wall-clock-bound
 # files alone (tests/conftest.py). `.venv/bin/pytest -q` runs everything in one process.
 test: lint
-	$(BIN)/pytest -q -n 2 --dist loadgroup -m "not serial"
+	$(BIN)/pytest -q -n 2 -m "not serial"
 	$(BIN)/pytest -q -m serial
 
 bench: setup

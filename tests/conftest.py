@@ -29,14 +29,26 @@ _SERIAL_FILES = {"test_server.py", "test_hostile_api.py", "test_hostile_images.p
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Under `-n N --dist loadgroup`, each test file runs whole on one worker (its module-scoped
-    servers and engines are built once), and the Ray files on one worker together; the files
-    with wall-clock bounds are marked `serial`."""
+    """The files with wall-clock bounds are marked `serial` (`make test` runs them alone)."""
     for item in items:
-        name = item.path.name
-        item.add_marker(pytest.mark.xdist_group("ray" if name in _RAY_FILES else str(item.path)))
-        if name in _SERIAL_FILES and item.path.parent.name == "acceptance":
+        if item.path.name in _SERIAL_FILES and item.path.parent.name == "acceptance":
             item.add_marker(pytest.mark.serial)
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
+    """Under `-n N`, each test file runs whole on one worker (its module-scoped servers, engines
+    and reference builds are made once, not once per worker), and the Ray files on one worker
+    together. Scheduled by the node id's file, not by `xdist_group` marks: pytest 9.2 keeps an
+    item's id where xdist 3.8's `--dist loadgroup` no longer rewrites it, so every group was
+    silently one test and a heavy module's setup ran on both workers at once."""
+    from xdist.scheduler import LoadFileScheduling
+
+    class FileScheduling(LoadFileScheduling):  # type: ignore[misc]
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]
+            return "ray" if Path(path).name in _RAY_FILES else path
+
+    return FileScheduling(config, log)
 
 
 @pytest.fixture(scope="session", autouse=True)
