@@ -113,6 +113,25 @@ ARCHS: dict[str, ArchSpec] = {
         },
         fixed={"use_sliding_window": False, "attention_bias": False, "norm_topk_prob": True, "decoder_sparse_step": 1},
     ),
+    # Qwen1.5-MoE / Qwen2-MoE: routed experts (top-k not renormalised) plus one shared expert
+    # behind a sigmoid gate (`ffn_gate_inp_shexp`, one row).
+    "qwen2moe": ArchSpec(
+        "Qwen2MoeForCausalLM",
+        "qwen2_moe",
+        tensors={
+            "ffn_gate_inp_shexp.weight": "mlp.shared_expert_gate.weight",
+            "ffn_gate_shexp.weight": "mlp.shared_expert.gate_proj.weight",
+            "ffn_up_shexp.weight": "mlp.shared_expert.up_proj.weight",
+            "ffn_down_shexp.weight": "mlp.shared_expert.down_proj.weight",
+        },
+        keys={
+            "expert_count": "num_experts",
+            "expert_feed_forward_length": "moe_intermediate_size",
+            "expert_shared_feed_forward_length": "shared_expert_intermediate_size",
+            **_EXPERT_KEYS,
+        },
+        fixed={"use_sliding_window": False, "norm_topk_prob": False, "decoder_sparse_step": 1},
+    ),
     "gemma": ArchSpec("GemmaForCausalLM", "gemma", norm_plus_one=True, fixed=_GEMMA_ACT),
     "gemma2": ArchSpec(
         "Gemma2ForCausalLM",
@@ -262,7 +281,9 @@ def hf_config(
         "eos_token_id": meta.get("tokenizer.ggml.eos_token_id"),
         "torch_dtype": "float32",
     }
-    if spec.model_type not in ("qwen2", "gemma2", "gemma3_text", "phi3"):
+    if spec.model_type == "qwen2_moe":
+        config["qkv_bias"] = "blk.0.attn_q.bias" in shapes
+    elif spec.model_type not in ("qwen2", "gemma2", "gemma3_text", "phi3"):
         config.setdefault("attention_bias", "blk.0.attn_q.bias" in shapes)
     if meta.get("tokenizer.ggml.padding_token_id") is not None:
         config["pad_token_id"] = meta.get("tokenizer.ggml.padding_token_id")
@@ -337,7 +358,7 @@ def _family(
         config.setdefault("attention_multiplier", 1.0 / math.sqrt(head_dim))
         if "logits_scaling" not in config:
             raise ValueError(f"gguf: {meta.path} lacks the metadata key '{arch}.logit_scale'")
-    if spec.model_type == "qwen3_moe":
+    if spec.model_type in ("qwen3_moe", "qwen2_moe"):
         dense = [i for i in range(num_layers) if f"blk.{i}.ffn_gate_inp.weight" not in shapes]
         config["mlp_only_layers"] = dense
     if spec.model_type == "mixtral":

@@ -227,6 +227,8 @@ def _convert_weights(
             array = unpermute_rope_rows(array, heads[kind])
         if spec.norm_plus_one and name.endswith("norm.weight"):
             array = array - np.float32(1.0)
+        if hf_name.endswith("shared_expert_gate.weight") and array.ndim == 1:
+            array = array[None, :]  # llama.cpp's quantizer writes the one-row gate as a vector
         for part_name, part in _experts(hf_name, array):
             out[part_name] = torch.from_numpy(np.require(part, np.float32, ["C", "W"]))
     return out

@@ -5,7 +5,7 @@ Each tiny random checkpoint is written by transformers' own `save_pretrained`
 with `LLM("x.gguf")`: the greedy tokens for three prompts must be transformers' on the source
 directory, and the prompts' token ids the source tokenizer's. What each family's conversion
 changes is in play: Q/K rows and biases permuted (llama, Mixtral, Granite), q/k norms (Qwen3,
-OLMo 2), 3-D expert tensors and routers (Mixtral, Qwen3-MoE), Phi-3's fused
+OLMo 2), 3-D expert tensors and routers (Mixtral, Qwen3-MoE, Qwen2-MoE with its shared expert), Phi-3's fused
 q|k|v and gate|up with partial rotary and LongRoPE factors stored as tensors, Granite's
 multipliers, OLMo 2's post-norms. Gemma's families (SentencePiece vocabularies) are in
 test_gguf_sentencepiece.py.
@@ -38,6 +38,12 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
         {"moe_intermediate_size": 48, "norm_topk_prob": True, "num_experts": 8,
          "num_experts_per_tok": 2},
     ),
+    # routed experts not renormalised, a shared expert behind its one-row sigmoid gate
+    "qwen2moe": (
+        "Qwen2MoeForCausalLM",
+        {"moe_intermediate_size": 48, "shared_expert_intermediate_size": 96, "num_experts": 8,
+         "num_experts_per_tok": 2, "norm_topk_prob": False},
+    ),
     "olmo2": ("Olmo2ForCausalLM", {"attention_bias": False}),
     "granite": (
         "GraniteForCausalLM",
@@ -69,7 +75,7 @@ THROUGH_TRANSFORMERS: dict[str, tuple[str, dict[str, Any]]] = {
 # The tokenizer class transformers reads the source with (and the converter sees): Qwen's own
 # (its digit split: the GGUF says "qwen2"), GPT-2's for Phi-3 (the converter's choice of a BPE
 # vocabulary, as for Phi-4), else the tokenizer.json as written.
-TOKENIZER_CLASS = {"qwen2": None, "qwen3": None, "qwen3moe": None, "phi3": "GPT2Tokenizer"}
+TOKENIZER_CLASS = {"qwen2": None, "qwen3": None, "qwen3moe": None, "qwen2moe": None, "phi3": "GPT2Tokenizer"}
 PROMPTS = [
     "The capital of France is Paris. The capital of",
     "<|im_start|>user\nWhat is 2+2? 12345<|im_end|>\n<|im_start|>assistant\n",
@@ -77,8 +83,9 @@ PROMPTS = [
 ]
 NEW_TOKENS = 16
 # Q8_0 files run with their blocks kept (quantization="gguf"): Phi-3's fused q|k|v and gate|up cut
-# into the model's pieces, Granite's permuted Q/K rows, Qwen3-MoE's dense experts beside them.
-Q8_CASES = ("phi3", "granite", "qwen3moe")
+# into the model's pieces, Granite's permuted Q/K rows, Qwen3-MoE's dense experts beside them,
+# Qwen2-MoE's shared expert (and its one-row gate) in blocks.
+Q8_CASES = ("phi3", "granite", "qwen3moe", "qwen2moe")
 
 
 @pytest.fixture(scope="module")
@@ -160,16 +167,17 @@ def test_gguf_family_q8_0_kept_quantized(
     (imported,) = tmp_path.iterdir()
     kept = read_gguf_quantized(imported)
     dense = load_file(str(imported / "model.safetensors"))
-    pieces = ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj"]
+    pieces = ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj",
+              "mlp.shared_expert.gate_proj", "mlp.shared_expert.up_proj", "mlp.shared_expert.down_proj"]
     for layer in range(2):
         names = [f"model.layers.{layer}.{p}.weight" for p in pieces]
         if case == "phi3":  # stored fused in the GGUF and in the HF checkpoint
             whole = {p: dense[f"model.layers.{layer}.{p}.weight"] for p in ("self_attn.qkv_proj", "mlp.gate_up_proj")}
             expected = dict(zip(names, [*whole["self_attn.qkv_proj"].split([64, 32, 32]),
                                         *whole["mlp.gate_up_proj"].chunk(2)], strict=True))
-        else:  # Qwen3-MoE's MLPs are experts (dense, not kept in blocks)
+        else:  # the MoE models' routed experts stay dense (not kept in blocks); Qwen2-MoE's shared one is kept
             expected = {n: dense[n] for n in names if n in dense}
-        assert len(expected) >= 3
+        assert len(expected) >= (6 if case == "qwen2moe" else 3)
         for name, tensor in expected.items():
             assert kept[name].bits == 8
             torch.testing.assert_close(kept[name].dequantize(), tensor, rtol=0, atol=1e-6, msg=name)
