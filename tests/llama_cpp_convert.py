@@ -237,3 +237,49 @@ def llama_cpp_run(jobs: list[dict[str, Any]], workdir: Path) -> list[list[dict[s
         raise AssertionError(f"llama.cpp failed (rc {done.returncode}):\n{done.stderr[-4000:]}")
     runs: list[list[dict[str, Any]]] = json.loads(out.read_text())
     return runs
+
+
+_TOKENIZE = """
+import ctypes, json, sys
+sys.path.insert(0, sys.argv[1])
+import llama_cpp.llama_cpp as L
+L.llama_backend_init()
+out = []
+for job in json.load(open(sys.argv[2])):
+    params = L.llama_model_default_params()
+    params.vocab_only = True
+    model = L.llama_model_load_from_file(job["gguf"].encode(), params)
+    if not model:
+        sys.exit("llama_model_load_from_file failed: " + job["gguf"])
+    vocab = L.llama_model_get_vocab(model)
+    ids = []
+    for text in job["texts"]:
+        data = text.encode()
+        buf = (L.llama_token * (len(data) + 8))()
+        n = L.llama_tokenize(vocab, data, len(data), buf, len(buf), False, False)
+        if n < 0:
+            sys.exit("llama_tokenize failed")
+        ids.append(list(buf[:n]))
+    out.append(ids)
+    L.llama_model_free(model)
+json.dump(out, open(sys.argv[3], "w"))
+"""
+
+
+def llama_cpp_tokenize(jobs: list[dict[str, Any]], workdir: Path) -> list[list[list[int]]]:
+    """llama.cpp's tokens, in a child process: per job {"gguf": a file (its vocabulary is read,
+    vocab_only), "texts": [...]}, each text's ids (no BOS, special tokens not parsed)."""
+    lib = library_dir()
+    (workdir / "llama_cpp_tokenize.json").write_text(json.dumps(jobs))
+    out = workdir / "llama_cpp_tokens.json"
+    done = subprocess.run(
+        [sys.executable, "-c", _TOKENIZE, str(lib), str(workdir / "llama_cpp_tokenize.json"), str(out)],
+        env={**os.environ, "LLAMA_CPP_LIB_PATH": str(lib / "llama_cpp")},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    if done.returncode != 0:
+        raise AssertionError(f"llama.cpp failed (rc {done.returncode}):\n{done.stderr[-4000:]}")
+    tokens: list[list[list[int]]] = json.loads(out.read_text())
+    return tokens

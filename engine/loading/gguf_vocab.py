@@ -33,16 +33,73 @@ _TOKEN_CONTROL = 3
 _TOKEN_USER_DEFINED = 4
 _SPM_SPACE = "▁"
 
-# Pre-tokenizer split regexes, keyed by llama.cpp's `tokenizer.ggml.pre`.
+# Pre-tokenizers by llama.cpp's `tokenizer.ggml.pre` name (llama-vocab.cpp maps each name to one
+# of its pre-tokenizer types): the split regexes of the models' own tokenizer.json, applied in turn
+# (each splits the pieces the one before left, as `tokenizers` and llama.cpp both run a sequence),
+# then the pieces byte-level encoded. llama.cpp respells some for its regex engine (case-insensitive
+# groups written out, GPT-4o's letter classes as lookaheads); these are the originals, which
+# `tokenizers` runs. tests/engine/test_gguf_pretokenizers.py holds every name here to llama.cpp's
+# own tokens on one vocabulary.
+_CONTRACTIONS = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)"
 _LLAMA3_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    _CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
 _QWEN2_SPLIT = _LLAMA3_SPLIT.replace(r"\p{N}{1,3}", r"\p{N}")  # every digit on its own
-_GPT2_PRE = frozenset({"default", "gpt-2", "gpt2"})
-_DIGIT_PRE = frozenset({"smollm", "starcoder", "refact", "codeshell"})
-_LLAMA3_PRE = frozenset({"llama3", "llama-v3", "llama-bpe", "smaug-bpe", "dbrx", "falcon3"})
-_QWEN2_PRE = frozenset({"qwen2", "deepseek-r1-qwen"})
+_QWEN35_SPLIT = (
+    _CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+# OpenAI's o200k (GPT-4o, gpt-oss, Llama 4): a word is an optional capitalised run then lower case
+# (or an all-capitals run), a contraction kept with it; digits in threes.
+_UPPER, _LOWER = r"[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]", r"[\p{Ll}\p{Lm}\p{Lo}\p{M}]"
+_GPT4O_SPLIT = (
+    rf"[^\r\n\p{{L}}\p{{N}}]?{_UPPER}*{_LOWER}+{_CONTRACTIONS}?|[^\r\n\p{{L}}\p{{N}}]?{_UPPER}+{_LOWER}*{_CONTRACTIONS}?"
+    r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_TEKKEN_SPLIT = (  # Mistral's Tekken: o200k's words without contractions, every digit on its own
+    rf"[^\r\n\p{{L}}\p{{N}}]?{_UPPER}*{_LOWER}+|[^\r\n\p{{L}}\p{{N}}]?{_UPPER}+{_LOWER}*"
+    r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_DEEPSEEK3_SPLITS = (  # DeepSeek V3 / R1: digits in threes, CJK runs, then words and punctuation
+    r"\p{N}{1,3}",
+    r"[一-龥぀-ゟ゠-ヿ]+",
+    r"[!" + '"' + r"#$%&'()*+,\-./:;<=>?@\[\\\]^_`{|}~][A-Za-z]+|[^\r\n\p{L}\p{P}\p{S}]?[\p{L}\p{M}]+"
+    r"| ?[\p{P}\p{S}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
+)
+_DEEPSEEK_CODER_SPLITS = (r"[\r\n]", r"\s?\p{L}+", r"\s?\p{P}+", r"[一-龥ࠀ-一가-퟿]+", r"\p{N}")
+# llama.cpp's own default (a file that names no pre-tokenizer, or "default"): punctuation runs
+# first, then GPT-2's split, then digit runs, cut into threes. Not GPT-2's alone.
+_DEFAULT_SPLITS = (
+    r"[\p{P}\$\+<=>\^~\|]+",
+    r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)",
+    r"\p{N}+",
+    r"[0-9][0-9][0-9]",
+)
+# name -> the splits before byte-level encoding; () is GPT-2's own regex (ByteLevel's), DIGITS the
+# same after every digit is split off (StarCoder's, SmolLM's).
+_DIGITS = ("digits",)
+_PRE_SPLITS: dict[str, tuple[str, ...]] = {
+    "default": _DEFAULT_SPLITS,
+    **dict.fromkeys(("gpt-2", "phi-2", "mpt", "olmo", "jais", "exaone4", "trillion",
+                     "granite-docling", "gigachat", "a.x-4.0", "mellum", "jina-es", "jina-de", "jina-v2-es",
+                     "jina-v2-de", "modern-bert"), ()),
+    **dict.fromkeys(("smollm", "starcoder", "refact", "codeshell", "command-r", "exaone", "minerva-7b"), _DIGITS),
+    **dict.fromkeys(("llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral", "midm-2.0", "lfm2",
+                     "jina-v5-nano", "dbrx", "smaug-bpe", "chatglm-bpe", "glm4", "glm5"), (_LLAMA3_SPLIT,)),
+    **dict.fromkeys(("qwen2", "deepseek-r1-qwen", "kormo", "f2llmv2", "megrez", "stablelm2", "hunyuan"),
+                    (_QWEN2_SPLIT,)),
+    "qwen35": (_QWEN35_SPLIT,),
+    **dict.fromkeys(("gpt-4o", "llama4", "kanana2", "talkie", "minimax-m2"), (_GPT4O_SPLIT,)),
+    "tekken": (_TEKKEN_SPLIT,),
+    **dict.fromkeys(("deepseek-v3", "hunyuan-dense", "joyai-llm", "hy_v4"), _DEEPSEEK3_SPLITS),
+    "deepseek-coder": _DEEPSEEK_CODER_SPLITS,
+}  # fmt: skip
+# Where llama.cpp (and the source tokenizer.json) take a whole piece that is in the vocabulary as
+# one token before merging (`ignore_merges`): a piece no chain of merges builds still is one token.
+_IGNORE_MERGES = frozenset(
+    ("llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral", "midm-2.0", "lfm2", "jina-v5-nano",
+     "glm4", "glm5", "tekken")
+)
 
 _SPECIAL_TOKEN_KEYS = {
     "bos_token": "bos_token_id",
@@ -80,8 +137,11 @@ def add_bos(meta: GGUFMeta) -> bool:
 def _byte_level_bpe(meta: GGUFMeta, tokens: list[str], types: list[int]) -> Tokenizer:
     merges = [_split_merge(m) for m in meta.require("tokenizer.ggml.merges")]
     vocab = _byte_level_vocab(tokens, types)
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
-    tok.pre_tokenizer = _pre_tokenizer(meta.get("tokenizer.ggml.pre"))
+    pre = meta.get("tokenizer.ggml.pre")
+    tok = Tokenizer(
+        models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False, ignore_merges=pre in _IGNORE_MERGES)
+    )
+    tok.pre_tokenizer = _pre_tokenizer(pre)
     tok.decoder = decoders.ByteLevel()
     return tok
 
@@ -118,21 +178,23 @@ def _bytes_to_unicode() -> dict[int, str]:
 
 
 def _pre_tokenizer(pre: str | None) -> pre_tokenizers.PreTokenizer:
-    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=True)
-    if pre is None or pre in _GPT2_PRE:
-        return byte_level
-    if pre in _DIGIT_PRE:  # GPT-2 split with every digit on its own (SmolLM, StarCoder)
-        return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
-    if pre in _LLAMA3_PRE or pre in _QWEN2_PRE:
-        split = _LLAMA3_SPLIT if pre in _LLAMA3_PRE else _QWEN2_SPLIT
-        return pre_tokenizers.Sequence(
-            [
-                pre_tokenizers.Split(Regex(split), behavior="isolated"),
-                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-            ]
+    """The pre-tokenizer `tokenizer.ggml.pre` names (None: llama.cpp's `default`)."""
+    splits = _PRE_SPLITS.get("default" if pre is None else pre)
+    if splits is None:
+        raise ValueError(
+            f"gguf: tokenizer.ggml.pre {pre!r} is not supported; supported: {', '.join(sorted(_PRE_SPLITS))}"
         )
-    supported = sorted(_GPT2_PRE | _DIGIT_PRE | _LLAMA3_PRE | _QWEN2_PRE)
-    raise ValueError(f"gguf: tokenizer.ggml.pre {pre!r} is not supported; supported: {', '.join(supported)}")
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=True)
+    if splits == ():
+        return byte_level
+    if splits == _DIGITS:
+        return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
+    return pre_tokenizers.Sequence(
+        [
+            *(pre_tokenizers.Split(Regex(split), behavior="isolated") for split in splits),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
 
 
 # ---------------------------------------------------------------------------------------------
