@@ -132,6 +132,29 @@ ARCHS: dict[str, ArchSpec] = {
         },
         fixed={"use_sliding_window": False, "norm_topk_prob": False, "decoder_sparse_step": 1},
     ),
+    # gpt-oss: biased q/k/v/o and router, a learned sink per head, windows on even layers, experts
+    # (MXFP4 in the released files) whose gate and up gguf_import interleaves back into
+    # transformers' `gate_up_proj` [E, H, 2I]; YaRN without truncation, as its config says.
+    "gpt-oss": ArchSpec(
+        "GptOssForCausalLM",
+        "gpt_oss",
+        tensors={
+            "post_attention_norm.weight": "post_attention_layernorm.weight",
+            "attn_sinks.weight": "self_attn.sinks",
+            "ffn_gate_inp.weight": "mlp.router.weight",
+            "ffn_gate_inp.bias": "mlp.router.bias",
+            **{f"ffn_{p}_exps.{kind}": f"mlp.experts.{p}_proj{suffix}"
+               for p in ("gate", "up", "down") for kind, suffix in (("weight", ""), ("bias", "_bias"))},
+        },
+        keys={
+            "expert_count": "num_local_experts",
+            "expert_feed_forward_length": "intermediate_size",
+            "attention.sliding_window": "sliding_window",
+            **_EXPERT_KEYS,
+        },
+        fixed={"attention_bias": True, "swiglu_limit": 7.0, "sliding_window": 128},
+        swa_pattern=2,
+    ),
     "gemma": ArchSpec("GemmaForCausalLM", "gemma", norm_plus_one=True, fixed=_GEMMA_ACT),
     "gemma2": ArchSpec(
         "Gemma2ForCausalLM",
@@ -354,6 +377,10 @@ def _family(
         if config["layer_types"] is None:
             del config["layer_types"]
             config["sliding_window"] = None
+    if spec.model_type == "gpt_oss":
+        config["layer_types"] = _layer_types(meta, arch, spec, config, num_layers)
+        if config.get("rope_scaling", {}).get("rope_type") == "yarn":
+            config["rope_scaling"]["truncate"] = False
     if spec.model_type == "granite":
         config.setdefault("attention_multiplier", 1.0 / math.sqrt(head_dim))
         if "logits_scaling" not in config:

@@ -231,7 +231,22 @@ def _convert_weights(
             array = array[None, :]  # llama.cpp's quantizer writes the one-row gate as a vector
         for part_name, part in _experts(hf_name, array):
             out[part_name] = torch.from_numpy(np.require(part, np.float32, ["C", "W"]))
+    if spec.model_type == "gpt_oss":
+        _gpt_oss_experts(out, config["num_hidden_layers"])
     return out
+
+
+def _gpt_oss_experts(out: dict[str, torch.Tensor], num_layers: int) -> None:
+    """gpt-oss's experts as transformers stores them: gate and up ([E, I, H] each here) interleaved
+    into `gate_up_proj` [E, H, 2I] (gate in the even columns) with its bias [E, 2I], and down
+    transposed to [E, I, H]."""
+    for layer in range(num_layers):
+        p = f"model.layers.{layer}.mlp.experts"
+        gate, up = out.pop(f"{p}.gate_proj"), out.pop(f"{p}.up_proj")
+        out[f"{p}.gate_up_proj"] = torch.stack((gate.mT, up.mT), dim=-1).flatten(-2).contiguous()
+        gate_b, up_b = out.pop(f"{p}.gate_proj_bias"), out.pop(f"{p}.up_proj_bias")
+        out[f"{p}.gate_up_proj_bias"] = torch.stack((gate_b, up_b), dim=-1).flatten(-2).contiguous()
+        out[f"{p}.down_proj"] = out[f"{p}.down_proj"].mT.contiguous()
 
 
 def _experts(hf_name: str, array: np.ndarray) -> Iterator[tuple[str, np.ndarray]]:

@@ -44,6 +44,13 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
         {"moe_intermediate_size": 48, "shared_expert_intermediate_size": 96, "num_experts": 8,
          "num_experts_per_tok": 2, "norm_topk_prob": False},
     ),
+    # sinks, windows on even layers (shorter than the prompts), biased router and experts, the
+    # clamped SwiGLU, YaRN (the config's default) without truncation
+    "gpt-oss": (
+        "GptOssForCausalLM",
+        {"num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 48, "head_dim": 16,
+         "sliding_window": 8},
+    ),
     "olmo2": ("Olmo2ForCausalLM", {"attention_bias": False}),
     "granite": (
         "GraniteForCausalLM",
@@ -173,7 +180,7 @@ def test_gguf_family_q8_0_kept_quantized(
         names = [f"model.layers.{layer}.{p}.weight" for p in pieces]
         if case == "phi3":  # stored fused in the GGUF and in the HF checkpoint
             whole = {p: dense[f"model.layers.{layer}.{p}.weight"] for p in ("self_attn.qkv_proj", "mlp.gate_up_proj")}
-            expected = dict(zip(names, [*whole["self_attn.qkv_proj"].split([64, 32, 32]),
+            expected = dict(zip(names[:5], [*whole["self_attn.qkv_proj"].split([64, 32, 32]),
                                         *whole["mlp.gate_up_proj"].chunk(2)], strict=True))
         else:  # the MoE models' routed experts stay dense (not kept in blocks); Qwen2-MoE's shared one is kept
             expected = {n: dense[n] for n in names if n in dense}

@@ -34,8 +34,8 @@ from tinymodel import CORPUS, make_transformers_model, memorize, train_sentencep
 from triollm import LLM, SamplingParams
 
 # The first test also waits for the module's setup: on a fresh machine that builds llama.cpp (two
-# minutes on two idle cores, twice that beside the other test worker), trains and converts eleven
-# models and runs llama.cpp on 23 files.
+# minutes on two idle cores, twice that beside the other test worker), trains and converts twelve
+# models and runs llama.cpp on 25 files.
 pytestmark = pytest.mark.timeout(1200)
 
 WIDE = {"hidden_size": 256, "intermediate_size": 512, "num_attention_heads": 4, "num_key_value_heads": 2}
@@ -61,6 +61,10 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     # last, so the families above keep their seeds: routed experts not renormalised, a shared expert
     # behind its sigmoid gate
     "qwen2moe": ("Qwen2MoeForCausalLM", {"norm_topk_prob": False, "shared_expert_intermediate_size": 256, **MOE}),
+    # sinks, windows (shorter than the prompts) on even layers, biased experts: Q4_K_M and the
+    # released files' MXFP4 experts
+    "gpt-oss": ("GptOssForCausalLM", {"num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 256,
+                                      "head_dim": 64, "sliding_window": 32}),
 }
 SENTENCEPIECE = ("gemma2", "gemma3")
 # The tokenizer class the converter reads each source with (as test_gguf_families.py): Qwen's own,
@@ -75,8 +79,9 @@ FTYPES = {
     "IQ4_XS": 30,
 }
 IQ4_XS_TOO = ("qwen3moe", "gemma3", "phi3")
+MOE_FTYPES = {"MXFP4_MOE": 38}  # experts in MXFP4 (gpt-oss's release format), the rest Q8_0
 CASES = ([("llama", q) for q in FTYPES] + [(f, "Q4_K_M") for f in FAMILIES if f != "llama"]
-         + [(f, "IQ4_XS") for f in IQ4_XS_TOO])
+         + [(f, "IQ4_XS") for f in IQ4_XS_TOO] + [("gpt-oss", "MXFP4_MOE")])
 DOCUMENT = "\n".join(CORPUS)
 PREFIXES = (5, 21, 44, 67, 96, 121)  # prompt lengths, in tokens of the document
 NEW_TOKENS = 16
@@ -109,7 +114,7 @@ def made(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
             + [(sources["llama"], root / "llama-Q8_0.gguf", "q8_0")])
     prompts = {f: [ids[f][:n] for n in PREFIXES] for f in FAMILIES}
     jobs = [
-        {"src": str(root / f"{f}-F32.gguf"), "dst": str(root / f"{f}-{q}.gguf"), "ftype": FTYPES[q],
+        {"src": str(root / f"{f}-F32.gguf"), "dst": str(root / f"{f}-{q}.gguf"), "ftype": {**FTYPES, **MOE_FTYPES}[q],
          "prompts": prompts[f], "max_tokens": NEW_TOKENS}
         for f, q in CASES
     ]
@@ -145,7 +150,7 @@ def test_llama_cpp_quantized_file_gives_llama_cpps_greedy_tokens(
     monkeypatch.setenv("TRIOLLM_CACHE_DIR", str(tmp_path))
     gguf_file = made["root"] / f"{family}-{qtype}.gguf"
     ours = _ours(gguf_file, made["prompts"][family])
-    tol = MOE_LOGPROB_TOL if family in ("qwen3moe", "qwen2moe", "mixtral") else LOGPROB_TOL
+    tol = MOE_LOGPROB_TOL if family in ("qwen3moe", "qwen2moe", "mixtral", "gpt-oss") else LOGPROB_TOL
     for prompt, (tokens, logprobs), theirs in zip(made["prompts"][family], ours, made["llama_cpp"][family, qtype],
                                                   strict=True):
         same = sum(a == b for a, b in zip(tokens, theirs["tokens"], strict=True))
