@@ -155,6 +155,13 @@ ARCHS: dict[str, ArchSpec] = {
         fixed={"attention_bias": True, "swiglu_limit": 7.0, "sliding_window": 128},
         swa_pattern=2,
     ),
+    # OLMoE: OLMo's full-width q/k norms, routed experts (top-k not renormalised, as llama.cpp)
+    "olmoe": ArchSpec(
+        "OlmoeForCausalLM",
+        "olmoe",
+        keys={"expert_count": "num_experts", **_EXPERT_KEYS},
+        fixed={"norm_topk_prob": False, "clip_qkv": None, "attention_bias": False},
+    ),
     "gemma": ArchSpec("GemmaForCausalLM", "gemma", norm_plus_one=True, fixed=_GEMMA_ACT),
     "gemma2": ArchSpec(
         "Gemma2ForCausalLM",
@@ -212,6 +219,29 @@ ARCHS: dict[str, ArchSpec] = {
         fixed={"mlp_bias": False, "embedding_multiplier": 1.0, "residual_multiplier": 1.0},
     ),
 }
+# Granite MoE (and GraniteMoeShared where the file has a shared MLP): Granite's multipliers, its
+# experts' gate and up joined back into `input_linear` by gguf_import, as transformers stores them.
+ARCHS["granitemoe"] = ArchSpec(
+    "GraniteMoeForCausalLM",
+    "granitemoe",
+    permuted_qk=True,
+    tensors={
+        "ffn_gate_inp.weight": "block_sparse_moe.router.layer.weight",
+        "ffn_gate_exps.weight": "block_sparse_moe.gate_exps",
+        "ffn_up_exps.weight": "block_sparse_moe.up_exps",
+        "ffn_down_exps.weight": "block_sparse_moe.output_linear.weight",
+        "ffn_gate_shexp.weight": "shared_mlp.gate",
+        "ffn_up_shexp.weight": "shared_mlp.up",
+        "ffn_down_shexp.weight": "shared_mlp.output_linear.weight",
+    },
+    keys={
+        **ARCHS["granite"].keys,
+        "expert_count": "num_local_experts",
+        "expert_shared_feed_forward_length": "shared_intermediate_size",
+        **_EXPERT_KEYS,
+    },
+    fixed=ARCHS["granite"].fixed,
+)
 # A `llama` GGUF with experts is Mixtral: Mixtral's checkpoint names for the sparse block.
 MIXTRAL = ArchSpec(
     "MixtralForCausalLM",
@@ -381,7 +411,9 @@ def _family(
         config["layer_types"] = _layer_types(meta, arch, spec, config, num_layers)
         if config.get("rope_scaling", {}).get("rope_type") == "yarn":
             config["rope_scaling"]["truncate"] = False
-    if spec.model_type == "granite":
+    if spec.model_type == "granitemoe" and "blk.0.ffn_gate_shexp.weight" in shapes:
+        config["architectures"], config["model_type"] = ["GraniteMoeSharedForCausalLM"], "granitemoeshared"
+    if spec.model_type in ("granite", "granitemoe"):
         config.setdefault("attention_multiplier", 1.0 / math.sqrt(head_dim))
         if "logits_scaling" not in config:
             raise ValueError(f"gguf: {meta.path} lacks the metadata key '{arch}.logit_scale'")

@@ -233,7 +233,21 @@ def _convert_weights(
             out[part_name] = torch.from_numpy(np.require(part, np.float32, ["C", "W"]))
     if spec.model_type == "gpt_oss":
         _gpt_oss_experts(out, config["num_hidden_layers"])
+    if spec.model_type == "granitemoe":
+        _granite_moe_experts(out, config["num_hidden_layers"])
     return out
+
+
+def _granite_moe_experts(out: dict[str, torch.Tensor], num_layers: int) -> None:
+    """Granite MoE's gate and up as transformers stores them: the experts' `input_linear`
+    [E, 2I, H] and the shared MLP's [2S, H], gate rows first."""
+    for layer in range(num_layers):
+        p = f"model.layers.{layer}"
+        gate, up = out.pop(f"{p}.block_sparse_moe.gate_exps"), out.pop(f"{p}.block_sparse_moe.up_exps")
+        out[f"{p}.block_sparse_moe.input_linear.weight"] = torch.cat((gate, up), dim=1)
+        if f"{p}.shared_mlp.gate" in out:
+            gate, up = out.pop(f"{p}.shared_mlp.gate"), out.pop(f"{p}.shared_mlp.up")
+            out[f"{p}.shared_mlp.input_linear.weight"] = torch.cat((gate, up), dim=0)
 
 
 def _gpt_oss_experts(out: dict[str, torch.Tensor], num_layers: int) -> None:
@@ -281,6 +295,8 @@ def _quantized_weights(
     for name, tensor in tensors.items():
         if name in CONFIG_TENSORS or len(tensor.shape) != 2 or ".ffn_gate_inp." in name:
             continue  # 3-D experts and routers stay dense (weights.quantize_model)
+        if spec.model_type == "granitemoe" and "_shexp." in name:
+            continue  # its shared MLP's gate and up are joined when imported: dense
         if int(tensor.tensor_type) not in QUANT_GGML_TYPES:
             if tensor.tensor_type.name not in ("F32", "F16", "BF16"):
                 dequantized.add(tensor.tensor_type.name)

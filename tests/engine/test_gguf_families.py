@@ -4,10 +4,12 @@ Each tiny random checkpoint is written by transformers' own `save_pretrained`
 (tinymodel.make_transformers_model), converted to an F32 GGUF by `convert_hf_to_gguf.py`, and run
 with `LLM("x.gguf")`: the greedy tokens for three prompts must be transformers' on the source
 directory, and the prompts' token ids the source tokenizer's. What each family's conversion
-changes is in play: Q/K rows and biases permuted (llama, Mixtral, Granite), q/k norms (Qwen3,
-OLMo 2), 3-D expert tensors and routers (Mixtral, Qwen3-MoE, Qwen2-MoE with its shared expert), Phi-3's fused
-q|k|v and gate|up with partial rotary and LongRoPE factors stored as tensors, Granite's
-multipliers, OLMo 2's post-norms. Gemma's families (SentencePiece vocabularies) are in
+changes is in play: Q/K rows and biases permuted (llama, Mixtral, Granite and Granite MoE), q/k
+norms (Qwen3, OLMo 2, OLMoE), 3-D expert tensors and routers (Mixtral, Qwen3-MoE, OLMoE, Qwen2-MoE
+with its shared expert), experts whose gate and up the import joins again (gpt-oss interleaved,
+with sinks and windows; Granite MoE, with and without a shared MLP), Phi-3's fused q|k|v and
+gate|up with partial rotary and LongRoPE factors stored as tensors, Granite's multipliers, OLMo 2's
+post-norms. Gemma's families (SentencePiece vocabularies) are in
 test_gguf_sentencepiece.py.
 """
 
@@ -52,9 +54,20 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
          "sliding_window": 8},
     ),
     "olmo2": ("Olmo2ForCausalLM", {"attention_bias": False}),
+    "olmoe": ("OlmoeForCausalLM", {"num_experts": 8, "num_experts_per_tok": 2, "intermediate_size": 48}),
     "granite": (
         "GraniteForCausalLM",
         {"embedding_multiplier": 3.0, "residual_multiplier": 0.4, "attention_multiplier": 0.1, "logits_scaling": 2.5},
+    ),
+    "granitemoe": (
+        "GraniteMoeForCausalLM",
+        {"num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 48, "embedding_multiplier": 3.0,
+         "residual_multiplier": 0.4, "attention_multiplier": 0.1, "logits_scaling": 2.5},
+    ),
+    "granitemoeshared": (
+        "GraniteMoeSharedForCausalLM",
+        {"num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 48, "shared_intermediate_size": 64,
+         "logits_scaling": 2.5},
     ),
     "phi3": (
         "Phi3ForCausalLM",
@@ -92,7 +105,7 @@ NEW_TOKENS = 16
 # Q8_0 files run with their blocks kept (quantization="gguf"): Phi-3's fused q|k|v and gate|up cut
 # into the model's pieces, Granite's permuted Q/K rows, Qwen3-MoE's dense experts beside them,
 # Qwen2-MoE's shared expert (and its one-row gate) in blocks.
-Q8_CASES = ("phi3", "granite", "qwen3moe", "qwen2moe")
+Q8_CASES = ("phi3", "granite", "qwen3moe", "qwen2moe", "granitemoeshared")
 
 
 @pytest.fixture(scope="module")
