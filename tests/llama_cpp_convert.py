@@ -223,20 +223,26 @@ def llama_cpp_run(jobs: list[dict[str, Any]], workdir: Path) -> list[list[dict[s
     llama_model_quantize first, or None to run dst as it is, "prompts": token id lists,
     "max_tokens": n}. Per job and prompt: {"tokens": its greedy tokens, "logprobs": each step's
     log-probabilities over the whole vocabulary}."""
+    runs: list[list[dict[str, Any]]] = _in_child(_RUN, "llama_cpp_runs", jobs, workdir, timeout=900)
+    return runs
+
+
+def _in_child(script: str, name: str, jobs: list[dict[str, Any]], workdir: Path, *, timeout: int) -> Any:
+    """Run `script` (argv: the bindings' folder, the jobs' JSON, the output's JSON) on `jobs` in
+    a child process with the cached llama.cpp build, and return what it wrote."""
     lib = library_dir()
-    (workdir / "llama_cpp_jobs.json").write_text(json.dumps(jobs))
-    out = workdir / "llama_cpp_runs.json"
+    (workdir / f"{name}_jobs.json").write_text(json.dumps(jobs))
+    out = workdir / f"{name}.json"
     done = subprocess.run(
-        [sys.executable, "-c", _RUN, str(lib), str(workdir / "llama_cpp_jobs.json"), str(out)],
+        [sys.executable, "-c", script, str(lib), str(workdir / f"{name}_jobs.json"), str(out)],
         env={**os.environ, "LLAMA_CPP_LIB_PATH": str(lib / "llama_cpp")},
         capture_output=True,
         text=True,
-        timeout=900,
+        timeout=timeout,
     )
     if done.returncode != 0:
         raise AssertionError(f"llama.cpp failed (rc {done.returncode}):\n{done.stderr[-4000:]}")
-    runs: list[list[dict[str, Any]]] = json.loads(out.read_text())
-    return runs
+    return json.loads(out.read_text())
 
 
 _TOKENIZE = """
@@ -269,17 +275,5 @@ json.dump(out, open(sys.argv[3], "w"))
 def llama_cpp_tokenize(jobs: list[dict[str, Any]], workdir: Path) -> list[list[list[int]]]:
     """llama.cpp's tokens, in a child process: per job {"gguf": a file (its vocabulary is read,
     vocab_only), "texts": [...]}, each text's ids (no BOS, special tokens not parsed)."""
-    lib = library_dir()
-    (workdir / "llama_cpp_tokenize.json").write_text(json.dumps(jobs))
-    out = workdir / "llama_cpp_tokens.json"
-    done = subprocess.run(
-        [sys.executable, "-c", _TOKENIZE, str(lib), str(workdir / "llama_cpp_tokenize.json"), str(out)],
-        env={**os.environ, "LLAMA_CPP_LIB_PATH": str(lib / "llama_cpp")},
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    if done.returncode != 0:
-        raise AssertionError(f"llama.cpp failed (rc {done.returncode}):\n{done.stderr[-4000:]}")
-    tokens: list[list[list[int]]] = json.loads(out.read_text())
+    tokens: list[list[list[int]]] = _in_child(_TOKENIZE, "llama_cpp_tokens", jobs, workdir, timeout=600)
     return tokens

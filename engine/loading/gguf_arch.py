@@ -242,6 +242,33 @@ ARCHS["granitemoe"] = ArchSpec(
     },
     fixed=ARCHS["granite"].fixed,
 )
+# GLM-4.5 / 4.6 (Glm4Moe): partial rotary, optional q/k norms, leading dense layers, sigmoid-scored
+# experts with a correction bias and groups, shared experts; the converter's multi-token-prediction
+# layers (`nextn_predict_layers`, after the model's own) are left out.
+ARCHS["glm4moe"] = ArchSpec(
+    "Glm4MoeForCausalLM",
+    "glm4_moe",
+    tensors={
+        "post_attention_norm.weight": "post_attention_layernorm.weight",
+        "exp_probs_b.bias": "mlp.gate.e_score_correction_bias",
+        "ffn_gate_shexp.weight": "mlp.shared_experts.gate_proj.weight",
+        "ffn_up_shexp.weight": "mlp.shared_experts.up_proj.weight",
+        "ffn_down_shexp.weight": "mlp.shared_experts.down_proj.weight",
+    },
+    keys={
+        "expert_count": "n_routed_experts",
+        "expert_feed_forward_length": "moe_intermediate_size",
+        "expert_shared_count": "n_shared_experts",
+        "leading_dense_block_count": "first_k_dense_replace",
+        "expert_weights_scale": "routed_scaling_factor",
+        "expert_weights_norm": "norm_topk_prob",
+        "expert_group_count": "n_group",
+        "expert_group_used_count": "topk_group",
+        "nextn_predict_layers": "num_nextn_predict_layers",
+        **_EXPERT_KEYS,
+    },
+    fixed={"n_group": 1, "topk_group": 1, "norm_topk_prob": True, "routed_scaling_factor": 1.0},
+)
 # A `llama` GGUF with experts is Mixtral: Mixtral's checkpoint names for the sparse block.
 MIXTRAL = ArchSpec(
     "MixtralForCausalLM",
@@ -323,6 +350,11 @@ def hf_config(
         value = meta.get(f"{arch}.{key}")
         if value is not None:
             config[name] = f32(value) if isinstance(value, float) else int(value)
+    if spec.model_type == "glm4_moe":  # the MTP layers are not run: the model's own layers only
+        config["num_hidden_layers"] -= config.get("num_nextn_predict_layers", 0)
+        config["num_nextn_predict_layers"] = 0
+        config["norm_topk_prob"] = bool(config["norm_topk_prob"])
+        config["use_qk_norm"] = "blk.0.attn_q_norm.weight" in shapes
     hidden, heads = config["hidden_size"], config["num_attention_heads"]
     config.setdefault("num_key_value_heads", heads)
     head_dim = config.setdefault("head_dim", hidden // heads)
@@ -356,10 +388,10 @@ def _rotary(
     head_dim = config["head_dim"]
     rope_dims = int(meta.get(f"{arch}.rope.dimension_count", head_dim))
     if rope_dims != head_dim:
-        if spec.architecture != "Phi3ForCausalLM":
+        if spec.architecture not in ("Phi3ForCausalLM", "Glm4MoeForCausalLM"):
             raise ValueError(
                 f"gguf: {arch}.rope.dimension_count {rope_dims} differs from the head size {head_dim}: partial rotary "
-                f"embeddings are supported for phi3 only"
+                f"embeddings are supported for phi3 and glm4moe only"
             )
         config["partial_rotary_factor"] = rope_dims / head_dim
     if "rope_factors_long.weight" in shapes:

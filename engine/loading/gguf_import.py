@@ -219,7 +219,7 @@ def _convert_weights(
     heads = _rotary_heads(config, spec)
     out: dict[str, torch.Tensor] = {}
     for name, tensor in tensors.items():
-        if name in CONFIG_TENSORS:
+        if name in CONFIG_TENSORS or _dropped_layer(name, config, spec):
             continue
         hf_name, kind = _hf_name(name, config["num_hidden_layers"], spec)
         array = _dequantize(tensor)
@@ -295,6 +295,8 @@ def _quantized_weights(
     for name, tensor in tensors.items():
         if name in CONFIG_TENSORS or len(tensor.shape) != 2 or ".ffn_gate_inp." in name:
             continue  # 3-D experts and routers stay dense (weights.quantize_model)
+        if _dropped_layer(name, config, spec):
+            continue
         if spec.model_type == "granitemoe" and "_shexp." in name:
             continue  # its shared MLP's gate and up are joined when imported: dense
         if int(tensor.tensor_type) not in QUANT_GGML_TYPES:
@@ -352,6 +354,14 @@ def _one_width_per_fused_weight(weights: dict[str, QuantWeight], num_layers: int
             if len({weights[n].bits for n in present}) > 1:
                 for n in present:
                     weights[n] = weights[n].widened()
+
+
+def _dropped_layer(name: str, config: Mapping[str, Any], spec: ArchSpec) -> bool:
+    """A tensor of a layer after the model's own that the import leaves out: GLM-4.5's
+    multi-token-prediction layers (hf_config took them off num_hidden_layers)."""
+    parts = name.split(".", 2)
+    return (spec.model_type == "glm4_moe" and len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit()
+            and int(parts[1]) >= config["num_hidden_layers"])
 
 
 def _hf_name(name: str, num_layers: int, spec: ArchSpec) -> tuple[str, str]:

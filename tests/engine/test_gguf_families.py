@@ -5,12 +5,12 @@ Each tiny random checkpoint is written by transformers' own `save_pretrained`
 with `LLM("x.gguf")`: the greedy tokens for three prompts must be transformers' on the source
 directory, and the prompts' token ids the source tokenizer's. What each family's conversion
 changes is in play: Q/K rows and biases permuted (llama, Mixtral, Granite and Granite MoE), q/k
-norms (Qwen3, OLMo 2, OLMoE), 3-D expert tensors and routers (Mixtral, Qwen3-MoE, OLMoE, Qwen2-MoE
-with its shared expert), experts whose gate and up the import joins again (gpt-oss interleaved,
-with sinks and windows; Granite MoE, with and without a shared MLP), Phi-3's fused q|k|v and
-gate|up with partial rotary and LongRoPE factors stored as tensors, Granite's multipliers, OLMo 2's
-post-norms. Gemma's families (SentencePiece vocabularies) are in
-test_gguf_sentencepiece.py.
+norms (Qwen3, OLMo 2, OLMoE, GLM-4.5), 3-D expert tensors and routers (Mixtral, Qwen3-MoE, OLMoE,
+Qwen2-MoE with its shared expert, GLM-4.5's sigmoid-scored experts with partial rotary), experts
+whose gate and up the import joins again (gpt-oss interleaved, with sinks and windows; Granite
+MoE, with and without a shared MLP), Phi-3's fused q|k|v and gate|up with partial rotary and
+LongRoPE factors stored as tensors, Granite's multipliers, OLMo 2's post-norms. Gemma's families
+(SentencePiece vocabularies) are in test_gguf_sentencepiece.py.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ import pytest
 import torch
 from llama_cpp_convert import convert
 from tinymodel import make_transformers_model
+from tokenizers import Tokenizer
 
 from triollm import LLM, SamplingParams
 
@@ -54,6 +55,15 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
          "sliding_window": 8},
     ),
     "olmo2": ("Olmo2ForCausalLM", {"attention_bias": False}),
+    # partial rotary, q/k norms, a leading dense layer, sigmoid-scored experts with a correction
+    # bias, scaled, and a shared expert; one multi-token-prediction layer in the config (left out)
+    "glm4moe": (
+        "Glm4MoeForCausalLM",
+        {"n_routed_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 48, "n_shared_experts": 1,
+         "first_k_dense_replace": 1, "num_nextn_predict_layers": 1, "use_qk_norm": True, "head_dim": 32,
+         "partial_rotary_factor": 0.5, "routed_scaling_factor": 2.5, "norm_topk_prob": True, "vocab_size": 392,
+         "attention_bias": True},
+    ),
     "olmoe": ("OlmoeForCausalLM", {"num_experts": 8, "num_experts_per_tok": 2, "intermediate_size": 48}),
     "granite": (
         "GraniteForCausalLM",
@@ -96,6 +106,8 @@ THROUGH_TRANSFORMERS: dict[str, tuple[str, dict[str, Any]]] = {
 # (its digit split: the GGUF says "qwen2"), GPT-2's for Phi-3 (the converter's choice of a BPE
 # vocabulary, as for Phi-4), else the tokenizer.json as written.
 TOKENIZER_CLASS = {"qwen2": None, "qwen3": None, "qwen3moe": None, "qwen2moe": None, "phi3": "GPT2Tokenizer"}
+GLM_SPECIALS = ("<|endoftext|>", "[gMASK]", "<|user|>", "<|observation|>")
+GLM_SPECIALS_FOR = ("glm4moe",)  # its config's vocab_size leaves room for them
 PROMPTS = [
     "The capital of France is Paris. The capital of",
     "<|im_start|>user\nWhat is 2+2? 12345<|im_end|>\n<|im_start|>assistant\n",
@@ -115,6 +127,11 @@ def converted(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path,
     out: dict[str, tuple[Path, Path]] = {}
     for i, (case, (arch, overrides)) in enumerate({**CASES, **THROUGH_TRANSFORMERS}.items()):
         src = make_transformers_model(root / case, arch, seed=60 + i, **overrides)
+        if case in GLM_SPECIALS_FOR:  # the converter's GLM vocabulary reads these four by name
+            tok_file = src / "tokenizer.json"
+            tok = Tokenizer.from_file(str(tok_file))
+            tok.add_special_tokens(list(GLM_SPECIALS))
+            tok.save(str(tok_file))
         tok_config = src / "tokenizer_config.json"
         tok_class = TOKENIZER_CLASS.get(case, "PreTrainedTokenizerFast")
         if tok_class is not None:
