@@ -99,6 +99,14 @@ class ArchSpec:
     swa_pattern: int = 0  # llama.cpp's default: every n-th layer global (0: no windows)
 
 
+_GRANITE_KEYS = {
+    "attention.scale": "attention_multiplier",
+    "embedding_scale": "embedding_multiplier",
+    "residual_scale": "residual_multiplier",
+    "logit_scale": "logits_scaling",
+}
+_GRANITE_FIXED = {"mlp_bias": False, "embedding_multiplier": 1.0, "residual_multiplier": 1.0}
+
 ARCHS: dict[str, ArchSpec] = {
     "llama": ArchSpec("LlamaForCausalLM", "llama", permuted_qk=True, fixed={"mlp_bias": False}),
     "qwen2": ArchSpec("Qwen2ForCausalLM", "qwen2", fixed={"use_sliding_window": False}),
@@ -206,69 +214,58 @@ ARCHS: dict[str, ArchSpec] = {
         },
         fixed={"attention_bias": False},
     ),
-    "granite": ArchSpec(
-        "GraniteForCausalLM",
-        "granite",
+    "granite": ArchSpec("GraniteForCausalLM", "granite", permuted_qk=True, keys=_GRANITE_KEYS, fixed=_GRANITE_FIXED),
+    # Granite MoE (and GraniteMoeShared where the file has a shared MLP): Granite's multipliers, its
+    # experts' gate and up joined back into `input_linear` by gguf_import, as transformers stores them.
+    "granitemoe": ArchSpec(
+        "GraniteMoeForCausalLM",
+        "granitemoe",
         permuted_qk=True,
-        keys={
-            "attention.scale": "attention_multiplier",
-            "embedding_scale": "embedding_multiplier",
-            "residual_scale": "residual_multiplier",
-            "logit_scale": "logits_scaling",
+        tensors={
+            "ffn_gate_inp.weight": "block_sparse_moe.router.layer.weight",
+            "ffn_gate_exps.weight": "block_sparse_moe.gate_exps",
+            "ffn_up_exps.weight": "block_sparse_moe.up_exps",
+            "ffn_down_exps.weight": "block_sparse_moe.output_linear.weight",
+            "ffn_gate_shexp.weight": "shared_mlp.gate",
+            "ffn_up_shexp.weight": "shared_mlp.up",
+            "ffn_down_shexp.weight": "shared_mlp.output_linear.weight",
         },
-        fixed={"mlp_bias": False, "embedding_multiplier": 1.0, "residual_multiplier": 1.0},
+        keys={
+            **_GRANITE_KEYS,
+            "expert_count": "num_local_experts",
+            "expert_shared_feed_forward_length": "shared_intermediate_size",
+            **_EXPERT_KEYS,
+        },
+        fixed=_GRANITE_FIXED,
+    ),
+    # GLM-4.5 / 4.6 (Glm4Moe): partial rotary, optional q/k norms, leading dense layers, sigmoid-scored
+    # experts with a correction bias and groups, shared experts; the converter's multi-token-prediction
+    # layers (`nextn_predict_layers`, after the model's own) are left out.
+    "glm4moe": ArchSpec(
+        "Glm4MoeForCausalLM",
+        "glm4_moe",
+        tensors={
+            "post_attention_norm.weight": "post_attention_layernorm.weight",
+            "exp_probs_b.bias": "mlp.gate.e_score_correction_bias",
+            "ffn_gate_shexp.weight": "mlp.shared_experts.gate_proj.weight",
+            "ffn_up_shexp.weight": "mlp.shared_experts.up_proj.weight",
+            "ffn_down_shexp.weight": "mlp.shared_experts.down_proj.weight",
+        },
+        keys={
+            "expert_count": "n_routed_experts",
+            "expert_feed_forward_length": "moe_intermediate_size",
+            "expert_shared_count": "n_shared_experts",
+            "leading_dense_block_count": "first_k_dense_replace",
+            "expert_weights_scale": "routed_scaling_factor",
+            "expert_weights_norm": "norm_topk_prob",
+            "expert_group_count": "n_group",
+            "expert_group_used_count": "topk_group",
+            "nextn_predict_layers": "num_nextn_predict_layers",
+            **_EXPERT_KEYS,
+        },
+        fixed={"n_group": 1, "topk_group": 1, "norm_topk_prob": True, "routed_scaling_factor": 1.0},
     ),
 }
-# Granite MoE (and GraniteMoeShared where the file has a shared MLP): Granite's multipliers, its
-# experts' gate and up joined back into `input_linear` by gguf_import, as transformers stores them.
-ARCHS["granitemoe"] = ArchSpec(
-    "GraniteMoeForCausalLM",
-    "granitemoe",
-    permuted_qk=True,
-    tensors={
-        "ffn_gate_inp.weight": "block_sparse_moe.router.layer.weight",
-        "ffn_gate_exps.weight": "block_sparse_moe.gate_exps",
-        "ffn_up_exps.weight": "block_sparse_moe.up_exps",
-        "ffn_down_exps.weight": "block_sparse_moe.output_linear.weight",
-        "ffn_gate_shexp.weight": "shared_mlp.gate",
-        "ffn_up_shexp.weight": "shared_mlp.up",
-        "ffn_down_shexp.weight": "shared_mlp.output_linear.weight",
-    },
-    keys={
-        **ARCHS["granite"].keys,
-        "expert_count": "num_local_experts",
-        "expert_shared_feed_forward_length": "shared_intermediate_size",
-        **_EXPERT_KEYS,
-    },
-    fixed=ARCHS["granite"].fixed,
-)
-# GLM-4.5 / 4.6 (Glm4Moe): partial rotary, optional q/k norms, leading dense layers, sigmoid-scored
-# experts with a correction bias and groups, shared experts; the converter's multi-token-prediction
-# layers (`nextn_predict_layers`, after the model's own) are left out.
-ARCHS["glm4moe"] = ArchSpec(
-    "Glm4MoeForCausalLM",
-    "glm4_moe",
-    tensors={
-        "post_attention_norm.weight": "post_attention_layernorm.weight",
-        "exp_probs_b.bias": "mlp.gate.e_score_correction_bias",
-        "ffn_gate_shexp.weight": "mlp.shared_experts.gate_proj.weight",
-        "ffn_up_shexp.weight": "mlp.shared_experts.up_proj.weight",
-        "ffn_down_shexp.weight": "mlp.shared_experts.down_proj.weight",
-    },
-    keys={
-        "expert_count": "n_routed_experts",
-        "expert_feed_forward_length": "moe_intermediate_size",
-        "expert_shared_count": "n_shared_experts",
-        "leading_dense_block_count": "first_k_dense_replace",
-        "expert_weights_scale": "routed_scaling_factor",
-        "expert_weights_norm": "norm_topk_prob",
-        "expert_group_count": "n_group",
-        "expert_group_used_count": "topk_group",
-        "nextn_predict_layers": "num_nextn_predict_layers",
-        **_EXPERT_KEYS,
-    },
-    fixed={"n_group": 1, "topk_group": 1, "norm_topk_prob": True, "routed_scaling_factor": 1.0},
-)
 # A `llama` GGUF with experts is Mixtral: Mixtral's checkpoint names for the sparse block.
 MIXTRAL = ArchSpec(
     "MixtralForCausalLM",

@@ -231,10 +231,9 @@ def _convert_weights(
             array = array[None, :]  # llama.cpp's quantizer writes the one-row gate as a vector
         for part_name, part in _experts(hf_name, array):
             out[part_name] = torch.from_numpy(np.require(part, np.float32, ["C", "W"]))
-    if spec.model_type == "gpt_oss":
-        _gpt_oss_experts(out, config["num_hidden_layers"])
-    if spec.model_type == "granitemoe":
-        _granite_moe_experts(out, config["num_hidden_layers"])
+    join = _JOINS.get(spec.model_type)
+    if join is not None:
+        join(out, config["num_hidden_layers"])
     return out
 
 
@@ -261,6 +260,11 @@ def _gpt_oss_experts(out: dict[str, torch.Tensor], num_layers: int) -> None:
         gate_b, up_b = out.pop(f"{p}.gate_proj_bias"), out.pop(f"{p}.up_proj_bias")
         out[f"{p}.gate_up_proj_bias"] = torch.stack((gate_b, up_b), dim=-1).flatten(-2).contiguous()
         out[f"{p}.down_proj"] = out[f"{p}.down_proj"].mT.contiguous()
+
+
+# Families whose converter split a tensor transformers stores whole (gate and up): joined back
+# once every tensor is read, by model_type.
+_JOINS = {"gpt_oss": _gpt_oss_experts, "granitemoe": _granite_moe_experts}
 
 
 def _experts(hf_name: str, array: np.ndarray) -> Iterator[tuple[str, np.ndarray]]:
