@@ -16,7 +16,9 @@ from triollm.kernels import cpu_native
 pytestmark = pytest.mark.skipif(cpu_native.libc_function("mallopt") is None, reason="no glibc mallopt here")
 
 # Two prefill waves (16 prompts of 200 tokens, 1,024-token steps) after a warm-up wave: the
-# process's minor page faults over them. Where glibc's own thresholds hand a step's freed
+# process's minor page faults over them. The prefill budget is off, so that every step's shapes
+# are the same whatever else runs on the machine (with `auto` the chunks follow the measured step
+# times, and new shapes on a loaded machine fault in new memory). Where glibc's own thresholds hand a step's freed
 # tensors back to the kernel they are faulted in again on every step (on the AMX Xeon: about
 # 30,000 faults a wave; with the heap keeping them, a few hundred).
 SCRIPT = """
@@ -25,7 +27,9 @@ from triollm.engine.config import EngineArgs
 from triollm.engine.sampling_params import SamplingParams
 from triollm.engine.sync_engine import SyncEngine
 from triollm.kernels import cpu_native
-engine = SyncEngine.from_engine_args(EngineArgs(enable_prefix_caching=False, seed=0, max_num_batched_tokens=1024))
+engine = SyncEngine.from_engine_args(EngineArgs(
+    enable_prefix_caching=False, seed=0, max_num_batched_tokens=1024, scheduler_prefill_budget="off"
+))
 rng = random.Random(0)
 def wave():
     prompts = [{"prompt_token_ids": [rng.randrange(100, 40000) for _ in range(200)]} for _ in range(16)]
