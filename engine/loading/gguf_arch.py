@@ -265,6 +265,45 @@ ARCHS: dict[str, ArchSpec] = {
         },
         fixed={"n_group": 1, "topk_group": 1, "norm_topk_prob": True, "routed_scaling_factor": 1.0},
     ),
+    # DeepSeek V2 / V3 (and their kin written as deepseek2: Kimi K2, GigaChat 3, ...): multi-head
+    # latent attention, whose `kv_b_proj` the converter split into `attn_k_b` (transposed) and
+    # `attn_v_b` for llama.cpp's absorbed form (older files keep `attn_kv_b`); q straight or through
+    # a low-rank `q_a`/`q_b`; leading dense layers, routed experts scored by softmax (V2) or by
+    # sigmoid with a correction bias and groups (V3, `expert_gating_func` 2), shared experts.
+    "deepseek2": ArchSpec(
+        "DeepseekV3ForCausalLM",
+        "deepseek_v3",
+        tensors={
+            "attn_q.weight": "self_attn.q_proj.weight",
+            "attn_q_a.weight": "self_attn.q_a_proj.weight",
+            "attn_q_a_norm.weight": "self_attn.q_a_layernorm.weight",
+            "attn_q_b.weight": "self_attn.q_b_proj.weight",
+            "attn_kv_a_mqa.weight": "self_attn.kv_a_proj_with_mqa.weight",
+            "attn_kv_a_norm.weight": "self_attn.kv_a_layernorm.weight",
+            "attn_kv_b.weight": "self_attn.kv_b_proj.weight",
+            "attn_k_b.weight": "self_attn.k_b",
+            "attn_v_b.weight": "self_attn.v_b",
+            "exp_probs_b.bias": "mlp.gate.e_score_correction_bias",
+            "ffn_gate_shexp.weight": "mlp.shared_experts.gate_proj.weight",
+            "ffn_up_shexp.weight": "mlp.shared_experts.up_proj.weight",
+            "ffn_down_shexp.weight": "mlp.shared_experts.down_proj.weight",
+        },
+        keys={
+            "attention.kv_lora_rank": "kv_lora_rank",
+            "attention.q_lora_rank": "q_lora_rank",
+            "expert_count": "n_routed_experts",
+            "expert_feed_forward_length": "moe_intermediate_size",
+            "expert_shared_count": "n_shared_experts",
+            "leading_dense_block_count": "first_k_dense_replace",
+            "expert_weights_scale": "routed_scaling_factor",
+            "expert_weights_norm": "norm_topk_prob",
+            "expert_group_count": "n_group",
+            "expert_group_used_count": "topk_group",
+            **_EXPERT_KEYS,
+        },
+        fixed={"n_group": 1, "topk_group": 1, "norm_topk_prob": False, "routed_scaling_factor": 1.0,
+               "n_shared_experts": 0, "first_k_dense_replace": 0, "num_nextn_predict_layers": 0},
+    ),
 }
 # A `llama` GGUF with experts is Mixtral: Mixtral's checkpoint names for the sparse block.
 MIXTRAL = ArchSpec(
@@ -352,6 +391,8 @@ def hf_config(
         config["num_nextn_predict_layers"] = 0
         config["norm_topk_prob"] = bool(config["norm_topk_prob"])
         config["use_qk_norm"] = "blk.0.attn_q_norm.weight" in shapes
+    if spec.model_type == "deepseek_v3":
+        _latent_attention(meta, arch, config, shapes)
     hidden, heads = config["hidden_size"], config["num_attention_heads"]
     config.setdefault("num_key_value_heads", heads)
     head_dim = config.setdefault("head_dim", hidden // heads)
@@ -372,6 +413,40 @@ def hf_config(
     _rotary(meta, arch, spec, config, shapes, read)
     _family(meta, arch, spec, config, shapes, num_layers, head_dim)
     return config, spec
+
+
+def _latent_attention(meta: GGUFMeta, arch: str, config: dict[str, Any], shapes: Mapping[str, tuple[int, ...]]) -> None:
+    """DeepSeek's config in transformers' terms. The converter writes the sizes of llama.cpp's
+    absorbed form (one KV head of `kv_lora_rank + qk_rope_head_dim`, `key_length_mla` and
+    `value_length_mla` per head; files from before that form have the per-head sizes in
+    `key_length`/`value_length`), and the router's scoring as `expert_gating_func` (1 or absent:
+    softmax, V2; 2: sigmoid with the correction bias, V3)."""
+    rope = int(meta.require(f"{arch}.rope.dimension_count"))
+    key_mla = meta.get(f"{arch}.attention.key_length_mla")
+    value_mla = meta.get(f"{arch}.attention.value_length_mla")
+    if key_mla is None:
+        key_mla, value_mla = meta.require(f"{arch}.attention.key_length"), meta.require(f"{arch}.attention.value_length")
+    meta.require(f"{arch}.attention.kv_lora_rank")
+    config |= {
+        "qk_rope_head_dim": rope,
+        "qk_nope_head_dim": int(key_mla) - rope,
+        "v_head_dim": int(value_mla),
+        "head_dim": rope,  # transformers' DeepseekV3Config: the rotary dims
+        "num_key_value_heads": config["num_attention_heads"],  # the latent expands to every head
+        "norm_topk_prob": bool(config["norm_topk_prob"]),
+    }
+    if "blk.0.attn_q_a.weight" not in shapes:
+        config["q_lora_rank"] = None  # V2-Lite: q straight from the hidden state
+    else:
+        meta.require(f"{arch}.attention.q_lora_rank")
+    gating = int(meta.get(f"{arch}.expert_gating_func", 1) or 1)
+    if gating == 2:
+        config["topk_method"] = "noaux_tc"
+    elif gating == 1:
+        config["architectures"], config["model_type"] = ["DeepseekV2ForCausalLM"], "deepseek_v2"
+        config["topk_method"] = "greedy" if config["n_group"] == 1 else "group_limited_greedy"
+    else:
+        raise ValueError(f"gguf: {arch}.expert_gating_func {gating} is not supported; supported: 1 (softmax), 2 (sigmoid)")
 
 
 def _rotary(
@@ -414,6 +489,17 @@ def _rotary(
         orig = meta.get(f"{arch}.rope.scaling.original_context_length")
         if orig is not None:
             scaling["original_max_position_embeddings"] = int(orig)
+        for key, name in (("yarn_beta_fast", "beta_fast"), ("yarn_beta_slow", "beta_slow"),
+                          ("yarn_attn_factor", "attention_factor")):
+            value = meta.get(f"{arch}.rope.scaling.{key}")
+            if value is not None:
+                scaling[name] = f32(value)
+        log_mul = meta.get(f"{arch}.rope.scaling.yarn_log_multiplier")
+        if log_mul is not None and spec.model_type == "deepseek_v3":
+            # DeepSeek's converter writes 0.1 * mscale_all_dim; its configs have mscale equal to it
+            # (1.0 for V3, 0.707 for V2): the rotation unscaled, the softmax scaled by mscale^2.
+            mscale = float(str(np.float32(log_mul) / np.float32(0.1)))
+            scaling |= {"mscale": mscale, "mscale_all_dim": mscale}
         config["rope_scaling"] = scaling
     else:
         raise ValueError(f"gguf: {arch}.rope.scaling.type {kind!r} is not supported; supported: linear, yarn")

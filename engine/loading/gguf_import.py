@@ -262,9 +262,20 @@ def _gpt_oss_experts(out: dict[str, torch.Tensor], num_layers: int) -> None:
         out[f"{p}.down_proj"] = out[f"{p}.down_proj"].mT.contiguous()
 
 
-# Families whose converter split a tensor transformers stores whole (gate and up): joined back
-# once every tensor is read, by model_type.
-_JOINS = {"gpt_oss": _gpt_oss_experts, "granitemoe": _granite_moe_experts}
+def _latent_kv_b(out: dict[str, torch.Tensor], num_layers: int) -> None:
+    """DeepSeek's `kv_b_proj` [H * (nope + v), kv_lora] from the converter's `attn_k_b`
+    [H, kv_lora, nope] (transposed for llama.cpp's absorbed form) and `attn_v_b` [H, v, kv_lora];
+    files from before that split carry `attn_kv_b` whole."""
+    for layer in range(num_layers):
+        p = f"model.layers.{layer}.self_attn"
+        if f"{p}.k_b" in out:
+            k_b, v_b = out.pop(f"{p}.k_b"), out.pop(f"{p}.v_b")
+            out[f"{p}.kv_b_proj.weight"] = torch.cat((k_b.mT, v_b), dim=1).flatten(0, 1).contiguous()
+
+
+# Families whose converter split a tensor transformers stores whole (gate and up, DeepSeek's
+# kv_b): joined back once every tensor is read, by the table's model_type.
+_JOINS = {"gpt_oss": _gpt_oss_experts, "granitemoe": _granite_moe_experts, "deepseek_v3": _latent_kv_b}
 
 
 def _experts(hf_name: str, array: np.ndarray) -> Iterator[tuple[str, np.ndarray]]:

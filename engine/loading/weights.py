@@ -59,7 +59,7 @@ from triollm.engine.loading.quant_checkpoints import (
     quantized_modules,
     read_linear,
 )
-from triollm.kernels.quant import QuantWeight
+from triollm.kernels.quant import BLOCK, QuantWeight
 
 if TYPE_CHECKING:
     from triollm.engine.execution.models.base import CausalLM
@@ -330,6 +330,7 @@ def quantize_model(model: CausalLM, scheme: str, path: Path) -> None:
 
 def _quantize_layers(model: CausalLM, scheme: str, gguf: GGUFQuantized | None) -> None:
     bits = {"int8": 8, "int4": 4}.get(scheme)
+    narrow: list[str] = []
     unstack: dict[str, list[str]] = {}
     for theirs, (ours, _) in model.stacked.items():
         unstack.setdefault(ours, []).append(theirs)
@@ -345,6 +346,9 @@ def _quantize_layers(model: CausalLM, scheme: str, gguf: GGUFQuantized | None) -
             if not all(n in gguf for n in names):
                 continue  # stored as floats in the GGUF: stays dense
             weight = QuantWeight.cat([gguf[n] for n in names])
+        elif dense.weight.shape[1] % BLOCK:
+            narrow.append(name)  # no whole blocks along its input (DeepSeek's 24-wide q_lora): dense
+            continue
         else:
             assert bits is not None
             weight = QuantWeight.quantize(dense.weight.detach(), bits)
@@ -352,6 +356,9 @@ def _quantize_layers(model: CausalLM, scheme: str, gguf: GGUFQuantized | None) -
         quant = QuantLinear(weight, bias)
         quant.rows, quant.cols = dense.rows, dense.cols  # the bias loads as the dense one would
         setattr(model.get_submodule(owner_name), attr, quant)
+    if narrow:
+        logger.info("quantization: %d layers whose input width is not a multiple of %d stay dense (%s, ...)",
+                    len(narrow), BLOCK, narrow[0])
     if gguf is None:
         return
     embedding = gguf.get("model.embed_tokens.weight")

@@ -244,3 +244,27 @@ def test_the_triton_kernels_are_refused_at_load(tmp_path: Path, monkeypatch: pyt
     monkeypatch.setenv("TRIOLLM_KERNELS", "triton")
     with pytest.raises(ValueError, match=r"device: DeepseekV2ForCausalLM's latent attention .* TRIOLLM_KERNELS=torch"):
         engine_greedy(path, prompts())
+
+
+def test_int8_keeps_the_projections_with_whole_blocks(tmp_path: Path) -> None:
+    """Weight-only int8 at load: the latent attention's projections and the dense and shared MLPs
+    whose input width is whole 32-wide blocks become quantized layers; kv_b_proj (read per head)
+    and those without whole blocks (q_b_proj over a 24-wide q_lora_rank, o_proj over 4 x 12 values)
+    stay dense. The first step's chosen-token log-probs stay near the dense model's."""
+    from triollm.engine.execution.layers.linear import Linear
+    from triollm.engine.execution.layers.quantized import QuantLinear
+
+    path = make_deepseek(tmp_path / "v3", "v3-yarn", seed=5)
+    ids = prompts()
+    dense, _ = engine_greedy(path, ids)
+    ours, core = engine_greedy(path, ids, quantization="int8")
+    model = core.executor.model
+    for layer in model.layers:
+        attn = layer.self_attn
+        assert isinstance(attn.q_a_proj, QuantLinear) and isinstance(attn.kv_a_proj_with_mqa, QuantLinear)
+        assert type(attn.q_b_proj) is Linear and type(attn.o_proj) is Linear
+    assert isinstance(model.layers[0].mlp.gate_up_proj, QuantLinear)
+    assert isinstance(model.layers[0].mlp.down_proj, QuantLinear)
+    for (tokens, logprobs), (dense_tokens, dense_logprobs) in zip(ours, dense, strict=True):
+        assert len(tokens) == len(dense_tokens)
+        assert abs(logprobs[0] - dense_logprobs[0]) < 0.3

@@ -28,6 +28,11 @@ from tokenizers import Tokenizer
 from triollm import LLM, SamplingParams
 
 MOE = {"num_experts_per_tok": 2, "num_local_experts": 8}
+DEEPSEEK = {
+    "num_key_value_heads": 4, "intermediate_size": 96, "moe_intermediate_size": 32, "n_routed_experts": 8,
+    "num_experts_per_tok": 2, "first_k_dense_replace": 1, "kv_lora_rank": 32, "qk_nope_head_dim": 16,
+    "qk_rope_head_dim": 8, "v_head_dim": 12,
+}  # fmt: skip
 CASES: dict[str, tuple[str, dict[str, Any]]] = {
     "llama": (
         "LlamaForCausalLM",
@@ -65,6 +70,23 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
          "attention_bias": True},
     ),
     "olmoe": ("OlmoeForCausalLM", {"num_experts": 8, "num_experts_per_tok": 2, "intermediate_size": 48}),
+    # multi-head latent attention (kv_b split by the converter into k_b and v_b, joined again), a
+    # low-rank q, a leading dense layer, sigmoid-scored grouped experts with a correction bias,
+    # scaled and renormalised, a shared expert, YaRN with DeepSeek's mscale (log multiplier)
+    "deepseek-v3": (
+        "DeepseekV3ForCausalLM",
+        {**DEEPSEEK, "q_lora_rank": 24, "n_group": 4, "topk_group": 2, "routed_scaling_factor": 2.5,
+         "n_shared_experts": 1, "scoring_func": "sigmoid",
+         "rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "mscale": 0.5,
+                             "mscale_all_dim": 0.5, "original_max_position_embeddings": 128}},
+    ),
+    # V2-Lite's shape: q straight from the hidden state, softmax-scored experts (greedy top-k, not
+    # renormalised), two shared experts
+    "deepseek-v2": (
+        "DeepseekV2ForCausalLM",
+        {**DEEPSEEK, "q_lora_rank": None, "topk_method": "greedy", "n_shared_experts": 2, "scoring_func": "softmax",
+         "routed_scaling_factor": 1.0},
+    ),
     "granite": (
         "GraniteForCausalLM",
         {"embedding_multiplier": 3.0, "residual_multiplier": 0.4, "attention_multiplier": 0.1, "logits_scaling": 2.5},
@@ -116,8 +138,9 @@ PROMPTS = [
 NEW_TOKENS = 16
 # Q8_0 files run with their blocks kept (quantization="gguf"): Phi-3's fused q|k|v and gate|up cut
 # into the model's pieces, Granite's permuted Q/K rows, Qwen3-MoE's dense experts beside them,
-# Qwen2-MoE's shared expert (and its one-row gate) in blocks.
-Q8_CASES = ("phi3", "granite", "qwen3moe", "qwen2moe", "granitemoeshared")
+# Qwen2-MoE's shared expert (and its one-row gate) in blocks, DeepSeek V3's latent attention's
+# projections beside its per-head kv_b (dense).
+Q8_CASES = ("phi3", "granite", "qwen3moe", "qwen2moe", "granitemoeshared", "deepseek-v3")
 
 
 @pytest.fixture(scope="module")
@@ -127,6 +150,7 @@ def converted(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path,
     out: dict[str, tuple[Path, Path]] = {}
     for i, (case, (arch, overrides)) in enumerate({**CASES, **THROUGH_TRANSFORMERS}.items()):
         src = make_transformers_model(root / case, arch, seed=60 + i, **overrides)
+        _draw_correction_bias(src, seed=60 + i)
         if case in GLM_SPECIALS_FOR:  # the converter's GLM vocabulary reads these four by name
             tok_file = src / "tokenizer.json"
             tok = Tokenizer.from_file(str(tok_file))
@@ -143,6 +167,21 @@ def converted(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path,
         jobs.append((*out[f"{case}-q8_0"], "q8_0"))
     convert(jobs)
     return out
+
+
+def _draw_correction_bias(src: Path, seed: int) -> None:
+    """The sigmoid routers' correction bias (a buffer, zero from `from_config`) drawn at random, so
+    that it changes which experts are chosen (DeepSeek V3, GLM-4.5)."""
+    from safetensors.torch import load_file, save_file
+
+    weights = load_file(str(src / "model.safetensors"))
+    names = [n for n in weights if n.endswith("e_score_correction_bias")]
+    if not names:
+        return
+    g = torch.Generator().manual_seed(seed)
+    for name in names:
+        weights[name] = 0.3 * torch.randn(weights[name].shape, generator=g)
+    save_file(weights, str(src / "model.safetensors"), metadata={"format": "pt"})
 
 
 def _llm_greedy(gguf_file: Path, **kwargs: Any) -> list[tuple[list[int], list[int]]]:
@@ -205,7 +244,9 @@ def test_gguf_family_q8_0_kept_quantized(
     kept = read_gguf_quantized(imported)
     dense = load_file(str(imported / "model.safetensors"))
     pieces = ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj",
-              "mlp.shared_expert.gate_proj", "mlp.shared_expert.up_proj", "mlp.shared_expert.down_proj"]
+              "mlp.shared_expert.gate_proj", "mlp.shared_expert.up_proj", "mlp.shared_expert.down_proj",
+              "self_attn.q_a_proj", "self_attn.kv_a_proj_with_mqa", "mlp.shared_experts.gate_proj",
+              "mlp.shared_experts.up_proj", "mlp.shared_experts.down_proj"]
     for layer in range(2):
         names = [f"model.layers.{layer}.{p}.weight" for p in pieces]
         if case == "phi3":  # stored fused in the GGUF and in the HF checkpoint

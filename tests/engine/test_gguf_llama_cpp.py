@@ -34,8 +34,8 @@ from tinymodel import CORPUS, make_transformers_model, memorize, train_sentencep
 from triollm import LLM, SamplingParams
 
 # The first test also waits for the module's setup: on a fresh machine that builds llama.cpp (two
-# minutes on two idle cores, twice that beside the other test worker), trains and converts twelve
-# models and runs llama.cpp on 25 files.
+# minutes on two idle cores, twice that beside the other test worker), trains and converts thirteen
+# models and runs llama.cpp on 27 files.
 pytestmark = pytest.mark.timeout(1200)
 
 WIDE = {"hidden_size": 256, "intermediate_size": 512, "num_attention_heads": 4, "num_key_value_heads": 2}
@@ -65,6 +65,13 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     # released files' MXFP4 experts
     "gpt-oss": ("GptOssForCausalLM", {"num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 256,
                                       "head_dim": 64, "sliding_window": 32}),
+    # DeepSeek V3's shape: latent attention (kv_b split by the converter into k_b and v_b), a
+    # low-rank q, a leading dense layer, grouped sigmoid-scored experts, a shared expert
+    "deepseek2": ("DeepseekV3ForCausalLM", {
+        "num_key_value_heads": 4, "q_lora_rank": 128, "kv_lora_rank": 128, "qk_nope_head_dim": 64,
+        "qk_rope_head_dim": 32, "v_head_dim": 64, "moe_intermediate_size": 256, "n_routed_experts": 4,
+        "num_experts_per_tok": 2, "n_group": 2, "topk_group": 1, "n_shared_experts": 1, "first_k_dense_replace": 1,
+        "routed_scaling_factor": 2.5, "scoring_func": "sigmoid"}),
 }
 SENTENCEPIECE = ("gemma2", "gemma3")
 # The tokenizer class the converter reads each source with (as test_gguf_families.py): Qwen's own,
@@ -73,12 +80,12 @@ TOKENIZER_CLASS = {"qwen2": None, "qwen3": None, "qwen3moe": None, "qwen2moe": N
 # llama.cpp's llama_ftype values (include/llama.h). On the llama model, every block type the kernels
 # keep, each in at least one recipe (the _M mixes hold Q6_K, Q5_K and Q4_K tensors besides their
 # own type); on every other family Q4_K_M, and IQ4_XS on one of each kind (MoE, SentencePiece,
-# fused q|k|v), the two types the issue names, which llama.cpp users pick.
+# fused q|k|v, latent attention), the two types the issue names, which llama.cpp users pick.
 FTYPES = {
     "Q4_0": 2, "Q4_1": 3, "Q5_0": 8, "Q5_1": 9, "Q2_K": 10, "Q3_K_M": 12, "Q4_K_M": 15, "Q5_K_M": 17, "IQ4_NL": 25,
     "IQ4_XS": 30,
 }
-IQ4_XS_TOO = ("qwen3moe", "gemma3", "phi3")
+IQ4_XS_TOO = ("qwen3moe", "gemma3", "phi3", "deepseek2")
 MOE_FTYPES = {"MXFP4_MOE": 38}  # experts in MXFP4 (gpt-oss's release format), the rest Q8_0
 CASES = ([("llama", q) for q in FTYPES] + [(f, "Q4_K_M") for f in FAMILIES if f != "llama"]
          + [(f, "IQ4_XS") for f in IQ4_XS_TOO] + [("gpt-oss", "MXFP4_MOE")])
@@ -150,7 +157,7 @@ def test_llama_cpp_quantized_file_gives_llama_cpps_greedy_tokens(
     monkeypatch.setenv("TRIOLLM_CACHE_DIR", str(tmp_path))
     gguf_file = made["root"] / f"{family}-{qtype}.gguf"
     ours = _ours(gguf_file, made["prompts"][family])
-    tol = MOE_LOGPROB_TOL if family in ("qwen3moe", "qwen2moe", "mixtral", "gpt-oss") else LOGPROB_TOL
+    tol = MOE_LOGPROB_TOL if family in ("qwen3moe", "qwen2moe", "mixtral", "gpt-oss", "deepseek2") else LOGPROB_TOL
     for prompt, (tokens, logprobs), theirs in zip(made["prompts"][family], ours, made["llama_cpp"][family, qtype],
                                                   strict=True):
         same = sum(a == b for a, b in zip(tokens, theirs["tokens"], strict=True))

@@ -253,11 +253,6 @@ class DeepseekForCausalLM(CausalLM):
     def __init__(self, cfg: ModelConfig, shard: TPShard | None = None) -> None:
         if shard is not None:
             raise ValueError(f"tensor_parallel_size: {cfg.architecture} runs on one rank; allowed: 1")
-        if cfg.quantization is not None:
-            raise ValueError(
-                f"quantization: {cfg.quantization!r} is not supported for {cfg.architecture} (its latent "
-                f"projections are read per head); allowed: none"
-            )
         super().__init__(cfg, shard)
 
     def make_layer(self, cfg: ModelConfig, index: int, shard: TPShard | None) -> nn.Module:
