@@ -184,7 +184,8 @@ def make_transformers_model(path: Path, architecture: str, *, seed: int = 0, **c
     import transformers
 
     eos_id = write_tokenizer(path)
-    name = {"Gemma3ForCausalLM": "Gemma3TextConfig"}.get(architecture, architecture.replace("ForCausalLM", "Config"))
+    text_configs = {"Gemma3ForCausalLM": "Gemma3TextConfig", "Llama4ForCausalLM": "Llama4TextConfig"}
+    name = text_configs.get(architecture, architecture.replace("ForCausalLM", "Config"))
     config_class = getattr(transformers, name)
     args = tiny_text_config(
         build_tokenizer().get_vocab_size(), eos_id, **{"tie_word_embeddings": False, "dtype": "float32", **config}

@@ -97,6 +97,9 @@ class ArchSpec:
     keys: Mapping[str, str] = field(default_factory=dict)  # metadata keys beyond COMMON_KEYS
     fixed: Mapping[str, Any] = field(default_factory=dict)  # HF fields llama.cpp fixes, not reads
     swa_pattern: int = 0  # llama.cpp's default: every n-th layer global (0: no windows)
+    # The model reorders q/k rows from rotary pairs to halves as it loads dense weights (Llama 4,
+    # models/llama4.py): the kept blocks are written in that order, since blocks load as they are.
+    paired_qk: bool = False
 
 
 _GRANITE_KEYS = {
@@ -304,6 +307,38 @@ ARCHS: dict[str, ArchSpec] = {
         fixed={"n_group": 1, "topk_group": 1, "norm_topk_prob": False, "routed_scaling_factor": 1.0,
                "n_shared_experts": 0, "first_k_dense_replace": 0, "num_nextn_predict_layers": 0},
     ),
+    # Llama 4 (text; Scout, Maverick): no Q/K permutation (transformers' rotary pairs are llama.cpp's),
+    # experts on every `interleave_moe_layer_step`-th layer (gate and up joined back into
+    # `gate_up_proj` [E, H, 2I], down transposed) beside a shared expert, dense MLPs of
+    # `feed_forward_length` between; what llama.cpp fixes: 8192-token chunks on three of four layers,
+    # the fourth global without rotary and with temperature tuning, q/k L2 norms but for 128 experts.
+    "llama4": ArchSpec(
+        "Llama4ForCausalLM",
+        "llama4_text",
+        paired_qk=True,
+        tensors={
+            "ffn_gate_inp.weight": "feed_forward.router.weight",
+            "ffn_gate_exps.weight": "feed_forward.experts.gate_exps",
+            "ffn_up_exps.weight": "feed_forward.experts.up_exps",
+            "ffn_down_exps.weight": "feed_forward.experts.down_proj",
+            "ffn_gate_shexp.weight": "feed_forward.shared_expert.gate_proj.weight",
+            "ffn_up_shexp.weight": "feed_forward.shared_expert.up_proj.weight",
+            "ffn_down_shexp.weight": "feed_forward.shared_expert.down_proj.weight",
+            "ffn_gate.weight": "feed_forward.gate_proj.weight",
+            "ffn_up.weight": "feed_forward.up_proj.weight",
+            "ffn_down.weight": "feed_forward.down_proj.weight",
+        },
+        keys={
+            "feed_forward_length": "intermediate_size_mlp",
+            "expert_feed_forward_length": "intermediate_size",
+            "expert_count": "num_local_experts",
+            "interleave_moe_layer_step": "interleave_moe_layer_step",
+            **_EXPERT_KEYS,
+        },
+        fixed={"interleave_moe_layer_step": 1, "attention_chunk_size": 8192, "attn_temperature_tuning": True,
+               "floor_scale": 8192, "attn_scale": 0.1, "rope_theta": 500000.0},
+        swa_pattern=4,
+    ),
 }
 # A `llama` GGUF with experts is Mixtral: Mixtral's checkpoint names for the sparse block.
 MIXTRAL = ArchSpec(
@@ -425,7 +460,8 @@ def _latent_attention(meta: GGUFMeta, arch: str, config: dict[str, Any], shapes:
     key_mla = meta.get(f"{arch}.attention.key_length_mla")
     value_mla = meta.get(f"{arch}.attention.value_length_mla")
     if key_mla is None:
-        key_mla, value_mla = meta.require(f"{arch}.attention.key_length"), meta.require(f"{arch}.attention.value_length")
+        key_mla = meta.require(f"{arch}.attention.key_length")
+        value_mla = meta.require(f"{arch}.attention.value_length")
     meta.require(f"{arch}.attention.kv_lora_rank")
     config |= {
         "qk_rope_head_dim": rope,
@@ -446,7 +482,9 @@ def _latent_attention(meta: GGUFMeta, arch: str, config: dict[str, Any], shapes:
         config["architectures"], config["model_type"] = ["DeepseekV2ForCausalLM"], "deepseek_v2"
         config["topk_method"] = "greedy" if config["n_group"] == 1 else "group_limited_greedy"
     else:
-        raise ValueError(f"gguf: {arch}.expert_gating_func {gating} is not supported; supported: 1 (softmax), 2 (sigmoid)")
+        raise ValueError(
+            f"gguf: {arch}.expert_gating_func {gating} is not supported; supported: 1 (softmax), 2 (sigmoid)"
+        )
 
 
 def _rotary(
@@ -532,11 +570,32 @@ def _family(
         config.setdefault("attention_multiplier", 1.0 / math.sqrt(head_dim))
         if "logits_scaling" not in config:
             raise ValueError(f"gguf: {meta.path} lacks the metadata key '{arch}.logit_scale'")
+    if spec.model_type == "llama4_text":
+        _llama4_layers(meta, arch, spec, config, num_layers)
     if spec.model_type in ("qwen3_moe", "qwen2_moe"):
         dense = [i for i in range(num_layers) if f"blk.{i}.ffn_gate_inp.weight" not in shapes]
         config["mlp_only_layers"] = dense
     if spec.model_type == "mixtral":
         config["intermediate_size"] = shapes["blk.0.ffn_gate_exps.weight"][1]
+
+
+def _llama4_layers(meta: GGUFMeta, arch: str, spec: ArchSpec, config: dict[str, Any], num_layers: int) -> None:
+    """Llama 4's layers as llama.cpp's runtime sets them (`llama_model_llama4`): a file whose
+    `attention.sliding_window` is 0 (the converter's mark of a config with only full-attention
+    layers) has rotary everywhere, no chunks and no temperature; any other has 8192-token chunks
+    on the rotary layers and every 4th layer (or the file's `sliding_window_pattern`) global,
+    without rotary. q/k norms unless the model has 128 experts (Maverick)."""
+    config["use_qk_norm"] = config["num_local_experts"] != 128
+    config.pop("sliding_window", None)
+    if meta.get(f"{arch}.attention.sliding_window") == 0:
+        config |= {"no_rope_layers": [1] * num_layers, "attention_chunk_size": None, "attn_temperature_tuning": False}
+        return
+    config["layer_types"] = [
+        "chunked_attention" if t == "sliding_attention" else t
+        for t in _layer_types(meta, arch, spec, {**config, "sliding_window": config["attention_chunk_size"]},
+                              num_layers) or []
+    ]
+    config["no_rope_layers"] = [int(t == "chunked_attention") for t in config["layer_types"]]
 
 
 def _layer_types(
@@ -573,10 +632,11 @@ def llama3_rope_factors(
     wavelen = 2 * math.pi / inv_freq
     low_wavelen = original_max_position_embeddings / low_freq_factor
     high_wavelen = original_max_position_embeddings / high_freq_factor
-    smooth = (original_max_position_embeddings / wavelen - low_freq_factor) / (
-        high_freq_factor - low_freq_factor
-    )
-    medium = 1.0 / ((1 - smooth) / factor + smooth)
+    with np.errstate(divide="ignore", invalid="ignore"):  # low == high (Llama 4): no medium band
+        smooth = (original_max_position_embeddings / wavelen - low_freq_factor) / (
+            high_freq_factor - low_freq_factor
+        )
+        medium = 1.0 / ((1 - smooth) / factor + smooth)
     return np.where(wavelen < high_wavelen, 1.0, np.where(wavelen > low_wavelen, factor, medium))
 
 
@@ -585,13 +645,21 @@ def llama3_rope_scaling(factors: np.ndarray, head_dim: int, theta: float) -> dic
     factor = float(factors.max())
     if factor == 1.0 and float(factors.min()) == 1.0:
         return None
-    expected = llama3_rope_factors(head_dim, theta, factor)
-    if expected.shape != factors.shape or not np.allclose(expected, factors, rtol=1e-4):
-        raise ValueError("gguf: rope_freqs.weight does not match Llama 3 rope scaling; not supported")
-    return {
-        "rope_type": "llama3",
-        "factor": factor,
-        "low_freq_factor": 1.0,
-        "high_freq_factor": 4.0,
-        "original_max_position_embeddings": 8192,
-    }
+    for low, high in _LLAMA3_BANDS:
+        expected = llama3_rope_factors(head_dim, theta, factor, low, high)
+        if expected.shape == factors.shape and np.allclose(expected, factors, rtol=1e-4):
+            return {
+                "rope_type": "llama3",
+                "factor": factor,
+                "low_freq_factor": low,
+                "high_freq_factor": high,
+                "original_max_position_embeddings": 8192,
+            }
+    raise ValueError(
+        "gguf: rope_freqs.weight does not match Llama 3 rope scaling (low/high frequency factors "
+        f"{', '.join(f'{lo:g}/{hi:g}' for lo, hi in _LLAMA3_BANDS)} over 8192 positions); not supported"
+    )
+
+
+# llama3 rope's (low_freq_factor, high_freq_factor) in the released configs: Llama 3.1-3.3, Llama 4.
+_LLAMA3_BANDS = ((1.0, 4.0), (1.0, 1.0))

@@ -273,9 +273,25 @@ def _latent_kv_b(out: dict[str, torch.Tensor], num_layers: int) -> None:
             out[f"{p}.kv_b_proj.weight"] = torch.cat((k_b.mT, v_b), dim=1).flatten(0, 1).contiguous()
 
 
+def _llama4_experts(out: dict[str, torch.Tensor], num_layers: int) -> None:
+    """Llama 4's experts as transformers stores them: gate and up ([E, I, H] each here) joined into
+    `gate_up_proj` [E, H, 2I] (gate in the first half of the columns), down transposed to [E, I, H]."""
+    for layer in range(num_layers):
+        p = f"model.layers.{layer}.feed_forward.experts"
+        if f"{p}.gate_exps" in out:
+            gate, up = out.pop(f"{p}.gate_exps"), out.pop(f"{p}.up_exps")
+            out[f"{p}.gate_up_proj"] = torch.cat((gate.mT, up.mT), dim=-1).contiguous()
+            out[f"{p}.down_proj"] = out[f"{p}.down_proj"].mT.contiguous()
+
+
 # Families whose converter split a tensor transformers stores whole (gate and up, DeepSeek's
 # kv_b): joined back once every tensor is read, by the table's model_type.
-_JOINS = {"gpt_oss": _gpt_oss_experts, "granitemoe": _granite_moe_experts, "deepseek_v3": _latent_kv_b}
+_JOINS = {
+    "gpt_oss": _gpt_oss_experts,
+    "granitemoe": _granite_moe_experts,
+    "deepseek_v3": _latent_kv_b,
+    "llama4_text": _llama4_experts,
+}
 
 
 def _experts(hf_name: str, array: np.ndarray) -> Iterator[tuple[str, np.ndarray]]:
@@ -296,6 +312,14 @@ def _rotary_heads(config: Mapping[str, Any], spec: ArchSpec) -> dict[str, int]:
     return {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}
 
 
+def _paired_heads(config: Mapping[str, Any], spec: ArchSpec) -> dict[str, int]:
+    """For kept blocks only: the q/k rows a model reorders from rotary pairs to halves as it loads
+    dense weights (ArchSpec.paired_qk), the same reorder as undoing llama.cpp's permutation."""
+    if not spec.paired_qk:
+        return {}
+    return {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}
+
+
 def _quantized_weights(
     tensors: Mapping[str, ReaderTensor], config: Mapping[str, Any], spec: ArchSpec
 ) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
@@ -304,7 +328,7 @@ def _quantized_weights(
     reordered or cut (whole rows, so blocks stay intact), and fused parts brought to one width."""
     from triollm.kernels.quant import QUANT_GGML_TYPES, QuantWeight
 
-    heads = _rotary_heads(config, spec)
+    heads = _rotary_heads(config, spec) or _paired_heads(config, spec)
     weights: dict[str, QuantWeight] = {}
     dequantized: set[str] = set()
     for name, tensor in tensors.items():
@@ -330,7 +354,7 @@ def _quantized_weights(
             "gguf: tensors of type %s are dequantized to float32 (no CPU kernel reads them as blocks)",
             ", ".join(sorted(dequantized)),
         )
-    _one_width_per_fused_weight(weights, config["num_hidden_layers"])
+    _one_width_per_fused_weight(weights)
     out: dict[str, torch.Tensor] = {}
     for hf_name, weight in weights.items():
         out.update({f"{hf_name}.q": weight.q, f"{hf_name}.d": weight.d, f"{hf_name}.m": weight.m})
@@ -357,18 +381,22 @@ def _unfused(hf_name: str, weight: QuantWeight, config: Mapping[str, Any]) -> di
     return out
 
 
-def _one_width_per_fused_weight(weights: dict[str, QuantWeight], num_layers: int) -> None:
+def _one_width_per_fused_weight(weights: dict[str, QuantWeight]) -> None:
     """A `Q4_K_M` file mixes types inside a fused projection (Q4_K q and k with a Q6_K v, both
     kept: 4- and 8-bit codes; an IQ4_XS file's Q4_K or Q5_K parts beside IQ4 ones); where the
     parts' code formats differ, those not 8-bit become 8-bit codes, the same codes, scales and
-    offsets (exact, twice the bytes for those parts), so the parts concatenate."""
-    for layer in range(num_layers):
+    offsets (exact, twice the bytes for those parts), so the parts concatenate. The parts are
+    those of one module (`...self_attn.`, `...mlp.shared_expert.`) named as in `_FUSED`."""
+    groups: dict[str, list[str]] = {}
+    for name in weights:
+        module, _, leaf = name.removesuffix(".weight").rpartition(".")
         for group in _FUSED:
-            names = [f"model.layers.{layer}.{part}.weight" for part in group]
-            present = [n for n in names if n in weights]
-            if len({weights[n].bits for n in present}) > 1:
-                for n in present:
-                    weights[n] = weights[n].widened()
+            if leaf in (part.rpartition(".")[2] for part in group):
+                groups.setdefault(f"{module}/{group[0]}", []).append(name)
+    for present in groups.values():
+        if len({weights[n].bits for n in present}) > 1:
+            for n in present:
+                weights[n] = weights[n].widened()
 
 
 def _dropped_layer(name: str, config: Mapping[str, Any], spec: ArchSpec) -> bool:

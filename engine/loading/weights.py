@@ -324,7 +324,7 @@ def _expected(model: nn.Module) -> dict[str, int]:
 def quantize_model(model: CausalLM, scheme: str, path: Path) -> None:
     """Replace the decoder layers' linear layers (and a tied embedding in a block format) in place
     by quantized ones (layers/quantized.py)."""
-    with GGUFQuantized(path) if scheme == "gguf" else nullcontext(None) as kept:
+    with GGUFQuantized(path, model.remap) if scheme == "gguf" else nullcontext(None) as kept:
         _quantize_layers(model, scheme, kept)
 
 

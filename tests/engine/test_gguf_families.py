@@ -80,6 +80,18 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
          "rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "mscale": 0.5,
                              "mscale_all_dim": 0.5, "original_max_position_embeddings": 128}},
     ),
+    # chunked attention (llama.cpp fixes 8192-token chunks) on three of four layers, the fourth
+    # global without rotary and with temperature tuning, q/k L2 norms, experts on every second
+    # layer (sigmoid-scaled inputs, gate|up joined back) with a shared expert, dense MLPs between,
+    # Llama 4's rope scaling (llama3 with equal low and high frequency factors)
+    "llama4": (
+        "Llama4ForCausalLM",
+        {"num_hidden_layers": 4, "intermediate_size": 48, "intermediate_size_mlp": 96, "num_local_experts": 4,
+         "num_experts_per_tok": 1, "interleave_moe_layer_step": 2, "head_dim": 16, "attention_chunk_size": 8192,
+         "use_qk_norm": True, "floor_scale": 8192, "attn_scale": 0.1,
+         "rope_parameters": {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 16.0, "low_freq_factor": 1.0,
+                             "high_freq_factor": 1.0, "original_max_position_embeddings": 8192}},
+    ),
     # V2-Lite's shape: q straight from the hidden state, softmax-scored experts (greedy top-k, not
     # renormalised), two shared experts
     "deepseek-v2": (
@@ -162,7 +174,7 @@ def converted(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path,
             tok_config.write_text(json.dumps({**json.loads(tok_config.read_text()), "tokenizer_class": tok_class}))
         out[case] = (src, root / f"{case}.gguf")
     jobs = [(src, gguf_file, "f32") for src, gguf_file in out.values()]
-    for case in Q8_CASES:
+    for case in (*Q8_CASES, "llama4"):
         out[f"{case}-q8_0"] = (out[case][0], root / f"{case}-q8_0.gguf")
         jobs.append((*out[f"{case}-q8_0"], "q8_0"))
     convert(jobs)
@@ -259,6 +271,39 @@ def test_gguf_family_q8_0_kept_quantized(
         for name, tensor in expected.items():
             assert kept[name].bits == 8
             torch.testing.assert_close(kept[name].dequantize(), tensor, rtol=0, atol=1e-6, msg=name)
+
+
+def test_gguf_llama4_q8_0_runs_from_its_kept_blocks(
+    converted: dict[str, tuple[Path, Path]], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Llama 4's kept blocks reach its layers under the model's own names (its checkpoint's
+    `feed_forward` is our `mlp`), q and k rows in the order its dense rows load in (rotary pairs
+    to halves): every projection runs from blocks, q|k|v computes what the dense import's does,
+    and the first token and its log-prob are the dense run's (near: the kernel rounds activations
+    to 8 bits per 32, which on a random model tips a later near-tie)."""
+    from test_transformers_backend import engine_greedy, prompts
+
+    from triollm.engine.execution.layers.quantized import QuantLinear
+
+    monkeypatch.setenv("TRIOLLM_CACHE_DIR", str(tmp_path))
+    _, gguf_file = converted["llama4-q8_0"]
+    ids = prompts()
+    dense, dense_core = engine_greedy(gguf_file, ids, quantization="none")  # not the default blocks
+    kept, core = engine_greedy(gguf_file, ids, quantization="gguf")
+    model = core.executor.model
+    for layer, dense_layer in zip(model.layers, dense_core.executor.model.layers, strict=True):
+        # q|k|v's rows as the dense layer has them (the same Q8_0 values, in the same order)
+        eye = torch.eye(dense_layer.self_attn.qkv_proj.in_features)
+        torch.testing.assert_close(layer.self_attn.qkv_proj(eye), dense_layer.self_attn.qkv_proj(eye),
+                                   rtol=0, atol=1e-5)
+        assert isinstance(layer.self_attn.qkv_proj, QuantLinear) and isinstance(layer.self_attn.o_proj, QuantLinear)
+        mlp = getattr(layer.mlp, "shared_expert", layer.mlp)
+        assert isinstance(mlp.gate_up_proj, QuantLinear)
+        # the converter keeps a projection over fewer than whole 32-wide blocks in F32 (the
+        # shared expert's down over 48): dense
+        assert isinstance(mlp.down_proj, QuantLinear) == (mlp.down_proj.in_features % 32 == 0)
+    for (tokens, logprobs), (dense_tokens, dense_logprobs) in zip(kept, dense, strict=True):
+        assert tokens[0] == dense_tokens[0] and abs(logprobs[0] - dense_logprobs[0]) < 0.3
 
 
 @pytest.mark.parametrize("case", list(THROUGH_TRANSFORMERS))

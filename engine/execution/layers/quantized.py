@@ -16,7 +16,7 @@ records (two norms, four projections), so the layers sit below the models that u
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
@@ -244,17 +244,26 @@ class GGUFQuantized:
     layer's fused weight from its pieces and lets them go, so a load never holds the whole file
     twice (reading it all first, then concatenating, peaked at twice the weights)."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, remap: Callable[[str], str | None] | None = None) -> None:
         from triollm.engine.loading.model_config import QUANTIZED_FILE
 
         self._file = str(path / QUANTIZED_FILE)
         self._stack = ExitStack()
         self._f: Any = None
+        self._remap = remap
         self.names: dict[str, int] = {}
+        self._stored: dict[str, str] = {}
 
     def __enter__(self) -> GGUFQuantized:
         self._f = self._stack.enter_context(safe_open(self._file, framework="pt"))
         self.names = {k: int(v) for k, v in (self._f.metadata() or {}).items() if k != "format"}
+        self._stored = {k: k for k in self.names}
+        # Also under the model's own names where its loader renames the checkpoint's (`remap`:
+        # Llama 4's `feed_forward` is our `mlp`), so a layer finds its pieces by its own path.
+        for name, bits in list(self.names.items()):
+            ours = self._remap(name) if self._remap is not None and name.startswith("model.") else None
+            if ours is not None and f"model.{ours}" != name:
+                self.names[f"model.{ours}"], self._stored[f"model.{ours}"] = bits, name
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -264,7 +273,8 @@ class GGUFQuantized:
         return name in self.names
 
     def __getitem__(self, name: str) -> QuantWeight:
-        q, d, m = (self._f.get_tensor(f"{name}.{part}") for part in ("q", "d", "m"))
+        stored = self._stored[name]
+        q, d, m = (self._f.get_tensor(f"{stored}.{part}") for part in ("q", "d", "m"))
         return QuantWeight(q, d, m, self.names[name])
 
     def get(self, name: str) -> QuantWeight | None:
