@@ -66,7 +66,8 @@ __all__ = ["IMPORT_FORMAT_VERSION", "import_gguf", "llama3_rope_factors", "llama
 logger = logging.getLogger("triollm")
 
 # Bump whenever the files written here change, so cached imports are redone.
-IMPORT_FORMAT_VERSION = 5  # 4: every family in gguf_arch.ARCHS, SentencePiece vocabularies; 5: IQ4 kept 4-bit
+IMPORT_FORMAT_VERSION = 6  # 4: every family in gguf_arch.ARCHS, SentencePiece vocabularies; 5: IQ4 kept 4-bit;
+# 6: deepseek2 and llama4 by their tables (before: transformers' reader, dense)
 # QUANTIZED_FILE (model_config.py) holds the quantized tensors as shipped (`quantization="gguf"`):
 # kernels/quant.py's QuantWeight parts per HF tensor name ("<name>.q", ".d", ".m"), with the bits
 # per name in the metadata.
