@@ -89,10 +89,20 @@ Three more rules (issue 41, measured on the served start-ups of 16 and 64 client
   its first token only: nobody has a cadence yet, they only went first. Then no ratio applies
   (only the time bound) and the decodes are held: each step's budget goes to the prompts, until
   no request waits for a first token, or no prompt can progress (no seat, adapter slot or
-  blocks: the decodes then run, so a wave never stalls), or `MAX_WAVE_HOLD_S` has passed (two
+  blocks: the decodes then run, so a wave never stalls), or `MAX_WAVE_HOLD_S` has passed (four
   of the longest steps the engine lets a prompt take: a stream's one gap is no longer). So
   each stream of a wave breaks once, from its first token to the wave's end, and its gaps after
-  that are decode steps; the last first token comes as soon as the prompts' work allows. Served
+  that are decode steps; the last first token comes as soon as the prompts' work allows. The
+  bound is what a burst of chat clients needs whole: 64 prompts of 200 tokens took 8-10 s to
+  prefill on 2 Zen 4 cores. Cut short at 8 s (two such steps, the bound before), a wave's last
+  prompts trickled in at the ratio's pace beside decoders that then ended at different times, so
+  their clients' next requests came one by one into a queue the ratio drains slowly: served to
+  64 clients from a fresh server (three runs each, alternating), the p99 first token took 17.9,
+  9.2 and 22.1 s and p99 inter-token latency was 2.04x, 2.08x and 1.71x the median; with the
+  whole wave held, 8.3, 8.5 and 9.2 s and 1.48x, 1.55x and 1.54x (vLLM-CPU's p99 first token in
+  that sitting: 8.3 s; docs/benchmarks.md [wave16]). The streams then decode together and end
+  together, and their clients' next requests are the next wave: one gap of each stream's
+  `max_tokens`. Served
   on a 2-core AMX Xeon beside `vllm bench serve`, the p99 first token of 16 clients fell from
   1.81 s to 1.19 s (vLLM-CPU 0.80 s), with p99 inter-token latency 1.86x the median against
   2.61x (docs/benchmarks.md, "A wave's first tokens first"). The rule it replaced let the
@@ -207,7 +217,7 @@ MIN_PREFILL_STEP_S = 0.02
 # part of a prompt's time unless a decode-only step takes a large part of a second. On a GPU a
 # step of `max_num_batched_tokens` takes far less, and the bound never binds.
 MAX_PREFILL_STEP_S = 4.0
-MAX_WAVE_HOLD_S = 2 * MAX_PREFILL_STEP_S  # the longest a wave lasts (module note)
+MAX_WAVE_HOLD_S = 4 * MAX_PREFILL_STEP_S  # the longest a wave lasts (module note)
 _MIN_STEP_S = 1e-3  # decode-only steps faster than this: no prefill limit
 
 

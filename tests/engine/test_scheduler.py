@@ -18,6 +18,7 @@ from triollm.engine.scheduling.block_manager import BlockManager, hash_full_bloc
 from triollm.engine.scheduling.request_state import Request, RequestStatus
 from triollm.engine.scheduling.scheduler import (
     FAIR_WAIT_STEPS,
+    MAX_PREFILL_STEP_S,
     MAX_STEP_RATIO,
     MAX_WAVE_HOLD_S,
     TARGET_STEP_RATIO,
@@ -490,7 +491,8 @@ def _closed_loop(
     one as soon as it ends (`vllm bench serve --max-concurrency`), on a fake machine whose step
     costs 75 ms + 0.85 ms a token (the bundled model on 2 Zen 4 cores). Returns every request's
     time to first token, every inter-token gap, and the gaps after the start-up (once every
-    first request has its first token)."""
+    first request has its first token) but each stream's first (from its first token to its
+    second: the one gap a wave may make it wait, module note)."""
     blocks = BlockManager(clients * max_model_len // 16 + 64, 16)
     sched = Scheduler(SchedulerConfig(clients, 2048, True), blocks, max_model_len, clock)
     sent: dict[str, float] = {}
@@ -498,6 +500,7 @@ def _closed_loop(
     ttft: list[float] = []
     itl: list[float] = []
     steady: list[float] = []
+    gapped: set[str] = set()
     count = 0
 
     def send() -> None:
@@ -522,8 +525,9 @@ def _closed_loop(
             req.append_output_token(5)
             if rid in last:
                 itl.append(clock.now - last[rid])
-                if len(ttft) >= clients:
+                if len(ttft) >= clients and rid in gapped:
                     steady.append(itl[-1])
+                gapped.add(rid)
             else:
                 ttft.append(clock.now - sent[rid])
             last[rid] = clock.now
@@ -542,26 +546,29 @@ def test_fair_admission_bounds_time_to_first_token_under_load(monkeypatch: pytes
     """64 clients sending 200-token prompts for 128 tokens each (the served sitting of issue 41),
     all at once. The start-up is a wave (`Scheduler._wave`): the prompts take the whole budget
     while some wait for a first token and the decoders have their first token only, held for
-    their second, so the last first token of the start-up comes at 12.1 s against 19.2 s with
-    the ratio applied from the first decode (18.1 s with the rule it replaced, which let the
-    decoders ride in the first full step and then applied the ratio). After the start-up no step
-    beside decodes outgrows its ratio of the full load's decode-only step (64 rows), p99
-    inter-token latency stays within 2x the median, and, with the queue's wait counted, the first
-    tokens take at most 7.7 s; at a fixed 1.5x (`MAX_STEP_RATIO` = `TARGET_STEP_RATIO`) 8.5 s."""
+    their second, so the last first token of the start-up comes at 11.4 s against 19.2 s with
+    the ratio applied from the first decode. The streams then decode together, end together, and
+    their clients' next requests are the next wave. After the start-up no step beside decodes
+    outgrows its ratio of the full load's decode-only step (64 rows) but each stream's one wave
+    gap, p99 inter-token latency stays within 2x the median (here: equal), and the first tokens
+    take at most 4.9 s. A wave held for at most two of the longest prompt steps (8 s, the bound
+    before) is cut short: its last prompts trickle in at the ratio's pace beside decoders that
+    then end at different times, so later requests arrive one by one into a queue the ratio
+    drains slowly: 7.6 s after the start-up, p99 inter-token latency 1.8x the median."""
     ttft, itl, steady = _closed_loop(FakeClock(), clients=64, prompt=200, output=128, rounds=4)
     load_step = 0.075 + 0.00085 * 64
     assert max(steady) <= MAX_STEP_RATIO * load_step * 1.001
     assert _percentile(itl, 0.99) <= 2 * _percentile(itl, 0.5) * 1.001
     after = _percentile(ttft[64:], 0.99)  # after the start-up
-    assert after < 8.0
+    assert after < 5.5
     with monkeypatch.context() as m:
         m.setattr(Scheduler, "_wave", lambda self, decodes, prefills, now: False)
         ttft_ratio, _, _ = _closed_loop(FakeClock(), clients=64, prompt=200, output=128, rounds=4)
     assert max(ttft[:64]) < 0.7 * max(ttft_ratio[:64])
-    monkeypatch.setattr(scheduler_module, "MAX_STEP_RATIO", TARGET_STEP_RATIO)
-    ttft_fixed, _, steady_fixed = _closed_loop(FakeClock(), clients=64, prompt=200, output=128, rounds=4)
-    assert _percentile(ttft_fixed[64:], 0.99) > 1.1 * after
-    assert max(steady_fixed) <= TARGET_STEP_RATIO * load_step * 1.001
+    monkeypatch.setattr(scheduler_module, "MAX_WAVE_HOLD_S", 2 * MAX_PREFILL_STEP_S)
+    ttft_short, itl_short, _ = _closed_loop(FakeClock(), clients=64, prompt=200, output=128, rounds=4)
+    assert _percentile(ttft_short[64:], 0.99) > 1.4 * after
+    assert _percentile(itl_short, 0.99) > 1.5 * _percentile(itl, 0.99)
 
 
 @pytest.mark.parametrize("clients", [8, 16])
@@ -569,12 +576,18 @@ def test_a_wave_of_long_prompts_breaks_each_stream_once_at_most(clients: int) ->
     """Clients sending 2,000-token prompts for 64 tokens each, all at once and again as each
     ends: the prompts' steps are long (a whole budget each), so a stream that waited through
     more than one of them would lose its cadence for the start of every round. The wave rule
-    gives each decoder one such gap at most: p99 inter-token latency stays within 2x the
-    median (12.4x at 8 clients with the rule that counted decoders queued with the prompts,
-    however many tokens they had)."""
-    ttft, itl, _ = _closed_loop(FakeClock(), clients=clients, prompt=2000, output=64, rounds=3, max_model_len=4096)
+    gives each decoder one such gap at most (from its first token to its second, while the
+    wave's prompts go first), and every other gap stays within 2x the median: p99 12.4x at 8
+    clients with the rule that counted decoders queued with the prompts, however many tokens
+    they had. (With 64 tokens a request, one gap in 63 is more than 1% of the gaps: the wave's
+    show in the p99 of all of them, 12.5 s at 8 clients; at 128 tokens, as served in issue 41's
+    sitting, they do not.)"""
+    ttft, itl, steady = _closed_loop(FakeClock(), clients=clients, prompt=2000, output=64, rounds=3,
+                                     max_model_len=4096)
     assert len(ttft) >= clients * 2
-    assert _percentile(itl, 0.99) <= 2 * _percentile(itl, 0.5) * 1.001
+    median = _percentile(itl, 0.5)
+    assert sum(gap > 2 * median * 1.001 for gap in itl) <= len(ttft)  # once a stream at most
+    assert _percentile(steady, 0.99) <= 2 * median * 1.001
 
 
 # Machines for the stream-and-8k-prompt run: a step's fixed cost (the weights read), a prompt
