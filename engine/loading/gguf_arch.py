@@ -110,6 +110,25 @@ _GRANITE_KEYS = {
 }
 _GRANITE_FIXED = {"mlp_bias": False, "embedding_multiplier": 1.0, "residual_multiplier": 1.0}
 
+# DeepSeek V3's routed experts (GLM-4.5's too): sigmoid scores with a correction bias, groups,
+# a scale and renormalisation, shared experts, leading dense layers.
+_GROUPED_EXPERT_TENSORS = {
+    "exp_probs_b.bias": "mlp.gate.e_score_correction_bias",
+    "ffn_gate_shexp.weight": "mlp.shared_experts.gate_proj.weight",
+    "ffn_up_shexp.weight": "mlp.shared_experts.up_proj.weight",
+    "ffn_down_shexp.weight": "mlp.shared_experts.down_proj.weight",
+}
+_GROUPED_EXPERT_KEYS = {
+    "expert_count": "n_routed_experts",
+    "expert_feed_forward_length": "moe_intermediate_size",
+    "expert_shared_count": "n_shared_experts",
+    "leading_dense_block_count": "first_k_dense_replace",
+    "expert_weights_scale": "routed_scaling_factor",
+    "expert_weights_norm": "norm_topk_prob",
+    "expert_group_count": "n_group",
+    "expert_group_used_count": "topk_group",
+}
+
 ARCHS: dict[str, ArchSpec] = {
     "llama": ArchSpec("LlamaForCausalLM", "llama", permuted_qk=True, fixed={"mlp_bias": False}),
     "qwen2": ArchSpec("Qwen2ForCausalLM", "qwen2", fixed={"use_sliding_window": False}),
@@ -249,20 +268,10 @@ ARCHS: dict[str, ArchSpec] = {
         "glm4_moe",
         tensors={
             "post_attention_norm.weight": "post_attention_layernorm.weight",
-            "exp_probs_b.bias": "mlp.gate.e_score_correction_bias",
-            "ffn_gate_shexp.weight": "mlp.shared_experts.gate_proj.weight",
-            "ffn_up_shexp.weight": "mlp.shared_experts.up_proj.weight",
-            "ffn_down_shexp.weight": "mlp.shared_experts.down_proj.weight",
+            **_GROUPED_EXPERT_TENSORS,
         },
         keys={
-            "expert_count": "n_routed_experts",
-            "expert_feed_forward_length": "moe_intermediate_size",
-            "expert_shared_count": "n_shared_experts",
-            "leading_dense_block_count": "first_k_dense_replace",
-            "expert_weights_scale": "routed_scaling_factor",
-            "expert_weights_norm": "norm_topk_prob",
-            "expert_group_count": "n_group",
-            "expert_group_used_count": "topk_group",
+            **_GROUPED_EXPERT_KEYS,
             "nextn_predict_layers": "num_nextn_predict_layers",
             **_EXPERT_KEYS,
         },
@@ -286,22 +295,12 @@ ARCHS: dict[str, ArchSpec] = {
             "attn_kv_b.weight": "self_attn.kv_b_proj.weight",
             "attn_k_b.weight": "self_attn.k_b",
             "attn_v_b.weight": "self_attn.v_b",
-            "exp_probs_b.bias": "mlp.gate.e_score_correction_bias",
-            "ffn_gate_shexp.weight": "mlp.shared_experts.gate_proj.weight",
-            "ffn_up_shexp.weight": "mlp.shared_experts.up_proj.weight",
-            "ffn_down_shexp.weight": "mlp.shared_experts.down_proj.weight",
+            **_GROUPED_EXPERT_TENSORS,
         },
         keys={
             "attention.kv_lora_rank": "kv_lora_rank",
             "attention.q_lora_rank": "q_lora_rank",
-            "expert_count": "n_routed_experts",
-            "expert_feed_forward_length": "moe_intermediate_size",
-            "expert_shared_count": "n_shared_experts",
-            "leading_dense_block_count": "first_k_dense_replace",
-            "expert_weights_scale": "routed_scaling_factor",
-            "expert_weights_norm": "norm_topk_prob",
-            "expert_group_count": "n_group",
-            "expert_group_used_count": "topk_group",
+            **_GROUPED_EXPERT_KEYS,
             **_EXPERT_KEYS,
         },
         fixed={"n_group": 1, "topk_group": 1, "norm_topk_prob": False, "routed_scaling_factor": 1.0,
