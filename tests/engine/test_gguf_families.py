@@ -306,6 +306,59 @@ def test_gguf_llama4_q8_0_runs_from_its_kept_blocks(
         assert tokens[0] == dense_tokens[0] and abs(logprobs[0] - dense_logprobs[0]) < 0.3
 
 
+def _before_the_absorbed_form(src: Path, out: Path) -> None:
+    """`src` (a deepseek2 file) as llama.cpp's converter wrote DeepSeek before its absorbed form
+    (mid 2025; the DeepSeek-V2 files of 2024): `attn_kv_b` whole, the per-head sizes in
+    `key_length` / `value_length`, as many KV heads as heads, no `*_mla` keys."""
+    import gguf
+    import numpy as np
+
+    reader = gguf.GGUFReader(str(src))
+    meta = {f.name: f.contents() for f in reader.fields.values()}
+    heads, rope = int(meta["deepseek2.attention.head_count"]), int(meta["deepseek2.rope.dimension_count"])
+    key, value = int(meta["deepseek2.attention.key_length_mla"]), int(meta["deepseek2.attention.value_length_mla"])
+    writer = gguf.GGUFWriter(str(out), "deepseek2")
+    dropped = {"general.architecture", "general.alignment", "deepseek2.attention.key_length_mla",
+               "deepseek2.attention.value_length_mla", "deepseek2.attention.key_length",
+               "deepseek2.attention.value_length", "deepseek2.attention.head_count_kv"}
+    for field in reader.fields.values():
+        if field.name in dropped or field.name.startswith("GGUF."):
+            continue
+        vtype = field.types[0]
+        writer.add_key_value(field.name, field.contents(), vtype,
+                             sub_type=field.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None)
+    writer.add_key_length(key)
+    writer.add_value_length(value)
+    writer.add_head_count_kv(heads)
+    arrays = {t.name: np.array(t.data).reshape([int(d) for d in reversed(t.shape)]) for t in reader.tensors}
+    for name, array in arrays.items():
+        if name.endswith("attn_v_b.weight"):
+            continue
+        if name.endswith("attn_k_b.weight"):  # [H, kv_lora, nope] and [H, v, kv_lora] -> [H * (nope + v), kv_lora]
+            v_b = arrays[name.replace("attn_k_b", "attn_v_b")]
+            assert array.shape[2] == key - rope and v_b.shape[1] == value
+            joined = np.concatenate((array.transpose(0, 2, 1), v_b), axis=1).reshape(-1, array.shape[1])
+            writer.add_tensor(name.replace("attn_k_b", "attn_kv_b"), np.ascontiguousarray(joined))
+        else:
+            writer.add_tensor(name, array)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def test_gguf_deepseek_from_before_the_absorbed_form(
+    converted: dict[str, tuple[Path, Path]], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A DeepSeek file from before llama.cpp's absorbed form (`attn_kv_b` whole, per-head sizes in
+    `key_length` / `value_length`) gives transformers' greedy tokens too."""
+    src, gguf_file = converted["deepseek-v2"]
+    old = tmp_path / "deepseek-v2-old.gguf"
+    _before_the_absorbed_form(gguf_file, old)
+    monkeypatch.setenv("TRIOLLM_CACHE_DIR", str(tmp_path / "cache"))
+    assert _llm_greedy(old) == _transformers_greedy(src)
+
+
 @pytest.mark.parametrize("case", list(THROUGH_TRANSFORMERS))
 def test_gguf_without_a_table_runs_through_transformers_reader(
     converted: dict[str, tuple[Path, Path]], case: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
