@@ -387,6 +387,121 @@ void decode_pair(const T* qrow, const K* kp, const K* vp, const int32_t* table, 
   }
 }
 
+// Many query heads, or a head_dim without an instance of its own (16 x D, D a multiple of 16:
+// DeepSeek's latent attention, 16-128 heads over one 576-wide KV head; Gemma's 256; Phi's 80 and
+// 96): `decode_pair`'s arithmetic, in fp32, blocked for registers. A block's scores are kGC heads
+// at a time, each over kS interleaved chains of head_dim (so that the FMAs of one head do not
+// wait on each other where few heads share the block); P.V is kGC heads x kDC 16-wide chunks of
+// head_dim at a time, the accumulators read from and written back to `acc` once a block.
+template <int kGC, int kS>
+inline void wide_scores(const float* qf, int64_t D, const float* kt, float* s) {
+  float a[kGC][kS][16] = {};
+  for (int64_t d = 0; d < D; d += kS)
+    for (int j = 0; j < kS; ++j) {
+      const float* kr = kt + (d + j) * 16;
+      for (int g = 0; g < kGC; ++g) {
+        const float qv = qf[g * D + d + j];
+#pragma omp simd
+        for (int t = 0; t < 16; ++t) a[g][j][t] += qv * kr[t];
+      }
+    }
+  for (int g = 0; g < kGC; ++g)
+#pragma omp simd
+    for (int t = 0; t < 16; ++t) {
+      float v = a[g][0][t];
+      for (int j = 1; j < kS; ++j) v += a[g][j][t];
+      s[g * 16 + t] = v;
+    }
+}
+
+template <int kGC, int kDC>
+inline void wide_pv(float* acc, int64_t D, int64_t c0, const float* p, const float* corr, const float* vf,
+                    int64_t cnt) {
+  float a[kGC][kDC][16];
+  for (int g = 0; g < kGC; ++g)
+    for (int c = 0; c < kDC; ++c)
+#pragma omp simd
+      for (int t = 0; t < 16; ++t) a[g][c][t] = acc[g * D + (c0 + c) * 16 + t] * corr[g];
+  for (int64_t t = 0; t < cnt; ++t) {
+    const float* vt = vf + t * D + c0 * 16;
+    for (int g = 0; g < kGC; ++g) {
+      const float pv = p[g * 16 + t];
+      for (int c = 0; c < kDC; ++c)
+#pragma omp simd
+        for (int i = 0; i < 16; ++i) a[g][c][i] += pv * vt[c * 16 + i];
+    }
+  }
+  for (int g = 0; g < kGC; ++g)
+    for (int c = 0; c < kDC; ++c)
+#pragma omp simd
+      for (int t = 0; t < 16; ++t) acc[g * D + (c0 + c) * 16 + t] = a[g][c][t];
+}
+
+template <int kGC, int kDC>
+inline void wide_pv_all(float* acc, int64_t D, const float* p, const float* corr, const float* vf, int64_t cnt) {
+  const int64_t chunks = D / 16;
+  int64_t c = 0;
+  for (; c + kDC <= chunks; c += kDC) wide_pv<kGC, kDC>(acc, D, c, p, corr, vf, cnt);
+  for (; c < chunks; ++c) wide_pv<kGC, 1>(acc, D, c, p, corr, vf, cnt);
+}
+
+template <typename T, typename K, bool kCap>
+void decode_pair_wide(const T* qrow, const K* kp, const K* vp, const int32_t* table, int64_t n, int64_t start,
+                      int64_t G, int64_t NB, int64_t h, int64_t, int64_t D, float fscale, float cap,
+                      const float* sink, const Scales& sc, float* qf, float* acc, float* kbuf, float* vbuf, float* s,
+                      float* m, float* l, T* orow, float* part, float* lse) {
+  constexpr int64_t kBS = 16;
+  for (int64_t j = 0; j < G * D; ++j) qf[j] = load_f(qrow[j]) * fscale;
+  for (int64_t j = 0; j < G * D; ++j) acc[j] = 0.f;
+  for (int64_t g = 0; g < G; ++g) m[g] = kNegBig, l[g] = 0.f;
+  float corr[8], p[8 * kBS];
+  for (int64_t blk = start / kBS; blk * kBS < n; ++blk) {
+    const int64_t id = table[blk];
+    const int64_t cnt = std::min(kBS, n - blk * kBS);
+    const int64_t base = ((h * NB + id) * kBS) * D;
+    const float* kt = as_float(kp + base, kbuf, D * kBS);  // [D][16]
+    const float* vf = as_float(vp + base, vbuf, cnt * D);  // [cnt][D]
+    float ks[kPerToken<K> ? kBS : 1], vs[kPerToken<K> ? kBS : 1];
+    if constexpr (kPerToken<K>) {
+      widen16(sc.k + (h * NB + id) * kBS, ks);
+      widen16(sc.v + (h * NB + id) * kBS, vs);
+    }
+    for (int64_t g0 = 0; g0 < G;) {
+      const int64_t rest = G - g0;
+      const int gc = rest >= 8 ? 8 : rest >= 4 ? 4 : rest >= 2 ? 2 : 1;
+      float* sg = s + g0 * kBS;
+      switch (gc) {
+        case 8: wide_scores<8, 1>(qf + g0 * D, D, kt, sg); break;
+        case 4: wide_scores<4, 2>(qf + g0 * D, D, kt, sg); break;
+        case 2: wide_scores<2, 4>(qf + g0 * D, D, kt, sg); break;
+        default: wide_scores<1, 4>(qf + g0 * D, D, kt, sg); break;
+      }
+      for (int g = 0; g < gc; ++g) {
+        float* sh = sg + g * kBS;
+        if constexpr (kPerToken<K>) {
+          for (int64_t t = 0; t < kBS; ++t) sh[t] *= ks[t];
+        }
+        if constexpr (kCap) soft_cap(sh, kBS, cap);
+        corr[g] = softmax_block(sh, kBS, cnt, start - blk * kBS, m[g0 + g], l[g0 + g]);
+        for (int64_t t = 0; t < kBS; ++t) p[g * kBS + t] = kPerToken<K> ? sh[t] * vs[t] : sh[t];
+      }
+      float* ag = acc + g0 * D;
+      switch (gc) {
+        case 8: wide_pv_all<8, 2>(ag, D, p, corr, vf, cnt); break;
+        case 4: wide_pv_all<4, 4>(ag, D, p, corr, vf, cnt); break;
+        case 2: wide_pv_all<2, 6>(ag, D, p, corr, vf, cnt); break;
+        default: wide_pv_all<1, 8>(ag, D, p, corr, vf, cnt); break;
+      }
+      g0 += gc;
+    }
+  }
+  for (int64_t g = 0; g < G; ++g) {
+    const float inv = sc.v_layer * normaliser(m[g], l[g], sink ? sink + g : nullptr);
+    if (part != nullptr) lse[g] = m[g] + std::log(l[g]);
+    for (int64_t d = 0; d < D; ++d) emit(orow, part, g * D + d, acc[g * D + d] * inv);
+  }
+}
+
 // The next block's K and V lines, requested while this one computes: a sequence's blocks lie
 // wherever the cache had room when it grew, so the hardware prefetcher, which follows
 // addresses, stops at each block's end.
@@ -1000,6 +1115,8 @@ void decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
     if (BS == 16 && D == 64) pair = group_instance<T, K, 64>(G);
     if (BS == 16 && D == 128) pair = group_instance<T, K, 128>(G);
   }
+  if (BS == 16 && D % 16 == 0 && D != 64 && D != 128)
+    pair = cap > 0.f ? &decode_pair_wide<T, K, true> : &decode_pair_wide<T, K, false>;
 
   auto first = [&](int64_t n) {  // the first position a row of length n attends
     int64_t start = window > 0 ? std::max<int64_t>(0, n - window) : 0;

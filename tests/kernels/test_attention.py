@@ -83,10 +83,10 @@ def _decode_tolerance(dtype: torch.dtype, cache_dtype: torch.dtype, bs: int, d: 
 @given(
     lens=st.lists(st.integers(1, 70), min_size=1, max_size=9),
     kvh=st.sampled_from([1, 2, 3]),
-    group=st.sampled_from([1, 2, 3, 4, 5, 6, 7, 8]),  # 5: no instance of its own
+    group=st.sampled_from([1, 2, 3, 4, 5, 6, 7, 8, 16]),  # 5, 16: no instance of their own
     bs=st.sampled_from([1, 4, 16]),
     dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16, "fp32 over bf16"]),
-    d=st.sampled_from([16, 64, 128]),  # 16 x 64 and 16 x 128 have their own instances
+    d=st.sampled_from([16, 64, 96, 128, 288]),  # 16 x 64, 16 x 128 have their own; others the many-heads one
     seed=st.integers(0, 2**16),
 )
 def test_native_decode_matches_the_torch_path(
@@ -403,14 +403,15 @@ def _long_rows(lens: list[int], d: int, group: int, cache_dtype: torch.dtype, se
 @pytest.mark.parametrize(
     ("window", "chunk", "sinks"), [(None, None, False), (700, None, True), (None, 600, False), (None, None, True)]
 )
+@pytest.mark.parametrize(("d", "group"), [(64, 3), (288, 16)], ids=["gqa", "many-heads"])
 def test_native_decode_of_long_rows_in_parts(
-    cache_dtype: torch.dtype, window: int | None, chunk: int | None, sinks: bool
+    cache_dtype: torch.dtype, window: int | None, chunk: int | None, sinks: bool, d: int, group: int
 ) -> None:
     """Rows longer than one part (32 blocks) are attended part by part and merged by log-sum-exp:
     against the torch path with windows, chunks and sinks across part edges; the same bits alone
-    as in a batch and on one thread as on two (the cut follows the row's own length only)."""
+    as in a batch and on one thread as on two (the cut follows the row's own length only). Also
+    for 16 query heads over 288-wide KV heads (a small DeepSeek's latent attention)."""
     lens = [1100, 513, 512, 40, 1, 2049]
-    d, group = 64, 3
     q, kc, vc, tables = _long_rows(lens, d, group, cache_dtype, seed=len(lens))
     sink = torch.randn(q.shape[1], generator=torch.Generator().manual_seed(9)) if sinks else None
     kw = {"window": window, "chunk": chunk, "sinks": sink}

@@ -137,6 +137,8 @@ DECODE_SHAPES = [  # (lens, kv heads, group, block size, head dim)
     ([33, 5], 1, 8, 16, 128),  # block-16 x 128, group 8
     ([9, 30, 2], 3, 5, 16, 64),  # group 5: the block-16 instance without a group of its own
     ([7, 13], 2, 2, 4, 24),  # the generic instance
+    ([40, 3], 1, 16, 16, 96),  # block 16, another head dim: the many-heads kernel (DeepSeek's latents)
+    ([21], 2, 1, 16, 80),  # one head per kv head, head dim 80 (Phi-2)
 ]
 
 
