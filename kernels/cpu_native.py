@@ -38,6 +38,7 @@ __all__ = [
     "keep_freed_memory",
     "best_isa",
     "decode_attention_dot",
+    "few_rows_matmul",
     "has_fast_quant",
     "quant_isa",
     "supported_isas",
@@ -53,7 +54,7 @@ log = logging.getLogger("triollm")
 
 _SOURCES = [
     Path(__file__).parent / "csrc" / name
-    for name in ("cpu_attention.cpp", "quant_linear.cpp", "decoder.cpp", "sampling.cpp")
+    for name in ("cpu_attention.cpp", "quant_linear.cpp", "decoder.cpp", "sampling.cpp", "small_matmul.cpp")
 ]
 # -ffast-math lets the compiler vectorise exp (glibc's vector math); the kernel keeps its values
 # finite for it (kernels/csrc/cpu_attention.cpp). -fopenmp: ATen's parallel_for is a header
@@ -355,6 +356,20 @@ def greedy_argmax(logits: torch.Tensor) -> torch.Tensor:
     largest, a NaN the largest), vectorised (kernels/csrc/sampling.cpp). Call only when
     `available()`."""
     return torch.ops.triollm_cpu.greedy_argmax(logits)
+
+
+# The most rows `few_rows_matmul` takes (decode's tokens, or a few).
+FEW_ROWS = 4
+
+
+def few_rows_matmul(x: torch.Tensor, w: torch.Tensor, *, w_is_kn: bool = False) -> torch.Tensor:
+    """`x @ w.transpose(-1, -2)` (w `[B, N, K]`, a linear's weights) or, `w_is_kn`, `x @ w` (w
+    `[B, K, N]`) for x `[B, M, K]` with M <= FEW_ROWS: the weights (fp32 or bf16, each matrix's
+    rows contiguous, any batch stride: a view into stacked or fused weights is read in place)
+    streamed once in fp32 arithmetic (kernels/csrc/small_matmul.cpp); the result in x's dtype.
+    Call only when `available()`."""
+    op = torch.ops.triollm_cpu.dense_vecmat if w_is_kn else torch.ops.triollm_cpu.dense_matvec
+    return op(x, w)  # type: ignore[no-any-return]
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

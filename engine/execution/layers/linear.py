@@ -39,7 +39,7 @@ if TYPE_CHECKING:
     from triollm.engine.distributed.collectives import Collectives
     from triollm.lora.layers import LoRALayer
 
-__all__ = ["Linear", "column", "load_rows", "onednn_linear", "packable", "row"]
+__all__ = ["Linear", "column", "few_rows_matmul", "load_rows", "onednn_linear", "packable", "row"]
 
 
 def packable(weight: torch.Tensor) -> bool:
@@ -60,6 +60,30 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor:
 
 def onednn_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")  # type: ignore[no-any-return]
+
+
+_FEW_ROWS_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def few_rows_matmul(x: torch.Tensor, w: torch.Tensor, *, w_is_kn: bool = False) -> torch.Tensor | None:
+    """`x @ w.transpose(-1, -2)` (w `[B, N, K]`: linears' weights) or, `w_is_kn`, `x @ w` (w
+    `[B, K, N]`) for x `[B, M, K]` of a few rows, by the native kernel where it takes the case:
+    on the CPU, M <= `cpu_native.FEW_ROWS`, fp32/bf16, each of w's matrices row-contiguous (a view
+    into stacked expert weights or a fused projection is read in place; kernels/csrc/small_matmul.cpp).
+    None elsewhere: the caller runs torch's product. Decode's expert and per-head products (MoE
+    experts, DeepSeek's absorbed W_UK / W_UV) went to unpacked GEMMs and `bmm`, which copied a
+    strided weight first: 2.5-3.5x the bandwidth floor in a small DeepSeek's decode step."""
+    if (
+        x.shape[1] > cpu_native.FEW_ROWS
+        or x.device.type != "cpu"
+        or x.dtype not in _FEW_ROWS_DTYPES
+        or w.dtype not in _FEW_ROWS_DTYPES
+        or w.stride(2) != 1
+        or w.stride(1) != w.shape[2]
+        or not cpu_native.available()
+    ):
+        return None
+    return cpu_native.few_rows_matmul(x, w, w_is_kn=w_is_kn)
 
 
 class Linear(nn.Linear):

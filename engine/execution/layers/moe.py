@@ -24,8 +24,11 @@ Rejected:
 * computing every expert for every token then masking: E/k times the work;
 * gathering the selected experts' weights (`w13[topk_ids]`) for a batched matmul: it copies k
   experts' weights per token, more memory traffic than reading them in place;
-* a C++ kernel: the GEMMs are already oneDNN/MKL calls on contiguous weight views, and what is
-  left per expert is a handful of dispatches (the benchmark `triollm bench moe` measures it).
+* a C++ kernel for the whole block: the GEMMs of many rows are oneDNN/MKL calls on contiguous
+  weight views, and what is left per expert is a handful of dispatches (`triollm bench moe`).
+  At a few rows (decode) the expert's two products do run natively (`few_rows_matmul`,
+  kernels/csrc/small_matmul.cpp): torch's unpacked bf16 GEMM read a 2 MB expert at 7-10 GB/s
+  inside a decode step where the packed linears around it reached 16-25.
 
 gpt-oss's experts (models/gpt_oss.py) run through the same dispatch with biases on both
 projections and its clamped SwiGLU (`ClampedSwiGLU`): gate clamped above at `limit`, up to
@@ -44,6 +47,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from triollm.engine.execution.layers.linear import few_rows_matmul
 
 __all__ = [
     "EXPERT_WEIGHT_KINDS",
@@ -209,10 +214,14 @@ def _swiglu(
 ) -> None:
     """out = down(silu(gate(x)) * up(x)) for one expert: w13 `[2I, H]`, w2 `[H, I]`; with
     gpt-oss's biases and activation where given."""
-    h = F.linear(x, w13, b13)
+    few = few_rows_matmul(x[None], w13[None])  # decode's rows: the native kernel (module note)
+    h = F.linear(x, w13, b13) if few is None else (few[0] if b13 is None else few[0].add_(b13))
     inter = w2.shape[1]
     gated = F.silu(h[:, :inter]).mul_(h[:, inter:]) if act is None else act(h[:, :inter], h[:, inter:])
-    if b2 is None:
+    few = few_rows_matmul(gated[None], w2[None])
+    if few is not None:
+        out.copy_(few[0] if b2 is None else few[0].add_(b2))
+    elif b2 is None:
         torch.mm(gated, w2.t(), out=out)
     else:
         torch.addmm(b2, gated, w2.t(), out=out)

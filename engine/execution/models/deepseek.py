@@ -49,13 +49,14 @@ from torch import nn
 
 from triollm.engine.distributed.sharding import TPShard
 from triollm.engine.execution.layers.attention import K_SCALE_RANGE, AttentionMetadata, PagedAttention
-from triollm.engine.execution.layers.linear import Linear, column, row
+from triollm.engine.execution.layers.linear import Linear, column, few_rows_matmul, row
 from triollm.engine.execution.layers.moe import FusedMoE, fused_experts, route_grouped
 from triollm.engine.execution.layers.norm import RMSNorm
 from triollm.engine.execution.layers.rotary import RopeStep
 from triollm.engine.execution.models.base import CausalLM, GatedMLP
 from triollm.engine.loading.model_config import ModelConfig
 from triollm.kernels import write_kv
+from triollm.kernels.cpu_native import FEW_ROWS
 from triollm.kernels.kv_quant import cache_scale
 from triollm.kernels.rotary import apply_rotary_signed
 from triollm.kernels.triton import use_triton_on
@@ -132,13 +133,17 @@ class LatentAttention(nn.Module):
         pe = self._rotate(torch.cat((q[:, :, nope:], kv[:, None, r:]), dim=1), ropes[0])  # [T, H + 1, rope]
         c = torch.cat((latent, pe[:, h]), dim=-1).unsqueeze(1)  # [T, 1, rank + rope]: the cached vector
         w = self.kv_b_proj.weight.view(h, nope + self.v_dim, r)  # per head: W_UK rows, then W_UV rows
-        q_latent = torch.bmm(q[:, :, :nope].transpose(0, 1), w[:, :nope])  # [H, T, rank]
+        q_nope = q[:, :, :nope].transpose(0, 1)
+        few = few_rows_matmul(q_nope.contiguous(), w[:, :nope], w_is_kn=True) if t <= FEW_ROWS else None
+        q_latent = torch.bmm(q_nope, w[:, :nope]) if few is None else few  # [H, T, rank]
         query = torch.cat((q_latent.transpose(0, 1), pe[:, :h]), dim=-1)  # [T, H, rank + rope]
         if self.attn.calculate_kv_scales:
             self._calculate_kv_scales(c, k_cache, v_cache)
         write_kv(k_cache, v_cache, c, c, meta.slot_mapping)
         out = self.attn.attend(query, c, c, meta, k_cache, v_cache).view(t, h, r + self.rope_dim)
-        heads = torch.bmm(out[:, :, :r].transpose(0, 1), w[:, nope:].transpose(1, 2))  # [H, T, v]
+        latent_out = out[:, :, :r].transpose(0, 1)
+        few = few_rows_matmul(latent_out.contiguous(), w[:, nope:]) if t <= FEW_ROWS else None
+        heads = torch.bmm(latent_out, w[:, nope:].transpose(1, 2)) if few is None else few  # [H, T, v]
         return self.o_proj.forward(heads.transpose(0, 1).reshape(t, h * self.v_dim))
 
     def _rotate(self, x: torch.Tensor, rope: RopeStep) -> torch.Tensor:
