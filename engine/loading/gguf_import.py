@@ -306,17 +306,11 @@ def _experts(hf_name: str, array: np.ndarray) -> Iterator[tuple[str, np.ndarray]
         yield hf_name.format(e=expert), array[expert]
 
 
-def _rotary_heads(config: Mapping[str, Any], spec: ArchSpec) -> dict[str, int]:
-    """The tensor kinds whose rows llama.cpp's converter permuted, with their head counts."""
-    if not spec.permuted_qk:
-        return {}
-    return {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}
-
-
-def _paired_heads(config: Mapping[str, Any], spec: ArchSpec) -> dict[str, int]:
-    """For kept blocks only: the q/k rows a model reorders from rotary pairs to halves as it loads
-    dense weights (ArchSpec.paired_qk), the same reorder as undoing llama.cpp's permutation."""
-    if not spec.paired_qk:
+def _rotary_heads(config: Mapping[str, Any], spec: ArchSpec, *, kept: bool = False) -> dict[str, int]:
+    """The tensor kinds whose rows llama.cpp's converter permuted, with their head counts; `kept`
+    (kept blocks only): also the q/k rows a model reorders from rotary pairs to halves as it
+    loads dense weights (ArchSpec.paired_qk), the same reorder as undoing that permutation."""
+    if not (spec.permuted_qk or (kept and spec.paired_qk)):
         return {}
     return {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}
 
@@ -329,7 +323,7 @@ def _quantized_weights(
     reordered or cut (whole rows, so blocks stay intact), and fused parts brought to one width."""
     from triollm.kernels.quant import QUANT_GGML_TYPES, QuantWeight
 
-    heads = _rotary_heads(config, spec) or _paired_heads(config, spec)
+    heads = _rotary_heads(config, spec, kept=True)
     weights: dict[str, QuantWeight] = {}
     dequantized: set[str] = set()
     for name, tensor in tensors.items():
