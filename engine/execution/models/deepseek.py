@@ -16,6 +16,10 @@ multi-query attention with one KV head of `kv_lora_rank + qk_rope_head_dim` dims
 * the attention's output over V = c is sum_j p_j c_j; its first kv_lora_rank dims are
   sum_j p_j c_kv_j, and W_UV_h of that is the head's output. The last 64 dims are dropped.
 
+At decode (a few tokens) both per-head products read `kv_b_proj`'s weight in place through the
+native few-rows kernel (`few_rows_matmul`): `bmm` over its strided W_UK / W_UV views copied them
+first, every step. Longer inputs take `bmm`.
+
 K and V are the same vector, but stored twice (the K and the V cache of the one KV head). Rejected:
 aliasing them. The cache keeps K's blocks transposed for the native CPU decode kernel
 (kernels/csrc/cpu_attention.cpp: a block's scores as vertical FMAs) and V's head-dim-last, so no
