@@ -1010,6 +1010,138 @@ void prefill_tile_bf16(const T* q, int64_t q_stride, const K* kp, const K* vp, c
                      nullptr, out + i * out_stride, w);
   }
 }
+// The many-heads kernel (decode_pair_wide) over a bf16 cache with the bf16 dot products, where
+// head_dim is a multiple of 32 (DeepSeek's 576, Gemma's 256, 96): the group kernels' steps
+// (k_words, the softmax of block_softmax, V rows paired by unpacking) with the accumulators of
+// P.V in memory, a head_dim-chunk of 32 and up to 8 heads in registers at a time, since 16-128
+// heads x 576 dims do not fit; K's words are made once per chunk of heads. The query and the
+// probabilities meet the cache rounded to bf16, as in the group kernels.
+inline bool wide_softmax_bf16(__m512 sv, __m512 sw, float fscale, __mmask16 live, float& m, __m512& lv, __m512& cv,
+                              uint32_t* pp) {
+  const __m512 sc16 = _mm512_mask_blend_ps(live, _mm512_set1_ps(kNegBig), _mm512_mul_ps(_mm512_add_ps(sv, sw), _mm512_set1_ps(fscale)));
+  const __m512 mv = _mm512_set1_ps(m);
+  __m512 p;
+  bool moved = false;
+  if (_mm512_cmp_ps_mask(sc16, mv, _CMP_GT_OQ) == 0) {
+    p = _mm512_maskz_mov_ps(live, exp16(_mm512_sub_ps(sc16, mv)));
+    lv = _mm512_add_ps(lv, p);
+  } else {
+    const float mx = _mm512_reduce_max_ps(sc16);
+    const __m512 mxv = _mm512_set1_ps(mx);
+    cv = exp16(_mm512_sub_ps(mv, mxv));
+    p = _mm512_maskz_mov_ps(live, exp16(_mm512_sub_ps(sc16, mxv)));
+    lv = _mm512_fmadd_ps(lv, cv, p);
+    m = mx;
+    moved = true;
+  }
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(pp), (__m256i)_mm512_cvtneps_pbh(p));
+  return moved;
+}
+
+// One block for kGC heads from g0: scores, softmax (m, lv updated), P.V into acc.
+template <int kGC>
+inline void wide_block_bf16(const uint32_t* qp, int64_t D, const c10::BFloat16* kt, const c10::BFloat16* vb, int64_t cnt,
+                            __mmask16 live, float fscale, const WordOrders& wo, const Bf16Table<c10::BFloat16>& tab,
+                            float* m, float* lvs, float* acc) {
+  __m512 sv[kGC], sw[kGC];
+  for (int g = 0; g < kGC; ++g) sv[g] = _mm512_setzero_ps(), sw[g] = _mm512_setzero_ps();
+  const int64_t half = D / 2;
+  for (int r = 0; r < D / 4; ++r) {
+    __m512i k0, k1;
+    k_words<c10::BFloat16>(kt, r, wo.perm, wo.kord, tab, k0, k1);
+    for (int g = 0; g < kGC; ++g) {
+      sv[g] = dpbf16(sv[g], k0, _mm512_set1_epi32(static_cast<int>(qp[g * half + 2 * r])));
+      sw[g] = dpbf16(sw[g], k1, _mm512_set1_epi32(static_cast<int>(qp[g * half + 2 * r + 1])));
+    }
+  }
+  alignas(64) uint32_t pp[kGC][8];
+  __m512 cv[kGC];
+  bool moved[kGC];
+  for (int g = 0; g < kGC; ++g) {
+    __m512 lv = _mm512_loadu_ps(lvs + g * 16);
+    moved[g] = wide_softmax_bf16(sv[g], sw[g], fscale, live, m[g], lv, cv[g], pp[g]);
+    _mm512_storeu_ps(lvs + g * 16, lv);
+  }
+  const uint16_t* v0 = reinterpret_cast<const uint16_t*>(vb);
+  for (int64_t c = 0; c < D / 32; ++c) {
+    __m512 lo[kGC], hi[kGC];
+    for (int g = 0; g < kGC; ++g) {
+      lo[g] = _mm512_loadu_ps(acc + g * D + c * 32), hi[g] = _mm512_loadu_ps(acc + g * D + c * 32 + 16);
+      if (moved[g]) lo[g] = _mm512_mul_ps(lo[g], cv[g]), hi[g] = _mm512_mul_ps(hi[g], cv[g]);
+    }
+    for (int64_t t = 0; t < cnt; t += 2) {
+      const __m512i a = _mm512_loadu_si512(reinterpret_cast<const void*>(v0 + t * D + c * 32));
+      const __m512i b = t + 1 < cnt ? _mm512_loadu_si512(reinterpret_cast<const void*>(v0 + (t + 1) * D + c * 32))
+                                    : _mm512_setzero_si512();  // never the cache's stale values
+      const __m512i vl = _mm512_unpacklo_epi16(a, b), vh = _mm512_unpackhi_epi16(a, b);
+      for (int g = 0; g < kGC; ++g) {
+        const __m512i pb = _mm512_set1_epi32(static_cast<int>(pp[g][t / 2]));
+        lo[g] = dpbf16(lo[g], vl, pb);
+        hi[g] = dpbf16(hi[g], vh, pb);
+      }
+    }
+    for (int g = 0; g < kGC; ++g) {
+      _mm512_storeu_ps(acc + g * D + c * 32, lo[g]);
+      _mm512_storeu_ps(acc + g * D + c * 32 + 16, hi[g]);
+    }
+  }
+}
+
+template <typename T>
+void decode_pair_wide_bf16(const T* qrow, const c10::BFloat16* kp, const c10::BFloat16* vp, const int32_t* table,
+                           int64_t n, int64_t start, int64_t G, int64_t NB, int64_t h, int64_t, int64_t D, float fscale,
+                           float, const float* sink, const Scales& sc, float* qf, float* acc, float*, float*, float* s,
+                           float* m, float*, T* orow, float* part, float* lse) {
+  constexpr int64_t kBS = 16;
+  static const Bf16Table<c10::BFloat16> tab;
+  const WordOrders wo;
+  uint32_t* qp = reinterpret_cast<uint32_t*>(qf);  // [G][D / 2] bf16 pairs (qf holds G * D floats)
+  for (int64_t g = 0; g < G; ++g) {
+    for (int64_t d = 0; d < D; ++d) acc[d] = load_f(qrow[g * D + d]);
+    bf16_pairs(acc, static_cast<int>(D), qp + g * (D / 2));
+  }
+  for (int64_t j = 0; j < G * D; ++j) acc[j] = 0.f;
+  for (int64_t j = 0; j < G * kBS; ++j) s[j] = 0.f;  // each head's running sum, per lane
+  for (int64_t g = 0; g < G; ++g) m[g] = kNegBig;
+  for (int64_t blk = start / kBS; blk * kBS < n; ++blk) {
+    const int64_t id = table[blk];
+    const int64_t cnt = std::min(kBS, n - blk * kBS);
+    const c10::BFloat16* kt = kp + (h * NB + id) * D * kBS;  // [D][16]
+    const c10::BFloat16* vb = vp + (h * NB + id) * kBS * D;  // [16][D]
+    const int64_t skip = std::max<int64_t>(0, start - blk * kBS);
+    const __mmask16 live = static_cast<__mmask16>(((1u << cnt) - 1u) & ~((1u << skip) - 1u));
+    for (int64_t g0 = 0; g0 < G;) {
+      const int64_t rest = G - g0;
+      const int gc = rest >= 8 ? 8 : rest >= 4 ? 4 : rest >= 2 ? 2 : 1;
+      const uint32_t* qg = qp + g0 * (D / 2);
+      float* mg = m + g0;
+      float* lg = s + g0 * kBS;
+      float* ag = acc + g0 * D;
+      switch (gc) {
+        case 8: wide_block_bf16<8>(qg, D, kt, vb, cnt, live, fscale, wo, tab, mg, lg, ag); break;
+        case 4: wide_block_bf16<4>(qg, D, kt, vb, cnt, live, fscale, wo, tab, mg, lg, ag); break;
+        case 2: wide_block_bf16<2>(qg, D, kt, vb, cnt, live, fscale, wo, tab, mg, lg, ag); break;
+        default: wide_block_bf16<1>(qg, D, kt, vb, cnt, live, fscale, wo, tab, mg, lg, ag); break;
+      }
+      g0 += gc;
+    }
+  }
+  for (int64_t g = 0; g < G; ++g) {  // lane order as finish_head undoes it
+    const float l = _mm512_reduce_add_ps(_mm512_loadu_ps(s + g * kBS));
+    const float inv = sc.v_layer * normaliser(m[g], l, sink ? sink + g : nullptr);
+    if (part != nullptr) lse[g] = m[g] + std::log(l);
+    for (int64_t c = 0; c < D / 32; ++c) {
+      alignas(64) float a[16], b[16];
+      _mm512_store_ps(a, _mm512_mul_ps(_mm512_loadu_ps(acc + g * D + c * 32), _mm512_set1_ps(inv)));
+      _mm512_store_ps(b, _mm512_mul_ps(_mm512_loadu_ps(acc + g * D + c * 32 + 16), _mm512_set1_ps(inv)));
+      for (int L = 0; L < 4; ++L)
+        for (int i = 0; i < 4; ++i) {
+          emit(orow, part, g * D + 32 * c + 8 * L + i, a[4 * L + i]);
+          emit(orow, part, g * D + 32 * c + 8 * L + 4 + i, b[4 * L + i]);
+        }
+    }
+  }
+}
 #pragma GCC pop_options
 
 // The CPU has AVX-512 BF16 and $TRIOLLM_CPU_ISA (the quantized kernels' override, for tests and
@@ -1115,8 +1247,12 @@ void decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
     if (BS == 16 && D == 64) pair = group_instance<T, K, 64>(G);
     if (BS == 16 && D == 128) pair = group_instance<T, K, 128>(G);
   }
-  if (BS == 16 && D % 16 == 0 && D != 64 && D != 128)
+  if (BS == 16 && D % 16 == 0 && D != 64 && D != 128) {
     pair = cap > 0.f ? &decode_pair_wide<T, K, true> : &decode_pair_wide<T, K, false>;
+    if constexpr (std::is_same_v<K, c10::BFloat16>) {
+      if (cap <= 0.f && D % 32 == 0 && bf16_dot_enabled()) pair = &decode_pair_wide_bf16<T>;
+    }
+  }
 
   auto first = [&](int64_t n) {  // the first position a row of length n attends
     int64_t start = window > 0 ? std::max<int64_t>(0, n - window) : 0;

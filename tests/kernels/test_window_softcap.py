@@ -199,13 +199,10 @@ def test_native_decode_block16_instances(
     """Block size 16, head dim 64: the GQA-group instances (window) and the block-16 capped
     instance, also over a bf16 cache under fp32 queries (on a CPU with AVX-512 BF16 the group
     instances take `vdpbf16ps` there, the query and probabilities rounded to bf16: bf16's
-    tolerance). Head dims 256 (Gemma 2's, capped) and 96 under 16 query heads: the many-heads
-    kernel, fp32 arithmetic."""
+    tolerance). Head dims 256 (Gemma 2's) and 96 under 16 query heads: the many-heads kernel,
+    with the bf16 dot products over a bf16 cache too, fp32 arithmetic where capped."""
     lens = [1, 15, 16, 17, 40, 50]
-    bf16_dot = (
-        cache_dtype == torch.bfloat16 and softcap is None and d in (64, 128)
-        and cpu_native.decode_attention_dot() == "bf16"
-    )  # fmt: skip
+    bf16_dot = cache_dtype == torch.bfloat16 and softcap is None and cpu_native.decode_attention_dot() == "bf16"
     check_decode(
         "native",
         monkeypatch,
@@ -216,7 +213,8 @@ def test_native_decode_block16_instances(
         group=group,
         d=d,
         cache_dtype=cache_dtype,
-        tol=2e-2 if bf16_dot else 1e-5,
+        # the query's bf16 rounding, summed over head_dim: a wider head moves a score more
+        tol=(2e-2 if d == 64 else 4e-2) if bf16_dot else 1e-5,
     )
 
 
