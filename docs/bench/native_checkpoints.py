@@ -1,5 +1,6 @@
 """Random checkpoints of the MoE families given native classes in issue 42 (DeepSeek V3, Llama 4
-text, Phi-MoE), of one moderate size, for their native path against the Transformers backend at
+text, Phi-MoE; with --all also Qwen2-MoE, Qwen3-MoE, OLMoE, Granite MoE, GLM-4.5, gpt-oss), of one
+moderate size, for their native path against the Transformers backend at
 batch 1 (docs/benchmarks.md):
 
     python docs/bench/native_checkpoints.py OUT_DIR --tokenizer-from DIR
@@ -38,19 +39,48 @@ FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
         "intermediate_size": 512, "num_local_experts": 8, "num_experts_per_tok": 2, "attention_bias": True,
         "lm_head_bias": True,
     }),
+    # with --all: the other MoE families issue 42 names
+    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM", {
+        "moe_intermediate_size": 512, "num_experts": 8, "num_experts_per_tok": 2,
+        "shared_expert_intermediate_size": 1024, "decoder_sparse_step": 1, "mlp_only_layers": [],
+    }),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", {
+        "head_dim": 64, "moe_intermediate_size": 512, "num_experts": 8, "num_experts_per_tok": 2,
+        "decoder_sparse_step": 1, "mlp_only_layers": [],
+    }),
+    "olmoe": ("OlmoeConfig", "OlmoeForCausalLM", {
+        "intermediate_size": 512, "num_experts": 8, "num_experts_per_tok": 2,
+    }),
+    "granitemoe": ("GraniteMoeConfig", "GraniteMoeForCausalLM", {
+        "intermediate_size": 512, "num_local_experts": 8, "num_experts_per_tok": 2,
+    }),
+    "glm4_moe": ("Glm4MoeConfig", "Glm4MoeForCausalLM", {
+        "head_dim": 64, "moe_intermediate_size": 512, "n_routed_experts": 8, "num_experts_per_tok": 2,
+        "n_shared_experts": 1, "first_k_dense_replace": 1, "n_group": 1, "topk_group": 1,
+    }),
+    "gpt_oss": ("GptOssConfig", "GptOssForCausalLM", {
+        "head_dim": 64, "intermediate_size": 512, "num_local_experts": 8, "num_experts_per_tok": 2,
+        "sliding_window": 128, "layer_types": ["sliding_attention", "full_attention"] * 4,
+    }),
 }  # fmt: skip
+FIRST = ("deepseek_v3", "llama4", "phimoe")
 
 
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("out", type=Path)
     p.add_argument("--tokenizer-from", type=Path, required=True)
+    p.add_argument("--all", action="store_true", help="also the other MoE families (else DeepSeek, Llama 4, Phi-MoE)")
     args = p.parse_args()
 
     import torch
     import transformers
 
     for name, (config_class, arch, fields) in FAMILIES.items():
+        if not args.all and name not in FIRST:
+            continue
+        if (args.out / name).exists():
+            continue
         cfg = getattr(transformers, config_class)(**{**COMMON, **fields})
         cfg.architectures = [arch]
         torch.manual_seed(0)
