@@ -56,6 +56,10 @@ def test_weights_are_read_in_place_from_a_strided_view() -> None:
     assert got_k is not None and got_v is not None
     torch.testing.assert_close(got_k, torch.bmm(q, w_uk.contiguous()), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(got_v, torch.bmm(lat, w_uv.contiguous().transpose(1, 2)), rtol=1e-5, atol=1e-5)
+    q_t = torch.randn(2, heads, nope, generator=g).transpose(0, 1)  # a strided x, as the model passes it
+    got_t = few_rows_matmul(q_t, w_uk, w_is_kn=True)
+    assert got_t is not None and not q_t.is_contiguous()
+    torch.testing.assert_close(got_t, torch.bmm(q_t, w_uk.contiguous()), rtol=1e-5, atol=1e-5)
     experts = torch.randn(8, 32, 48, generator=g)
     x = torch.randn(1, 3, 48, generator=g)
     got = few_rows_matmul(x, experts[5][None])

@@ -67,7 +67,8 @@ _FEW_ROWS_DTYPES = (torch.float32, torch.bfloat16)
 
 def few_rows_matmul(x: torch.Tensor, w: torch.Tensor, *, w_is_kn: bool = False) -> torch.Tensor | None:
     """`x @ w.transpose(-1, -2)` (w `[B, N, K]`: linears' weights) or, `w_is_kn`, `x @ w` (w
-    `[B, K, N]`) for x `[B, M, K]` of a few rows, by the native kernel where it takes the case:
+    `[B, K, N]`) for x `[B, M, K]` of a few rows (any strides: the kernel reads it as one
+    contiguous fp32 copy), by the native kernel where it takes the case:
     on the CPU, M <= `cpu_native.FEW_ROWS`, fp32/bf16, each of w's matrices row-contiguous (a view
     into stacked expert weights or a fused projection is read in place; kernels/csrc/small_matmul.cpp).
     None elsewhere: the caller runs torch's product. Decode's expert and per-head products (MoE

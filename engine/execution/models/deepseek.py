@@ -60,7 +60,6 @@ from triollm.engine.execution.layers.rotary import RopeStep
 from triollm.engine.execution.models.base import CausalLM, GatedMLP
 from triollm.engine.loading.model_config import ModelConfig
 from triollm.kernels import write_kv
-from triollm.kernels.cpu_native import FEW_ROWS
 from triollm.kernels.kv_quant import cache_scale
 from triollm.kernels.rotary import apply_rotary_signed
 from triollm.kernels.triton import use_triton_on
@@ -138,7 +137,7 @@ class LatentAttention(nn.Module):
         c = torch.cat((latent, pe[:, h]), dim=-1).unsqueeze(1)  # [T, 1, rank + rope]: the cached vector
         w = self.kv_b_proj.weight.view(h, nope + self.v_dim, r)  # per head: W_UK rows, then W_UV rows
         q_nope = q[:, :, :nope].transpose(0, 1)
-        few = few_rows_matmul(q_nope.contiguous(), w[:, :nope], w_is_kn=True) if t <= FEW_ROWS else None
+        few = few_rows_matmul(q_nope, w[:, :nope], w_is_kn=True)
         q_latent = torch.bmm(q_nope, w[:, :nope]) if few is None else few  # [H, T, rank]
         query = torch.cat((q_latent.transpose(0, 1), pe[:, :h]), dim=-1)  # [T, H, rank + rope]
         if self.attn.calculate_kv_scales:
@@ -146,7 +145,7 @@ class LatentAttention(nn.Module):
         write_kv(k_cache, v_cache, c, c, meta.slot_mapping)
         out = self.attn.attend(query, c, c, meta, k_cache, v_cache).view(t, h, r + self.rope_dim)
         latent_out = out[:, :, :r].transpose(0, 1)
-        few = few_rows_matmul(latent_out.contiguous(), w[:, nope:]) if t <= FEW_ROWS else None
+        few = few_rows_matmul(latent_out, w[:, nope:])
         heads = torch.bmm(latent_out, w[:, nope:].transpose(1, 2)) if few is None else few  # [H, T, v]
         return self.o_proj.forward(heads.transpose(0, 1).reshape(t, h * self.v_dim))
 
