@@ -445,6 +445,37 @@ inline void wide_pv_all(float* acc, int64_t D, const float* p, const float* corr
   for (; c < chunks; ++c) wide_pv<kGC, 1>(acc, D, c, p, corr, vf, cnt);
 }
 
+// The K and V lines of the block two ahead (and an int8 cache's scales for it), requested into
+// L2 while this one computes. A sequence's blocks lie wherever the cache had room when it grew
+// (interleaved with other sequences' blocks, or in falling order after frees), and there the
+// hardware prefetcher, which follows addresses, stops at each block's end. A bf16 or fp32 block
+// that directly follows the one before it is left to the hardware, which is streaming it
+// already: requesting it anyway made a long row 10-15% slower; a quantized block (half the
+// bytes, read at twice the rate) is requested either way. Into L2, not L1: a block's 32-64
+// lines requested into L1 at once held the misses the loads themselves wait on. Measured (Zen 4,
+// 8,192 tokens x 30 layers of the bundled model's shape, docs/benchmarks.md [prefetch]): blocks
+// in order, bf16 0.91x and fp8 0.90x the time of the previous rule (the next block into L1);
+// blocks in random order or every other block 0.76-0.87x.
+template <typename K>
+inline void prefetch_ahead(const K* kp, const K* vp, const int32_t* table, int64_t blk, int64_t n, int64_t h,
+                           int64_t NB, int64_t D, const Scales& sc) {
+  constexpr int64_t kAhead = 2;
+  const int64_t bytes = D * 16 * static_cast<int64_t>(sizeof(K));
+  if ((blk + kAhead) * 16 >= n) return;
+  const int64_t id = table[blk + kAhead];
+  if (!kQuantized<K> && id == table[blk + kAhead - 1] + 1) return;
+  const char* kb = reinterpret_cast<const char*>(kp + (h * NB + id) * D * 16);
+  const char* vb = reinterpret_cast<const char*>(vp + (h * NB + id) * D * 16);
+  for (int64_t at = 0; at < bytes; at += 64) {
+    __builtin_prefetch(kb + at, 0, 2);
+    __builtin_prefetch(vb + at, 0, 2);
+  }
+  if constexpr (kPerToken<K>) {  // 16 fp16 scales each: half a line
+    __builtin_prefetch(sc.k + (h * NB + id) * 16, 0, 2);
+    __builtin_prefetch(sc.v + (h * NB + id) * 16, 0, 2);
+  }
+}
+
 template <typename T, typename K, bool kCap>
 void decode_pair_wide(const T* qrow, const K* kp, const K* vp, const int32_t* table, int64_t n, int64_t start,
                       int64_t G, int64_t NB, int64_t h, int64_t, int64_t D, float fscale, float cap,
@@ -455,9 +486,11 @@ void decode_pair_wide(const T* qrow, const K* kp, const K* vp, const int32_t* ta
   for (int64_t j = 0; j < G * D; ++j) acc[j] = 0.f;
   for (int64_t g = 0; g < G; ++g) m[g] = kNegBig, l[g] = 0.f;
   float corr[8], p[8 * kBS];
+  prefetch_ahead<K>(kp, vp, table, start / kBS - 1, n, h, NB, D, sc);  // the second block
   for (int64_t blk = start / kBS; blk * kBS < n; ++blk) {
     const int64_t id = table[blk];
     const int64_t cnt = std::min(kBS, n - blk * kBS);
+    prefetch_ahead<K>(kp, vp, table, blk, n, h, NB, D, sc);
     const int64_t base = ((h * NB + id) * kBS) * D;
     const float* kt = as_float(kp + base, kbuf, D * kBS);  // [D][16]
     const float* vf = as_float(vp + base, vbuf, cnt * D);  // [cnt][D]
@@ -502,36 +535,6 @@ void decode_pair_wide(const T* qrow, const K* kp, const K* vp, const int32_t* ta
   }
 }
 
-// The K and V lines of the block two ahead (and an int8 cache's scales for it), requested into
-// L2 while this one computes. A sequence's blocks lie wherever the cache had room when it grew
-// (interleaved with other sequences' blocks, or in falling order after frees), and there the
-// hardware prefetcher, which follows addresses, stops at each block's end. A bf16 or fp32 block
-// that directly follows the one before it is left to the hardware, which is streaming it
-// already: requesting it anyway made a long row 10-15% slower; a quantized block (half the
-// bytes, read at twice the rate) is requested either way. Into L2, not L1: a block's 32-64
-// lines requested into L1 at once held the misses the loads themselves wait on. Measured (Zen 4,
-// 8,192 tokens x 30 layers of the bundled model's shape, docs/benchmarks.md [prefetch]): blocks
-// in order, bf16 0.91x and fp8 0.90x the time of the previous rule (the next block into L1);
-// blocks in random order or every other block 0.76-0.87x.
-template <typename K, int kD>
-inline void prefetch_ahead(const K* kp, const K* vp, const int32_t* table, int64_t blk, int64_t n, int64_t h,
-                           int64_t NB, const Scales& sc) {
-  constexpr int64_t kAhead = 2, kBytes = kD * 16 * static_cast<int64_t>(sizeof(K));
-  if ((blk + kAhead) * 16 >= n) return;
-  const int64_t id = table[blk + kAhead];
-  if (!kQuantized<K> && id == table[blk + kAhead - 1] + 1) return;
-  const char* kb = reinterpret_cast<const char*>(kp + (h * NB + id) * kD * 16);
-  const char* vb = reinterpret_cast<const char*>(vp + (h * NB + id) * kD * 16);
-  for (int64_t at = 0; at < kBytes; at += 64) {
-    __builtin_prefetch(kb + at, 0, 2);
-    __builtin_prefetch(vb + at, 0, 2);
-  }
-  if constexpr (kPerToken<K>) {  // 16 fp16 scales each: half a line
-    __builtin_prefetch(sc.k + (h * NB + id) * 16, 0, 2);
-    __builtin_prefetch(sc.v + (h * NB + id) * 16, 0, 2);
-  }
-}
-
 // The common shapes with the GQA group size also fixed (kG query heads per kv head): the
 // group's scores (kG x 16) and outputs (kG x kD) stay in registers, and each K and V row is
 // widened once, in registers, for the whole group (no fp32 copy of the block; a quantized
@@ -549,13 +552,13 @@ void decode_pair_group(const T* qrow, const K* kp, const K* vp, const int32_t* t
   float acc[kG][kD] = {};
   float m[kG], l[kG] = {};
   for (int g = 0; g < kG; ++g) m[g] = kNegBig;
-  prefetch_ahead<K, kD>(kp, vp, table, start / kBS - 1, n, h, NB, sc);  // the second block
+  prefetch_ahead<K>(kp, vp, table, start / kBS - 1, n, h, NB, kD, sc);  // the second block
   for (int64_t blk = start / kBS; blk * kBS < n; ++blk) {
     const int64_t id = table[blk];
     const int64_t cnt = std::min<int64_t>(kBS, n - blk * kBS);
     const K* kt = kp + (h * NB + id) * kD * kBS;  // [kD][kBS]
     const K* vb = vp + (h * NB + id) * kBS * kD;  // [kBS][kD]
-    prefetch_ahead<K, kD>(kp, vp, table, blk, n, h, NB, sc);
+    prefetch_ahead<K>(kp, vp, table, blk, n, h, NB, kD, sc);
     float s[kG][kBS] = {};
     // Quantized blocks are widened whole (fp8 32 values at a time) into fp32 copies in L1: the
     // conversions run back to back, apart from the FMAs that read them.
@@ -887,13 +890,13 @@ void decode_pair_group_bf16(const T* qrow, const K* kp, const K* vp, const int32
   float m[kG];
   __m512 lv[kG];  // the running sum, per lane
   for (int g = 0; g < kG; ++g) m[g] = kNegBig, lv[g] = _mm512_setzero_ps();
-  prefetch_ahead<K, kD>(kp, vp, table, start / kBS - 1, n, h, NB, sc);  // the second block
+  prefetch_ahead<K>(kp, vp, table, start / kBS - 1, n, h, NB, kD, sc);  // the second block
   for (int64_t blk = start / kBS; blk * kBS < n; ++blk) {
     const int64_t id = table[blk];
     const int64_t cnt = std::min<int64_t>(kBS, n - blk * kBS);
     const K* kt = kp + (h * NB + id) * kD * kBS;  // [kD][kBS]
     const K* vb = vp + (h * NB + id) * kBS * kD;  // [kBS][kD]
-    prefetch_ahead<K, kD>(kp, vp, table, blk, n, h, NB, sc);
+    prefetch_ahead<K>(kp, vp, table, blk, n, h, NB, kD, sc);
     // Scores: rows d..d+3 at a time, two accumulators a head (even and odd pairs of rows) so
     // that consecutive `vdpbf16ps` do not wait on each other.
     __m512 sv[kG], sw[kG];
@@ -1121,9 +1124,11 @@ void decode_pair_wide_bf16(const T* qrow, const c10::BFloat16* kp, const c10::BF
   for (int64_t j = 0; j < G * D; ++j) acc[j] = 0.f;
   for (int64_t j = 0; j < G * kBS; ++j) s[j] = 0.f;  // each head's running sum, per lane
   for (int64_t g = 0; g < G; ++g) m[g] = kNegBig;
+  prefetch_ahead(kp, vp, table, start / kBS - 1, n, h, NB, D, sc);  // the second block
   for (int64_t blk = start / kBS; blk * kBS < n; ++blk) {
     const int64_t id = table[blk];
     const int64_t cnt = std::min(kBS, n - blk * kBS);
+    prefetch_ahead(kp, vp, table, blk, n, h, NB, D, sc);
     const c10::BFloat16* kt = kp + (h * NB + id) * D * kBS;  // [D][16]
     const c10::BFloat16* vb = vp + (h * NB + id) * kBS * D;  // [16][D]
     const int64_t skip = std::max<int64_t>(0, start - blk * kBS);
