@@ -57,9 +57,21 @@
 
 namespace triollm_cpu {
 
-// A row's context is attended in parts of this many blocks, merged after (decode, below).
-constexpr int64_t kPartBlocks = 32;
+// A row's context is attended in parts of this many blocks, merged after (decode, below). A part
+// costs more than its blocks (its task claimed, its stream of blocks started cold, its output
+// written and merged): 64 took 0.85-0.91x the time of 32 at 8k tokens and 128 0.80-0.87x
+// (docs/architecture.md, "Long rows in parts"); 64 leaves a many-core server eight parts a kv head
+// to spread at 8k tokens.
+constexpr int64_t kPartBlocks = 64;
 constexpr int64_t kMaxParts = 64;  // the merge's weights' initial room (more grows it)
+
+// The next task for the threads that take tasks as they come free: alone on its cache line, so
+// that claiming one does not evict the line holding the task list and buffers the other thread
+// is reading (each claim moved that line between the cores: ~0.2 us a task).
+struct alignas(64) TaskCounter {
+  std::atomic<int64_t> next{0};
+  int64_t take() { return next.fetch_add(1, std::memory_order_relaxed); }
+};
 
 // The running max starts here rather than at -inf: the kernel is built with -ffast-math (for
 // vectorised exp), which assumes finite values. exp(kNegBig - m) underflows to 0 as exp(-inf).
@@ -452,10 +464,10 @@ inline void wide_pv_all(float* acc, int64_t D, const float* p, const float* corr
 // that directly follows the one before it is left to the hardware, which is streaming it
 // already: requesting it anyway made a long row 10-15% slower; a quantized block (half the
 // bytes, read at twice the rate) is requested either way. Into L2, not L1: a block's 32-64
-// lines requested into L1 at once held the misses the loads themselves wait on. Measured (Zen 4,
-// 8,192 tokens x 30 layers of the bundled model's shape, docs/benchmarks.md [prefetch]): blocks
-// in order, bf16 0.91x and fp8 0.90x the time of the previous rule (the next block into L1);
-// blocks in random order or every other block 0.76-0.87x.
+// lines requested into L1 at once held the misses the loads themselves wait on. Measured against
+// that rule (the next block into L1; Zen 4, 8,192 tokens x 30 layers of the bundled model's
+// shape, docs/benchmarks.md [prefetch]): blocks in random or falling order 0.76-0.83x the time,
+// every other block 0.85-0.93x, blocks in order 0.83-0.94x.
 template <typename K>
 inline void prefetch_ahead(const K* kp, const K* vp, const int32_t* table, int64_t blk, int64_t n, int64_t h,
                            int64_t NB, int64_t D, const Scales& sc) {
@@ -1317,17 +1329,20 @@ void decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
   // in fixed halves, which left one thread with the long rows; each task writes only its own
   // output or part, so the split changes no bit.
   const bool serial = total_tokens * KVH * D < (1 << 16);
-  std::atomic<int64_t> next{0};
+  TaskCounter counter;
   auto work = [&](int64_t, int64_t) {
     std::vector<float> qf(G * D), acc(G * D), kbuf(D * BS), vbuf(BS * D), s(G * BS);
     std::vector<float> m(G), l(G);
-    for (int64_t i = next++; i < T_; i = next++) {
-      const Task& t = tasks[i];
+    const Task* all = tasks.data();  // read once: the loop touches only the counter's line
+    float* parts = part.data();
+    float* lses = lse.data();
+    for (int64_t i = counter.take(); i < T_; i = counter.take()) {
+      const Task& t = all[i];
       const bool whole = t.slot < 0;
       pair(qp + (t.b * H + t.h * G) * D, kp, vp, tables + t.b * M, t.hi, t.lo, G, NB, t.h, BS, D, fscale, cap,
            whole && sinks ? sinks + t.h * G : nullptr, sc, qf.data(), acc.data(), kbuf.data(), vbuf.data(), s.data(),
-           m.data(), l.data(), op + (t.b * H + t.h * G) * D, whole ? nullptr : part.data() + t.slot * G * D,
-           whole ? nullptr : lse.data() + t.slot * G);
+           m.data(), l.data(), op + (t.b * H + t.h * G) * D, whole ? nullptr : parts + t.slot * G * D,
+           whole ? nullptr : lses + t.slot * G);
     }
   };
   const int64_t workers = serial ? 1 : std::min<int64_t>(at::get_num_threads(), T_);
@@ -1394,10 +1409,11 @@ void prefill(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v
   }
   std::stable_sort(tasks.begin(), tasks.end(), [](const Task& a, const Task& b) { return a.cost > b.cost; });
   const int64_t T_ = static_cast<int64_t>(tasks.size());
-  std::atomic<int64_t> next{0};
+  TaskCounter counter;
   auto work = [&](int64_t, int64_t) {
-    for (int64_t i = next++; i < T_; i = next++) {
-      const Task& t = tasks[i];
+    const Task* all = tasks.data();
+    for (int64_t i = counter.take(); i < T_; i = counter.take()) {
+      const Task& t = all[i];
       const int64_t row = sp[t.c] + t.r0;
       fn(qp + (row * H + t.h * G) * D, H * D, kp, vp, tp + t.c * M, cp[t.c] + t.r0 + 1, t.R, NB, t.h, fscale, sc,
          op + (row * H + t.h * G) * D, H * D);

@@ -408,7 +408,7 @@ def _long_rows(lens: list[int], d: int, group: int, cache_dtype: torch.dtype, se
 def test_native_decode_of_long_rows_in_parts(
     cache_dtype: torch.dtype, window: int | None, chunk: int | None, sinks: bool, d: int, group: int
 ) -> None:
-    """Rows longer than one part (32 blocks) are attended part by part and merged by log-sum-exp:
+    """Rows longer than one part (64 blocks) are attended part by part and merged by log-sum-exp:
     against the torch path with windows, chunks and sinks across part edges; the same bits alone
     as in a batch and on one thread as on two (the cut follows the row's own length only). Also
     for 16 query heads over 288-wide KV heads (a small DeepSeek's latent attention)."""

@@ -496,8 +496,8 @@ def test_triton_fp8_conversions_match_torch_on_every_code_and_tie(dtype: torch.d
 def test_native_decode_over_a_quantized_cache_gives_a_row_the_same_bits_alone(dtype: torch.dtype) -> None:
     """Batch invariance over fp8 and int8 caches (whichever dot-product path this CPU runs): a
     row's output is the same bits alone as in a batch, and on one thread as on two, rows longer
-    than a part (32 blocks) included."""
-    lens, kvh, group, bs, d = [700, 1, 40, 513], 2, 3, 16, 64
+    than a part (64 blocks) included."""
+    lens, kvh, group, bs, d = [1100, 1, 40, 2100], 2, 3, 16, 64
     cache, tables, _, _, q = _decode_case(dtype, lens, kvh, group, bs, d, seed=7)
     batch = decode_attention(q, cache.k[0], cache.v[0], plan_decode(tables, lens, bs, "cpu", native=True), d**-0.5)
     for row in range(len(lens)):

@@ -3,7 +3,7 @@ prompt chunks over the paged cache, each row's arithmetic the decode kernel's.
 
 The contract is bit-identity with the decode kernel run on each prompt row as a decode row of its
 own (its block table, context length = position + 1): over bf16, fp8 and int8 caches, float32 or
-bf16 queries, GQA groups, rows split into parts (past 512 tokens) and chunks with earlier
+bf16 queries, GQA groups, rows split into parts (past 1,024 tokens) and chunks with earlier
 context. Then closeness to fp64 dense attention over what the cache holds (so both kernels are
 right, not only alike), the dispatch in `prefill_attention_chunks`, and refusals."""
 
@@ -80,9 +80,9 @@ def _as_decode_rows(
 
 
 CASES = [
-    # (kv heads, group, head_dim, chunks): short rows, a 1-row chunk, context, parts (> 512 tokens)
-    (3, 3, 64, [(0, 37), (20, 5), (0, 1), (100, 700)]),
-    (2, 4, 128, [(513, 31), (0, 600)]),
+    # (kv heads, group, head_dim, chunks): short rows, a 1-row chunk, context, parts (> 1,024 tokens)
+    (3, 3, 64, [(0, 37), (20, 5), (0, 1), (400, 700)]),
+    (2, 4, 128, [(1013, 31), (0, 600)]),
     (1, 8, 64, [(1000, 1100)]),
     (4, 1, 64, [(15, 17), (16, 16), (0, 33)]),
 ]
