@@ -372,6 +372,16 @@ def few_rows_matmul(x: torch.Tensor, w: torch.Tensor, *, w_is_kn: bool = False) 
     return op(x, w)  # type: ignore[no-any-return]
 
 
+def blocked_matvec(
+    x: torch.Tensor, w: torch.Tensor, n: int, kp: int, bias: torch.Tensor | None, fp32_out: bool = False
+) -> torch.Tensor:
+    """`x @ W.T (+ bias)` for x `[M, K]`, M <= FEW_ROWS, with W `[n, K]` held in oneDNN's packed
+    layout (`w` the buffer, 1-D, x's dtype: fp32 or bf16; `kp` its padded K; the layout in
+    kernels/csrc/small_matmul.cpp). In x's dtype, or fp32 where `fp32_out`. Call only when
+    `available()`."""
+    return torch.ops.triollm_cpu.blocked_matvec(x, w, n, kp, bias, fp32_out)  # type: ignore[no-any-return]
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm over the last dimension, one pass, fp32 math. Call only when `available()`."""
     return torch.ops.triollm_cpu.rms_norm(x, weight, eps)

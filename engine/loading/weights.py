@@ -364,7 +364,7 @@ def _quantize_layers(model: CausalLM, scheme: str, gguf: GGUFQuantized | None) -
     embedding = gguf.get("model.embed_tokens.weight")
     if model.lm_head is None and embedding is not None:
         model.embed_tokens = QuantEmbedding(embedding, model.cfg.dtype)
-        model.packed_tied_head = None
+        model.packed_tied_head = model.blocked_tied_head = None
     elif model.lm_head is not None and "lm_head.weight" in gguf:
         head = QuantLinear(gguf["lm_head.weight"], None)
         head.rows, head.cols = model.lm_head.rows, None

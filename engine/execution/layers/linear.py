@@ -3,7 +3,10 @@
 CPU speed: weights run through oneDNN, reordered once at load (`Linear.pack`). `F.linear` goes to
 MKL's sgemm, which takes its AVX2 path on AMD CPUs and ran slower at every batch size than oneDNN
 with a packed weight (docs/benchmarks.md); in bf16 on CPUs with native bf16 the packed path is
-faster at batch 1 too.
+faster at batch 1 too. For 1-4 rows (decode) oneDNN's call, built for larger batches, reads its
+packed weight at 0.4-0.75x the pace of a plain loop over the same bytes; where its layout is the
+one that loop reads (blocks of 64 output rows, k-major: `blocked_view` checks the layout once, at
+load), the native kernel reads the packed buffer in place (`BlockedWeight`, no second copy).
 
 Loading (nano-vllm's `weight_loader`, without a class per case): a linear layer stacks one or
 more checkpoint tensors along its output rows (q|k|v, gate|up, or just one) and, under tensor
@@ -39,7 +42,17 @@ if TYPE_CHECKING:
     from triollm.engine.distributed.collectives import Collectives
     from triollm.lora.layers import LoRALayer
 
-__all__ = ["Linear", "column", "few_rows_matmul", "load_rows", "onednn_linear", "packable", "row"]
+__all__ = [
+    "BlockedWeight",
+    "Linear",
+    "blocked_view",
+    "column",
+    "few_rows_matmul",
+    "load_rows",
+    "onednn_linear",
+    "packable",
+    "row",
+]
 
 
 def packable(weight: torch.Tensor) -> bool:
@@ -60,6 +73,63 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor:
 
 def onednn_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")  # type: ignore[no-any-return]
+
+
+class BlockedWeight:
+    """oneDNN's packed copy of a linear's weight `[n, k]`, read in place by the few-rows kernel
+    (kernels/csrc/small_matmul.cpp `blocked_matvec`): `data` is the packed buffer as a flat
+    tensor of the weight's dtype, `kp` its padded k (0: the rows as they are, as oneDNN leaves a
+    one-row weight). It holds `owner`, the packed tensor, so the
+    buffer lives as long as this view of it."""
+
+    __slots__ = ("data", "kp", "n", "owner")
+
+    def __init__(self, data: torch.Tensor, n: int, kp: int, owner: torch.Tensor) -> None:
+        self.data, self.n, self.kp, self.owner = data, n, kp, owner
+
+    def takes(self, x: torch.Tensor) -> bool:
+        """Whether `linear` takes x: `[M, k]` of the weight's dtype, M <= cpu_native.FEW_ROWS."""
+        return x.dim() == 2 and x.shape[0] <= cpu_native.FEW_ROWS and x.dtype == self.data.dtype
+
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None, fp32_out: bool = False) -> torch.Tensor:
+        return cpu_native.blocked_matvec(x, self.data, self.n, self.kp, bias, fp32_out)
+
+
+_BLOCK = 64  # output rows a block of the layout the kernel reads
+
+
+def blocked_view(packed: torch.Tensor, dense: torch.Tensor) -> BlockedWeight | None:
+    """`packed` (`pack_weight(dense)`) as a `BlockedWeight`, where oneDNN laid it out as the
+    kernel reads it: its size must be whole blocks of 64 rows by some padded k, and one product
+    of a random row with it must equal the dense weight's (float64, to 1e-4 of |x| |w_n| per
+    output: a different layout is off by ~|x| |w_n| / sqrt(k)). None where it is not (oneDNN
+    chooses its layout by the CPU: other ISAs may block differently) or where the torch build
+    lacks the ops that expose the buffer; such a layer keeps oneDNN's call for every batch."""
+    mkldnn = torch.ops.mkldnn
+    if not cpu_native.available() or not (hasattr(mkldnn, "data_ptr") and hasattr(mkldnn, "_nbytes")):
+        return None
+    n, k = dense.shape
+    nbytes = int(mkldnn._nbytes(packed))
+    kp, rest = divmod(nbytes, -(-n // _BLOCK) * _BLOCK * dense.element_size())
+    if nbytes == dense.numel() * dense.element_size() and n < _BLOCK:
+        kp, rest = 0, 0  # rows as they are (oneDNN leaves a one-row weight so)
+    elif rest or kp < k or (dense.dtype == torch.bfloat16 and (kp % 2 or kp < k + k % 2)):
+        return None
+    import ctypes
+
+    import numpy as np
+
+    raw = np.ctypeslib.as_array((ctypes.c_uint8 * nbytes).from_address(int(mkldnn.data_ptr(packed))))
+    view = BlockedWeight(torch.from_numpy(raw).view(dense.dtype), n, kp, packed)
+    x = torch.randn(1, k, generator=torch.Generator().manual_seed(0)).to(dense.dtype)
+    got = view.linear(x, None, fp32_out=True).double()[0]
+    xd = x.double()[0]
+    step = max(1, (1 << 22) // k)  # rows a slice: ~32 MB of float64
+    for r in range(0, n, step):
+        w = dense[r : r + step].double()
+        if not bool(((got[r : r + step] - w @ xd).abs() <= 1e-4 * xd.norm() * w.norm(dim=1)).all()):
+            return None
+    return view
 
 
 _FEW_ROWS_DTYPES = (torch.float32, torch.bfloat16)
@@ -92,6 +162,7 @@ class Linear(nn.Linear):
     checkpoint (module note). Build it with `column` or `row`."""
 
     packed = False
+    blocked: BlockedWeight | None = None  # the packed weight as the few-rows kernel reads it
     lora: LoRALayer | None = None  # adapter slots (set by lora/manager.py)
     tile_rows = 0  # > 0: the GEMM runs over tiles of this many rows (batch invariance, module note)
 
@@ -109,14 +180,18 @@ class Linear(nn.Linear):
         self.bias_elsewhere = bias and not bias_rank0  # the checkpoint's bias, added on rank 0
         self.comm: Collectives | None = None  # row-parallel: all-reduce the output (set at load)
 
-    def pack(self) -> None:
+    def pack(self, few_rows: bool = True) -> None:
         """Replace the weight, once loaded, by oneDNN's reordered copy: call it last, after loading
-        and moving the model."""
+        and moving the model. `few_rows`: 1-4 rows read that copy in place (`BlockedWeight`:
+        decode's speed); a model that only prefills (a pooler) passes False and keeps oneDNN's call
+        for every batch, so that a prompt's output does not depend on how it was batched (oneDNN
+        gives 3 rows and 6 the same bits on the shapes tested; the kernel's are its own)."""
         w = self.weight.detach()
         if not packable(w):
             return
         self.weight = nn.Parameter(pack_weight(w), requires_grad=False)
         self.packed = True
+        self.blocked = blocked_view(self.weight, w) if few_rows else None
 
     def load(self, leaf: str, piece: int, source: Any) -> None:
         load_rows(self, leaf, piece, source)
@@ -127,6 +202,8 @@ class Linear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tile_rows:
             out = tiled_rows(self._gemm, x, self.tile_rows)
+        elif self.blocked is not None and self.blocked.takes(x):
+            out = self.blocked.linear(x, self.bias)
         else:  # the plain call, inline (a step calls it hundreds of times)
             out = onednn_linear(x, self.weight, self.bias) if self.packed else F.linear(x, self.weight, self.bias)
         if self.lora is not None and self.lora.batch.groups:

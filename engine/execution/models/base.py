@@ -28,7 +28,9 @@ from triollm.engine.distributed.sharding import TPShard
 from triollm.engine.execution.layers.activation import ACTIVATIONS, silu_and_mul
 from triollm.engine.execution.layers.attention import AttentionMetadata, PagedAttention
 from triollm.engine.execution.layers.linear import (
+    BlockedWeight,
     Linear,
+    blocked_view,
     column,
     load_rows,
     onednn_linear,
@@ -185,6 +187,7 @@ class CausalLM(nn.Module):
             None if cfg.tie_word_embeddings else column(cfg.hidden_size, [vocab], False)
         )
         self.packed_tied_head: torch.Tensor | None = None  # set by pack_linears
+        self.blocked_tied_head: BlockedWeight | None = None  # the same, as the few-rows kernel reads it
         self.decode_stack: DecodeStack | None = None  # a quantized model's native decode (set at load)
         # Not modules: computed on the CPU (also when the model is built on the meta device),
         # never loaded; moved by `to_device`.
@@ -276,7 +279,11 @@ class CausalLM(nn.Module):
         elif isinstance(self.embed_tokens, QuantEmbedding):  # a quantized tied head
             logits = packed_linear(hidden, self.embed_tokens.weight, tiles=self.embed_tokens.tiles).float()
         elif self.packed_tied_head is not None:
-            logits = onednn_linear(hidden, self.packed_tied_head, None).float()
+            blocked = self.blocked_tied_head
+            if blocked is not None and blocked.takes(hidden):
+                logits = blocked.linear(hidden, None, fp32_out=True)
+            else:
+                logits = onednn_linear(hidden, self.packed_tied_head, None).float()
         else:
             logits = F.linear(hidden, self.embed_tokens.weight).float()
         cfg = self.cfg
@@ -286,19 +293,20 @@ class CausalLM(nn.Module):
             logits = torch.tanh(logits / cfg.final_softcap) * cfg.final_softcap
         return logits if self.comm is None else self.comm.gather_logits(logits)
 
-    def pack_linears(self) -> None:
+    def pack_linears(self, few_rows: bool = True) -> None:
         """Pack every linear layer for oneDNN (a no-op off CPU fp32). A tied lm_head gets a packed
         copy of the embedding, which stays dense for the lookup: vocab x hidden more bytes for a
-        faster head (docs/benchmarks.md, "What changed")."""
+        faster head (docs/benchmarks.md, "What changed"). `few_rows`: as `Linear.pack`'s."""
         for m in self.modules():
             if isinstance(m, Linear):
-                m.pack()
+                m.pack(few_rows)
         if not isinstance(self.embed_tokens, nn.Embedding):
             return  # kept quantized (layers/quantized.py)
         weight = self.embed_tokens.weight.detach()
         if self.lm_head is None and packable(weight):
             # A plain attribute, not a parameter: the model's parameters stay the checkpoint's.
             self.packed_tied_head = pack_weight(weight)
+            self.blocked_tied_head = blocked_view(self.packed_tied_head, weight)
 
     def make_decode_stack(self) -> DecodeStack | None:
         """The native decoder stack for a quantized model's all-decode steps, where the family's

@@ -146,7 +146,7 @@ class BertModel(nn.Module):
     def pack_linears(self) -> None:
         for m in self.modules():
             if isinstance(m, Linear):
-                m.pack()
+                m.pack(few_rows=False)  # prefill only: a prompt's bits whatever its batch (Linear.pack)
 
 
 # HF name (after the optional "bert." prefix) -> ours; q/k/v are fused into one tensor.

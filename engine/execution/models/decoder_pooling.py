@@ -101,8 +101,9 @@ def load_decoder_pooler(cfg: ModelConfig, device: str | torch.device = "cpu") ->
     load_weights(trunk, cfg.path)
     trunk.to_device(device)
     trunk.eval()
-    trunk.pack_linears()
-    trunk.packed_tied_head = None  # no LM head: the packed copy of the embedding is not needed
+    trunk.pack_linears(few_rows=False)  # prefill only: a prompt's bits whatever its batch (Linear.pack)
+    # No LM head: the packed copy of the embedding is not needed.
+    trunk.packed_tied_head = trunk.blocked_tied_head = None
     score = None
     num_labels = cfg.pooler.num_labels if cfg.pooler is not None else None
     if num_labels is not None:

@@ -170,13 +170,13 @@ class GptOssForCausalLM(CausalLM):
         name = name.removesuffix("_blocks").removesuffix("_scales")
         return super().remap(name)
 
-    def pack_linears(self) -> None:
+    def pack_linears(self, few_rows: bool = True) -> None:
         """After loading (load_model calls this next): no MXFP4 blocks without their scales."""
         for name, m in self.named_modules():
             if isinstance(m, GptOssExperts) and m.pending:
                 leaf = next(iter(m.pending))
                 raise ValueError(f"model: the checkpoint has only one of {name}.{leaf}_blocks / _scales (MXFP4)")
-        super().pack_linears()
+        super().pack_linears(few_rows)
 
 
 def _copy(param: torch.Tensor, tensor: torch.Tensor, name: str) -> None:

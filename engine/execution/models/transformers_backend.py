@@ -250,7 +250,7 @@ class TransformersForCausalLM(CausalLM):
             self._stand_in.hidden = None
         return logits[0].float()
 
-    def pack_linears(self) -> None:
+    def pack_linears(self, few_rows: bool = True) -> None:
         """Nothing to pack: transformers' linear layers run as they are."""
 
 
