@@ -88,8 +88,8 @@ class BlockedWeight:
         self.data, self.n, self.kp, self.owner = data, n, kp, owner
 
     def takes(self, x: torch.Tensor) -> bool:
-        """Whether `linear` takes x: `[M, k]` of the weight's dtype, M <= cpu_native.FEW_ROWS."""
-        return x.dim() == 2 and x.shape[0] <= cpu_native.FEW_ROWS and x.dtype == self.data.dtype
+        """Whether `linear` takes x: `[M, k]` of the weight's dtype, 1 <= M <= cpu_native.FEW_ROWS."""
+        return x.dim() == 2 and 0 < x.shape[0] <= cpu_native.FEW_ROWS and x.dtype == self.data.dtype
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None, fp32_out: bool = False) -> torch.Tensor:
         return cpu_native.blocked_matvec(x, self.data, self.n, self.kp, bias, fp32_out)
