@@ -120,6 +120,15 @@ void vecmat_range(const float* x, int64_t K, const W* w, int64_t N, int64_t n0, 
 
 constexpr int64_t kBlock = 64;  // output rows a block of oneDNN's packed layout
 
+// fp32 -> bf16 bits, rounded to nearest even (torch's cast); a NaN stays a (quiet) NaN.
+inline uint16_t to_bf16(float v) {
+  uint32_t u;
+  std::memcpy(&u, &v, sizeof u);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40u);
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return static_cast<uint16_t>(u >> 16);
+}
+
 // One block's 64 outputs for kM rows of x: acc[m][i] += x[m][k] * w[k][i], k in order.
 template <int kM>
 void blocked_rows(const float* x, int64_t K, const float* w, float* out) {
@@ -269,8 +278,8 @@ at::Tensor blocked_matvec(const at::Tensor& x, const at::Tensor& w, int64_t n, i
               "blocked_matvec: w holds ceil(n / 64) blocks of kp x 64 weights, kp >= K (or, kp = 0, n rows of K)");
   TORCH_CHECK(!bias.has_value() || (bias->dim() == 1 && bias->size(0) == n), "blocked_matvec: bias [n]");
   const at::Tensor xc = x.contiguous();
-  at::Tensor out = at::empty({M, n}, x.options().dtype(at::kFloat));
-  float* op = out.data_ptr<float>();
+  at::Tensor out = kp == 0 || !bf16 || fp32_out ? at::empty({M, n}, x.options().dtype(at::kFloat)) : at::Tensor();
+  float* op = out.defined() ? out.data_ptr<float>() : nullptr;
   const at::Tensor bf = bias.has_value() ? bias->to(at::kFloat).contiguous() : at::Tensor();
   const float* bp = bias.has_value() ? bf.data_ptr<float>() : nullptr;
   if (kp == 0) {  // rows as they are (oneDNN leaves a one-row weight so)
@@ -289,6 +298,11 @@ at::Tensor blocked_matvec(const at::Tensor& x, const at::Tensor& w, int64_t n, i
     if (bp) out.add_(bf);
     return fp32_out || x.scalar_type() == at::kFloat ? out : out.to(x.scalar_type());
   }
+  // bf16 out: each sum rounded (to nearest even, as torch's cast) where it is stored, not in a
+  // second pass over an fp32 copy (a call's fixed cost is a visible part of a small layer's).
+  const bool round = bf16 && !fp32_out;
+  at::Tensor rounded = round ? at::empty({M, n}, x.options()) : at::Tensor();
+  uint16_t* rp = round ? reinterpret_cast<uint16_t*>(rounded.data_ptr<at::BFloat16>()) : nullptr;
   by_rows(M, [&](auto mtag) {
     constexpr int kM = decltype(mtag)::value;
     at::parallel_for(0, nb, 1, [&](int64_t b0, int64_t b1) {
@@ -302,12 +316,18 @@ at::Tensor blocked_matvec(const at::Tensor& x, const at::Tensor& w, int64_t n, i
         }
         const int64_t width = std::min(kBlock, n - b * kBlock);
         for (int m = 0; m < kM; ++m)
-          for (int64_t i = 0; i < width; ++i)
-            op[m * n + b * kBlock + i] = acc[m * kBlock + i] + (bp ? bp[b * kBlock + i] : 0.f);
+          for (int64_t i = 0; i < width; ++i) {
+            const float v = acc[m * kBlock + i] + (bp ? bp[b * kBlock + i] : 0.f);
+            if (round) {
+              rp[m * n + b * kBlock + i] = to_bf16(v);
+            } else {
+              op[m * n + b * kBlock + i] = v;
+            }
+          }
       }
     });
   });
-  return fp32_out || x.scalar_type() == at::kFloat ? out : out.to(x.scalar_type());
+  return round ? rounded : out;
 }
 
 at::Tensor dense_matvec(const at::Tensor& x, const at::Tensor& w) { return small_matmul(x, w, false); }
