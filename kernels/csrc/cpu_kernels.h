@@ -30,6 +30,8 @@ at::Tensor quant_linear_packed(const at::Tensor& x, const at::Tensor& qp, const 
                                const at::Tensor& mp, int64_t bits, int64_t N, const std::string& isa);
 at::Tensor quant_linear_bf16(const at::Tensor& x, const at::Tensor& qp, const at::Tensor& dp, const at::Tensor& mp,
                              int64_t bits, int64_t N);
+at::Tensor blocked_matvec(const at::Tensor& x, const at::Tensor& w, int64_t n, int64_t kp,
+                          const std::optional<at::Tensor>& bias, bool fp32_out);
 at::Tensor quant_swiglu_bf16(const at::Tensor& x, const at::Tensor& qp, const at::Tensor& dp, const at::Tensor& mp,
                              int64_t bits, int64_t N);
 

@@ -220,6 +220,53 @@ at::Tensor quant_decoder_stack(const at::Tensor& x, at::TensorList weights, at::
   return h;
 }
 
+// The same stack for a dense fp32 or bf16 model's all-decode step of 1-4 rows, as
+// LlamaDecoderLayer.forward runs it then: each projection by blocked_matvec over oneDNN's packed
+// weight (engine/execution/layers/linear.py `BlockedWeight`), RMSNorm by torch's op in fp32 (the
+// reference's bits, F.rms_norm) and by the native one in bf16 (kernels/norm.py's choice), so its
+// results are the layers' bits. Per layer `weights` holds 10 tensors: the two norm weights (in
+// x's dtype), then (packed buffer, bias or an empty tensor) of qkv_proj, o_proj, gate_up_proj and
+// down_proj; `shapes` 8 ints: (n, kp) of the same four. The rest as quant_decoder_stack's.
+at::Tensor dense_decoder_stack(const at::Tensor& x, at::TensorList weights, at::IntArrayRef shapes,
+                               at::TensorList k_caches, at::TensorList v_caches, const at::Tensor& cos,
+                               const at::Tensor& sin, const at::Tensor& slots, const at::Tensor& block_tables,
+                               const at::Tensor& context_lens, int64_t num_heads, int64_t num_kv_heads,
+                               double eps, double scale, at::TensorList k_scales, at::TensorList v_scales) {
+  const int64_t L = static_cast<int64_t>(k_caches.size());
+  TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16) && x.size(0) <= 4,
+              "dense_decoder_stack: x must be [B <= 4, hidden], float32 or bfloat16");
+  TORCH_CHECK(static_cast<int64_t>(weights.size()) == 10 * L && static_cast<int64_t>(shapes.size()) == 8 * L &&
+                  static_cast<int64_t>(v_caches.size()) == L,
+              "dense_decoder_stack: per layer 10 weights, 8 shape ints and one K and V cache");
+  const bool scaled = !k_scales.empty();
+  TORCH_CHECK(static_cast<int64_t>(k_scales.size()) == (scaled ? L : 0) && v_scales.size() == k_scales.size(),
+              "dense_decoder_stack: one K and one V scale per layer for a quantized cache, none otherwise");
+  const bool fp32 = x.scalar_type() == at::kFloat;
+  const int64_t B = x.size(0), H = x.size(1), D = v_caches.empty() ? 0 : v_caches[0].size(3);
+  auto norm = [&](const at::Tensor& in, const at::Tensor& w) {
+    return fp32 ? at::rms_norm(in, {H}, w, eps) : rms_norm(in, w, eps);
+  };
+  at::Tensor h = x;
+  for (int64_t i = 0; i < L; ++i) {
+    const at::Tensor* w = weights.data() + 10 * i;
+    const int64_t* s = shapes.data() + 8 * i;
+    auto linear = [&](const at::Tensor& in, int64_t p) {  // projection p: 0 qkv, 1 o, 2 gate_up, 3 down
+      const at::Tensor& bias = w[3 + 2 * p];
+      return blocked_matvec(in, w[2 + 2 * p], s[2 * p], s[2 * p + 1],
+                            bias.numel() ? std::optional<at::Tensor>(bias) : std::nullopt, false);
+    };
+    std::optional<at::Tensor> ks, vs;
+    if (scaled) ks = k_scales[i], vs = v_scales[i];
+    const at::Tensor q =
+        rotary_write_kv(linear(norm(h, w[0]), 0), cos, sin, k_caches[i], v_caches[i], slots, num_heads, num_kv_heads, ks, vs);
+    const at::Tensor attn = paged_decode_attention(q, k_caches[i], v_caches[i], block_tables, context_lens, scale, 0, 0.0,
+                                                   ks, vs);
+    h = h + linear(attn.view({B, num_heads * D}), 1);
+    h = h + linear(silu_and_mul(linear(norm(h, w[1]), 2)), 3);
+  }
+  return h;
+}
+
 }  // namespace triollm_cpu
 
 TORCH_LIBRARY_FRAGMENT(triollm_cpu, m) {
@@ -228,11 +275,16 @@ TORCH_LIBRARY_FRAGMENT(triollm_cpu, m) {
         "Tensor context_lens, int num_heads, int num_kv_heads, float eps, float scale, "
         "Tensor[] lora_weights, int[] lora_ints, int[] lora_bounds, int[] lora_ranges, Tensor[] lora_rows, "
         "Tensor(c!)[] k_scales, Tensor(d!)[] v_scales, bool tiles=False) -> Tensor");
+  m.def("dense_decoder_stack(Tensor x, Tensor[] weights, int[] shapes, Tensor(a!)[] k_caches, "
+        "Tensor(b!)[] v_caches, Tensor cos, Tensor sin, Tensor slots, Tensor block_tables, "
+        "Tensor context_lens, int num_heads, int num_kv_heads, float eps, float scale, "
+        "Tensor(c!)[] k_scales, Tensor(d!)[] v_scales) -> Tensor");
   m.def("lora_apply(Tensor(a!) out, Tensor x, Tensor a, Tensor bt, int[] bounds, int rank, int mask, Tensor rows, "
         "int start, int n) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(triollm_cpu, CPU, m) {
   m.impl("quant_decoder_stack", &triollm_cpu::quant_decoder_stack);
+  m.impl("dense_decoder_stack", &triollm_cpu::dense_decoder_stack);
   m.impl("lora_apply", &triollm_cpu::lora_apply);
 }

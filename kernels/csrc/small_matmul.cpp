@@ -31,6 +31,8 @@
 #include <optional>
 #include <vector>
 
+#include "cpu_kernels.h"
+
 // Not -ffast-math here: it lets the compiler split a row's sum over k into partial sums its own
 // way in each instance (rows 1-4), and a row's bits would then depend on the rows beside it.
 #pragma GCC optimize("no-fast-math")
@@ -261,6 +263,8 @@ at::Tensor small_matmul(const at::Tensor& x, const at::Tensor& w, bool transpose
   return x.scalar_type() == at::kFloat ? out : out.to(x.scalar_type());
 }
 
+}  // namespace
+
 // x [M, K] (M <= 4) and w (1-D, the packed buffer) of one dtype, fp32 or bf16; n, kp: the
 // weight's output rows and padded input width; bias [n] of any float dtype or none. The result
 // [M, n] in x's dtype, or fp32 where `fp32_out` (the load-time check of the layout compares it
@@ -329,6 +333,8 @@ at::Tensor blocked_matvec(const at::Tensor& x, const at::Tensor& w, int64_t n, i
   });
   return round ? rounded : out;
 }
+
+namespace {
 
 at::Tensor dense_matvec(const at::Tensor& x, const at::Tensor& w) { return small_matmul(x, w, false); }
 at::Tensor dense_vecmat(const at::Tensor& x, const at::Tensor& w) { return small_matmul(x, w, true); }

@@ -241,7 +241,7 @@ def test_int8_weights_take_the_adapters(
         stack, lora_calls = model.decode_stack, []
 
         class Counted:
-            lora_args = stack.lora_args
+            takes, lora_args = stack.takes, stack.lora_args
 
             def __call__(self, *a: Any) -> torch.Tensor:
                 lora_calls.append(a[-1] is not None and len(a[-1][-1]))  # the LoRA groups it took

@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 import random
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -235,11 +236,14 @@ def test_the_native_decoder_stack_takes_the_tiles_with_the_layers_bits(tiny_mode
     params = SamplingParams(max_tokens=6, ignore_eos=True, temperature=0.0, logprobs=2)
     stack, sizes = model.decode_stack, []
 
-    def counted(x: torch.Tensor, *a: object) -> torch.Tensor:
-        sizes.append(x.shape[0])
-        return stack(x, *a)  # type: ignore[arg-type]
+    class Counted:
+        takes, lora_args = stack.takes, stack.lora_args
 
-    model.decode_stack = counted  # type: ignore[assignment]
+        def __call__(self, x: torch.Tensor, *a: Any) -> torch.Tensor:
+            sizes.append(x.shape[0])
+            return stack(x, *a)
+
+    model.decode_stack = Counted()  # type: ignore[assignment]
     fused = engine.generate(prompts, params)
     assert sizes and min(sizes) >= TILE_MIN_ROWS
     model.decode_stack = None

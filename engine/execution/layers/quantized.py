@@ -10,8 +10,9 @@ quantized too: the lookup dequantizes only the rows it reads, and the lm_head ru
 kernel over it. Norms, biases and untied embeddings stay dense. The dense weights are dropped
 once replaced.
 
-This module knows no model class: the model hands `DecodeStack` its layers as `StackLayer`
-records (two norms, four projections), so the layers sit below the models that use them.
+This module knows no model class: the model hands `DecodeStack` (or, for a dense model,
+`DenseDecodeStack`) its layers as `StackLayer` records (two norms, four projections), so the
+layers sit below the models that use them.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from triollm.engine.execution.layers.linear import load_rows
+from triollm.engine.execution.layers.linear import Linear, load_rows
 from triollm.kernels import cpu_native
 from triollm.kernels.kv_quant import cache_scale
 from triollm.kernels.quant import TILE_MIN_ROWS, PackedWeight, QuantWeight, packed_linear, packed_swiglu
@@ -231,6 +232,86 @@ class DecodeStack:
                 ranges += (0, 0)
                 rows.append(r)
         return (*self._lora_args, ranges, rows)
+
+    def takes(self, x: torch.Tensor) -> bool:
+        """Whether the stack runs this all-decode step's rows: any number."""
+        return True
+
+
+class DenseDecodeStack:
+    """The native decoder stack of a dense fp32 or bf16 model (kernels/csrc/decoder.cpp
+    `dense_decoder_stack`) for all-decode steps of 1-4 rows: each projection by the few-rows
+    kernel over oneDNN's packed weight (`Linear.blocked`), RMSNorm as `kernels.norm.rms_norm`
+    computes it for the dtype, so the step has the layers' bits without their ~15 Python-level
+    calls a layer (a third of a small bf16 model's batch-1 step, docs/benchmarks.md). Steps with
+    adapter rows, more rows, or tiled GEMMs (batch invariance) run the layers."""
+
+    def __init__(
+        self,
+        layers: Sequence[StackLayer],
+        num_heads: int,
+        num_kv_heads: int,
+        scale: float,
+        eps: float,
+        dtype: torch.dtype,
+    ) -> None:
+        self.weights: list[torch.Tensor] = []
+        self.shapes: list[int] = []
+        self.projections: list[Linear] = []
+        self.num_heads, self.num_kv_heads, self.scale, self.eps, self.dtype = num_heads, num_kv_heads, scale, eps, dtype
+        empty = torch.empty(0, dtype=dtype)
+        for layer in layers:
+            self.weights += [layer.input_norm.detach().to(dtype), layer.post_attention_norm.detach().to(dtype)]
+            for proj in layer.projections:
+                assert isinstance(proj, Linear) and proj.blocked is not None
+                bias = proj.bias
+                self.weights += [proj.blocked.data, empty if bias is None else bias.detach()]
+                self.shapes += [proj.blocked.n, proj.blocked.kp]
+                self.projections.append(proj)
+
+    @staticmethod
+    def supported(layers: Sequence[StackLayer], dtype: torch.dtype) -> bool:
+        """Whether the stack computes exactly what these layers would, given a plain Llama-shaped
+        model on one rank (the model checks that): every projection a packed `Linear` whose
+        weight the few-rows kernel reads, its bias (if any) in the model's dtype, no
+        all-reduce."""
+        if not cpu_native.available() or dtype not in (torch.float32, torch.bfloat16):
+            return False
+        for layer in layers:
+            for p in layer.projections:
+                if not (isinstance(p, Linear) and p.blocked is not None and p.comm is None):
+                    return False
+                if p.blocked.data.dtype != dtype or (p.bias is not None and p.bias.dtype != dtype):
+                    return False
+        return True
+
+    def takes(self, x: torch.Tensor) -> bool:
+        """Whether the stack runs this all-decode step's rows: 1-4 of the model's dtype, no tiles."""
+        return 0 < x.shape[0] <= cpu_native.FEW_ROWS and x.dtype == self.dtype and not self.projections[0].tile_rows
+
+    def lora_args(self, batch: LoRABatch) -> LoRAArgs | None:
+        """None: steps with adapter rows run the layers."""
+        return None
+
+    def __call__(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        slots: torch.Tensor,
+        plan: tuple[torch.Tensor, torch.Tensor],
+        k: list[torch.Tensor],
+        v: list[torch.Tensor],
+        lora: LoRAArgs | None = None,
+    ) -> torch.Tensor:
+        """The residual stream after the last layer, before the final norm (as `DecodeStack`)."""
+        assert lora is None
+        k_scales = [s for s in map(cache_scale, k) if s is not None]
+        v_scales = [s for s in map(cache_scale, v) if s is not None]
+        return torch.ops.triollm_cpu.dense_decoder_stack(  # type: ignore[no-any-return]
+            x, self.weights, self.shapes, k, v, cos, sin, slots, plan[0], plan[1],
+            self.num_heads, self.num_kv_heads, self.eps, self.scale, k_scales, v_scales,
+        )  # fmt: skip
 
 
 def read_gguf_quantized(path: Path) -> dict[str, QuantWeight]:

@@ -39,7 +39,7 @@ from triollm.engine.execution.layers.linear import (
     row,
 )
 from triollm.engine.execution.layers.norm import RMSNorm
-from triollm.engine.execution.layers.quantized import DecodeStack, QuantEmbedding, QuantLinear
+from triollm.engine.execution.layers.quantized import DecodeStack, DenseDecodeStack, QuantEmbedding, QuantLinear
 from triollm.engine.execution.layers.rotary import RopeStep, RotaryEmbedding
 from triollm.engine.loading.model_config import ModelConfig
 from triollm.engine.loading.multimodal_config import decoder_tensor_name
@@ -188,7 +188,8 @@ class CausalLM(nn.Module):
         )
         self.packed_tied_head: torch.Tensor | None = None  # set by pack_linears
         self.blocked_tied_head: BlockedWeight | None = None  # the same, as the few-rows kernel reads it
-        self.decode_stack: DecodeStack | None = None  # a quantized model's native decode (set at load)
+        # The native decode stack, a quantized model's or a dense one's (set at load).
+        self.decode_stack: DecodeStack | DenseDecodeStack | None = None
         # Not modules: computed on the CPU (also when the model is built on the meta device),
         # never loaded; moved by `to_device`.
         rotary_dim = cfg.rotary_dim
@@ -251,14 +252,21 @@ class CausalLM(nn.Module):
         rope_positions = positions if meta.mrope_positions is None else meta.mrope_positions
         ropes = [r.step(rope_positions, x.dtype, meta.triton) for r in self.rotaries]
         plan, stack, lora = meta.decode_plan, self.decode_stack, self.lora_batch
-        native = stack is not None and plan is not None and plan.native is not None and meta.num_decodes == x.shape[0]
+        native = (
+            stack is not None
+            and plan is not None
+            and plan.native is not None
+            and meta.num_decodes == x.shape[0]
+            and stack.takes(x)
+        )
         lora_args = None
         if native and lora is not None and lora.active:
             assert stack is not None
             lora_args = stack.lora_args(lora)
             native = lora_args is not None  # None: slots the native stack cannot take
         if native:
-            # A quantized model's all-decode step: every layer in one native call, same bits.
+            # An all-decode step: every layer in one native call, same bits (a quantized model's,
+            # or a dense one's of 1-4 rows).
             assert stack is not None and plan is not None and plan.native is not None
             x = stack(x, ropes[0].cos, ropes[0].sin, meta.slot_mapping, plan.native, kv.k, kv.v, lora_args)
         else:
@@ -308,7 +316,7 @@ class CausalLM(nn.Module):
             self.packed_tied_head = pack_weight(weight)
             self.blocked_tied_head = blocked_view(self.packed_tied_head, weight)
 
-    def make_decode_stack(self) -> DecodeStack | None:
+    def make_decode_stack(self) -> DecodeStack | DenseDecodeStack | None:
         """The native decoder stack for a quantized model's all-decode steps, where the family's
         layers compute exactly what it does (Llama's); None elsewhere."""
         return None

@@ -8,7 +8,9 @@ LongRoPE, sliding windows; and Phi-3 stores q|k|v and gate|up already fused
 
 A quantized model's all-decode steps run the whole stack in one native call (`DecodeStack`)
 where it computes exactly what these layers would: fp32, one rank, no q/k norms, no multipliers,
-every projection quantized without a bias, full rotary, no window or soft-cap.
+every projection quantized without a bias, full rotary, no window or soft-cap. A dense fp32 or
+bf16 model of the same shape runs its all-decode steps of 1-4 rows so too (`DenseDecodeStack`:
+the projections over oneDNN's packed weights, read in place; biases allowed).
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from torch import nn
 from triollm.engine.distributed.sharding import TPShard
 from triollm.engine.execution.layers.attention import AttentionMetadata
 from triollm.engine.execution.layers.norm import RMSNorm
-from triollm.engine.execution.layers.quantized import DecodeStack, StackLayer
+from triollm.engine.execution.layers.quantized import DecodeStack, DenseDecodeStack, StackLayer
 from triollm.engine.execution.layers.rotary import RopeStep
 from triollm.engine.execution.models.base import CausalLM, GatedMLP, SelfAttention
 from triollm.engine.loading.model_config import ModelConfig
@@ -60,7 +62,7 @@ class LlamaForCausalLM(CausalLM):
     def make_layer(self, cfg: ModelConfig, index: int, shard: TPShard | None) -> nn.Module:
         return LlamaDecoderLayer(cfg, index, shard)
 
-    def make_decode_stack(self) -> DecodeStack | None:
+    def make_decode_stack(self) -> DecodeStack | DenseDecodeStack | None:
         cfg = self.cfg
         plain = (
             cfg.qk_norm is None
@@ -72,7 +74,7 @@ class LlamaForCausalLM(CausalLM):
             and cfg.attn_softcap is None
             and not cfg.norm_offset
         )
-        if not plain or self.comm is not None or cfg.dtype != torch.float32:
+        if not plain or self.comm is not None:
             return None
         layers = [cast(LlamaDecoderLayer, layer) for layer in self.layers]
         if not all(isinstance(layer.mlp, GatedMLP) for layer in layers) or cfg.hidden_act != "silu":
@@ -90,10 +92,14 @@ class LlamaForCausalLM(CausalLM):
             )
             for layer in layers
         ]
-        if not stack or not DecodeStack.supported(stack):
+        if not stack:
             return None
         attn = layers[0].self_attn.attn
-        return DecodeStack(stack, attn.num_heads, attn.num_kv_heads, attn.scale, cfg.rms_norm_eps)
+        if cfg.dtype == torch.float32 and DecodeStack.supported(stack):
+            return DecodeStack(stack, attn.num_heads, attn.num_kv_heads, attn.scale, cfg.rms_norm_eps)
+        if cfg.quantization is None and DenseDecodeStack.supported(stack, cfg.dtype):
+            return DenseDecodeStack(stack, attn.num_heads, attn.num_kv_heads, attn.scale, cfg.rms_norm_eps, cfg.dtype)
+        return None
 
 
 class Phi3ForCausalLM(LlamaForCausalLM):
