@@ -29,8 +29,10 @@ many rows (`tiled_rows`): one shape for every call. 0 (the default) is the plain
 
 from __future__ import annotations
 
+import ctypes
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -79,8 +81,8 @@ class BlockedWeight:
     """oneDNN's packed copy of a linear's weight `[n, k]`, read in place by the few-rows kernel
     (kernels/csrc/small_matmul.cpp `blocked_matvec`): `data` is the packed buffer as a flat
     tensor of the weight's dtype, `kp` its padded k (0: the rows as they are, as oneDNN leaves a
-    one-row weight). It holds `owner`, the packed tensor, so the
-    buffer lives as long as this view of it."""
+    one-row weight). It holds `owner`, the packed tensor, so the buffer lives as long as this
+    view of it."""
 
     __slots__ = ("data", "kp", "n", "owner")
 
@@ -115,10 +117,6 @@ def blocked_view(packed: torch.Tensor, dense: torch.Tensor) -> BlockedWeight | N
         kp, rest = 0, 0  # rows as they are (oneDNN leaves a one-row weight so)
     elif rest or kp < k or (dense.dtype == torch.bfloat16 and (kp % 2 or kp < k + k % 2)):
         return None
-    import ctypes
-
-    import numpy as np
-
     raw = np.ctypeslib.as_array((ctypes.c_uint8 * nbytes).from_address(int(mkldnn.data_ptr(packed))))
     view = BlockedWeight(torch.from_numpy(raw).view(dense.dtype), n, kp, packed)
     x = torch.randn(1, k, generator=torch.Generator().manual_seed(0)).to(dense.dtype)
