@@ -14,7 +14,7 @@
 // bf16, in pairs along k: w[b][k/2][i][k%2]), K padded to kp with zeros, N to a multiple of 64;
 // or, kp = 0, the rows as they are (a one-row weight: oneDNN leaves it so).
 // One row of weights feeds 64 accumulators per input row, with no sums across lanes at the end;
-// oneDNN's own call, built for larger batches, ran at 0.4-0.75x this one's pace for 1-4 rows.
+// oneDNN's own call, built for larger batches, ran at 0.4-0.9x this one's pace for 1-4 rows.
 //
 // x [B, M, K] (fp32 or bf16, M <= 4), w [B, N, K] / [B, K, N] (fp32 or bf16; each matrix's rows
 // contiguous, any stride between batches); out [B, M, N] in x's dtype. A row's sums do not

@@ -4,7 +4,7 @@ CPU speed: weights run through oneDNN, reordered once at load (`Linear.pack`). `
 MKL's sgemm, which takes its AVX2 path on AMD CPUs and ran slower at every batch size than oneDNN
 with a packed weight (docs/benchmarks.md); in bf16 on CPUs with native bf16 the packed path is
 faster at batch 1 too. For 1-4 rows (decode) oneDNN's call, built for larger batches, reads its
-packed weight at 0.4-0.75x the pace of a plain loop over the same bytes; where its layout is the
+packed weight at 0.4-0.9x the pace of a plain loop over the same bytes; where its layout is the
 one that loop reads (blocks of 64 output rows, k-major: `blocked_view` checks the layout once, at
 load), the native kernel reads the packed buffer in place (`BlockedWeight`, no second copy).
 
