@@ -57,7 +57,9 @@ def test_a_step_s_freed_tensors_are_not_faulted_in_again() -> None:
     # The user's malloc tunables stand (a harmless one here): glibc's own thresholds then.
     mine, default_faults = _faults({"GLIBC_TUNABLES": "glibc.malloc.check=0"})
     assert not mine
-    assert faults <= max(2000, default_faults // 4), (faults, default_faults)
+    # ~50 kept against 78k-483k with glibc's thresholds on a quiet Zen 4; a loaded machine has put
+    # ~3,100 on both (a CI run beside another worker): no signal then, and no failure either.
+    assert faults <= max(5000, default_faults // 4), (faults, default_faults)
 
 
 def test_only_a_cpu_engine_changes_the_allocator() -> None:
