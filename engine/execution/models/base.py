@@ -317,6 +317,7 @@ class CausalLM(nn.Module):
             self.blocked_tied_head = blocked_view(self.packed_tied_head, weight)
 
     def make_decode_stack(self) -> DecodeStack | DenseDecodeStack | None:
-        """The native decoder stack for a quantized model's all-decode steps, where the family's
-        layers compute exactly what it does (Llama's); None elsewhere."""
+        """The native decoder stack for all-decode steps (a quantized model's, or a dense one's
+        of 1-4 rows), where the family's layers compute exactly what it does (Llama's); None
+        elsewhere."""
         return None
