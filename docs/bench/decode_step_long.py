@@ -8,7 +8,9 @@ after set-up (`gc.freeze()`). Compare builds by running it once per build, alter
 (PYTHONPATH pointing at the other checkout). `PAUSE=s` waits after printing READY and the pid, for a
 profiler to attach (`perf record -p PID`).
 
-    .venv/bin/python docs/bench/decode_step_long.py bfloat16,fp8,int8 [ROUNDS]
+    .venv/bin/python docs/bench/decode_step_long.py bfloat16,fp8,int8 [ROUNDS] [PROMPT]
+
+PROMPT (default 8000) sets the prompt's length: 64 times a batch-1 step at short context.
 """
 
 from __future__ import annotations
@@ -30,13 +32,14 @@ PROMPT, PER_ROUND = 8000, 10
 def main() -> None:
     dtypes = sys.argv[1].split(",")
     rounds = int(sys.argv[2]) if len(sys.argv) > 2 else 20
+    prompt = int(sys.argv[3]) if len(sys.argv) > 3 else PROMPT
     steps = rounds * PER_ROUND
     engines = []
     for kv in dtypes:
-        args = EngineArgs(kv_cache_dtype=kv, max_model_len=PROMPT + steps + 200, enable_prefix_caching=False, seed=0)
+        args = EngineArgs(kv_cache_dtype=kv, max_model_len=prompt + steps + 200, enable_prefix_caching=False, seed=0)
         engine = SyncEngine.from_engine_args(args)
         rng = random.Random(0)
-        ids = [rng.randrange(100, 40000) for _ in range(PROMPT)]
+        ids = [rng.randrange(100, 40000) for _ in range(prompt)]
         params = SamplingParams(max_tokens=steps + 60, ignore_eos=True, temperature=0)
         engine.add_request({"prompt_token_ids": ids}, params)
         produced = 0

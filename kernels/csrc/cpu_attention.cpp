@@ -65,14 +65,6 @@ namespace triollm_cpu {
 constexpr int64_t kPartBlocks = 64;
 constexpr int64_t kMaxParts = 64;  // the merge's weights' initial room (more grows it)
 
-// The next task for the threads that take tasks as they come free: alone on its cache line, so
-// that claiming one does not evict the line holding the task list and buffers the other thread
-// is reading (each claim moved that line between the cores: ~0.2 us a task).
-struct alignas(64) TaskCounter {
-  std::atomic<int64_t> next{0};
-  int64_t take() { return next.fetch_add(1, std::memory_order_relaxed); }
-};
-
 // The running max starts here rather than at -inf: the kernel is built with -ffast-math (for
 // vectorised exp), which assumes finite values. exp(kNegBig - m) underflows to 0 as exp(-inf).
 constexpr float kNegBig = -1e30f;
@@ -1255,105 +1247,117 @@ Scales layer_scales(const std::optional<at::Tensor>& k_scale, const std::optiona
   return sc;
 }
 
+// One decode attention call's plan: the kernel for the shapes, and each row's tasks (its kv heads,
+// a long row cut into parts) and part buffers, which depend on the rows' lengths only. `run`
+// takes tasks until none are left, from any number of threads; `merge` then joins the split
+// rows' parts. A layer's cache and scales come with each call (`Layer`): every layer of a step
+// shares one plan (decoder.cpp's team stack).
 template <typename T, typename K>
-void decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-            const at::Tensor& block_tables, const at::Tensor& context_lens, double scale,
-            int64_t window, double softcap, const std::optional<at::Tensor>& k_scale,
-            const std::optional<at::Tensor>& v_scale, const float* sinks, int64_t chunk,
-            at::Tensor& out) {
-  const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
-  const int64_t KVH = v_cache.size(0), NB = v_cache.size(1), BS = v_cache.size(2);
-  const int64_t G = H / KVH, M = block_tables.size(1);
-  const T* qp = q.data_ptr<T>();
-  const K* kp = k_cache.data_ptr<K>();
-  const K* vp = v_cache.data_ptr<K>();
-  const int32_t* tables = block_tables.data_ptr<int32_t>();
-  const int32_t* lens = context_lens.data_ptr<int32_t>();
-  T* op = out.data_ptr<T>();
-  float fscale = static_cast<float>(scale);
-  const float cap = static_cast<float>(softcap);
-  const Scales sc = layer_scales<K>(k_scale, v_scale, KVH, NB, BS, fscale);
-  auto pair = &decode_pair<T, K, 0, 0>;
-  if (cap > 0.f) {
-    pair = &decode_pair<T, K, 0, 0, true>;
-    if (BS == 16 && D == 64) pair = &decode_pair<T, K, 16, 64, true>;
-    if (BS == 16 && D == 128) pair = &decode_pair<T, K, 16, 128, true>;
-  } else {
-    if (BS == 16 && D == 64) pair = group_instance<T, K, 64>(G);
-    if (BS == 16 && D == 128) pair = group_instance<T, K, 128>(G);
-  }
-  if (BS == 16 && D % 16 == 0 && D != 64 && D != 128) {
-    pair = cap > 0.f ? &decode_pair_wide<T, K, true> : &decode_pair_wide<T, K, false>;
-    if constexpr (std::is_same_v<K, c10::BFloat16>) {
-      if (cap <= 0.f && D % 32 == 0 && bf16_dot_enabled()) pair = &decode_pair_wide_bf16<T>;
-    }
-  }
-
-  auto first = [&](int64_t n) {  // the first position a row of length n attends
-    int64_t start = window > 0 ? std::max<int64_t>(0, n - window) : 0;
-    if (chunk > 0) start = std::max<int64_t>(start, (n - 1) / chunk * chunk);
-    return start;
-  };
-  // A long row is cut into parts of kPartBlocks blocks, each part its own task, merged after by
-  // the parts' log-sum-exps (flash decoding's split): at batch 1 a model with 2-8 kv heads has
-  // only that many (row, kv head) pairs to spread over the threads, and one pair's 8k-token
-  // context is all the work. The cut depends on the row's own length only, never on the batch
-  // or the thread count, so a row's bits stay the same in any batch (kernels/batch_invariant.py);
-  // a row within one part runs exactly as before, normalised in place.
+struct DecodeCall {
   struct Task {
     int64_t b, h, lo, hi, slot;  // positions [lo, hi); slot: the part's buffer, -1 for a whole row
   };
+  struct Layer {
+    const K* kp;
+    const K* vp;
+    float fscale;
+    Scales sc;
+  };
+  int64_t B, H, D, KVH, NB, BS, G, M;
+  const int32_t* tables;
+  float scale, cap;
+  const float* sinks;
+  PairFn<T, K> pair = &decode_pair<T, K, 0, 0>;
   std::vector<Task> tasks;
-  tasks.reserve(B * KVH);
-  std::vector<int64_t> row_slot(B, -1), row_parts(B, 1);
-  int64_t slots = 0, total_tokens = 0;
-  for (int64_t b = 0; b < B; ++b) {
-    const int64_t n = lens[b], start = first(n), fb = start / BS;
-    total_tokens += n - start;
-    const int64_t parts = ((n - 1) / BS - fb) / kPartBlocks + 1;
-    if (parts == 1) {
-      for (int64_t h = 0; h < KVH; ++h) tasks.push_back({b, h, start, n, -1});
-      continue;
+  std::vector<int64_t> row_slot, row_parts;
+  int64_t slots = 0;
+  bool serial = false;  // small enough for one thread
+  std::vector<float> part, lse;
+
+  DecodeCall(int64_t B_, int64_t H_, int64_t D_, const at::Tensor& v_cache, const at::Tensor& block_tables,
+             const at::Tensor& context_lens, double scale_, int64_t window, double softcap, const float* sinks_,
+             int64_t chunk)
+      : B(B_), H(H_), D(D_), KVH(v_cache.size(0)), NB(v_cache.size(1)), BS(v_cache.size(2)), G(H_ / KVH),
+        M(block_tables.size(1)), tables(block_tables.data_ptr<int32_t>()), scale(static_cast<float>(scale_)),
+        cap(static_cast<float>(softcap)), sinks(sinks_), row_slot(B_, -1), row_parts(B_, 1) {
+    if (cap > 0.f) {
+      pair = &decode_pair<T, K, 0, 0, true>;
+      if (BS == 16 && D == 64) pair = &decode_pair<T, K, 16, 64, true>;
+      if (BS == 16 && D == 128) pair = &decode_pair<T, K, 16, 128, true>;
+    } else {
+      if (BS == 16 && D == 64) pair = group_instance<T, K, 64>(G);
+      if (BS == 16 && D == 128) pair = group_instance<T, K, 128>(G);
     }
-    row_slot[b] = slots, row_parts[b] = parts;
-    for (int64_t h = 0; h < KVH; ++h)
-      for (int64_t p = 0; p < parts; ++p)
-        tasks.push_back({b, h, p == 0 ? start : (fb + p * kPartBlocks) * BS,
-                         std::min(n, (fb + (p + 1) * kPartBlocks) * BS), slots + h * parts + p});
-    slots += KVH * parts;
+    if (BS == 16 && D % 16 == 0 && D != 64 && D != 128) {
+      pair = cap > 0.f ? &decode_pair_wide<T, K, true> : &decode_pair_wide<T, K, false>;
+      if constexpr (std::is_same_v<K, c10::BFloat16>) {
+        if (cap <= 0.f && D % 32 == 0 && bf16_dot_enabled()) pair = &decode_pair_wide_bf16<T>;
+      }
+    }
+    const int32_t* lens = context_lens.data_ptr<int32_t>();
+    auto first = [&](int64_t n) {  // the first position a row of length n attends
+      int64_t start = window > 0 ? std::max<int64_t>(0, n - window) : 0;
+      if (chunk > 0) start = std::max<int64_t>(start, (n - 1) / chunk * chunk);
+      return start;
+    };
+    // A long row is cut into parts of kPartBlocks blocks, each part its own task, merged after by
+    // the parts' log-sum-exps (flash decoding's split): at batch 1 a model with 2-8 kv heads has
+    // only that many (row, kv head) pairs to spread over the threads, and one pair's 8k-token
+    // context is all the work. The cut depends on the row's own length only, never on the batch
+    // or the thread count, so a row's bits stay the same in any batch (kernels/batch_invariant.py);
+    // a row within one part runs exactly as before, normalised in place.
+    tasks.reserve(B * KVH);
+    int64_t total_tokens = 0;
+    for (int64_t b = 0; b < B; ++b) {
+      const int64_t n = lens[b], start = first(n), fb = start / BS;
+      total_tokens += n - start;
+      const int64_t parts = ((n - 1) / BS - fb) / kPartBlocks + 1;
+      if (parts == 1) {
+        for (int64_t h = 0; h < KVH; ++h) tasks.push_back({b, h, start, n, -1});
+        continue;
+      }
+      row_slot[b] = slots, row_parts[b] = parts;
+      for (int64_t h = 0; h < KVH; ++h)
+        for (int64_t p = 0; p < parts; ++p)
+          tasks.push_back({b, h, p == 0 ? start : (fb + p * kPartBlocks) * BS,
+                           std::min(n, (fb + (p + 1) * kPartBlocks) * BS), slots + h * parts + p});
+      slots += KVH * parts;
+    }
+    part.resize(slots * G * D), lse.resize(slots * G);
+    // Small batches run on the calling thread: a pool wake-up costs more than the work.
+    serial = total_tokens * KVH * D < (1 << 16);
   }
-  std::vector<float> part(slots * G * D), lse(slots * G);
-  const int64_t T_ = static_cast<int64_t>(tasks.size());
-  // Small batches run on the calling thread: a pool wake-up costs more than the work. Otherwise
-  // the threads take tasks as they come free, in order (the caller sorts rows longest first), not
-  // in fixed halves, which left one thread with the long rows; each task writes only its own
-  // output or part, so the split changes no bit.
-  const bool serial = total_tokens * KVH * D < (1 << 16);
-  TaskCounter counter;
-  auto work = [&](int64_t, int64_t) {
+
+  // A layer's cache and scales (checked).
+  Layer layer(const at::Tensor& k_cache, const at::Tensor& v_cache, const std::optional<at::Tensor>& k_scale,
+              const std::optional<at::Tensor>& v_scale) const {
+    Layer l{k_cache.data_ptr<K>(), v_cache.data_ptr<K>(), scale, {}};
+    l.sc = layer_scales<K>(k_scale, v_scale, KVH, NB, BS, l.fscale);
+    return l;
+  }
+
+  // Tasks as they come free, in order (the caller sorts rows longest first), not in fixed halves,
+  // which left one thread with the long rows; each task writes only its own output or part, so
+  // which thread takes it changes no bit.
+  void run(const Layer& l, const T* qp, T* op, TaskCounter& counter) {
     std::vector<float> qf(G * D), acc(G * D), kbuf(D * BS), vbuf(BS * D), s(G * BS);
-    std::vector<float> m(G), l(G);
+    std::vector<float> m(G), lsum(G);
     const Task* all = tasks.data();  // read once: the loop touches only the counter's line
+    const int64_t n = static_cast<int64_t>(tasks.size());
     float* parts = part.data();
     float* lses = lse.data();
-    for (int64_t i = counter.take(); i < T_; i = counter.take()) {
+    for (int64_t i = counter.take(); i < n; i = counter.take()) {
       const Task& t = all[i];
       const bool whole = t.slot < 0;
-      pair(qp + (t.b * H + t.h * G) * D, kp, vp, tables + t.b * M, t.hi, t.lo, G, NB, t.h, BS, D, fscale, cap,
-           whole && sinks ? sinks + t.h * G : nullptr, sc, qf.data(), acc.data(), kbuf.data(), vbuf.data(), s.data(),
-           m.data(), l.data(), op + (t.b * H + t.h * G) * D, whole ? nullptr : parts + t.slot * G * D,
+      pair(qp + (t.b * H + t.h * G) * D, l.kp, l.vp, tables + t.b * M, t.hi, t.lo, G, NB, t.h, BS, D, l.fscale, cap,
+           whole && sinks ? sinks + t.h * G : nullptr, l.sc, qf.data(), acc.data(), kbuf.data(), vbuf.data(),
+           s.data(), m.data(), lsum.data(), op + (t.b * H + t.h * G) * D, whole ? nullptr : parts + t.slot * G * D,
            whole ? nullptr : lses + t.slot * G);
     }
-  };
-  const int64_t workers = serial ? 1 : std::min<int64_t>(at::get_num_threads(), T_);
-  if (workers <= 1) {
-    work(0, 1);
-  } else {
-    at::parallel_for(0, workers, 1, work);
   }
-  if (slots == 0) return;
-  // The merge, parts in order (merge_parts).
-  at::parallel_for(0, B * KVH, slots * G * D < (1 << 16) ? B * KVH : 1, [&](int64_t begin, int64_t end) {
+
+  // The merge of (row, kv head) pairs [begin, end) of B * KVH, parts in order (merge_parts).
+  void merge(T* op, int64_t begin, int64_t end) {
     std::vector<float> w(kMaxParts);
     for (int64_t i = begin; i < end; ++i) {
       const int64_t b = i / KVH, h = i % KVH;
@@ -1362,7 +1366,32 @@ void decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
       merge_parts<T>(part.data() + base * G * D, lse.data() + base * G, row_parts[b], G, D,
                      sinks ? sinks + h * G : nullptr, op + (b * H + h * G) * D, w);
     }
-  });
+  }
+};
+
+template <typename T, typename K>
+void decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+            const at::Tensor& block_tables, const at::Tensor& context_lens, double scale,
+            int64_t window, double softcap, const std::optional<at::Tensor>& k_scale,
+            const std::optional<at::Tensor>& v_scale, const float* sinks, int64_t chunk,
+            at::Tensor& out) {
+  DecodeCall<T, K> call(q.size(0), q.size(1), q.size(2), v_cache, block_tables, context_lens, scale, window, softcap,
+                        sinks, chunk);
+  const auto layer = call.layer(k_cache, v_cache, k_scale, v_scale);
+  const T* qp = q.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  TaskCounter counter;
+  const int64_t n = static_cast<int64_t>(call.tasks.size());
+  const int64_t workers = call.serial ? 1 : std::min<int64_t>(at::get_num_threads(), n);
+  if (workers <= 1) {
+    call.run(layer, qp, op, counter);
+  } else {
+    at::parallel_for(0, workers, 1, [&](int64_t, int64_t) { call.run(layer, qp, op, counter); });
+  }
+  if (call.slots == 0) return;
+  const int64_t pairs = call.B * call.KVH;
+  at::parallel_for(0, pairs, call.slots * call.G * call.D < (1 << 16) ? pairs : 1,
+                   [&](int64_t begin, int64_t end) { call.merge(op, begin, end); });
 }
 
 template <typename T, typename K>
@@ -1788,6 +1817,124 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
                             static_cast<float>(eps));
   });
   return out;
+}
+
+// StepAttention (cpu_kernels.h) over a cache of type K.
+template <typename K>
+class StepAttentionImpl final : public StepAttention {
+ public:
+  StepAttentionImpl(at::TensorList k_caches, at::TensorList v_caches, const at::Tensor& cos, const at::Tensor& sin,
+                    const at::Tensor& slots, const at::Tensor& tables, const at::Tensor& lens, int64_t B, int64_t H,
+                    double scale, at::TensorList k_scales, at::TensorList v_scales)
+      : call_(B, H, v_caches[0].size(3), v_caches[0], tables, lens, scale, 0, 0.0, nullptr, 0),
+        counters_(new TaskCounter[k_caches.size()]),
+        cos_(cos.data_ptr<float>()), sin_(sin.data_ptr<float>()), slots_(slots.data_ptr<int64_t>()) {
+    const size_t L = k_caches.size();
+    for (size_t i = 0; i < L; ++i) {
+      std::optional<at::Tensor> ks, vs;
+      if (!k_scales.empty()) ks = k_scales[i], vs = v_scales[i];
+      layers_.push_back(call_.layer(k_caches[i], v_caches[i], ks, vs));
+      Write w{k_caches[i].data_ptr<K>(), v_caches[i].data_ptr<K>()};
+      if constexpr (kPerToken<K>) {
+        w.k_rows = reinterpret_cast<c10::Half*>(ks->data_ptr()), w.v_rows = reinterpret_cast<c10::Half*>(vs->data_ptr());
+      } else if constexpr (kQuantized<K>) {
+        w.k_inv = 1.f / ks->data_ptr<float>()[0], w.v_inv = 1.f / vs->data_ptr<float>()[0];
+      }
+      writes_.push_back(w);
+    }
+  }
+  void write(int64_t i, const float* qkv, float* q) override {
+    const Write& w = writes_[i];
+    rotary_write<float, float, K>(qkv, cos_, sin_, w.kc, w.vc, slots_, q, call_.B, call_.H, call_.KVH, call_.D, call_.NB,
+                                  call_.BS, w.k_inv, w.v_inv, w.k_rows, w.v_rows);
+  }
+  void attend(int64_t i, const float* q, float* out) override { call_.run(layers_[i], q, out, counters_[i]); }
+  bool split() const override { return call_.slots > 0; }
+  void merge(int64_t, float* out, int64_t share, int64_t shares) override {
+    const int64_t pairs = call_.B * call_.KVH, per = (pairs + shares - 1) / shares;
+    call_.merge(out, std::min(pairs, share * per), std::min(pairs, (share + 1) * per));
+  }
+
+ private:
+  struct Write {
+    K* kc;
+    K* vc;
+    float k_inv = 1.f, v_inv = 1.f;
+    c10::Half* k_rows = nullptr;
+    c10::Half* v_rows = nullptr;
+  };
+  DecodeCall<float, K> call_;
+  std::unique_ptr<TaskCounter[]> counters_;  // a layer's own: no reset between layers
+  std::vector<typename DecodeCall<float, K>::Layer> layers_;
+  std::vector<Write> writes_;
+  const float* cos_;
+  const float* sin_;
+  const int64_t* slots_;
+};
+
+std::unique_ptr<StepAttention> step_attention(at::TensorList k_caches, at::TensorList v_caches, const at::Tensor& cos,
+                                              const at::Tensor& sin, const at::Tensor& slots,
+                                              const at::Tensor& block_tables, const at::Tensor& context_lens,
+                                              int64_t B, int64_t H, double scale, at::TensorList k_scales,
+                                              at::TensorList v_scales) {
+  const size_t L = k_caches.size();
+  if (L == 0 || v_caches.size() != L) return nullptr;
+  const at::Tensor& v0 = v_caches[0];
+  if (v0.dim() != 4) return nullptr;
+  const int64_t KVH = v0.size(0), NB = v0.size(1), BS = v0.size(2), D = v0.size(3);
+  const at::ScalarType t = v0.scalar_type();
+  const bool fp8 = t == at::kFloat8_e4m3fn || t == at::kFloat8_e5m2;
+  if (!(t == at::kFloat || t == at::kBFloat16 || fp8 || t == at::kChar)) return nullptr;
+  if (D > 512 || D % 2 != 0 || KVH <= 0 || H % KVH != 0) return nullptr;
+  const std::vector<int64_t> ks{KVH, NB, D, BS}, vs{KVH, NB, BS, D};
+  const bool scaled = fp8 || t == at::kChar;
+  if (k_scales.size() != (scaled ? L : 0) || v_scales.size() != k_scales.size()) return nullptr;
+  for (size_t i = 0; i < L; ++i) {
+    const at::Tensor &k = k_caches[i], &v = v_caches[i];
+    if (!k.is_contiguous() || !v.is_contiguous() || k.scalar_type() != t || v.scalar_type() != t ||
+        k.sizes() != at::IntArrayRef(ks) || v.sizes() != at::IntArrayRef(vs))
+      return nullptr;
+    if (fp8) {
+      for (const at::Tensor* sc : {&k_scales[i], &v_scales[i]})
+        if (sc->scalar_type() != at::kFloat || sc->numel() != 1) return nullptr;
+    } else if (scaled) {
+      for (const at::Tensor* sc : {&k_scales[i], &v_scales[i]})
+        if (sc->scalar_type() != at::kHalf || !sc->is_contiguous() || sc->numel() != KVH * NB * BS) return nullptr;
+    }
+  }
+  if (!(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat && cos.is_contiguous() &&
+        sin.is_contiguous() && cos.numel() == B * D && sin.numel() == B * D))
+    return nullptr;
+  if (!(slots.scalar_type() == at::kLong && slots.is_contiguous() && slots.numel() == B)) return nullptr;
+  if (!(block_tables.scalar_type() == at::kInt && block_tables.is_contiguous() && block_tables.dim() == 2 &&
+        block_tables.size(0) == B && context_lens.scalar_type() == at::kInt && context_lens.is_contiguous() &&
+        context_lens.numel() == B))
+    return nullptr;
+  switch (t) {
+    case at::kFloat:
+      return std::make_unique<StepAttentionImpl<float>>(k_caches, v_caches, cos, sin, slots, block_tables, context_lens,
+                                                        B, H, scale, k_scales, v_scales);
+    case at::kBFloat16:
+      return std::make_unique<StepAttentionImpl<c10::BFloat16>>(k_caches, v_caches, cos, sin, slots, block_tables,
+                                                                context_lens, B, H, scale, k_scales, v_scales);
+    case at::kFloat8_e4m3fn:
+      return std::make_unique<StepAttentionImpl<c10::Float8_e4m3fn>>(k_caches, v_caches, cos, sin, slots, block_tables,
+                                                                     context_lens, B, H, scale, k_scales, v_scales);
+    case at::kFloat8_e5m2:
+      return std::make_unique<StepAttentionImpl<c10::Float8_e5m2>>(k_caches, v_caches, cos, sin, slots, block_tables,
+                                                                   context_lens, B, H, scale, k_scales, v_scales);
+    default:
+      return std::make_unique<StepAttentionImpl<int8_t>>(k_caches, v_caches, cos, sin, slots, block_tables,
+                                                         context_lens, B, H, scale, k_scales, v_scales);
+  }
+}
+
+void rms_norm_rows(const float* x, const float* w, float* out, int64_t rows, int64_t hidden, float eps) {
+  rms_norm_impl<float>(x, w, out, rows, hidden, eps);
+}
+
+void silu_and_mul_rows(const float* x, float* out, int64_t rows, int64_t inter) {
+  silu_and_mul_impl<float>(x, out, rows, inter);
 }
 
 }  // namespace triollm_cpu

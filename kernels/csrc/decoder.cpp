@@ -20,11 +20,16 @@
 // loop, so the result does not depend on the grouping or the thread count, and the stack,
 // calling the same function after each projection, gives the layer path's bits.
 
+#include <ATen/Config.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <immintrin.h>
+
 #include <algorithm>
+#include <atomic>
 #include <cstring>
+#include <thread>
 #include <vector>
 
 #include "cpu_kernels.h"
@@ -146,6 +151,172 @@ void lora_apply(at::Tensor out, const at::Tensor& x, const at::Tensor& a, const 
   lora_update(out, x, a, bt, bounds.data(), P, rank, mask, rows, start, n);
 }
 
+// ------------------------------------------------------------------------------------------
+// The stack on one team of threads. Called op by op, a batch-1 step of SmolLM2-135M is ~240
+// parallel regions (each projection, attention, norm) and as many tensors allocated, a few
+// microseconds each against ~20 us of weights a projection: on two cores the second thread waited
+// for the first a third of the step (docs/benchmarks.md). Here the threads enter one region for
+// the whole stack and meet at a barrier between the steps that need each other's results, as
+// llama.cpp's graph runs. Each thread computes its share of a projection's output groups (the
+// split the op's parallel_for makes, and no output depends on it) and adds the residual to those
+// columns itself; the row-wise steps that are cheap (norms, SwiGLU, quantizing the activations)
+// run on every thread into its own buffers rather than wait for one; rotary and the new K/V are
+// one thread's; attention's tasks go to whichever thread is free, as in the op. The kernels are
+// the ops' own, in the ops' order: the same bits as the op-by-op loop below, at any thread count.
+
+// A barrier for a team that shares the work of `total` shares: a thread that holds several shares
+// (a smaller team than asked for) arrives with all of them at once, so no thread waits for one
+// that does not exist. It spins (a barrier between two steps of one layer lasts microseconds),
+// then yields, so that a team with more threads than free cores still makes progress.
+class TeamBarrier {
+ public:
+  explicit TeamBarrier(int64_t total) : total_(total) {}
+  void wait(int64_t shares) {
+    const int64_t g = gen_.load(std::memory_order_acquire);
+    if (count_.fetch_add(shares, std::memory_order_acq_rel) + shares == total_) {
+      count_.store(0, std::memory_order_relaxed);
+      gen_.store(g + 1, std::memory_order_release);
+      return;
+    }
+    for (int spins = 0; gen_.load(std::memory_order_acquire) == g; ++spins) {
+      if (spins < kSpins) {
+        _mm_pause();
+      } else {
+        std::this_thread::yield();
+      }
+    }
+  }
+
+ private:
+  static constexpr int kSpins = 1 << 14;
+  alignas(64) std::atomic<int64_t> count_{0};
+  alignas(64) std::atomic<int64_t> gen_{0};
+  int64_t total_;
+};
+
+// Calls that ran on a team (tests check that the path they compare is the one taken).
+std::atomic<int64_t> team_calls{0};
+int64_t team_stack_calls() { return team_calls.load(); }
+
+// One projection of a layer (its packed weight) as the team reads it.
+struct TeamProj {
+  const uint8_t* q;
+  const uint16_t* d;
+  const uint16_t* m;
+  int64_t bits, N, K, G;
+  int64_t threads;  // the shares that read it: as quant_linear_packed's grain allows (~32 KB a share)
+};
+
+// The team stack where it applies (no adapters, no tiles, every projection on the vector paths
+// for B rows, a cache `step_attention` takes); an undefined tensor otherwise. Checks as the ops'.
+at::Tensor team_stack(const at::Tensor& x, at::TensorList weights, at::IntArrayRef shapes, at::TensorList k_caches,
+                      at::TensorList v_caches, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& slots,
+                      const at::Tensor& block_tables, const at::Tensor& context_lens, int64_t H, int64_t KVH,
+                      double eps, double scale, at::TensorList k_scales, at::TensorList v_scales) {
+  const int64_t L = static_cast<int64_t>(k_caches.size()), B = x.size(0), hidden = x.size(1);
+  if (L == 0 || B == 0 || !x.is_contiguous() || v_caches[0].dim() != 4 || v_caches[0].size(0) != KVH) return {};
+  const int64_t D = v_caches[0].size(3), HD = H * D;
+  std::unique_ptr<StepAttention> attention =
+      step_attention(k_caches, v_caches, cos, sin, slots, block_tables, context_lens, B, H, scale, k_scales, v_scales);
+  if (!attention) return {};
+  // A team only under OpenMP, whose threads all run at once (a task pool may queue a share
+  // behind one that waits for it); one thread where already inside a parallel region.
+  const int64_t T = AT_PARALLEL_OPENMP && !at::in_parallel_region() ? std::max(1, at::get_num_threads()) : 1;
+  std::vector<TeamProj> projs;
+  projs.reserve(4 * L);
+  int64_t kmax = std::max(hidden, HD), inter = 0;
+  for (int64_t i = 0; i < L; ++i) {
+    const at::Tensor* w = weights.data() + 14 * i;
+    const int64_t* s = shapes.data() + 8 * i;
+    for (int64_t n = 0; n < 2; ++n)
+      TORCH_CHECK(w[n].scalar_type() == at::kFloat && w[n].is_contiguous() && w[n].numel() == hidden,
+                  "quant_decoder_stack: norm weights float32 [hidden]");
+    const int64_t i2 = s[5];
+    TORCH_CHECK(s[1] == (H + 2 * KVH) * D && s[3] == hidden && i2 % 2 == 0 && s[7] == hidden &&
+                    (inter == 0 || inter == i2 / 2),
+                "quant_decoder_stack: projections of ", s[1], ", ", s[3], ", ", i2, " and ", s[7],
+                " outputs do not match hidden ", hidden, " and the heads");
+    inter = i2 / 2;
+    const int64_t ins[4] = {hidden, HD, hidden, inter};
+    for (int64_t p = 0; p < 4; ++p) {
+      const at::Tensor &qp = w[2 + 3 * p], &dp = w[3 + 3 * p], &mp = w[4 + 3 * p];
+      check_packed_weight("quant_decoder_stack", ins[p], qp, dp, mp, s[2 * p], s[2 * p + 1]);
+      if (!packed_vector_path(B, s[2 * p], s[2 * p + 1]) || !qp.is_contiguous() || !dp.is_contiguous() ||
+          !mp.is_contiguous())
+        return {};
+      const int64_t G = qp.size(0), grain = std::max<int64_t>(1, (32 << 10) / (qp.size(1) * qp.size(2) * B));
+      projs.push_back({qp.data_ptr<uint8_t>(), reinterpret_cast<const uint16_t*>(dp.data_ptr<at::Half>()),
+                       reinterpret_cast<const uint16_t*>(mp.data_ptr<at::Half>()), s[2 * p], s[2 * p + 1], ins[p], G,
+                       std::min(T, (G + grain - 1) / grain)});
+    }
+    kmax = std::max(kmax, inter);
+  }
+  at::Tensor out = x.clone();
+  float* h = out.data_ptr<float>();
+  // Shared: each written in disjoint parts, or by one thread, between barriers.
+  std::vector<float> qkv(B * projs[0].N), q(B * HD), attn(B * HD), tmp(B * hidden), gu(B * 2 * inter);
+  // Each share's own: the row-wise steps every thread runs.
+  struct Own {
+    std::vector<float> norm, act, dx, sx;
+    std::vector<int8_t> qx;
+  };
+  std::vector<Own> own(T);
+  for (Own& o : own)
+    o.norm.resize(B * hidden), o.act.resize(B * inter), o.qx.resize(B * kmax), o.dx.resize(B * kmax / 32),
+        o.sx.resize(B * kmax / 32);
+  TeamBarrier barrier(T);
+  team_calls.fetch_add(1);
+  auto body = [&](int64_t s0, int64_t s1) {
+    Own& me = own[s0];
+    const int64_t n = s1 - s0;
+    // Projection j over `in` ([B, K]) into dst ([B, N]): this thread's shares of its output
+    // groups (the op's parallel_for split; taking runs of groups as the threads came free was
+    // 1.1-1.3x slower: the streams broke up); `residual`: those columns of dst are then added
+    // into h by the thread that computed them.
+    auto project = [&](int64_t j, const float* in, float* dst, bool residual) {
+      const TeamProj& p = projs[j];
+      quantize_rows(in, B, p.K, me.qx.data(), me.dx.data(), me.sx.data());
+      const int64_t chunk = (p.G + p.threads - 1) / p.threads;
+      const int64_t g0 = std::min(p.G, s0 * chunk), g1 = std::min(p.G, s1 * chunk);
+      if (g0 >= g1) return;
+      packed_groups_auto(p.q, p.d, p.m, p.bits, p.N, p.K, B, me.qx.data(), me.dx.data(), me.sx.data(), g0, g1, dst);
+      if (!residual) return;
+      const int64_t c1 = std::min(p.N, g1 * 16);
+      for (int64_t r = 0; r < B; ++r)
+        for (int64_t c = g0 * 16; c < c1; ++c) h[r * hidden + c] += dst[r * p.N + c];
+    };
+    for (int64_t i = 0; i < L; ++i) {
+      const float* w0 = weights[14 * i].data_ptr<float>();
+      const float* w1 = weights[14 * i + 1].data_ptr<float>();
+      rms_norm_rows(h, w0, me.norm.data(), B, hidden, static_cast<float>(eps));
+      project(4 * i, me.norm.data(), qkv.data(), false);
+      barrier.wait(n);
+      if (s0 == 0) attention->write(i, qkv.data(), q.data());
+      barrier.wait(n);
+      attention->attend(i, q.data(), attn.data());
+      barrier.wait(n);
+      if (attention->split()) {
+        for (int64_t s = s0; s < s1; ++s) attention->merge(i, attn.data(), s, T);
+        barrier.wait(n);
+      }
+      project(4 * i + 1, attn.data(), tmp.data(), true);
+      barrier.wait(n);
+      rms_norm_rows(h, w1, me.norm.data(), B, hidden, static_cast<float>(eps));
+      project(4 * i + 2, me.norm.data(), gu.data(), false);
+      barrier.wait(n);
+      silu_and_mul_rows(gu.data(), me.act.data(), B, inter);
+      project(4 * i + 3, me.act.data(), tmp.data(), true);
+      barrier.wait(n);
+    }
+  };
+  if (T == 1) {
+    body(0, 1);
+  } else {
+    at::parallel_for(0, T, 1, body);
+  }
+  return out;
+}
+
 // x [B, hidden] fp32, the B decode tokens' embeddings; per layer, `weights` holds 14 tensors:
 // the input and post-attention norm weights, then (qp, dp, mp) of qkv_proj, o_proj,
 // gate_up_proj and down_proj; `shapes` holds 8 ints: (bits, out_features) of the same four.
@@ -181,6 +352,11 @@ at::Tensor quant_decoder_stack(const at::Tensor& x, at::TensorList weights, at::
   const bool scaled = !k_scales.empty();
   TORCH_CHECK(static_cast<int64_t>(k_scales.size()) == (scaled ? L : 0) && v_scales.size() == k_scales.size(),
               "quant_decoder_stack: one K and one V scale per layer for a quantized cache, none otherwise");
+  if (G == 0 && !tiles) {
+    at::Tensor out = team_stack(x, weights, shapes, k_caches, v_caches, cos, sin, slots, block_tables, context_lens,
+                                num_heads, num_kv_heads, eps, scale, k_scales, v_scales);
+    if (out.defined()) return out;
+  }
   const int64_t B = x.size(0), D = v_caches.empty() ? 0 : v_caches[0].size(3);
   at::Tensor h = x;
   for (int64_t i = 0; i < L; ++i) {
@@ -279,6 +455,7 @@ TORCH_LIBRARY_FRAGMENT(triollm_cpu, m) {
         "Tensor(b!)[] v_caches, Tensor cos, Tensor sin, Tensor slots, Tensor block_tables, "
         "Tensor context_lens, int num_heads, int num_kv_heads, float eps, float scale, "
         "Tensor(c!)[] k_scales, Tensor(d!)[] v_scales) -> Tensor");
+  m.def("team_stack_calls() -> int", &triollm_cpu::team_stack_calls);
   m.def("lora_apply(Tensor(a!) out, Tensor x, Tensor a, Tensor bt, int[] bounds, int rank, int mask, Tensor rows, "
         "int start, int n) -> ()");
 }

@@ -774,18 +774,24 @@ bool bf16_tiles_run() {
   return ok;
 }
 
-// Both quantized linears' arguments: x [M, K] fp32 and a packed weight of N outputs over K inputs
-// in `bits` codes (4, 8 or kIq4: IQ4 indices), or an error naming `op` and what does not match.
-void check_packed(const char* op, const at::Tensor& x, const at::Tensor& qp, const at::Tensor& dp, const at::Tensor& mp,
-                  int64_t bits, int64_t N) {
+// A packed weight of N outputs over K inputs in `bits` codes (4, 8 or kIq4: IQ4 indices), or an
+// error naming `op` and what does not match.
+void check_packed_weight(const char* op, int64_t K, const at::Tensor& qp, const at::Tensor& dp, const at::Tensor& mp,
+                         int64_t bits, int64_t N) {
   TORCH_CHECK(bits == 4 || bits == 8 || bits == kIq4, op, ": bits must be 4, 8 or ", kIq4, " (IQ4 indices), got ", bits);
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, op, ": x must be [M, K] float32");
-  const int64_t M = x.size(0), K = x.size(1), nb = K / kBlock, G = qp.size(0);
+  const int64_t nb = K / kBlock, G = qp.size(0);
   TORCH_CHECK(K % kBlock == 0 && qp.dim() == 3 && qp.size(1) == nb && qp.size(2) == block_bytes(static_cast<int>(bits)) &&
                   qp.scalar_type() == at::kByte && dp.sizes() == at::IntArrayRef({G, nb, 16}) &&
                   mp.sizes() == dp.sizes() && dp.scalar_type() == at::kHalf && mp.scalar_type() == at::kHalf &&
                   N <= G * 16 && N > (G - 1) * 16,
-              op, ": the packed weight does not match x [", M, ", ", K, "] and N=", N);
+              op, ": the packed weight does not match ", K, " inputs and N=", N);
+}
+
+// Both quantized linears' arguments: x [M, K] fp32 and a packed weight for K inputs.
+void check_packed(const char* op, const at::Tensor& x, const at::Tensor& qp, const at::Tensor& dp, const at::Tensor& mp,
+                  int64_t bits, int64_t N) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, op, ": x must be [M, K] float32");
+  check_packed_weight(op, x.size(1), qp, dp, mp, bits, N);
 }
 
 // `x @ W.T` over the packed weight by bf16 tiles (above); only where `bf16_tiles_run()`. `swiglu`:
@@ -955,6 +961,28 @@ void vector_group(QuantIsa isa, const uint8_t* qg, const uint16_t* dg, const uin
   }
 }
 
+// Groups [g0, g1) of the output (16 rows each; out [M, N]) for M rows of quantized activations,
+// by the non-AMX path `isa` names: each group is its own, so any split gives the same bits.
+void packed_groups(QuantIsa isa, const uint8_t* q, const uint16_t* d, const uint16_t* m, int fmt, int64_t N, int64_t K,
+                   int64_t M, const int8_t* qx, const float* dx, const float* sx, int64_t g0, int64_t g1, float* o) {
+  const int64_t nb = K / kBlock, group_bytes = nb * block_bytes(fmt);
+  for (int64_t g = g0; g < g1; ++g) {
+    const int64_t valid = std::min<int64_t>(16, N - g * 16);
+    const uint8_t* qg = q + g * group_bytes;
+    const uint16_t* dg = d + g * nb * 16;
+    const uint16_t* mg = m + g * nb * 16;
+    if (isa == QuantIsa::kScalar) {
+      packed_group_scalar(qg, dg, mg, nb, qx, dx, sx, K, M, fmt, valid, o + g * 16, N);
+    } else if (fmt == 4) {
+      vector_group<4>(isa, qg, dg, mg, nb, qx, dx, sx, K, M, valid, o + g * 16, N);
+    } else if (fmt == 8) {
+      vector_group<8>(isa, qg, dg, mg, nb, qx, dx, sx, K, M, valid, o + g * 16, N);
+    } else {
+      vector_group<kIq4>(isa, qg, dg, mg, nb, qx, dx, sx, K, M, valid, o + g * 16, N);
+    }
+  }
+}
+
 // `isa`: "auto" (module note), or a path by name (tests compare them). `bits`: 4, 8 or kIq4.
 at::Tensor quant_linear_packed(const at::Tensor& x, const at::Tensor& qp, const at::Tensor& dp,
                                const at::Tensor& mp, int64_t bits, int64_t N, const std::string& isa_name_arg) {
@@ -995,24 +1023,22 @@ at::Tensor quant_linear_packed(const at::Tensor& x, const at::Tensor& qp, const 
     });
     return out;
   }
-  at::parallel_for(0, G, grain, [&](int64_t g0, int64_t g1) {
-    for (int64_t g = g0; g < g1; ++g) {
-      const int64_t valid = std::min<int64_t>(16, N - g * 16);
-      const uint8_t* qg = q + g * group_bytes;
-      const uint16_t* dg = d + g * nb * 16;
-      const uint16_t* mg = m + g * nb * 16;
-      if (isa == QuantIsa::kScalar) {
-        packed_group_scalar(qg, dg, mg, nb, qx, dx, sx, K, M, fmt, valid, o + g * 16, N);
-      } else if (fmt == 4) {
-        vector_group<4>(isa, qg, dg, mg, nb, qx, dx, sx, K, M, valid, o + g * 16, N);
-      } else if (fmt == 8) {
-        vector_group<8>(isa, qg, dg, mg, nb, qx, dx, sx, K, M, valid, o + g * 16, N);
-      } else {
-        vector_group<kIq4>(isa, qg, dg, mg, nb, qx, dx, sx, K, M, valid, o + g * 16, N);
-      }
-    }
-  });
+  at::parallel_for(0, G, grain, [&](int64_t g0, int64_t g1) { packed_groups(isa, q, d, m, fmt, N, K, M, qx, dx, sx, g0, g1, o); });
   return out;
+}
+
+bool packed_vector_path(int64_t M, int64_t bits, int64_t N) {
+  return !(resolve_isa("auto") == QuantIsa::kAmx && M >= amx_min_rows(static_cast<int>(bits), N));
+}
+
+void quantize_rows(const float* x, int64_t M, int64_t K, int8_t* qx, float* dx, float* sx) {
+  quantize_activations(x, M, K, qx, dx, sx);
+}
+
+void packed_groups_auto(const uint8_t* q, const uint16_t* d, const uint16_t* m, int64_t bits, int64_t N, int64_t K,
+                        int64_t M, const int8_t* qx, const float* dx, const float* sx, int64_t g0, int64_t g1,
+                        float* out) {
+  packed_groups(resolve_isa("auto"), q, d, m, static_cast<int>(bits), N, K, M, qx, dx, sx, g0, g1, out);
 }
 
 // The path "auto" takes in this process (kernels/cpu_native.py `quant_isa` agrees).
