@@ -1041,6 +1041,53 @@ void packed_groups_auto(const uint8_t* q, const uint16_t* d, const uint16_t* m, 
   packed_groups(resolve_isa("auto"), q, d, m, static_cast<int>(bits), N, K, M, qx, dx, sx, g0, g1, out);
 }
 
+// Rows `index` of a packed weight, dense fp32 [R, K]: an embedding lookup of a quantized tied
+// embedding, as PackedWeight.dequantize_rows computes it in torch (code * d, rounded, + m: the
+// product is kept out of an FMA), in one call instead of a dozen ops.
+at::Tensor packed_rows(const at::Tensor& qp, const at::Tensor& dp, const at::Tensor& mp, int64_t bits,
+                       const at::Tensor& index) {
+  TORCH_CHECK(qp.dim() == 3 && (bits == 4 || bits == 8 || bits == kIq4) && qp.size(2) == block_bytes(static_cast<int>(bits)) &&
+                  qp.scalar_type() == at::kByte && dp.sizes() == at::IntArrayRef({qp.size(0), qp.size(1), 16}) &&
+                  mp.sizes() == dp.sizes() && dp.scalar_type() == at::kHalf && mp.scalar_type() == at::kHalf,
+              "packed_rows: a packed weight (bits 4, 8 or IQ4)");
+  TORCH_CHECK(index.dim() == 1 && index.scalar_type() == at::kLong, "packed_rows: index int64 [R]");
+  const int64_t G = qp.size(0), nb = qp.size(1), K = nb * kBlock, R = index.size(0);
+  const at::Tensor ic = index.contiguous(), qc = qp.contiguous(), dc = dp.contiguous(), mc = mp.contiguous();
+  const int64_t* ix = ic.data_ptr<int64_t>();
+  for (int64_t r = 0; r < R; ++r)
+    TORCH_CHECK(ix[r] >= 0 && ix[r] < G * 16, "packed_rows: index ", ix[r], " out of range [0, ", G * 16, ")");
+  at::Tensor out = at::empty({R, K}, qp.options().dtype(at::kFloat));
+  const int fmt = static_cast<int>(bits);
+  const int64_t bb = block_bytes(fmt);
+  const uint8_t* q = qc.data_ptr<uint8_t>();
+  const uint16_t* d = reinterpret_cast<const uint16_t*>(dc.data_ptr<at::Half>());
+  const uint16_t* m = reinterpret_cast<const uint16_t*>(mc.data_ptr<at::Half>());
+  float* o = out.data_ptr<float>();
+  for (int64_t r = 0; r < R; ++r) {
+    const int64_t g = ix[r] / 16, lane = ix[r] % 16;
+    for (int64_t b = 0; b < nb; ++b) {
+      const uint8_t* blk = q + (g * nb + b) * bb;
+      const float db = half_to_float(d[(g * nb + b) * 16 + lane]), mb = half_to_float(m[(g * nb + b) * 16 + lane]);
+      float* dst = o + r * K + b * kBlock;
+      for (int c = 0; c < kBlock; ++c) {
+        int code;
+        if (fmt == 8) {
+          code = blk[(c / 4) * 64 + lane * 4 + c % 4];  // vector s = c / 4
+        } else {
+          const int t = (c / 4) % 4, j = c % 4;  // codes 16.. in the high nibbles
+          const uint8_t byte = blk[t * 64 + lane * 4 + j];
+          code = c < 16 ? (byte & 0x0F) : (byte >> 4);
+          if (fmt == kIq4) code = kIq4Codes[code];
+        }
+        float prod = static_cast<float>(code) * db;
+        asm("" : "+x"(prod));  // rounded here, as torch's separate multiply: no FMA with the add
+        dst[c] = prod + mb;
+      }
+    }
+  }
+  return out;
+}
+
 // The path "auto" takes in this process (kernels/cpu_native.py `quant_isa` agrees).
 std::string quant_isa_op() { return isa_name(resolve_isa("auto")); }
 
@@ -1064,6 +1111,7 @@ using namespace triollm_cpu;
 TORCH_LIBRARY_FRAGMENT(triollm_cpu, m) {
   m.def("quant_linear_packed(Tensor x, Tensor qp, Tensor dp, Tensor mp, int bits, int n, str isa=\"auto\") -> Tensor");
   m.def("quant_isa() -> str", &quant_isa_op);
+  m.def("packed_rows(Tensor qp, Tensor dp, Tensor mp, int bits, Tensor index) -> Tensor");
   m.def("quantize_activations(Tensor x) -> (Tensor, Tensor, Tensor)");
   m.def("quant_linear_bf16(Tensor x, Tensor qp, Tensor dp, Tensor mp, int bits, int n) -> Tensor");
   m.def("quant_swiglu_bf16(Tensor x, Tensor qp, Tensor dp, Tensor mp, int bits, int n) -> Tensor");
@@ -1073,6 +1121,7 @@ TORCH_LIBRARY_FRAGMENT(triollm_cpu, m) {
 TORCH_LIBRARY_IMPL(triollm_cpu, CPU, m) {
   m.impl("quant_linear_packed", &quant_linear_packed);
   m.impl("quantize_activations", &quantize_activations_op);
+  m.impl("packed_rows", &packed_rows);
   m.impl("quant_linear_bf16", &quant_linear_bf16);
   m.impl("quant_swiglu_bf16", &quant_swiglu_bf16);
 }

@@ -54,6 +54,9 @@ def test_iq4_keeps_the_files_nibbles(kind: GGMLQuantizationType) -> None:
     assert torch.equal(packed.dequantize(), w.dequantize())
     idx = torch.tensor([15, 0, 7, 7])
     assert torch.equal(packed.dequantize_rows(idx, torch.bfloat16), w.dequantize()[idx].bfloat16())
+    if cpu_native.available():  # the native lookup (QuantEmbedding's): the same values
+        native = torch.ops.triollm_cpu.packed_rows(packed.qp, packed.dp, packed.mp, packed.bits, idx)
+        assert torch.equal(native, packed.dequantize_rows(idx))
 
 
 @needs_native

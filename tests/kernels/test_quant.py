@@ -139,6 +139,22 @@ def test_packing_keeps_every_weight() -> None:
 
 
 @needs_native
+@pytest.mark.parametrize("bits", [4, 8])
+def test_the_native_row_lookup_is_torchs_to_the_bit(bits: int) -> None:
+    """A quantized tied embedding's lookup (QuantEmbedding, `packed_rows`): every row of a packed
+    weight with partial groups equals torch's dequantization bit for bit (the product rounded
+    before the offset is added, as torch's two ops do), and an index out of range is refused."""
+    w = QuantWeight.quantize(torch.randn(37, 96) * 3, bits)
+    packed = PackedWeight.pack(w)
+    idx = torch.tensor([36, 0, 17, 17, 5, 31, 32, 15, 16])
+    native = torch.ops.triollm_cpu.packed_rows(packed.qp, packed.dp, packed.mp, packed.bits, idx)
+    assert torch.equal(native, packed.dequantize_rows(idx))
+    assert torch.equal(native, w.dequantize()[idx])
+    with pytest.raises(RuntimeError, match="out of range"):
+        torch.ops.triollm_cpu.packed_rows(packed.qp, packed.dp, packed.mp, packed.bits, torch.tensor([48]))
+
+
+@needs_native
 def test_activation_quantization_matches_the_torch_reference() -> None:
     """The same codes and scales (the kernel is built with -ffast-math: a scale may differ in its
     last bit, and a code that sits on a rounding tie by one)."""
@@ -291,9 +307,7 @@ def test_an_engine_core_process_gets_the_resolved_scheme(bundled_model_dir: Path
 
 @needs_native
 @pytest.mark.parametrize("scheme", ["int8", "int4"])
-def test_the_native_decoder_stack_is_the_layers_bit_for_bit(
-    tiny_model_dir: Path, scheme: str
-) -> None:
+def test_the_native_decoder_stack_is_the_layers_bit_for_bit(tiny_model_dir: Path, scheme: str) -> None:
     """A quantized model's all-decode steps run the whole decoder stack in one native call
     (kernels/csrc/decoder.cpp); the tokens and logprobs are those of the layer-by-layer path,
     to the bit, over batches that mix decodes with prefills (which take the layers)."""
@@ -311,10 +325,7 @@ def test_the_native_decoder_stack_is_the_layers_bit_for_bit(
     model = engine.core.model
     assert model is not None and model.decode_stack is not None
     prompts = [{"prompt_token_ids": list(range(3, 3 + n))} for n in (5, 40, 17)]
-    params = [
-        SamplingParams(max_tokens=t, ignore_eos=True, temperature=0.0, logprobs=2)
-        for t in (30, 12, 21)
-    ]
+    params = [SamplingParams(max_tokens=t, ignore_eos=True, temperature=0.0, logprobs=2) for t in (30, 12, 21)]
     calls = 0
     stack = model.decode_stack
 

@@ -118,7 +118,12 @@ class QuantEmbedding(_Packed):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         flat = ids.reshape(-1)
-        return self.weight.dequantize_rows(flat, self.dtype).view(*ids.shape, self.in_features)
+        w = self.weight
+        if w.qp.device.type == "cpu" and cpu_native.available():  # one call, the same values
+            rows = torch.ops.triollm_cpu.packed_rows(w.qp, w.dp, w.mp, w.bits, flat.long()).to(self.dtype)
+        else:
+            rows = w.dequantize_rows(flat, self.dtype)
+        return rows.view(*ids.shape, self.in_features)
 
 
 @dataclass(frozen=True)
