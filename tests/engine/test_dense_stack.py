@@ -6,10 +6,10 @@ or not, over batches whose decode steps have fewer and more rows than the stack 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
+from stack_spy import StackSpy
 from tinymodel import make_tiny_model
 
 from triollm.engine.config import EngineArgs
@@ -39,24 +39,15 @@ def test_the_dense_stack_is_the_layers_bit_for_bit(tmp_path: Path, dtype: str, a
         assert "avx512f" not in cpu_native._cpu_flags(), "on AVX-512 oneDNN's layout is the kernel's"
         pytest.skip("no packed weight the few-rows kernel reads")
     assert isinstance(stack, DenseDecodeStack)
-    rows: list[int] = []
-
-    class Counted:
-        takes, lora_args = stack.takes, stack.lora_args
-
-        def __call__(self, x: torch.Tensor, *a: Any) -> torch.Tensor:
-            rows.append(x.shape[0])
-            return stack(x, *a)
-
     # Three requests of different lengths (decode steps of 3, 2, then 1 row) and then six (6
     # rows: the layers, until fewer than five are left).
     for n in (3, 6):
         prompts = [{"prompt_token_ids": [3 + (7 * i + j) % 200 for j in range(5 + 9 * i)]} for i in range(n)]
         params = [SamplingParams(max_tokens=6 + 4 * i, ignore_eos=True, temperature=0.0, logprobs=2) for i in range(n)]
-        model.decode_stack = Counted()  # type: ignore[assignment]
-        rows.clear()
+        spy = StackSpy(stack)
+        model.decode_stack = spy  # type: ignore[assignment]
         fused = engine.generate(prompts, params)
-        assert rows and max(rows) <= cpu_native.FEW_ROWS
+        assert spy.calls and max(spy.rows()) <= cpu_native.FEW_ROWS
         model.decode_stack = None
         layered = engine.generate(prompts, params)
         model.decode_stack = stack

@@ -23,6 +23,7 @@ import pytest
 import torch
 from lora_adapters import make_peft_adapter, peft_greedy
 from safetensors.torch import save_file
+from stack_spy import StackSpy
 from tinymodel import make_tiny_model, make_transformers_model
 
 from triollm.engine.config import EngineArgs
@@ -238,19 +239,12 @@ def test_int8_weights_take_the_adapters(
         model = c.model
         assert model is not None and model.decode_stack is not None
         requests = batch(adapters)
-        stack, lora_calls = model.decode_stack, []
-
-        class Counted:
-            takes, lora_args = stack.takes, stack.lora_args
-
-            def __call__(self, *a: Any) -> torch.Tensor:
-                lora_calls.append(a[-1] is not None and len(a[-1][-1]))  # the LoRA groups it took
-                return stack(*a)
-
-        model.decode_stack = Counted()  # type: ignore[assignment]
+        spy = StackSpy(model.decode_stack)
+        model.decode_stack = spy  # type: ignore[assignment]
         stacked_lps: dict[str, list[Any]] = {}
         stacked, errors = run(c, requests, stacked_lps, logprobs=2)
         assert not errors
+        lora_calls = [a[-1] is not None and len(a[-1][-1]) for a in spy.calls]  # the LoRA groups each took
         assert lora_calls == [3] * (NEW_TOKENS - 1)  # every decode step, natively, with its three groups
         assert all(row is not None for rows in stacked_lps.values() for row in rows)
         same_first = [rid for rid, ref in references.items() if stacked[rid][:1] == ref[:1]]

@@ -9,10 +9,10 @@ from __future__ import annotations
 import math
 import random
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
+from stack_spy import StackSpy
 
 from triollm.engine.execution.layers import quantized as quantized_module
 from triollm.engine.execution.layers.quantized import QuantLinear
@@ -234,18 +234,10 @@ def test_the_native_decoder_stack_takes_the_tiles_with_the_layers_bits(tiny_mode
     assert model is not None and model.decode_stack is not None
     prompts = [{"prompt_token_ids": [3 + (5 * i + j) % 200 for j in range(6)]} for i in range(TILE_MIN_ROWS + 4)]
     params = SamplingParams(max_tokens=6, ignore_eos=True, temperature=0.0, logprobs=2)
-    stack, sizes = model.decode_stack, []
-
-    class Counted:
-        takes, lora_args = stack.takes, stack.lora_args
-
-        def __call__(self, x: torch.Tensor, *a: Any) -> torch.Tensor:
-            sizes.append(x.shape[0])
-            return stack(x, *a)
-
-    model.decode_stack = Counted()  # type: ignore[assignment]
+    spy = StackSpy(model.decode_stack)
+    model.decode_stack = spy  # type: ignore[assignment]
     fused = engine.generate(prompts, params)
-    assert sizes and min(sizes) >= TILE_MIN_ROWS
+    assert spy.calls and min(spy.rows()) >= TILE_MIN_ROWS
     model.decode_stack = None
     swiglu_rows: list[int] = []
 

@@ -7,13 +7,13 @@ from __future__ import annotations
 import dataclasses
 import math
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize, quantize
+from stack_spy import StackSpy
 
 from triollm.engine.config import EngineArgs
 from triollm.kernels import cpu_native
@@ -326,20 +326,10 @@ def test_the_native_decoder_stack_is_the_layers_bit_for_bit(tiny_model_dir: Path
     assert model is not None and model.decode_stack is not None
     prompts = [{"prompt_token_ids": list(range(3, 3 + n))} for n in (5, 40, 17)]
     params = [SamplingParams(max_tokens=t, ignore_eos=True, temperature=0.0, logprobs=2) for t in (30, 12, 21)]
-    calls = 0
-    stack = model.decode_stack
-
-    class Counted:
-        takes, lora_args = stack.takes, stack.lora_args
-
-        def __call__(self, *a: Any) -> torch.Tensor:
-            nonlocal calls
-            calls += 1
-            return stack(*a)
-
-    model.decode_stack = Counted()  # type: ignore[assignment]
+    spy = StackSpy(model.decode_stack)
+    model.decode_stack = spy  # type: ignore[assignment]
     fused = engine.generate(prompts, params)
-    assert calls > 0
+    assert spy.calls
     model.decode_stack = None
     layered = engine.generate(prompts, params)
     for a, b in zip(fused, layered, strict=True):

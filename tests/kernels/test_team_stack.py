@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 import torch
+from stack_spy import StackSpy
 from tinymodel import make_tiny_model
 
 from triollm.engine.config import EngineArgs
@@ -50,21 +51,11 @@ def _run(model_dir: Path, threads: int, kv: str, fused: bool) -> tuple[list[Any]
     )
     model = engine.core.model
     assert model is not None and model.decode_stack is not None
-    stack = model.decode_stack
-    calls = 0
-
-    class Counted:
-        takes, lora_args = stack.takes, stack.lora_args
-
-        def __call__(self, *a: Any) -> torch.Tensor:
-            nonlocal calls
-            calls += 1
-            return stack(*a)
-
-    model.decode_stack = Counted() if fused else None  # type: ignore[assignment]
+    spy = StackSpy(model.decode_stack)
+    model.decode_stack = spy if fused else None  # type: ignore[assignment]
     prompts = [{"prompt_token_ids": [3 + (7 * i) % 200 for i in range(n)]} for n in (1100, 9, 300)]
     params = [SamplingParams(max_tokens=t, ignore_eos=True, temperature=0.0, logprobs=2) for t in (12, 20, 7)]
-    return engine.generate(prompts, params), calls
+    return engine.generate(prompts, params), len(spy.calls)
 
 
 @pytest.mark.parametrize("threads", [1, 2, 3])
@@ -94,21 +85,13 @@ def test_the_team_stack_is_the_op_by_op_stack_bit_for_bit(long_model_dir: Path) 
     )
     model = engine.core.model
     assert model is not None and model.decode_stack is not None
-    seen: list[tuple[Any, ...]] = []
     stack = model.decode_stack
-
-    class Record:
-        takes, lora_args = stack.takes, stack.lora_args
-
-        def __call__(self, *a: Any) -> torch.Tensor:
-            seen.append(tuple(t.clone() if isinstance(t, torch.Tensor) else t for t in a))
-            return stack(*a)
-
-    model.decode_stack = Record()  # type: ignore[assignment]
+    spy = StackSpy(stack)
+    model.decode_stack = spy  # type: ignore[assignment]
     prompts = [{"prompt_token_ids": [5 + (3 * i) % 100 for i in range(n)]} for n in (1050, 4)]
     engine.generate(prompts, [SamplingParams(max_tokens=3, ignore_eos=True, temperature=0.0)] * 2)
-    assert seen
-    x, cos, sin, slots, plan, k, v, _ = seen[-1]
+    assert spy.calls  # the last step's arguments: no step wrote the caches after it
+    x, cos, sin, slots, plan, k, v, _ = spy.calls[-1]
     assert x.shape[0] == 2
     args = (x, stack.weights, stack.shapes, k, v, cos, sin, slots, plan[0], plan[1], stack.num_heads,
             stack.num_kv_heads, stack.eps, stack.scale)  # fmt: skip

@@ -1,0 +1,26 @@
+"""A spy on a model's native decode stack (`model.decode_stack`), for the tests that check the
+stack runs, and with what."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+
+class StackSpy:
+    """Stands in for the stack: the same `takes` and `lora_args`, every call's arguments kept in
+    `calls` (as passed: the caches are the live ones), then the stack's own result."""
+
+    def __init__(self, stack: Any) -> None:
+        self.stack = stack
+        self.takes, self.lora_args = stack.takes, stack.lora_args
+        self.calls: list[tuple[Any, ...]] = []
+
+    def __call__(self, *args: Any) -> torch.Tensor:
+        self.calls.append(args)
+        return self.stack(*args)  # type: ignore[no-any-return]
+
+    def rows(self) -> list[int]:
+        """Each call's row count."""
+        return [a[0].shape[0] for a in self.calls]
