@@ -107,3 +107,36 @@ def test_the_team_stack_is_the_op_by_op_stack_bit_for_bit(long_model_dir: Path) 
                 [], [], False)  # fmt: skip
     assert torch.ops.triollm_cpu.team_stack_calls() == teams + 1  # adapters take the per-op loop
     assert torch.equal(team, per_op)
+
+
+@pytest.mark.parametrize(("max_model_len", "stacked"), [(512, True), (5000, False)])
+def test_a_window_no_sequence_reaches_keeps_the_stack(
+    tmp_path_factory: pytest.TempPathFactory, max_model_len: int, stacked: bool
+) -> None:
+    """Mistral's config carries a 4,096-token window (HF's default where the file names none): with
+    max_model_len within it the layers attend in full, and the stack takes their steps with their
+    bits; beyond it the window binds and the layers keep the steps."""
+    from triollm.engine.sampling_params import SamplingParams
+    from triollm.engine.sync_engine import SyncEngine
+
+    model_dir = make_tiny_model(
+        tmp_path_factory.mktemp("tiny-mistral"), architecture="MistralForCausalLM", max_position_embeddings=8192
+    )
+    engine = SyncEngine.from_engine_args(
+        EngineArgs(model=str(model_dir), max_model_len=max_model_len, quantization="int4", enable_prefix_caching=False)
+    )
+    model = engine.core.model
+    assert model is not None and (model.decode_stack is not None) == stacked
+    if not stacked:
+        return
+    spy = StackSpy(model.decode_stack)
+    model.decode_stack = spy  # type: ignore[assignment]
+    prompts = [{"prompt_token_ids": [3 + (11 * i) % 200 for i in range(n)]} for n in (40, 7)]
+    params = [SamplingParams(max_tokens=9, ignore_eos=True, temperature=0.0, logprobs=2)] * 2
+    fused = engine.generate(prompts, params)
+    assert spy.calls
+    model.decode_stack = None
+    layered = engine.generate(prompts, params)
+    for a, b in zip(fused, layered, strict=True):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert a.outputs[0].logprobs == b.outputs[0].logprobs

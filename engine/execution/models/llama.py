@@ -8,7 +8,8 @@ LongRoPE, sliding windows; and Phi-3 stores q|k|v and gate|up already fused
 
 A quantized model's all-decode steps run the whole stack in one native call (`DecodeStack`)
 where it computes exactly what these layers would: fp32, one rank, no q/k norms, no multipliers,
-every projection quantized without a bias, full rotary, no window or soft-cap. A dense fp32 or
+every projection quantized without a bias, full rotary, no soft-cap, and no window a sequence
+can reach (a window of at least max_model_len is full attention: Mistral 7B v0.1's 4,096). A dense fp32 or
 bf16 model of the same shape runs its all-decode steps of 1-4 rows so too (`DenseDecodeStack`:
 the projections over oneDNN's packed weights, read in place; biases allowed).
 """
@@ -70,7 +71,7 @@ class LlamaForCausalLM(CausalLM):
             and cfg.embedding_multiplier == 1.0
             and cfg.attention_scale is None
             and cfg.rotary_dim is None
-            and not cfg.layer_types
+            and all(t in ("full_attention", "sliding_attention") for t in cfg.layer_types)
             and cfg.attn_softcap is None
             and not cfg.norm_offset
         )
@@ -78,6 +79,15 @@ class LlamaForCausalLM(CausalLM):
             return None
         layers = [cast(LlamaDecoderLayer, layer) for layer in self.layers]
         if not all(isinstance(layer.mlp, GatedMLP) for layer in layers) or cfg.hidden_act != "silu":
+            return None
+        # Windows as the layers keep them: one no sequence can exceed (max_model_len, e.g. Mistral
+        # 7B v0.1's 4,096) is already full attention there, and the stack computes the same.
+        if any(
+            layer.self_attn.attn.window is not None
+            or layer.self_attn.attn.chunk is not None
+            or layer.self_attn.rope_index
+            for layer in layers
+        ):
             return None
         stack = [
             StackLayer(
