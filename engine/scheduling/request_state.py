@@ -55,6 +55,7 @@ class Request:
         self.scheduled_ts = 0.0
         self.times_sent = False
         self.preemptions_unsent = 0  # preemptions since its last output (RequestOutput.metrics)
+        self.wave_held: float | None = None  # the start of the wave that held its decode (scheduler's `_wave`)
         self.max_tokens = max_tokens
         # all_token_ids = prompt + output; tokens [0, num_computed_tokens) have KV in the cache.
         self.all_token_ids: list[int] = list(req.prompt_token_ids)

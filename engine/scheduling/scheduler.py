@@ -84,9 +84,10 @@ median at 64 clients); admission by a time-to-first-token deadline (a setting us
 choose per machine and model).
 
 Three more rules (issue 41, measured on the served start-ups of 16 and 64 clients):
-- A wave's first tokens come before its streams' second tokens (`_wave`). A wave begins where
-  some request waits for its first token (queued or prefilling) and every decoding request has
-  its first token only: nobody has a cadence yet, they only went first. Then no ratio applies
+- A wave's first tokens come before its streams' next tokens (`_wave`). A wave begins where
+  some request waits for its first token (queued or prefilling) and no decoding stream has a
+  cadence yet (`_joins`): each has at most `WAVE_JOIN_TOKENS` tokens and no earlier wave held
+  it; they only went first. Then no ratio applies
   (only the time bound) and the decodes are held: each step's budget goes to the prompts, until
   no request waits for a first token, or no prompt can progress (no seat, adapter slot or
   blocks: the decodes then run, so a wave never stalls), or `MAX_WAVE_HOLD_S` has passed (four
@@ -102,7 +103,16 @@ Three more rules (issue 41, measured on the served start-ups of 16 and 64 client
   whole wave held, 8.3, 8.5 and 9.2 s and 1.48x, 1.55x and 1.54x (vLLM-CPU's p99 first token in
   that sitting: 8.3 s; docs/benchmarks.md [wave16]). The streams then decode together and end
   together, and their clients' next requests are the next wave: one gap of each stream's
-  `max_tokens`. Served
+  `max_tokens`. Streams of a few tokens join (the rule first held streams of one token only):
+  served, a burst's first request reaches the core alone (the front end passes 64 requests on
+  over ~0.1 s, and a prompt the prefix cache holds is a step of 8 tokens), and in half the
+  sittings it had two tokens when the other 63 came: no wave formed, the burst was admitted at
+  the ratio's pace, its streams ended apart and every later round trickled in the same way; p99
+  inter-token latency was 2.04-2.43x the median in those runs against 1.31-1.50x where the wave
+  formed (docs/benchmarks-history.md, "A wave that waits for nobody's second token"). Eight
+  tokens are a reply's first line: under a second of decoding on a CPU, on a GPU about what a
+  front end takes to pass a burst on. Once held, a stream is not held by a later wave (a stream
+  breaks once). Served
   on a 2-core AMX Xeon beside `vllm bench serve`, the p99 first token of 16 clients fell from
   1.81 s to 1.19 s (vLLM-CPU 0.80 s), with p99 inter-token latency 1.86x the median against
   2.61x (docs/benchmarks.md, "A wave's first tokens first"). The rule it replaced let the
@@ -194,6 +204,7 @@ __all__ = [
     "MIN_PREFILL_CHUNK",
     "MIN_PREFILL_STEP_S",
     "TARGET_STEP_RATIO",
+    "WAVE_JOIN_TOKENS",
     "ScheduledRequest",
     "Scheduler",
     "SchedulerOutput",
@@ -218,6 +229,7 @@ MIN_PREFILL_STEP_S = 0.02
 # step of `max_num_batched_tokens` takes far less, and the bound never binds.
 MAX_PREFILL_STEP_S = 4.0
 MAX_WAVE_HOLD_S = 4 * MAX_PREFILL_STEP_S  # the longest a wave lasts (module note)
+WAVE_JOIN_TOKENS = 8  # a stream with at most this many tokens has no cadence yet: a wave may hold it
 _MIN_STEP_S = 1e-3  # decode-only steps faster than this: no prefill limit
 
 
@@ -353,6 +365,8 @@ class Scheduler:
             # No prompt could progress (no seat, adapter slot or blocks): the held decode too.
             self._wave_since = None
             budget = self._schedule_running(held, budget, scheduled, preempted)
+        for req in held if self._wave_since is not None else ():
+            req.wave_held = self._wave_since  # held by this wave: by no later one
         self._add_drafts(scheduled, budget + draft_room)
         return SchedulerOutput(scheduled, preempted)
 
@@ -379,10 +393,10 @@ class Scheduler:
 
     def _wave(self, decodes: list[Request], prefills: list[Request], now: float) -> bool:
         """Whether this step is in a wave (module note): some request waits for its first token
-        (queued or prefilling) and every decoding stream (`decodes`: those whose tokens a client
-        sees as they come) has its first token only, for `MAX_WAVE_HOLD_S` at most from the
+        (queued or prefilling) and no decoding stream (`decodes`: those whose tokens a client
+        sees as they come) has a cadence yet (`_joins`), for `MAX_WAVE_HOLD_S` at most from the
         wave's first step."""
-        if not self._budget_auto or not decodes or any(len(r.output_token_ids) > 1 for r in decodes):
+        if not self._budget_auto or not decodes or not all(self._joins(r) for r in decodes):
             self._wave_since = None
             return False
         firsts = any(not r.output_token_ids for r in prefills) or any(not r.output_token_ids for r in self.waiting)
@@ -391,6 +405,11 @@ class Scheduler:
         if self._wave_since is not None and (not firsts or now - self._wave_since >= MAX_WAVE_HOLD_S):
             self._wave_since = None
         return self._wave_since is not None
+
+    def _joins(self, req: Request) -> bool:
+        """Whether a wave may hold decoding stream `req`: it has no cadence yet (at most
+        `WAVE_JOIN_TOKENS` tokens) and no earlier wave held it (once a stream at most)."""
+        return len(req.output_token_ids) <= WAVE_JOIN_TOKENS and req.wave_held in (None, self._wave_since)
 
     @property
     def _budget_auto(self) -> bool:

@@ -19,6 +19,7 @@ from triollm.engine.scheduling.scheduler import (
     MAX_PREFILL_STEP_S,
     MIN_PREFILL_CHUNK,
     TARGET_STEP_RATIO,
+    WAVE_JOIN_TOKENS,
     ScheduledRequest,
     Scheduler,
     SchedulerOutput,
@@ -122,7 +123,8 @@ def test_a_slow_pace_still_takes_the_minimum_chunk_and_decodes_keep_their_ratio(
     decoding = request("d", 3, max_tokens=50)
     sched.add_request(decoding)
     apply(sched, sched.schedule())  # "d" prefilled (untimed); it decodes from now on
-    apply(sched, sched.schedule())  # a second token: a stream, which no wave holds
+    for _ in range(WAVE_JOIN_TOKENS):
+        apply(sched, sched.schedule())  # past its first tokens: a stream with a cadence, no wave holds it
     sched.add_request(request("p", 600, t=1))
     tokens, _, _ = step(sched)
     # 1.5x the decode-only step of the load ("d" and "p": 0.102 s), less the decode's (0.101 s).
