@@ -105,14 +105,15 @@ Three more rules (issue 41, measured on the served start-ups of 16 and 64 client
   together, and their clients' next requests are the next wave: one gap of each stream's
   `max_tokens`. Streams of a few tokens join (the rule first held streams of one token only):
   served, a burst's first request reaches the core alone (the front end passes 64 requests on
-  over ~0.1 s, and a prompt the prefix cache holds is a step of 8 tokens), and in half the
-  sittings it had two tokens when the other 63 came: no wave formed, the burst was admitted at
-  the ratio's pace, its streams ended apart and every later round trickled in the same way; p99
-  inter-token latency was 2.04-2.43x the median in those runs against 1.31-1.50x where the wave
-  formed (docs/benchmarks-history.md, "A wave that waits for nobody's second token"). Eight
-  tokens are a reply's first line: under a second of decoding on a CPU, on a GPU about what a
-  front end takes to pass a burst on. Once held, a stream is not held by a later wave (a stream
-  breaks once). Served
+  over ~0.1 s, and a prompt the prefix cache holds is a step of 8 tokens), and in 7 of 12 runs
+  of the standard sitting's c64 it had two tokens when the other 63 came: no wave formed, the
+  burst was admitted at the ratio's pace, its streams ended apart and every later round
+  trickled in the same way; p99 inter-token latency was 2.00-2.43x the median in those runs
+  against 1.31-1.50x where the wave formed, and 1.32-1.40x in every run since
+  (docs/benchmarks-history.md, "A wave that waits for nobody's second token"). Eight tokens are
+  a reply's first line: under a second of decoding on a CPU, on a GPU about what a front end
+  takes to pass a burst on. Once held, a stream is not held by a later wave (a stream breaks
+  once). Served
   on a 2-core AMX Xeon beside `vllm bench serve`, the p99 first token of 16 clients fell from
   1.81 s to 1.19 s (vLLM-CPU 0.80 s), with p99 inter-token latency 1.86x the median against
   2.61x (docs/benchmarks.md, "A wave's first tokens first"). The rule it replaced let the
