@@ -109,7 +109,7 @@ Three more rules (issue 41, measured on the served start-ups of 16 and 64 client
   of the standard sitting's c64 it had two tokens when the other 63 came: no wave formed, the
   burst was admitted at the ratio's pace, its streams ended apart and every later round
   trickled in the same way; p99 inter-token latency was 2.00-2.43x the median in those runs
-  against 1.31-1.50x where the wave formed, and 1.32-1.40x in every run since
+  against 1.31-1.50x where the wave formed, and 1.32-1.89x in all nine runs since
   (docs/benchmarks-history.md, "A wave that waits for nobody's second token"). Eight tokens are
   a reply's first line: under a second of decoding on a CPU, on a GPU about what a front end
   takes to pass a burst on. Once held, a stream is not held by a later wave (a stream breaks
