@@ -366,6 +366,8 @@ class Scheduler:
             # No prompt could progress (no seat, adapter slot or blocks): the held decode too.
             self._wave_since = None
             budget = self._schedule_running(held, budget, scheduled, preempted)
+            # A held decode's blocks may have preempted another scheduled in this step.
+            scheduled = [s for s in scheduled if s.request.status == RequestStatus.RUNNING]
         for req in held if self._wave_since is not None else ():
             req.wave_held = self._wave_since  # held by this wave: by no later one
         self._add_drafts(scheduled, budget + draft_room)

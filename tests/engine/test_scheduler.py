@@ -801,6 +801,32 @@ def test_engine_core_times_its_steps_for_the_prefill_budget(tiny_model_dir, monk
 # ------------------------------------------------------------------------ the state machine
 
 
+def test_a_held_decode_that_preempts_leaves_no_preempted_request_in_the_step() -> None:
+    """Found by `SchedulerMachine`: a wave holds four streams while a fifth request waits for a
+    seat, so no prompt can progress and the held decodes run after all; one of them needs a
+    block and preempts another held one already scheduled in this step. The step must not
+    carry the preempted request (its blocks are gone: the fake model's K/V write failed)."""
+    machine = SchedulerMachine()
+    machine.add(max_tokens=2, priority=1, prompt=[0, 0, 0, 1, 0, 0, 0, 3, 0, 0, 0, 0])
+    machine.add(max_tokens=1, priority=0, prompt=[0])
+    machine.add(max_tokens=1, priority=0, prompt=[0, 0, 0, 1])
+    machine.step(), machine.step()
+    machine.add(max_tokens=2, priority=0, prompt=[0, 0, 0, 1, 0, 0, 0, 0])
+    machine.add(max_tokens=1, priority=0, prompt=[0])
+    machine.add(max_tokens=1, priority=0, prompt=[0] * 16)
+    machine.step()
+    machine.add(max_tokens=1, priority=0, prompt=[0])
+    machine.step()
+    machine.add(max_tokens=2, priority=0, prompt=[0, 0, 0, 0])
+    machine.step()
+    machine.add(max_tokens=1, priority=0, prompt=[0])
+    before = machine.sched.num_preemptions
+    machine.step()  # the fake model writes the K/V of every scheduled token into its blocks
+    assert machine.sched.num_preemptions == before + 1
+    machine.integrity()
+    machine.teardown()
+
+
 class SchedulerMachine(RuleBasedStateMachine):
     """Random add / abort / step / preempt / reset sequences over a small cache, on a fake model
     that checks the KV every step reads."""
