@@ -24,3 +24,23 @@ class StackSpy:
     def rows(self) -> list[int]:
         """Each call's row count."""
         return [a[0].shape[0] for a in self.calls]
+
+
+def stack_against_layers(engine: Any, prompts: list[Any], params: Any) -> StackSpy:
+    """Generate `prompts` through a spy on the engine's native decode stack, then through the
+    layers (the stack taken away, then put back), and assert the two give the same tokens and
+    logprobs; returns the spy (its calls prove the stack ran, and with how many rows)."""
+    model = engine.core.model
+    stack = model.decode_stack
+    spy = StackSpy(stack)
+    model.decode_stack = spy
+    try:
+        fused = engine.generate(prompts, params)
+        model.decode_stack = None
+        layered = engine.generate(prompts, params)
+    finally:
+        model.decode_stack = stack
+    for a, b in zip(fused, layered, strict=True):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert a.outputs[0].logprobs == b.outputs[0].logprobs
+    return spy

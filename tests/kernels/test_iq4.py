@@ -16,6 +16,7 @@ import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 from kquant_ref import quantize_low_bit
+from stack_spy import stack_against_layers
 from test_quant import _perplexity
 from tiny_gguf import write_tiny_gguf
 from tinymodel import make_tiny_model
@@ -164,13 +165,4 @@ def test_the_iq4_model_decodes_in_the_native_stack_as_layer_by_layer(engines: An
         pytest.skip("no native decoder stack here (native kernels unavailable)")
     prompts = [{"prompt_token_ids": list(range(3, 3 + n))} for n in (5, 17)]
     params = SamplingParams(max_tokens=12, ignore_eos=True, temperature=0.0, logprobs=2)
-    stack = model.decode_stack
-    fused = quant.generate(prompts, params)
-    model.decode_stack = None
-    try:
-        layered = quant.generate(prompts, params)
-    finally:
-        model.decode_stack = stack
-    for a, b in zip(fused, layered, strict=True):
-        assert a.outputs[0].token_ids == b.outputs[0].token_ids
-        assert a.outputs[0].logprobs == b.outputs[0].logprobs
+    assert stack_against_layers(quant, prompts, params).calls

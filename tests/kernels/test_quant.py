@@ -13,7 +13,7 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize, quantize
-from stack_spy import StackSpy
+from stack_spy import stack_against_layers
 
 from triollm.engine.config import EngineArgs
 from triollm.kernels import cpu_native
@@ -326,15 +326,7 @@ def test_the_native_decoder_stack_is_the_layers_bit_for_bit(tiny_model_dir: Path
     assert model is not None and model.decode_stack is not None
     prompts = [{"prompt_token_ids": list(range(3, 3 + n))} for n in (5, 40, 17)]
     params = [SamplingParams(max_tokens=t, ignore_eos=True, temperature=0.0, logprobs=2) for t in (30, 12, 21)]
-    spy = StackSpy(model.decode_stack)
-    model.decode_stack = spy  # type: ignore[assignment]
-    fused = engine.generate(prompts, params)
-    assert spy.calls
-    model.decode_stack = None
-    layered = engine.generate(prompts, params)
-    for a, b in zip(fused, layered, strict=True):
-        assert a.outputs[0].token_ids == b.outputs[0].token_ids
-        assert a.outputs[0].logprobs == b.outputs[0].logprobs
+    assert stack_against_layers(engine, prompts, params).calls
 
 
 @pytest.mark.parametrize("bits", [8, 4])

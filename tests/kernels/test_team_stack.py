@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 import torch
-from stack_spy import StackSpy
+from stack_spy import StackSpy, stack_against_layers
 from tinymodel import make_tiny_model
 
 from triollm.engine.config import EngineArgs
@@ -129,14 +129,6 @@ def test_a_window_no_sequence_reaches_keeps_the_stack(
     assert model is not None and (model.decode_stack is not None) == stacked
     if not stacked:
         return
-    spy = StackSpy(model.decode_stack)
-    model.decode_stack = spy  # type: ignore[assignment]
     prompts = [{"prompt_token_ids": [3 + (11 * i) % 200 for i in range(n)]} for n in (40, 7)]
     params = [SamplingParams(max_tokens=9, ignore_eos=True, temperature=0.0, logprobs=2)] * 2
-    fused = engine.generate(prompts, params)
-    assert spy.calls
-    model.decode_stack = None
-    layered = engine.generate(prompts, params)
-    for a, b in zip(fused, layered, strict=True):
-        assert a.outputs[0].token_ids == b.outputs[0].token_ids
-        assert a.outputs[0].logprobs == b.outputs[0].logprobs
+    assert stack_against_layers(engine, prompts, params).calls
