@@ -86,8 +86,8 @@ choose per machine and model).
 Three more rules (issue 41, measured on the served start-ups of 16 and 64 clients):
 - A wave's first tokens come before its streams' next tokens (`_wave`). A wave begins where
   some request waits for its first token (queued or prefilling) and no decoding stream has a
-  cadence yet (`_joins`): each has at most `WAVE_JOIN_TOKENS` tokens and no earlier wave held
-  it; they only went first. Then no ratio applies
+  cadence yet (`_joins`): each has its first token only (at most `WAVE_JOIN_TOKENS` in a burst)
+  and no earlier wave held it; they only went first. Then no ratio applies
   (only the time bound) and the decodes are held: each step's budget goes to the prompts, until
   no request waits for a first token, or no prompt can progress (no seat, adapter slot or
   blocks: the decodes then run, so a wave never stalls), or `MAX_WAVE_HOLD_S` has passed (four
@@ -103,7 +103,10 @@ Three more rules (issue 41, measured on the served start-ups of 16 and 64 client
   whole wave held, 8.3, 8.5 and 9.2 s and 1.48x, 1.55x and 1.54x (vLLM-CPU's p99 first token in
   that sitting: 8.3 s; docs/benchmarks.md [wave16]). The streams then decode together and end
   together, and their clients' next requests are the next wave: one gap of each stream's
-  `max_tokens`. Streams of a few tokens join (the rule first held streams of one token only):
+  `max_tokens`. In a burst (more requests wait for a first token than streams are past their
+  first, or the wave is under way) streams of a few tokens join (the rule first held streams of
+  one token only; one long prompt beside a young stream is no burst: holding the stream would
+  stall it for the whole wave bound):
   served, a burst's first request reaches the core alone (the front end passes 64 requests on
   over ~0.1 s, and a prompt the prefix cache holds is a step of 8 tokens), and in 7 of 12 runs
   of the standard sitting's c64 it had two tokens when the other 63 came: no wave formed, the
@@ -399,20 +402,26 @@ class Scheduler:
         (queued or prefilling) and no decoding stream (`decodes`: those whose tokens a client
         sees as they come) has a cadence yet (`_joins`), for `MAX_WAVE_HOLD_S` at most from the
         wave's first step."""
-        if not self._budget_auto or not decodes or not all(self._joins(r) for r in decodes):
+        # Requests waiting for a first token (queued or prefilling). A burst, where they outnumber
+        # the streams past their first token (or the wave it began is under way), holds streams
+        # of a few tokens too (`_joins`); one long prompt beside a young stream does not.
+        firsts = sum(not r.output_token_ids for r in prefills) + sum(not r.output_token_ids for r in self.waiting)
+        burst = self._wave_since is not None or firsts > sum(len(r.output_token_ids) > 1 for r in decodes)
+        if not self._budget_auto or not decodes or not all(self._joins(r, burst) for r in decodes):
             self._wave_since = None
             return False
-        firsts = any(not r.output_token_ids for r in prefills) or any(not r.output_token_ids for r in self.waiting)
         if self._wave_since is None and firsts:
             self._wave_since = now
         if self._wave_since is not None and (not firsts or now - self._wave_since >= MAX_WAVE_HOLD_S):
             self._wave_since = None
         return self._wave_since is not None
 
-    def _joins(self, req: Request) -> bool:
-        """Whether a wave may hold decoding stream `req`: it has no cadence yet (at most
-        `WAVE_JOIN_TOKENS` tokens) and no earlier wave held it (once a stream at most)."""
-        return len(req.output_token_ids) <= WAVE_JOIN_TOKENS and req.wave_held in (None, self._wave_since)
+    def _joins(self, req: Request, burst: bool) -> bool:
+        """Whether a wave may hold decoding stream `req`: it has no cadence yet (its first token
+        only, or in a `burst` at most `WAVE_JOIN_TOKENS` tokens) and no earlier wave held it
+        (once a stream at most)."""
+        most = WAVE_JOIN_TOKENS if burst else 1
+        return len(req.output_token_ids) <= most and req.wave_held in (None, self._wave_since)
 
     @property
     def _budget_auto(self) -> bool:

@@ -596,6 +596,26 @@ def test_fair_admission_bounds_time_to_first_token_under_load(monkeypatch: pytes
     assert _percentile(itl_short, 0.99) > 1.5 * _percentile(itl, 0.99)
 
 
+def test_one_long_prompt_beside_a_young_stream_is_no_wave() -> None:
+    """A stream three tokens in and one 8,000-token prompt arriving: no burst (one request waits
+    for a first token, one stream is past its first), so the stream keeps decoding beside the
+    prompt's chunks. Holding it would stall it for the whole wave bound (a 20 s gap in the
+    issue-40 machine's simulation); a stream at its first token only is held, as before."""
+    sched = Scheduler(SchedulerConfig(16, 2048, True), BlockManager(num_blocks=1024, block_size=16), 16384)
+    sched.add_request(make_request("s", [5] * 30, max_tokens=100))
+    _chunks(sched, 0.05)
+    _chunks(sched, 0.04), _chunks(sched, 0.04)
+    sched.add_request(make_request("long", [7] * 8000, max_tokens=4, t=1))
+    for _ in range(3):
+        chunks = _chunks(sched, 0.06)
+        assert chunks["s"] == 1 and 0 < chunks.get("long", 0) < 2048
+    first = Scheduler(SchedulerConfig(16, 2048, True), BlockManager(num_blocks=1024, block_size=16), 16384)
+    first.add_request(make_request("s", [5] * 30, max_tokens=100))
+    _chunks(first, 0.05)
+    first.add_request(make_request("long", [7] * 8000, max_tokens=4, t=1))
+    assert _chunks(first, 0.9) == {"long": 2048}  # its first token only: held
+
+
 @pytest.mark.parametrize("lead", [0.3, 0.6])
 def test_a_burst_whose_first_request_went_ahead_is_a_wave(lead: float, monkeypatch: pytest.MonkeyPatch) -> None:
     """The served c64 start-up as the core saw it (docs/benchmarks-history.md, "A wave that
